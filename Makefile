@@ -1,0 +1,54 @@
+# gpuplane: the front door. `make run` and `make test` work on a fresh clone with only Python 3.11+.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+PYTEST_WORKERS ?= 2
+
+.PHONY: setup setup-cuda run serve test test-gpu proto lint bench manifests deploy clean
+
+setup: $(STAMP)
+
+# Exact versions come from constraints.txt, so a new release on the registry cannot turn main red;
+# upgrading is a deliberate edit of that file. The stamp's name hashes both files, so editing
+# either reinstalls and a second `make setup` is a no-op.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup-cuda: setup
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,cuda]'
+
+run: setup
+	$(BIN)/python -m gpu_worker.demo
+
+serve: setup
+	$(BIN)/python -m gpu_worker.demo --serve
+
+test: setup
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
+
+# On the GPU machine: the GPU-marked tests (they skip cleanly anywhere else).
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu tests
+
+proto: setup
+	$(BIN)/python scripts/gen_protos.py
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python -m bench
+
+manifests: setup
+	$(BIN)/python -m deploy.render --out var/manifests
+
+deploy: manifests
+	kubectl apply -f var/manifests/$${OVERLAY:-dev}.yaml
+
+clean:
+	rm -rf $(VENV) var .pytest_cache

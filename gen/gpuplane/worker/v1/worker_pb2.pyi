@@ -1,0 +1,274 @@
+from gpuplane.governor.v1 import governor_pb2 as _governor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "family", "config", "seed", "vocab_size", "max_context", "weight_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    family: str
+    config: str
+    seed: int
+    vocab_size: int
+    max_context: int
+    weight_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model_id", "family", "config", "seed")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    family: str
+    config: str
+    seed: int
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("model", "load_seconds", "kernels_compiled", "kernels_from_cache")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_COMPILED_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    load_seconds: float
+    kernels_compiled: int
+    kernels_from_cache: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., load_seconds: _Optional[float] = ..., kernels_compiled: _Optional[int] = ..., kernels_from_cache: _Optional[int] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class UnloadModelResponse(_message.Message):
+    __slots__ = ("freed_bytes",)
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model_id", "prompt_tokens", "max_new_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "done", "first_token_seconds", "prompt_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    done: bool
+    first_token_seconds: float
+    prompt_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., first_token_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model_id", "sequences")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class KernelCacheStats(_message.Message):
+    __slots__ = ("entries", "hits", "misses", "evictions", "max_variants_per_node", "workspace_bytes", "variant_bound")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_VARIANTS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_BOUND_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    max_variants_per_node: int
+    workspace_bytes: int
+    variant_bound: int
+    def __init__(self, entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., max_variants_per_node: _Optional[int] = ..., workspace_bytes: _Optional[int] = ..., variant_bound: _Optional[int] = ...) -> None: ...
+
+class PlanStats(_message.Message):
+    __slots__ = ("entries", "evictions", "hits", "misses", "graph_bytes", "activation_bytes")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    evictions: int
+    hits: int
+    misses: int
+    graph_bytes: int
+    activation_bytes: int
+    def __init__(self, entries: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightStats(_message.Message):
+    __slots__ = ("page_ins", "hits", "evictions", "hit_rate", "bytes_copied", "resident_bytes", "budget_bytes")
+    PAGE_INS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    page_ins: int
+    hits: int
+    evictions: int
+    hit_rate: float
+    bytes_copied: int
+    resident_bytes: int
+    budget_bytes: int
+    def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class CompileStats(_message.Message):
+    __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks")
+    COMPILED_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMO_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    compiled: int
+    compile_seconds: float
+    memo_hits: int
+    local_hits: int
+    remote_hits: int
+    remote_errors: int
+    remote_timeouts: int
+    load_fallbacks: int
+    def __init__(self, compiled: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., memo_hits: _Optional[int] = ..., local_hits: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_timeouts: _Optional[int] = ..., load_fallbacks: _Optional[int] = ...) -> None: ...
+
+class CaptureStats(_message.Message):
+    __slots__ = ("captures", "invalidations", "gate_waits", "replays")
+    CAPTURES_FIELD_NUMBER: _ClassVar[int]
+    INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
+    GATE_WAITS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    captures: int
+    invalidations: int
+    gate_waits: int
+    replays: int
+    def __init__(self, captures: _Optional[int] = ..., invalidations: _Optional[int] = ..., gate_waits: _Optional[int] = ..., replays: _Optional[int] = ...) -> None: ...
+
+class ArenaStats(_message.Message):
+    __slots__ = ("reserved_bytes", "committed_bytes", "peak_committed_bytes", "pooled_bytes", "quarantined_bytes", "commits", "releases", "faults")
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    reserved_bytes: int
+    committed_bytes: int
+    peak_committed_bytes: int
+    pooled_bytes: int
+    quarantined_bytes: int
+    commits: int
+    releases: int
+    faults: int
+    def __init__(self, reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., peak_committed_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., commits: _Optional[int] = ..., releases: _Optional[int] = ..., faults: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNACCOUNTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ZONES_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    GOVERNOR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    device_name: str
+    device_total_bytes: int
+    device_used_bytes: int
+    ledger_bytes: int
+    unaccounted_bytes: int
+    zones: _containers.RepeatedCompositeFieldContainer[_governor_pb2.ZoneUsage]
+    kernel_cache: KernelCacheStats
+    plans: PlanStats
+    weights: WeightStats
+    compile: CompileStats
+    capture: CaptureStats
+    arena: ArenaStats
+    governor_connected: bool
+    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ...) -> None: ...
+
+class TrimRequest(_message.Message):
+    __slots__ = ("target_bytes",)
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    target_bytes: int
+    def __init__(self, target_bytes: _Optional[int] = ...) -> None: ...
+
+class TrimResponse(_message.Message):
+    __slots__ = ("freed_bytes", "ledger_bytes")
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    freed_bytes: int
+    ledger_bytes: int
+    def __init__(self, freed_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ...) -> None: ...

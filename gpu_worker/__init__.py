@@ -1,0 +1,1 @@
+"""The GPU worker: runs model graphs on one GPU with bounded kernel and plan caches."""

@@ -1,0 +1,1 @@
+"""gpuplane services: shared plumbing (`common`) and the memory governor (`governor`)."""

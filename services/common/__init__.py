@@ -1,0 +1,1 @@
+"""Plumbing every gpuplane server shares: bootstrap, health, reflection, errors, telemetry, config."""

@@ -1,0 +1,64 @@
+"""OpenTelemetry tracing for servers and clients, configured from the standard OTEL_* variables.
+
+Honoured: OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_EXPORTER (console | otlp |
+none; default none), OTEL_EXPORTER_OTLP_ENDPOINT. Health checks are excluded from traces.
+Tests pass their own TracerProvider (with an in-memory exporter) instead of the global one, so
+three services in one process can each carry their own service name.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import client_interceptor, server_interceptor
+from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+_configured: dict[str, TracerProvider] = {}
+
+
+def _exporter_from_env() -> SpanExporter | None:
+    name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if name in ("", "none"):
+        return None
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_ENDPOINT itself
+    raise ValueError(f"OTEL_TRACES_EXPORTER={name!r} is not one of console, otlp, none")
+
+
+def tracer_provider(service: str) -> TracerProvider:
+    """The process's provider for `service`, made once from the environment and set as global."""
+    if service in _configured:
+        return _configured[service]
+    name = os.environ.get("OTEL_SERVICE_NAME", service)
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES (pod name, node, ...) into the resource.
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    exporter = _exporter_from_env()
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    if not _configured:
+        trace.set_tracer_provider(provider)
+    _configured[service] = provider
+    return provider
+
+
+def _not_noise() -> Any:
+    return negate(any_of(health_check(), service_prefix("grpc.reflection")))
+
+
+def server_tracing_interceptor(provider: TracerProvider) -> grpc.ServerInterceptor:
+    return server_interceptor(tracer_provider=provider, filter_=_not_noise())
+
+
+def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:
+    """Wrap `channel` so outgoing calls carry the current trace context in their metadata."""
+    provider = provider or trace.get_tracer_provider()
+    return grpc.intercept_channel(channel, client_interceptor(tracer_provider=provider, filter_=_not_noise()))
