@@ -51,7 +51,12 @@ def status_for(exc: errors.GpuplaneError) -> status_pb2.Status:
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.GpuplaneError):
         log.info("request refused", extra={"method": method, "code": exc.code, "reason": exc.message})
-        context.abort_with_status(rpc_status.to_status(status_for(exc)))
+        status = rpc_status.to_status(status_for(exc))
+        # Set code and details first: tracing wrappers record the status on the span from these
+        # calls, while abort_with_status alone passes them by.
+        context.set_code(status.code)
+        context.set_details(status.details)
+        context.abort_with_status(status)
     ref = uuid.uuid4().hex[:12]
     log.error("unexpected error", exc_info=exc, extra={"method": method, "ref": ref})
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (ref {ref}; see the server log)")
