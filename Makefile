@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup setup-cuda run serve test test-gpu proto lint bench manifests deploy clean
+.PHONY: setup setup-offline setup-cuda run serve test test-gpu proto lint bench manifests deploy clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,16 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+# The GPU machine has no network: it reuses the system's grpcio/numpy/cupy/cuda-bindings and installs
+# the missing pure-Python wheels carried in .whl/ (see docs/gpu.md). Same stamp, so `make run` and
+# `make test-gpu` then skip the online install.
+setup-offline:
+	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -m pip install -q --no-index --no-deps .whl/*.whl
+	$(BIN)/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

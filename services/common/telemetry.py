@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import client_interceptor, server_interceptor
+from opentelemetry.instrumentation.grpc import client_interceptor, grpcext, server_interceptor
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -61,4 +61,7 @@ def server_tracing_interceptor(provider: TracerProvider) -> grpc.ServerIntercept
 def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:
     """Wrap `channel` so outgoing calls carry the current trace context in their metadata."""
     provider = provider or trace.get_tracer_provider()
-    return grpc.intercept_channel(channel, client_interceptor(tracer_provider=provider, filter_=_not_noise()))
+    # OTel's client interceptor implements its own grpcext interfaces, not grpc's: grpc.intercept_channel
+    # rejects it with a TypeError, so wrap through grpcext.
+    interceptor = client_interceptor(tracer_provider=provider, filter_=_not_noise())
+    return grpcext.intercept_channel(channel, interceptor)

@@ -61,18 +61,28 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ZoneUsage(_message.Message):
-    __slots__ = ("zone", "committed_bytes", "content_bytes", "leased_bytes", "budget_bytes")
+    __slots__ = ("zone", "committed_bytes", "content_bytes", "leased_bytes", "budget_bytes", "borrowed_bytes")
     ZONE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BORROWED_BYTES_FIELD_NUMBER: _ClassVar[int]
     zone: Zone
     committed_bytes: int
     content_bytes: int
     leased_bytes: int
     budget_bytes: int
-    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+    borrowed_bytes: int
+    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., borrowed_bytes: _Optional[int] = ...) -> None: ...
+
+class Reclaim(_message.Message):
+    __slots__ = ("zone", "bytes")
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    zone: Zone
+    bytes: int
+    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "device", "host")
@@ -157,15 +167,17 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "reregister")
+    __slots__ = ("lease_ttl_ms", "reregister", "reclaim")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     reregister: bool
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., reregister: _Optional[bool] = ...) -> None: ...
+    reclaim: _containers.RepeatedCompositeFieldContainer[Reclaim]
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., reregister: _Optional[bool] = ..., reclaim: _Optional[_Iterable[_Union[Reclaim, _Mapping]]] = ...) -> None: ...
 
 class WorkerResources(_message.Message):
-    __slots__ = ("worker_id", "host", "leased_bytes", "committed_bytes", "content_bytes", "last_heartbeat_unix_ms", "zones", "process_used_bytes")
+    __slots__ = ("worker_id", "host", "leased_bytes", "committed_bytes", "content_bytes", "last_heartbeat_unix_ms", "zones", "process_used_bytes", "leases")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +186,7 @@ class WorkerResources(_message.Message):
     LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ZONES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     leased_bytes: int
@@ -182,10 +195,11 @@ class WorkerResources(_message.Message):
     last_heartbeat_unix_ms: int
     zones: _containers.RepeatedCompositeFieldContainer[ZoneUsage]
     process_used_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., leased_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., process_used_bytes: _Optional[int] = ...) -> None: ...
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., leased_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., process_used_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
 
 class DeviceResources(_message.Message):
-    __slots__ = ("uuid", "total_bytes", "budget_bytes", "leased_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "free_budget_bytes", "zones", "workers", "unaccounted_alert")
+    __slots__ = ("uuid", "total_bytes", "budget_bytes", "leased_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "free_budget_bytes", "zones", "workers", "unaccounted_alert", "transient_headroom_bytes", "name", "granule_bytes")
     UUID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +211,9 @@ class DeviceResources(_message.Message):
     ZONES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     UNACCOUNTED_ALERT_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_HEADROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRANULE_BYTES_FIELD_NUMBER: _ClassVar[int]
     uuid: str
     total_bytes: int
     budget_bytes: int
@@ -208,7 +225,10 @@ class DeviceResources(_message.Message):
     zones: _containers.RepeatedCompositeFieldContainer[ZoneUsage]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerResources]
     unaccounted_alert: bool
-    def __init__(self, uuid: _Optional[str] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., free_budget_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerResources, _Mapping]]] = ..., unaccounted_alert: _Optional[bool] = ...) -> None: ...
+    transient_headroom_bytes: int
+    name: str
+    granule_bytes: int
+    def __init__(self, uuid: _Optional[str] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., free_budget_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerResources, _Mapping]]] = ..., unaccounted_alert: _Optional[bool] = ..., transient_headroom_bytes: _Optional[int] = ..., name: _Optional[str] = ..., granule_bytes: _Optional[int] = ...) -> None: ...
 
 class GetResourcesRequest(_message.Message):
     __slots__ = ("device_uuid",)

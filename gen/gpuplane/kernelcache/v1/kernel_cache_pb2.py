@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*gpuplane/kernelcache/v1/kernel_cache.proto\x12\x17gpuplane.kernelcache.v1\"\xb0\x01\n\x08\x41rtifact\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32%.gpuplane.kernelcache.v1.ArtifactKind\x12\x0c\n\x04\x61rch\x18\x04 \x01(\t\x12\x15\n\rnvrtc_version\x18\x05 \x01(\t\x12\x13\n\x0bmodule_name\x18\x06 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x07 \x01(\x01\"c\n\x0cStoreRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x33\n\x08\x61rtifact\x18\x03 \x01(\x0b\x32!.gpuplane.kernelcache.v1.Artifact\"Q\n\rStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x17\n\x0f\x64igest_conflict\x18\x02 \x01(\x08\x12\x17\n\x0f\x65victed_entries\x18\x03 \x01(\x03\"/\n\rLookupRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"T\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x33\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32!.gpuplane.kernelcache.v1.Artifact\"5\n\x12\x42\x61tchLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"O\n\x13\x42\x61tchLookupResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.gpuplane.kernelcache.v1.LookupResponse\"\x11\n\x0fGetStatsRequest\"_\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x03\"\xad\x02\n\x10GetStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0e\n\x06stores\x18\x07 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x08 \x01(\x03\x12\x18\n\x10\x64igest_conflicts\x18\t \x01(\x03\x12\x1d\n\x15\x63ompile_seconds_saved\x18\n \x01(\x01\x12\x15\n\rdb_file_bytes\x18\x0b \x01(\x03\x12;\n\nnamespaces\x18\x0c \x03(\x0b\x32\'.gpuplane.kernelcache.v1.NamespaceStats\"$\n\x0cPruneRequest\x12\x14\n\x0ctarget_bytes\x18\x01 \x01(\x03\"R\n\rPruneResponse\x12\x17\n\x0f\x65victed_entries\x18\x01 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03*]\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41RTIFACT_KIND_PTX\x10\x01\x12\x17\n\x13\x41RTIFACT_KIND_CUBIN\x10\x02\x32\xea\x03\n\x12KernelCacheService\x12V\n\x05Store\x12%.gpuplane.kernelcache.v1.StoreRequest\x1a&.gpuplane.kernelcache.v1.StoreResponse\x12Y\n\x06Lookup\x12&.gpuplane.kernelcache.v1.LookupRequest\x1a\'.gpuplane.kernelcache.v1.LookupResponse\x12h\n\x0b\x42\x61tchLookup\x12+.gpuplane.kernelcache.v1.BatchLookupRequest\x1a,.gpuplane.kernelcache.v1.BatchLookupResponse\x12_\n\x08GetStats\x12(.gpuplane.kernelcache.v1.GetStatsRequest\x1a).gpuplane.kernelcache.v1.GetStatsResponse\x12V\n\x05Prune\x12%.gpuplane.kernelcache.v1.PruneRequest\x1a&.gpuplane.kernelcache.v1.PruneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*gpuplane/kernelcache/v1/kernel_cache.proto\x12\x17gpuplane.kernelcache.v1\"\xb0\x01\n\x08\x41rtifact\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32%.gpuplane.kernelcache.v1.ArtifactKind\x12\x0c\n\x04\x61rch\x18\x04 \x01(\t\x12\x15\n\rnvrtc_version\x18\x05 \x01(\t\x12\x13\n\x0bmodule_name\x18\x06 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x07 \x01(\x01\"c\n\x0cStoreRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x33\n\x08\x61rtifact\x18\x03 \x01(\x0b\x32!.gpuplane.kernelcache.v1.Artifact\"Q\n\rStoreResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x17\n\x0f\x64igest_conflict\x18\x02 \x01(\x08\x12\x17\n\x0f\x65victed_entries\x18\x03 \x01(\x03\"/\n\rLookupRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"e\n\x0eLookupResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x33\n\x08\x61rtifact\x18\x02 \x01(\x0b\x32!.gpuplane.kernelcache.v1.Artifact\x12\x0f\n\x07omitted\x18\x03 \x01(\x08\"5\n\x12\x42\x61tchLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"O\n\x13\x42\x61tchLookupResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.gpuplane.kernelcache.v1.LookupResponse\"\x11\n\x0fGetStatsRequest\"_\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x03\"\xf5\x02\n\x10GetStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x0e\n\x06misses\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0e\n\x06stores\x18\x07 \x01(\x03\x12\x0f\n\x07\x63orrupt\x18\x08 \x01(\x03\x12\x18\n\x10\x64igest_conflicts\x18\t \x01(\x03\x12\x1d\n\x15\x63ompile_seconds_saved\x18\n \x01(\x01\x12\x15\n\rdb_file_bytes\x18\x0b \x01(\x03\x12;\n\nnamespaces\x18\x0c \x03(\x0b\x32\'.gpuplane.kernelcache.v1.NamespaceStats\x12\x13\n\x0bquarantined\x18\r \x01(\x03\x12\x1a\n\x12max_artifact_bytes\x18\x0e \x01(\x03\x12\x15\n\rlow_watermark\x18\x0f \x01(\x01\"$\n\x0cPruneRequest\x12\x14\n\x0ctarget_bytes\x18\x01 \x01(\x03\"R\n\rPruneResponse\x12\x17\n\x0f\x65victed_entries\x18\x01 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03*]\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41RTIFACT_KIND_PTX\x10\x01\x12\x17\n\x13\x41RTIFACT_KIND_CUBIN\x10\x02\x32\xea\x03\n\x12KernelCacheService\x12V\n\x05Store\x12%.gpuplane.kernelcache.v1.StoreRequest\x1a&.gpuplane.kernelcache.v1.StoreResponse\x12Y\n\x06Lookup\x12&.gpuplane.kernelcache.v1.LookupRequest\x1a\'.gpuplane.kernelcache.v1.LookupResponse\x12h\n\x0b\x42\x61tchLookup\x12+.gpuplane.kernelcache.v1.BatchLookupRequest\x1a,.gpuplane.kernelcache.v1.BatchLookupResponse\x12_\n\x08GetStats\x12(.gpuplane.kernelcache.v1.GetStatsRequest\x1a).gpuplane.kernelcache.v1.GetStatsResponse\x12V\n\x05Prune\x12%.gpuplane.kernelcache.v1.PruneRequest\x1a&.gpuplane.kernelcache.v1.PruneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpuplane.kernelcache.v1.kernel_cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ARTIFACTKIND']._serialized_start=1247
-  _globals['_ARTIFACTKIND']._serialized_end=1340
+  _globals['_ARTIFACTKIND']._serialized_start=1336
+  _globals['_ARTIFACTKIND']._serialized_end=1429
   _globals['_ARTIFACT']._serialized_start=72
   _globals['_ARTIFACT']._serialized_end=248
   _globals['_STOREREQUEST']._serialized_start=250
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=434
   _globals['_LOOKUPREQUEST']._serialized_end=481
   _globals['_LOOKUPRESPONSE']._serialized_start=483
-  _globals['_LOOKUPRESPONSE']._serialized_end=567
-  _globals['_BATCHLOOKUPREQUEST']._serialized_start=569
-  _globals['_BATCHLOOKUPREQUEST']._serialized_end=622
-  _globals['_BATCHLOOKUPRESPONSE']._serialized_start=624
-  _globals['_BATCHLOOKUPRESPONSE']._serialized_end=703
-  _globals['_GETSTATSREQUEST']._serialized_start=705
-  _globals['_GETSTATSREQUEST']._serialized_end=722
-  _globals['_NAMESPACESTATS']._serialized_start=724
-  _globals['_NAMESPACESTATS']._serialized_end=819
-  _globals['_GETSTATSRESPONSE']._serialized_start=822
-  _globals['_GETSTATSRESPONSE']._serialized_end=1123
-  _globals['_PRUNEREQUEST']._serialized_start=1125
-  _globals['_PRUNEREQUEST']._serialized_end=1161
-  _globals['_PRUNERESPONSE']._serialized_start=1163
-  _globals['_PRUNERESPONSE']._serialized_end=1245
-  _globals['_KERNELCACHESERVICE']._serialized_start=1343
-  _globals['_KERNELCACHESERVICE']._serialized_end=1833
+  _globals['_LOOKUPRESPONSE']._serialized_end=584
+  _globals['_BATCHLOOKUPREQUEST']._serialized_start=586
+  _globals['_BATCHLOOKUPREQUEST']._serialized_end=639
+  _globals['_BATCHLOOKUPRESPONSE']._serialized_start=641
+  _globals['_BATCHLOOKUPRESPONSE']._serialized_end=720
+  _globals['_GETSTATSREQUEST']._serialized_start=722
+  _globals['_GETSTATSREQUEST']._serialized_end=739
+  _globals['_NAMESPACESTATS']._serialized_start=741
+  _globals['_NAMESPACESTATS']._serialized_end=836
+  _globals['_GETSTATSRESPONSE']._serialized_start=839
+  _globals['_GETSTATSRESPONSE']._serialized_end=1212
+  _globals['_PRUNEREQUEST']._serialized_start=1214
+  _globals['_PRUNEREQUEST']._serialized_end=1250
+  _globals['_PRUNERESPONSE']._serialized_start=1252
+  _globals['_PRUNERESPONSE']._serialized_end=1334
+  _globals['_KERNELCACHESERVICE']._serialized_start=1432
+  _globals['_KERNELCACHESERVICE']._serialized_end=1922
 # @@protoc_insertion_point(module_scope)

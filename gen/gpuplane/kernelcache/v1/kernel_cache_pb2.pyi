@@ -63,12 +63,14 @@ class LookupRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found", "artifact")
+    __slots__ = ("found", "artifact", "omitted")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
     found: bool
     artifact: Artifact
-    def __init__(self, found: _Optional[bool] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ...) -> None: ...
+    omitted: bool
+    def __init__(self, found: _Optional[bool] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., omitted: _Optional[bool] = ...) -> None: ...
 
 class BatchLookupRequest(_message.Message):
     __slots__ = ("keys", "namespace")
@@ -101,7 +103,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces")
+    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces", "quarantined", "max_artifact_bytes", "low_watermark")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,9 @@ class GetStatsResponse(_message.Message):
     COMPILE_SECONDS_SAVED_FIELD_NUMBER: _ClassVar[int]
     DB_FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ARTIFACT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     entries: int
     total_bytes: int
     budget_bytes: int
@@ -126,7 +131,10 @@ class GetStatsResponse(_message.Message):
     compile_seconds_saved: float
     db_file_bytes: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    quarantined: int
+    max_artifact_bytes: int
+    low_watermark: float
+    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ...) -> None: ...
 
 class PruneRequest(_message.Message):
     __slots__ = ("target_bytes",)

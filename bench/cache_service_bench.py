@@ -1,0 +1,249 @@
+"""Kernel cache benchmark: Lookup/Store latency (p50, p99) and throughput vs a local-file cache.
+
+Sizes 16 KiB, 256 KiB, 4 MiB; 1 and 16 concurrent clients (16 = 16 client processes, "hosts").
+The server runs as its own process (`python -m cache_service serve`), as deployed. Everything is
+measured side by side in one run and printed as ratios:
+
+  hit ratio  = remote hit p50 / (local file read+verify p50 + empty RPC round trip p50)
+               target <= 1.5 for 256 KiB (issue 2)
+  throughput = hits/s with 16 clients, target >= 2,000 on 2 cores
+  store ratio = remote Store p50 / local file publish (temp file + rename) p50
+
+The local-file baseline reads the same bytes from a file and checks their SHA-256, as every tier
+must before loading code. Run: python bench/cache_service_bench.py [--quick] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc
+from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
+from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_service.artifact import Artifact
+from cache_service.client import KernelCacheClient
+from cache_service.convert import artifact_to_pb
+
+TOKEN = "bench-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+SIZES = {"16KiB": 16 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20}
+KEYS_PER_SIZE = 8
+
+
+def artifact(size: int, tag: str) -> Artifact:
+    block = hashlib.sha256(tag.encode()).digest() + os.urandom(32)
+    return Artifact((block * (size // 64 + 1))[:size], "cubin", "sm_90", "13.0", tag, 0.08)
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- client processes ---------------------------------------------------------------------------
+
+_client: KernelCacheClient | None = None
+_stub = None
+_barrier = None
+
+
+def _init_worker(target: str, barrier) -> None:
+    global _client, _stub, _barrier
+    _client = KernelCacheClient(target, deadline_s=30.0)
+    _stub = pb_grpc.KernelCacheServiceStub(grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]))
+    _barrier = barrier
+
+
+def _lookups(args: tuple[list[str], int]) -> tuple[float, float, list[float], int]:
+    keys, count = args
+    _client.lookup(keys[0])  # warm the channel
+    _barrier.wait()
+    lat, misses, start = [], 0, time.monotonic()
+    for i in range(count):
+        t = time.perf_counter()
+        misses += _client.lookup(keys[i % len(keys)]) is None
+        lat.append(time.perf_counter() - t)
+    return start, time.monotonic(), lat, misses
+
+
+def _stores(args: tuple[int, int, str]) -> tuple[float, float, list[float], int]:
+    size, count, tag = args
+    requests = [pb.StoreRequest(key=f"{tag}-{i}", artifact=artifact_to_pb(artifact(size, f"{tag}-{i}")))
+                for i in range(count)]
+    _stub.GetStats(pb.GetStatsRequest(), timeout=30)  # warm the channel
+    _barrier.wait()
+    lat, failed, start = [], 0, time.monotonic()
+    for request in requests:
+        t = time.perf_counter()
+        try:
+            _stub.Store(request, timeout=30, metadata=AUTH)
+        except grpc.RpcError:
+            failed += 1
+        lat.append(time.perf_counter() - t)
+    return start, time.monotonic(), lat, failed
+
+
+def run_parallel(pool, func, tasks) -> dict:
+    results = pool.map(func, tasks, chunksize=1)
+    lat = [x for r in results for x in r[2]]
+    wall = max(r[1] for r in results) - min(r[0] for r in results)
+    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "ops": len(lat),
+            "ops_per_s": len(lat) / wall, "failed": sum(r[3] for r in results)}
+
+
+# -- baselines in this process ------------------------------------------------------------------
+
+def file_reads(paths: list[pathlib.Path], count: int) -> dict:
+    raw, verified = [], []
+    for i in range(count):
+        path = paths[i % len(paths)]
+        t = time.perf_counter()
+        data = path.read_bytes()
+        raw.append(time.perf_counter() - t)
+        hashlib.sha256(data).hexdigest()
+        verified.append(time.perf_counter() - t)
+    return {"read_p50_ms": pct(raw, 0.5) * 1e3, "p50_ms": pct(verified, 0.5) * 1e3,
+            "p99_ms": pct(verified, 0.99) * 1e3}
+
+
+def file_publishes(folder: pathlib.Path, size: int, count: int) -> dict:
+    lat = []
+    blobs = [artifact(size, f"file-{i}").data for i in range(count)]
+    for i, data in enumerate(blobs):
+        t = time.perf_counter()
+        tmp = folder / f".tmp-{i}"
+        tmp.write_bytes(data)
+        os.replace(tmp, folder / f"pub-{i}")
+        lat.append(time.perf_counter() - t)
+    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+def rpc_round_trips(target: str, count: int) -> dict:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        stub.Check(request, timeout=10)
+        lat = []
+        for _ in range(count):
+            t = time.perf_counter()
+            stub.Check(request, timeout=10)
+            lat.append(time.perf_counter() - t)
+    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+def start_server(db: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_service", "serve", "--listen", "127.0.0.1:0", "--db",
+         str(db), "--budget-bytes", "1GiB", "--write-token", TOKEN],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "GPUPLANE_LOG_LEVEL": "WARNING", "OTEL_TRACES_EXPORTER": "none"})
+    for line in proc.stderr:
+        match = re.search(r"listening on port (\d+)", line)
+        if match:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, f"127.0.0.1:{match.group(1)}"
+    raise SystemExit("cache server did not start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (~1 min)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    scale = 0.2 if args.quick else 1.0
+    lookups = {"16KiB": 3000, "256KiB": 2000, "4MiB": 200}
+    stores = {"16KiB": 400, "256KiB": 200, "4MiB": 30}
+    n = lambda base, per=1: max(10, int(base * scale / per))
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="cache-bench-"))
+    proc, target = start_server(tmp / "cache.sqlite")
+    ctx = multiprocessing.get_context("spawn")
+    barrier1, barrierN = ctx.Barrier(1), ctx.Barrier(args.clients)
+    pool1 = ctx.Pool(1, _init_worker, (target, barrier1))
+    poolN = ctx.Pool(args.clients, _init_worker, (target, barrierN))
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                     "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.processor()}",
+                     "python": platform.python_version(), "clients": args.clients,
+                     "quick": args.quick, "sizes": {}}
+    try:
+        seed = KernelCacheClient(target, write_token=TOKEN, deadline_s=30)
+        rpc = rpc_round_trips(target, n(2000))
+        results["empty_rpc"] = rpc
+        for label, size in SIZES.items():
+            keys = [f"hit-{label}-{i}" for i in range(KEYS_PER_SIZE)]
+            folder = tmp / f"files-{label}"
+            folder.mkdir()
+            paths = []
+            for key in keys:
+                a = artifact(size, key)
+                seed.store(key, a)
+                (folder / key).write_bytes(a.data)
+                paths.append(folder / key)
+            assert seed.flush(60), "seeding the cache failed"
+            row = {"file_read": file_reads(paths, n(lookups[label])),
+                   "file_publish": file_publishes(folder, size, n(stores[label]))}
+            row["hit_1"] = run_parallel(pool1, _lookups, [(keys, n(lookups[label]))])
+            row["hit_n"] = run_parallel(poolN, _lookups, [(keys, n(lookups[label], args.clients))
+                                                          for _ in range(args.clients)])
+            row["store_1"] = run_parallel(pool1, _stores, [(size, n(stores[label]), f"s1-{label}")])
+            row["store_n"] = run_parallel(poolN, _stores, [
+                (size, n(stores[label], args.clients), f"sN-{label}-{c}")
+                for c in range(args.clients)])
+            base = row["file_read"]["p50_ms"] + rpc["p50_ms"]
+            row["hit_ratio"] = row["hit_1"]["p50_ms"] / base
+            row["store_ratio"] = row["store_1"]["p50_ms"] / row["file_publish"]["p50_ms"]
+            results["sizes"][label] = row
+        seed.close()
+    finally:
+        pool1.terminate()
+        poolN.terminate()
+        proc.terminate()
+        proc.wait(10)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def report(r: dict) -> None:
+    c = r["clients"]
+    print(f"kernel cache bench  {r['date']}  {r['machine']}  python {r['python']}"
+          f"{'  (quick)' if r['quick'] else ''}")
+    print(f"empty RPC round trip (health Check): p50 {r['empty_rpc']['p50_ms']:.3f} ms, "
+          f"p99 {r['empty_rpc']['p99_ms']:.3f} ms")
+    print(f"{'size':>7} {'op':<22} {'p50 ms':>9} {'p99 ms':>9} {'ops/s':>9}")
+    for label, row in r["sizes"].items():
+        for name, key in (("file read+sha256", "file_read"), ("file publish", "file_publish"),
+                          ("hit, 1 client", "hit_1"), (f"hit, {c} clients", "hit_n"),
+                          ("store, 1 client", "store_1"), (f"store, {c} clients", "store_n")):
+            m = row[key]
+            rate = f"{m['ops_per_s']:9.0f}" if "ops_per_s" in m else f"{'':>9}"
+            print(f"{label:>7} {name:<22} {m['p50_ms']:9.3f} {m['p99_ms']:9.3f} {rate}")
+    print("ratios (same run):")
+    for label, row in r["sizes"].items():
+        print(f"  {label:>7}: hit p50 / (file read+verify + empty RPC) = {row['hit_ratio']:.2f}"
+              f"{'  [target <= 1.5]' if label == '256KiB' else ''};  hits/s with {c} clients = "
+              f"{row['hit_n']['ops_per_s']:.0f} [target >= 2000];  store p50 / file publish = "
+              f"{row['store_ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

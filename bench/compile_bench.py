@@ -1,0 +1,113 @@
+"""Cold-start compile phase of the whole kernel library, per cache tier (issue 5; CPU, no GPU).
+
+Each run is a fresh process that builds a KernelCompiler, prefetches
+`gpu_worker.kernels.ALL_SOURCES` (one BatchLookup when a service is configured) and compiles every
+module: what a worker does when it loads a model. Tiers (see bench/_cold_start.py): cold / local
+disk warm / only the shared service warm. Runs are interleaved; medians and ratios are printed
+side by side.
+
+    .venv/bin/python bench/compile_bench.py [--rounds 5] [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _cold_start import WRITE_TOKEN, interleaved, report, run_child, start_service
+
+
+def child(args: argparse.Namespace) -> None:
+    """One fresh process: the compile phase only (imports are timed apart)."""
+    t_import = time.perf_counter()
+    from cache_service.client import KernelCacheClient
+    from gpu_worker.compile import KernelCompiler
+    from gpu_worker.kernels import ALL_SOURCES
+
+    start = time.perf_counter()
+    client = KernelCacheClient(args.remote, write_token=WRITE_TOKEN) if args.remote else None
+    compiler = KernelCompiler(
+        args.arch, cache_dir=pathlib.Path(args.cache_dir), remote=client, namespace="bench"
+    )
+    prefetched = compiler.prefetch(ALL_SOURCES)
+    for src in ALL_SOURCES:
+        compiler.compile(src)
+    elapsed = time.perf_counter() - start
+    if client is not None:
+        client.flush(30.0)
+        client.close()
+    stats = compiler.stats()
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "import_seconds": start - t_import,
+                "modules": len(ALL_SOURCES),
+                "prefetched": prefetched,
+                "compiled": stats["compiled"],
+                "local_hits": stats["local_hits"],
+                "remote_hits": stats["remote_hits"],
+                "memo_hits": stats["memo_hits"],
+                "nvrtc_seconds": round(stats["compile_seconds"], 3),
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--remote", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    script = str(pathlib.Path(__file__).resolve())
+    with tempfile.TemporaryDirectory(prefix="compile-bench-") as tmp:
+        scratch = pathlib.Path(tmp)
+        server, target = start_service(scratch / "service.sqlite")
+        try:
+            warm_dir = scratch / "warm-local"
+            # Seed: one process compiles everything, filling the warm local dir and the service.
+            seed = run_child(
+                script, ["--arch", args.arch, "--cache-dir", str(warm_dir), "--remote", target]
+            )
+            print(f"seed run: {seed}")
+
+            def run_tier(tier: str, fresh_dir: pathlib.Path) -> dict:
+                common = ["--arch", args.arch]
+                if tier == "cold":
+                    return run_child(script, [*common, "--cache-dir", str(fresh_dir)])
+                if tier == "local":
+                    return run_child(script, [*common, "--cache-dir", str(warm_dir)])
+                return run_child(
+                    script, [*common, "--cache-dir", str(fresh_dir), "--remote", target]
+                )
+
+            results = interleaved(args.rounds, run_tier, scratch)
+        finally:
+            server.stop(1.0)
+    print(
+        f"\ncompile phase of {results['cold'][0]['modules']} kernel modules ({args.arch}), "
+        f"fresh process per run, {args.rounds} interleaved rounds"
+    )
+    print(
+        report(
+            results,
+            "seconds",
+            "compile phase",
+            ["compiled", "local_hits", "remote_hits", "prefetched"],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

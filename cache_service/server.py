@@ -1,0 +1,84 @@
+"""Start a kernel cache server: store + servicer + metrics + a maintenance timer on create_server."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from cache_service.auth import WriteGuard
+from cache_service.config import ServerConfig
+from cache_service.metrics import CacheMetrics
+from cache_service.servicer import SERVICE_NAME, KernelCacheServicer
+from cache_service.store import ArtifactStore
+from services.common.metrics import start_metrics_endpoint
+from services.common.server import RunningServer, ServiceRegistration, create_server
+from services.common.telemetry import tracer_provider as default_tracer_provider
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheServer:
+    running: RunningServer
+    store: ArtifactStore
+    servicer: KernelCacheServicer
+    metrics: CacheMetrics
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.running.stop(grace)
+
+
+class _Maintenance(threading.Thread):
+    def __init__(self, store: ArtifactStore, interval_s: float) -> None:
+        super().__init__(name="cache-maintenance", daemon=True)
+        self.store, self.interval_s, self.stopped = store, interval_s, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.store.maintain()
+            except Exception:
+                log.exception("maintenance pass failed")
+
+
+def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | None = None,
+                       registry: CollectorRegistry = REGISTRY) -> CacheServer:
+    """Open the store (refusing a database another server holds), then serve on `config.listen`."""
+    store = ArtifactStore(config.db, config.store)
+    metrics = CacheMetrics(store, registry)
+    servicer = KernelCacheServicer(store, WriteGuard(config.write_token))
+    try:
+        running = create_server(
+            config.listen,
+            [ServiceRegistration(SERVICE_NAME, servicer,
+                                 pb_grpc.add_KernelCacheServiceServicer_to_server)],
+            tracer_provider or default_tracer_provider("kernel-cache"),
+            extra_interceptors=[metrics.interceptor()],
+        )
+    except BaseException:
+        metrics.unregister()
+        store.close()
+        raise
+    maintenance = _Maintenance(store, config.maintenance_s)
+    maintenance.start()
+    if config.metrics_port:
+        start_metrics_endpoint(config.metrics_port)
+    # Order matters: stop the timer before closing the store it writes to.
+    running.on_stop += [maintenance.stopped.set, maintenance.join, store.close, metrics.unregister]
+    log.info("kernel cache serving", extra={
+        "port": running.port, "db": str(config.db), "budget_bytes": config.store.budget_bytes,
+        "namespace_budgets": dict(config.store.namespace_budgets),
+        "writes_need_token": config.write_token is not None})
+    return CacheServer(running=running, store=store, servicer=servicer, metrics=metrics)

@@ -1,0 +1,81 @@
+"""KernelCacheService over gRPC: validate, convert, call the ArtifactStore, convert back."""
+from __future__ import annotations
+
+import grpc
+from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
+from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
+
+from cache_service.auth import WriteGuard
+from cache_service.convert import artifact_from_pb, artifact_to_pb
+from cache_service.store import OMITTED, ArtifactStore, CacheStats
+from services.common.errors import InvalidArgument
+from services.common.server import MAX_MESSAGE_BYTES
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KernelCacheService"].full_name
+MAX_BATCH_KEYS = 4096
+# A BatchLookup response carries at most this much artifact data; the rest is marked `omitted`
+# and fetched by the client in a follow-up call, so a response never hits the message limit.
+BATCH_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
+
+
+def stats_to_pb(s: CacheStats) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(
+        entries=s.entries, total_bytes=s.total_bytes, budget_bytes=s.budget_bytes, hits=s.hits,
+        misses=s.misses, evictions=s.evictions, stores=s.stores, corrupt=s.corrupt,
+        digest_conflicts=s.digest_conflicts, compile_seconds_saved=s.compile_seconds_saved,
+        db_file_bytes=s.db_file_bytes, quarantined=s.quarantined,
+        max_artifact_bytes=s.max_artifact_bytes, low_watermark=s.low_watermark,
+        namespaces=[pb.NamespaceStats(namespace=n.namespace, entries=n.entries,
+                                      total_bytes=n.total_bytes, budget_bytes=n.budget_bytes)
+                    for n in s.namespaces],
+    )
+
+
+class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
+    def __init__(self, store: ArtifactStore, guard: WriteGuard,
+                 batch_response_bytes: int = BATCH_RESPONSE_BYTES) -> None:
+        self.store = store
+        self.guard = guard
+        self.batch_response_bytes = batch_response_bytes
+
+    def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
+        self.guard.check(context.invocation_metadata())
+        if not request.HasField("artifact"):
+            raise InvalidArgument("artifact is required")
+        artifact, claimed = artifact_from_pb(request.artifact)
+        outcome = self.store.store(request.key, artifact, request.namespace, sha256=claimed)
+        return pb.StoreResponse(stored=outcome.stored, digest_conflict=outcome.digest_conflict,
+                                evicted_entries=outcome.evicted_entries)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        artifact = self.store.lookup(request.key, request.namespace)
+        if artifact is None:
+            return pb.LookupResponse(found=False)
+        return pb.LookupResponse(found=True, artifact=artifact_to_pb(artifact))
+
+    def BatchLookup(self, request: pb.BatchLookupRequest,
+                    context: grpc.ServicerContext) -> pb.BatchLookupResponse:
+        if len(request.keys) > MAX_BATCH_KEYS:
+            raise InvalidArgument(f"{len(request.keys)} keys in one BatchLookup; at most "
+                                  f"{MAX_BATCH_KEYS} (split the request)")
+        results = self.store.batch_lookup(list(request.keys), request.namespace,
+                                          max_bytes=self.batch_response_bytes)
+        out = pb.BatchLookupResponse()
+        for r in results:
+            if r is OMITTED:
+                out.results.add(found=False, omitted=True)
+            elif r is None:
+                out.results.add(found=False)
+            else:
+                out.results.add(found=True, artifact=artifact_to_pb(r))
+        return out
+
+    def GetStats(self, request: pb.GetStatsRequest,
+                 context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        return stats_to_pb(self.store.stats())
+
+    def Prune(self, request: pb.PruneRequest, context: grpc.ServicerContext) -> pb.PruneResponse:
+        self.guard.check(context.invocation_metadata())
+        outcome = self.store.prune(request.target_bytes)
+        return pb.PruneResponse(evicted_entries=outcome.evicted_entries,
+                                freed_bytes=outcome.freed_bytes, total_bytes=outcome.total_bytes)

@@ -1,0 +1,1 @@
+"""Kubernetes manifests and container files for gpuplane; `python -m deploy.render` renders them."""

@@ -1,0 +1,101 @@
+"""`python -m gpu_worker serve ...`: run one GPU worker behind gRPC.
+
+With no governor address the worker books memory against a local budget; with no cache address it
+compiles locally (and keeps its own disk cache). Every flag has a GPUPLANE_WORKER_* default.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import socket
+import sys
+
+from services.common.config import VAR_DIR, env_flag
+from services.common.logs import configure_logging
+from services.common.metrics import start_metrics_endpoint
+from services.common.telemetry import tracer_provider
+
+log = logging.getLogger("gpu_worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the worker's gRPC server until SIGTERM/SIGINT")
+    env_flag(serve, "--listen", "GPUPLANE_WORKER_LISTEN", "127.0.0.1:50051", "HOST:PORT to serve on")
+    env_flag(serve, "--backend", "GPUPLANE_WORKER_BACKEND", "auto",
+             "device backend: cuda (the product), sim (test double) or auto (cuda when a GPU exists)",
+             choices=["auto", "cuda", "sim"])
+    env_flag(serve, "--governor", "GPUPLANE_WORKER_GOVERNOR", "",
+             "governor HOST:PORT; empty = book against a local budget")
+    env_flag(serve, "--cache", "GPUPLANE_WORKER_CACHE", "",
+             "kernel cache service HOST:PORT; empty = compile and cache locally only")
+    env_flag(serve, "--cache-dir", "GPUPLANE_WORKER_CACHE_DIR", f"{VAR_DIR}/worker/kernels",
+             "local disk cache of compiled kernels")
+    env_flag(serve, "--cache-write-token", "GPUPLANE_WORKER_CACHE_WRITE_TOKEN", "",
+             "bearer token for storing into the kernel cache service; empty = read only")
+    env_flag(serve, "--worker-id", "GPUPLANE_WORKER_ID", "", "worker id (default: HOST-PID)")
+    env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", 4,
+             "kernel shape variants kept per node", type=int)
+    env_flag(serve, "--max-plans", "GPUPLANE_MAX_PLANS", 2, "warm shape plans kept per model", type=int)
+    env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
+             "Prometheus /metrics port; 0 = disabled", type=int)
+    env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
+             "gRPC handler threads (concurrent calls)", type=int)
+    env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
+             "how long in-flight calls get after SIGTERM", type=float)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.servicer import serve_worker
+
+    configure_logging("gpu-worker")
+    if args.variants_per_node < 1 or args.max_plans < 1:
+        log.error("--variants-per-node and --max-plans must be at least 1")
+        return 2
+    provider = tracer_provider("gpu-worker")
+    config = WorkerConfig(
+        backend=args.backend,
+        governor=args.governor or None,
+        cache=args.cache or None,
+        cache_dir=pathlib.Path(args.cache_dir) if args.cache_dir else None,
+        worker_id=args.worker_id or default_worker_id(),
+        variants_per_node=args.variants_per_node,
+        max_plans=args.max_plans,
+        cache_write_token=args.cache_write_token or None,
+        tracer_provider=provider,
+    )
+    runtime = WorkerRuntime(config)
+    runtime.start()
+    try:
+        server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers)
+    except BaseException:
+        runtime.close()
+        raise
+    start_metrics_endpoint(args.metrics_port)
+    log.info("worker serving", extra={"listen": args.listen, "port": server.port,
+                                      "backend": args.backend, "worker_id": config.worker_id,
+                                      "governor": args.governor, "cache": args.cache})
+    # The bound port on stdout lets a launcher that asked for port 0 find the worker.
+    print(f"listening on {server.port}", flush=True)
+    server.serve_until_signalled(args.grace_seconds)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""`make run`: the whole stack on one machine, driving the workload that once ran a server out of memory.
+
+Starts the governor, the kernel cache service (SQLite under ./var/demo/) and a worker (`auto`
+backend: cuda where a GPU exists, else the sim test double) as subprocesses on free loopback
+ports; loads the reference decoder; replays 12 prompt lengths ascending and then descending (the
+469..5502 replay of DESIGN 1.1, scaled to the model's context) and prints a row per request;
+then starts a second worker with an empty disk cache, standing in for another host, which warms
+from the shared cache service, and compares its first token with the first host's. Writes
+./var/report/report.json and memory.png, and stops everything with SIGTERM.
+
+`--serve` starts the same stack and keeps it up until Ctrl-C, for `gpuplane ...` commands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from gpu_worker.client import WorkerClient
+from gpu_worker.progress import step
+from gpu_worker.stack import Stack
+from services.common.config import VAR_DIR, env_flag
+
+MiB = 1 << 20
+MODEL_ID = "demo-decoder"
+# The prompt lengths of the incident (DESIGN 1.1), scaled onto the model's context below.
+INCIDENT_LENGTHS = [469, 615, 807, 1059, 1389, 1822, 2390, 3135, 4113, 4195, 5000, 5502]
+
+
+def prompt_lengths(max_context: int, max_new_tokens: int) -> list[int]:
+    """The incident's 12 lengths scaled so the longest prompt plus its new tokens fits."""
+    room = max_context - max_new_tokens
+    scale = room / INCIDENT_LENGTHS[-1]
+    return [max(1, int(n * scale)) for n in INCIDENT_LENGTHS]
+
+
+def snapshot(client: WorkerClient) -> dict[str, Any]:
+    """The per-request figures the table and the report show, from one GetStats call."""
+    s = client.stats()
+    return {
+        "device_used_bytes": s.device_used_bytes,
+        "ledger_bytes": s.ledger_bytes,
+        "unaccounted_bytes": s.unaccounted_bytes,
+        "kernel_variants": s.kernel_cache.entries,
+        "max_variants_per_node": s.kernel_cache.max_variants_per_node,
+        "kernel_evictions": s.kernel_cache.evictions,
+        "workspace_bytes": s.kernel_cache.workspace_bytes,
+        "plans": s.plans.entries,
+        "plan_evictions": s.plans.evictions,
+        "compiled": s.compile.compiled,
+        "compile_local_hits": s.compile.local_hits,
+        "compile_remote_hits": s.compile.remote_hits,
+        "compile_memo_hits": s.compile.memo_hits,
+        "backend": s.backend,
+        "device_name": s.device_name,
+        "governor_connected": s.governor_connected,
+    }
+
+
+HEADER = (f"{'#':>3} {'pass':<5} {'prompt':>6} {'latency':>9} {'1st tok':>8} {'device':>10} "
+          f"{'ledger':>10} {'unacct':>9} {'variants':>9} {'k.evict':>7} {'plans':>5} {'p.evict':>7} "
+          f"{'compiled':>8} {'cache hits':>10}")
+
+
+def row_text(r: dict[str, Any]) -> str:
+    return (f"{r['index']:>3} {r['pass']:<5} {r['prompt_tokens']:>6} {r['latency_ms']:>7.1f}ms "
+            f"{r['first_token_ms']:>6.1f}ms {r['device_used_bytes'] / MiB:>6.1f}MiB "
+            f"{r['ledger_bytes'] / MiB:>6.1f}MiB {r['unaccounted_bytes'] / MiB:>5.1f}MiB "
+            f"{r['kernel_variants']:>4}/{r['max_variants_per_node']:<4} {r['kernel_evictions']:>7} "
+            f"{r['plans']:>5} {r['plan_evictions']:>7} {r['compiled']:>8} "
+            f"{r['compile_local_hits'] + r['compile_remote_hits']:>10}")
+
+
+def replay(client: WorkerClient, lengths: list[int], vocab: int, max_new_tokens: int,
+           rng: np.random.Generator) -> list[dict[str, Any]]:
+    rows = []
+    print(HEADER)
+    schedule = [("asc", n) for n in lengths] + [("desc", n) for n in reversed(lengths)]
+    for index, (label, n) in enumerate(schedule, start=1):
+        prompt = rng.integers(1, vocab, n).tolist()
+        result = client.generate(MODEL_ID, prompt, max_new_tokens, timeout=600)
+        row = {"index": index, "pass": label, "prompt_tokens": n,
+               "new_tokens": len(result.tokens), "latency_ms": result.latency_seconds * 1000,
+               "first_token_ms": result.first_token_seconds * 1000, **snapshot(client)}
+        rows.append(row)
+        print(row_text(row), flush=True)
+    return rows
+
+
+def warm_second_host(stack: Stack, args: argparse.Namespace, cache: str, governor: str,
+                     token: str, first_prompt: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """Another host: an empty disk cache, the shared cache service. Returns its figures."""
+    cache_dir = stack.var_dir / "host-b" / "kernels"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    with step("starting worker host-b (empty disk cache, shared cache service)"):
+        worker_b = stack.start_worker("host-b", backend=args.backend, governor=governor, cache=cache,
+                                      cache_dir=cache_dir, cache_write_token=token)
+    with WorkerClient(worker_b.address) as client:
+        with step("host-b: loading the decoder"):
+            load = client.load_model(MODEL_ID, "decoder", args.config, args.seed)
+        result = client.generate(MODEL_ID, first_prompt, max_new_tokens, timeout=600)
+        figures = snapshot(client)
+    return {"load_seconds": load.load_seconds, "kernels_compiled_at_load": load.kernels_compiled,
+            "kernels_from_cache_at_load": load.kernels_from_cache,
+            "first_token_ms": result.first_token_seconds * 1000,
+            "latency_ms": result.latency_seconds * 1000, **figures}
+
+
+def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["index"] for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.plot(x, [r["device_used_bytes"] / MiB for r in rows], "o-", label="device used")
+    ax.plot(x, [r["ledger_bytes"] / MiB for r in rows], "s--", label="ledger")
+    ax.plot(x, [r["unaccounted_bytes"] / MiB for r in rows], "^:", label="unaccounted")
+    ax.plot(x, [r["workspace_bytes"] / MiB for r in rows], "x-", label="kernel workspaces")
+    ax.set_xlabel("request (ascending prompt lengths, then descending)")
+    ax.set_ylabel("MiB")
+    twin = ax.twinx()
+    twin.bar(x, [r["prompt_tokens"] for r in rows], alpha=0.15, color="grey", label="prompt tokens")
+    twin.set_ylabel("prompt tokens")
+    ax.legend(loc="upper left")
+    ax.set_title(f"memory per request ({rows[0]['backend']}: {rows[0]['device_name']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    var = pathlib.Path(args.var_dir)
+    work = var / "demo"
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    report_dir = var / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    rng = np.random.default_rng(args.seed)
+    stack = Stack(work)
+    try:
+        with step("starting the memory governor"):
+            governor = stack.start_governor()
+        with step("starting the kernel cache service (SQLite under var/demo/)"):
+            cache = stack.start_cache(write_token=token)
+        with step(f"starting worker host-a (backend {args.backend})"):
+            worker = stack.start_worker("host-a", backend=args.backend, governor=governor.address,
+                                        cache=cache.address, cache_write_token=token)
+        print(f"governor {governor.address}, cache {cache.address}, worker {worker.address}; "
+              f"logs in {stack.var_dir / 'logs'}")
+        if args.serve:
+            return serve_until_interrupted(stack, worker.address, governor.address, args)
+        with WorkerClient(worker.address) as client:
+            with step(f"host-a: loading the {args.config} decoder (compiles its kernels)"):
+                load = client.load_model(MODEL_ID, "decoder", args.config, args.seed)
+            model = load.model
+            lengths = prompt_lengths(model.max_context, args.max_new_tokens)
+            print(f"\n{model.model_id}: {model.family}/{model.config}, vocab {model.vocab_size}, "
+                  f"context {model.max_context}, weights {model.weight_bytes / MiB:.1f} MiB, loaded "
+                  f"in {load.load_seconds:.2f}s ({load.kernels_compiled} kernels compiled)\n")
+            first_prompt = rng.integers(1, model.vocab_size, lengths[0]).tolist()
+            first = client.generate(MODEL_ID, first_prompt, args.max_new_tokens, timeout=600)
+            rows = replay(client, lengths, model.vocab_size, args.max_new_tokens, rng)
+        host_b = warm_second_host(stack, args, cache.address, governor.address, token,
+                                  first_prompt, args.max_new_tokens)
+        host_a = {"load_seconds": load.load_seconds, "kernels_compiled_at_load": load.kernels_compiled,
+                  "first_token_ms": first.first_token_seconds * 1000,
+                  "latency_ms": first.latency_seconds * 1000}
+        print_comparison(host_a, host_b)
+        resources = governor_resources(governor.address)
+        report = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "backend": rows[0]["backend"], "device": rows[0]["device_name"],
+            "model": {"model_id": MODEL_ID, "config": args.config, "seed": args.seed,
+                      "max_context": model.max_context, "vocab_size": model.vocab_size,
+                      "weight_bytes": model.weight_bytes},
+            "max_new_tokens": args.max_new_tokens, "prompt_lengths": lengths, "requests": rows,
+            "host_a": host_a, "host_b": host_b, "governor": resources,
+            "summary": summarize(rows),
+        }
+        print_summary(report["summary"])
+        (report_dir / "report.json").write_text(json.dumps(report, indent=2))
+        plot(rows, report_dir / "memory.png")
+        print(f"\nreport: {report_dir / 'report.json'}, plot: {report_dir / 'memory.png'}")
+    finally:
+        with step("stopping the stack (SIGTERM, drain)"):
+            codes = stack.stop()
+        if codes:
+            print("exit codes: " + ", ".join(f"{k} {v}" for k, v in codes.items()))
+    return 0
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    asc = [r for r in rows if r["pass"] == "asc"]
+    desc = [r for r in rows if r["pass"] == "desc"]
+    return {
+        "peak_device_used_bytes": max(r["device_used_bytes"] for r in rows),
+        "peak_ascending_bytes": max(r["device_used_bytes"] for r in asc),
+        "peak_descending_bytes": max(r["device_used_bytes"] for r in desc),
+        "final_device_used_bytes": rows[-1]["device_used_bytes"],
+        "max_unaccounted_bytes": max(abs(r["unaccounted_bytes"]) for r in rows),
+        "max_variants_per_node": max(r["max_variants_per_node"] for r in rows),
+        "kernel_evictions": rows[-1]["kernel_evictions"],
+        "plan_evictions": rows[-1]["plan_evictions"],
+        "max_plans": max(r["plans"] for r in rows),
+    }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    verdict = "no" if s["peak_descending_bytes"] <= s["peak_ascending_bytes"] else "YES"
+    print(f"\npeak device used {s['peak_device_used_bytes'] / MiB:.1f} MiB (ascending "
+          f"{s['peak_ascending_bytes'] / MiB:.1f}, descending {s['peak_descending_bytes'] / MiB:.1f}: "
+          f"{verdict} growth on the descending pass); max unaccounted "
+          f"{s['max_unaccounted_bytes'] / MiB:.1f} MiB; at most {s['max_variants_per_node']} kernel "
+          f"variants per node ({s['kernel_evictions']} evictions); at most {s['max_plans']} warm plans "
+          f"({s['plan_evictions']} evictions)")
+
+
+def print_comparison(a: dict[str, Any], b: dict[str, Any]) -> None:
+    ratio = a["first_token_ms"] / b["first_token_ms"] if b["first_token_ms"] else float("nan")
+    print(f"\nsecond host warmed from the shared cache: compiled {b['compiled']} kernels "
+          f"(remote hits {b['compile_remote_hits']}, local hits {b['compile_local_hits']})")
+    print(f"{'':<8} {'load':>9} {'first token':>12} {'kernels compiled':>17}")
+    print(f"{'host-a':<8} {a['load_seconds']:>8.2f}s {a['first_token_ms']:>10.1f}ms "
+          f"{a['kernels_compiled_at_load']:>17}")
+    print(f"{'host-b':<8} {b['load_seconds']:>8.2f}s {b['first_token_ms']:>10.1f}ms "
+          f"{b['compiled']:>17}")
+    print(f"host-b's first token came {ratio:.1f}x sooner than host-a's "
+          f"(load {a['load_seconds'] / max(b['load_seconds'], 1e-9):.1f}x faster)")
+
+
+def governor_resources(address: str) -> dict[str, Any]:
+    from google.protobuf import json_format
+
+    import grpc
+    from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = governor_pb2_grpc.GovernorServiceStub(channel).GetResources(
+                governor_pb2.GetResourcesRequest(), timeout=10.0)
+    except grpc.RpcError as exc:
+        return {"error": f"{exc.code().name}: {exc.details()}"}
+    return json_format.MessageToDict(reply, preserving_proto_field_name=True)
+
+
+def serve_until_interrupted(stack: Stack, worker: str, governor: str, args: argparse.Namespace) -> int:
+    with WorkerClient(worker) as client:
+        with step(f"loading the {args.config} decoder as {MODEL_ID}"):
+            client.load_model(MODEL_ID, "decoder", args.config, args.seed)
+    print(f"\nthe stack is up; try:\n"
+          f"  .venv/bin/gpuplane --worker {worker} generate --model-id {MODEL_ID} --random 64\n"
+          f"  .venv/bin/gpuplane --worker {worker} stats\n"
+          f"  .venv/bin/gpuplane --governor {governor} resources\n"
+          f"Ctrl-C stops it.")
+    done = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    while not done.wait(1.0):
+        for p in stack.processes:
+            if not p.alive():
+                print(f"{p.name} exited with {p.proc.returncode}:\n{p.log_tail()}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker.demo", description=__doc__.splitlines()[0])
+    env_flag(parser, "--backend", "GPUPLANE_WORKER_BACKEND", "auto", "worker backend: auto|cuda|sim")
+    env_flag(parser, "--config", "GPUPLANE_DEMO_CONFIG", "tiny", "decoder config to load")
+    env_flag(parser, "--seed", "GPUPLANE_DEMO_SEED", 0, "model and prompt seed", type=int)
+    env_flag(parser, "--max-new-tokens", "GPUPLANE_DEMO_MAX_NEW_TOKENS", 8,
+             "tokens generated per request", type=int)
+    env_flag(parser, "--var-dir", "GPUPLANE_VAR_DIR", VAR_DIR, "where databases, logs, report go")
+    parser.add_argument("--serve", action="store_true", help="keep the stack up until Ctrl-C")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep var/demo from the last run (warm caches) instead of starting cold")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("GPUPLANE_LOG_FORMAT", "text")
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The worker's device: one Backend behind the process-wide capture gate, the VMM arena, weight
+slots and the ledger. Nothing else in the code base calls a Backend directly.
+
+    from gpu_worker.device import open_device, Device
+    dev = open_device("auto")          # cuda when a device exists, else the sim test double
+    a = dev.arena.alloc(1 << 20, "workspace")
+    with dev.capture() as cap:
+        dev.launch(fn, (1, 1, 1), (128, 1, 1), [ptr(a.ptr), i32(n)])
+    dev.replay(cap.graph_exec)
+
+Every call that can synchronize the device or change what a capture sees runs inside a shared
+gate section (DESIGN 2.1); `capture()` holds the exclusive side from begin to end, always ends the
+capture (even on error) and books the graph memory it measured (cuMemGetInfo around capture and
+instantiate, while nothing else can allocate) in the `graphs` zone.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from gpu_worker.device.arena import Allocation, Arena
+from gpu_worker.device.backend import Backend, DeviceError, DeviceInfo, KernelArg
+from gpu_worker.device.gate import CaptureGate, process_gate
+from gpu_worker.device.ledger import BudgetOwner, Ledger, local_budget
+from gpu_worker.device.release_queue import ReleaseQueue
+from gpu_worker.device.weights import WeightSlot, WeightSlots
+from services.common.errors import InvalidArgument
+
+__all__ = ["open_device", "Device", "Capture", "Allocation", "WeightSlot", "DeviceInfo"]
+
+
+@dataclass(eq=False)
+class Capture:
+    stream: object
+    graph_exec: object = None
+    graph_bytes: int = 0
+
+
+class Device:
+    def __init__(
+        self,
+        backend: Backend,
+        budget: BudgetOwner | None = None,
+        reserve_bytes: int | None = None,
+        gate: CaptureGate | None = None,
+        weight_budget_bytes: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.info = backend.info
+        self.gate = gate or process_gate()
+        if hasattr(backend, "attach_gate"):
+            backend.attach_gate(self.gate)
+        free, total = backend.mem_get_info()
+        self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
+        # The context baseline is device memory this process pays for: booked, not ignored.
+        self._context_bytes = backend.process_used_bytes() or (total - free)
+        self.ledger.commit("context", self._context_bytes)
+        self.ledger.add_content("context", self._context_bytes)
+        self.stream = backend.create_stream()
+        self.copy_stream = backend.create_stream()
+        self._streams = [self.stream, self.copy_stream]
+        self.queue = ReleaseQueue(backend, self.gate)
+        reserve = reserve_bytes or 2 * total
+        self.arena = Arena(backend, self.gate, self.ledger, self.queue, lambda: list(self._streams),
+                           reserve)
+        self.weights = WeightSlots(backend, self.gate, self.arena, self.queue, self.stream,
+                                   self.copy_stream, weight_budget_bytes)
+        self._graphs: dict[int, int] = {}  # id(graph_exec) -> booked graph bytes
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- modules and launches ------------------------------------------------------------------
+    def load_module(self, image: bytes) -> object:
+        with self.gate.shared():
+            return self.backend.load_module(image)
+
+    def unload_module(self, module: object) -> None:
+        with self.gate.shared():
+            self.backend.unload_module(module)
+
+    def get_function(self, module: object, name: str) -> object:
+        with self.gate.shared():
+            return self.backend.get_function(module, name)
+
+    def launch(self, function: object, grid: Sequence[int], block: Sequence[int],
+               args: list[KernelArg], stream: object = None, shared_bytes: int = 0) -> None:
+        g, b = _dim3(grid, "grid"), _dim3(block, "block")
+        self.backend.launch(function, g, b, args, self.stream if stream is None else stream,
+                            shared_bytes)
+
+    # -- graphs --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, stream: object = None) -> Iterator[Capture]:
+        """Capture work on `stream` (THREAD_LOCAL) into a graph exec; see the module note."""
+        stream = self.stream if stream is None else stream
+        guard = self.gate.exclusive()
+        cap = Capture(stream)
+        graph = None
+        try:
+            free0, _ = self.backend.mem_get_info()
+            self.backend.begin_capture(stream)
+            try:
+                yield cap
+            except BaseException:
+                with contextlib.suppress(DeviceError):  # the body's error is the one to report
+                    graph = self.backend.end_capture(stream)  # always ended, even on error
+                raise
+            graph = self.backend.end_capture(stream)
+            cap.graph_exec = self.backend.instantiate(graph)
+            free1, _ = self.backend.mem_get_info()
+            cap.graph_bytes = max(0, free0 - free1)
+            try:
+                self.ledger.commit("graphs", cap.graph_bytes)
+            except BaseException:
+                self.backend.destroy_graph_exec(cap.graph_exec)
+                cap.graph_exec = None
+                raise
+            self.ledger.add_content("graphs", cap.graph_bytes)
+            with self._lock:
+                self._graphs[id(cap.graph_exec)] = cap.graph_bytes
+        finally:
+            if graph is not None:
+                self.backend.destroy_graph(graph)
+            guard.release()
+            self.queue.fence_parked()
+
+    def replay(self, graph_exec: object, stream: object = None) -> None:
+        self.backend.launch_graph(graph_exec, self.stream if stream is None else stream)
+
+    def destroy_graph_exec(self, graph_exec: object) -> None:
+        with self._lock:
+            nbytes = self._graphs.pop(id(graph_exec), None)
+        if nbytes is None:
+            raise InvalidArgument("destroy_graph_exec: not a graph exec of this device")
+        with self.gate.shared():
+            self.backend.destroy_graph_exec(graph_exec)
+        self.ledger.uncommit("graphs", nbytes)
+        self.ledger.remove_content("graphs", nbytes)
+
+    # -- synchronization and copies ------------------------------------------------------------
+    def synchronize(self, stream: object = None) -> None:
+        with self.gate.shared():
+            self.backend.synchronize_stream(self.stream if stream is None else stream)
+        self.queue.poll()
+
+    def synchronize_device(self) -> None:
+        """Device-wide sync (gated: it would invalidate another thread's capture)."""
+        with self.gate.shared():
+            self.backend.synchronize_context()
+        self.queue.poll()
+
+    def to_device(self, dst_ptr: int, host: np.ndarray, stream: object = None) -> None:
+        data = np.ascontiguousarray(host).reshape(-1).view(np.uint8).copy()
+        s = self.stream if stream is None else stream
+        with self.gate.shared():
+            self.backend.copy_h2d_async(dst_ptr, data, s)
+            self.backend.synchronize_stream(s)  # pageable source: the copy is synchronous
+
+    def from_device(self, ptr: int, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        with self.gate.shared():
+            self.backend.copy_d2h_async(out, ptr, self.stream)
+            self.backend.synchronize_stream(self.stream)
+        return out
+
+    def memset(self, dst_ptr: int, byte: int, nbytes: int, stream: object = None) -> None:
+        self.backend.memset_async(dst_ptr, byte, nbytes, self.stream if stream is None else stream)
+
+    # -- truth ---------------------------------------------------------------------------------
+    def truth(self) -> tuple[int, int]:
+        """(device_used_bytes, process_used_bytes) as the device and NVML report them."""
+        free, total = self.backend.mem_get_info()
+        return total - free, self.backend.process_used_bytes()
+
+    def unaccounted_bytes(self) -> int:
+        """Device-used bytes the ledger does not explain (0 when every byte is booked).
+
+        Meaningful when this process is alone on the device (the sim, a dedicated GPU)."""
+        used, _ = self.truth()
+        return used - self.ledger.total_committed()
+
+    def report(self) -> None:
+        used, proc = self.truth()
+        self.ledger.report(used, proc)
+
+    def stats(self) -> dict:
+        return {"arena": self.arena.stats(), "weights": self.weights.stats(),
+                "ledger": self.ledger.snapshot(), "release_queue": vars(self.queue.stats),
+                "gate": vars(self.gate.stats), "fault_underflow": self.ledger.fault_underflow
+                + self.arena.counters["fault_underflow"]}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.synchronize(self.stream)
+        self.synchronize(self.copy_stream)
+        self.weights.close()
+        self.arena.close()
+        self.queue.close()
+        with self.gate.shared():
+            for s in self._streams:
+                self.backend.destroy_stream(s)
+        self.ledger.uncommit("context", self._context_bytes)
+        self.ledger.remove_content("context", self._context_bytes)
+        self.backend.close()
+
+
+def _dim3(v: Sequence[int], what: str) -> tuple[int, int, int]:
+    t = tuple(int(x) for x in v) + (1, 1, 1)
+    t = t[:3]
+    if len(tuple(v)) > 3 or any(x <= 0 for x in t):
+        raise InvalidArgument(f"{what} must be 1 to 3 positive ints, got {tuple(v)}")
+    return t  # type: ignore[return-value]
+
+
+def open_device(backend: str = "auto", budget: BudgetOwner | None = None, ordinal: int = 0,
+                reserve_bytes: int | None = None) -> Device:
+    """Open the device. "auto" = cuda when a CUDA device exists, else the sim test double."""
+    if backend not in ("auto", "cuda", "sim"):
+        raise InvalidArgument(f"backend must be auto, cuda or sim, got {backend!r}")
+    if backend in ("auto", "cuda"):
+        from gpu_worker.device.cuda_backend import CudaBackend, cuda_device_count
+
+        if cuda_device_count() > ordinal:
+            return Device(CudaBackend(ordinal), budget, reserve_bytes)
+        if backend == "cuda":
+            raise DeviceError(f"cuda backend asked for, but no CUDA device {ordinal} is present")
+    from gpu_worker.device.sim_backend import SimBackend
+
+    return Device(SimBackend(ordinal=ordinal), budget, reserve_bytes)

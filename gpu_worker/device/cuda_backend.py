@@ -1,0 +1,337 @@
+"""The `cuda` backend: the product. cuda-python driver API on the retained primary context.
+
+- Every driver call goes through `check()`: a failure raises DeviceError (or IllegalAddress /
+  CaptureInvalidated) naming the call and the driver's own error name and message.
+- The primary context is retained once for the life of the process (a context whose refcount reaches
+  zero is torn down, and teardown synchronizes: DESIGN 2.1) and made current in every thread that
+  calls the driver, so CuPy (runtime API, primary context) and this module share one context.
+- Streams are non-blocking; capture is always THREAD_LOCAL (CuPy's default is RELAXED).
+- Every device byte is VMM: cuMemCreate + cuMemMap + cuMemSetAccess inside one reservation.
+
+Importing this module never touches the driver (CI has cuda-bindings but no libcuda); the driver is
+initialised when a CudaBackend is constructed.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpu_worker.device.backend import (
+    Backend,
+    CaptureInvalidated,
+    DeviceError,
+    DeviceInfo,
+    IllegalAddress,
+    KernelArg,
+)
+
+_driver: Any = None
+
+
+def _drv() -> Any:
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver  # lazy: see the module note
+
+        _driver = driver
+    return _driver
+
+
+def check(result: Any, call: str) -> Any:
+    """Unwrap a cuda-python result tuple; raise with the call's name and the driver's message."""
+    d = _drv()
+    err, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != d.CUresult.CUDA_SUCCESS:
+        _, name = d.cuGetErrorName(err)
+        _, text = d.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        text = text.decode() if isinstance(text, bytes) else ""
+        msg = f"{call}: {name}: {text}"
+        if err == d.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS:
+            raise IllegalAddress(msg)
+        if err == d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
+            raise CaptureInvalidated(msg)
+        raise DeviceError(msg)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices, 0 when there is no driver or no device (never raises)."""
+    try:
+        d = _drv()
+        (err,) = d.cuInit(0)
+        if err != d.CUresult.CUDA_SUCCESS:
+            return 0
+        err, n = d.cuDeviceGetCount()
+        return n if err == d.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # noqa: BLE001 - no libcuda at all
+        return 0
+
+
+_ARG_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, ordinal: int = 0) -> None:
+        d = _drv()
+        check(d.cuInit(0), "cuInit")
+        self._dev = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
+        # Retained for the life of the process on purpose: never released (DESIGN 2.1).
+        self._ctx = check(d.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self._tls = threading.local()
+        self._current()
+        name = check(d.cuDeviceGetName(256, self._dev), "cuDeviceGetName")
+        name = name.split(b"\0", 1)[0].decode()
+        raw = check(d.cuDeviceGetUuid(self._dev), "cuDeviceGetUuid").bytes
+        raw = raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)
+        h = raw.hex().ljust(32, "0")
+        uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+        total = check(d.cuDeviceTotalMem(self._dev), "cuDeviceTotalMem")
+        attr = d.CUdevice_attribute
+        major = check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev),
+                      "cuDeviceGetAttribute")
+        minor = check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev),
+                      "cuDeviceGetAttribute")
+        self._prop = d.CUmemAllocationProp()
+        self._prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = ordinal
+        granule = check(d.cuMemGetAllocationGranularity(
+            self._prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity")
+        self._access = d.CUmemAccessDesc()
+        self._access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._access.location.id = ordinal
+        self._access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.info = DeviceInfo(ordinal=ordinal, uuid=uuid, name=name, total_bytes=int(total),
+                               arch=f"sm_{major}{minor}", granule_bytes=int(granule))
+        self._pinned: dict[int, int] = {}  # id(array) -> host pointer, for cuMemFreeHost
+        self._reservations: list[tuple[int, int]] = []
+        self._nvml = _nvml_handle(uuid)
+
+    def _current(self) -> None:
+        """Make the primary context current in the calling thread (once per thread)."""
+        if getattr(self._tls, "ok", False):
+            return
+        check(_drv().cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._tls.ok = True
+
+    # -- truth ---------------------------------------------------------------------------------
+    def mem_get_info(self) -> tuple[int, int]:
+        self._current()
+        free, total = check(_drv().cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def process_used_bytes(self) -> int:
+        if self._nvml is None:
+            return 0
+        try:
+            import pynvml
+
+            pid = os.getpid()
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml):
+                if p.pid == pid and p.usedGpuMemory is not None:
+                    return int(p.usedGpuMemory)
+        except Exception:  # noqa: BLE001 - NVML is best effort (containers often hide pids)
+            return 0
+        return 0
+
+    # -- VMM -----------------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> int:
+        self._current()
+        va = int(check(_drv().cuMemAddressReserve(nbytes, 0, 0, 0), "cuMemAddressReserve"))
+        self._reservations.append((va, nbytes))
+        return va
+
+    def create_physical(self, nbytes: int) -> Any:
+        self._current()
+        return check(_drv().cuMemCreate(nbytes, self._prop, 0), f"cuMemCreate({nbytes})")
+
+    def map(self, va: int, handle: Any, nbytes: int) -> None:
+        self._current()
+        d = _drv()
+        check(d.cuMemMap(va, nbytes, 0, handle, 0), f"cuMemMap({va:#x}, {nbytes})")
+        try:
+            check(d.cuMemSetAccess(va, nbytes, [self._access], 1), f"cuMemSetAccess({va:#x}, {nbytes})")
+        except DeviceError:
+            d.cuMemUnmap(va, nbytes)  # leave nothing half-mapped
+            raise
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        self._current()
+        check(_drv().cuMemUnmap(va, nbytes), f"cuMemUnmap({va:#x}, {nbytes})")
+
+    def release_physical(self, handle: Any) -> None:
+        self._current()
+        check(_drv().cuMemRelease(handle), "cuMemRelease")
+
+    # -- streams and events --------------------------------------------------------------------
+    def create_stream(self) -> Any:
+        self._current()
+        d = _drv()
+        return check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def destroy_stream(self, stream: Any) -> None:
+        self._current()
+        check(_drv().cuStreamDestroy(stream), "cuStreamDestroy")
+
+    def create_event(self) -> Any:
+        self._current()
+        d = _drv()
+        return check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def destroy_event(self, event: Any) -> None:
+        self._current()
+        check(_drv().cuEventDestroy(event), "cuEventDestroy")
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        self._current()
+        check(_drv().cuEventRecord(event, stream), "cuEventRecord")
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        self._current()
+        check(_drv().cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+
+    def event_done(self, event: Any) -> bool:
+        self._current()
+        d = _drv()
+        (err,) = d.cuEventQuery(event)
+        if err == d.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((err,), "cuEventQuery")
+        return True
+
+    def synchronize_event(self, event: Any) -> None:
+        self._current()
+        check(_drv().cuEventSynchronize(event), "cuEventSynchronize")
+
+    def synchronize_stream(self, stream: Any) -> None:
+        self._current()
+        check(_drv().cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def synchronize_context(self) -> None:
+        self._current()
+        check(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
+
+    # -- host memory and copies ----------------------------------------------------------------
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        self._current()
+        p = int(check(_drv().cuMemHostAlloc(max(1, nbytes), 0), f"cuMemHostAlloc({nbytes})"))
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * max(1, nbytes)).from_address(p))[:nbytes]
+        self._pinned[arr.ctypes.data] = p
+        return arr
+
+    def free_pinned(self, buf: np.ndarray) -> None:
+        self._current()
+        p = self._pinned.pop(buf.ctypes.data, None)
+        if p is None:
+            raise DeviceError("cuMemFreeHost: buffer was not allocated by alloc_pinned")
+        check(_drv().cuMemFreeHost(p), "cuMemFreeHost")
+
+    def copy_h2d_async(self, dst: int, src: np.ndarray, stream: Any) -> None:
+        self._current()
+        assert src.flags.c_contiguous, "copy_h2d_async: host source must be C-contiguous"
+        check(_drv().cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def copy_d2h_async(self, dst: np.ndarray, src: int, stream: Any) -> None:
+        self._current()
+        assert dst.flags.c_contiguous, "copy_d2h_async: host destination must be C-contiguous"
+        check(_drv().cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream), "cuMemcpyDtoHAsync")
+
+    def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._current()
+        check(_drv().cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def memset_async(self, dst: int, byte: int, nbytes: int, stream: Any) -> None:
+        self._current()
+        check(_drv().cuMemsetD8Async(dst, byte & 0xFF, nbytes, stream), "cuMemsetD8Async")
+
+    # -- modules and launches ------------------------------------------------------------------
+    def load_module(self, image: bytes) -> Any:
+        self._current()
+        data = bytes(image)
+        if not data.startswith(b"\x7fELF") and not data.endswith(b"\0"):
+            data += b"\0"  # PTX text must be NUL-terminated
+        return check(_drv().cuModuleLoadData(data), "cuModuleLoadData")
+
+    def unload_module(self, module: Any) -> None:
+        self._current()
+        check(_drv().cuModuleUnload(module), "cuModuleUnload")
+
+    def get_function(self, module: Any, name: str) -> Any:
+        self._current()
+        return check(_drv().cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+
+    def launch(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[KernelArg],
+        stream: Any,
+        shared_bytes: int = 0,
+    ) -> None:
+        self._current()
+        vals = [_ARG_CTYPES[a.kind](a.value) for a in args]
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+        # cuLaunchKernel copies the argument values (also into a graph node), so `vals` may die after.
+        check(_drv().cuLaunchKernel(function, *grid, *block, shared_bytes, stream,
+                                    ctypes.addressof(params), 0), "cuLaunchKernel")
+
+    # -- graphs --------------------------------------------------------------------------------
+    def begin_capture(self, stream: Any) -> None:
+        self._current()
+        d = _drv()
+        check(d.cuStreamBeginCapture(stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+
+    def end_capture(self, stream: Any) -> Any:
+        self._current()
+        return check(_drv().cuStreamEndCapture(stream), "cuStreamEndCapture")
+
+    def is_capturing(self, stream: Any) -> bool:
+        self._current()
+        d = _drv()
+        status = check(d.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        return status != d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def instantiate(self, graph: Any) -> Any:
+        self._current()
+        return check(_drv().cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def launch_graph(self, graph_exec: Any, stream: Any) -> None:
+        self._current()
+        check(_drv().cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
+
+    def destroy_graph(self, graph: Any) -> None:
+        self._current()
+        check(_drv().cuGraphDestroy(graph), "cuGraphDestroy")
+
+    def destroy_graph_exec(self, graph_exec: Any) -> None:
+        self._current()
+        check(_drv().cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
+
+    def close(self) -> None:
+        self._current()
+        d = _drv()
+        for va, n in self._reservations:
+            d.cuMemAddressFree(va, n)  # best effort: everything in it was unmapped by the arena
+        self._reservations.clear()
+
+
+def _nvml_handle(uuid: str) -> Any:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:  # noqa: BLE001 - NVML is optional (pynvml missing, no permission)
+        return None

@@ -1,0 +1,265 @@
+"""Stable-address weight slots: offload and page-in without moving a weight.
+
+Hazards and contract:
+- A captured graph bakes weight addresses. Each key therefore gets one virtual range for the life
+  of the model (carved once from the arena); eviction unmaps its pages, page-in maps new pages at
+  the same address and copies from pinned host memory, so a graph captured earlier reads the new
+  pages on replay.
+- Eviction while a kernel still reads the slot would fault: eviction is an arena decommit, fenced
+  on the compute and copy streams. A page-in that touches granules whose release is still queued
+  resurrects them instead of racing the unmap.
+- Page-in copies on the copy stream; the compute stream waits on an event, the host never blocks.
+- Never map or unmap inside a capture (FailedPrecondition); a capture may only use resident slots.
+- Admission counts committed granule bytes (what the device pays), not tensor bytes; slots are
+  packed, so a granule shared by neighbours is paid once.
+- State per slot: idle (no pages), pending (copy in flight), resident, poisoned (a failed copy or
+  release: never used until removed). A failed page-in leaves the slot idle or poisoned, never
+  mapped to the wrong bytes.
+
+Cost: a page-in is one cuMemCreate/Map/SetAccess per large handle plus the copy (~55 GB/s pinned
+on H200); a hit is a dict lookup.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_worker.device.arena import Arena
+from gpu_worker.device.backend import Backend
+from gpu_worker.device.gate import CaptureGate
+from gpu_worker.device.release_queue import ReleaseQueue
+from gpu_worker.device.residency import ResidencyPolicy
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+ZONE = "weights"
+
+
+@dataclass(eq=False)
+class WeightSlot:
+    key: str
+    va: int
+    nbytes: int
+    host: np.ndarray = field(repr=False)
+    state: str = "idle"  # idle | pending | resident | poisoned
+    event: object = field(default=None, repr=False)
+    error: str = ""
+
+
+class WeightSlots:
+    def __init__(
+        self,
+        backend: Backend,
+        gate: CaptureGate,
+        arena: Arena,
+        queue: ReleaseQueue,
+        compute_stream: object,
+        copy_stream: object,
+        budget_bytes: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self._gate = gate
+        self._arena = arena
+        self._queue = queue
+        self._compute = compute_stream
+        self._copy = copy_stream
+        self._lock = threading.RLock()
+        self._slots: dict[str, WeightSlot] = {}
+        self.policy = ResidencyPolicy(budget_bytes)
+        self.counters = dict.fromkeys(
+            ("page_ins", "hits", "misses", "evictions", "bytes_copied", "failed_page_ins"), 0)
+        self.driver_seconds = 0.0
+        self.total_seconds = 0.0
+        arena.on_quarantine.append(self._on_quarantine)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.policy.capacity_bytes
+
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """Committed-byte budget for resident weights (None: only the ledger's budget)."""
+        with self._lock:
+            self.policy.capacity_bytes = budget_bytes
+
+    # -- slots ---------------------------------------------------------------------------------
+    def add(self, key: str, host: np.ndarray) -> WeightSlot:
+        """Register a weight: pinned host copy and a stable device address; not resident yet."""
+        if not key:
+            raise InvalidArgument("weight key must be a non-empty string")
+        data = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        if data.nbytes == 0:
+            raise InvalidArgument(f"weight {key!r} is empty")
+        with self._lock:
+            if key in self._slots:
+                raise InvalidArgument(f"weight {key!r} already has a slot")
+            with self._gate.shared():
+                pinned = self._backend.alloc_pinned(data.nbytes)
+            pinned[:] = data
+            try:
+                va = self._arena.carve(data.nbytes, role="weights")
+            except BaseException:
+                with self._gate.shared():
+                    self._backend.free_pinned(pinned)
+                raise
+            slot = WeightSlot(key, va, data.nbytes, pinned)
+            self._slots[key] = slot
+            self.policy.window = max(1, len(self._slots))
+            return slot
+
+    def get(self, key: str) -> WeightSlot:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise NotFound(f"no weight slot {key!r}")
+        return slot
+
+    def ensure_resident(self, keys: list[str], stream: object = None) -> None:
+        """Make `keys` resident; `stream` (default: compute) waits for their page-in copies."""
+        t0 = time.perf_counter()
+        d0 = self._arena.driver_seconds
+        stream = self._compute if stream is None else stream
+        with self._lock:
+            slots = [self.get(k) for k in keys]  # validate all before changing anything
+            for s in slots:
+                if s.state == "poisoned":
+                    raise FailedPrecondition(f"weight {s.key!r} is poisoned ({s.error}); remove it")
+            capturing = self._gate.is_capturing_thread()
+            need = set(keys)
+            drv = 0.0
+            for s in slots:
+                if s.state in ("resident", "pending"):
+                    if s.state == "pending":
+                        if self._backend.event_done(s.event):
+                            s.state = "resident"
+                        elif capturing:
+                            raise FailedPrecondition(f"weight {s.key!r} is still paging in; "
+                                                     "page in before capturing")
+                        else:
+                            self._backend.stream_wait_event(stream, s.event)
+                    self.counters["hits"] += 1
+                    self.policy.touch(s.key)
+                    continue
+                if capturing:
+                    raise FailedPrecondition(f"weight {s.key!r} is not resident: never map inside a "
+                                             "capture; call ensure_resident before capturing")
+                self.counters["misses"] += 1
+                drv += self._page_in(s, need, stream)
+            self.driver_seconds += drv + (self._arena.driver_seconds - d0)
+            self.total_seconds += time.perf_counter() - t0
+
+    def evict(self, key: str) -> None:
+        """Unmap `key`'s pages (fenced); its address stays reserved for the next page-in."""
+        with self._lock:
+            slot = self.get(key)
+            if self._gate.is_capturing_thread():
+                raise FailedPrecondition("never unmap inside a capture")
+            if slot.state in ("pending", "resident"):
+                self._evict(slot)
+
+    def remove(self, key: str) -> None:
+        """Forget `key`: evict, give back its address, free its pinned copy after the copy stream."""
+        with self._lock:
+            slot = self.get(key)
+            if self._gate.is_capturing_thread():
+                raise FailedPrecondition("never unmap inside a capture")
+            if slot.state in ("pending", "resident"):
+                self._evict(slot)
+            del self._slots[key]
+            self.policy.forget(key)
+            self.policy.window = max(1, len(self._slots))
+            if "quarantined" not in slot.error:  # a quarantined range is never reused
+                self._arena.uncarve(slot.va, slot.nbytes)
+            pinned, event = slot.host, slot.event
+
+            def free_host() -> None:
+                self._backend.free_pinned(pinned)
+                if event is not None:
+                    self._backend.destroy_event(event)
+            self._queue.defer([self._copy], free_host, what=f"free pinned copy of {key}")
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = dict(self.counters)
+            total = c["hits"] + c["misses"]
+            states: dict[str, int] = {}
+            for s in self._slots.values():
+                states[s.state] = states.get(s.state, 0) + 1
+            return {
+                **c,
+                "hit_rate": c["hits"] / total if total else 0.0,
+                "slots": len(self._slots),
+                "slot_bytes": sum(s.nbytes for s in self._slots.values()),
+                "resident_bytes": sum(s.nbytes for s in self._slots.values()
+                                      if s.state in ("resident", "pending")),
+                "committed_bytes": self._arena.zone_live_bytes(ZONE),
+                "budget_bytes": self.policy.capacity_bytes,
+                "states": states,
+                "driver_seconds": self.driver_seconds,
+                "bookkeeping_seconds": max(0.0, self.total_seconds - self.driver_seconds),
+            }
+
+    # -- internals -----------------------------------------------------------------------------
+    def _page_in(self, slot: WeightSlot, need: set[str], stream: object) -> float:
+        self._make_room(slot, need)
+        while True:
+            try:
+                self._arena.commit(slot.va, slot.nbytes, ZONE, role="weights")
+                break
+            except ResourceExhausted:
+                victim = self.policy.victim(exclude=need)  # the ledger refused: shrink and retry
+                if victim is None:
+                    raise
+                self._evict(self._slots[victim])
+        t0 = time.perf_counter()
+        try:
+            if slot.event is None:
+                slot.event = self._backend.create_event()
+            self._backend.copy_h2d_async(slot.va, slot.host, self._copy)
+            self._backend.record_event(slot.event, self._copy)
+            self._backend.stream_wait_event(stream, slot.event)
+        except BaseException as exc:
+            slot.state = "poisoned"
+            slot.error = f"page-in copy failed: {exc}"
+            self.counters["failed_page_ins"] += 1
+            self._arena.decommit(slot.va, slot.nbytes, ZONE, [self._compute, self._copy])
+            raise
+        slot.state = "pending"
+        self.policy.admit(slot.key, slot.nbytes)
+        self.counters["page_ins"] += 1
+        self.counters["bytes_copied"] += slot.nbytes
+        return time.perf_counter() - t0
+
+    def _make_room(self, slot: WeightSlot, need: set[str]) -> None:
+        budget = self.policy.capacity_bytes
+        if budget is None:
+            return
+        while True:
+            cost = self._arena.commit_cost(slot.va, slot.nbytes)
+            live = self._arena.zone_live_bytes(ZONE)
+            if live + cost <= budget:
+                return
+            victim = self.policy.victim(exclude=need)
+            if victim is None:
+                raise ResourceExhausted(
+                    f"weights: paging in {slot.key!r} needs {cost} committed bytes, "
+                    f"{max(0, budget - live)} free of a {budget}-byte weight budget and every "
+                    "resident weight is needed by this call",
+                    asked_bytes=cost, free_bytes=max(0, budget - live), zone=ZONE)
+            self._evict(self._slots[victim])
+
+    def _evict(self, slot: WeightSlot) -> None:
+        self._arena.decommit(slot.va, slot.nbytes, ZONE, [self._compute, self._copy])
+        slot.state = "idle"
+        self.policy.evicted(slot.key)
+        self.counters["evictions"] += 1
+
+    def _on_quarantine(self, va: int, nbytes: int) -> None:
+        for s in self._slots.values():
+            if s.va < va + nbytes and va < s.va + s.nbytes:
+                s.state = "poisoned"
+                s.error = f"release of {va:#x}+{nbytes} failed and was quarantined"
+
+    def close(self) -> None:
+        for key in list(self._slots):
+            self.remove(key)

@@ -1,0 +1,245 @@
+"""Runs a model's graphs on the device: weights in VMM slots, KV in the `kv` zone, per-node kernel
+variants from the bounded kernel cache, per-shape plans with captured graphs from the plan LRU.
+
+A plan's first run resolves every node's variant (compiling/loading through the KernelCompiler),
+then captures the whole graph under the process-wide capture gate and replays it; later runs only
+write the inputs, replay and read the outputs. Eager mode (`capture=False`) launches node by node,
+for the eager-vs-graph benchmark and for debugging.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import numpy as np
+
+from gpu_worker.execution.kernel_cache import KernelCache, KernelVariant, VariantSpec
+from gpu_worker.execution.layout import plan_layout
+from gpu_worker.execution.ops import OPS, LaunchContext
+from gpu_worker.execution.plans import PlanCache
+from gpu_worker.graph import Graph
+
+NP_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u8": np.uint8}
+
+
+class ShapePlan:
+    """One (model, phase, batch, seq bucket): activation arena + resolved kernels + graph exec.
+
+    A plan registers itself with the kernel cache as a holder of every variant its graph baked, so
+    a variant eviction resets this plan's graph before the workspace is freed.
+    """
+
+    def __init__(self, executor: "ModelExecutor", key: Hashable, graph: Graph) -> None:
+        self.executor, self.key, self.graph = executor, key, graph
+        self.layout = plan_layout(graph)
+        device = executor.device
+        self.arena_alloc = device.arena.alloc(self.layout.nbytes, "activations", role="plan")
+        self.activation_bytes = self.arena_alloc.size
+        self.graph_exec: object | None = None
+        self.graph_bytes = 0
+        self.steps: list[tuple[object, KernelVariant]] | None = None
+        # Nodes from the first `select_row` on run eagerly after the replay: the row they read
+        # (the prompt's last token inside a padded bucket) is only known per call.
+        self.split = next((i for i, nd in enumerate(graph.nodes) if nd.op == "select_row"),
+                          len(graph.nodes))
+        self._alias: dict[str, int] = {}
+        self.replays = 0
+        self._lock = threading.RLock()
+
+    # -- pointers --------------------------------------------------------------------------------
+    def ptr(self, name: str) -> int:
+        if name in self._alias:
+            return self._alias[name]
+        spec = self.graph.tensors[name]
+        if spec.kind in ("activation", "input"):
+            return self.arena_alloc.ptr + self.layout.offsets[name]
+        if spec.kind == "weight":
+            return self.executor.weight_ptr(name)
+        return self.executor.state_ptr(name)
+
+    # -- running ---------------------------------------------------------------------------------
+    def resolve(self, nodes=None) -> list[tuple[object, KernelVariant]]:
+        steps = []
+        for node in self.graph.nodes[:self.split] if nodes is None else nodes:
+            shapes = self.graph.shapes_of(node.inputs)
+            variant = self.executor.kernels.resolve(
+                node.name, shapes, lambda node=node: self.executor.variant_spec(node, self.graph))
+            steps.append((node, variant))
+        return steps
+
+    def launch_all(self, steps: list[tuple[object, KernelVariant]], stream: object) -> None:
+        device = self.executor.device
+        for node, variant in steps:
+            OPS[node.op].launch(LaunchContext(device, node, self.graph, variant, self.ptr, stream))
+
+    def execute(self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...],
+                capture: bool = True) -> dict[str, np.ndarray]:
+        device = self.executor.device
+        stream = device.stream
+        with self._lock:
+            for name, host in inputs.items():
+                spec = self.graph.tensors[name]
+                arr = np.ascontiguousarray(host, dtype=NP_DTYPES[spec.dtype])
+                assert arr.nbytes == spec.nbytes, f"input {name}: {arr.nbytes} bytes, want {spec.nbytes}"
+                device.to_device(self.ptr(name), arr.view(np.uint8).reshape(-1), stream=stream)
+            if not capture:
+                self.launch_all(self.resolve(), stream)
+            else:
+                if self.graph_exec is None:
+                    self._capture(stream)
+                device.replay(self.graph_exec, stream=stream)
+                self.replays += 1
+            self._run_tail(inputs, stream)
+            out = {}
+            for name in outputs:
+                spec = self.graph.tensors[name]
+                raw = device.from_device(self.ptr(name), spec.nbytes)
+                out[name] = raw.view(NP_DTYPES[spec.dtype]).reshape(spec.shape).copy()
+            return out
+
+    def _run_tail(self, inputs: dict[str, np.ndarray], stream: object) -> None:
+        tail = self.graph.nodes[self.split:]
+        if not tail:
+            return
+        self._alias.clear()
+        kernels = [nd for nd in tail if nd.op != "select_row"]
+        for nd in tail:
+            if nd.op == "select_row":
+                src, index = nd.inputs
+                row = int(np.asarray(inputs[index]).reshape(-1)[0])
+                spec = self.graph.tensors[src]
+                row_bytes = spec.nbytes // spec.shape[0]
+                assert 0 <= row < spec.shape[0], f"select_row: row {row} outside {spec.shape}"
+                self._alias[nd.outputs[0]] = self.ptr(src) + row * row_bytes
+        self.launch_all(self.resolve(kernels), stream)
+
+    def _capture(self, stream: object) -> None:
+        steps = self.resolve()      # may evict variants (and reset other plans' graphs) first
+        device = self.executor.device
+        with device.capture(stream=stream) as cap:
+            self.launch_all(steps, stream)
+        self.graph_exec, self.steps = cap.graph_exec, steps
+        self.graph_bytes = int(cap.graph_bytes)   # measured and booked in `graphs` by the device
+        for _, variant in steps:
+            self.executor.kernels.hold(variant, self)
+
+    def reset_graph(self) -> None:
+        """Destroy the graph exec (it bakes workspace and activation pointers); rebuilt on demand."""
+        with self._lock:
+            if self.graph_exec is None:
+                return
+            device = self.executor.device
+            # The graph may still be running on the stream; destroy it only once it finished.
+            device.synchronize(device.stream)
+            device.destroy_graph_exec(self.graph_exec)    # also unbooks its `graphs` bytes
+            self.graph_exec, self.graph_bytes, self.steps = None, 0, None
+            self.executor.kernels.forget_holder(self)
+
+    def release(self) -> int:
+        with self._lock:
+            freed = self.graph_bytes + self.activation_bytes
+            self.reset_graph()
+            if self.arena_alloc is not None:
+                self.executor.device.arena.free(self.arena_alloc)
+                self.arena_alloc = None
+            self.activation_bytes = 0
+            return freed
+
+
+@dataclass
+class LoadStats:
+    load_seconds: float = 0.0
+    kernels_compiled: int = 0
+    kernels_from_cache: int = 0
+    weight_bytes: int = 0
+
+
+class ModelExecutor:
+    """One loaded model on one device: its weights, state, kernel cache and plan cache.
+
+    Not thread-safe by itself: the runtime serializes calls per model (one sequence at a time
+    owns the KV cache).
+    """
+
+    def __init__(self, device, compiler, variants_per_node: int | None = None,
+                 max_plans: int | None = None, max_plan_bytes: int | None = None) -> None:
+        self.device, self.compiler = device, compiler
+        self.kernels = KernelCache(device.arena, variants_per_node)
+        self.plans = PlanCache(max_plans, max_plan_bytes,
+                               synchronize=lambda: device.synchronize(device.stream))
+        self._weights: dict[str, object] = {}        # key -> WeightSlot
+        self._state: dict[str, object] = {}          # name -> Allocation
+        self._functions: dict[tuple[str, str], object] = {}
+        self._modules: dict[object, object] = {}     # KernelSource -> loaded module
+        self.load = LoadStats()
+
+    # -- weights and state ------------------------------------------------------------------------
+    def add_weight(self, key: str, host: np.ndarray) -> None:
+        self._weights[key] = self.device.weights.add(key, host)
+
+    def weight_ptr(self, key: str) -> int:
+        return int(self._weights[key].va)
+
+    def weight_keys(self) -> list[str]:
+        return list(self._weights)
+
+    def ensure_resident(self) -> None:
+        self.device.weights.ensure_resident(list(self._weights), stream=self.device.stream)
+
+    def add_state(self, name: str, nbytes: int, zone: str) -> None:
+        self._state[name] = self.device.arena.alloc(nbytes, zone, role=zone)
+
+    def state_ptr(self, name: str) -> int:
+        return int(self._state[name].ptr)
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def function(self, kdef) -> object:
+        """The loaded function of a library KernelDef (module compiled/loaded once per source)."""
+        fkey = (kdef.source.module_name, kdef.entry)
+        fn = self._functions.get(fkey)
+        if fn is None:
+            module = self._modules.get(kdef.source)
+            if module is None:
+                module = self.compiler.load(self.device, kdef.source)
+                self._modules[kdef.source] = module
+            fn = self.device.get_function(module, kdef.entry)
+            self._functions[fkey] = fn
+        return fn
+
+    def variant_spec(self, node, graph: Graph) -> VariantSpec:
+        binding = OPS[node.op]
+        return VariantSpec(function={k.name: self.function(k) for k in binding.kernels},
+                           workspace_bytes=binding.workspace(node, graph))
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, key: Hashable, build_graph: Callable[[], Graph], inputs: dict[str, np.ndarray],
+            outputs: tuple[str, ...], capture: bool = True) -> dict[str, np.ndarray]:
+        return self.plans.run(key, lambda: ShapePlan(self, key, build_graph()),
+                              lambda plan: plan.execute(inputs, outputs, capture))
+
+    def trim(self) -> int:
+        """Drop every plan and kernel variant (they rebuild on demand); returns bytes released."""
+        freed = self.plans.evict_all()
+        freed += self.kernels.clear()
+        return freed
+
+    def close(self) -> int:
+        """Release everything the model holds; returns the bytes released."""
+        freed = self.trim()
+        self.device.synchronize(self.device.stream)
+        for alloc in self._state.values():
+            freed += alloc.size
+            self.device.arena.free(alloc)
+        self._state.clear()
+        for key, slot in self._weights.items():
+            freed += int(slot.nbytes)
+            self.device.weights.remove(key)
+        self._weights.clear()
+        for module in self._modules.values():
+            unload = getattr(self.device, "unload_module", None)
+            if unload is not None:
+                unload(module)
+        self._modules.clear()
+        self._functions.clear()
+        return freed

@@ -1,0 +1,147 @@
+"""Shape plans: (model, batch, seq bucket) -> activation arena + resolved kernels + graph exec.
+
+Hazard (DESIGN 1.2): plans retained per (batch, seq) forever, each with an arena, a matmul
+workspace and a captured graph, OOMed a 6 GiB card under diverse batch shapes. A second failure
+hid behind it: the plan map and its LRU list drifted apart when a run threw between insert and
+touch, leaving a plan that no eviction could reach (a zombie) and an eviction that popped a key the
+map no longer had (a crash).
+Contract:
+- at most `max_plans` plans per model (GPUPLANE_MAX_PLANS, default 2) and optionally at most
+  `max_bytes` of activation + graph memory;
+- the map is the LRU (one OrderedDict): they cannot drift; a plan is touched when inserted, before
+  its run, and again after it, whether the run returned or threw;
+- victims are released only after the stream is synchronized (their graphs may still be running),
+  and the plan just executed is never the victim;
+- prefill lengths are bucketed onto a small ladder, so a model holds few distinct shapes.
+Cost: an eviction costs one stream synchronize, paid only when the bound is exceeded.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from typing import Callable, Hashable, Protocol, TypeVar
+
+from services.common.config import env_int
+
+DEFAULT_MAX_PLANS = 2
+# Powers of two from 16; beyond the ladder a prompt is rounded up to a multiple of the last rung.
+SEQ_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+T = TypeVar("T")
+
+
+def max_plans_from_env() -> int:
+    return env_int("GPUPLANE_MAX_PLANS", DEFAULT_MAX_PLANS)
+
+
+def seq_bucket(n: int, ladder: tuple[int, ...] = SEQ_LADDER) -> int:
+    """The smallest rung >= n (n >= 1)."""
+    if n < 1:
+        raise ValueError(f"sequence length must be >= 1, got {n}")
+    i = bisect.bisect_left(ladder, n)
+    if i < len(ladder):
+        return ladder[i]
+    top = ladder[-1]
+    return -(-n // top) * top
+
+
+class Plan(Protocol):
+    activation_bytes: int
+    graph_bytes: int
+
+    def release(self) -> int:
+        """Free the plan's graph and activations; returns the bytes released."""
+
+
+class PlanCache:
+    """LRU of warm plans for one model."""
+
+    def __init__(self, max_plans: int | None = None, max_bytes: int | None = None,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+        self.max_plans = max_plans_from_env() if max_plans is None else max_plans
+        if self.max_plans < 1:
+            raise ValueError(f"max_plans must be >= 1, got {self.max_plans}")
+        self.max_bytes = max_bytes
+        self._synchronize = synchronize
+        self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._lock = threading.RLock()
+        self.hits = self.misses = self.evictions = 0
+
+    def run(self, key: Hashable, build: Callable[[], Plan], execute: Callable[[Plan], T]) -> T:
+        """Run `execute` on the plan for `key` (built on a miss), then enforce the bound."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+                plan = build()
+                self._plans[key] = plan       # insert...
+            else:
+                self.hits += 1
+            self._plans.move_to_end(key)      # ...and touch before the run
+            try:
+                return execute(plan)
+            finally:
+                if key in self._plans:
+                    self._plans.move_to_end(key)   # touch again after, even when it threw
+                self._enforce(protect=key)
+
+    def _over(self) -> bool:
+        if len(self._plans) > self.max_plans:
+            return True
+        return self.max_bytes is not None and self.total_bytes() > self.max_bytes
+
+    def _enforce(self, protect: Hashable) -> None:
+        victims = []
+        order = [k for k in self._plans if k != protect]   # LRU first, never the protected plan
+        while self._over() and order:
+            key = order.pop(0)
+            victims.append((key, self._plans.pop(key)))
+        if not victims:
+            return
+        try:
+            self._synchronize()          # their graphs may still be executing on the stream
+        except BaseException:
+            for key, v in reversed(victims):   # cannot free safely: keep them reachable
+                self._plans[key] = v
+                self._plans.move_to_end(key, last=False)
+            raise
+        for _, v in victims:
+            v.release()
+            self.evictions += 1
+
+    def evict_all(self) -> int:
+        """Release every plan (trim, unload) after synchronizing; returns bytes released."""
+        with self._lock:
+            if not self._plans:
+                return 0
+            self._synchronize()
+            freed = 0
+            while self._plans:
+                _, plan = self._plans.popitem(last=False)
+                freed += plan.release()
+                self.evictions += 1
+            return freed
+
+    def keys(self) -> list[Hashable]:
+        """Plan keys, least recently used first."""
+        with self._lock:
+            return list(self._plans)
+
+    def get(self, key: Hashable) -> Plan | None:
+        with self._lock:
+            return self._plans.get(key)
+
+    def total_bytes(self) -> int:
+        return sum(p.activation_bytes + p.graph_bytes for p in self._plans.values())
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "entries": len(self._plans),
+                "evictions": self.evictions,
+                "hits": self.hits,
+                "misses": self.misses,
+                "graph_bytes": sum(p.graph_bytes for p in self._plans.values()),
+                "activation_bytes": sum(p.activation_bytes for p in self._plans.values()),
+            }

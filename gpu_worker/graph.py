@@ -1,0 +1,91 @@
+"""Model graphs: named nodes over named tensors, in execution order.
+
+A graph is built per shape plan with concrete shapes; node names are stable across plans so the
+per-node kernel cache can key variants on (node name, input shapes). Nodes only name things: the
+executor maps `op` to a kernel launcher and tensor names to device pointers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u8": 1}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the graph produces or consumes. `kind` says who owns its memory:
+    "input" (written by the caller before a run), "activation" (the plan's arena),
+    "state" (owned by the model, e.g. the KV cache), "weight" (a VMM weight slot)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "f32"
+    kind: str = "activation"
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation: `op` names a kernel family, inputs/outputs name tensors, weights name
+    weight keys, attributes are static parameters (eps, head counts, ...)."""
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attributes: Mapping[str, object] = field(default_factory=dict)
+    weights: tuple[str, ...] = ()
+
+    def __hash__(self) -> int:  # attributes is a dict; identity is the stable name
+        return hash(self.name)
+
+
+class GraphError(ValueError):
+    """The graph is malformed (unknown tensor, duplicate node, use before definition)."""
+
+
+@dataclass
+class Graph:
+    """Nodes in execution order plus the specs of every tensor they touch."""
+
+    nodes: list[Node]
+    tensors: dict[str, TensorSpec]
+    outputs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every input is defined before use, every name is known, node names are unique."""
+        defined = {t.name for t in self.tensors.values() if t.kind in ("input", "state", "weight")}
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.name in seen:
+                raise GraphError(f"duplicate node name {node.name!r}")
+            seen.add(node.name)
+            for name in (*node.inputs, *node.outputs, *node.weights):
+                if name not in self.tensors:
+                    raise GraphError(f"node {node.name!r} names unknown tensor {name!r}")
+            for name in (*node.inputs, *node.weights):
+                if name not in defined:
+                    raise GraphError(f"node {node.name!r} reads {name!r} before it is written")
+            defined.update(node.outputs)
+        for name in self.outputs:
+            if name not in defined:
+                raise GraphError(f"graph output {name!r} is never written")
+
+    def shapes_of(self, names: Iterable[str]) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.tensors[n].shape for n in names)
+
+    def activations(self) -> list[TensorSpec]:
+        return [t for t in self.tensors.values() if t.kind == "activation"]
+
+    def activation_bytes(self, align: int = 256) -> int:
+        return sum(-(-t.nbytes // align) * align for t in self.activations())

@@ -1,0 +1,98 @@
+"""Elementwise kernels: SiLU-gate multiply, GELU, residual add, bias add, int32 counter add.
+
+All are grid-stride loops over the elements; outputs may alias inputs (in place).
+- silu_gate: out (rows, cols) = silu(gate) * up, gate/up rows `gate_stride`/`up_stride` floats
+  apart (both halves of a fused gate|up matmul output are addressed in place).
+- gelu: tanh approximation. add: out = a + b. bias_add: out (rows, cols) = x + bias[col].
+- add_i32: p[i] += delta for i < n; advances a device position/length counter inside a captured
+  decode graph so the next replay sees the next position.
+"""
+from __future__ import annotations
+
+from gpu_worker.device.backend import i32, ptr
+from gpu_worker.kernels import reference
+from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, require_sizes
+
+SOURCE = make_source("gp_elementwise", r"""
+extern "C" __global__ void gp_silu_gate(float* out, const float* gate, const float* up, int rows,
+                                        int cols, int gate_stride, int up_stride) {
+    GP_GRID_STRIDE(i, (long long)rows * cols) {
+        const long long r = i / cols, c = i % cols;
+        const float g = gate[r * gate_stride + c];
+        out[i] = g / (1.0f + expf(-g)) * up[r * up_stride + c];
+    }
+}
+
+extern "C" __global__ void gp_gelu(float* out, const float* x, int n) {
+    GP_GRID_STRIDE(i, n) {
+        const float v = x[i];
+        out[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    }
+}
+
+extern "C" __global__ void gp_add(float* out, const float* a, const float* b, int n) {
+    GP_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void gp_bias_add(float* out, const float* x, const float* __restrict__ bias,
+                                       int rows, int cols) {
+    GP_GRID_STRIDE(i, (long long)rows * cols) out[i] = x[i] + bias[i % cols];
+}
+
+extern "C" __global__ void gp_add_i32(int* p, int delta, int n) {
+    GP_GRID_STRIDE(i, n) p[i] += delta;
+}
+""")
+
+
+def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, cols: int,
+                     gate_stride: int | None = None, up_stride: int | None = None,
+                     stream=None) -> None:
+    gs = cols if gate_stride is None else gate_stride
+    us = cols if up_stride is None else up_stride
+    require_sizes("silu_gate", rows=rows, cols=cols, gate_stride=gs, up_stride=us,
+                  elements=rows * cols)
+    if rows * cols == 0:
+        return
+    device.launch(function, grid_1d(rows * cols), BLOCK,
+                  [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
+                  stream=stream)
+
+
+def launch_gelu(device, function, out: int, x: int, n: int, stream=None) -> None:
+    require_sizes("gelu", n=n)
+    if n:
+        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(x), i32(n)], stream=stream)
+
+
+def launch_add(device, function, out: int, a: int, b: int, n: int, stream=None) -> None:
+    require_sizes("add", n=n)
+    if n:
+        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(a), ptr(b), i32(n)], stream=stream)
+
+
+def launch_bias_add(device, function, out: int, x: int, bias: int, rows: int, cols: int,
+                    stream=None) -> None:
+    require_sizes("bias_add", rows=rows, cols=cols, elements=rows * cols)
+    if rows * cols:
+        device.launch(function, grid_1d(rows * cols), BLOCK,
+                      [ptr(out), ptr(x), ptr(bias), i32(rows), i32(cols)], stream=stream)
+
+
+def launch_add_i32(device, function, p: int, delta: int, n: int = 1, stream=None) -> None:
+    require_sizes("add_i32", n=n)
+    if n:
+        device.launch(function, grid_1d(n), BLOCK, [ptr(p), i32(delta), i32(n)], stream=stream)
+
+
+def _add_i32_reference(values, delta: int):
+    return (values + delta).astype("int32")
+
+
+SILU_GATE = KernelDef("silu_gate", "gp_silu_gate", SOURCE, reference.silu_gate, launch_silu_gate)
+GELU = KernelDef("gelu", "gp_gelu", SOURCE, reference.gelu, launch_gelu)
+ADD = KernelDef("add", "gp_add", SOURCE, reference.add, launch_add)
+BIAS_ADD = KernelDef("bias_add", "gp_bias_add", SOURCE, reference.bias_add, launch_bias_add)
+ADD_I32 = KernelDef("add_i32", "gp_add_i32", SOURCE, _add_i32_reference, launch_add_i32)
+
+KERNELS = [SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32]

@@ -1,0 +1,196 @@
+"""Linear layers: y = x @ W^T (+ bias) with W int4 block-quantized, two ways.
+
+- Workspace path (prefill, many rows): `int4_dequant` expands W into a float32 workspace of
+  N * K * 4 bytes (its `workspace_bytes(n=, k=)`), then `matmul_nt`, a shared-memory tiled matmul
+  (64x64 tiles, K step 16, 4x4 outputs per thread), reads it. Dequantization is exact in float32
+  (a 4-bit integer times an fp16 scale), so this path equals the reference up to summation order.
+  This workspace is the "dequantization scratch" of DESIGN 1.1: it scales with the weight, so every
+  per-node kernel variant that keeps one must have it booked in the `workspace` zone.
+- Fused path (decode, few rows): `int4_matmul` reads the packed weight directly, one warp per
+  output column, each lane one 16-byte block (32 weights, one scale) per step, so a batch-1 decode
+  step reads 0.56 bytes per weight instead of 8.5. Needs no workspace. It re-reads W once per 4 rows
+  of x, so above FUSED_MAX_ROWS rows the workspace path is faster: see `int4_path`.
+
+Layout (gpu_worker.kernels.reference): packed (N, 16 * ceil(K/32)) uint8, scales (N, ceil(K/32))
+fp16. The fused kernel loads 16-byte vectors: `packed` must be 16-byte aligned.
+Shapes: x (M, K), y (M, N) f32, bias (N,) f32 or 0. `accumulate` adds into y (a fused residual).
+"""
+from __future__ import annotations
+
+from gpu_worker.device.backend import i32, ptr
+from gpu_worker.kernels import reference
+from gpu_worker.kernels.common import (BLOCK, KernelDef, ceil_div, grid_1d, make_source, require,
+                                       require_sizes)
+
+FUSED_MAX_ROWS = 16   # at or below: int4_matmul; above: int4_dequant + matmul_nt
+TILE = 64             # matmul_nt output tile (rows and columns)
+FUSED_COLS = 8        # int4_matmul: output columns per block (one per warp)
+FUSED_ROWS = 4        # int4_matmul: rows of x per block
+
+SOURCE = make_source("gp_linear", r"""
+extern "C" __global__ void gp_int4_dequant(float* __restrict__ w, const unsigned char* __restrict__ packed,
+                                           const unsigned short* __restrict__ scales, int n, int k) {
+    const int kb = (k + 31) >> 5;
+    GP_GRID_STRIDE(i, (long long)n * k) {
+        const int r = (int)(i / k), c = (int)(i % k);
+        const unsigned char byte = packed[(size_t)r * kb * 16 + (c >> 1)];
+        const int nib = (c & 1) ? (byte >> 4) : (byte & 15);
+        w[i] = (float)(nib - 8) * gp_half_to_float(scales[(size_t)r * kb + (c >> 5)]);
+    }
+}
+
+#define GP_TM 64
+#define GP_TN 64
+#define GP_TK 16
+// y[M,N] = x[M,K] . w[N,K]^T (+ bias). Block 256 = 16x16 threads, each a 4x4 patch of a 64x64 tile.
+extern "C" __global__ void __launch_bounds__(256)
+gp_matmul_nt(float* y, const float* __restrict__ x, const float* __restrict__ w,
+             const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    __shared__ float xs[GP_TK][GP_TM + 4];
+    __shared__ float ws[GP_TK][GP_TN + 4];
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int m0 = blockIdx.y * GP_TM, n0 = blockIdx.x * GP_TN;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += GP_TK) {
+        for (int e = tid; e < GP_TM * GP_TK; e += 256) {
+            const int r = e / GP_TK, kk = e % GP_TK, gk = k0 + kk;
+            const int gm = m0 + r, gn = n0 + r;
+            xs[kk][r] = (gm < M && gk < K) ? x[(size_t)gm * K + gk] : 0.f;
+            ws[kk][r] = (gn < N && gk < K) ? w[(size_t)gn * K + gk] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < GP_TK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty * 4 + i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx * 4 + j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int gm = m0 + ty * 4 + i;
+        if (gm >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int gn = n0 + tx * 4 + j;
+            if (gn >= N) continue;
+            float v = acc[i][j] + (bias ? bias[gn] : 0.f);
+            float* yp = y + (size_t)gm * N + gn;
+            *yp = accumulate ? *yp + v : v;
+        }
+    }
+}
+
+// Fused int4 matmul for few rows: warp = one output column n, lane = one 32-weight block per step.
+extern "C" __global__ void __launch_bounds__(256)
+gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
+               const unsigned short* __restrict__ scales, const float* __restrict__ bias,
+               int M, int N, int K, int accumulate) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x * 8 + warp;
+    const int m0 = blockIdx.y * 4;
+    if (n >= N) return;  // warp-uniform; this kernel has no block barrier
+    const int kb = (K + 31) >> 5;
+    const uint4* prow = reinterpret_cast<const uint4*>(packed + (size_t)n * kb * 16);
+    const unsigned short* srow = scales + (size_t)n * kb;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = lane; b < kb; b += 32) {
+        const uint4 pk = prow[b];
+        const unsigned int words[4] = {pk.x, pk.y, pk.z, pk.w};
+        const float s = gp_half_to_float(srow[b]);
+        const int kbase = b * 32;
+        const bool full = kbase + 32 <= K;
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+            const int m = m0 + mi;
+            if (m >= M) break;
+            const float* xr = x + (size_t)m * K + kbase;
+            float part = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int kk = wi * 8 + j;
+                    if (full || kbase + kk < K) {
+                        part = fmaf(xr[kk], (float)((int)((words[wi] >> (4 * j)) & 15u) - 8), part);
+                    }
+                }
+            }
+            acc[mi] = fmaf(part, s, acc[mi]);
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+        const int m = m0 + mi;
+        if (m >= M) break;
+        float v = gp_warp_sum(acc[mi]);
+        if (lane == 0) {
+            v += bias ? bias[n] : 0.f;
+            float* yp = y + (size_t)m * N + n;
+            *yp = accumulate ? *yp + v : v;
+        }
+    }
+}
+""")
+
+
+def int4_path(m: int) -> str:
+    """Which linear path serves `m` rows: "fused" (int4_matmul) or "dequant" (+ matmul_nt)."""
+    return "fused" if m <= FUSED_MAX_ROWS else "dequant"
+
+
+def launch_int4_dequant(device, function, workspace: int, packed: int, scales: int, n: int, k: int,
+                        stream=None) -> None:
+    """Expand W (n, k) into `workspace` (n * k float32, see INT4_DEQUANT.workspace_bytes)."""
+    require_sizes("int4_dequant", n=n, k=k, elements=n * k)
+    if n == 0 or k == 0:
+        return
+    device.launch(function, grid_1d(n * k), BLOCK,
+                  [ptr(workspace), ptr(packed), ptr(scales), i32(n), i32(k)], stream=stream)
+
+
+def launch_matmul_nt(device, function, y: int, x: int, w: int, bias: int, m: int, n: int, k: int,
+                     accumulate: bool = False, stream=None) -> None:
+    require_sizes("matmul_nt", m=m, n=n, k=k)
+    if m == 0 or n == 0:
+        return
+    require(ceil_div(m, TILE) < 65536, f"matmul_nt: m={m} exceeds {65535 * TILE} rows")
+    device.launch(function, (ceil_div(n, TILE), ceil_div(m, TILE), 1), BLOCK,
+                  [ptr(y), ptr(x), ptr(w), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream)
+
+
+def launch_int4_matmul(device, function, y: int, x: int, packed: int, scales: int, bias: int,
+                       m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
+    require_sizes("int4_matmul", m=m, n=n, k=k)
+    require(packed % 16 == 0, f"int4_matmul: packed weight 0x{packed:x} must be 16-byte aligned")
+    if m == 0 or n == 0:
+        return
+    require(ceil_div(m, FUSED_ROWS) < 65536, f"int4_matmul: m={m} too large; use the dequant path")
+    device.launch(function, (ceil_div(n, FUSED_COLS), ceil_div(m, FUSED_ROWS), 1), BLOCK,
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream)
+
+
+def _dequant_workspace(*, n: int, k: int, **_: int) -> int:
+    return 4 * n * k
+
+
+INT4_DEQUANT = KernelDef("int4_dequant", "gp_int4_dequant", SOURCE, reference.int4_dequantize,
+                         launch_int4_dequant, workspace=_dequant_workspace)
+MATMUL_NT = KernelDef("matmul_nt", "gp_matmul_nt", SOURCE, reference.matmul_nt, launch_matmul_nt)
+INT4_MATMUL = KernelDef("int4_matmul", "gp_int4_matmul", SOURCE, reference.int4_matmul,
+                        launch_int4_matmul)
+
+KERNELS = [INT4_DEQUANT, MATMUL_NT, INT4_MATMUL]

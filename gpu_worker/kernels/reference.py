@@ -1,0 +1,160 @@
+"""NumPy references for every kernel of the library: the correctness oracle.
+
+float32 throughout, written to the same conventions as the model references
+(gpu_worker/models/reference.py): rotary pairs (i, i + d/2) ("rotate half") with angles computed in
+float32, GQA query head h reads KV head h // (heads // kv_heads), softmax scale 1/sqrt(head_dim) unless
+given, tanh-approximated GELU, argmax ties to the lowest index.
+
+int4 layout (block 32 along K, fp16 scales, signed by a zero offset of 8): a row of W (N, K) is
+ceil(K/32) blocks; block b is 16 bytes, byte i holding k = 32b + 2i in its low nibble and 32b + 2i + 1
+in its high nibble; nibble n stands for n - 8. K is padded up to a multiple of 32 with the nibble 8
+(zero), so packed is (N, 16 * ceil(K/32)) uint8 and scales (N, ceil(K/32)) float16. When K is a
+multiple of 32 this is exactly gpu_worker.models.weights' layout.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+QUANT_BLOCK = 32
+
+
+def int4_blocks(k: int) -> int:
+    return -(-k // QUANT_BLOCK)
+
+
+def int4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 per block of 32 along K (absmax / 7, fp16 scales); any K (zero-padded)."""
+    n, k = w.shape
+    kb = int4_blocks(k)
+    padded = np.zeros((n, kb * QUANT_BLOCK), np.float32)
+    padded[:, :k] = w
+    blocks = padded.reshape(n, kb, QUANT_BLOCK)
+    scales = (np.abs(blocks).max(axis=2) / 7.0).astype(np.float16)
+    safe = np.where(scales == 0, np.float16(1), scales).astype(np.float32)[..., None]
+    q = np.clip(np.rint(blocks / safe), -8, 7).astype(np.int16).reshape(n, kb * QUANT_BLOCK)
+    nib = (q + 8).astype(np.uint8)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return packed, scales
+
+
+def int4_unpack(packed: np.ndarray) -> np.ndarray:
+    """The signed integers in [-8, 7] of a packed matrix, (N, 32 * blocks) int8, padding included."""
+    q = np.empty((packed.shape[0], packed.shape[1] * 2), np.int8)
+    q[:, 0::2] = (packed & 0x0F).astype(np.int8) - 8
+    q[:, 1::2] = (packed >> 4).astype(np.int8) - 8
+    return q
+
+
+def int4_dequantize(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+    """float32 (N, K): nibble - 8 times its block's fp16 scale (exact in float32)."""
+    n = packed.shape[0]
+    q = int4_unpack(packed).astype(np.float32).reshape(n, -1, QUANT_BLOCK)
+    return (q * scales.astype(np.float32)[..., None]).reshape(n, -1)[:, :k]
+
+
+def matmul_nt(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ w.T (+ bias): x (M, K), w (N, K) float32."""
+    y = (x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32)
+    return y if bias is None else (y + bias).astype(np.float32)
+
+
+def int4_matmul(x: np.ndarray, packed: np.ndarray, scales: np.ndarray,
+                bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ dequant(W).T (+ bias) with K = x.shape[1]."""
+    return matmul_nt(x, int4_dequantize(packed, scales, x.shape[1]), bias)
+
+
+def embedding_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows of an fp16 table as float32; an id outside [0, vocab) gives a zero row."""
+    ids = np.asarray(ids, np.int64)
+    valid = (ids >= 0) & (ids < table.shape[0])
+    out = table[np.where(valid, ids, 0)].astype(np.float32)
+    out[~valid] = 0.0
+    return out
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return ((x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w).astype(np.float32)
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) -> np.ndarray:
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + eps) * w
+    return (y if b is None else y + b).astype(np.float32)
+
+
+def rotary(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x (tokens, heads, head_dim) rotated at `positions` (tokens,), rotate-half convention."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = np.float32(theta) ** (-np.arange(0, half, dtype=np.float32) * np.float32(2.0) / np.float32(d))
+    ang = np.asarray(positions).astype(np.float32)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, causal: bool,
+              n_valid: int | None = None, scale: float | None = None) -> np.ndarray:
+    """q (S, H, d), k/v (T, KV, d). Query i sees key j when j < n_valid and (not causal or
+    j <= q_pos[i]); a query that sees no key gets zeros."""
+    s, heads, d = q.shape
+    t = k.shape[0]
+    group = heads // k.shape[1]
+    kk = np.repeat(k, group, axis=1)
+    vv = np.repeat(v, group, axis=1)
+    sc = np.float32(1.0 / np.sqrt(d)) if scale is None else np.float32(scale)
+    scores = np.einsum("shd,thd->hst", q, kk).astype(np.float32) * sc
+    visible = np.arange(t)[None, :] < (t if n_valid is None else n_valid)
+    visible = np.broadcast_to(visible, (s, t))
+    if causal:
+        visible = visible & (np.arange(t)[None, :] <= np.asarray(q_pos)[:, None])
+    scores = np.where(visible[None], scores, np.float32(-np.inf))
+    row_max = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - np.where(np.isfinite(row_max), row_max, 0))
+    denom = p.sum(axis=-1, keepdims=True)
+    p = np.where(denom > 0, p / np.where(denom > 0, denom, 1), 0)
+    return np.einsum("hst,thd->shd", p, vv).astype(np.float32)
+
+
+def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """tanh approximation (as BERT's and the model reference's)."""
+    return (0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))).astype(np.float32)
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a + b).astype(np.float32)
+
+
+def bias_add(x: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    return (x + bias[None, :]).astype(np.float32)
+
+
+def argmax(x: np.ndarray) -> np.ndarray:
+    """Per row, int32; ties go to the lowest index."""
+    return np.argmax(x, axis=-1).astype(np.int32)
+
+
+def mean_pool(x: np.ndarray, lens: np.ndarray | None = None) -> np.ndarray:
+    """x (B, S, H) -> (B, H): mean over the first lens[b] positions (all when None; 0 gives zeros)."""
+    b, s, h = x.shape
+    out = np.zeros((b, h), np.float32)
+    for i in range(b):
+        n = s if lens is None else int(min(max(int(lens[i]), 0), s))
+        if n:
+            out[i] = x[i, :n].mean(axis=0)
+    return out
+
+
+def kv_append(cache: np.ndarray, new: np.ndarray, pos: int) -> np.ndarray:
+    """cache (max_len, KV, d) with new (tokens, KV, d) written at pos..; rows past max_len dropped."""
+    out = cache.copy()
+    for t in range(new.shape[0]):
+        if 0 <= pos + t < cache.shape[0]:
+            out[pos + t] = new[t]
+    return out

@@ -1,0 +1,60 @@
+"""Rotary position embedding (Llama "rotate half"), in place.
+
+Shapes: x (batch, tokens, heads, head_dim) f32 with `row_stride` floats between consecutive tokens
+(so q and k can be rotated inside a fused QKV buffer), rotating pairs (i, i + head_dim/2).
+Position of token t of sequence b: (pos ? pos[b] : 0) + pos_offset + t, where `pos` is a device
+int32 per sequence. Reading the position from device memory is what lets a captured decode graph
+be replayed at every step: the graph bakes the pointer, the step writes the value.
+Angles are float32 (pos * theta^(-2i/d)), as in the references.
+"""
+from __future__ import annotations
+
+from gpu_worker.device.backend import f32, i32, ptr
+from gpu_worker.kernels import reference
+from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, require, require_sizes
+
+SOURCE = make_source("gp_rotary", r"""
+extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int batch, int tokens,
+                                     int heads, int head_dim, int row_stride, int pos_offset,
+                                     float theta) {
+    const int half = head_dim >> 1;
+    const long long total = (long long)batch * tokens * heads * half;
+    GP_GRID_STRIDE(i, total) {
+        const int j = (int)(i % half);
+        long long rest = i / half;
+        const int h = (int)(rest % heads);
+        rest /= heads;
+        const int t = (int)(rest % tokens);
+        const int b = (int)(rest / tokens);
+        const int p = (pos ? pos[b] : 0) + pos_offset + t;
+        const float inv = powf(theta, -((float)(2 * j) / (float)head_dim));
+        float s, c;
+        sincosf((float)p * inv, &s, &c);
+        float* row = x + ((size_t)b * tokens + t) * row_stride + (size_t)h * head_dim;
+        const float x1 = row[j], x2 = row[j + half];
+        row[j] = x1 * c - x2 * s;
+        row[j + half] = x2 * c + x1 * s;
+    }
+}
+""")
+
+
+def launch_rotary(device, function, x: int, pos: int, batch: int, tokens: int, heads: int,
+                  head_dim: int, row_stride: int, pos_offset: int, theta: float,
+                  stream=None) -> None:
+    require_sizes("rotary", batch=batch, tokens=tokens, heads=heads, head_dim=head_dim,
+                  row_stride=row_stride, items=batch * tokens * heads * head_dim)
+    require(head_dim % 2 == 0, f"rotary: head_dim={head_dim} must be even")
+    require(row_stride >= heads * head_dim or tokens * batch <= 1,
+            f"rotary: row_stride={row_stride} < heads*head_dim={heads * head_dim}")
+    total = batch * tokens * heads * (head_dim // 2)
+    if total == 0:
+        return
+    device.launch(function, grid_1d(total), BLOCK,
+                  [ptr(x), ptr(pos), i32(batch), i32(tokens), i32(heads), i32(head_dim),
+                   i32(row_stride), i32(pos_offset), f32(theta)], stream=stream)
+
+
+ROTARY = KernelDef("rotary", "gp_rotary", SOURCE, reference.rotary, launch_rotary)
+
+KERNELS = [ROTARY]

@@ -1,0 +1,441 @@
+"""Run every kernel on a device against its NumPy reference: the library's self-check.
+
+The CPU tests run it on the sim backend (argument plumbing, memory footprint, replay semantics)
+and the GPU tests on the cuda backend (the CUDA code itself), over the same cases, so a case that
+passes on one and fails on the other points at the CUDA source, not at the test.
+
+    with KernelHarness(device, compiler) as h:
+        outcome = CASES[0].run(h, np.random.default_rng(0))
+        assert outcome.failure() is None, outcome.failure()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from gpu_worker.kernels import reference as ref
+from gpu_worker.kernels.attention import (ATTENTION_DECODE, ATTENTION_PREFILL, KV_APPEND,
+                                          launch_attention_decode, launch_attention_prefill,
+                                          launch_kv_append)
+from gpu_worker.kernels.common import KernelDef
+from gpu_worker.kernels.elementwise import (ADD, ADD_I32, BIAS_ADD, GELU, SILU_GATE, launch_add,
+                                            launch_add_i32, launch_bias_add, launch_gelu,
+                                            launch_silu_gate)
+from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
+from gpu_worker.kernels.linear import (INT4_DEQUANT, INT4_MATMUL, MATMUL_NT, launch_int4_dequant,
+                                       launch_int4_matmul, launch_matmul_nt)
+from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
+from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
+from gpu_worker.kernels.rotary import ROTARY, launch_rotary
+
+
+class KernelHarness:
+    """Loads the library's modules once per device and moves arrays to and from the device."""
+
+    def __init__(self, device, compiler) -> None:
+        self.device, self.compiler = device, compiler
+        self._modules: dict[str, object] = {}
+        self._functions: dict[str, object] = {}
+        self._allocs: list = []
+
+    def function(self, kdef: KernelDef) -> object:
+        if kdef.entry not in self._functions:
+            name = kdef.source.module_name
+            if name not in self._modules:
+                self._modules[name] = self.compiler.load(self.device, kdef.source)
+            self._functions[kdef.entry] = self.device.get_function(self._modules[name], kdef.entry)
+        return self._functions[kdef.entry]
+
+    def put(self, host: np.ndarray) -> int:
+        a = self.device.arena.alloc(max(1, host.nbytes), "activations")
+        self._allocs.append(a)
+        if host.nbytes:
+            self.device.to_device(a.ptr, host)
+        return a.ptr
+
+    def get(self, p: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        self.device.synchronize()
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.device.from_device(p, n).view(dtype).reshape(shape).copy()
+
+    def close(self) -> None:
+        self.device.synchronize()
+        for a in self._allocs:
+            self.device.arena.free(a)
+        self._allocs.clear()
+
+    def __enter__(self) -> "KernelHarness":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Outcome:
+    got: np.ndarray
+    want: np.ndarray
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def failure(self) -> str | None:
+        """None when got matches want within tolerance, else what differs and by how much."""
+        if self.got.shape != self.want.shape:
+            return f"shape {self.got.shape} != reference {self.want.shape}"
+        if self.got.dtype.kind in "iu":
+            bad = np.flatnonzero(self.got.reshape(-1) != self.want.reshape(-1))
+            return None if bad.size == 0 else (
+                f"{bad.size} of {self.got.size} differ; first at {bad[0]}: "
+                f"{self.got.reshape(-1)[bad[0]]} != {self.want.reshape(-1)[bad[0]]}")
+        err = np.abs(self.got.astype(np.float64) - self.want.astype(np.float64))
+        limit = self.atol + self.rtol * np.abs(self.want.astype(np.float64))
+        if np.all(err <= limit) and np.isfinite(self.got).all() == np.isfinite(self.want).all():
+            return None
+        i = int(np.argmax(err - limit))
+        return (f"max error {err.max():.3g} (rtol {self.rtol}, atol {self.atol}); worst at flat "
+                f"index {i}: got {self.got.reshape(-1)[i]!r}, want {self.want.reshape(-1)[i]!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    run_fn: Callable[..., Outcome]
+    shapes: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.kernel + "[" + ",".join(f"{k}={v}" for k, v in self.shapes.items()) + "]"
+
+    def run(self, h: KernelHarness, rng: np.random.Generator) -> Outcome:
+        return self.run_fn(h, rng, **self.shapes)
+
+
+def _f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- cases --------------------------------------------------------------------------------------
+def embedding_case(h, rng, rows, hidden, vocab, accumulate=False) -> Outcome:
+    table = _f32(rng, vocab, hidden).astype(np.float16)
+    ids = rng.integers(0, vocab, rows).astype(np.int32)
+    ids[::5] = vocab - 1
+    if rows > 2:
+        ids[1], ids[2] = -1, vocab  # out of range: zero rows, no out-of-bounds read
+    init = _f32(rng, rows, hidden)
+    out = h.put(init)
+    launch_embedding_gather(h.device, h.function(EMBEDDING_GATHER), out, h.put(table), h.put(ids),
+                            rows, hidden, vocab, accumulate)
+    want = ref.embedding_gather(table, ids) + (init if accumulate else 0)
+    return Outcome(h.get(out, (rows, hidden)), want.astype(np.float32), 0, 1e-6)
+
+
+def rmsnorm_case(h, rng, rows, hidden) -> Outcome:
+    x, w = _f32(rng, rows, hidden, scale=3.0), _f32(rng, hidden)
+    out = h.put(np.zeros((rows, hidden), np.float32))
+    launch_rmsnorm(h.device, h.function(RMSNORM), out, h.put(x), h.put(w), rows, hidden, 1e-5)
+    return Outcome(h.get(out, (rows, hidden)), ref.rmsnorm(x, w, 1e-5), 1e-4, 1e-5)
+
+
+def layernorm_case(h, rng, rows, hidden, bias=True) -> Outcome:
+    x, w, b = _f32(rng, rows, hidden, scale=3.0) + 5.0, _f32(rng, hidden), _f32(rng, hidden)
+    xp = h.put(x)  # in place: out aliases x
+    launch_layernorm(h.device, h.function(LAYERNORM), xp, xp, h.put(w), h.put(b) if bias else 0,
+                     rows, hidden, 1e-5)
+    want = ref.layernorm(x, w, b if bias else None, 1e-5)
+    return Outcome(h.get(xp, (rows, hidden)), want, 1e-4, 2e-5)
+
+
+def _quantized(rng, n, k):
+    return ref.int4_quantize(_f32(rng, n, k, scale=1.0 / np.sqrt(k)))
+
+
+def int4_dequant_case(h, rng, n, k) -> Outcome:
+    packed, scales = _quantized(rng, n, k)
+    ws = h.put(np.full(INT4_DEQUANT.workspace_bytes(n=n, k=k) // 4, np.nan, np.float32))
+    launch_int4_dequant(h.device, h.function(INT4_DEQUANT), ws, h.put(packed), h.put(scales), n, k)
+    return Outcome(h.get(ws, (n, k)), ref.int4_dequantize(packed, scales, k), 0, 0)
+
+
+def matmul_nt_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
+    x, w = _f32(rng, m, k), _f32(rng, n, k, scale=1.0 / np.sqrt(k))
+    b = _f32(rng, n) if bias else None
+    y0 = _f32(rng, m, n)
+    y = h.put(y0)
+    launch_matmul_nt(h.device, h.function(MATMUL_NT), y, h.put(x), h.put(w),
+                     h.put(b) if bias else 0, m, n, k, accumulate)
+    want = ref.matmul_nt(x, w, b) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
+
+
+def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k)
+    b = _f32(rng, n) if bias else None
+    y0 = _f32(rng, m, n)
+    y = h.put(y0)
+    launch_int4_matmul(h.device, h.function(INT4_MATMUL), y, h.put(x), h.put(packed),
+                       h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate)
+    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
+
+
+def int4_linear_case(h, rng, m, n, k) -> Outcome:
+    """The workspace path end to end: dequant into the booked workspace, then the tiled matmul."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k)
+    ws = h.put(np.zeros(INT4_DEQUANT.workspace_bytes(n=n, k=k) // 4, np.float32))
+    y = h.put(np.zeros((m, n), np.float32))
+    launch_int4_dequant(h.device, h.function(INT4_DEQUANT), ws, h.put(packed), h.put(scales), n, k)
+    launch_matmul_nt(h.device, h.function(MATMUL_NT), y, h.put(x), ws, 0, m, n, k)
+    return Outcome(h.get(y, (m, n)), ref.int4_matmul(x, packed, scales), 1e-4, 1e-4)
+
+
+def rotary_case(h, rng, batch, tokens, heads, head_dim, pad=0, offset=0, theta=10000.0) -> Outcome:
+    stride = heads * head_dim + pad
+    x = _f32(rng, batch * tokens, stride)
+    pos = rng.integers(0, 500, batch).astype(np.int32)
+    xp = h.put(x)
+    launch_rotary(h.device, h.function(ROTARY), xp, h.put(pos), batch, tokens, heads, head_dim,
+                  stride, offset, theta)
+    want = x.copy()
+    for b in range(batch):
+        rows = slice(b * tokens, (b + 1) * tokens)
+        xb = x[rows, :heads * head_dim].reshape(tokens, heads, head_dim)
+        p = pos[b] + offset + np.arange(tokens)
+        want[rows, :heads * head_dim] = ref.rotary(xb, p, theta).reshape(tokens, -1)
+    return Outcome(h.get(xp, x.shape), want, 1e-4, 2e-5)
+
+
+def prefill_case(h, rng, batch, tokens, heads, kv_heads, head_dim, causal=True, past=0,
+                 past_arg=0, lens=None) -> Outcome:
+    """q from a padded buffer; K/V in cache layout (batch, max_len, kv_heads, head_dim) holding
+    `past + past_arg` earlier rows, then this prefill's rows."""
+    p = past + past_arg
+    max_len = p + tokens + 3
+    q_stride = heads * head_dim + 8
+    kv_row = kv_heads * head_dim
+    q = _f32(rng, batch * tokens, q_stride)
+    kc, vc = _f32(rng, batch, max_len, kv_heads, head_dim), _f32(rng, batch, max_len, kv_heads, head_dim)
+    lens_arr = None if lens is None else np.asarray(lens, np.int32)
+    out = h.put(np.zeros((batch * tokens, heads * head_dim), np.float32))
+    launch_attention_prefill(
+        h.device, h.function(ATTENTION_PREFILL), out, h.put(q), h.put(kc), h.put(vc),
+        h.put(lens_arr) if lens is not None else 0,
+        h.put(np.full(batch, past, np.int32)) if past else 0, batch, tokens, heads, kv_heads,
+        head_dim, q_stride, kv_row, max_len * kv_row, p - past, causal)
+    want = np.zeros((batch * tokens, heads * head_dim), np.float32)
+    for b in range(batch):
+        qb = q[b * tokens:(b + 1) * tokens, :heads * head_dim].reshape(tokens, heads, head_dim)
+        valid = (tokens if lens is None else int(lens[b])) + p
+        r = ref.attention(qb, kc[b, :valid], vc[b, :valid], p + np.arange(tokens), causal)
+        want[b * tokens:(b + 1) * tokens] = r.reshape(tokens, -1)
+    return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
+
+
+def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, max_len=None) -> Outcome:
+    lengths = np.asarray(lengths, np.int32)
+    max_len = int(lengths.max()) + len_add + 2 if max_len is None else max_len
+    q = _f32(rng, batch, heads * head_dim)
+    kc, vc = _f32(rng, batch, max_len, kv_heads, head_dim), _f32(rng, batch, max_len, kv_heads, head_dim)
+    out = h.put(np.zeros((batch, heads * head_dim), np.float32))
+    kv_row = kv_heads * head_dim
+    launch_attention_decode(h.device, h.function(ATTENTION_DECODE), out, h.put(q), h.put(kc),
+                            h.put(vc), h.put(lengths), batch, heads, kv_heads, head_dim,
+                            heads * head_dim, kv_row, max_len * kv_row, len_add, max_len)
+    want = np.zeros((batch, heads * head_dim), np.float32)
+    for b in range(batch):
+        n = max(0, min(int(lengths[b]) + len_add, max_len))
+        r = ref.attention(q[b].reshape(1, heads, head_dim), kc[b, :n], vc[b, :n], np.array([n - 1]),
+                          False)
+        want[b] = r.reshape(-1)
+    return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
+
+
+def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0, max_len=16) -> Outcome:
+    width = kv_heads * head_dim
+    src_stride = 3 * width  # k and v inside a fused qkv-like row
+    src = _f32(rng, batch * tokens, src_stride)
+    kc, vc = _f32(rng, batch, max_len, width), _f32(rng, batch, max_len, width)
+    kp, vp, sp = h.put(kc), h.put(vc), h.put(src)
+    launch_kv_append(h.device, h.function(KV_APPEND), kp, vp, sp + 4 * width, sp + 8 * width,
+                     h.put(np.asarray(pos, np.int32)), batch, tokens, kv_heads, head_dim,
+                     src_stride, width, max_len * width, offset, max_len)
+    wk, wv = kc.copy(), vc.copy()
+    for b in range(batch):
+        rows = src[b * tokens:(b + 1) * tokens]
+        start = pos[b] + offset
+        wk[b] = ref.kv_append(kc[b], rows[:, width:2 * width], start)
+        wv[b] = ref.kv_append(vc[b], rows[:, 2 * width:], start)
+    got = np.stack([h.get(kp, kc.shape), h.get(vp, vc.shape)])
+    return Outcome(got, np.stack([wk, wv]), 0, 0)
+
+
+def silu_gate_case(h, rng, rows, cols) -> Outcome:
+    gu = _f32(rng, rows, 2 * cols, scale=3.0)  # a fused gate|up matmul output
+    out = h.put(np.zeros((rows, cols), np.float32))
+    p = h.put(gu)
+    launch_silu_gate(h.device, h.function(SILU_GATE), out, p, p + 4 * cols, rows, cols,
+                     2 * cols, 2 * cols)
+    return Outcome(h.get(out, (rows, cols)), ref.silu_gate(gu[:, :cols], gu[:, cols:]), 1e-5, 1e-6)
+
+
+def gelu_case(h, rng, n) -> Outcome:
+    x = _f32(rng, n, scale=4.0)
+    p = h.put(x)
+    launch_gelu(h.device, h.function(GELU), p, p, n)
+    return Outcome(h.get(p, (n,)), ref.gelu(x), 1e-5, 1e-6)
+
+
+def add_case(h, rng, n) -> Outcome:
+    a, b = _f32(rng, n), _f32(rng, n)
+    out = h.put(np.zeros(n, np.float32))
+    launch_add(h.device, h.function(ADD), out, h.put(a), h.put(b), n)
+    return Outcome(h.get(out, (n,)), ref.add(a, b), 0, 0)
+
+
+def bias_add_case(h, rng, rows, cols) -> Outcome:
+    x, b = _f32(rng, rows, cols), _f32(rng, cols)
+    p = h.put(x)
+    launch_bias_add(h.device, h.function(BIAS_ADD), p, p, h.put(b), rows, cols)
+    return Outcome(h.get(p, (rows, cols)), ref.bias_add(x, b), 0, 0)
+
+
+def add_i32_case(h, rng, n, delta) -> Outcome:
+    v = rng.integers(-1000, 1000, n).astype(np.int32)
+    p = h.put(v)
+    launch_add_i32(h.device, h.function(ADD_I32), p, delta, n)
+    return Outcome(h.get(p, (n,), np.int32), (v + delta).astype(np.int32))
+
+
+def argmax_case(h, rng, rows, cols) -> Outcome:
+    x = _f32(rng, rows, cols)
+    for r in range(rows):  # a tie for the maximum: the lowest index must win
+        i, j = sorted(rng.choice(cols, 2, replace=False)) if cols > 1 else (0, 0)
+        x[r, i] = x[r, j] = x[r].max() + 1.0
+    out = h.put(np.full(rows, -7, np.int32))
+    launch_argmax(h.device, h.function(ARGMAX), out, h.put(x), rows, cols)
+    return Outcome(h.get(out, (rows,), np.int32), ref.argmax(x))
+
+
+def mean_pool_case(h, rng, batch, seq, hidden, lens=None) -> Outcome:
+    x = _f32(rng, batch, seq, hidden)
+    out = h.put(np.full((batch, hidden), np.nan, np.float32))
+    lp = 0 if lens is None else h.put(np.asarray(lens, np.int32))
+    launch_mean_pool(h.device, h.function(MEAN_POOL), out, h.put(x), lp, batch, seq, hidden)
+    want = ref.mean_pool(x, None if lens is None else np.asarray(lens))
+    return Outcome(h.get(out, (batch, hidden)), want, 1e-5, 1e-6)
+
+
+def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=10000.0) -> Outcome:
+    """One decode step captured once and replayed `steps` times: rotary at the device position,
+    KV append at it, attention over position + 1 keys, position += 1. Every replay must see the
+    position the previous one left, i.e. the graph must not bake the KV length."""
+    max_len = start + steps + 2
+    width, qw = kv_heads * head_dim, heads * head_dim
+    kc = np.zeros((max_len, kv_heads, head_dim), np.float32)
+    vc = np.zeros_like(kc)
+    kc[:start], vc[:start] = _f32(rng, start, kv_heads, head_dim), _f32(rng, start, kv_heads, head_dim)
+    kp, vp = h.put(kc), h.put(vc)
+    pos = h.put(np.array([start], np.int32))
+    qp, knp, vnp = h.put(np.zeros(qw, np.float32)), h.put(np.zeros(width, np.float32)), \
+        h.put(np.zeros(width, np.float32))
+    out = h.put(np.zeros(qw, np.float32))
+    dev, fn = h.device, h.function
+    with dev.capture() as cap:
+        launch_rotary(dev, fn(ROTARY), qp, pos, 1, 1, heads, head_dim, qw, 0, theta, stream=cap.stream)
+        launch_rotary(dev, fn(ROTARY), knp, pos, 1, 1, kv_heads, head_dim, width, 0, theta,
+                      stream=cap.stream)
+        launch_kv_append(dev, fn(KV_APPEND), kp, vp, knp, vnp, pos, 1, 1, kv_heads, head_dim, width,
+                         width, max_len * width, 0, max_len, stream=cap.stream)
+        launch_attention_decode(dev, fn(ATTENTION_DECODE), out, qp, kp, vp, pos, 1, heads, kv_heads,
+                                head_dim, qw, width, max_len * width, 1, max_len, stream=cap.stream)
+        launch_add_i32(dev, fn(ADD_I32), pos, 1, 1, stream=cap.stream)
+    got, want = [], []
+    try:
+        for step in range(steps):
+            q, kn, vn = _f32(rng, 1, heads, head_dim), _f32(rng, 1, kv_heads, head_dim), \
+                _f32(rng, 1, kv_heads, head_dim)
+            for p, a in ((qp, q), (knp, kn), (vnp, vn)):
+                dev.to_device(p, a)
+            dev.replay(cap.graph_exec)
+            got.append(h.get(out, (qw,)))
+            p = start + step
+            at = np.array([p])
+            kc[p], vc[p] = ref.rotary(kn, at, theta)[0], vn[0]
+            r = ref.attention(ref.rotary(q, at, theta), kc[:p + 1], vc[:p + 1], at, False)
+            want.append(r.reshape(-1))
+        got.append(h.get(pos, (1,), np.int32).astype(np.float32))
+        want.append(np.array([start + steps], np.float32))
+    finally:
+        dev.synchronize()
+        dev.destroy_graph_exec(cap.graph_exec)
+    return Outcome(np.concatenate(got), np.concatenate(want), 1e-4, 2e-5)
+
+
+def C(kernel: str, fn: Callable[..., Outcome], **shapes) -> Case:
+    return Case(kernel, fn, shapes)
+
+
+# Odd sizes on purpose: K not a multiple of the tile or of the quant block, seq 1 / 7 / 33,
+# lengths past one 256-key softmax chunk, head_dim past one thread per dimension.
+CASES: list[Case] = [
+    C("embedding_gather", embedding_case, rows=1, hidden=7, vocab=5),
+    C("embedding_gather", embedding_case, rows=33, hidden=300, vocab=1031, accumulate=True),
+    C("rmsnorm", rmsnorm_case, rows=1, hidden=7),
+    C("rmsnorm", rmsnorm_case, rows=33, hidden=1000),
+    C("layernorm", layernorm_case, rows=7, hidden=33),
+    C("layernorm", layernorm_case, rows=5, hidden=1024, bias=False),
+    C("int4_dequant", int4_dequant_case, n=7, k=33),
+    C("int4_dequant", int4_dequant_case, n=65, k=256),
+    C("matmul_nt", matmul_nt_case, m=1, n=7, k=5),
+    C("matmul_nt", matmul_nt_case, m=33, n=65, k=47, bias=True),
+    C("matmul_nt", matmul_nt_case, m=130, n=200, k=300, accumulate=True),
+    C("int4_matmul", int4_matmul_case, m=1, n=7, k=33),
+    C("int4_matmul", int4_matmul_case, m=1, n=257, k=1024, bias=True),
+    C("int4_matmul", int4_matmul_case, m=7, n=65, k=1100, accumulate=True),
+    C("int4_matmul", int4_matmul_case, m=33, n=9, k=64),
+    C("int4_linear", int4_linear_case, m=33, n=70, k=96),
+    C("rotary", rotary_case, batch=1, tokens=1, heads=1, head_dim=2),
+    C("rotary", rotary_case, batch=2, tokens=7, heads=3, head_dim=64, pad=16, offset=3),
+    C("rotary", rotary_case, batch=1, tokens=33, heads=4, head_dim=128, theta=500000.0),
+    C("attention_prefill", prefill_case, batch=1, tokens=1, heads=2, kv_heads=1, head_dim=16),
+    C("attention_prefill", prefill_case, batch=1, tokens=33, heads=4, kv_heads=2, head_dim=64),
+    C("attention_prefill", prefill_case, batch=1, tokens=7, heads=8, kv_heads=2, head_dim=40,
+      past=5, past_arg=2),
+    C("attention_prefill", prefill_case, batch=2, tokens=7, heads=3, kv_heads=3, head_dim=32,
+      causal=False, lens=[7, 4]),
+    C("attention_prefill", prefill_case, batch=1, tokens=300, heads=2, kv_heads=1, head_dim=128),
+    C("attention_prefill", prefill_case, batch=1, tokens=9, heads=2, kv_heads=2, head_dim=288),
+    C("attention_decode", decode_case, batch=1, heads=4, kv_heads=2, head_dim=64, lengths=[1]),
+    C("attention_decode", decode_case, batch=2, heads=8, kv_heads=2, head_dim=128,
+      lengths=[7, 600], len_add=1),
+    C("attention_decode", decode_case, batch=1, heads=2, kv_heads=1, head_dim=48, lengths=[40],
+      max_len=33),
+    C("decode_graph", decode_graph_case, steps=3, start=5, heads=4, kv_heads=2, head_dim=64),
+    C("decode_graph", decode_graph_case, steps=2, start=300, heads=2, kv_heads=1, head_dim=128),
+    C("kv_append", kv_append_case, batch=1, tokens=7, kv_heads=2, head_dim=16, pos=[3]),
+    C("kv_append", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
+      offset=1, max_len=16),
+    C("silu_gate", silu_gate_case, rows=7, cols=33),
+    C("gelu", gelu_case, n=1001),
+    C("add", add_case, n=1),
+    C("add", add_case, n=70001),
+    C("bias_add", bias_add_case, rows=7, cols=33),
+    C("add_i32", add_i32_case, n=3, delta=1),
+    C("argmax", argmax_case, rows=1, cols=1),
+    C("argmax", argmax_case, rows=7, cols=1031),
+    C("argmax", argmax_case, rows=2, cols=128256),
+    C("mean_pool", mean_pool_case, batch=3, seq=7, hidden=33, lens=[7, 1, 0]),
+    C("mean_pool", mean_pool_case, batch=2, seq=33, hidden=64),
+]
+
+
+def run_all(device, compiler, seed: int = 0) -> dict[str, str | None]:
+    """Every case on `device`: case id -> None (passed) or the failure text."""
+    results: dict[str, str | None] = {}
+    with KernelHarness(device, compiler) as h:
+        for i, case in enumerate(CASES):
+            results[case.id] = case.run(h, np.random.default_rng(seed + i)).failure()
+    return results

@@ -1,0 +1,218 @@
+"""The sim backend's kernels: NumPy over simulated device memory, one per CUDA entry point.
+
+Test double, not product: the sim backend runs these instead of the NVRTC image. Each takes the
+CUDA kernel's exact argument list, views the bytes the CUDA kernel would touch through
+`mem.view(ptr, nbytes)` (which raises IllegalAddress on an unmapped byte, so a use-after-free or an
+out-of-bounds launch fails on the sim as it would on the device), and computes the result with the
+reference in gpu_worker.kernels.reference. Lengths read from device int32s are read from simulated
+memory at run time, so a replayed sim graph sees the current values exactly as a CUDA graph does.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from gpu_worker.device.backend import KernelArg
+from gpu_worker.device.sim_kernels import register_sim_kernel
+from gpu_worker.kernels import reference
+
+
+def _vals(args: Sequence[KernelArg]) -> list:
+    return [a.value for a in args]
+
+
+def _arr(mem, p: int, count: int, dtype=np.float32) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if count <= 0:
+        return np.empty(0, dt)
+    return mem.view(p, count * dt.itemsize).view(dt)
+
+
+def _strided(mem, p: int, shape: tuple[int, ...], strides: tuple[int, ...],
+             dtype=np.float32) -> np.ndarray:
+    """A view of shape `shape` with element `strides` touching only the bytes it addresses."""
+    dt = np.dtype(dtype)
+    if any(n <= 0 for n in shape):
+        return np.empty(tuple(max(n, 0) for n in shape), dt)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    base = _arr(mem, p, span, dt)
+    return as_strided(base, shape, tuple(s * dt.itemsize for s in strides))
+
+
+def _opt_i32(mem, p: int, index: int) -> int:
+    """An optional device int32 per sequence (0 pointer = 0)."""
+    return int(_arr(mem, p + 4 * index, 1, np.int32)[0]) if p else 0
+
+
+@register_sim_kernel("gp_embedding_gather")
+def _embedding_gather(mem, grid, block, args) -> None:
+    out, table, ids, rows, hidden, vocab, accumulate = _vals(args)
+    ids_v = _arr(mem, ids, rows, np.int32)
+    tab = _arr(mem, table, vocab * hidden, np.float16).reshape(vocab, hidden)
+    o = _arr(mem, out, rows * hidden).reshape(rows, hidden)
+    r = reference.embedding_gather(tab, ids_v)
+    o[:] = o + r if accumulate else r
+
+
+@register_sim_kernel("gp_rmsnorm")
+def _rmsnorm(mem, grid, block, args) -> None:
+    out, x, w, rows, hidden, eps = _vals(args)
+    xv = _arr(mem, x, rows * hidden).reshape(rows, hidden)
+    r = reference.rmsnorm(xv, _arr(mem, w, hidden), np.float32(eps))
+    _arr(mem, out, rows * hidden).reshape(rows, hidden)[:] = r
+
+
+@register_sim_kernel("gp_layernorm")
+def _layernorm(mem, grid, block, args) -> None:
+    out, x, w, b, rows, hidden, eps = _vals(args)
+    xv = _arr(mem, x, rows * hidden).reshape(rows, hidden)
+    bias = _arr(mem, b, hidden) if b else None
+    r = reference.layernorm(xv, _arr(mem, w, hidden), bias, np.float32(eps))
+    _arr(mem, out, rows * hidden).reshape(rows, hidden)[:] = r
+
+
+def _int4_weight(mem, packed: int, scales: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    kb = reference.int4_blocks(k)
+    return (_arr(mem, packed, n * kb * 16, np.uint8).reshape(n, kb * 16),
+            _arr(mem, scales, n * kb, np.float16).reshape(n, kb))
+
+
+@register_sim_kernel("gp_int4_dequant")
+def _int4_dequant(mem, grid, block, args) -> None:
+    ws, packed, scales, n, k = _vals(args)
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    _arr(mem, ws, n * k).reshape(n, k)[:] = reference.int4_dequantize(pk, sc, k)
+
+
+def _store(mem, y: int, m: int, n: int, r: np.ndarray, accumulate: int) -> None:
+    yv = _arr(mem, y, m * n).reshape(m, n)
+    yv[:] = yv + r if accumulate else r
+
+
+@register_sim_kernel("gp_matmul_nt")
+def _matmul_nt(mem, grid, block, args) -> None:
+    y, x, w, bias, m, n, k, accumulate = _vals(args)
+    r = reference.matmul_nt(_arr(mem, x, m * k).reshape(m, k), _arr(mem, w, n * k).reshape(n, k),
+                            _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_int4_matmul")
+def _int4_matmul(mem, grid, block, args) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    r = reference.int4_matmul(_arr(mem, x, m * k).reshape(m, k), pk, sc,
+                              _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_rotary")
+def _rotary(mem, grid, block, args) -> None:
+    x, pos, batch, tokens, heads, head_dim, row_stride, pos_offset, theta = _vals(args)
+    for b in range(batch):
+        xb = _strided(mem, x + 4 * b * tokens * row_stride, (tokens, heads, head_dim),
+                      (row_stride, head_dim, 1))
+        start = _opt_i32(mem, pos, b) + pos_offset
+        xb[:] = reference.rotary(np.array(xb), np.arange(start, start + tokens), np.float32(theta))
+
+
+@register_sim_kernel("gp_attention_prefill")
+def _attention_prefill(mem, grid, block, args) -> None:
+    (out, q, k, v, lens, past, batch, tokens, heads, kv_heads, head_dim, q_row_stride,
+     kv_row_stride, kv_batch_stride, past_len, causal, scale) = _vals(args)
+    for b in range(batch):
+        p = _opt_i32(mem, past, b) + past_len
+        valid = (_opt_i32(mem, lens, b) if lens else tokens) + p
+        nkeys = max(0, min(p + tokens, valid) if causal else valid)
+        qb = _strided(mem, q + 4 * b * tokens * q_row_stride, (tokens, heads, head_dim),
+                      (q_row_stride, head_dim, 1))
+        kv_shape, kv_strides = (nkeys, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
+        kb = _strided(mem, k + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        vb = _strided(mem, v + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        r = reference.attention(qb, kb, vb, p + np.arange(tokens), bool(causal), n_valid=valid,
+                                scale=scale)
+        ob = _arr(mem, out + 4 * b * tokens * heads * head_dim, tokens * heads * head_dim)
+        ob[:] = r.reshape(-1)
+
+
+@register_sim_kernel("gp_attention_decode")
+def _attention_decode(mem, grid, block, args) -> None:
+    (out, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, kv_row_stride,
+     kv_batch_stride, len_add, max_len, scale) = _vals(args)
+    for b in range(batch):
+        nkeys = max(0, min(_opt_i32(mem, lens, b) + len_add, max_len))
+        qb = _arr(mem, q + 4 * b * q_row_stride, heads * head_dim).reshape(1, heads, head_dim)
+        kv_shape, kv_strides = (nkeys, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
+        kb = _strided(mem, k + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        vb = _strided(mem, v + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        r = reference.attention(qb, kb, vb, np.array([nkeys - 1]), False, scale=scale)
+        _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
+
+
+@register_sim_kernel("gp_kv_append")
+def _kv_append(mem, grid, block, args) -> None:
+    (k_cache, v_cache, k, v, pos, batch, tokens, kv_heads, head_dim, src_row_stride,
+     kv_row_stride, kv_batch_stride, pos_offset, max_len) = _vals(args)
+    width = kv_heads * head_dim
+    for b in range(batch):
+        start = _opt_i32(mem, pos, b) + pos_offset
+        t0, t1 = max(0, -start), min(tokens, max_len - start)  # rows inside [0, max_len)
+        if t1 <= t0:
+            continue
+        shape = (t1 - t0, width)
+        for cache, src in ((k_cache, k), (v_cache, v)):
+            s = _strided(mem, src + 4 * (b * tokens + t0) * src_row_stride, shape, (src_row_stride, 1))
+            d = _strided(mem, cache + 4 * (b * kv_batch_stride + (start + t0) * kv_row_stride),
+                         shape, (kv_row_stride, 1))
+            d[:] = s
+
+
+@register_sim_kernel("gp_silu_gate")
+def _silu_gate(mem, grid, block, args) -> None:
+    out, gate, up, rows, cols, gate_stride, up_stride = _vals(args)
+    g = _strided(mem, gate, (rows, cols), (gate_stride, 1))
+    u = _strided(mem, up, (rows, cols), (up_stride, 1))
+    _arr(mem, out, rows * cols).reshape(rows, cols)[:] = reference.silu_gate(g, u)
+
+
+@register_sim_kernel("gp_gelu")
+def _gelu(mem, grid, block, args) -> None:
+    out, x, n = _vals(args)
+    _arr(mem, out, n)[:] = reference.gelu(_arr(mem, x, n))
+
+
+@register_sim_kernel("gp_add")
+def _add(mem, grid, block, args) -> None:
+    out, a, b, n = _vals(args)
+    _arr(mem, out, n)[:] = reference.add(_arr(mem, a, n), _arr(mem, b, n))
+
+
+@register_sim_kernel("gp_bias_add")
+def _bias_add(mem, grid, block, args) -> None:
+    out, x, bias, rows, cols = _vals(args)
+    r = reference.bias_add(_arr(mem, x, rows * cols).reshape(rows, cols), _arr(mem, bias, cols))
+    _arr(mem, out, rows * cols).reshape(rows, cols)[:] = r
+
+
+@register_sim_kernel("gp_add_i32")
+def _add_i32(mem, grid, block, args) -> None:
+    p, delta, n = _vals(args)
+    v = _arr(mem, p, n, np.int32)
+    v[:] = v + np.int32(delta)
+
+
+@register_sim_kernel("gp_argmax")
+def _argmax(mem, grid, block, args) -> None:
+    out, x, rows, cols = _vals(args)
+    r = reference.argmax(_arr(mem, x, rows * cols).reshape(rows, cols))
+    _arr(mem, out, rows, np.int32)[:] = r
+
+
+@register_sim_kernel("gp_mean_pool")
+def _mean_pool(mem, grid, block, args) -> None:
+    out, x, lens, batch, seq, hidden = _vals(args)
+    lv = _arr(mem, lens, batch, np.int32) if lens else None
+    r = reference.mean_pool(_arr(mem, x, batch * seq * hidden).reshape(batch, seq, hidden), lv)
+    _arr(mem, out, batch * hidden).reshape(batch, hidden)[:] = r

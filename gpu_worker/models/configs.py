@@ -1,0 +1,99 @@
+"""Named model configurations, from `tiny` (CI on the sim backend, seconds) to sizes that fill
+tens of GiB of an H200 (benchmarks).
+
+Shapes follow public model families so the figures mean something: `8b-int4` has Llama-3-8B's
+shapes, `large` has Llama-2-70B's trunk (int4: ~36 GiB of weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+
+QUANT_BLOCK = 32  # int4 block size along the input dimension; fp16 scale per block
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    family: str          # "decoder" | "encoder"
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    max_context: int
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def __post_init__(self) -> None:
+        if self.family not in ("decoder", "encoder"):
+            raise InvalidArgument(f"unknown model family {self.family!r} (decoder or encoder)")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise InvalidArgument(f"{self.name}: heads must divide hidden and kv_heads divide heads")
+        if self.hidden % QUANT_BLOCK or self.ffn % QUANT_BLOCK:
+            raise InvalidArgument(f"{self.name}: hidden and ffn must be multiples of {QUANT_BLOCK}")
+        if self.head_dim % 2:
+            raise InvalidArgument(f"{self.name}: rotary needs an even head_dim")
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of every int4 linear weight of one layer."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        if self.family == "decoder":
+            return {"wq": (h, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, h),
+                    "w_gate": (self.ffn, h), "w_up": (self.ffn, h), "w_down": (h, self.ffn)}
+        return {"wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h),
+                "w_up": (self.ffn, h), "w_down": (h, self.ffn)}
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as stored on the device (int4 + fp16 scales; f32 norms, f16 embed)."""
+        def q(o: int, i: int) -> int:
+            return o * i // 2 + o * (i // QUANT_BLOCK) * 2
+        norms = 2 if self.family == "decoder" else 4  # f32 vectors per layer
+        per_layer = sum(q(o, i) for o, i in self.linear_shapes().values()) + norms * 4 * self.hidden
+        total = self.layers * per_layer + self.vocab_size * self.hidden * 2
+        if self.family == "decoder":
+            total += q(self.vocab_size, self.hidden) + 4 * self.hidden
+        else:
+            total += self.max_context * self.hidden * 2 + 2 * 4 * self.hidden
+        return total
+
+    def kv_bytes(self, context: int | None = None) -> int:
+        """KV cache bytes (f32) for one sequence of `context` tokens."""
+        ctx = self.max_context if context is None else context
+        return 2 * self.layers * ctx * self.kv_heads * self.head_dim * 4
+
+
+CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (
+    ModelConfig("tiny", "decoder", vocab_size=1024, hidden=64, layers=2, heads=4, kv_heads=2,
+                ffn=128, max_context=1024),
+    ModelConfig("small", "decoder", vocab_size=8192, hidden=512, layers=8, heads=8, kv_heads=4,
+                ffn=1536, max_context=4096),
+    ModelConfig("8b-int4", "decoder", vocab_size=128256, hidden=4096, layers=32, heads=32,
+                kv_heads=8, ffn=14336, max_context=8192, rope_theta=500000.0),
+    ModelConfig("large", "decoder", vocab_size=32000, hidden=8192, layers=80, heads=64,
+                kv_heads=8, ffn=28672, max_context=8192),
+    ModelConfig("tiny-encoder", "encoder", vocab_size=1024, hidden=64, layers=2, heads=4,
+                kv_heads=4, ffn=128, max_context=1024, eps=1e-12),
+    ModelConfig("small-encoder", "encoder", vocab_size=8192, hidden=384, layers=6, heads=6,
+                kv_heads=6, ffn=1536, max_context=1024, eps=1e-12),
+    ModelConfig("large-encoder", "encoder", vocab_size=30522, hidden=1024, layers=24, heads=16,
+                kv_heads=16, ffn=4096, max_context=4096, eps=1e-12),
+)}
+
+
+def get_config(name: str, family: str | None = None) -> ModelConfig:
+    """The named config; `family`, when given, must match. Unknown names are INVALID_ARGUMENT."""
+    cfg = CONFIGS.get(name)
+    if family == "encoder" and (cfg is None or cfg.family != "encoder") and f"{name}-encoder" in CONFIGS:
+        cfg = CONFIGS[f"{name}-encoder"]
+    if cfg is None:
+        raise InvalidArgument(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    if family is not None and cfg.family != family:
+        raise InvalidArgument(f"config {name!r} is a {cfg.family}, not a {family}")
+    return cfg

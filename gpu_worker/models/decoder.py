@@ -1,0 +1,180 @@
+"""The Llama-style decoder as a graph: RMSNorm, rotary, GQA with a KV cache, SiLU-gated MLP.
+
+Two graph shapes per model:
+- prefill(S): S = the prompt length bucketed onto the plan ladder; the prompt is padded at the end
+  (causal attention: padding never reaches a real position) and `last_index` picks row L-1;
+- decode: one token whose position is read from device memory (`start`), so the captured
+  graph does not depend on the KV length and replays for every step.
+Both end in greedy argmax, so a step returns one int32 to the host.
+"""
+from __future__ import annotations
+
+from gpu_worker.graph import Graph, Node, TensorSpec
+from gpu_worker.models.configs import ModelConfig
+
+
+def kv_state_names(layer: int) -> tuple[str, str]:
+    return f"kv.{layer}.k", f"kv.{layer}.v"
+
+
+def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
+    """`phase` "prefill" (seq = bucket) or "decode" (seq must be 1)."""
+    assert phase in ("prefill", "decode"), phase
+    assert phase == "prefill" or seq == 1, "decode runs one token"
+    h, hd, kvd = cfg.hidden, cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    T: dict[str, TensorSpec] = {}
+    nodes: list[Node] = []
+
+    def t(name: str, shape: tuple[int, ...], dtype: str = "f32", kind: str = "activation") -> str:
+        T[name] = TensorSpec(name, shape, dtype, kind)
+        return name
+
+    def n(name: str, op: str, ins: tuple, outs: tuple, weights: tuple = (), **attrs: object) -> None:
+        nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
+
+    def w(name: str, shape: tuple[int, ...], dtype: str) -> str:
+        return t(name, shape, dtype, "weight")
+
+    def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
+        n(name, "linear_int4", (x,), (t(out, (seq, out_dim)),),
+          (w(name + ".q", (out_dim, in_dim // 2), "u8"), w(name + ".s", (out_dim, in_dim // 32), "f16")))
+
+    tokens = t("tokens", (seq,), "i32", "input")
+    start = t("start", (1,), "i32", "input")    # position of the first token, read on device
+    n("embed", "embedding", (tokens,), (t("x.0", (seq, h)),), (w("embed", (cfg.vocab_size, h), "f16"),))
+    x = "x.0"
+    for layer in range(cfg.layers):
+        p = f"layers.{layer}."
+        kc, vc = kv_state_names(layer)
+        t(kc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
+        t(vc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
+        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h)),),
+          (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
+        linear(p + "wq", p + "h", p + "q", h, h)
+        linear(p + "wk", p + "h", p + "k", kvd, h)
+        linear(p + "wv", p + "h", p + "v", kvd, h)
+        # rotary rotates in place; its output names the same tensor
+        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",),
+          heads=cfg.heads, head_dim=hd, theta=cfg.rope_theta)
+        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",),
+          heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
+        n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
+          kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
+        if phase == "prefill":
+            n(p + "attn", "attention_prefill", (p + "q", p + "k", p + "v"), (t(p + "a", (seq, h)),),
+              heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd)
+        else:
+            n(p + "attn", "attention_decode", (p + "q", kc, vc, start), (t(p + "a", (seq, h)),),
+              heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
+        linear(p + "wo", p + "a", p + "o", h, h)
+        n(p + "res_attn", "add", (x, p + "o"), (t(p + "x1", (seq, h)),))
+        n(p + "mlp_norm", "rmsnorm", (p + "x1",), (t(p + "h2", (seq, h)),),
+          (w(p + "mlp_norm.w", (h,), "f32"),), eps=cfg.eps)
+        linear(p + "w_gate", p + "h2", p + "g", cfg.ffn, h)
+        linear(p + "w_up", p + "h2", p + "u", cfg.ffn, h)
+        n(p + "silu_mul", "silu_mul", (p + "g", p + "u"), (t(p + "m", (seq, cfg.ffn)),))
+        linear(p + "w_down", p + "m", p + "d", h, cfg.ffn)
+        x_next = f"x.{layer + 1}"
+        n(p + "res_mlp", "add", (p + "x1", p + "d"), (t(x_next, (seq, h)),))
+        x = x_next
+    last = x
+    if phase == "prefill":
+        idx = t("last_index", (1,), "i32", "input")
+        # no kernel: the executor points x.last at row last_index of x and runs the rest eagerly
+        n("last_row", "select_row", (x, idx), (t("x.last", (1, h)),))
+        last = "x.last"
+    n("final_norm", "rmsnorm", (last,), (t("hf", (1, h)),), (w("final_norm.w", (h,), "f32"),),
+      eps=cfg.eps)
+    n("lm_head", "linear_int4", ("hf",), (t("logits", (1, cfg.vocab_size)),),
+      (w("lm_head.q", (cfg.vocab_size, h // 2), "u8"), w("lm_head.s", (cfg.vocab_size, h // 32), "f16")))
+    n("argmax", "argmax", ("logits",), (t("next_token", (1,), "i32"),))
+    return Graph(nodes, T, outputs=("next_token", "logits"))
+
+
+class DecoderModel:
+    """A loaded decoder: weights in VMM slots, one sequence's KV cache in the `kv` zone, greedy
+    generation through the executor's plans (prefill bucketed, decode from one captured graph).
+
+    One sequence at a time owns the KV cache; the runtime serializes calls per model.
+    """
+
+    family = "decoder"
+
+    def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True) -> None:
+        self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
+
+    def load(self) -> None:
+        from gpu_worker.models.weights import generate
+        for key, host in generate(self.cfg, self.seed):
+            self.executor.add_weight(key, host)
+        per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * 4
+        for layer in range(self.cfg.layers):
+            for name in kv_state_names(layer):
+                self.executor.add_state(name, per_layer, "kv")
+        self.executor.ensure_resident()
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        from services.common.errors import InvalidArgument
+        cfg = self.cfg
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
+                                  token=int(bad[0]))
+        if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:
+            raise InvalidArgument(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
+                f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
+
+    def prefill(self, prompt: list[int]) -> int:
+        """Run the prompt (padded to its bucket) into the KV cache; the first generated token."""
+        import numpy as np
+
+        from gpu_worker.execution.plans import seq_bucket
+        seq = min(seq_bucket(len(prompt)), self.cfg.max_context)
+        tokens = np.zeros(seq, np.int32)
+        tokens[:len(prompt)] = prompt
+        out = self.executor.run(
+            ("prefill", 1, seq), lambda: build_decoder_graph(self.cfg, seq, "prefill"),
+            {"tokens": tokens, "start": np.zeros(1, np.int32),
+             "last_index": np.array([len(prompt) - 1], np.int32)},
+            ("next_token",), capture=self.capture)
+        return int(out["next_token"][0])
+
+    def decode(self, token: int, position: int) -> int:
+        """One step: `token` at `position` (its KV row); the next token."""
+        import numpy as np
+        out = self.executor.run(
+            ("decode", 1, 1), lambda: build_decoder_graph(self.cfg, 1, "decode"),
+            {"tokens": np.array([token], np.int32), "start": np.array([position], np.int32)},
+            ("next_token",), capture=self.capture)
+        return int(out["next_token"][0])
+
+    def logits(self, prompt: list[int]) -> "np.ndarray":  # noqa: F821 - for tests and the GPU check
+        """Logits of the prompt's last position (a prefill that also reads `logits` back)."""
+        import numpy as np
+
+        from gpu_worker.execution.plans import seq_bucket
+        seq = min(seq_bucket(len(prompt)), self.cfg.max_context)
+        tokens = np.zeros(seq, np.int32)
+        tokens[:len(prompt)] = prompt
+        out = self.executor.run(
+            ("prefill", 1, seq), lambda: build_decoder_graph(self.cfg, seq, "prefill"),
+            {"tokens": tokens, "start": np.zeros(1, np.int32),
+             "last_index": np.array([len(prompt) - 1], np.int32)},
+            ("logits",), capture=self.capture)
+        return out["logits"][0]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, cancelled=lambda: False):
+        """Yield tokens one at a time, greedily; stops early when `cancelled()` turns true."""
+        self.check(prompt, max_new_tokens)
+        token = self.prefill(prompt)
+        yield token
+        position = len(prompt)
+        for _ in range(max_new_tokens - 1):
+            if cancelled():
+                return
+            token = self.decode(token, position)
+            position += 1
+            yield token

@@ -1,0 +1,148 @@
+"""NumPy reference forwards for the two model families: the correctness oracle for the executor.
+
+float32 throughout, weights dequantized exactly as the int4 kernels dequantize them. The
+operations are spelled out one function each so a kernel's NumPy reference and this model agree
+on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
+h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.weights import dequantize
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float32) * 2.0 / head_dim)
+    ang = positions.astype(np.float32)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: (seq, heads, head_dim) rotated at `positions` (seq,)."""
+    half = x.shape[-1] // 2
+    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, causal: bool) -> np.ndarray:
+    """q (s, H, d), k/v (t, KV, d); key j is visible to query i when j <= q_pos[i] (causal)."""
+    s, heads, d = q.shape
+    group = heads // k.shape[1]
+    kk = np.repeat(k, group, axis=1)  # (t, H, d)
+    vv = np.repeat(v, group, axis=1)
+    scores = np.einsum("shd,thd->hst", q, kk) / np.float32(np.sqrt(d))
+    if causal:
+        mask = np.arange(k.shape[0])[None, :] > q_pos[:, None]
+        scores = np.where(mask[None], np.float32(-np.inf), scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hst,thd->shd", p, vv).astype(np.float32)
+
+
+def _linears(cfg: ModelConfig, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for layer in range(cfg.layers):
+        for lin in cfg.linear_shapes():
+            key = f"layers.{layer}.{lin}"
+            out[key] = dequantize(w[key + ".q"], w[key + ".s"])
+    if cfg.family == "decoder":
+        out["lm_head"] = dequantize(w["lm_head.q"], w["lm_head.s"])
+    return out
+
+
+class DecoderReference:
+    """Llama-style decoder with a KV cache: prefill any prompt, then decode greedily."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights)
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        """Run `tokens` at positions start.. appending to the KV cache; logits (len, vocab)."""
+        cfg, w, lin = self.cfg, self.w, self.lin
+        if start == 0:
+            self.k = [np.zeros((0, cfg.kv_heads, cfg.head_dim), np.float32)] * cfg.layers
+            self.v = list(self.k)
+        pos = np.arange(start, start + len(tokens))
+        x = w["embed"][np.asarray(tokens)].astype(np.float32)
+        for layer in range(cfg.layers):
+            p = f"layers.{layer}."
+            h = rmsnorm(x, w[p + "attn_norm.w"], cfg.eps)
+            q = (h @ lin[p + "wq"].T).reshape(len(tokens), cfg.heads, cfg.head_dim)
+            k = (h @ lin[p + "wk"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
+            v = (h @ lin[p + "wv"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
+            q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+            self.k[layer] = np.concatenate([self.k[layer], k])
+            self.v[layer] = np.concatenate([self.v[layer], v])
+            a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
+            x = x + a.reshape(len(tokens), cfg.hidden) @ lin[p + "wo"].T
+            h = rmsnorm(x, w[p + "mlp_norm.w"], cfg.eps)
+            m = silu(h @ lin[p + "w_gate"].T) * (h @ lin[p + "w_up"].T)
+            x = x + m @ lin[p + "w_down"].T
+        x = rmsnorm(x, w["final_norm.w"], cfg.eps)
+        return (x @ lin["lm_head"].T).astype(np.float32)
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        logits = self.forward(prompt, 0)[-1]
+        out: list[int] = []
+        pos = len(prompt)
+        for _ in range(max_new_tokens):
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if len(out) == max_new_tokens:
+                break
+            logits = self.forward([tok], pos)[-1]
+            pos += 1
+        return out
+
+
+class EncoderReference:
+    """BERT-style post-LN encoder; mean-pooled embeddings (batch, hidden)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights)
+
+    def embed(self, sequences: np.ndarray) -> np.ndarray:
+        cfg, w, lin = self.cfg, self.w, self.lin
+        seqs = np.asarray(sequences)
+        out = np.empty((seqs.shape[0], cfg.hidden), np.float32)
+        pos = np.arange(seqs.shape[1])
+        for b, toks in enumerate(seqs):
+            x = w["embed"][toks].astype(np.float32) + w["pos_embed"][pos].astype(np.float32)
+            x = layernorm(x, w["embed_norm.w"], w["embed_norm.b"], cfg.eps)
+            for layer in range(cfg.layers):
+                p = f"layers.{layer}."
+                shp = (len(toks), cfg.heads, cfg.head_dim)
+                q = (x @ lin[p + "wq"].T).reshape(shp)
+                k = (x @ lin[p + "wk"].T).reshape(shp)
+                v = (x @ lin[p + "wv"].T).reshape(shp)
+                a = attention(q, k, v, pos, causal=False).reshape(len(toks), cfg.hidden)
+                x = layernorm(x + a @ lin[p + "wo"].T, w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
+                m = gelu(x @ lin[p + "w_up"].T) @ lin[p + "w_down"].T
+                x = layernorm(x + m, w[p + "mlp_norm.w"], w[p + "mlp_norm.b"], cfg.eps)
+            out[b] = x.mean(axis=0)
+        return out

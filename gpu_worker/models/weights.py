@@ -1,0 +1,135 @@
+"""Deterministic model weights from a seed (no downloads), int4 block-quantized linears.
+
+Layout of a quantized linear of shape (out, in), block 32 along `in`:
+  packed  uint8 (out, in // 2): element 2j in the low nibble of byte j, 2j+1 in the high nibble;
+          a nibble n stands for the integer n - 8, in [-8, 7]
+  scales  float16 (out, in // 32)
+  w[o, i] = (nibble(o, i) - 8) * scales[o, i // 32]
+
+Every tensor is drawn from its own stream, `SeedSequence([seed, crc32(name)])`, so a tensor does
+not change when another is added, and generation is lazy: the 36 GiB `large` config is produced
+tensor by tensor straight into pinned memory, never as floats.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
+
+# Uniform integers on [-8, 7] have a standard deviation of ~4.61; scales centre on
+# 1 / (4.61 * sqrt(in)) so a linear roughly preserves the activations' scale.
+_NIBBLE_STD = float(np.sqrt((16**2 - 1) / 12.0))
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    packed: np.ndarray   # uint8 (out, in // 2)
+    scales: np.ndarray   # float16 (out, in // 32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        """float32 (out, in)."""
+        return dequantize(self.packed, self.scales)
+
+
+def quantize(w: np.ndarray) -> QuantizedLinear:
+    """Symmetric int4 per block of 32 along the input dimension (absmax / 7, fp16 scales)."""
+    out_dim, in_dim = w.shape
+    if in_dim % QUANT_BLOCK:
+        raise ValueError(f"input dimension {in_dim} is not a multiple of {QUANT_BLOCK}")
+    blocks = w.astype(np.float32).reshape(out_dim, in_dim // QUANT_BLOCK, QUANT_BLOCK)
+    scales = (np.abs(blocks).max(axis=2) / 7.0).astype(np.float16)
+    safe = np.where(scales == 0, np.float16(1), scales).astype(np.float32)[..., None]
+    q = np.clip(np.rint(blocks / safe), -8, 7).astype(np.int16).reshape(out_dim, in_dim)
+    nib = (q + 8).astype(np.uint8)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return QuantizedLinear(packed, scales)
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    out_dim = packed.shape[0]
+    nib = np.empty((out_dim, packed.shape[1] * 2), dtype=np.int16)
+    nib[:, 0::2] = packed & 0x0F
+    nib[:, 1::2] = packed >> 4
+    q = (nib - 8).astype(np.float32).reshape(out_dim, -1, QUANT_BLOCK)
+    return (q * scales.astype(np.float32)[..., None]).reshape(out_dim, -1)
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
+
+
+def random_linear(seed: int, name: str, out_dim: int, in_dim: int) -> QuantizedLinear:
+    rng = _rng(seed, name)
+    packed = np.frombuffer(rng.bytes(out_dim * in_dim // 2), dtype=np.uint8).reshape(out_dim, in_dim // 2)
+    base = 1.0 / (_NIBBLE_STD * np.sqrt(in_dim))
+    scales = (base * rng.uniform(0.75, 1.25, size=(out_dim, in_dim // QUANT_BLOCK))).astype(np.float16)
+    return QuantizedLinear(packed, scales)
+
+
+def random_vector(seed: int, name: str, n: int, mean: float, spread: float) -> np.ndarray:
+    return (mean + spread * _rng(seed, name).uniform(-1.0, 1.0, size=n)).astype(np.float32)
+
+
+def random_table(seed: int, name: str, rows: int, cols: int) -> np.ndarray:
+    return _rng(seed, name).standard_normal((rows, cols), dtype=np.float32).astype(np.float16)
+
+
+def weight_names(cfg: ModelConfig) -> list[str]:
+    """Every weight key of the model, in load order."""
+    names = ["embed"] + (["pos_embed", "embed_norm.w", "embed_norm.b"] if cfg.family == "encoder" else [])
+    for layer in range(cfg.layers):
+        p = f"layers.{layer}."
+        norms = ["attn_norm.w", "mlp_norm.w"] if cfg.family == "decoder" else \
+            ["attn_norm.w", "attn_norm.b", "mlp_norm.w", "mlp_norm.b"]
+        names += [p + n for n in norms]
+        for lin in cfg.linear_shapes():
+            names += [p + lin + ".q", p + lin + ".s"]
+    if cfg.family == "decoder":
+        names += ["final_norm.w", "lm_head.q", "lm_head.s"]
+    return names
+
+
+def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (key, host array) for every weight, deterministically from `seed`.
+
+    Quantized linears yield two keys, `<name>.q` (packed uint8) and `<name>.s` (fp16 scales).
+    """
+    h = cfg.hidden
+    yield "embed", random_table(seed, "embed", cfg.vocab_size, h)
+    if cfg.family == "encoder":
+        yield "pos_embed", (random_table(seed, "pos_embed", cfg.max_context, h) * np.float16(0.1))
+        yield "embed_norm.w", random_vector(seed, "embed_norm.w", h, 1.0, 0.1)
+        yield "embed_norm.b", random_vector(seed, "embed_norm.b", h, 0.0, 0.1)
+    linears = cfg.linear_shapes()
+    for layer in range(cfg.layers):
+        p = f"layers.{layer}."
+        for norm in ("attn_norm", "mlp_norm"):
+            yield p + norm + ".w", random_vector(seed, p + norm + ".w", h, 1.0, 0.1)
+            if cfg.family == "encoder":
+                yield p + norm + ".b", random_vector(seed, p + norm + ".b", h, 0.0, 0.1)
+        for lin, (o, i) in linears.items():
+            q = random_linear(seed, p + lin, o, i)
+            yield p + lin + ".q", q.packed
+            yield p + lin + ".s", q.scales
+    if cfg.family == "decoder":
+        yield "final_norm.w", random_vector(seed, "final_norm.w", h, 1.0, 0.1)
+        q = random_linear(seed, "lm_head", cfg.vocab_size, h)
+        yield "lm_head.q", q.packed
+        yield "lm_head.s", q.scales
+
+
+def load_host(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """All weights in host memory (for the NumPy reference and small configs)."""
+    return dict(generate(cfg, seed))

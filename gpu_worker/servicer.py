@@ -1,0 +1,272 @@
+"""WorkerService over gRPC: a thin layer over `gpu_worker.runtime.WorkerRuntime`.
+
+Each handler validates what the wire can get wrong, converts, calls the runtime and converts
+back. Errors travel as `services.common.errors` exceptions, mapped to status codes by the common
+interceptor. The runtime owns the domain checks (vocabulary, context, admission); the servicer
+repeats the cheap ones against the model's published limits so a bad request is refused before it
+queues behind other requests, and changes nothing either way.
+
+Cancellation is the hazard here: a client that disconnects or whose deadline passes must not
+leave its request's KV cache and activations booked. `Generate` hands the runtime a
+`cancelled()` callable that turns true when the RPC is no longer active, and always closes the
+token generator, so the runtime's cleanup runs on the handler thread before the handler returns.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterator, Mapping
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from gpuplane.governor.v1 import governor_pb2
+from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
+from services.common import errors
+from services.common.server import RunningServer, ServiceRegistration, create_server
+
+log = logging.getLogger(__name__)
+
+# Upper bound on one request's new tokens, far above any tiny or benchmark context; the runtime
+# refuses anything that would not fit the model's context anyway. It keeps a typo (1e9) from
+# reaching the runtime at all.
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+MAX_EMBED_BATCH = 4096
+
+
+def model_info_message(info: Any) -> worker_pb2.ModelInfo:
+    """The wire form of the runtime's ModelInfo-like object (dataclass or dict)."""
+    return _fill(worker_pb2.ModelInfo(), _as_mapping(info))
+
+
+def stats_message(stats: Mapping[str, Any]) -> worker_pb2.GetStatsResponse:
+    """Map the runtime's nested stats dict onto GetStatsResponse (names match the proto)."""
+    stats = dict(stats)
+    zones = stats.pop("zones", None)
+    response = _fill(worker_pb2.GetStatsResponse(), stats)
+    for usage in zone_usages(zones):
+        response.zones.append(usage)
+    return response
+
+
+def zone_usages(zones: Any) -> list[governor_pb2.ZoneUsage]:
+    """Zones as `{zone: (committed, content)}`, `{zone: {...}}` or a list of dicts -> ZoneUsage."""
+    if not zones:
+        return []
+    items: list[tuple[str, Any]]
+    if isinstance(zones, Mapping):
+        items = list(zones.items())
+    else:
+        items = [(_as_mapping(z)["zone"], _as_mapping(z)) for z in zones]
+    out = []
+    for name, value in sorted(items, key=lambda kv: _zone_enum(kv[0])):
+        usage = governor_pb2.ZoneUsage(zone=_zone_enum(name))
+        if isinstance(value, (tuple, list)):
+            usage.committed_bytes, usage.content_bytes = int(value[0]), int(value[1])
+        else:
+            fields = {k: v for k, v in _as_mapping(value).items() if k != "zone"}
+            _fill(usage, fields)
+        out.append(usage)
+    return out
+
+
+def zone_name(zone: int) -> str:
+    """ZONE_KV -> "kv": the Python spelling of a governor zone."""
+    return governor_pb2.Zone.Name(zone).removeprefix("ZONE_").lower()
+
+
+def _zone_enum(name: Any) -> int:
+    if isinstance(name, int):
+        return name
+    return governor_pb2.Zone.Value("ZONE_" + str(name).upper())
+
+
+def _as_mapping(obj: Any) -> Mapping[str, Any]:
+    if isinstance(obj, Mapping):
+        return obj
+    if hasattr(obj, "__dataclass_fields__"):
+        return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+    return vars(obj)
+
+
+def _fill(message: Message, values: Mapping[str, Any]) -> Message:
+    """Copy matching keys into scalar and nested fields; unknown keys are ignored on purpose
+    (the runtime may report more than the proto carries)."""
+    fields = message.DESCRIPTOR.fields_by_name
+    for key, value in values.items():
+        field = fields.get(key)
+        if field is None or value is None:
+            continue
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.label != FieldDescriptor.LABEL_REPEATED and isinstance(value, Mapping):
+                _fill(getattr(message, key), value)
+            continue
+        if field.label == FieldDescriptor.LABEL_REPEATED:
+            continue
+        setattr(message, key, _coerce(field, value))
+    return message
+
+
+def _coerce(field: FieldDescriptor, value: Any) -> Any:
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return float(value)
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return bool(value)
+    if field.type == FieldDescriptor.TYPE_STRING:
+        return str(value)
+    return int(value)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """gRPC handlers; `runtime` is a started `WorkerRuntime`."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    # -- models -----------------------------------------------------------------------------
+    def LoadModel(self, request: worker_pb2.LoadModelRequest, context: grpc.ServicerContext
+                  ) -> worker_pb2.LoadModelResponse:
+        _require(request.model_id, "model_id is empty: name the model to load")
+        _require(request.family, "family is empty: use 'decoder' or 'encoder'")
+        _require(request.config, "config is empty: use a named size such as 'tiny'")
+        started = time.perf_counter()
+        loaded = self.runtime.load_model(request.model_id, request.family, request.config,
+                                         int(request.seed))
+        fields = dict(_as_mapping(loaded))
+        info = fields.get("info") or fields.get("model") or loaded
+        response = worker_pb2.LoadModelResponse(model=model_info_message(info))
+        response.load_seconds = float(fields.get("load_seconds") or time.perf_counter() - started)
+        response.kernels_compiled = int(fields.get("kernels_compiled") or 0)
+        response.kernels_from_cache = int(fields.get("kernels_from_cache") or 0)
+        return response
+
+    def UnloadModel(self, request: worker_pb2.UnloadModelRequest, context: grpc.ServicerContext
+                    ) -> worker_pb2.UnloadModelResponse:
+        _require(request.model_id, "model_id is empty: name the model to unload")
+        return worker_pb2.UnloadModelResponse(freed_bytes=int(self.runtime.unload_model(request.model_id)))
+
+    def ListModels(self, request: worker_pb2.ListModelsRequest, context: grpc.ServicerContext
+                   ) -> worker_pb2.ListModelsResponse:
+        return worker_pb2.ListModelsResponse(
+            models=[model_info_message(m) for m in self.runtime.list_models()])
+
+    # -- inference --------------------------------------------------------------------------
+    def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[worker_pb2.GenerateResponse]:
+        prompt = list(request.prompt_tokens)
+        info = self._model(request.model_id)
+        _check_prompt(prompt, info)
+        if not 0 < request.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise errors.InvalidArgument(
+                f"max_new_tokens={request.max_new_tokens} must be between 1 and the model's context",
+                max_new_tokens=request.max_new_tokens)
+        max_context = int(_as_mapping(info).get("max_context") or 0)
+        if max_context and len(prompt) + request.max_new_tokens > max_context:
+            raise errors.InvalidArgument(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds "
+                f"the context of model {request.model_id!r} ({max_context} tokens)",
+                prompt_tokens=len(prompt), max_context=max_context)
+
+        # The callback fires on disconnect, cancellation and deadline expiry alike; the event
+        # lets the runtime poll cheaply between decode steps.
+        gone = threading.Event()
+        context.add_callback(gone.set)
+        started = time.perf_counter()
+        tokens = self.runtime.generate(request.model_id, prompt, int(request.max_new_tokens),
+                                       cancelled=lambda: gone.is_set() or not context.is_active())
+        first = True
+        try:
+            for chunk in tokens:
+                if gone.is_set():
+                    break
+                response = worker_pb2.GenerateResponse(tokens=[int(t) for t in chunk])
+                if first:
+                    response.first_token_seconds = time.perf_counter() - started
+                    response.prompt_tokens = len(prompt)
+                    first = False
+                yield response
+        finally:
+            # Runs the runtime's cleanup now, on this thread, even when the client went away
+            # mid-stream: the request's KV and activations are freed before the handler returns.
+            close = getattr(tokens, "close", None)
+            if close is not None:
+                close()
+        if not gone.is_set():
+            yield worker_pb2.GenerateResponse(done=True, prompt_tokens=len(prompt))
+
+    def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext
+              ) -> worker_pb2.EmbedResponse:
+        info = self._model(request.model_id)
+        sequences = [list(s.tokens) for s in request.sequences]
+        if not sequences:
+            raise errors.InvalidArgument("sequences is empty: send at least one token sequence")
+        if len(sequences) > MAX_EMBED_BATCH:
+            raise errors.InvalidArgument(
+                f"{len(sequences)} sequences exceed the batch limit of {MAX_EMBED_BATCH}")
+        if len({len(s) for s in sequences}) != 1:
+            raise errors.InvalidArgument(
+                "sequences have different lengths: pad them to one length per request",
+                lengths=sorted({len(s) for s in sequences}))
+        for seq in sequences:
+            _check_prompt(seq, info)
+        vectors = self.runtime.embed(request.model_id, sequences)
+        return worker_pb2.EmbedResponse(
+            embeddings=[worker_pb2.Embedding(values=[float(x) for x in row]) for row in vectors])
+
+    # -- operations -------------------------------------------------------------------------
+    def GetStats(self, request: worker_pb2.GetStatsRequest, context: grpc.ServicerContext
+                 ) -> worker_pb2.GetStatsResponse:
+        return stats_message(self.runtime.stats())
+
+    def Trim(self, request: worker_pb2.TrimRequest, context: grpc.ServicerContext
+             ) -> worker_pb2.TrimResponse:
+        if request.target_bytes < 0:
+            raise errors.InvalidArgument(f"target_bytes={request.target_bytes} is negative")
+        freed, ledger = self.runtime.trim(int(request.target_bytes))
+        return worker_pb2.TrimResponse(freed_bytes=int(freed), ledger_bytes=int(ledger))
+
+    def _model(self, model_id: str) -> Any:
+        _require(model_id, "model_id is empty: name a loaded model (see ListModels)")
+        for info in self.runtime.list_models():
+            if _as_mapping(info).get("model_id") == model_id:
+                return info
+        raise errors.NotFound(f"model {model_id!r} is not loaded on this worker (see ListModels)",
+                              model_id=model_id)
+
+
+def _require(value: str, message: str) -> None:
+    if not value:
+        raise errors.InvalidArgument(message)
+
+
+def _check_prompt(tokens: list[int], info: Any) -> None:
+    fields = _as_mapping(info)
+    if not tokens:
+        raise errors.InvalidArgument("the token sequence is empty: send at least one token")
+    vocab = int(fields.get("vocab_size") or 0)
+    bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+    if bad:
+        raise errors.InvalidArgument(
+            f"token {bad[0]} is outside the vocabulary of model {fields.get('model_id')!r} "
+            f"(0..{vocab - 1})", token=bad[0], vocab_size=vocab)
+    max_context = int(fields.get("max_context") or 0)
+    if max_context and len(tokens) > max_context:
+        raise errors.InvalidArgument(
+            f"{len(tokens)} tokens exceed the context of model {fields.get('model_id')!r} "
+            f"({max_context} tokens)", tokens=len(tokens), max_context=max_context)
+
+
+def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: int = 32
+                 ) -> RunningServer:
+    """Start WorkerService for `runtime` on `listen`; the runtime is closed when the server stops."""
+    servicer = WorkerServicer(runtime)
+    registration = ServiceRegistration(
+        full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+        servicer=servicer,
+        add=worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+    )
+    server = create_server(listen, [registration], tracer_provider, max_workers=max_workers)
+    server.on_stop.append(runtime.close)
+    return server

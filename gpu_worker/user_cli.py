@@ -1,0 +1,228 @@
+"""`gpuplane`: the command line for users of a running stack.
+
+    gpuplane load --model-id m1 --family decoder --config tiny --seed 0
+    gpuplane generate --model-id m1 --tokens 1,2,3 --max-new-tokens 16
+    gpuplane embed --model-id e1 --tokens 1,2,3 --tokens 4,5,6
+    gpuplane stats [--json]
+    gpuplane resources [--json]          (asks the governor)
+    gpuplane models | unload | trim
+
+Each command opens a client, makes one call and prints it; `--json` prints the response message as
+JSON. A failed call prints the server's status and message and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from services.common.config import env_flag
+
+MiB = 1 << 20
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token list: {text!r} (try 1,2,3)") from None
+
+
+def _print_json(message: Any) -> None:
+    print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                               always_print_fields_with_no_presence=True), indent=2))
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+def cmd_load(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker) as client:
+        reply = client.load_model(args.model_id, args.family, args.config, args.seed)
+    if args.json:
+        return _print_json(reply)
+    m = reply.model
+    print(f"loaded {m.model_id}: {m.family}/{m.config} seed {m.seed}, vocab {m.vocab_size}, "
+          f"context {m.max_context}, weights {_mib(m.weight_bytes)} in {reply.load_seconds:.2f}s "
+          f"(kernels compiled {reply.kernels_compiled}, from cache {reply.kernels_from_cache})")
+
+
+def cmd_unload(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker) as client:
+        print(f"unloaded {args.model_id}: freed {_mib(client.unload_model(args.model_id))}")
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker) as client:
+        models = client.list_models()
+    if args.json:
+        print(json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True)
+                          for m in models], indent=2))
+        return
+    for m in models:
+        print(f"{m.model_id}\t{m.family}/{m.config}\tvocab {m.vocab_size}\tcontext {m.max_context}"
+              f"\tweights {_mib(m.weight_bytes)}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    prompt = args.tokens
+    if args.random:
+        prompt = np.random.default_rng(args.seed).integers(1, args.vocab, args.random).tolist()
+    if not prompt:
+        raise SystemExit("give a prompt with --tokens 1,2,3 or --random N")
+    with WorkerClient(args.worker, deadline_s=args.timeout) as client:
+        produced: list[int] = []
+        first = 0.0
+        for message in client.generate_stream(args.model_id, prompt, args.max_new_tokens):
+            if message.first_token_seconds:
+                first = message.first_token_seconds
+            produced.extend(message.tokens)
+            if not args.json and message.tokens:
+                print(" ".join(map(str, message.tokens)), end=" ", flush=True)
+    if args.json:
+        print(json.dumps({"prompt_tokens": len(prompt), "tokens": produced,
+                          "first_token_seconds": first}))
+    else:
+        print(f"\n({len(produced)} tokens; first token after {first * 1000:.1f} ms)")
+
+
+def cmd_embed(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker, deadline_s=args.timeout) as client:
+        vectors = client.embed(args.model_id, args.tokens)
+    if args.json:
+        print(json.dumps(vectors.tolist()))
+        return
+    for i, row in enumerate(vectors):
+        head = ", ".join(f"{x:+.4f}" for x in row[:6])
+        print(f"[{i}] dim {row.shape[0]}, norm {float(np.linalg.norm(row)):.4f}: {head}, ...")
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+    from gpu_worker.servicer import zone_name
+
+    with WorkerClient(args.worker) as client:
+        s = client.stats()
+    if args.json:
+        return _print_json(s)
+    print(f"{s.backend} {s.device_name}: used {_mib(s.device_used_bytes)} of "
+          f"{_mib(s.device_total_bytes)}, ledger {_mib(s.ledger_bytes)}, unaccounted "
+          f"{_mib(s.unaccounted_bytes)}, governor {'connected' if s.governor_connected else 'local'}")
+    for z in s.zones:
+        print(f"  {zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>14}  "
+              f"content {_mib(z.content_bytes):>14}")
+    k, p, c = s.kernel_cache, s.plans, s.compile
+    print(f"kernel cache: {k.entries} variants (max {k.max_variants_per_node}/node, bound "
+          f"{k.variant_bound}), hits {k.hits}, misses {k.misses}, evictions {k.evictions}, "
+          f"workspace {_mib(k.workspace_bytes)}")
+    print(f"plans: {p.entries} warm, hits {p.hits}, misses {p.misses}, evictions {p.evictions}, "
+          f"graphs {_mib(p.graph_bytes)}")
+    print(f"compile: compiled {c.compiled} ({c.compile_seconds:.2f}s), memo {c.memo_hits}, "
+          f"local {c.local_hits}, remote {c.remote_hits}, remote errors {c.remote_errors}")
+    print(f"capture: {s.capture.captures} captures, {s.capture.replays} replays, "
+          f"{s.capture.invalidations} invalidations, {s.capture.gate_waits} gate waits")
+
+
+def cmd_trim(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker) as client:
+        reply = client.trim(args.target_bytes)
+    print(f"freed {_mib(reply.freed_bytes)}, ledger now {_mib(reply.ledger_bytes)}")
+
+
+def cmd_resources(args: argparse.Namespace) -> None:
+    from gpu_worker.servicer import zone_name
+    from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+
+    with grpc.insecure_channel(args.governor) as channel:
+        stub = governor_pb2_grpc.GovernorServiceStub(channel)
+        reply = stub.GetResources(governor_pb2.GetResourcesRequest(), timeout=10.0)
+    if args.json:
+        return _print_json(reply)
+    for d in reply.devices:
+        alert = "  ALERT: unaccounted is growing" if d.unaccounted_alert else ""
+        print(f"device {d.uuid}: used {_mib(d.device_used_bytes)}, ledger {_mib(d.ledger_bytes)}, "
+              f"unaccounted {_mib(d.unaccounted_bytes)}, leased {_mib(d.leased_bytes)} of budget "
+              f"{_mib(d.budget_bytes)}{alert}")
+        for w in d.workers:
+            print(f"  worker {w.worker_id} ({w.host}): leased {_mib(w.leased_bytes)}, committed "
+                  f"{_mib(w.committed_bytes)}, content {_mib(w.content_bytes)}")
+            for z in w.zones:
+                print(f"    {zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>14}  "
+                      f"content {_mib(z.content_bytes):>14}  leased {_mib(z.leased_bytes):>14}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuplane", description="Use a running gpuplane stack.")
+    env_flag(parser, "--worker", "GPUPLANE_WORKER", "127.0.0.1:50051", "worker HOST:PORT")
+    env_flag(parser, "--governor", "GPUPLANE_GOVERNOR", "127.0.0.1:50053", "governor HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    # --json is accepted after the command too; SUPPRESS keeps the top-level value when absent.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the response as JSON")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
+        p = commands.add_parser(name, help=help, parents=[common])
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("load", cmd_load, "load a model onto the worker")
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--family", default="decoder", choices=["decoder", "encoder"])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p = add("unload", cmd_unload, "unload a model and free its memory")
+    p.add_argument("--model-id", required=True)
+    add("models", cmd_models, "list the loaded models")
+    p = add("generate", cmd_generate, "generate tokens from a prompt (streamed as produced)")
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--tokens", type=_tokens, default=[], help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--random", type=int, default=0, help="use N random prompt tokens instead")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary for --random")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p = add("embed", cmd_embed, "embed token sequences with an encoder model")
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--tokens", type=_tokens, action="append", required=True,
+                   help="one sequence (repeat for a batch; all the same length)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    add("stats", cmd_stats, "the worker's memory, caches, plans, compiles and captures")
+    add("resources", cmd_resources, "the governor's ledger per device, worker and zone")
+    p = add("trim", cmd_trim, "drop worker caches until the ledger is at or under a target")
+    p.add_argument("--target-bytes", type=int, required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except grpc.RpcError as exc:
+        print(f"gpuplane {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""CLI: `python -m services.governor serve ...` and `python -m services.governor resources ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from services.common.config import VAR_DIR, env_flag, parse_bytes
+from services.common.logs import configure_logging
+
+MIB = 1 << 20
+
+
+def _zone_budget(text: str) -> tuple[str, int]:
+    zone, sep, size = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"zone budget {text!r} is not ZONE=BYTES (try kv=8GiB)")
+    return zone.strip().lower(), parse_bytes(size)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.governor")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the governor")
+    env_flag(serve, "--listen", "GPUPLANE_GOVERNOR_LISTEN", "127.0.0.1:50053", "HOST:PORT to serve")
+    env_flag(serve, "--db", "GPUPLANE_GOVERNOR_DB", f"{VAR_DIR}/governor.sqlite", "SQLite file")
+    env_flag(serve, "--lease-ttl-seconds", "GPUPLANE_GOVERNOR_LEASE_TTL_SECONDS", 30.0,
+             "a worker silent this long loses its leases", type=float)
+    env_flag(serve, "--budget-fraction", "GPUPLANE_GOVERNOR_BUDGET_FRACTION", 0.9,
+             "device budget as a fraction of free memory at registration", type=float)
+    serve.add_argument("--zone-budget", action="append", type=_zone_budget, default=[],
+                       metavar="ZONE=BYTES", help="a zone's share of the device budget (repeat)")
+    env_flag(serve, "--transient-headroom", "GPUPLANE_GOVERNOR_TRANSIENT_HEADROOM", 0,
+             "bytes kept free for the transient zone", type=parse_bytes)
+    serve.add_argument("--no-lending", action="store_true",
+                       help="zone budgets are hard caps (default: unused budget is lent)")
+    env_flag(serve, "--unaccounted-alert", "GPUPLANE_GOVERNOR_UNACCOUNTED_ALERT", 256 * MIB,
+             "growth of unaccounted bytes that raises the alert", type=parse_bytes)
+    env_flag(serve, "--metrics-port", "GPUPLANE_GOVERNOR_METRICS_PORT", 0,
+             "Prometheus port (0 = off)", type=int)
+    serve.add_argument("--durable", action="store_true",
+                       help="fsync every change (synchronous=FULL): survives power loss too")
+    res = sub.add_parser("resources", help="print the ledger of every device")
+    env_flag(res, "--target", "GPUPLANE_GOVERNOR", "127.0.0.1:50053", "governor HOST:PORT")
+    res.add_argument("--device", default="", help="one device uuid (default: all)")
+    res.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from prometheus_client import REGISTRY
+
+    from services.common.errors import GpuplaneError
+    from services.common.metrics import start_metrics_endpoint
+    from services.governor.metrics import LedgerCollector
+    from services.governor.policy import Policy
+    from services.governor.server import start_governor
+
+    configure_logging("governor")
+    try:
+        policy = Policy(budget_fraction=args.budget_fraction, zone_budgets=dict(args.zone_budget),
+                        lending=not args.no_lending,
+                        transient_headroom_bytes=args.transient_headroom,
+                        lease_ttl_s=args.lease_ttl_seconds,
+                        unaccounted_alert_bytes=args.unaccounted_alert)
+    except GpuplaneError as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        return 2
+    server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable)
+    REGISTRY.register(LedgerCollector(ledger))
+    start_metrics_endpoint(args.metrics_port)
+    print(f"governor listening on port {server.port}", flush=True)
+    server.serve_until_signalled()
+    return 0
+
+
+def resources(args: argparse.Namespace) -> int:
+    from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+
+    from services.common.channels import open_channel
+    from services.governor.servicer import SERVICE_NAME, zone_name
+
+    channel = open_channel(args.target, SERVICE_NAME, ["GetResources"])
+    try:
+        reply = governor_pb2_grpc.GovernorServiceStub(channel).GetResources(
+            governor_pb2.GetResourcesRequest(device_uuid=args.device), timeout=5.0)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    if args.json:
+        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        return 0
+    for d in reply.devices:
+        print(f"device {d.uuid} {d.name}: budget {d.budget_bytes / MIB:.0f} MiB, leased "
+              f"{d.leased_bytes / MIB:.0f} MiB, used {d.device_used_bytes / MIB:.0f} MiB, ledger "
+              f"{d.ledger_bytes / MIB:.0f} MiB, unaccounted {d.unaccounted_bytes / MIB:.0f} MiB"
+              + (" ALERT" if d.unaccounted_alert else ""))
+        for z in d.zones:
+            if z.leased_bytes or z.committed_bytes or z.budget_bytes:
+                print(f"  zone {zone_name(z.zone):12s} leased {z.leased_bytes / MIB:8.0f} MiB  "
+                      f"committed {z.committed_bytes / MIB:8.0f} MiB  budget "
+                      f"{z.budget_bytes / MIB:8.0f} MiB  borrowed {z.borrowed_bytes / MIB:6.0f} MiB")
+        for w in d.workers:
+            print(f"  worker {w.worker_id} ({w.host}): leased {w.leased_bytes / MIB:.0f} MiB, "
+                  f"committed {w.committed_bytes / MIB:.0f} MiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return serve(args) if args.command == "serve" else resources(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

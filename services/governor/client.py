@@ -1,0 +1,426 @@
+"""The worker's side of the budget: `BudgetOwner`, with `LocalBudget` and `GovernorClient`.
+
+Hazard: a worker that calls the governor per allocation stalls its allocator on the network, and a
+worker that stops when the governor is down turns a control-plane blip into an outage. Contract:
+- `reserve` is served from leases already held whenever they cover it; only growth beyond them
+  costs an Acquire, of a whole chunk (64 MiB by default), or of the exact remainder when the
+  chunk does not fit but the remainder does;
+- `release` never blocks on the network: whole unused chunks go back from a background thread, and
+  only when more than two chunks sit idle, down to one (hysteresis, so a reserve/release cycle at a
+  chunk boundary does not become an Acquire/Release cycle);
+- while the governor is unreachable, reserves inside held leases keep succeeding, growth is refused
+  with ResourceExhausted, heartbeats retry with exponential backoff, and on reconnection the client
+  re-registers, adopts leases it did not know it had (a lost Acquire reply) and re-acquires the ones
+  the governor lost;
+- every RPC has a deadline.
+Cost: one RPC per chunk of growth plus one heartbeat per `heartbeat_s`.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from google.rpc import error_details_pb2
+from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+from grpc_status import rpc_status
+
+from services.common.channels import open_channel
+from services.common.errors import InvalidArgument, QuotaViolation, ReclaimHint, ResourceExhausted
+from services.governor.policy import LEASABLE_ZONES, check_zone
+from services.governor.servicer import SERVICE_NAME, zone_name, zone_value
+
+log = logging.getLogger(__name__)
+
+CALL_DEADLINE_S = 2.0
+MAX_BACKOFF_S = 10.0
+_UNBACKED = "unbacked-"  # local id of bytes in use whose lease the governor no longer knows
+
+
+@dataclass(frozen=True)
+class DeviceDescription:
+    uuid: str
+    name: str
+    total_bytes: int
+    free_bytes: int
+    granule_bytes: int
+
+
+class BudgetOwner(Protocol):
+    def reserve(self, zone: str, nbytes: int) -> None: ...
+    def release(self, zone: str, nbytes: int) -> None: ...
+    def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
+               process_used_bytes: int) -> None: ...
+    def connected(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+def _check(zone: str, nbytes: int) -> None:
+    check_zone(zone)
+    if nbytes < 0:
+        raise InvalidArgument(f"bytes cannot be negative, got {nbytes}")
+
+
+class LocalBudget:
+    """Admission against a fixed budget in this process, for a worker with no governor."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise InvalidArgument(f"budget must be positive, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._used: dict[str, int] = {}
+        self.last_report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
+
+    def reserve(self, zone: str, nbytes: int) -> None:
+        _check(zone, nbytes)
+        with self._lock:
+            free = self.budget_bytes - sum(self._used.values())
+            if nbytes > free:
+                raise ResourceExhausted(
+                    f"local budget: asked {nbytes} bytes in zone {zone}, {free} free of "
+                    f"{self.budget_bytes}", asked_bytes=nbytes, free_bytes=free, zone=zone,
+                    violations=[QuotaViolation(f"local/zone:{zone}", "local budget exhausted")])
+            self._used[zone] = self._used.get(zone, 0) + nbytes
+
+    def release(self, zone: str, nbytes: int) -> None:
+        _check(zone, nbytes)
+        with self._lock:
+            if nbytes > self._used.get(zone, 0):
+                raise InvalidArgument(f"release of {nbytes} bytes in zone {zone} exceeds the "
+                                      f"{self._used.get(zone, 0)} reserved")
+            self._used[zone] -= nbytes
+
+    def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
+               process_used_bytes: int) -> None:
+        self.last_report = (dict(zones), device_used_bytes, process_used_bytes)
+
+    def connected(self) -> bool:
+        return True
+
+    def used(self) -> dict[str, int]:
+        with self._lock:
+            return {z: b for z, b in self._used.items() if b}
+
+    def close(self) -> None:
+        pass
+
+
+def exhausted_from(err: grpc.RpcError) -> ResourceExhausted:
+    """Rebuild the domain error from a RESOURCE_EXHAUSTED status and its rich details."""
+    status = rpc_status.from_call(err)
+    asked = free = 0
+    zone = ""
+    violations, hints = [], []
+    for detail in status.details if status else []:
+        info, quota = error_details_pb2.ErrorInfo(), error_details_pb2.QuotaFailure()
+        if detail.Unpack(info):
+            asked = int(info.metadata.get("asked_bytes", 0))
+            free = int(info.metadata.get("free_bytes", 0))
+            zone = info.metadata.get("zone", "")
+        elif detail.Unpack(quota):
+            for v in quota.violations:
+                if v.subject.startswith("reclaimable:"):
+                    _, worker, _, hint_zone = v.subject.split(":", 1)[1].split("/", 3)
+                    hints.append(ReclaimHint(worker, hint_zone, int(v.description.split()[0])))
+                else:
+                    violations.append(QuotaViolation(v.subject, v.description))
+    return ResourceExhausted(err.details() or "admission refused", asked_bytes=asked,
+                             free_bytes=free, zone=zone, violations=violations, reclaimable=hints)
+
+
+class GovernorClient:
+    """A BudgetOwner backed by the governor: chunked leases, sub-allocated locally."""
+
+    def __init__(self, target: str, worker_id: str, device: DeviceDescription,
+                 chunk_bytes: int = 64 << 20, heartbeat_s: float = 2.0, tracer_provider=None,
+                 on_reclaim: Callable[[str, int], None] | None = None) -> None:
+        if chunk_bytes <= 0 or heartbeat_s <= 0:
+            raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
+        self.worker_id, self.device = worker_id, device
+        self.chunk_bytes, self.heartbeat_s = chunk_bytes, heartbeat_s
+        self.on_reclaim = on_reclaim
+        self._channel = open_channel(target, SERVICE_NAME,
+                                     ["RegisterWorker", "Heartbeat", "GetResources"],
+                                     tracer_provider)
+        self._stub = governor_pb2_grpc.GovernorServiceStub(self._channel)
+        # One lock for the local books; held across a growth Acquire so two threads do not both
+        # grow the same zone (the second one usually fits in the first one's chunk).
+        self._lock = threading.RLock()
+        self._held: dict[str, dict[str, int]] = {z: {} for z in LEASABLE_ZONES}  # zone->id->bytes
+        self._used: dict[str, int] = dict.fromkeys(LEASABLE_ZONES, 0)
+        self._report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
+        self._registered = False
+        self._connected = False
+        self._retry_at = 0.0  # no growth RPC before this (monotonic) while the governor is down
+        self._backoff = 0.0
+        self.ttl_s = 30.0
+        self.budget_bytes = 0
+        self.counters = dict.fromkeys(
+            ["acquires", "refusals", "gave_back", "heartbeats", "heartbeat_failures",
+             "registrations", "adopted", "reacquired", "reclaim_asks"], 0)
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        try:
+            self._register()
+        except grpc.RpcError as err:
+            self._down(err)
+        self._thread = threading.Thread(target=self._run, name=f"governor-{worker_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- BudgetOwner -------------------------------------------------------------------------
+
+    def reserve(self, zone: str, nbytes: int) -> None:
+        _check(zone, nbytes)
+        with self._lock:
+            need = nbytes - self._slack(zone)
+            if need > 0:
+                self._grow(zone, need)
+            self._used[zone] += nbytes
+
+    def release(self, zone: str, nbytes: int) -> None:
+        _check(zone, nbytes)
+        with self._lock:
+            if nbytes > self._used[zone]:
+                raise InvalidArgument(f"release of {nbytes} bytes in zone {zone} exceeds the "
+                                      f"{self._used[zone]} reserved")
+            self._used[zone] -= nbytes
+            if self._slack(zone) >= 2 * self.chunk_bytes:
+                self._wake.set()
+
+    def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
+               process_used_bytes: int) -> None:
+        with self._lock:
+            self._report = (dict(zones), device_used_bytes, process_used_bytes)
+
+    def connected(self) -> bool:
+        return self._connected
+
+    def close(self) -> None:
+        """Stop heartbeating and hand every lease back (deregister), best effort."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout=CALL_DEADLINE_S + 1)
+        try:
+            self._stub.DeregisterWorker(
+                governor_pb2.DeregisterWorkerRequest(worker_id=self.worker_id),
+                timeout=CALL_DEADLINE_S)
+        except grpc.RpcError as err:
+            log.info("deregister failed; the leases expire after the TTL",
+                     extra={"worker_id": self.worker_id, "code": str(err.code())})
+        self._channel.close()
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def leased(self) -> dict[str, int]:
+        with self._lock:
+            return {z: sum(h.values()) for z, h in self._held.items() if h}
+
+    def used(self) -> dict[str, int]:
+        with self._lock:
+            return {z: b for z, b in self._used.items() if b}
+
+    def lease_ids(self) -> set[str]:
+        with self._lock:
+            return {i for h in self._held.values() for i in h if not i.startswith(_UNBACKED)}
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.counters, "leased_bytes": sum(map(sum, (h.values() for h in
+                                                                    self._held.values()))),
+                    "used_bytes": sum(self._used.values()), "connected": int(self._connected),
+                    "registered": int(self._registered)}
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _slack(self, zone: str) -> int:
+        return sum(self._held[zone].values()) - self._used[zone]
+
+    def _grow(self, zone: str, need: int) -> None:
+        if time.monotonic() < self._retry_at:
+            self._refuse_unreachable(zone, need)
+        chunk = -(-need // self.chunk_bytes) * self.chunk_bytes
+        sizes = [chunk, need] if chunk != need else [need]
+        for attempt in range(2):
+            try:
+                if not self._registered:
+                    self._register()
+                for i, size in enumerate(sizes):
+                    try:
+                        lease = self._stub.Acquire(governor_pb2.AcquireRequest(
+                            worker_id=self.worker_id, device_uuid=self.device.uuid,
+                            zone=zone_value(zone), bytes=size), timeout=CALL_DEADLINE_S).lease
+                    except grpc.RpcError as err:
+                        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            raise
+                        if i + 1 < len(sizes):
+                            continue  # the whole chunk does not fit; the exact remainder may
+                        self.counters["refusals"] += 1
+                        raise exhausted_from(err) from None
+                    self._held[zone][lease.lease_id] = lease.bytes
+                    self.counters["acquires"] += 1
+                    self._up()
+                    return
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND and attempt == 0:
+                    self._registered = False  # expired or forgotten: register and try again
+                    continue
+                self._down(err)
+                self._refuse_unreachable(zone, need)
+
+    def _refuse_unreachable(self, zone: str, need: int) -> None:
+        raise ResourceExhausted(
+            f"governor unreachable: zone {zone} cannot grow by {need} bytes beyond the leases "
+            "held; retrying in the background", asked_bytes=need, free_bytes=0, zone=zone,
+            violations=[QuotaViolation(f"governor:{self.worker_id}", "governor unreachable")])
+
+    def _up(self) -> None:
+        self._connected, self._backoff, self._retry_at = True, 0.0, 0.0
+
+    def _down(self, err: grpc.RpcError) -> None:
+        if self._connected:
+            log.warning("governor unreachable; working inside held leases",
+                        extra={"worker_id": self.worker_id, "code": str(err.code())})
+        self._connected = False
+        # An RPC that failed in flight may still have happened (an Acquire granted, a Release
+        # done): re-register on reconnection, which reconciles the leases both sides know.
+        self._registered = False
+        self._backoff = min(MAX_BACKOFF_S, max(0.2, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff
+
+    def _register(self) -> None:
+        d = self.device
+        reply = self._stub.RegisterWorker(governor_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, host=socket.gethostname(),
+            device=governor_pb2.Device(uuid=d.uuid, name=d.name, total_bytes=d.total_bytes,
+                                       free_bytes=d.free_bytes, granule_bytes=d.granule_bytes)),
+            timeout=CALL_DEADLINE_S)
+        self.ttl_s = reply.lease_ttl_ms / 1000
+        self.budget_bytes = reply.device_budget_bytes
+        known = {lease.lease_id: (zone_name(lease.zone), lease.bytes) for lease in reply.leases}
+        with self._lock:
+            mine = {i: z for z, h in self._held.items() for i in h}
+            for lease_id, (zone, nbytes) in known.items():
+                if lease_id not in mine:  # granted, but the reply never reached us
+                    self._held[zone][lease_id] = nbytes
+                    self.counters["adopted"] += 1
+            for lease_id, zone in mine.items():
+                if lease_id not in known and not lease_id.startswith(_UNBACKED):
+                    nbytes = self._held[zone].pop(lease_id)
+                    self._held[zone][f"{_UNBACKED}{lease_id}"] = nbytes
+            self._registered = True
+            self.counters["registrations"] += 1
+            self._up()
+            self._reacquire_unbacked()
+
+    def _reacquire_unbacked(self) -> None:
+        """Back with new leases the bytes whose leases the governor lost; retried each beat."""
+        for zone, held in self._held.items():
+            for local_id in [i for i in held if i.startswith(_UNBACKED)]:
+                try:
+                    lease = self._stub.Acquire(governor_pb2.AcquireRequest(
+                        worker_id=self.worker_id, device_uuid=self.device.uuid,
+                        zone=zone_value(zone), bytes=held[local_id]), timeout=CALL_DEADLINE_S).lease
+                except grpc.RpcError as err:
+                    log.warning("could not re-acquire a lost lease; still in use, retrying",
+                                extra={"worker_id": self.worker_id, "zone": zone,
+                                       "code": str(err.code())})
+                    return
+                del held[local_id]
+                held[lease.lease_id] = lease.bytes
+                self.counters["reacquired"] += 1
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            interval = min(self.heartbeat_s, self.ttl_s / 3)
+            self._wake.wait(self._backoff or interval)
+            self._wake.clear()
+            if self._closing.is_set():
+                return
+            try:
+                if not self._registered:
+                    self._register()
+                self._heartbeat()
+                self._give_back({})
+            except grpc.RpcError as err:
+                self.counters["heartbeat_failures"] += 1
+                self._down(err)
+            except Exception:
+                log.exception("governor heartbeat failed", extra={"worker_id": self.worker_id})
+
+    def _heartbeat(self) -> None:
+        with self._lock:
+            zones, device_used, process_used = self._report
+            if any(i.startswith(_UNBACKED) for h in self._held.values() for i in h):
+                self._reacquire_unbacked()
+        reply = self._stub.Heartbeat(governor_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, device_uuid=self.device.uuid,
+            device_used_bytes=device_used, process_used_bytes=process_used,
+            zones=[governor_pb2.ZoneUsage(zone=zone_value(z), committed_bytes=c, content_bytes=ct)
+                   for z, (c, ct) in sorted(zones.items())]), timeout=CALL_DEADLINE_S)
+        self.counters["heartbeats"] += 1
+        self._up()
+        self.ttl_s = reply.lease_ttl_ms / 1000 or self.ttl_s
+        if reply.reregister:
+            self._registered = False
+            self._register()
+        if reply.reclaim:
+            asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
+            self.counters["reclaim_asks"] += 1
+            self._give_back(asks)
+
+    def _give_back(self, asks: dict[str, int]) -> None:
+        """Return idle leases: beyond one chunk of slack, or as much of `asks` as is idle.
+
+        Whole leases go first (smallest first); what remains is cut from one larger lease by
+        Resize, in whole chunks unless the governor asked for exact bytes.
+        """
+        for zone in LEASABLE_ZONES:
+            with self._lock:
+                slack = self._slack(zone)
+                excess = slack - self.chunk_bytes if slack >= 2 * self.chunk_bytes else 0
+                unit = self.chunk_bytes
+                if asks.get(zone):
+                    excess, unit = max(excess, min(asks[zone], slack)), 1
+                plan: list[tuple[str, int, int]] = []  # lease id, bytes before, bytes after
+                for lease_id, nbytes in sorted(self._held[zone].items(), key=lambda kv: kv[1]):
+                    if nbytes <= excess:
+                        plan.append((lease_id, nbytes, 0))
+                        excess -= nbytes
+                    elif excess >= unit and not lease_id.startswith(_UNBACKED):
+                        cut = excess - excess % unit
+                        plan.append((lease_id, nbytes, nbytes - cut))
+                        excess -= cut
+                # Unusable from now, even if the RPC fails: a reserve must not count on them.
+                for lease_id, _, after in plan:
+                    if after:
+                        self._held[zone][lease_id] = after
+                    else:
+                        del self._held[zone][lease_id]
+            for lease_id, before, after in plan:
+                if lease_id.startswith(_UNBACKED):
+                    continue
+                try:
+                    if after:
+                        self._stub.Resize(governor_pb2.ResizeRequest(
+                            worker_id=self.worker_id, lease_id=lease_id, bytes=after),
+                            timeout=CALL_DEADLINE_S)
+                    else:
+                        self._stub.Release(governor_pb2.ReleaseRequest(
+                            worker_id=self.worker_id, lease_id=lease_id), timeout=CALL_DEADLINE_S)
+                    self.counters["gave_back"] += 1
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.NOT_FOUND:
+                        with self._lock:
+                            self._held[zone][lease_id] = before  # still ours: usable again
+                        raise
+            if asks.get(zone) and self.on_reclaim:
+                self.on_reclaim(zone, asks[zone])

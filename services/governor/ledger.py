@@ -1,0 +1,553 @@
+"""The governor's domain core: devices, workers, leases, admission, lending, expiry, reconciliation.
+
+Hazard: two workers that each believe they own the same bytes of a GPU OOM each other, and a ledger
+that sees only some zones reports a healthy device while it fills. Contract:
+- the sum of the leases of a device never exceeds its budget, and other zones never lease into the
+  transient headroom; a refused or invalid call changes nothing (checks first, then the durable
+  write, then memory);
+- a lease exists until its worker releases it, deregisters, or stays silent for the TTL; it is
+  committed to the store before the call returns, so a restart never grants it twice;
+- `unaccounted = device_used - ledger`, the ledger being the committed bytes the workers report
+  (context included); a sustained rise of the floor of that figure raises an alert.
+Cost: one lock, O(zones x workers of the device) per admission, one SQLite transaction per change.
+Nothing here imports grpc; the servicer converts messages to these calls.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    QuotaViolation,
+    ReclaimHint,
+    ResourceExhausted,
+)
+from services.governor.policy import EVICTABLE_ZONES, ZONES, Policy, check_zone
+from services.governor.store import DeviceRow, LeaseRow, Store, WorkerRow
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+# The floor of the last few samples, so one heartbeat racing another worker's allocation (device
+# truth ahead of that worker's report) does not raise the alert on its own.
+_RECENT_SAMPLES = 3
+_MAX_HINTS = 16
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    uuid: str
+    total_bytes: int
+    free_bytes: int
+    granule_bytes: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    worker_id: str
+    device_uuid: str
+    zone: str
+    bytes: int
+    expires_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class Registration:
+    lease_ttl_s: float
+    device_budget_bytes: int
+    leases: list[Lease]
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    lease_ttl_s: float
+    reregister: bool
+    reclaim: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ZoneReport:
+    zone: str
+    leased_bytes: int
+    committed_bytes: int
+    content_bytes: int
+    budget_bytes: int
+    borrowed_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    worker_id: str
+    host: str
+    leased_bytes: int
+    committed_bytes: int
+    content_bytes: int
+    process_used_bytes: int
+    last_heartbeat: float
+    zones: list[ZoneReport]
+    leases: list[Lease] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    uuid: str
+    name: str
+    total_bytes: int
+    budget_bytes: int
+    granule_bytes: int
+    transient_headroom_bytes: int
+    leased_bytes: int
+    device_used_bytes: int
+    ledger_bytes: int
+    unaccounted_bytes: int
+    unaccounted_alert: bool
+    zones: list[ZoneReport]
+    workers: list[WorkerReport]
+
+    @property
+    def free_budget_bytes(self) -> int:
+        return self.budget_bytes - self.leased_bytes
+
+
+@dataclass
+class _Device:
+    row: DeviceRow
+    device_used_bytes: int = 0
+    samples: deque = field(default_factory=deque)  # (t, unaccounted) inside the alert window
+    alert: bool = False
+    # Bytes the governor wants back per zone: a zone inside its own share was refused because
+    # others borrowed it. Handed out once through heartbeats, so a worker is not asked twice.
+    reclaim_wanted: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Worker:
+    row: WorkerRow
+    last_seen: float
+    reported: dict[str, tuple[int, int]] = field(default_factory=dict)  # zone -> committed, content
+    process_used_bytes: int = 0
+    last_heartbeat: float = 0.0
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+class Ledger:
+    """All governor state behind one lock; every public method is one atomic step."""
+
+    def __init__(self, store: Store, policy: Policy | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.policy = policy or Policy()
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.version = 0
+        self.counters = {"acquired": 0, "refused": 0, "released": 0, "expired_workers": 0,
+                         "unaccounted_alerts": 0}
+        now = clock()
+        self._devices = {d.uuid: _Device(d) for d in store.devices()}
+        # A restart gives every known worker a fresh TTL: holding memory a little longer is safe,
+        # granting it twice is not.
+        self._workers = {w.worker_id: _Worker(w, now) for w in store.workers()}
+        self._leases = {lease.lease_id: lease for lease in store.leases()}
+        self._leased: dict[tuple[str, str], int] = {}  # (device, zone) -> bytes
+        self._by_worker: dict[str, set[str]] = {w: set() for w in self._workers}
+        for lease in self._leases.values():
+            self._index(lease, +1)
+
+    # ---- registration -------------------------------------------------------------------------
+
+    def register(self, worker_id: str, device: DeviceSpec, host: str = "") -> Registration:
+        if not worker_id:
+            raise InvalidArgument("worker_id is required")
+        if not device.uuid:
+            raise InvalidArgument("device.uuid is required")
+        if device.total_bytes <= 0 or not 0 < device.free_bytes <= device.total_bytes:
+            raise InvalidArgument(
+                f"device sizes are inconsistent: total {device.total_bytes}, free {device.free_bytes}"
+                " (free must be in (0, total])")
+        if device.granule_bytes < 0:
+            raise InvalidArgument("granule_bytes cannot be negative")
+        with self._lock:
+            known = self._workers.get(worker_id)
+            if known and known.row.device_uuid != device.uuid and self._by_worker[worker_id]:
+                raise FailedPrecondition(
+                    f"worker {worker_id!r} holds leases on device {known.row.device_uuid}; "
+                    "release them or deregister before registering on another device")
+            if device.uuid not in self._devices:
+                budget = int(device.free_bytes * self.policy.budget_fraction)
+                if device.granule_bytes:
+                    budget -= budget % device.granule_bytes
+                row = DeviceRow(device.uuid, device.name, device.total_bytes, budget,
+                                device.granule_bytes)
+                self.store.put_device(row)
+                self._devices[device.uuid] = _Device(row)
+                log.info("device registered", extra={"device": device.uuid, "budget_bytes": budget})
+            wrow = WorkerRow(worker_id, device.uuid, host)
+            if known is None or known.row != wrow:
+                self.store.put_worker(wrow)
+            now = self.clock()
+            if known is None:
+                self._workers[worker_id] = _Worker(wrow, now)
+                self._by_worker[worker_id] = set()
+            else:
+                known.row, known.last_seen = wrow, now
+            self._bump()
+            return Registration(self.policy.lease_ttl_s, self._devices[device.uuid].row.budget_bytes,
+                                self._worker_leases(worker_id))
+
+    def deregister(self, worker_id: str) -> int:
+        """Forget `worker_id` and release everything it holds; returns the bytes released."""
+        with self._lock:
+            self._known(worker_id)
+            return self._drop_worker(worker_id)
+
+    # ---- leases -------------------------------------------------------------------------------
+
+    def acquire(self, worker_id: str, device_uuid: str, zone: str, nbytes: int) -> Lease:
+        check_zone(zone)
+        if nbytes <= 0:
+            raise InvalidArgument(f"bytes must be positive, got {nbytes}")
+        with self._lock:
+            self._expire_locked()
+            worker = self._known(worker_id)
+            device_uuid = device_uuid or worker.row.device_uuid
+            if device_uuid != worker.row.device_uuid:
+                raise FailedPrecondition(
+                    f"worker {worker_id!r} is registered on device {worker.row.device_uuid}, not "
+                    f"{device_uuid}; register on that device first")
+            worker.last_seen = self.clock()
+            self._admit(self._devices[device_uuid], zone, nbytes, worker_id)
+            row = LeaseRow(f"l-{secrets.token_hex(8)}", worker_id, device_uuid, zone, nbytes)
+            self.store.put_lease(row)
+            self._leases[row.lease_id] = row
+            self._index(row, +1)
+            self.counters["acquired"] += 1
+            self._bump()
+            return self._lease(row)
+
+    def resize(self, worker_id: str, lease_id: str, nbytes: int) -> Lease:
+        """Grow (admitted like acquire) or shrink (always succeeds) a lease to `nbytes`."""
+        if nbytes <= 0:
+            raise InvalidArgument(f"bytes must be positive, got {nbytes} (use Release to drop a lease)")
+        with self._lock:
+            self._expire_locked()
+            row = self._owned(worker_id, lease_id)
+            grow = nbytes - row.bytes
+            if grow > 0:
+                self._admit(self._devices[row.device_uuid], row.zone, grow, worker_id)
+            new = replace(row, bytes=nbytes)
+            self.store.put_lease(new)
+            self._index(row, -1)
+            self._leases[lease_id] = new
+            self._index(new, +1)
+            self._workers[worker_id].last_seen = self.clock()
+            self._bump()
+            return self._lease(new)
+
+    def release(self, worker_id: str, lease_id: str) -> int:
+        with self._lock:
+            row = self._owned(worker_id, lease_id)
+            self.store.delete_lease(lease_id)
+            self._index(row, -1)
+            del self._leases[lease_id]
+            self._workers[worker_id].last_seen = self.clock()
+            self.counters["released"] += 1
+            self._bump()
+            return row.bytes
+
+    # ---- liveness and reconciliation ---------------------------------------------------------
+
+    def heartbeat(self, worker_id: str, device_uuid: str, device_used_bytes: int,
+                  process_used_bytes: int, zones: dict[str, tuple[int, int]]) -> HeartbeatResult:
+        if device_used_bytes < 0 or process_used_bytes < 0:
+            raise InvalidArgument("used bytes cannot be negative")
+        for zone, (committed, content) in zones.items():
+            check_zone(zone, leasable=False)
+            if committed < 0 or content < 0:
+                raise InvalidArgument(f"zone {zone}: committed and content cannot be negative")
+        with self._lock:
+            self._expire_locked()
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return HeartbeatResult(self.policy.lease_ttl_s, reregister=True)
+            if device_uuid and device_uuid != worker.row.device_uuid:
+                raise FailedPrecondition(
+                    f"worker {worker_id!r} is registered on device {worker.row.device_uuid}, "
+                    f"not {device_uuid}")
+            now = self.clock()
+            worker.last_seen = worker.last_heartbeat = now
+            worker.reported = dict(zones)
+            worker.process_used_bytes = process_used_bytes
+            device = self._devices[worker.row.device_uuid]
+            if device_used_bytes:
+                device.device_used_bytes = device_used_bytes
+                self._sample_unaccounted(device, now)
+            reclaim = self._reclaim_for(device, worker_id)
+            self._bump()
+            return HeartbeatResult(self.policy.lease_ttl_s, reregister=False, reclaim=reclaim)
+
+    def expire(self) -> list[str]:
+        """Drop every worker silent for longer than the TTL; returns their ids."""
+        with self._lock:
+            return self._expire_locked()
+
+    # ---- reports ------------------------------------------------------------------------------
+
+    def resources(self, device_uuid: str = "") -> list[DeviceReport]:
+        with self._lock:
+            if device_uuid and device_uuid not in self._devices:
+                raise NotFound(f"no device {device_uuid!r} is registered")
+            uuids = [device_uuid] if device_uuid else sorted(self._devices)
+            return [self._report(self._devices[u]) for u in uuids]
+
+    def wait_for_change(self, since: int, timeout: float) -> int:
+        """Block until the version moves past `since` or `timeout` passes; returns the version."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.version != since, timeout)
+            return self.version
+
+    def leases_of(self, worker_id: str) -> list[Lease]:
+        with self._lock:
+            self._known(worker_id)
+            return self._worker_leases(worker_id)
+
+    # ---- internals (lock held) ----------------------------------------------------------------
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.notify_all()
+
+    def _index(self, row: LeaseRow, sign: int) -> None:
+        key = (row.device_uuid, row.zone)
+        self._leased[key] = self._leased.get(key, 0) + sign * row.bytes
+        owned = self._by_worker.setdefault(row.worker_id, set())
+        if sign > 0:
+            owned.add(row.lease_id)
+        else:
+            owned.discard(row.lease_id)
+
+    def _known(self, worker_id: str) -> _Worker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise NotFound(f"worker {worker_id!r} is not registered (or its leases expired); "
+                           "call RegisterWorker first", worker_id=worker_id)
+        return worker
+
+    def _owned(self, worker_id: str, lease_id: str) -> LeaseRow:
+        self._known(worker_id)
+        row = self._leases.get(lease_id)
+        if row is None:
+            raise NotFound(f"no lease {lease_id!r} (released, expired or never granted)",
+                           lease_id=lease_id)
+        if row.worker_id != worker_id:
+            # The caller is known but asks to act on memory that another worker holds: that is
+            # a question of who may act (PERMISSION_DENIED), not of the system's state.
+            raise PermissionDenied(
+                f"lease {lease_id!r} belongs to worker {row.worker_id!r}, not {worker_id!r}",
+                lease_id=lease_id)
+        return row
+
+    def _worker_leases(self, worker_id: str) -> list[Lease]:
+        return [self._lease(self._leases[i]) for i in sorted(self._by_worker.get(worker_id, ()))]
+
+    def _lease(self, row: LeaseRow) -> Lease:
+        worker = self._workers.get(row.worker_id)
+        last = worker.last_seen if worker else self.clock()
+        return Lease(row.lease_id, row.worker_id, row.device_uuid, row.zone, row.bytes,
+                     last + self.policy.lease_ttl_s)
+
+    def _leased_on(self, uuid: str) -> dict[str, int]:
+        return {z: self._leased.get((uuid, z), 0) for z in ZONES}
+
+    def _borrowed(self, device: _Device, leased: dict[str, int]) -> dict[str, int]:
+        """Bytes each zone leases beyond its share; lent by zones that leave theirs unused."""
+        shares = self.policy.zone_budgets
+        if not shares:
+            return {}
+        borrowed = {z: max(0, leased[z] - b) for z, b in shares.items()}
+        headroom = self.policy.transient_headroom_bytes
+        pool = max(0, device.row.budget_bytes - headroom - sum(shares.values()))
+        unshared = [z for z in ZONES if z not in shares and z not in ("transient", "foreign")]
+        pool_used = sum(leased[z] for z in unshared) + max(0, leased["transient"] - headroom)
+        overflow = max(0, pool_used - pool)
+        for z in unshared:
+            if overflow and leased[z]:
+                borrowed[z] = overflow * leased[z] // pool_used
+        return {z: b for z, b in borrowed.items() if b > 0}
+
+    def _admit(self, device: _Device, zone: str, extra: int, worker_id: str) -> None:
+        """Raise ResourceExhausted (changing nothing but counters) unless `extra` bytes fit."""
+        leased = self._leased_on(device.row.uuid)
+        budget = device.row.budget_bytes
+        headroom = self.policy.transient_headroom_bytes
+        reserve = 0 if zone == "transient" else max(0, headroom - leased["transient"])
+        free = budget - sum(leased.values()) - reserve
+        violations: list[QuotaViolation] = []
+        subject = f"device:{device.row.uuid}/zone:{zone}"
+        if extra > free:
+            violations.append(QuotaViolation(
+                f"device:{device.row.uuid}",
+                f"asked {_mib(extra)} for {zone}, {_mib(max(free, 0))} free of a {_mib(budget)} "
+                f"budget ({_mib(reserve)} kept as transient headroom)"))
+        share = self.policy.zone_budgets.get(zone)
+        if share is not None and not self.policy.lending and leased[zone] + extra > share:
+            zone_free = max(0, share - leased[zone])
+            free = min(free, zone_free)
+            violations.append(QuotaViolation(
+                subject, f"asked {_mib(extra)}, {_mib(zone_free)} left of the zone's {_mib(share)} "
+                "budget (lending is off)"))
+        if not violations:
+            return
+        borrowed = self._borrowed(device, leased)
+        if share is not None and self.policy.lending and leased[zone] + extra <= share and borrowed:
+            need = extra - max(free, 0)
+            violations.append(QuotaViolation(
+                subject, f"zone {zone} is inside its {_mib(share)} share; "
+                f"{_mib(sum(borrowed.values()))} of the budget is lent to "
+                f"{', '.join(sorted(borrowed))} and is being reclaimed"))
+            for z, b in sorted(borrowed.items(), key=lambda kv: -kv[1]):
+                take = min(b, need)
+                if take <= 0:
+                    break
+                device.reclaim_wanted[z] = max(device.reclaim_wanted.get(z, 0), take)
+                need -= take
+        self.counters["refused"] += 1
+        raise ResourceExhausted(
+            f"admission refused: asked {_mib(extra)} in zone {zone} on device {device.row.uuid}, "
+            f"{_mib(max(free, 0))} free; give back memory from the reclaimable zones listed",
+            asked_bytes=extra, free_bytes=max(free, 0), zone=zone, violations=violations,
+            reclaimable=self._hints(device, leased, borrowed))
+
+    def _hints(self, device: _Device, leased: dict[str, int],
+               borrowed: dict[str, int]) -> list[ReclaimHint]:
+        """Per worker and zone: evictable bytes, idle lease slack, or a share of borrowed bytes."""
+        hints = []
+        for worker_id, worker in self._workers.items():
+            if worker.row.device_uuid != device.row.uuid:
+                continue
+            per_zone: dict[str, int] = {}
+            for lease_id in self._by_worker[worker_id]:
+                row = self._leases[lease_id]
+                per_zone[row.zone] = per_zone.get(row.zone, 0) + row.bytes
+            for zone, held in per_zone.items():
+                committed = worker.reported.get(zone, (held, 0))[0]
+                idle = max(0, held - committed)
+                lent = borrowed.get(zone, 0) * held // leased[zone] if leased[zone] else 0
+                give = max(held if zone in EVICTABLE_ZONES else idle, lent)
+                if give > 0:
+                    hints.append(ReclaimHint(worker_id, zone, give))
+        hints.sort(key=lambda h: -h.bytes)
+        return hints[:_MAX_HINTS]
+
+    def _reclaim_for(self, device: _Device, worker_id: str) -> dict[str, int]:
+        if not device.reclaim_wanted:
+            return {}
+        borrowed = self._borrowed(device, self._leased_on(device.row.uuid))
+        asks = {}
+        for zone in list(device.reclaim_wanted):
+            wanted = min(device.reclaim_wanted[zone], borrowed.get(zone, 0))
+            held = sum(self._leases[i].bytes for i in self._by_worker[worker_id]
+                       if self._leases[i].zone == zone)
+            ask = min(wanted, held)
+            if ask > 0:
+                asks[zone] = ask
+                wanted -= ask
+            if wanted > 0:
+                device.reclaim_wanted[zone] = wanted
+            else:
+                del device.reclaim_wanted[zone]
+        return asks
+
+    def _drop_worker(self, worker_id: str) -> int:
+        self.store.delete_worker(worker_id)
+        freed = 0
+        for lease_id in list(self._by_worker.get(worker_id, ())):
+            row = self._leases.pop(lease_id)
+            self._index(row, -1)
+            freed += row.bytes
+        self._by_worker.pop(worker_id, None)
+        del self._workers[worker_id]
+        self._bump()
+        return freed
+
+    def _expire_locked(self) -> list[str]:
+        deadline = self.clock() - self.policy.lease_ttl_s
+        dead = [w for w, s in self._workers.items() if s.last_seen < deadline]
+        for worker_id in dead:
+            freed = self._drop_worker(worker_id)
+            self.counters["expired_workers"] += 1
+            log.warning("worker expired: leases returned to the pool",
+                        extra={"worker_id": worker_id, "freed_bytes": freed})
+        return dead
+
+    def _ledger_bytes(self, uuid: str) -> int:
+        return sum(c for w in self._workers.values() if w.row.device_uuid == uuid
+                   for c, _ in w.reported.values())
+
+    def _sample_unaccounted(self, device: _Device, now: float) -> None:
+        unaccounted = device.device_used_bytes - self._ledger_bytes(device.row.uuid)
+        samples = device.samples
+        samples.append((now, unaccounted))
+        while samples and samples[0][0] < now - self.policy.unaccounted_window_s:
+            samples.popleft()
+        values = [v for _, v in samples]
+        alert = False
+        if len(values) > _RECENT_SAMPLES:
+            growth = min(values[-_RECENT_SAMPLES:]) - min(values[:-_RECENT_SAMPLES])
+            alert = growth >= self.policy.unaccounted_alert_bytes
+        if alert and not device.alert:
+            self.counters["unaccounted_alerts"] += 1
+            log.warning("unaccounted device memory is growing: something allocates outside the "
+                        "ledger", extra={"device": device.row.uuid, "unaccounted_bytes": unaccounted,
+                                         "window_s": self.policy.unaccounted_window_s})
+        device.alert = alert
+
+    def _report(self, device: _Device) -> DeviceReport:
+        uuid = device.row.uuid
+        leased = self._leased_on(uuid)
+        borrowed = self._borrowed(device, leased)
+        shares = self.policy.zone_budgets
+        workers, committed, content = [], dict.fromkeys(ZONES, 0), dict.fromkeys(ZONES, 0)
+        for worker_id, worker in sorted(self._workers.items()):
+            if worker.row.device_uuid != uuid:
+                continue
+            per_zone = dict.fromkeys(ZONES, 0)
+            for lease_id in self._by_worker[worker_id]:
+                per_zone[self._leases[lease_id].zone] += self._leases[lease_id].bytes
+            zones = []
+            for z in ZONES:
+                c, ct = worker.reported.get(z, (0, 0))
+                committed[z] += c
+                content[z] += ct
+                if c or ct or per_zone[z]:
+                    zones.append(ZoneReport(z, per_zone[z], c, ct, shares.get(z, 0), 0))
+            workers.append(WorkerReport(
+                worker_id, worker.row.host, sum(per_zone.values()),
+                sum(c for c, _ in worker.reported.values()),
+                sum(ct for _, ct in worker.reported.values()),
+                worker.process_used_bytes, worker.last_heartbeat, zones,
+                self._worker_leases(worker_id)))
+        ledger = sum(committed.values())
+        unaccounted = device.device_used_bytes - ledger if device.device_used_bytes else 0
+        committed["foreign"] = max(0, unaccounted)
+        zones = [ZoneReport(z, leased[z], committed[z], content[z],
+                            self.policy.transient_headroom_bytes if z == "transient"
+                            else shares.get(z, 0), borrowed.get(z, 0)) for z in ZONES]
+        return DeviceReport(
+            uuid, device.row.name, device.row.total_bytes, device.row.budget_bytes,
+            device.row.granule_bytes, self.policy.transient_headroom_bytes, sum(leased.values()),
+            device.device_used_bytes, ledger, unaccounted, device.alert, zones, workers)

@@ -1,0 +1,39 @@
+"""Assemble a running governor: store, ledger, servicer, expiry sweeper, optional metrics."""
+from __future__ import annotations
+
+import pathlib
+import threading
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.common.server import RunningServer, create_server
+from services.common.telemetry import tracer_provider as default_tracer_provider
+from services.governor.ledger import Ledger
+from services.governor.policy import Policy
+from services.governor.servicer import registration
+from services.governor.store import Store
+
+
+def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = None,
+                   tracer_provider: TracerProvider | None = None,
+                   durable: bool = False) -> tuple[RunningServer, Ledger]:
+    """Open the store, load the ledger, serve on `listen`; stop() also ends the sweeper."""
+    policy = policy or Policy()
+    store = Store(db, durable=durable)
+    ledger = Ledger(store, policy)
+    server = create_server(listen, [registration(ledger)],
+                           tracer_provider or default_tracer_provider("governor"))
+    stop = threading.Event()
+
+    def sweep() -> None:
+        # Expiry also runs before every admission; the sweeper returns a dead worker's memory to
+        # the pool even when nobody asks, within a quarter of the TTL.
+        while not stop.wait(max(0.05, policy.lease_ttl_s / 4)):
+            ledger.expire()
+
+    sweeper = threading.Thread(target=sweep, name="governor-expiry", daemon=True)
+    sweeper.start()
+    server.on_stop.append(stop.set)
+    server.on_stop.append(lambda: sweeper.join(timeout=5))
+    server.on_stop.append(store.close)
+    return server, ledger

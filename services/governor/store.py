@@ -1,0 +1,124 @@
+"""Durable state of the governor: devices, workers and leases in SQLite (WAL).
+
+Hazard: a governor that forgets a lease grants the same memory twice, and two workers then OOM
+each other. Contract: every change to devices, workers or leases is committed (one transaction,
+`BEGIN IMMEDIATE`) before the call that made it returns, so a governor killed with `kill -9` at
+any instant restarts knowing every lease it ever answered for. Heartbeats are not written: after a
+restart every loaded lease gets a fresh TTL, which errs on the side of holding memory, never of
+granting it twice.
+Cost: one WAL append per Acquire/Resize/Release (tens of microseconds). `synchronous=NORMAL`
+survives a process crash; a power loss may drop the last transactions (use `durable=True`, i.e.
+synchronous=FULL, to survive that too, at an fsync per change).
+One writer: the ledger calls the store under its own lock, so the connection is never shared by
+two threads at once (check_same_thread is off only because that thread varies).
+"""
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+from dataclasses import dataclass
+
+import sqlite_utils
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    uuid: str
+    name: str
+    total_bytes: int
+    budget_bytes: int
+    granule_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    worker_id: str
+    device_uuid: str
+    host: str
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    lease_id: str
+    worker_id: str
+    device_uuid: str
+    zone: str
+    bytes: int
+
+
+class Store:
+    """SQLite persistence; `path=":memory:"` for tests that do not need a file."""
+
+    def __init__(self, path: str | pathlib.Path, durable: bool = False) -> None:
+        if str(path) != ":memory:":
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self.db = sqlite_utils.Database(self._conn)
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        self.db["devices"].create(
+            {"uuid": str, "name": str, "total_bytes": int, "budget_bytes": int, "granule_bytes": int},
+            pk="uuid", if_not_exists=True,
+        )
+        self.db["workers"].create(
+            {"worker_id": str, "device_uuid": str, "host": str}, pk="worker_id", if_not_exists=True,
+        )
+        self.db["leases"].create(
+            {"lease_id": str, "worker_id": str, "device_uuid": str, "zone": str, "bytes": int},
+            pk="lease_id", if_not_exists=True,
+        )
+        self.db["leases"].create_index(["worker_id"], if_not_exists=True)
+
+    def _write(self, statements: list[tuple[str, tuple]]) -> None:
+        """Run `statements` in one immediate transaction: all of them or none."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params in statements:
+                self._conn.execute(sql, params)
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def put_device(self, d: DeviceRow) -> None:
+        self._write([(
+            "INSERT OR REPLACE INTO devices VALUES (?, ?, ?, ?, ?)",
+            (d.uuid, d.name, d.total_bytes, d.budget_bytes, d.granule_bytes),
+        )])
+
+    def put_worker(self, w: WorkerRow) -> None:
+        self._write([(
+            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?)", (w.worker_id, w.device_uuid, w.host),
+        )])
+
+    def delete_worker(self, worker_id: str) -> None:
+        """Forget a worker and every lease it held, in one transaction."""
+        self._write([
+            ("DELETE FROM leases WHERE worker_id = ?", (worker_id,)),
+            ("DELETE FROM workers WHERE worker_id = ?", (worker_id,)),
+        ])
+
+    def put_lease(self, lease: LeaseRow) -> None:
+        self._write([(
+            "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?)",
+            (lease.lease_id, lease.worker_id, lease.device_uuid, lease.zone, lease.bytes),
+        )])
+
+    def delete_lease(self, lease_id: str) -> None:
+        self._write([("DELETE FROM leases WHERE lease_id = ?", (lease_id,))])
+
+    def devices(self) -> list[DeviceRow]:
+        return [DeviceRow(**r) for r in self.db["devices"].rows]
+
+    def workers(self) -> list[WorkerRow]:
+        return [WorkerRow(**r) for r in self.db["workers"].rows]
+
+    def leases(self) -> list[LeaseRow]:
+        return [LeaseRow(**r) for r in self.db["leases"].rows]
+
+    def close(self) -> None:
+        self._conn.close()

@@ -1,0 +1,85 @@
+"""python -m cache_service stats|lookup|prune: one RPC each, --json, exit codes at the edge."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cache_service.__main__ import EXIT_MISS, EXIT_OK, EXIT_RPC, main
+from cache_service.client import KernelCacheClient
+from tests.cache_service.cache_helpers import TOKEN, make_artifact
+
+
+@pytest.fixture
+def filled(server):
+    client = KernelCacheClient(server.address, write_token=TOKEN)
+    for i in range(3):
+        client.store(f"k{i}", make_artifact(1000, i), namespace="prod")
+    assert client.flush()
+    client.close()
+    return server
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_stats_json_prints_the_same_numbers_the_store_holds(filled, capsys):
+    code, out = run(capsys, "stats", "--target", filled.address, "--json")
+    stats = json.loads(out)
+    assert code == EXIT_OK
+    held = filled.store.stats()
+    assert (int(stats["entries"]), int(stats["total_bytes"])) == (held.entries, held.total_bytes)
+    assert stats["namespaces"][0]["namespace"] == "prod"
+
+
+def test_lookup_prints_metadata_writes_bytes_with_out_and_exits_1_on_a_miss(filled, capsys,
+                                                                             tmp_path):
+    out_file = tmp_path / "k1.bin"
+    code, out = run(capsys, "lookup", "k1", "--namespace", "prod", "--target", filled.address,
+                    "--json", "--out", str(out_file))
+    meta = json.loads(out)
+    assert code == EXIT_OK and meta["found"] and meta["artifact"]["module_name"] == "mod1"
+    assert "data" not in meta["artifact"] or not meta["artifact"]["data"], "bytes on the terminal"
+    assert out_file.read_bytes() == filled.store.lookup("k1", "prod").data
+    code, _ = run(capsys, "lookup", "nope", "--target", filled.address)
+    assert code == EXIT_MISS, "a miss must exit 1"
+
+
+def test_prune_needs_the_write_token_and_evicts_to_the_target(filled, capsys):
+    code, _ = run(capsys, "prune", "--target", filled.address, "--target-bytes", "1000")
+    assert code == EXIT_RPC and filled.store.stats().entries == 3, "prune without token ran"
+    code, out = run(capsys, "prune", "--target", filled.address, "--target-bytes", "1000",
+                    "--write-token", TOKEN, "--json")
+    assert code == EXIT_OK and int(json.loads(out)["evicted_entries"]) == 2
+    assert filled.store.stats().total_bytes == 1000
+
+
+def test_serve_flags_take_gpuplane_cache_env_defaults_and_flags_win(monkeypatch):
+    from cache_service.__main__ import _parser
+    from cache_service.config import server_config_from_args
+
+    monkeypatch.setenv("GPUPLANE_CACHE_BUDGET_BYTES", "64MiB")
+    monkeypatch.setenv("GPUPLANE_CACHE_NAMESPACE_BUDGETS", "prod=8MiB,dev=1MiB")
+    monkeypatch.setenv("GPUPLANE_CACHE_WRITE_TOKEN", "t")
+    config = server_config_from_args(_parser().parse_args(["serve"]))
+    assert config.store.budget_bytes == 64 << 20 and config.write_token == "t"
+    assert dict(config.store.namespace_budgets) == {"prod": 8 << 20, "dev": 1 << 20}
+    config = server_config_from_args(_parser().parse_args(
+        ["serve", "--budget-bytes", "0", "--namespace-budget", "x=2MiB", "--db", "/tmp/c.db"]))
+    assert config.store.budget_bytes == 0, "0 must mean unbounded, and the flag beats the env"
+    assert dict(config.store.namespace_budgets) == {"x": 2 << 20}
+    assert str(config.db) == "/tmp/c.db"
+
+
+def test_serve_defaults_put_the_database_under_var_with_a_256_mib_budget(monkeypatch):
+    from cache_service.__main__ import _parser
+    from cache_service.config import server_config_from_args
+
+    for name in ("GPUPLANE_CACHE_BUDGET_BYTES", "GPUPLANE_CACHE_DB", "GPUPLANE_CACHE_WRITE_TOKEN",
+                 "GPUPLANE_CACHE_NAMESPACE_BUDGETS"):
+        monkeypatch.delenv(name, raising=False)
+    config = server_config_from_args(_parser().parse_args(["serve"]))
+    assert config.store.budget_bytes == 256 << 20 and config.write_token is None
+    assert config.db.name == "kernel_cache.sqlite" and config.db.parent.name == "var"

@@ -1,0 +1,127 @@
+"""KernelCacheService over real gRPC on loopback: auth, status codes, batch, stats, prune, metrics."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
+from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
+from prometheus_client import generate_latest
+
+from cache_service.convert import artifact_to_pb
+from cache_service.servicer import MAX_BATCH_KEYS
+from tests.cache_service.cache_helpers import TOKEN, make_artifact
+
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.fixture
+def stub(server):
+    channel = grpc.insecure_channel(server.address, options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    yield pb_grpc.KernelCacheServiceStub(channel)
+    channel.close()
+
+
+def store_request(key: str = "k", size: int = 4096, seed: int = 0, **kw) -> pb.StoreRequest:
+    return pb.StoreRequest(key=key, artifact=artifact_to_pb(make_artifact(size, seed)), **kw)
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def test_store_without_a_token_is_unauthenticated_and_with_a_wrong_one_permission_denied(stub):
+    assert code_of(lambda: stub.Store(store_request(), timeout=5)) == \
+        grpc.StatusCode.UNAUTHENTICATED, "a write without credentials must be UNAUTHENTICATED"
+    wrong = (("authorization", "Bearer nope"),)
+    assert code_of(lambda: stub.Store(store_request(), timeout=5, metadata=wrong)) == \
+        grpc.StatusCode.PERMISSION_DENIED, "a wrong token must be PERMISSION_DENIED"
+    assert code_of(lambda: stub.Prune(pb.PruneRequest(), timeout=5)) == \
+        grpc.StatusCode.UNAUTHENTICATED, "Prune is a write and needs the token too"
+    assert not stub.Lookup(pb.LookupRequest(key="k"), timeout=5).found, "refused writes stored"
+    assert stub.Store(store_request(), timeout=5, metadata=AUTH).stored
+    assert stub.Lookup(pb.LookupRequest(key="k"), timeout=5).found, "reads must stay open"
+
+
+def test_writes_are_open_when_no_token_is_configured(start_server):
+    server = start_server(write_token=None)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.KernelCacheServiceStub(channel)
+        assert stub.Store(store_request(), timeout=5).stored
+
+
+@pytest.mark.parametrize("name, request_", [
+    ("empty key", lambda: store_request(key="")),
+    ("digest mismatch", lambda: pb.StoreRequest(key="k", artifact=pb.Artifact(
+        data=b"abc", sha256="0" * 64, kind=pb.ARTIFACT_KIND_PTX))),
+    ("missing digest", lambda: pb.StoreRequest(key="k", artifact=pb.Artifact(
+        data=b"abc", kind=pb.ARTIFACT_KIND_PTX))),
+    ("no kind", lambda: pb.StoreRequest(key="k", artifact=pb.Artifact(
+        data=b"abc", sha256=make_artifact(3).sha256))),
+    ("no artifact", lambda: pb.StoreRequest(key="k")),
+    ("oversized", lambda: store_request(size=(1 << 20) + 1)),
+    ("bad namespace", lambda: store_request(namespace="a/b")),
+])
+def test_bad_store_is_invalid_argument_and_stores_nothing(start_server, name, request_):
+    server = start_server(max_artifact_bytes=1 << 20)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.KernelCacheServiceStub(channel)
+        assert code_of(lambda: stub.Store(request_(), timeout=5, metadata=AUTH)) == \
+            grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be INVALID_ARGUMENT"
+        stats = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+        assert stats.entries == 0 and stats.stores == 0, f"{name} stored something"
+
+
+def test_lookup_of_a_bad_key_or_too_many_keys_is_invalid_argument(stub):
+    assert code_of(lambda: stub.Lookup(pb.LookupRequest(key=""), timeout=5)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    keys = [f"k{i}" for i in range(MAX_BATCH_KEYS + 1)]
+    assert code_of(lambda: stub.BatchLookup(pb.BatchLookupRequest(keys=keys), timeout=5)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_store_lookup_round_trip_keeps_every_field_and_repeat_store_is_idempotent(stub):
+    request = store_request(key="abc", size=10000, seed=3, namespace="prod")
+    first = stub.Store(request, timeout=5, metadata=AUTH)
+    again = stub.Store(request, timeout=5, metadata=AUTH)
+    assert first.stored and not again.stored and not again.digest_conflict
+    got = stub.Lookup(pb.LookupRequest(key="abc", namespace="prod"), timeout=5)
+    assert got.found and got.artifact == request.artifact, "the artifact changed in the cache"
+    conflict = stub.Store(store_request(key="abc", seed=4, namespace="prod"), timeout=5,
+                          metadata=AUTH)
+    assert conflict.digest_conflict, "a different digest under a known key must be flagged"
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    assert (stats.hits, stats.stores, stats.digest_conflicts) == (1, 1, 1)
+    assert [n.namespace for n in stats.namespaces] == ["prod"]
+
+
+def test_batch_lookup_returns_one_result_per_key_in_request_order(server, stub):
+    for k in ("a", "c"):
+        stub.Store(store_request(key=k, seed=ord(k)), timeout=5, metadata=AUTH)
+    response = stub.BatchLookup(pb.BatchLookupRequest(keys=["c", "b", "a"]), timeout=5)
+    assert [r.found for r in response.results] == [True, False, True]
+    assert response.results[0].artifact.module_name == f"mod{ord('c')}", "results out of order"
+
+
+def test_prune_rpc_evicts_down_to_the_target(stub):
+    for i in range(5):
+        stub.Store(store_request(key=f"k{i}", seed=i), timeout=5, metadata=AUTH)
+    pruned = stub.Prune(pb.PruneRequest(target_bytes=2 * 4096), timeout=5, metadata=AUTH)
+    assert (pruned.evicted_entries, pruned.total_bytes) == (3, 2 * 4096)
+    assert stub.Lookup(pb.LookupRequest(key="k4"), timeout=5).found, "MRU entries must survive"
+
+
+def test_metrics_expose_hits_misses_errors_bytes_budget_and_latency(server, stub):
+    stub.Store(store_request(), timeout=5, metadata=AUTH)
+    stub.Lookup(pb.LookupRequest(key="k"), timeout=5)
+    stub.Lookup(pb.LookupRequest(key="nope"), timeout=5)
+    code_of(lambda: stub.Store(store_request(), timeout=5))
+    text = generate_latest(server.metrics.registry).decode()
+    for line in ("kernel_cache_hits_total 1.0", "kernel_cache_misses_total 1.0",
+                 'kernel_cache_bytes{namespace=""} 4096.0',
+                 'kernel_cache_budget_bytes{namespace=""} 2.68435456e+08',
+                 'kernel_cache_errors_total{code="UNAUTHENTICATED",method="Store"} 1.0',
+                 'kernel_cache_request_seconds_count{method="Lookup"} 2.0'):
+        assert line in text, f"metric line missing: {line}"

@@ -1,0 +1,119 @@
+"""The sim test double reproduces the hardware behaviours the device layer guards against."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from gpu_worker.device.backend import CaptureInvalidated, IllegalAddress, i64, ptr
+from gpu_worker.device.sim_backend import SimBackend
+from tests.device.conftest import GATES, GRANULE, IMAGE
+
+
+@pytest.fixture
+def sim():
+    b = SimBackend(total_bytes=64 << 20, granule_bytes=GRANULE, context_bytes=4 << 20)
+    yield b
+    b.close()
+
+
+def _mapped(sim: SimBackend, nbytes: int) -> tuple[int, object]:
+    va = sim.reserve(nbytes * 4)
+    h = sim.create_physical(nbytes)
+    sim.map(va, h, nbytes)
+    return va, h
+
+
+def _capture_while_other_thread_calls(sim, mode: str, call) -> bool:
+    s = sim.create_stream()
+    sim.begin_capture(s, mode=mode)
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(5)
+    try:
+        sim.end_capture(s)
+        return False
+    except CaptureInvalidated:
+        return True
+
+
+def test_another_threads_context_sync_invalidates_a_thread_local_capture(sim):
+    assert _capture_while_other_thread_calls(sim, "thread_local", sim.synchronize_context), \
+        "GPU.md: cuCtxSynchronize on another thread invalidates THREAD_LOCAL captures"
+    assert sim.invalidations == 1
+
+
+def test_thread_local_capture_survives_other_threads_pinned_alloc_and_module_load(sim):
+    def calls() -> None:
+        sim.free_pinned(sim.alloc_pinned(4096))
+        sim.load_module(IMAGE)
+
+    assert not _capture_while_other_thread_calls(sim, "thread_local", calls), \
+        "GPU.md: pinned alloc and module load do not invalidate a THREAD_LOCAL capture"
+    assert _capture_while_other_thread_calls(sim, "global", calls), \
+        "GPU.md: the same calls invalidate a GLOBAL capture"
+
+
+def test_reading_unmapped_memory_raises_illegal_address(sim):
+    va, h = _mapped(sim, GRANULE)
+    sim.view(va, GRANULE)[:] = 1
+    with pytest.raises(IllegalAddress):
+        sim.view(va, GRANULE + 1)  # one byte past the mapping
+
+
+def test_a_handle_carries_its_bytes_across_unmap_and_remap_and_the_old_va_is_poisoned(sim):
+    va, h = _mapped(sim, GRANULE)
+    sim.view(va, 4)[:] = [1, 2, 3, 4]
+    sim.unmap(va, GRANULE)
+    with pytest.raises(IllegalAddress):
+        sim.view(va, 4)
+    sim.map(va + GRANULE, h, GRANULE)
+    assert list(sim.view(va + GRANULE, 4)) == [1, 2, 3, 4], "a handle lost its bytes on unmap"
+
+
+def test_an_unfenced_unmap_faults_the_kernel_still_queued_on_the_stream(sim):
+    src, h = _mapped(sim, GRANULE)
+    dst, _ = _mapped(sim, GRANULE)
+    s = sim.create_stream()
+    GATES[1] = threading.Event()
+    fn = sim.get_function(sim.load_module(IMAGE), "wait_then_copy")
+    sim.launch(fn, (1, 1, 1), (1, 1, 1), [ptr(src), ptr(dst), i64(GRANULE), i64(1)], s)
+    sim.unmap(src, GRANULE)  # no fence: the kernel has not read it yet
+    GATES[1].set()
+    with pytest.raises(IllegalAddress):
+        sim.synchronize_stream(s)
+    assert sim.faults, "the use after unmap was not recorded as a device fault"
+
+
+def test_mem_get_info_counts_physical_bytes_nobody_booked(sim):
+    free0, total = sim.mem_get_info()
+    h = sim.create_physical(4 * GRANULE)
+    free1, _ = sim.mem_get_info()
+    assert free0 - free1 == 4 * GRANULE, "an unbooked handle must still show as device-used"
+    sim.release_physical(h)
+    assert sim.mem_get_info()[0] == free0
+
+
+def test_replay_reads_whatever_is_mapped_at_replay_time(sim):
+    src, h = _mapped(sim, GRANULE)
+    dst, _ = _mapped(sim, GRANULE)
+    s = sim.create_stream()
+    fn = sim.get_function(sim.load_module(IMAGE), "copy_u8")
+    sim.begin_capture(s)
+    sim.launch(fn, (1, 1, 1), (1, 1, 1), [ptr(src), ptr(dst), i64(16)], s)
+    exe = sim.instantiate(sim.end_capture(s))
+    sim.unmap(src, GRANULE)
+    h2 = sim.create_physical(GRANULE)
+    h2.data[:16] = np.arange(16, dtype=np.uint8) + 100
+    sim.map(src, h2, GRANULE)
+    sim.launch_graph(exe, s)
+    sim.synchronize_stream(s)
+    assert list(sim.view(dst, 16)) == list(range(100, 116)), "replay did not read the new pages"
+
+
+def test_get_function_refuses_an_entry_the_image_does_not_contain(sim):
+    from gpu_worker.device.backend import DeviceError
+
+    with pytest.raises(DeviceError, match="NOT_FOUND"):
+        sim.get_function(sim.load_module(b".entry other"), "copy_u8")

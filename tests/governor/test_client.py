@@ -1,0 +1,186 @@
+"""services.governor.client: LocalBudget and GovernorClient against a real governor on loopback."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.common.errors import InvalidArgument, ResourceExhausted
+from services.governor.client import DeviceDescription, GovernorClient, LocalBudget
+from services.governor.policy import Policy
+from services.governor.server import start_governor
+
+MIB = 1 << 20
+CHUNK = 8 * MIB
+DEVICE = DeviceDescription("GPU-client", "test", 2000 * MIB, 100 * MIB, 2 * MIB)
+
+
+def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until true; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for: {what}")
+
+
+def serve(tmp_path, port: int = 0, db: str = "gov.sqlite", **policy):
+    policy.setdefault("budget_fraction", 1.0)
+    return start_governor(f"127.0.0.1:{port}", tmp_path / db, Policy(**policy),
+                          tracer_provider=TracerProvider())
+
+
+@pytest.fixture
+def governor(tmp_path):
+    server, ledger = serve(tmp_path)
+    yield server, ledger
+    server.stop(grace=0)
+
+
+def client(server, worker_id: str = "w1", **kw) -> GovernorClient:
+    kw.setdefault("chunk_bytes", CHUNK)
+    kw.setdefault("heartbeat_s", 0.05)
+    return GovernorClient(server.address, worker_id, DEVICE, tracer_provider=TracerProvider(),
+                          **kw)
+
+
+def leased(ledger, worker_id: str = "w1") -> int:
+    return sum(lease.bytes for lease in ledger.leases_of(worker_id))
+
+
+def test_local_budget_admits_up_to_its_budget_and_refuses_with_numbers():
+    budget = LocalBudget(10 * MIB)
+    budget.reserve("weights", 6 * MIB)
+    budget.reserve("kv", 4 * MIB)
+    with pytest.raises(ResourceExhausted) as info:
+        budget.reserve("kv", 1)
+    assert (info.value.asked_bytes, info.value.free_bytes, info.value.zone) == (1, 0, "kv")
+    with pytest.raises(InvalidArgument):
+        budget.release("kv", 5 * MIB)
+    with pytest.raises(InvalidArgument):
+        budget.reserve("nonsense", 1)
+    assert budget.used() == {"weights": 6 * MIB, "kv": 4 * MIB}, "refusals must change nothing"
+    budget.release("weights", 6 * MIB)
+    budget.reserve("kv", 6 * MIB)
+
+
+def test_small_reserves_are_served_from_chunks_not_one_rpc_each(governor):
+    server, ledger = governor
+    c = client(server)
+    try:
+        for _ in range(40):
+            c.reserve("workspace", MIB // 2)
+        assert c.stats()["acquires"] == 3, "40 x 0.5 MiB in 8 MiB chunks must take 3 Acquires"
+        assert leased(ledger) == 3 * CHUNK
+    finally:
+        c.close()
+    assert ledger.resources()[0].leased_bytes == 0, "close must hand every lease back"
+
+
+def test_idle_chunks_go_back_with_hysteresis(governor):
+    server, ledger = governor
+    c = client(server)
+    try:
+        c.reserve("kv", 5 * CHUNK)
+        c.release("kv", 5 * CHUNK)
+        eventually(lambda: leased(ledger) == CHUNK, what="idle chunks returned down to one")
+        acquires = c.stats()["acquires"]
+        for _ in range(20):  # a cycle at the chunk boundary must not become Acquire/Release churn
+            c.reserve("kv", CHUNK)
+            c.release("kv", CHUNK)
+        assert c.stats()["acquires"] == acquires
+    finally:
+        c.close()
+
+
+def test_the_last_bytes_are_granted_exactly_when_a_whole_chunk_does_not_fit(governor):
+    server, ledger = governor
+    c = client(server)
+    try:
+        c.reserve("weights", 100 * MIB - 3 * MIB)
+        c.reserve("weights", 3 * MIB)  # a chunk of 8 MiB would not fit; 3 MiB does
+        assert ledger.resources()[0].free_budget_bytes == 0
+        with pytest.raises(ResourceExhausted) as info:
+            c.reserve("kv", MIB)
+        assert info.value.zone == "kv" and info.value.free_bytes == 0
+        assert info.value.reclaimable and info.value.reclaimable[0].zone == "weights", \
+            "the client must surface the governor's reclaim hints"
+        assert c.used() == {"weights": 100 * MIB}, "a refused reserve must change nothing"
+    finally:
+        c.close()
+
+
+def test_heartbeats_carry_the_last_report_into_the_ledger(governor):
+    server, ledger = governor
+    c = client(server)
+    try:
+        c.report({"context": (500 * MIB, 500 * MIB), "kv": (8 * MIB, 7 * MIB)}, 600 * MIB, 0)
+        eventually(lambda: ledger.resources()[0].ledger_bytes == 508 * MIB,
+                   what="the report to reach the governor")
+        assert ledger.resources()[0].unaccounted_bytes == 92 * MIB
+    finally:
+        c.close()
+
+
+def test_the_client_keeps_working_inside_its_leases_while_the_governor_is_down(tmp_path):
+    server, ledger = serve(tmp_path)
+    port = server.port
+    c = client(server)
+    try:
+        c.reserve("kv", MIB)  # holds one 8 MiB chunk
+        server.stop(grace=0)
+        c.reserve("kv", 6 * MIB)  # inside the held chunk: no governor needed
+        eventually(lambda: not c.connected(), what="the client to notice the governor is down")
+        started = time.monotonic()
+        with pytest.raises(ResourceExhausted, match="unreachable"):
+            c.reserve("kv", 64 * MIB)
+        assert time.monotonic() - started < 3, "growth while down must fail within a deadline"
+        c.release("kv", 7 * MIB)
+        server, ledger = serve(tmp_path, port=port)  # same db, same port
+        eventually(c.connected, what="the client to reconnect")
+        assert leased(ledger) == CHUNK, "the lease held across the outage must survive"
+        c.reserve("kv", 20 * MIB)
+    finally:
+        c.close()
+        server.stop(grace=0)
+
+
+def test_a_governor_that_lost_its_state_gets_the_clients_leases_back(tmp_path):
+    server, _ = serve(tmp_path)
+    port = server.port
+    c = client(server)
+    try:
+        c.reserve("weights", 2 * CHUNK)
+        server.stop(grace=0)
+        server, ledger = serve(tmp_path, port=port, db="fresh.sqlite")  # a new, empty ledger
+        eventually(lambda: leased(ledger) if "w1" in {w.worker_id for d in ledger.resources()
+                                                      for w in d.workers} else False,
+                   what="the client to re-register and re-acquire")
+        assert leased(ledger) == 2 * CHUNK, "re-acquired leases must cover the bytes in use"
+        assert c.stats()["reacquired"] >= 1
+    finally:
+        c.close()
+        server.stop(grace=0)
+
+
+def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp_path):
+    server, ledger = serve(tmp_path, zone_budgets={"kv": 50 * MIB, "weights": 50 * MIB})
+    asked = []
+    lender = client(server, "lender", heartbeat_s=10)
+    borrower = client(server, "borrower", on_reclaim=lambda z, b: asked.append((z, b)))
+    try:
+        borrower.reserve("weights", 90 * MIB)  # 40 MiB of kv's share borrowed
+        borrower.release("weights", 30 * MIB)  # now idle, but under the hysteresis threshold
+        assert leased(ledger, "borrower") >= 90 * MIB
+        with pytest.raises(ResourceExhausted, match="admission refused"):
+            lender.reserve("kv", 50 * MIB)
+        eventually(lambda: asked, what="the borrower to be asked to give back")
+        assert asked[0][0] == "weights"
+        eventually(lambda: leased(ledger, "borrower") <= 90 * MIB - CHUNK,
+                   what="idle borrowed leases to be released")
+    finally:
+        lender.close()
+        borrower.close()
+        server.stop(grace=0)

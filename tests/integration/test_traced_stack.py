@@ -1,0 +1,149 @@
+"""The three services in one process on loopback ports, each with its own tracer provider and
+in-memory exporter: one client call must be one trace across worker, cache service and governor."""
+from __future__ import annotations
+
+import pathlib
+from typing import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry
+
+from gpu_worker.client import WorkerClient
+
+from .spans import Traced, ancestors, assert_rpc_attributes, rpc_span, trace_spans
+
+WORKER = "gpuplane.worker.v1.WorkerService"
+GOVERNOR = "gpuplane.governor.v1.GovernorService"
+CACHE = "gpuplane.kernelcache.v1.KernelCacheService"
+TOKEN = "integration-token"
+
+
+@pytest.fixture
+def stack(tmp_path: pathlib.Path) -> Iterator[tuple[Traced, WorkerClient]]:
+    from cache_service.config import ServerConfig
+    from cache_service.server import start_cache_server
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.servicer import serve_worker
+    from services.governor.server import start_governor
+
+    traced = Traced()
+    governor, _ = start_governor("127.0.0.1:0", tmp_path / "governor.db",
+                                 tracer_provider=traced.provider("governor"))
+    cache = start_cache_server(
+        ServerConfig(listen="127.0.0.1:0", db=tmp_path / "cache.db", write_token=TOKEN),
+        tracer_provider=traced.provider("kernel-cache"), registry=CollectorRegistry())
+    runtime = WorkerRuntime(WorkerConfig(
+        backend="sim", governor=governor.address, cache=cache.address,
+        cache_dir=tmp_path / "kernels", worker_id="traced-worker", cache_write_token=TOKEN,
+        tracer_provider=traced.provider("gpu-worker")))
+    runtime.start()
+    worker = serve_worker(runtime, "127.0.0.1:0", traced.provider("gpu-worker"))
+    client = WorkerClient(worker.address, deadline_s=120.0, tracer_provider=traced.provider("client"))
+    try:
+        yield traced, client
+    finally:
+        client.close()
+        worker.stop(grace=5.0)
+        cache.stop()
+        governor.stop(grace=5.0)
+        traced.shutdown()
+
+
+def _server_span_of(traced: Traced, service: str, full_service: str, trace_id: int):
+    """Any server span `service` recorded in `trace_id`."""
+    for name, span in trace_spans(traced, trace_id):
+        if name == service and span.kind == SpanKind.SERVER and full_service in span.name:
+            return span
+    seen = sorted(f"{n}:{s.name}" for n, s in trace_spans(traced, trace_id))
+    raise AssertionError(f"the trace has no {service} server span; it has {seen}")
+
+
+def test_one_load_model_call_is_one_trace_across_worker_cache_and_governor(stack) -> None:
+    traced, client = stack
+    traced.clear()
+    client.load_model("traced-decoder", "decoder", "tiny", 1)
+
+    call = rpc_span(traced, "client", "WorkerService/LoadModel", SpanKind.CLIENT)
+    trace_id = call.context.trace_id
+    served = rpc_span(traced, "gpu-worker", "WorkerService/LoadModel", SpanKind.SERVER, trace_id)
+    assert served.parent is not None and served.parent.span_id == call.context.span_id, \
+        "the worker's server span is not the child of the client's call"
+    assert_rpc_attributes(call, WORKER, "LoadModel")
+    assert_rpc_attributes(served, WORKER, "LoadModel")
+
+    for service, full in (("governor", GOVERNOR), ("kernel-cache", CACHE)):
+        downstream = _server_span_of(traced, service, full, trace_id)
+        chain = ancestors(traced, downstream)
+        assert chain and chain[0].kind == SpanKind.CLIENT, \
+            f"the {service} span's parent is not the worker's outgoing call"
+        assert served in chain, f"the {service} span does not descend from the worker's LoadModel"
+        method = downstream.name.rsplit("/", 1)[-1]
+        assert_rpc_attributes(downstream, full, method)
+        assert_rpc_attributes(chain[0], full, method)
+
+
+def test_one_generate_call_is_one_trace_with_the_worker_span_under_the_client(stack) -> None:
+    traced, client = stack
+    client.load_model("traced-decoder", "decoder", "tiny", 1)
+    traced.clear()
+    client.generate("traced-decoder", [1, 2, 3, 4], 3)
+
+    call = rpc_span(traced, "client", "WorkerService/Generate", SpanKind.CLIENT)
+    served = rpc_span(traced, "gpu-worker", "WorkerService/Generate", SpanKind.SERVER,
+                      call.context.trace_id)
+    assert served.parent is not None and served.parent.span_id == call.context.span_id, \
+        "Generate's server span is not the child of the client's call"
+    assert_rpc_attributes(served, WORKER, "Generate")
+    # Every span the worker made for this request belongs to the client's trace.
+    own = [s for s in traced.spans("gpu-worker")
+           if s[1].parent is not None and s[1].parent.span_id == served.context.span_id]
+    assert all(span.context.trace_id == call.context.trace_id for _, span in own), \
+        "a child of Generate's span started a new trace"
+
+
+def test_errors_carry_their_status_code_on_the_spans(stack) -> None:
+    traced, client = stack
+    traced.clear()
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate("no-such-model", [1, 2], 2)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, "unknown model is not NOT_FOUND"
+    call = rpc_span(traced, "client", "WorkerService/Generate", SpanKind.CLIENT)
+    served = rpc_span(traced, "gpu-worker", "WorkerService/Generate", SpanKind.SERVER,
+                      call.context.trace_id)
+    for span in (call, served):
+        assert span.status.status_code == StatusCode.ERROR, f"{span.name}: error not recorded"
+        assert span.attributes.get("rpc.grpc.status_code") == grpc.StatusCode.NOT_FOUND.value[0], \
+            f"{span.name}: the span does not carry NOT_FOUND"
+
+
+def test_an_admission_refused_by_the_governor_is_recorded_on_both_services_spans(stack) -> None:
+    traced, client = stack
+    traced.clear()
+    with pytest.raises(grpc.RpcError) as caught:
+        client.load_model("huge", "decoder", "large", 0)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, \
+        f"a model bigger than the device budget gave {caught.value.code().name}"
+    call = rpc_span(traced, "client", "WorkerService/LoadModel", SpanKind.CLIENT)
+    trace_id = call.context.trace_id
+    served = rpc_span(traced, "gpu-worker", "WorkerService/LoadModel", SpanKind.SERVER, trace_id)
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert served.attributes.get("rpc.grpc.status_code") == exhausted, \
+        "the worker's span does not carry RESOURCE_EXHAUSTED"
+    refusals = [s for name, s in trace_spans(traced, trace_id)
+                if name == "governor" and s.attributes.get("rpc.grpc.status_code") == exhausted]
+    assert refusals, "the governor's refusal is not in the client's trace"
+    assert refusals[0].status.status_code == StatusCode.ERROR, "the governor span is not an error"
+
+
+def test_health_checks_are_not_traced(stack) -> None:
+    traced, client = stack
+    traced.clear()
+    with grpc.insecure_channel(client.target) as channel:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    client.list_models()
+    rpc_span(traced, "gpu-worker", "WorkerService/ListModels", SpanKind.SERVER)
+    noisy = [span.name for _, span in traced.spans() if "grpc.health" in span.name]
+    assert not noisy, f"health checks were traced: {noisy}"

@@ -1,0 +1,72 @@
+"""The tiny decoder on the sim backend (NVRTC-compiled kernels, NumPy launches) against the
+NumPy reference model."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.models import reference as R, weights as W
+from gpu_worker.models.configs import CONFIGS
+from gpu_worker.models.decoder import DecoderModel
+from services.common.errors import InvalidArgument
+
+
+def load(device, compiler, seed=7, **kw):
+    ex = ModelExecutor(device, compiler, **kw)
+    model = DecoderModel(ex, CONFIGS["tiny"], seed)
+    model.load()
+    return ex, model
+
+
+def test_tiny_decoder_tokens_are_identical_to_the_numpy_reference(device, compiler):
+    _, model = load(device, compiler)
+    host = W.load_host(CONFIGS["tiny"], 7)
+    for prompt in ([3], list(range(5, 40)), [(i * 37) % 1024 for i in range(100)]):
+        got = list(model.generate(prompt, 8))
+        want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompt, 8)
+        assert got == want, f"prompt of {len(prompt)} tokens: executor {got} != reference {want}"
+
+
+def test_decoder_runs_a_prompt_near_the_full_context(device, compiler):
+    _, model = load(device, compiler)
+    prompt = [(i * 13) % 1024 for i in range(1000)]
+    got = list(model.generate(prompt, 3))
+    want = R.DecoderReference(CONFIGS["tiny"], W.load_host(CONFIGS["tiny"], 7)).generate(prompt, 3)
+    assert got == want, "a 1000-token prompt (bucket 1024 = the whole KV cache) diverged"
+
+
+def test_decode_plan_is_one_captured_graph_replayed_for_every_step(device, compiler):
+    ex, model = load(device, compiler)
+    list(model.generate(list(range(20)), 10))
+    plan = ex.plans.get(("decode", 1, 1))
+    assert plan is not None and plan.graph_exec is not None, "decode should run from a captured graph"
+    assert plan.replays == 9, f"9 decode steps should be 9 replays of one graph, got {plan.replays}"
+
+
+def test_decode_variant_survives_a_run_of_new_prefill_buckets(device, compiler):
+    ex, model = load(device, compiler)
+    decode_shape = ((1, 64),)
+    for n in (10, 20, 40, 100, 200, 400):            # six prefill buckets, bound 4 per node
+        list(model.generate([(7 * i) % 1024 for i in range(n)], 2))
+        assert decode_shape in ex.kernels.variants("layers.0.wq"), \
+            f"the decode variant was evicted by prefill shapes (after a {n}-token prompt)"
+    s = ex.kernels.stats()
+    assert s["max_variants_per_node"] <= 4 and s["evictions"] > 0, s
+
+
+def test_bad_generate_requests_are_invalid_argument_and_change_nothing(device, compiler):
+    ex, model = load(device, compiler)
+    before = device.ledger.snapshot()
+    for prompt, n in (([], 4), ([1, 2, 5000], 4), ([1] * 1020, 10), ([1], 0)):
+        with pytest.raises(InvalidArgument):
+            list(model.generate(prompt, n))
+    assert device.ledger.snapshot() == before, "a refused request changed the ledger"
+    assert ex.plans.stats()["entries"] == 0
+
+
+def test_cancelled_generation_stops_between_steps(device, compiler):
+    _, model = load(device, compiler)
+    seen: list[int] = []
+    for tok in model.generate([1, 2, 3], 50, cancelled=lambda: len(seen) >= 3):
+        seen.append(tok)
+    assert len(seen) == 3, f"generation ran past cancellation: {len(seen)} tokens"

@@ -1,0 +1,34 @@
+"""A real worker: WorkerRuntime on the sim backend behind a real gRPC server on loopback port 0."""
+from __future__ import annotations
+
+import pathlib
+from typing import Iterator
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from gpu_worker.client import WorkerClient
+
+DECODER = "tiny-dec"
+ENCODER = "tiny-enc"
+SEED = 7
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
+    """A sim worker with the tiny decoder and encoder loaded; shared by a module's tests."""
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.servicer import serve_worker
+
+    cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")
+    runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=cache_dir, worker_id="test-worker"))
+    runtime.start()
+    server = serve_worker(runtime, "127.0.0.1:0", TracerProvider())
+    client = WorkerClient(server.address, deadline_s=120.0)
+    client.load_model(DECODER, "decoder", "tiny", SEED)
+    client.load_model(ENCODER, "encoder", "tiny", SEED)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop(grace=5.0)

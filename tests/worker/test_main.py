@@ -1,0 +1,37 @@
+"""`python -m gpu_worker serve` flags: flag > GPUPLANE_WORKER_* environment > built-in default."""
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.__main__ import build_parser
+
+
+def test_serve_flags_default_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPLANE_WORKER_LISTEN", "0.0.0.0:6000")
+    monkeypatch.setenv("GPUPLANE_WORKER_BACKEND", "sim")
+    monkeypatch.setenv("GPUPLANE_WORKER_GOVERNOR", "gov:1")
+    monkeypatch.setenv("GPUPLANE_WORKER_CACHE", "cache:2")
+    monkeypatch.setenv("GPUPLANE_KERNEL_VARIANTS_PER_NODE", "9")
+    args = build_parser().parse_args(["serve"])
+    assert (args.listen, args.backend, args.governor, args.cache, args.variants_per_node) == \
+        ("0.0.0.0:6000", "sim", "gov:1", "cache:2", 9), "environment defaults were not applied"
+
+
+def test_a_flag_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPLANE_WORKER_BACKEND", "sim")
+    args = build_parser().parse_args(["serve", "--backend", "cuda", "--max-plans", "3"])
+    assert args.backend == "cuda" and args.max_plans == 3, "a flag did not override the environment"
+
+
+def test_with_nothing_configured_the_worker_runs_alone_with_the_auto_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GPUPLANE_WORKER_BACKEND", "GPUPLANE_WORKER_GOVERNOR", "GPUPLANE_WORKER_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["serve"])
+    assert (args.backend, args.governor, args.cache) == ("auto", "", ""), \
+        "the defaults do not run one worker with nothing else installed"
+
+
+def test_an_unknown_backend_is_refused_at_the_command_line() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--backend", "opencl"])

@@ -1,0 +1,242 @@
+"""WorkerService over a real gRPC server: results, status codes, cancellation, concurrency."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from gpu_worker.client import WorkerClient
+from gpu_worker.models.configs import get_config
+from gpu_worker.models.reference import DecoderReference, EncoderReference
+from gpu_worker.models.weights import load_host
+from gpu_worker.servicer import zone_name
+
+from .conftest import DECODER, ENCODER, SEED
+
+CFG = get_config("tiny", "decoder")
+
+
+def _reference_tokens(prompt: list[int], n: int) -> list[int]:
+    return DecoderReference(CFG, load_host(CFG, SEED)).generate(prompt, n)
+
+
+def _zones(client: WorkerClient) -> dict[str, tuple[int, int]]:
+    return {zone_name(z.zone): (z.committed_bytes, z.content_bytes) for z in client.stats().zones}
+
+
+def _state(client: WorkerClient) -> tuple:
+    """What a refused request must leave unchanged: the models, the ledger and every zone."""
+    s = client.stats()
+    models = sorted((m.model_id, m.family, m.config) for m in client.list_models())
+    zones = sorted((z.zone, z.committed_bytes, z.content_bytes) for z in s.zones)
+    return models, s.ledger_bytes, zones
+
+
+def _assert_refused(client: WorkerClient, call: Callable[[], object], code: grpc.StatusCode,
+                    what: str) -> grpc.RpcError:
+    before = _state(client)
+    with pytest.raises(grpc.RpcError) as caught:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (list, dict)):
+            list(result)  # a stream reports its status when read
+    assert caught.value.code() == code, f"{what}: expected {code.name}, got {caught.value.code().name}"
+    assert caught.value.details(), f"{what}: the status carries no message for the caller"
+    assert "Traceback" not in caught.value.details(), f"{what}: a stack trace reached the client"
+    assert _state(client) == before, f"{what}: a refused request changed the worker's state"
+    return caught.value
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_generate_streams_the_reference_models_greedy_tokens(worker: WorkerClient) -> None:
+    prompt = [5, 17, 300, 42, 9, 1000, 3]
+    result = worker.generate(DECODER, prompt, 6)
+    assert result.tokens == _reference_tokens(prompt, 6), "served tokens differ from the NumPy reference"
+    assert result.first_token_seconds > 0, "the first message does not carry the first-token time"
+
+
+def test_generate_streams_tokens_as_they_are_produced_then_done(worker: WorkerClient) -> None:
+    messages = list(worker.generate_stream(DECODER, [1, 2, 3, 4], 5))
+    with_tokens = [m for m in messages if m.tokens]
+    assert len(with_tokens) >= 2, "tokens arrived in one message: Generate does not stream"
+    assert messages[0].prompt_tokens == 4, "the first message does not echo the prompt length"
+    assert messages[-1].done, "the stream does not end with a done message"
+    assert sum(len(m.tokens) for m in messages) == 5, "the stream did not produce max_new_tokens tokens"
+
+
+def test_unknown_model_is_not_found_and_changes_nothing(worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.generate_stream("no-such-model", [1, 2], 2),
+                    grpc.StatusCode.NOT_FOUND, "Generate on an unknown model")
+    _assert_refused(worker, lambda: worker.embed("no-such-model", [[1, 2]]),
+                    grpc.StatusCode.NOT_FOUND, "Embed on an unknown model")
+    _assert_refused(worker, lambda: worker.unload_model("no-such-model"),
+                    grpc.StatusCode.NOT_FOUND, "UnloadModel of an unknown model")
+
+
+def test_empty_prompt_is_invalid_argument_and_changes_nothing(worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.generate_stream(DECODER, [], 2),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an empty prompt")
+
+
+def test_out_of_vocabulary_prompt_is_invalid_argument_and_changes_nothing(worker: WorkerClient) -> None:
+    for bad in ([1, CFG.vocab_size], [-1, 2]):
+        _assert_refused(worker, lambda: worker.generate_stream(DECODER, bad, 2),
+                        grpc.StatusCode.INVALID_ARGUMENT, f"out-of-vocabulary prompt {bad}")
+    _assert_refused(worker, lambda: worker.embed(ENCODER, [[1, 10**6]]),
+                    grpc.StatusCode.INVALID_ARGUMENT, "out-of-vocabulary embed sequence")
+
+
+def test_absurd_max_new_tokens_is_invalid_argument_and_changes_nothing(worker: WorkerClient) -> None:
+    for bad in (0, -5, 2**31 - 1):
+        _assert_refused(worker, lambda: worker.generate_stream(DECODER, [1, 2], bad),
+                        grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens={bad}")
+
+
+def test_prompt_longer_than_the_context_is_invalid_argument_and_changes_nothing(
+        worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.generate_stream(DECODER, [1] * (CFG.max_context + 1), 1),
+                    grpc.StatusCode.INVALID_ARGUMENT, "a prompt longer than the context")
+    _assert_refused(worker, lambda: worker.generate_stream(DECODER, [1] * (CFG.max_context - 2), 8),
+                    grpc.StatusCode.INVALID_ARGUMENT, "prompt + max_new_tokens past the context")
+
+
+def test_bad_load_requests_are_invalid_argument_and_change_nothing(worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.load_model("m", "transformer", "tiny", 0),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an unknown family")
+    _assert_refused(worker, lambda: worker.load_model("m", "decoder", "no-such-size", 0),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an unknown config")
+    _assert_refused(worker, lambda: worker.load_model("", "decoder", "tiny", 0),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an empty model id")
+
+
+def test_a_model_that_does_not_fit_is_resource_exhausted_with_details_and_changes_nothing(
+        worker: WorkerClient) -> None:
+    from grpc_status import rpc_status
+    from google.rpc import error_details_pb2
+
+    error = _assert_refused(worker, lambda: worker.load_model("huge", "decoder", "large", 0),
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, "a model larger than the device")
+    status = rpc_status.from_call(error)
+    assert status is not None, "RESOURCE_EXHAUSTED carries no google.rpc.Status details"
+    infos = []
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            infos.append(info)
+    assert infos and int(infos[0].metadata["asked_bytes"]) > 0, \
+        "the refusal does not say how many bytes were asked"
+
+
+def test_embed_returns_the_reference_embeddings_one_per_sequence(worker: WorkerClient) -> None:
+    cfg = get_config("tiny", "encoder")
+    sequences = [[1, 2, 3, 4, 5], [900, 800, 700, 600, 500], [7, 7, 7, 7, 7]]
+    got = worker.embed(ENCODER, sequences)
+    want = EncoderReference(cfg, load_host(cfg, SEED)).embed(np.array(sequences))
+    assert got.shape == (3, cfg.hidden), "one embedding per sequence of the model's width"
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4,
+                               err_msg="served embeddings differ from the NumPy reference")
+
+
+def test_embed_of_ragged_or_empty_batches_is_invalid_argument(worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.embed(ENCODER, [[1, 2, 3], [1, 2]]),
+                    grpc.StatusCode.INVALID_ARGUMENT, "sequences of different lengths")
+    _assert_refused(worker, lambda: worker.embed(ENCODER, []),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an empty batch")
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_requests_memory(worker: WorkerClient) -> None:
+    prompt = list(range(1, 40))
+    worker.generate(DECODER, prompt, 2)  # warm this shape's kernels and plans: caches stay booked
+    baseline = _zones(worker)
+    stream = worker.generate_stream(DECODER, prompt, CFG.max_context - len(prompt) - 1, timeout=120)
+    first = next(stream)
+    assert first.tokens, "the stream produced no token before the disconnect"
+    held = _zones(worker)
+    assert held != baseline, "a running request books no memory: the test would prove nothing"
+    stream.cancel()
+    assert _wait_for(lambda: _zones(worker) == baseline), \
+        f"memory not freed after the client disconnected: {_zones(worker)} != {baseline}"
+
+
+def test_a_deadline_that_passes_mid_stream_cancels_the_request_and_frees_its_memory(
+        worker: WorkerClient) -> None:
+    prompt = list(range(1, 40))
+    worker.generate(DECODER, prompt, 2)
+    baseline = _zones(worker)
+    with pytest.raises(grpc.RpcError) as caught:
+        worker.generate(DECODER, prompt, CFG.max_context - len(prompt) - 1, timeout=0.5)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline did not end the call"
+    assert _wait_for(lambda: _zones(worker) == baseline), \
+        f"memory not freed after the deadline passed: {_zones(worker)} != {baseline}"
+
+
+def test_many_concurrent_clients_each_get_their_own_correct_tokens(worker: WorkerClient) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, CFG.vocab_size, int(n)).tolist() for n in rng.integers(3, 60, 8)]
+    want = {i: _reference_tokens(p, 4) for i, p in enumerate(prompts)}
+    start = threading.Barrier(len(prompts))
+
+    def one(i: int) -> list[int]:
+        with WorkerClient(worker.target, deadline_s=120.0) as own:
+            start.wait()
+            return own.generate(DECODER, prompts[i], 4).tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = dict(zip(range(len(prompts)), pool.map(one, range(len(prompts)))))
+    wrong = [i for i in got if got[i] != want[i]]
+    assert not wrong, f"concurrent requests {wrong} got another request's or wrong tokens"
+
+
+def test_get_stats_reports_the_ledger_caches_plans_and_compiles(worker: WorkerClient) -> None:
+    worker.generate(DECODER, [1, 2, 3], 2)
+    s = worker.stats()
+    assert s.backend == "sim", "stats do not name the backend"
+    assert s.device_total_bytes > 0 and s.device_used_bytes > 0, "device truth missing from stats"
+    zones = {zone_name(z.zone): z for z in s.zones}
+    assert zones["weights"].committed_bytes > 0, "loaded weights are not in the ledger"
+    assert s.ledger_bytes == sum(z.committed_bytes for z in s.zones), \
+        "ledger_bytes is not the sum of the zones' committed bytes"
+    assert s.kernel_cache.entries > 0 and s.kernel_cache.max_variants_per_node >= 1, \
+        "kernel cache counters missing"
+    assert s.kernel_cache.max_variants_per_node <= s.kernel_cache.variant_bound, \
+        "a node holds more kernel variants than the bound"
+    assert s.plans.entries >= 1, "plan counters missing"
+    assert s.compile.compiled + s.compile.local_hits + s.compile.memo_hits > 0, "compile counters missing"
+
+
+def test_trim_drops_caches_toward_the_target_and_serving_still_works(worker: WorkerClient) -> None:
+    worker.generate(DECODER, [4, 5, 6], 2)
+    before = worker.stats().ledger_bytes
+    reply = worker.trim(0)
+    assert reply.ledger_bytes == worker.stats().ledger_bytes, "Trim reports a ledger it does not have"
+    assert reply.ledger_bytes <= before - reply.freed_bytes, "Trim freed less than it reports"
+    assert worker.generate(DECODER, [1, 2, 3], 3).tokens == _reference_tokens([1, 2, 3], 3), \
+        "the worker serves wrong tokens after a trim"
+    _assert_refused(worker, lambda: worker.trim(-1), grpc.StatusCode.INVALID_ARGUMENT,
+                    "a negative trim target")
+
+
+def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> None:
+    before = worker.stats().ledger_bytes
+    loaded = worker.load_model("transient-model", "decoder", "tiny", 11)
+    assert loaded.model.weight_bytes > 0 and loaded.model.vocab_size == CFG.vocab_size, \
+        "LoadModel does not describe the model"
+    assert worker.stats().ledger_bytes > before, "a loaded model books nothing"
+    freed = worker.unload_model("transient-model")
+    assert freed > 0, "UnloadModel reports nothing freed"
+    assert "transient-model" not in [m.model_id for m in worker.list_models()], "unloaded model listed"
+    assert _wait_for(lambda: worker.stats().ledger_bytes <= before), "unload left memory booked"
+    _assert_refused(worker, lambda: worker.generate_stream("transient-model", [1], 1),
+                    grpc.StatusCode.NOT_FOUND, "Generate on an unloaded model")
