@@ -63,6 +63,10 @@ def interleaved(
     return results
 
 
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def report(results: dict[str, list[dict]], metric: str, label: str, extra: list[str]) -> str:
     """A table of median/min of `metric` per tier, the `extra` fields of each tier's last run, and
     the ratios of the medians against `cold`."""
@@ -71,7 +75,7 @@ def report(results: dict[str, list[dict]], metric: str, label: str, extra: list[
     lines = [f"{'tier':<8} {'median ' + label:>18} {'min':>10} {'runs':>5}  last run"]
     for t in TIERS:
         last = results[t][-1]
-        cols = "  ".join(f"{k}={last.get(k)}" for k in extra)
+        cols = "  ".join(f"{k}={_fmt(last.get(k))}" for k in extra)
         lines.append(
             f"{t:<8} {med[t] * 1e3:>15.1f} ms {low[t] * 1e3:>7.1f} ms {len(results[t]):>5}  {cols}"
         )

@@ -10,7 +10,8 @@ measured side by side in one run and printed as ratios:
   store ratio = remote Store p50 / local file publish (temp file + rename) p50
 
 The local-file baseline reads the same bytes from a file and checks their SHA-256, as every tier
-must before loading code. Run: python bench/cache_service_bench.py [--quick] [--json OUT]
+must before loading code. Single-client hits, file reads and empty RPCs are alternated in rounds
+in this process, so a shared machine's changing load hits all three alike. Run: python bench/cache_service_bench.py [--quick] [--json OUT]
 """
 from __future__ import annotations
 
@@ -110,19 +111,6 @@ def run_parallel(pool, func, tasks) -> dict:
 
 # -- baselines in this process ------------------------------------------------------------------
 
-def file_reads(paths: list[pathlib.Path], count: int) -> dict:
-    raw, verified = [], []
-    for i in range(count):
-        path = paths[i % len(paths)]
-        t = time.perf_counter()
-        data = path.read_bytes()
-        raw.append(time.perf_counter() - t)
-        hashlib.sha256(data).hexdigest()
-        verified.append(time.perf_counter() - t)
-    return {"read_p50_ms": pct(raw, 0.5) * 1e3, "p50_ms": pct(verified, 0.5) * 1e3,
-            "p99_ms": pct(verified, 0.99) * 1e3}
-
-
 def file_publishes(folder: pathlib.Path, size: int, count: int) -> dict:
     lat = []
     blobs = [artifact(size, f"file-{i}").data for i in range(count)]
@@ -135,17 +123,43 @@ def file_publishes(folder: pathlib.Path, size: int, count: int) -> dict:
     return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
 
 
-def rpc_round_trips(target: str, count: int) -> dict:
+def interleaved_hits(target: str, client: KernelCacheClient, keys: list[str],
+                     paths: list[pathlib.Path], count: int, rounds: int = 20) -> dict:
+    """One client: empty RPC, file read+verify and cache hit, alternated in small rounds.
+
+    The machine is shared, so load changes during a run; alternating puts all three under
+    the same load and keeps the ratio honest.
+    """
+    lat: dict[str, list[float]] = {"rpc": [], "read": [], "file": [], "hit": []}
     with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
-        stub.Check(request, timeout=10)
-        lat = []
-        for _ in range(count):
-            t = time.perf_counter()
-            stub.Check(request, timeout=10)
-            lat.append(time.perf_counter() - t)
-    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+        health.Check(request, timeout=10)
+        client.lookup(keys[0])
+        per_round = max(1, count // rounds)
+        for _ in range(rounds):
+            for i in range(per_round):
+                t = time.perf_counter()
+                health.Check(request, timeout=10)
+                lat["rpc"].append(time.perf_counter() - t)
+            for i in range(per_round):
+                t = time.perf_counter()
+                data = paths[i % len(paths)].read_bytes()
+                lat["read"].append(time.perf_counter() - t)
+                hashlib.sha256(data).hexdigest()
+                lat["file"].append(time.perf_counter() - t)
+            for i in range(per_round):
+                t = time.perf_counter()
+                assert client.lookup(keys[i % len(keys)]) is not None, "a seeded key missed"
+                lat["hit"].append(time.perf_counter() - t)
+    ms = {k: (pct(v, 0.5) * 1e3, pct(v, 0.99) * 1e3) for k, v in lat.items()}
+    return {
+        "empty_rpc": {"p50_ms": ms["rpc"][0], "p99_ms": ms["rpc"][1]},
+        "file_read": {"read_p50_ms": ms["read"][0], "p50_ms": ms["file"][0],
+                      "p99_ms": ms["file"][1]},
+        "hit_1": {"p50_ms": ms["hit"][0], "p99_ms": ms["hit"][1], "ops": len(lat["hit"]),
+                  "ops_per_s": len(lat["hit"]) / sum(lat["hit"]), "failed": 0},
+    }
 
 
 def start_server(db: pathlib.Path) -> tuple[subprocess.Popen, str]:
@@ -182,11 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                      "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.processor()}",
                      "python": platform.python_version(), "clients": args.clients,
-                     "quick": args.quick, "sizes": {}}
+                     "quick": args.quick, "sizes": {},
+                     "loadavg_start": os.getloadavg()}
     try:
         seed = KernelCacheClient(target, write_token=TOKEN, deadline_s=30)
-        rpc = rpc_round_trips(target, n(2000))
-        results["empty_rpc"] = rpc
         for label, size in SIZES.items():
             keys = [f"hit-{label}-{i}" for i in range(KEYS_PER_SIZE)]
             folder = tmp / f"files-{label}"
@@ -198,16 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                 (folder / key).write_bytes(a.data)
                 paths.append(folder / key)
             assert seed.flush(60), "seeding the cache failed"
-            row = {"file_read": file_reads(paths, n(lookups[label])),
-                   "file_publish": file_publishes(folder, size, n(stores[label]))}
-            row["hit_1"] = run_parallel(pool1, _lookups, [(keys, n(lookups[label]))])
+            row = interleaved_hits(target, seed, keys, paths, n(lookups[label]))
+            row["file_publish"] = file_publishes(folder, size, n(stores[label]))
             row["hit_n"] = run_parallel(poolN, _lookups, [(keys, n(lookups[label], args.clients))
                                                           for _ in range(args.clients)])
             row["store_1"] = run_parallel(pool1, _stores, [(size, n(stores[label]), f"s1-{label}")])
             row["store_n"] = run_parallel(poolN, _stores, [
                 (size, n(stores[label], args.clients), f"sN-{label}-{c}")
                 for c in range(args.clients)])
-            base = row["file_read"]["p50_ms"] + rpc["p50_ms"]
+            base = row["file_read"]["p50_ms"] + row["empty_rpc"]["p50_ms"]
             row["hit_ratio"] = row["hit_1"]["p50_ms"] / base
             row["store_ratio"] = row["store_1"]["p50_ms"] / row["file_publish"]["p50_ms"]
             results["sizes"][label] = row
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         poolN.terminate()
         proc.terminate()
         proc.wait(10)
+    results["loadavg_end"] = os.getloadavg()
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
@@ -227,11 +240,12 @@ def report(r: dict) -> None:
     c = r["clients"]
     print(f"kernel cache bench  {r['date']}  {r['machine']}  python {r['python']}"
           f"{'  (quick)' if r['quick'] else ''}")
-    print(f"empty RPC round trip (health Check): p50 {r['empty_rpc']['p50_ms']:.3f} ms, "
-          f"p99 {r['empty_rpc']['p99_ms']:.3f} ms")
+    start, end = (" ".join(f"{x:.2f}" for x in r[k]) for k in ("loadavg_start", "loadavg_end"))
+    print(f"load average (1, 5, 15 min) at start {start}, at end {end}")
     print(f"{'size':>7} {'op':<22} {'p50 ms':>9} {'p99 ms':>9} {'ops/s':>9}")
     for label, row in r["sizes"].items():
-        for name, key in (("file read+sha256", "file_read"), ("file publish", "file_publish"),
+        for name, key in (("empty RPC (health)", "empty_rpc"), ("file read+sha256", "file_read"),
+                          ("file publish", "file_publish"),
                           ("hit, 1 client", "hit_1"), (f"hit, {c} clients", "hit_n"),
                           ("store, 1 client", "store_1"), (f"store, {c} clients", "store_n")):
             m = row[key]

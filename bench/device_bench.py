@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker.device import Device  # noqa: E402
-from gpu_worker.device.cuda_backend import CudaBackend, _drv, check  # noqa: E402
-from gpu_worker.device.residency import ResidencyPolicy  # noqa: E402
+from gpu_worker.device import Device
+from gpu_worker.device.cuda_backend import CudaBackend, _drv, check
+from gpu_worker.device.residency import ResidencyPolicy
 
 MiB = 1 << 20
 

@@ -110,7 +110,8 @@ def run_level(target: str, clients: int, processes: int, seconds: float,
         release += r
     for w in workers:
         w.join()
-    return {"clients": clients, "calls_per_s": (len(acquire) + len(release)) / seconds,
+    return {"clients": clients, "samples": len(acquire),
+            "calls_per_s": (len(acquire) + len(release)) / seconds,
             "acquire_p50_ms": _pct(acquire, 0.5) * 1e3, "acquire_p99_ms": _pct(acquire, 0.99) * 1e3,
             "release_p50_ms": _pct(release, 0.5) * 1e3, "release_p99_ms": _pct(release, 0.99) * 1e3}
 
@@ -167,8 +168,10 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--processes", type=int, default=4)
-    parser.add_argument("--rate", type=float, default=10.0,
+    parser.add_argument("--rate", type=float, default=5.0,
                         help="open-loop Acquire+Release pairs per second per client (0 = skip)")
+    parser.add_argument("--open-seconds", type=float, default=10.0,
+                        help="duration of each open-loop level (longer: enough samples for p99)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,17 +186,19 @@ def main() -> None:
             assert "listening" in governor.stdout.readline(), "the governor did not start"
             print(f"governor bench: {os.cpu_count()} cores, {args.seconds:.0f} s per level, "
                   f"closed loop Acquire(64 MiB)+Release, clients over {args.processes} processes")
-            modes = [("closed loop", 0.0)] + ([(f"open loop {args.rate:g}/s/client", args.rate)]
-                                              if args.rate else [])
-            for mode, rate in modes:
+            modes = [("closed loop", 0.0, args.seconds)]
+            if args.rate:
+                modes.append((f"open loop, {args.rate:g} pairs/s per client", args.rate,
+                              args.open_seconds))
+            for mode, rate, seconds in modes:
                 print(f"{mode}:")
-                print(f"{'clients':>7} {'calls/s':>9} {'acq p50':>8} {'acq p99':>8} "
+                print(f"{'clients':>7} {'pairs':>7} {'calls/s':>9} {'acq p50':>8} {'acq p99':>8} "
                       f"{'rel p50':>8} {'rel p99':>8} {'p99 vs 1':>8}")
                 base = None
                 for clients in [int(x) for x in args.levels.split(",")]:
-                    r = run_level(target, clients, args.processes, args.seconds, rate)
+                    r = run_level(target, clients, args.processes, seconds, rate)
                     base = base or r["acquire_p99_ms"]
-                    print(f"{clients:>7} {r['calls_per_s']:>9.0f} {r['acquire_p50_ms']:>7.2f}m "
+                    print(f"{clients:>7} {r['samples']:>7} {r['calls_per_s']:>9.0f} {r['acquire_p50_ms']:>7.2f}m "
                           f"{r['acquire_p99_ms']:>7.2f}m {r['release_p50_ms']:>7.2f}m "
                           f"{r['release_p99_ms']:>7.2f}m {r['acquire_p99_ms'] / base:>7.1f}x",
                           flush=True)

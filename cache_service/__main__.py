@@ -11,7 +11,6 @@ import sys
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
@@ -47,14 +46,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _to_dict(message: Any) -> dict[str, Any]:
+    """Fields in declaration order, numbers as numbers (proto3 JSON would quote int64), enums by
+    name, bytes as their length: an operator's view, not a wire format."""
+    out: dict[str, Any] = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        if f.message_type is not None:
+            if f.is_repeated:
+                out[f.name] = [_to_dict(v) for v in value]
+            elif message.HasField(f.name):
+                out[f.name] = _to_dict(value)
+        elif f.enum_type is not None:
+            out[f.name] = f.enum_type.values_by_number[value].name
+        elif f.type == f.TYPE_BYTES:
+            out[f"{f.name}_bytes"] = len(value)
+        else:
+            out[f.name] = value
+    return out
+
+
 def _print(message: Any, as_json: bool) -> None:
-    fields = MessageToDict(message, preserving_proto_field_name=True,
-                           always_print_fields_with_no_presence=True)
+    fields = _to_dict(message)
     if as_json:
         print(json.dumps(fields, indent=2, sort_keys=True))
         return
     for name, value in fields.items():
-        print(f"{name}: {value}")
+        if isinstance(value, list):
+            for item in value:
+                print(f"{name}: " + " ".join(f"{k}={v}" for k, v in item.items()))
+        else:
+            print(f"{name}: {value}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -85,10 +107,7 @@ def _client_command(args: argparse.Namespace) -> int:
             if args.out and response.found:
                 with open(args.out, "wb") as f:
                     f.write(response.artifact.data)
-            summary = pb.LookupResponse()
-            summary.CopyFrom(response)
-            summary.artifact.ClearField("data")  # metadata on the terminal, bytes via --out
-            _print(summary, args.json)
+            _print(response, args.json)  # metadata and data_bytes; the bytes go to --out
             return EXIT_OK if response.found else EXIT_MISS
         return EXIT_OK
     except grpc.RpcError as exc:

@@ -6,8 +6,8 @@ executor maps `op` to a kernel launcher and tensor names to device pointers.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u8": 1}
 

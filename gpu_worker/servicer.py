@@ -100,13 +100,20 @@ def _fill(message: Message, values: Mapping[str, Any]) -> Message:
         if field is None or value is None:
             continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if field.label != FieldDescriptor.LABEL_REPEATED and isinstance(value, Mapping):
+            if not _repeated(field) and isinstance(value, Mapping):
                 _fill(getattr(message, key), value)
             continue
-        if field.label == FieldDescriptor.LABEL_REPEATED:
+        if _repeated(field):
             continue
         setattr(message, key, _coerce(field, value))
     return message
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # protobuf 7 dropped `label` in favour of `is_repeated`; older runtimes only have `label`.
+    if hasattr(field, "is_repeated"):
+        return bool(field.is_repeated)
+    return field.label == FieldDescriptor.LABEL_REPEATED
 
 
 def _coerce(field: FieldDescriptor, value: Any) -> Any:

@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
 from gpu_worker.compile.key import artifact_key
 from gpu_worker.compile.local_cache import LocalKernelCache, default_cache_dir, default_max_bytes
 from gpu_worker.compile.nvrtc import NvrtcOutput, compile_program, nvrtc_version, validate_arch
@@ -72,9 +74,12 @@ class KernelCompiler:
         remote: Any | None = None,
         max_local_bytes: int | None = None,
         namespace: str = "",
+        tracer_provider: Any = None,
     ) -> None:
-        """`max_local_bytes` None: GPUPLANE_KERNEL_CACHE_MAX_BYTES, else 256 MiB (0 unbounded)."""
+        """`max_local_bytes` None: GPUPLANE_KERNEL_CACHE_MAX_BYTES, else 256 MiB (0 unbounded).
+        `tracer_provider` None: the global one (spans only for work past the memo)."""
         self.arch = validate_arch(arch)
+        self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self.nvrtc_version = nvrtc_version()
         self.namespace = namespace
         self.remote = remote
@@ -144,7 +149,12 @@ class KernelCompiler:
                 self._counts["memo_hits"] += 1
             return dataclasses.replace(module, source_tier="memo")
         try:
-            module = self._resolve(src, key_cubin, key_ptx)
+            with self._tracer.start_as_current_span("kernel.compile") as span:
+                span.set_attribute("gpuplane.kernel.module", src.module_name)
+                span.set_attribute("gpuplane.kernel.arch", self.arch)
+                span.set_attribute("gpuplane.kernel.cache_key", key_cubin[:16])
+                module = self._resolve(src, key_cubin, key_ptx)
+                span.set_attribute("gpuplane.kernel.tier", module.source_tier)
         except BaseException as exc:
             with self._lock:
                 del self._inflight[key_cubin]
@@ -167,7 +177,8 @@ class KernelCompiler:
         missing = {kind: key for kind, key in wanted.items() if kind not in found}
         if missing:
             fetched = self._fetch_remote(src, missing)
-            self.local.put_many({missing[kind]: data for kind, data in fetched.items()})
+            if fetched:  # kept on disk so the next process start is a local hit
+                self.local.put_many({missing[kind]: data for kind, data in fetched.items()})
             found.update(fetched)
             tier = "remote"
         if len(found) == len(wanted):
@@ -255,6 +266,14 @@ class KernelCompiler:
         Returns how many modules came from the shared service (both artifacts accepted); those are
         written to the disk and the memo, so the compiles that follow are memo hits.
         """
+        sources = list(sources)
+        with self._tracer.start_as_current_span("kernel.prefetch") as span:
+            span.set_attribute("gpuplane.kernel.modules", len(sources))
+            fetched = self._prefetch(sources)
+            span.set_attribute("gpuplane.kernel.fetched", fetched)
+            return fetched
+
+    def _prefetch(self, sources: list[KernelSource]) -> int:
         todo: dict[str, tuple[KernelSource, str]] = {}
         for src in sources:
             key_cubin, key_ptx = self.keys(src)
@@ -283,19 +302,19 @@ class KernelCompiler:
             with self._lock:
                 self._counts["remote_raised"] += 1
             return 0
-        fetched = 0
+        writes: dict[str, bytes] = {}
         for key_cubin, (src, key_ptx) in todo.items():
             cubin = self._accept(src, "cubin", got.get(key_cubin), self.arch)
             ptx = self._accept(src, "ptx", got.get(key_ptx), self.arch)
             if cubin is None or ptx is None:
                 continue
-            self.local.put(key_cubin, cubin)
-            self.local.put(key_ptx, ptx)
+            writes.update({key_cubin: cubin, key_ptx: ptx})
             self._remember(
                 CompiledModule(src.module_name, key_cubin, key_ptx, cubin, ptx, "remote")
             )
-            fetched += 1
-        return fetched
+        if writes:
+            self.local.put_many(writes)  # so the next process start is a local hit
+        return len(writes) // 2
 
     def _remember(self, module: CompiledModule) -> None:
         with self._lock:
@@ -375,14 +394,22 @@ class KernelCompiler:
 
     def stats(self) -> dict[str, int | float]:
         """Exactly the counters of interface (4) (worker.proto CompileStats field names)."""
-        details = self.detailed_stats()
-        return {name: details[name] for name in self.STATS_FIELDS}
+        counts = self._counters()
+        return {name: counts[name] for name in self.STATS_FIELDS}
 
     def detailed_stats(self) -> dict[str, int | float]:
         """stats() plus: remote_rejected (artifacts that failed the metadata/structure check),
-        fresh_compiles (load fallbacks that ran NVRTC), memo_entries, local_corrupt, local_bytes.
-        remote_errors counts the client's errors and corrupt replies since this compiler was built,
-        plus rejected artifacts and calls that raised."""
+        fresh_compiles (load fallbacks that ran NVRTC), memo_entries, and the disk tier's
+        local_corrupt and local_bytes (a directory scan)."""
+        counts = self._counters()
+        local = self.local.stats()
+        counts["local_corrupt"] = local["corrupt"]
+        counts["local_bytes"] = local["bytes"]
+        return counts
+
+    def _counters(self) -> dict[str, int | float]:
+        """remote_errors: the client's errors and corrupt replies since this compiler was built,
+        plus rejected artifacts and calls that raised; remote_timeouts: the client's timeouts."""
         remote = self._remote_counts()
 
         def delta(name: str) -> int:
@@ -400,7 +427,4 @@ class KernelCompiler:
             + counts.pop("remote_raised")
         )
         counts["remote_timeouts"] = delta("timeouts")
-        local = self.local.stats()
-        counts["local_corrupt"] = local["corrupt"]
-        counts["local_bytes"] = local["bytes"]
         return counts

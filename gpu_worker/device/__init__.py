@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from gpu_worker.device.release_queue import ReleaseQueue
 from gpu_worker.device.weights import WeightSlot, WeightSlots
 from services.common.errors import InvalidArgument
 
-__all__ = ["open_device", "Device", "Capture", "Allocation", "WeightSlot", "DeviceInfo"]
+__all__ = ["Allocation", "Capture", "Device", "DeviceInfo", "WeightSlot", "open_device"]
 
 
 @dataclass(eq=False)
@@ -191,7 +191,8 @@ class Device:
         return {"arena": self.arena.stats(), "weights": self.weights.stats(),
                 "ledger": self.ledger.snapshot(), "release_queue": vars(self.queue.stats),
                 "gate": vars(self.gate.stats), "fault_underflow": self.ledger.fault_underflow
-                + self.arena.counters["fault_underflow"]}
+                + self.arena.counters["fault_underflow"],
+                "fault_unaccounted": self.unaccounted_bytes()}
 
     def close(self) -> None:
         if self._closed:
@@ -207,7 +208,8 @@ class Device:
                 self.backend.destroy_stream(s)
         self.ledger.uncommit("context", self._context_bytes)
         self.ledger.remove_content("context", self._context_bytes)
-        self.backend.close()
+        with self.gate.shared():  # frees the VA reservation: a VMM call
+            self.backend.close()
 
 
 def _dim3(v: Sequence[int], what: str) -> tuple[int, int, int]:

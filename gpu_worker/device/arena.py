@@ -24,8 +24,8 @@ import bisect
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

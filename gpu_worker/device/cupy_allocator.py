@@ -25,14 +25,14 @@ class _Owner:
 
     def __del__(self) -> None:
         try:
-            from cuda.bindings import driver
             import cupy
+            from cuda.bindings import driver
 
             streams = list(self.device._streams)
             cur = cupy.cuda.get_current_stream().ptr
             streams.append(driver.CUstream(cur))
             self.device.arena.free(self.allocation, fence_streams=streams)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the device is going away anyway
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the device is going away
             pass
 
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Self
 
 
 class _Guard:
     """Base for gate guards: a context manager that can also be released explicitly, once."""
 
-    def __init__(self, gate: "CaptureGate") -> None:
+    def __init__(self, gate: CaptureGate) -> None:
         self._gate = gate
         self._released = False
 
@@ -48,7 +49,7 @@ class _Guard:
     def _do_release(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def __enter__(self) -> "_Guard":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -56,7 +57,7 @@ class _Guard:
 
 
 class SharedGuard(_Guard):
-    def __init__(self, gate: "CaptureGate", tid: int, counted: bool) -> None:
+    def __init__(self, gate: CaptureGate, tid: int, counted: bool) -> None:
         super().__init__(gate)
         self._tid = tid
         self._counted = counted  # False for the capturing thread's bypass and a disabled gate
@@ -67,7 +68,7 @@ class SharedGuard(_Guard):
 
 
 class ExclusiveGuard(_Guard):
-    def __init__(self, gate: "CaptureGate", tid: int, set_aside: int) -> None:
+    def __init__(self, gate: CaptureGate, tid: int, set_aside: int) -> None:
         super().__init__(gate)
         self._tid = tid
         self._set_aside = set_aside  # shared depth this thread held, restored on release

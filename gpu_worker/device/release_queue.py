@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from gpu_worker.device.backend import Backend
 from gpu_worker.device.gate import CaptureGate

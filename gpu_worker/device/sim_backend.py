@@ -23,8 +23,8 @@ import itertools
 import threading
 import uuid as uuidlib
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -124,7 +124,7 @@ class SimStream:
 
     _ids = itertools.count(1)
 
-    def __init__(self, backend: "SimBackend") -> None:
+    def __init__(self, backend: SimBackend) -> None:
         self.id = next(self._ids)
         self.capture: _Capture | None = None
         self._backend = backend

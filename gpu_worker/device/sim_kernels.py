@@ -14,7 +14,8 @@ function on the stream's worker thread when the launch reaches the head of the s
 from __future__ import annotations
 
 import threading
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 

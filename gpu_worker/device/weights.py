@@ -91,17 +91,15 @@ class WeightSlots:
         data = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
         if data.nbytes == 0:
             raise InvalidArgument(f"weight {key!r} is empty")
-        with self._lock:
+        with self._gate.shared(), self._lock:
             if key in self._slots:
                 raise InvalidArgument(f"weight {key!r} already has a slot")
-            with self._gate.shared():
-                pinned = self._backend.alloc_pinned(data.nbytes)
+            pinned = self._backend.alloc_pinned(data.nbytes)
             pinned[:] = data
             try:
                 va = self._arena.carve(data.nbytes, role="weights")
             except BaseException:
-                with self._gate.shared():
-                    self._backend.free_pinned(pinned)
+                self._backend.free_pinned(pinned)
                 raise
             slot = WeightSlot(key, va, data.nbytes, pinned)
             self._slots[key] = slot
@@ -119,7 +117,9 @@ class WeightSlots:
         t0 = time.perf_counter()
         d0 = self._arena.driver_seconds
         stream = self._compute if stream is None else stream
-        with self._lock:
+        # Lock order everywhere: gate section, then this lock, then the arena's (a capturing
+        # thread that only touches resident slots must not wait behind a page-in holding our lock).
+        with self._gate.shared(), self._lock:
             slots = [self.get(k) for k in keys]  # validate all before changing anything
             for s in slots:
                 if s.state == "poisoned":
@@ -150,7 +150,7 @@ class WeightSlots:
 
     def evict(self, key: str) -> None:
         """Unmap `key`'s pages (fenced); its address stays reserved for the next page-in."""
-        with self._lock:
+        with self._gate.shared(), self._lock:
             slot = self.get(key)
             if self._gate.is_capturing_thread():
                 raise FailedPrecondition("never unmap inside a capture")
@@ -159,7 +159,7 @@ class WeightSlots:
 
     def remove(self, key: str) -> None:
         """Forget `key`: evict, give back its address, free its pinned copy after the copy stream."""
-        with self._lock:
+        with self._gate.shared(), self._lock:
             slot = self.get(key)
             if self._gate.is_capturing_thread():
                 raise FailedPrecondition("never unmap inside a capture")
@@ -249,6 +249,9 @@ class WeightSlots:
             self._evict(self._slots[victim])
 
     def _evict(self, slot: WeightSlot) -> None:
+        if slot.state not in ("pending", "resident"):  # e.g. poisoned by a failed release
+            self.policy.forget(slot.key)
+            return
         self._arena.decommit(slot.va, slot.nbytes, ZONE, [self._compute, self._copy])
         slot.state = "idle"
         self.policy.evicted(slot.key)

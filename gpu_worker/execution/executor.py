@@ -9,8 +9,7 @@ for the eager-vs-graph benchmark and for debugging.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -30,7 +29,7 @@ class ShapePlan:
     a variant eviction resets this plan's graph before the workspace is freed.
     """
 
-    def __init__(self, executor: "ModelExecutor", key: Hashable, graph: Graph) -> None:
+    def __init__(self, executor: ModelExecutor, key: Hashable, graph: Graph) -> None:
         self.executor, self.key, self.graph = executor, key, graph
         self.layout = plan_layout(graph)
         device = executor.device
@@ -90,6 +89,7 @@ class ShapePlan:
                     self._capture(stream)
                 device.replay(self.graph_exec, stream=stream)
                 self.replays += 1
+                self.executor.replay_count += 1
             self._run_tail(inputs, stream)
             out = {}
             for name in outputs:
@@ -147,14 +147,6 @@ class ShapePlan:
             return freed
 
 
-@dataclass
-class LoadStats:
-    load_seconds: float = 0.0
-    kernels_compiled: int = 0
-    kernels_from_cache: int = 0
-    weight_bytes: int = 0
-
-
 class ModelExecutor:
     """One loaded model on one device: its weights, state, kernel cache and plan cache.
 
@@ -163,8 +155,12 @@ class ModelExecutor:
     """
 
     def __init__(self, device, compiler, variants_per_node: int | None = None,
-                 max_plans: int | None = None, max_plan_bytes: int | None = None) -> None:
+                 max_plans: int | None = None, max_plan_bytes: int | None = None,
+                 weight_namespace: str = "") -> None:
         self.device, self.compiler = device, compiler
+        # Weight slots are keyed per device; the namespace (the model id) keeps two models'
+        # "embed" from colliding on one worker.
+        self.weight_namespace = weight_namespace
         self.kernels = KernelCache(device.arena, variants_per_node)
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream))
@@ -172,11 +168,11 @@ class ModelExecutor:
         self._state: dict[str, object] = {}          # name -> Allocation
         self._functions: dict[tuple[str, str], object] = {}
         self._modules: dict[object, object] = {}     # KernelSource -> loaded module
-        self.load = LoadStats()
+        self.replay_count = 0
 
     # -- weights and state ------------------------------------------------------------------------
     def add_weight(self, key: str, host: np.ndarray) -> None:
-        self._weights[key] = self.device.weights.add(key, host)
+        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
 
     def weight_ptr(self, key: str) -> int:
         return int(self._weights[key].va)
@@ -185,7 +181,8 @@ class ModelExecutor:
         return list(self._weights)
 
     def ensure_resident(self) -> None:
-        self.device.weights.ensure_resident(list(self._weights), stream=self.device.stream)
+        self.device.weights.ensure_resident([self.weight_namespace + k for k in self._weights],
+                                            stream=self.device.stream)
 
     def add_state(self, name: str, nbytes: int, zone: str) -> None:
         self._state[name] = self.device.arena.alloc(nbytes, zone, role=zone)
@@ -218,6 +215,10 @@ class ModelExecutor:
         return self.plans.run(key, lambda: ShapePlan(self, key, build_graph()),
                               lambda plan: plan.execute(inputs, outputs, capture))
 
+    def replays(self) -> int:
+        """Graph replays since load."""
+        return self.replay_count
+
     def trim(self) -> int:
         """Drop every plan and kernel variant (they rebuild on demand); returns bytes released."""
         freed = self.plans.evict_all()
@@ -234,7 +235,7 @@ class ModelExecutor:
         self._state.clear()
         for key, slot in self._weights.items():
             freed += int(slot.nbytes)
-            self.device.weights.remove(key)
+            self.device.weights.remove(self.weight_namespace + key)
         self._weights.clear()
         for module in self._modules.values():
             unload = getattr(self.device, "unload_module", None)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Protocol
+from typing import Protocol
 
 from services.common.config import env_int
 

@@ -9,8 +9,8 @@ otherwise need 224 MiB of scratch per variant, per node.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gpu_worker.graph import Graph, Node
 from gpu_worker.kernels import attention, elementwise, embedding, linear, norm, reduce, rotary

@@ -11,7 +11,8 @@ Contract:
 - the map is the LRU (one OrderedDict): they cannot drift; a plan is touched when inserted, before
   its run, and again after it, whether the run returned or threw;
 - victims are released only after the stream is synchronized (their graphs may still be running),
-  and the plan just executed is never the victim;
+  and the plan just executed is never the victim; on a miss at the bound the LRU plan is released
+  before the new one is built, so two plans' arenas never coexist beyond the bound;
 - prefill lengths are bucketed onto a small ladder, so a model holds few distinct shapes.
 Cost: an eviction costs one stream synchronize, paid only when the bound is exceeded.
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from typing import Callable, Hashable, Protocol, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Protocol, TypeVar
 
 from services.common.config import env_int
 
@@ -74,6 +76,8 @@ class PlanCache:
             plan = self._plans.get(key)
             if plan is None:
                 self.misses += 1
+                # Make room first, so a new plan's arena never coexists with the victim's.
+                self._evict_lru(lambda: len(self._plans) >= self.max_plans, protect=key)
                 plan = build()
                 self._plans[key] = plan       # insert...
             else:
@@ -92,9 +96,12 @@ class PlanCache:
         return self.max_bytes is not None and self.total_bytes() > self.max_bytes
 
     def _enforce(self, protect: Hashable) -> None:
+        self._evict_lru(self._over, protect)
+
+    def _evict_lru(self, over: Callable[[], bool], protect: Hashable) -> None:
         victims = []
         order = [k for k in self._plans if k != protect]   # LRU first, never the protected plan
-        while self._over() and order:
+        while over() and order:
             key = order.pop(0)
             victims.append((key, self._plans.pop(key)))
         if not victims:

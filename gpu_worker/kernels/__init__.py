@@ -7,30 +7,65 @@ launcher and (for the sim backend) a NumPy implementation over simulated device 
     launch_rmsnorm(device, fn, out, x, w, rows, hidden, eps, stream=device.stream)
 
 `ALL_KERNELS` lists every KernelDef; `ALL_SOURCES` the distinct modules (one per family) for a
-prefetch. Importing this package registers the sim implementations (gpu_worker.kernels.sim) when
-the sim backend is importable.
+prefetch. Importing this package registers the sim implementations (gpu_worker.kernels.sim).
+`gpu_worker.kernels.selfcheck` runs every kernel on a device against its reference.
 """
 from __future__ import annotations
 
-from gpu_worker.kernels.attention import (ATTENTION_DECODE, ATTENTION_PREFILL, KV_APPEND,
-                                          MAX_HEAD_DIM, launch_attention_decode,
-                                          launch_attention_prefill, launch_kv_append)
-from gpu_worker.kernels.common import (COMMON_HEADER, COMMON_HEADER_NAME, NVRTC_OPTIONS, THREADS,
-                                       KernelDef, KernelSource)
-from gpu_worker.kernels.elementwise import (ADD, ADD_I32, BIAS_ADD, GELU, SILU_GATE, launch_add,
-                                            launch_add_i32, launch_bias_add, launch_gelu,
-                                            launch_silu_gate)
+from gpu_worker.kernels.attention import (
+    ATTENTION_COMBINE,
+    ATTENTION_DECODE,
+    ATTENTION_DECODE_SPLIT,
+    ATTENTION_PREFILL,
+    KV_APPEND,
+    MAX_HEAD_DIM,
+    MAX_SPLITS,
+    decode_splits,
+    decode_workspace_bytes,
+    launch_attention_combine,
+    launch_attention_decode,
+    launch_attention_decode_split,
+    launch_attention_prefill,
+    launch_kv_append,
+)
+from gpu_worker.kernels.common import (
+    COMMON_HEADER,
+    COMMON_HEADER_NAME,
+    NVRTC_OPTIONS,
+    THREADS,
+    KernelDef,
+    KernelSource,
+)
+from gpu_worker.kernels.elementwise import (
+    ADD,
+    ADD_I32,
+    BIAS_ADD,
+    GELU,
+    SILU_GATE,
+    launch_add,
+    launch_add_i32,
+    launch_bias_add,
+    launch_gelu,
+    launch_silu_gate,
+)
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
-from gpu_worker.kernels.linear import (FUSED_MAX_ROWS, INT4_DEQUANT, INT4_MATMUL, MATMUL_NT,
-                                       int4_path, launch_int4_dequant, launch_int4_matmul,
-                                       launch_matmul_nt)
+from gpu_worker.kernels.linear import (
+    FUSED_MAX_ROWS,
+    INT4_DEQUANT,
+    INT4_MATMUL,
+    MATMUL_NT,
+    int4_path,
+    launch_int4_dequant,
+    launch_int4_matmul,
+    launch_matmul_nt,
+)
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
 ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, INT4_MATMUL, ROTARY,
-    ATTENTION_PREFILL, ATTENTION_DECODE, KV_APPEND, SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
+    ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE, KV_APPEND, SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
@@ -38,20 +73,61 @@ KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 # One entry per NVRTC module, in first-use order (several defs share a module).
 ALL_SOURCES: list[KernelSource] = list({id(k.source): k.source for k in ALL_KERNELS}.values())
 
-try:  # registers the sim backend's NumPy kernels; absent where the device layer is not built yet
-    from gpu_worker.kernels import sim as _sim  # noqa: F401
-except ImportError as _exc:  # pragma: no cover - only while gpu_worker.device.sim_kernels is missing
-    if "sim_kernels" not in str(_exc):
-        raise
+# Registers the sim backend's NumPy kernels (entry name -> implementation) as a side effect.
+from gpu_worker.kernels import sim as _sim  # noqa: F401
 
 __all__ = [
-    "ADD", "ADD_I32", "ALL_KERNELS", "ALL_SOURCES", "ARGMAX", "ATTENTION_DECODE",
-    "ATTENTION_PREFILL", "BIAS_ADD", "COMMON_HEADER", "COMMON_HEADER_NAME", "EMBEDDING_GATHER",
-    "FUSED_MAX_ROWS", "GELU", "INT4_DEQUANT", "INT4_MATMUL", "KERNELS_BY_NAME", "KV_APPEND",
-    "KernelDef", "KernelSource", "LAYERNORM", "MATMUL_NT", "MAX_HEAD_DIM", "MEAN_POOL",
-    "NVRTC_OPTIONS", "RMSNORM", "ROTARY", "SILU_GATE", "THREADS", "int4_path", "launch_add",
-    "launch_add_i32", "launch_argmax", "launch_attention_decode", "launch_attention_prefill",
-    "launch_bias_add", "launch_embedding_gather", "launch_gelu", "launch_int4_dequant",
-    "launch_int4_matmul", "launch_kv_append", "launch_layernorm", "launch_matmul_nt",
-    "launch_mean_pool", "launch_rmsnorm", "launch_rotary", "launch_silu_gate",
+    "ADD",
+    "ADD_I32",
+    "ALL_KERNELS",
+    "ALL_SOURCES",
+    "ARGMAX",
+    "ATTENTION_COMBINE",
+    "ATTENTION_DECODE",
+    "ATTENTION_DECODE_SPLIT",
+    "ATTENTION_PREFILL",
+    "BIAS_ADD",
+    "COMMON_HEADER",
+    "COMMON_HEADER_NAME",
+    "EMBEDDING_GATHER",
+    "FUSED_MAX_ROWS",
+    "GELU",
+    "INT4_DEQUANT",
+    "INT4_MATMUL",
+    "KERNELS_BY_NAME",
+    "KV_APPEND",
+    "LAYERNORM",
+    "MATMUL_NT",
+    "MAX_HEAD_DIM",
+    "MAX_SPLITS",
+    "MEAN_POOL",
+    "NVRTC_OPTIONS",
+    "RMSNORM",
+    "ROTARY",
+    "SILU_GATE",
+    "THREADS",
+    "KernelDef",
+    "KernelSource",
+    "decode_splits",
+    "decode_workspace_bytes",
+    "int4_path",
+    "launch_add",
+    "launch_add_i32",
+    "launch_argmax",
+    "launch_attention_combine",
+    "launch_attention_decode",
+    "launch_attention_decode_split",
+    "launch_attention_prefill",
+    "launch_bias_add",
+    "launch_embedding_gather",
+    "launch_gelu",
+    "launch_int4_dequant",
+    "launch_int4_matmul",
+    "launch_kv_append",
+    "launch_layernorm",
+    "launch_matmul_nt",
+    "launch_mean_pool",
+    "launch_rmsnorm",
+    "launch_rotary",
+    "launch_silu_gate",
 ]

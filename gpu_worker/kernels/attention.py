@@ -19,6 +19,12 @@ Lengths that change between replays of a captured graph are read from device int
   prefill  query t of sequence b sees keys [0, past_b + t] (causal) or [0, past_b + len_b)
            (not causal), past_b = (past ? past[b] : 0) + past_len, len_b = lens ? lens[b] : tokens
   decode   the single query of sequence b sees keys [0, min(lens[b] + len_add, max_len))
+
+Decode has a split-K path for long contexts (batch x heads blocks cannot fill 132 SMs): split s of
+`splits` covers keys [s*span, (s+1)*span), span = ceil(max_len / splits), and writes its partial
+softmax state (max, sum, unnormalised acc) to a workspace of decode_workspace_bytes(batch=,
+heads=, head_dim=, splits=) bytes; a combine kernel merges them. `splits` depends only on max_len
+(`decode_splits`), so a captured decode graph stays valid as the cache grows.
   append   writes token t of sequence b at row (pos ? pos[b] : 0) + pos_offset + t of the cache;
            rows at or past max_len are dropped instead of written out of bounds
 """
@@ -28,19 +34,22 @@ import math
 
 from gpu_worker.device.backend import f32, i32, i64, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (BLOCK, KernelDef, grid_1d, make_source, require,
-                                       require_sizes)
+from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, require, require_sizes
 
 MAX_HEAD_DIM = 512
+MAX_SPLITS = 64        # split-K decode: most splits per (sequence, head)
+MIN_SPLIT_KEYS = 512   # split-K decode: fewest keys (of max_len) per split worth a block
 
 SOURCE = make_source("gp_attention", r"""
 #define GP_ATT_CHUNK 256
 #define GP_MAX_HEAD_DIM 512
 
 // One block: one query row against keys [0, nkeys). Must be called by every thread of the block.
+// With `partial`, writes the unnormalised state (max, sum, acc[head_dim]) there instead of out.
 __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__ q,
                               const float* __restrict__ k, const float* __restrict__ v, int nkeys,
-                              long long kv_row_stride, int head_dim, float scale) {
+                              long long kv_row_stride, int head_dim, float scale,
+                              float* __restrict__ partial = nullptr) {
     __shared__ float q_s[GP_MAX_HEAD_DIM];
     __shared__ float p_s[GP_ATT_CHUNK];
     __shared__ float scratch[33];
@@ -82,6 +91,12 @@ __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__
         m = m_new;
         __syncthreads();  // p_s is rewritten by the next chunk
     }
+    if (partial) {
+        if (tid == 0) { partial[0] = m; partial[1] = l; }
+        if (d0 < head_dim) partial[2 + d0] = acc0;
+        if (d1 < head_dim) partial[2 + d1] = acc1;
+        return;
+    }
     const float inv = l > 0.f ? 1.0f / l : 0.f;
     if (d0 < head_dim) out[d0] = acc0 * inv;
     if (d1 < head_dim) out[d1] = acc1 * inv;
@@ -119,6 +134,51 @@ gp_attention_decode(float* out, const float* __restrict__ q, const float* __rest
     gp_attend_row(out + ((long long)b * heads + h) * head_dim,
                   q + (long long)b * q_row_stride + (long long)h * head_dim, k + kv_off, v + kv_off,
                   nkeys, kv_row_stride, head_dim, scale);
+}
+
+// Split-K decode ("flash decoding"): grid (heads, batch, splits); split s covers keys
+// [s*span, (s+1)*span) of the current length and writes its partial state to
+// ws[((b*heads + h)*splits + s)*(head_dim + 2)]. The span is fixed by max_len, not by the length,
+// so a captured graph stays valid as the cache grows.
+extern "C" __global__ void __launch_bounds__(256)
+gp_attention_decode_split(float* __restrict__ ws, const float* __restrict__ q,
+                          const float* __restrict__ k, const float* __restrict__ v,
+                          const int* __restrict__ lens, int batch, int heads, int kv_heads,
+                          int head_dim, int q_row_stride, int kv_row_stride,
+                          long long kv_batch_stride, int len_add, int max_len, int span,
+                          float scale) {
+    const int h = blockIdx.x, b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    const int hk = h / (heads / kv_heads);
+    const int nkeys = max(0, min(lens[b] + len_add, max_len));
+    const int j0 = min(sp * span, nkeys), j1 = min(j0 + span, nkeys);
+    const long long kv_off = (long long)b * kv_batch_stride + (long long)hk * head_dim
+                           + (long long)j0 * kv_row_stride;
+    gp_attend_row(nullptr, q + (long long)b * q_row_stride + (long long)h * head_dim, k + kv_off,
+                  v + kv_off, j1 - j0, kv_row_stride, head_dim, scale,
+                  ws + (((long long)b * heads + h) * splits + sp) * (head_dim + 2));
+}
+
+// grid (heads, batch): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
+extern "C" __global__ void __launch_bounds__(256)
+gp_attention_combine(float* __restrict__ out, const float* __restrict__ ws, int batch, int heads,
+                     int head_dim, int splits) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    const float* part = ws + ((long long)b * heads + h) * splits * (head_dim + 2);
+    float mx = -INFINITY;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (head_dim + 2)]);
+    float* o = out + ((long long)b * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float l = 0.f, acc = 0.f;
+        if (mx != -INFINITY) {  // every split empty (no keys): zeros, as the single-pass kernel
+            for (int s = 0; s < splits; ++s) {
+                const float* ps = part + s * (head_dim + 2);
+                const float w = ps[1] > 0.f ? expf(ps[0] - mx) : 0.f;
+                l = fmaf(ps[1], w, l);
+                acc = fmaf(ps[2 + d], w, acc);
+            }
+        }
+        o[d] = l > 0.f ? acc / l : 0.f;
+    }
 }
 
 extern "C" __global__ void gp_kv_append(float* k_cache, float* v_cache, const float* __restrict__ k,
@@ -171,22 +231,88 @@ def launch_attention_prefill(device, function, out: int, q: int, k: int, v: int,
                    f32(_scale(head_dim, scale))], stream=stream)
 
 
+def decode_splits(max_len: int, batch: int = 1, heads: int = 32) -> int:
+    """A split count for attention_decode: enough blocks to fill an H200's 132 SMs at long
+    contexts, none at short ones. A function of max_len (not of the length) so graphs stay valid."""
+    per_split = max(1, max_len // MIN_SPLIT_KEYS)
+    want = max(1, -(-2 * 132 // max(1, batch * heads)))
+    return max(1, min(MAX_SPLITS, per_split, want))
+
+
+def decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, splits: int = 1,
+                           **_: int) -> int:
+    """Scratch of the split-K decode path: (max, sum, acc[head_dim]) per (sequence, head, split)."""
+    return 0 if splits <= 1 else 4 * batch * heads * splits * (head_dim + 2)
+
+
 def launch_attention_decode(device, function, out: int, q: int, k_cache: int, v_cache: int,
                             lens: int, batch: int, heads: int, kv_heads: int, head_dim: int,
                             q_row_stride: int, kv_row_stride: int, kv_batch_stride: int,
                             len_add: int, max_len: int, scale: float | None = None,
-                            stream=None) -> None:
+                            stream=None, *, splits: int = 1, workspace: int = 0,
+                            split_function=None, combine_function=None) -> None:
+    """One query per sequence against its KV cache. With splits > 1, runs the split-K path:
+    `split_function` (ATTENTION_DECODE_SPLIT) then `combine_function` (ATTENTION_COMBINE) through
+    `workspace` (decode_workspace_bytes(...) bytes); `function` is then unused."""
     require_sizes("attention_decode", batch=batch, q_row_stride=q_row_stride,
-                  kv_row_stride=kv_row_stride, max_len=max_len)
+                  kv_row_stride=kv_row_stride, max_len=max_len, splits=splits)
     _check_heads("attention_decode", heads, kv_heads, head_dim)
     require(lens != 0, "attention_decode: lens must point at a device int32 per sequence")
     require(batch < 65536, f"attention_decode: batch={batch} must be < 65536")
+    require(1 <= splits <= MAX_SPLITS, f"attention_decode: splits={splits} must be in 1..{MAX_SPLITS}")
+    if splits > 1:
+        require(workspace != 0 and split_function is not None and combine_function is not None,
+                "attention_decode: the split path needs workspace, split_function and "
+                "combine_function")
     if batch == 0:
         return
+    sc = f32(_scale(head_dim, scale))
+    if splits == 1:
+        device.launch(function, (heads, batch, 1), BLOCK,
+                      [ptr(out), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
+                       i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
+                       i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len), sc],
+                      stream=stream)
+        return
+    span = -(-max_len // splits)
+    device.launch(split_function, (heads, batch, splits), BLOCK,
+                  [ptr(workspace), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
+                   i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
+                   i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len),
+                   i32(span), sc], stream=stream)
+    device.launch(combine_function, (heads, batch, 1), BLOCK,
+                  [ptr(out), ptr(workspace), i32(batch), i32(heads), i32(head_dim), i32(splits)],
+                  stream=stream)
+
+
+def launch_attention_decode_split(device, function, workspace: int, q: int, k_cache: int,
+                                  v_cache: int, lens: int, batch: int, heads: int, kv_heads: int,
+                                  head_dim: int, q_row_stride: int, kv_row_stride: int,
+                                  kv_batch_stride: int, len_add: int, max_len: int, splits: int,
+                                  scale: float | None = None, stream=None) -> None:
+    """The first half of the split-K decode path alone (launch_attention_decode runs both)."""
+    require_sizes("attention_decode_split", batch=batch, max_len=max_len, splits=splits)
+    _check_heads("attention_decode_split", heads, kv_heads, head_dim)
+    require(1 <= splits <= MAX_SPLITS and lens != 0 and workspace != 0,
+            "attention_decode_split: needs 1..MAX_SPLITS splits, lens and a workspace")
+    if batch == 0:
+        return
+    device.launch(function, (heads, batch, splits), BLOCK,
+                  [ptr(workspace), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
+                   i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
+                   i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len),
+                   i32(-(-max_len // splits)), f32(_scale(head_dim, scale))], stream=stream)
+
+
+def launch_attention_combine(device, function, out: int, workspace: int, batch: int, heads: int,
+                             head_dim: int, splits: int, stream=None) -> None:
+    """The second half of the split-K decode path: merge the per-split partial states."""
+    require_sizes("attention_combine", batch=batch, heads=heads, head_dim=head_dim, splits=splits)
+    require(batch < 65536 and splits >= 1, "attention_combine: batch < 65536 and splits >= 1")
+    if batch == 0 or heads == 0:
+        return
     device.launch(function, (heads, batch, 1), BLOCK,
-                  [ptr(out), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch), i32(heads),
-                   i32(kv_heads), i32(head_dim), i32(q_row_stride), i32(kv_row_stride),
-                   i64(kv_batch_stride), i32(len_add), i32(max_len), f32(_scale(head_dim, scale))],
+                  [ptr(out), ptr(workspace), i32(batch), i32(heads), i32(head_dim), i32(splits)],
                   stream=stream)
 
 
@@ -209,7 +335,14 @@ def launch_kv_append(device, function, k_cache: int, v_cache: int, k: int, v: in
 ATTENTION_PREFILL = KernelDef("attention_prefill", "gp_attention_prefill", SOURCE,
                               reference.attention, launch_attention_prefill)
 ATTENTION_DECODE = KernelDef("attention_decode", "gp_attention_decode", SOURCE,
-                             reference.attention, launch_attention_decode)
+                             reference.attention, launch_attention_decode,
+                             workspace=decode_workspace_bytes)
+ATTENTION_DECODE_SPLIT = KernelDef("attention_decode_split", "gp_attention_decode_split", SOURCE,
+                                   reference.attention_partial, launch_attention_decode_split,
+                                   workspace=decode_workspace_bytes)
+ATTENTION_COMBINE = KernelDef("attention_combine", "gp_attention_combine", SOURCE,
+                              reference.attention_combine, launch_attention_combine)
 KV_APPEND = KernelDef("kv_append", "gp_kv_append", SOURCE, reference.kv_append, launch_kv_append)
 
-KERNELS = [ATTENTION_PREFILL, ATTENTION_DECODE, KV_APPEND]
+KERNELS = [ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE,
+           KV_APPEND]

@@ -11,8 +11,8 @@ Pointers are plain ints (device virtual addresses); 0 stands for a null (optiona
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from services.common.errors import InvalidArgument
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (BLOCK, MAX_GRID_1D, KernelDef, make_source, require,
-                                       require_sizes)
+from gpu_worker.kernels.common import (
+    BLOCK,
+    MAX_GRID_1D,
+    KernelDef,
+    make_source,
+    require,
+    require_sizes,
+)
 
 SOURCE = make_source("gp_embedding", r"""
 // One block per row (grid-stride over rows); threads stride over the hidden dimension.

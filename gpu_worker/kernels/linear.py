@@ -7,20 +7,28 @@
   This workspace is the "dequantization scratch" of DESIGN 1.1: it scales with the weight, so every
   per-node kernel variant that keeps one must have it booked in the `workspace` zone.
 - Fused path (decode, few rows): `int4_matmul` reads the packed weight directly, one warp per
-  output column, each lane one 16-byte block (32 weights, one scale) per step, so a batch-1 decode
-  step reads 0.56 bytes per weight instead of 8.5. Needs no workspace. It re-reads W once per 4 rows
+  output column, each lane one 32-bit word (8 weights) per step, so a batch-1 decode step reads
+  0.56 bytes of HBM per weight instead of 8.5. Needs no workspace. It re-reads W once per 4 rows
   of x, so above FUSED_MAX_ROWS rows the workspace path is faster: see `int4_path`.
 
 Layout (gpu_worker.kernels.reference): packed (N, 16 * ceil(K/32)) uint8, scales (N, ceil(K/32))
-fp16. The fused kernel loads 16-byte vectors: `packed` must be 16-byte aligned.
+fp16. `packed` must be 16-byte aligned (each row is a whole number of 16-byte blocks); the fused
+kernel loads x as float4 when K % 4 == 0 and x is 16-byte aligned, else scalar.
 Shapes: x (M, K), y (M, N) f32, bias (N,) f32 or 0. `accumulate` adds into y (a fused residual).
 """
 from __future__ import annotations
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (BLOCK, KernelDef, ceil_div, grid_1d, make_source, require,
-                                       require_sizes)
+from gpu_worker.kernels.common import (
+    BLOCK,
+    KernelDef,
+    ceil_div,
+    grid_1d,
+    make_source,
+    require,
+    require_sizes,
+)
 
 FUSED_MAX_ROWS = 16   # at or below: int4_matmul; above: int4_dequant + matmul_nt
 TILE = 64             # matmul_nt output tile (rows and columns)
@@ -92,7 +100,10 @@ gp_matmul_nt(float* y, const float* __restrict__ x, const float* __restrict__ w,
     }
 }
 
-// Fused int4 matmul for few rows: warp = one output column n, lane = one 32-weight block per step.
+// Fused int4 matmul for few rows: warp = one output column n; lane = one 32-bit word (8 weights
+// of one quant block) per step, so a warp reads 128 contiguous bytes of W and 1 KB contiguous of
+// each x row per step (a lane-per-16-byte-block split would make every x load touch 32 cache
+// lines). Padding words past K read no x.
 extern "C" __global__ void __launch_bounds__(256)
 gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
                const unsigned short* __restrict__ scales, const float* __restrict__ bias,
@@ -102,42 +113,45 @@ gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __res
     const int m0 = blockIdx.y * 4;
     if (n >= N) return;  // warp-uniform; this kernel has no block barrier
     const int kb = (K + 31) >> 5;
-    const uint4* prow = reinterpret_cast<const uint4*>(packed + (size_t)n * kb * 16);
+    const int words = kb * 4;
+    const unsigned int* prow = reinterpret_cast<const unsigned int*>(packed + (size_t)n * kb * 16);
     const unsigned short* srow = scales + (size_t)n * kb;
+    const int mrows = min(4, M - m0);
+    const bool vec = (K & 3) == 0 && (reinterpret_cast<size_t>(x) & 15) == 0;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int b = lane; b < kb; b += 32) {
-        const uint4 pk = prow[b];
-        const unsigned int words[4] = {pk.x, pk.y, pk.z, pk.w};
-        const float s = gp_half_to_float(srow[b]);
-        const int kbase = b * 32;
-        const bool full = kbase + 32 <= K;
+#pragma unroll 4
+    for (int wd = lane; wd < words; wd += 32) {
+        const unsigned int qw = prow[wd];
+        const float s = gp_half_to_float(srow[wd >> 2]);
+        const int k0 = wd * 8;
+        float q[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = (float)((int)((qw >> (4 * j)) & 15u) - 8);
 #pragma unroll
         for (int mi = 0; mi < 4; ++mi) {
-            const int m = m0 + mi;
-            if (m >= M) break;
-            const float* xr = x + (size_t)m * K + kbase;
+            if (mi >= mrows) break;
+            const float* xr = x + (size_t)(m0 + mi) * K + k0;
             float part = 0.f;
+            if (vec && k0 + 8 <= K) {
+                const float4 a = *reinterpret_cast<const float4*>(xr);
+                const float4 b = *reinterpret_cast<const float4*>(xr + 4);
+                part = a.x * q[0] + a.y * q[1] + a.z * q[2] + a.w * q[3]
+                     + b.x * q[4] + b.y * q[5] + b.z * q[6] + b.w * q[7];
+            } else {
 #pragma unroll
-            for (int wi = 0; wi < 4; ++wi) {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int kk = wi * 8 + j;
-                    if (full || kbase + kk < K) {
-                        part = fmaf(xr[kk], (float)((int)((words[wi] >> (4 * j)) & 15u) - 8), part);
-                    }
-                }
+                for (int j = 0; j < 8; ++j)
+                    if (k0 + j < K) part = fmaf(xr[j], q[j], part);
             }
             acc[mi] = fmaf(part, s, acc[mi]);
         }
     }
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
-        const int m = m0 + mi;
-        if (m >= M) break;
+        if (mi >= mrows) break;
         float v = gp_warp_sum(acc[mi]);
         if (lane == 0) {
             v += bias ? bias[n] : 0.f;
-            float* yp = y + (size_t)m * N + n;
+            float* yp = y + (size_t)(m0 + mi) * N + n;
             *yp = accumulate ? *yp + v : v;
         }
     }

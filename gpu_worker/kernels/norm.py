@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from gpu_worker.device.backend import f32, i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (BLOCK, MAX_GRID_1D, KernelDef, make_source,
-                                       require_sizes)
+from gpu_worker.kernels.common import BLOCK, MAX_GRID_1D, KernelDef, make_source, require_sizes
 
 SOURCE = make_source("gp_norm", r"""
 extern "C" __global__ void gp_rmsnorm(float* out, const float* x, const float* __restrict__ w,

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (BLOCK, MAX_GRID_1D, KernelDef, grid_1d, make_source,
-                                       require_sizes)
+from gpu_worker.kernels.common import (
+    BLOCK,
+    MAX_GRID_1D,
+    KernelDef,
+    grid_1d,
+    make_source,
+    require_sizes,
+)
 
 SOURCE = make_source("gp_reduce", r"""
 __device__ __forceinline__ void gp_argmax_merge(float& bv, int& bi, float ov, int oi) {

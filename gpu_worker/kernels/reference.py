@@ -101,6 +101,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, ca
     j <= q_pos[i]); a query that sees no key gets zeros."""
     s, heads, d = q.shape
     t = k.shape[0]
+    if t == 0:
+        return np.zeros(q.shape, np.float32)
     group = heads // k.shape[1]
     kk = np.repeat(k, group, axis=1)
     vv = np.repeat(v, group, axis=1)
@@ -116,6 +118,37 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, ca
     denom = p.sum(axis=-1, keepdims=True)
     p = np.where(denom > 0, p / np.where(denom > 0, denom, 1), 0)
     return np.einsum("hst,thd->shd", p, vv).astype(np.float32)
+
+
+def attention_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      scale: float | None = None) -> np.ndarray:
+    """Unnormalised softmax state of one query row per head over keys k/v (T, KV, d):
+    (heads, 2 + d) = (max score, sum of exp(score - max), sum of exp(score - max) * v);
+    (-inf, 0, 0...) when there are no keys."""
+    heads, d = q.shape
+    out = np.zeros((heads, 2 + d), np.float32)
+    out[:, 0] = -np.inf
+    if k.shape[0] == 0:
+        return out
+    group = heads // k.shape[1]
+    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    sc = np.float32(1.0 / np.sqrt(d)) if scale is None else np.float32(scale)
+    scores = np.einsum("hd,thd->ht", q, kk).astype(np.float32) * sc
+    mx = scores.max(axis=1)
+    p = np.exp(scores - mx[:, None])
+    out[:, 0], out[:, 1] = mx, p.sum(axis=1)
+    out[:, 2:] = np.einsum("ht,thd->hd", p, vv)
+    return out
+
+
+def attention_combine(partials: np.ndarray) -> np.ndarray:
+    """Merge partial states (splits, heads, 2 + d) into the attention output (heads, d)."""
+    mx = partials[:, :, 0].max(axis=0)
+    safe = np.where(np.isfinite(mx), mx, 0)
+    w = np.where(partials[:, :, 1] > 0, np.exp(partials[:, :, 0] - safe[None]), 0)
+    denom = (partials[:, :, 1] * w).sum(axis=0)
+    acc = (partials[:, :, 2:] * w[..., None]).sum(axis=0)
+    return np.where(denom[:, None] > 0, acc / np.where(denom > 0, denom, 1)[:, None], 0).astype(np.float32)
 
 
 def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -10,22 +10,45 @@ passes on one and fails on the other points at the CUDA source, not at the test.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Self
 
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
-from gpu_worker.kernels.attention import (ATTENTION_DECODE, ATTENTION_PREFILL, KV_APPEND,
-                                          launch_attention_decode, launch_attention_prefill,
-                                          launch_kv_append)
+from gpu_worker.kernels.attention import (
+    ATTENTION_COMBINE,
+    ATTENTION_DECODE,
+    ATTENTION_DECODE_SPLIT,
+    ATTENTION_PREFILL,
+    KV_APPEND,
+    launch_attention_decode,
+    launch_attention_prefill,
+    launch_kv_append,
+)
 from gpu_worker.kernels.common import KernelDef
-from gpu_worker.kernels.elementwise import (ADD, ADD_I32, BIAS_ADD, GELU, SILU_GATE, launch_add,
-                                            launch_add_i32, launch_bias_add, launch_gelu,
-                                            launch_silu_gate)
+from gpu_worker.kernels.elementwise import (
+    ADD,
+    ADD_I32,
+    BIAS_ADD,
+    GELU,
+    SILU_GATE,
+    launch_add,
+    launch_add_i32,
+    launch_bias_add,
+    launch_gelu,
+    launch_silu_gate,
+)
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
-from gpu_worker.kernels.linear import (INT4_DEQUANT, INT4_MATMUL, MATMUL_NT, launch_int4_dequant,
-                                       launch_int4_matmul, launch_matmul_nt)
+from gpu_worker.kernels.linear import (
+    INT4_DEQUANT,
+    INT4_MATMUL,
+    MATMUL_NT,
+    launch_int4_dequant,
+    launch_int4_matmul,
+    launch_matmul_nt,
+)
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
@@ -66,7 +89,7 @@ class KernelHarness:
             self.device.arena.free(a)
         self._allocs.clear()
 
-    def __enter__(self) -> "KernelHarness":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -103,6 +126,7 @@ class Case:
     kernel: str
     run_fn: Callable[..., Outcome]
     shapes: dict = field(default_factory=dict)
+    covers: tuple[str, ...] = ()   # further KernelDef names the case launches
 
     @property
     def id(self) -> str:
@@ -234,16 +258,24 @@ def prefill_case(h, rng, batch, tokens, heads, kv_heads, head_dim, causal=True, 
     return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
 
 
-def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, max_len=None) -> Outcome:
+def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, max_len=None,
+                splits=1) -> Outcome:
+    """splits > 1 runs the split-K path (decode_split + combine through a workspace)."""
     lengths = np.asarray(lengths, np.int32)
     max_len = int(lengths.max()) + len_add + 2 if max_len is None else max_len
     q = _f32(rng, batch, heads * head_dim)
     kc, vc = _f32(rng, batch, max_len, kv_heads, head_dim), _f32(rng, batch, max_len, kv_heads, head_dim)
     out = h.put(np.zeros((batch, heads * head_dim), np.float32))
     kv_row = kv_heads * head_dim
+    ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=batch, heads=heads, head_dim=head_dim,
+                                                splits=splits)
+    ws = h.put(np.full(ws_bytes // 4, np.nan, np.float32)) if ws_bytes else 0
     launch_attention_decode(h.device, h.function(ATTENTION_DECODE), out, h.put(q), h.put(kc),
                             h.put(vc), h.put(lengths), batch, heads, kv_heads, head_dim,
-                            heads * head_dim, kv_row, max_len * kv_row, len_add, max_len)
+                            heads * head_dim, kv_row, max_len * kv_row, len_add, max_len,
+                            splits=splits, workspace=ws,
+                            split_function=h.function(ATTENTION_DECODE_SPLIT) if ws else None,
+                            combine_function=h.function(ATTENTION_COMBINE) if ws else None)
     want = np.zeros((batch, heads * head_dim), np.float32)
     for b in range(batch):
         n = max(0, min(int(lengths[b]) + len_add, max_len))
@@ -328,7 +360,8 @@ def mean_pool_case(h, rng, batch, seq, hidden, lens=None) -> Outcome:
     return Outcome(h.get(out, (batch, hidden)), want, 1e-5, 1e-6)
 
 
-def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=10000.0) -> Outcome:
+def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=10000.0,
+                      splits=1) -> Outcome:
     """One decode step captured once and replayed `steps` times: rotary at the device position,
     KV append at it, attention over position + 1 keys, position += 1. Every replay must see the
     position the previous one left, i.e. the graph must not bake the KV length."""
@@ -342,7 +375,12 @@ def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=100
     qp, knp, vnp = h.put(np.zeros(qw, np.float32)), h.put(np.zeros(width, np.float32)), \
         h.put(np.zeros(width, np.float32))
     out = h.put(np.zeros(qw, np.float32))
+    ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=1, heads=heads, head_dim=head_dim,
+                                                splits=splits)
+    ws = h.put(np.zeros(ws_bytes // 4, np.float32)) if ws_bytes else 0
     dev, fn = h.device, h.function
+    split_fns = {"split_function": fn(ATTENTION_DECODE_SPLIT),
+                 "combine_function": fn(ATTENTION_COMBINE)} if ws else {}
     with dev.capture() as cap:
         launch_rotary(dev, fn(ROTARY), qp, pos, 1, 1, heads, head_dim, qw, 0, theta, stream=cap.stream)
         launch_rotary(dev, fn(ROTARY), knp, pos, 1, 1, kv_heads, head_dim, width, 0, theta,
@@ -350,7 +388,8 @@ def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=100
         launch_kv_append(dev, fn(KV_APPEND), kp, vp, knp, vnp, pos, 1, 1, kv_heads, head_dim, width,
                          width, max_len * width, 0, max_len, stream=cap.stream)
         launch_attention_decode(dev, fn(ATTENTION_DECODE), out, qp, kp, vp, pos, 1, heads, kv_heads,
-                                head_dim, qw, width, max_len * width, 1, max_len, stream=cap.stream)
+                                head_dim, qw, width, max_len * width, 1, max_len, stream=cap.stream,
+                                splits=splits, workspace=ws, **split_fns)
         launch_add_i32(dev, fn(ADD_I32), pos, 1, 1, stream=cap.stream)
     got, want = [], []
     try:
@@ -374,9 +413,16 @@ def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=100
     return Outcome(np.concatenate(got), np.concatenate(want), 1e-4, 2e-5)
 
 
-def C(kernel: str, fn: Callable[..., Outcome], **shapes) -> Case:
-    return Case(kernel, fn, shapes)
+def attention_case_sizes(tokens: int, heads: int, kv_heads: int, head_dim: int = 128) -> dict:
+    """Shapes for a causal single-sequence prefill case (model-sized GPU tests)."""
+    return {"batch": 1, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
 
+
+def C(kernel: str, fn: Callable[..., Outcome], covers: tuple[str, ...] = (), **shapes) -> Case:
+    return Case(kernel, fn, shapes, covers)
+
+
+SPLIT = ("attention_decode_split", "attention_combine")
 
 # Odd sizes on purpose: K not a multiple of the tile or of the quant block, seq 1 / 7 / 33,
 # lengths past one 256-key softmax chunk, head_dim past one thread per dimension.
@@ -415,6 +461,12 @@ CASES: list[Case] = [
       max_len=33),
     C("decode_graph", decode_graph_case, steps=3, start=5, heads=4, kv_heads=2, head_dim=64),
     C("decode_graph", decode_graph_case, steps=2, start=300, heads=2, kv_heads=1, head_dim=128),
+    C("decode_graph", decode_graph_case, SPLIT, steps=3, start=250, heads=2, kv_heads=1,
+      head_dim=64, splits=5),
+    C("attention_decode", decode_case, SPLIT, batch=2, heads=2, kv_heads=1, head_dim=64,
+      lengths=[700, 3], len_add=1, max_len=1000, splits=4),
+    C("attention_decode", decode_case, SPLIT, batch=1, heads=4, kv_heads=4, head_dim=288,
+      lengths=[0], max_len=64, splits=3),
     C("kv_append", kv_append_case, batch=1, tokens=7, kv_heads=2, head_dim=16, pos=[3]),
     C("kv_append", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
       offset=1, max_len=16),

@@ -9,7 +9,7 @@ memory at run time, so a replayed sim graph sees the current values exactly as a
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -148,6 +148,38 @@ def _attention_decode(mem, grid, block, args) -> None:
         kb = _strided(mem, k + 4 * b * kv_batch_stride, kv_shape, kv_strides)
         vb = _strided(mem, v + 4 * b * kv_batch_stride, kv_shape, kv_strides)
         r = reference.attention(qb, kb, vb, np.array([nkeys - 1]), False, scale=scale)
+        _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
+
+
+@register_sim_kernel("gp_attention_decode_split")
+def _attention_decode_split(mem, grid, block, args) -> None:
+    (ws, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, kv_row_stride,
+     kv_batch_stride, len_add, max_len, span, scale) = _vals(args)
+    splits = grid[2]
+    width = head_dim + 2
+    for b in range(batch):
+        nkeys = max(0, min(_opt_i32(mem, lens, b) + len_add, max_len))
+        qb = _arr(mem, q + 4 * b * q_row_stride, heads * head_dim).reshape(heads, head_dim)
+        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
+                        (width, splits * width, 1))
+        for sp in range(splits):
+            j0 = min(sp * span, nkeys)
+            j1 = min(j0 + span, nkeys)
+            kv_shape, kv_strides = (j1 - j0, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
+            off = 4 * (b * kv_batch_stride + j0 * kv_row_stride)
+            part[sp] = reference.attention_partial(qb, _strided(mem, k + off, kv_shape, kv_strides),
+                                                   _strided(mem, v + off, kv_shape, kv_strides),
+                                                   scale)
+
+
+@register_sim_kernel("gp_attention_combine")
+def _attention_combine(mem, grid, block, args) -> None:
+    out, ws, batch, heads, head_dim, splits = _vals(args)
+    width = head_dim + 2
+    for b in range(batch):
+        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
+                        (width, splits * width, 1))
+        r = reference.attention_combine(np.array(part))
         _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
 
 

@@ -9,8 +9,15 @@ Both end in greedy argmax, so a step returns one int32 to the host.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.graph import Graph, Node, TensorSpec
 from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.weights import generate
+from services.common.errors import InvalidArgument
 
 
 def kv_state_names(layer: int) -> tuple[str, str]:
@@ -100,11 +107,17 @@ class DecoderModel:
 
     family = "decoder"
 
-    def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True) -> None:
+    def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True,
+                 bucketed: bool = True) -> None:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
+        # False: one prefill shape per prompt length (the unbucketed traffic of DESIGN 1.1,
+        # for the replay benchmark); True: lengths rounded up onto the plan ladder.
+        self.bucketed = bucketed
+
+    def _prefill_len(self, n: int) -> int:
+        return min(seq_bucket(n), self.cfg.max_context) if self.bucketed else n
 
     def load(self) -> None:
-        from gpu_worker.models.weights import generate
         for key, host in generate(self.cfg, self.seed):
             self.executor.add_weight(key, host)
         per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * 4
@@ -114,7 +127,6 @@ class DecoderModel:
         self.executor.ensure_resident()
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        from services.common.errors import InvalidArgument
         cfg = self.cfg
         if not prompt:
             raise InvalidArgument("the prompt is empty: send at least one token")
@@ -129,44 +141,33 @@ class DecoderModel:
 
     def prefill(self, prompt: list[int]) -> int:
         """Run the prompt (padded to its bucket) into the KV cache; the first generated token."""
-        import numpy as np
+        return int(self._prefill(prompt, "next_token")[0])
 
-        from gpu_worker.execution.plans import seq_bucket
-        seq = min(seq_bucket(len(prompt)), self.cfg.max_context)
+    def _prefill(self, prompt: list[int], output: str) -> np.ndarray:
+        seq = self._prefill_len(len(prompt))
         tokens = np.zeros(seq, np.int32)
         tokens[:len(prompt)] = prompt
         out = self.executor.run(
             ("prefill", 1, seq), lambda: build_decoder_graph(self.cfg, seq, "prefill"),
             {"tokens": tokens, "start": np.zeros(1, np.int32),
              "last_index": np.array([len(prompt) - 1], np.int32)},
-            ("next_token",), capture=self.capture)
-        return int(out["next_token"][0])
+            (output,), capture=self.capture)
+        return out[output]
 
     def decode(self, token: int, position: int) -> int:
         """One step: `token` at `position` (its KV row); the next token."""
-        import numpy as np
         out = self.executor.run(
             ("decode", 1, 1), lambda: build_decoder_graph(self.cfg, 1, "decode"),
             {"tokens": np.array([token], np.int32), "start": np.array([position], np.int32)},
             ("next_token",), capture=self.capture)
         return int(out["next_token"][0])
 
-    def logits(self, prompt: list[int]) -> "np.ndarray":  # noqa: F821 - for tests and the GPU check
-        """Logits of the prompt's last position (a prefill that also reads `logits` back)."""
-        import numpy as np
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        """Logits of the prompt's last position (a prefill that reads `logits` back)."""
+        return self._prefill(prompt, "logits")[0]
 
-        from gpu_worker.execution.plans import seq_bucket
-        seq = min(seq_bucket(len(prompt)), self.cfg.max_context)
-        tokens = np.zeros(seq, np.int32)
-        tokens[:len(prompt)] = prompt
-        out = self.executor.run(
-            ("prefill", 1, seq), lambda: build_decoder_graph(self.cfg, seq, "prefill"),
-            {"tokens": tokens, "start": np.zeros(1, np.int32),
-             "last_index": np.array([len(prompt) - 1], np.int32)},
-            ("logits",), capture=self.capture)
-        return out["logits"][0]
-
-    def generate(self, prompt: list[int], max_new_tokens: int, cancelled=lambda: False):
+    def generate(self, prompt: list[int], max_new_tokens: int,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[int]:
         """Yield tokens one at a time, greedily; stops early when `cancelled()` turns true."""
         self.check(prompt, max_new_tokens)
         token = self.prefill(prompt)

@@ -6,8 +6,12 @@ Sequences in one call share a length (the Embed RPC's contract), so a plan is ex
 """
 from __future__ import annotations
 
+import numpy as np
+
 from gpu_worker.graph import Graph, Node, TensorSpec
 from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.weights import generate
+from services.common.errors import InvalidArgument
 
 
 def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
@@ -71,13 +75,11 @@ class EncoderModel:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
 
     def load(self) -> None:
-        from gpu_worker.models.weights import generate
         for key, host in generate(self.cfg, self.seed):
             self.executor.add_weight(key, host)
         self.executor.ensure_resident()
 
     def check(self, sequences: list[list[int]]) -> None:
-        from services.common.errors import InvalidArgument
         if not sequences or not sequences[0]:
             raise InvalidArgument("send at least one non-empty token sequence")
         if len({len(s) for s in sequences}) != 1:
@@ -91,9 +93,8 @@ class EncoderModel:
                 raise InvalidArgument(f"token {bad[0]} is outside the vocabulary "
                                       f"(0..{self.cfg.vocab_size - 1})", token=int(bad[0]))
 
-    def embed(self, sequences: list[list[int]]):
+    def embed(self, sequences: list[list[int]]) -> np.ndarray:
         """(batch, hidden) float32 mean-pooled embeddings."""
-        import numpy as np
         self.check(sequences)
         batch, seq = len(sequences), len(sequences[0])
         tokens = np.asarray(sequences, np.int32).reshape(-1)

@@ -48,7 +48,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, causal: bool) -> np.ndarray:
     """q (s, H, d), k/v (t, KV, d); key j is visible to query i when j <= q_pos[i] (causal)."""
-    s, heads, d = q.shape
+    _, heads, d = q.shape
     group = heads // k.shape[1]
     kk = np.repeat(k, group, axis=1)  # (t, H, d)
     vv = np.repeat(v, group, axis=1)

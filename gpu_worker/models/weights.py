@@ -13,8 +13,8 @@ tensor by tensor straight into pinned memory, never as floats.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 

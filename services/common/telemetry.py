@@ -61,7 +61,7 @@ def server_tracing_interceptor(provider: TracerProvider) -> grpc.ServerIntercept
 def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:
     """Wrap `channel` so outgoing calls carry the current trace context in their metadata."""
     provider = provider or trace.get_tracer_provider()
-    # OTel's client interceptor implements its own grpcext interfaces, not grpc's: grpc.intercept_channel
-    # rejects it with a TypeError, so wrap through grpcext.
+    # OTel's client interceptor implements its own grpcext interfaces, not grpc's:
+    # grpc.intercept_channel rejects it with a TypeError, so wrap through grpcext.
     interceptor = client_interceptor(tracer_provider=provider, filter_=_not_noise())
     return grpcext.intercept_channel(channel, interceptor)

@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.governor")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the governor")
-    env_flag(serve, "--listen", "GPUPLANE_GOVERNOR_LISTEN", "127.0.0.1:50053", "HOST:PORT to serve")
+    env_flag(serve, "--listen", "GPUPLANE_GOVERNOR_LISTEN", "127.0.0.1:50061", "HOST:PORT to serve")
     env_flag(serve, "--db", "GPUPLANE_GOVERNOR_DB", f"{VAR_DIR}/governor.sqlite", "SQLite file")
     env_flag(serve, "--lease-ttl-seconds", "GPUPLANE_GOVERNOR_LEASE_TTL_SECONDS", 30.0,
              "a worker silent this long loses its leases", type=float)
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--durable", action="store_true",
                        help="fsync every change (synchronous=FULL): survives power loss too")
     res = sub.add_parser("resources", help="print the ledger of every device")
-    env_flag(res, "--target", "GPUPLANE_GOVERNOR", "127.0.0.1:50053", "governor HOST:PORT")
+    env_flag(res, "--target", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
     res.add_argument("--device", default="", help="one device uuid (default: all)")
     res.add_argument("--json", action="store_true", help="print JSON")
     return parser

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+from opentelemetry import trace
 
 from services.common.errors import InvalidArgument
 from services.common.server import ServiceRegistration
@@ -25,6 +26,13 @@ def zone_name(value: int) -> str:
         raise InvalidArgument(f"zone is unspecified or unknown (enum value {value}); "
                               f"use one of ZONE_{', ZONE_'.join(z.upper() for z in ZONES)}")
     return ZONES[value - 1]
+
+
+def _tag(**attributes: str | int) -> None:
+    """Domain attributes on the server span the tracing interceptor opened for this call."""
+    span = trace.get_current_span()
+    for key, value in attributes.items():
+        span.set_attribute(f"gpuplane.{key}", value)
 
 
 def zone_value(name: str) -> int:
@@ -80,19 +88,24 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             released_bytes=self.ledger.deregister(request.worker_id))
 
     def Acquire(self, request, context):
+        _tag(worker_id=request.worker_id, zone=ZONES[request.zone - 1] if 0 < request.zone
+             <= len(ZONES) else "unspecified", bytes=request.bytes)
         lease = self.ledger.acquire(request.worker_id, request.device_uuid,
                                     zone_name(request.zone), request.bytes)
         return governor_pb2.AcquireResponse(lease=lease_pb(lease))
 
     def Resize(self, request, context):
+        _tag(worker_id=request.worker_id, lease_id=request.lease_id, bytes=request.bytes)
         lease = self.ledger.resize(request.worker_id, request.lease_id, request.bytes)
         return governor_pb2.ResizeResponse(lease=lease_pb(lease))
 
     def Release(self, request, context):
+        _tag(worker_id=request.worker_id, lease_id=request.lease_id)
         return governor_pb2.ReleaseResponse(
             released_bytes=self.ledger.release(request.worker_id, request.lease_id))
 
     def Heartbeat(self, request, context):
+        _tag(worker_id=request.worker_id)
         zones = {zone_name(z.zone): (z.committed_bytes, z.content_bytes) for z in request.zones}
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
                                        request.device_used_bytes, request.process_used_bytes, zones)

@@ -30,7 +30,8 @@ def test_stats_json_prints_the_same_numbers_the_store_holds(filled, capsys):
     stats = json.loads(out)
     assert code == EXIT_OK
     held = filled.store.stats()
-    assert (int(stats["entries"]), int(stats["total_bytes"])) == (held.entries, held.total_bytes)
+    assert (stats["entries"], stats["total_bytes"]) == (held.entries, held.total_bytes), \
+        "--json must print the store's numbers, as numbers"
     assert stats["namespaces"][0]["namespace"] == "prod"
 
 
@@ -41,7 +42,8 @@ def test_lookup_prints_metadata_writes_bytes_with_out_and_exits_1_on_a_miss(fill
                     "--json", "--out", str(out_file))
     meta = json.loads(out)
     assert code == EXIT_OK and meta["found"] and meta["artifact"]["module_name"] == "mod1"
-    assert "data" not in meta["artifact"] or not meta["artifact"]["data"], "bytes on the terminal"
+    assert meta["artifact"]["data_bytes"] == 1000 and "data" not in meta["artifact"], \
+        "artifact bytes must go to --out, not the terminal"
     assert out_file.read_bytes() == filled.store.lookup("k1", "prod").data
     code, _ = run(capsys, "lookup", "nope", "--target", filled.address)
     assert code == EXIT_MISS, "a miss must exit 1"
@@ -52,7 +54,7 @@ def test_prune_needs_the_write_token_and_evicts_to_the_target(filled, capsys):
     assert code == EXIT_RPC and filled.store.stats().entries == 3, "prune without token ran"
     code, out = run(capsys, "prune", "--target", filled.address, "--target-bytes", "1000",
                     "--write-token", TOKEN, "--json")
-    assert code == EXIT_OK and int(json.loads(out)["evicted_entries"]) == 2
+    assert code == EXIT_OK and json.loads(out)["evicted_entries"] == 2
     assert filled.store.stats().total_bytes == 1000
 
 

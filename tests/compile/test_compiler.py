@@ -207,6 +207,18 @@ def test_a_service_returning_corrupt_or_foreign_artifacts_is_a_miss_and_compiles
     assert c.prefetch([source("other")]) == 0
 
 
+def test_a_service_holding_only_one_of_the_two_artifacts_is_a_miss_and_compiles(
+    tmp_path: pathlib.Path,
+) -> None:
+    remote = InTestRemote()
+    first = compiler(tmp_path, "host_a", remote=remote).compile(source())
+    del remote.entries[("", first.key_ptx)]  # e.g. evicted by the service's LRU
+    c = compiler(tmp_path, "host_b", remote=remote)
+    module = c.compile(source())
+    assert module.source_tier == "compiled" and c.stats()["compiled"] == 1
+    assert ("", first.key_ptx) in remote.entries, "the compile must restore the missing artifact"
+
+
 def test_a_client_that_raises_is_a_miss_and_compiles(tmp_path: pathlib.Path) -> None:
     c = compiler(tmp_path, remote=InTestRemote(raises=True))
     assert c.compile(source()).source_tier == "compiled"
@@ -294,6 +306,26 @@ def test_the_public_surface_is_pinned() -> None:
         "NvrtcError",
         "nvrtc_version",
     }
+
+
+def test_work_past_the_memo_is_traced_with_module_key_prefix_and_tier(
+    tmp_path: pathlib.Path,
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    c = KernelCompiler(ARCH, cache_dir=tmp_path / "t", tracer_provider=provider)
+    module = c.compile(source())
+    c.compile(source())  # a memo hit: no span
+    spans = [sp for sp in exporter.get_finished_spans() if sp.name == "kernel.compile"]
+    assert len(spans) == 1, f"expected one compile span, got {[sp.name for sp in spans]}"
+    attrs = spans[0].attributes
+    assert attrs["gpuplane.kernel.module"] == "axpy" and attrs["gpuplane.kernel.tier"] == "compiled"
+    assert attrs["gpuplane.kernel.cache_key"] == module.key_cubin[:16]
 
 
 # -- through a real kernel cache service on loopback ----------------------------------------------

@@ -102,3 +102,13 @@ def test_defaults_come_from_xdg_cache_home_and_the_budget_variable(
     monkeypatch.setenv(local_cache.MAX_BYTES_ENV, "-5")
     with pytest.raises(ValueError, match=local_cache.MAX_BYTES_ENV):
         local_cache.default_max_bytes()
+
+
+def test_put_many_publishes_every_item_then_prunes_to_the_budget(tmp_path: pathlib.Path) -> None:
+    file_bytes = 1000 + len(local_cache.MAGIC) + local_cache.DIGEST_BYTES
+    cache = LocalKernelCache(tmp_path, max_bytes=2 * file_bytes)
+    assert cache.put_many({key(n): bytes([n]) * 1000 for n in range(2)}) == 2
+    cache.put_many({key(2): b"\x02" * 1000})
+    stats = cache.stats()
+    assert stats["entries"] == 2 and stats["bytes"] <= 2 * file_bytes, f"budget not kept: {stats}"
+    assert cache.get(key(2)) is not None, "the newest entry must survive its own prune"

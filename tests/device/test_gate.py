@@ -65,9 +65,8 @@ def test_shared_sections_are_reentrant_even_while_a_capture_waits():
 
 def test_the_capturing_thread_bypasses_the_gate():
     gate = CaptureGate()
-    with gate.exclusive():
-        with gate.shared():  # would deadlock without the bypass
-            assert gate.holds_section()
+    with gate.exclusive(), gate.shared():  # would deadlock without the bypass
+        assert gate.holds_section()
     assert gate.stats.bypassed == 1, "the capturing thread's section was not a bypass"
 
 

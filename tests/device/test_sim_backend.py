@@ -56,7 +56,7 @@ def test_thread_local_capture_survives_other_threads_pinned_alloc_and_module_loa
 
 
 def test_reading_unmapped_memory_raises_illegal_address(sim):
-    va, h = _mapped(sim, GRANULE)
+    va, _h = _mapped(sim, GRANULE)
     sim.view(va, GRANULE)[:] = 1
     with pytest.raises(IllegalAddress):
         sim.view(va, GRANULE + 1)  # one byte past the mapping
@@ -73,7 +73,7 @@ def test_a_handle_carries_its_bytes_across_unmap_and_remap_and_the_old_va_is_poi
 
 
 def test_an_unfenced_unmap_faults_the_kernel_still_queued_on_the_stream(sim):
-    src, h = _mapped(sim, GRANULE)
+    src, _h = _mapped(sim, GRANULE)
     dst, _ = _mapped(sim, GRANULE)
     s = sim.create_stream()
     GATES[1] = threading.Event()
@@ -87,7 +87,7 @@ def test_an_unfenced_unmap_faults_the_kernel_still_queued_on_the_stream(sim):
 
 
 def test_mem_get_info_counts_physical_bytes_nobody_booked(sim):
-    free0, total = sim.mem_get_info()
+    free0, _total = sim.mem_get_info()
     h = sim.create_physical(4 * GRANULE)
     free1, _ = sim.mem_get_info()
     assert free0 - free1 == 4 * GRANULE, "an unbooked handle must still show as device-used"
@@ -96,7 +96,7 @@ def test_mem_get_info_counts_physical_bytes_nobody_booked(sim):
 
 
 def test_replay_reads_whatever_is_mapped_at_replay_time(sim):
-    src, h = _mapped(sim, GRANULE)
+    src, _h = _mapped(sim, GRANULE)
     dst, _ = _mapped(sim, GRANULE)
     s = sim.create_stream()
     fn = sim.get_function(sim.load_module(IMAGE), "copy_u8")

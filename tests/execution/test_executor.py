@@ -7,7 +7,8 @@ import pytest
 
 from gpu_worker.device.backend import DeviceError, IllegalAddress
 from gpu_worker.execution.executor import ModelExecutor
-from gpu_worker.models import reference as R, weights as W
+from gpu_worker.models import reference as R
+from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
 from gpu_worker.models.encoder import EncoderModel
 
@@ -57,7 +58,7 @@ def test_a_plan_rebuilt_after_eviction_gives_bit_identical_output(device, compil
     ex, model, _ = encoder(device, compiler, max_plans=1, variants_per_node=1)
     first = model.embed(seqs(2, 30))
     model.embed(seqs(3, 21))                       # evicts the (2, 30) plan and its variants
-    assert ("encode", 2, 30) not in ex.plans.keys()
+    assert ("encode", 2, 30) not in ex.plans.keys(), "the LRU plan should have been evicted"
     again = model.embed(seqs(2, 30))
     assert np.array_equal(first, again), "a rebuilt plan changed the output bits"
 

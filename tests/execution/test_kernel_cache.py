@@ -52,7 +52,7 @@ def test_kernel_cache_bounds_the_shape_variants_it_keeps_per_node():
     cache = KernelCache(arena, variants_per_node=4)
     for n in range(24):
         for node in ("attn", "mlp"):
-            cache.resolve(node, ((n + 1, 64),), lambda: spec(128 * (n + 1)))
+            cache.resolve(node, ((n + 1, 64),), lambda n=n: spec(128 * (n + 1)))
         assert cache.stats()["max_variants_per_node"] <= 4, "per-node bound broken"
     s = cache.stats()
     assert s["entries"] == 8 and s["evictions"] == 40 and s["misses"] == 48, s

@@ -95,3 +95,16 @@ def test_evict_all_releases_every_plan_after_one_sync():
 def test_seq_bucket_rounds_up_onto_the_ladder():
     assert [seq_bucket(n) for n in (1, 16, 17, 469, 5502, 9000)] == [16, 16, 32, 512, 8192, 16384]
     assert len({seq_bucket(n) for n in range(1, 8193)}) == 10, "the ladder should stay small"
+
+
+def test_a_new_plan_is_built_only_after_the_lru_victim_was_released():
+    log: list = []
+    cache = PlanCache(1, synchronize=lambda: log.append(("sync",)))
+
+    def build(key):
+        log.append(("build", key))
+        return RecordingPlan(key, log)
+    cache.run("a", lambda: build("a"), lambda p: None)
+    cache.run("b", lambda: build("b"), lambda p: None)
+    assert log.index(("release", "a")) < log.index(("build", "b")), \
+        "the new plan's memory was allocated while the victim still held its own"

@@ -13,6 +13,8 @@ from gpuplane.governor.v1 import governor_pb2 as pb
 from gpuplane.governor.v1 import governor_pb2_grpc
 from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.governor.policy import Policy
 from services.governor.server import start_governor
@@ -161,3 +163,22 @@ def test_resources_cli_prints_the_same_ledger_as_json(governor):
     assert out.returncode == 0, out.stderr
     devices = json.loads(out.stdout)["devices"]
     assert devices[0]["uuid"] == "GPU-srv" and int(devices[0]["leased_bytes"]) == 10 * MIB
+
+
+def test_acquire_spans_carry_the_worker_and_zone(tmp_path):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    server, _ = start_governor("127.0.0.1:0", tmp_path / "gov.sqlite", tracer_provider=provider)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = governor_pb2_grpc.GovernorServiceStub(channel)
+        register(stub, "w1")
+        stub.Acquire(pb.AcquireRequest(worker_id="w1", zone=pb.ZONE_KV, bytes=MIB), timeout=5)
+        spans = [s for s in exporter.get_finished_spans() if s.name.endswith("/Acquire")]
+        assert spans, "Acquire must be traced"
+        assert spans[0].attributes["gpuplane.zone"] == "kv"
+        assert spans[0].attributes["gpuplane.worker_id"] == "w1"
+    finally:
+        channel.close()
+        server.stop(grace=0)

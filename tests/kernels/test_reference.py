@@ -102,7 +102,7 @@ def test_rotary_is_identity_at_position_zero_and_preserves_pair_norms() -> None:
     x = _rng(5).standard_normal((3, 2, 16)).astype(np.float32)
     assert np.allclose(ref.rotary(x, np.zeros(3, int), 10000.0), x), "position 0 must not rotate"
     y = ref.rotary(x, np.array([1, 50, 4000]), 10000.0)
-    norm = lambda a: a[..., :8] ** 2 + a[..., 8:] ** 2  # noqa: E731 - pair (i, i + d/2) norms
+    norm = lambda a: a[..., :8] ** 2 + a[..., 8:] ** 2
     assert np.allclose(norm(y), norm(x), rtol=1e-5, atol=1e-6), "rotation changed a pair's norm"
 
 

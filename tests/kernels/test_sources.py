@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-import gpu_worker.kernels as kernels
+from gpu_worker import kernels
 from gpu_worker.compile.key import artifact_key
 from gpu_worker.compile.nvrtc import compile_program, nvrtc_version
 from gpu_worker.device.sim_kernels import lookup_sim_kernel
@@ -58,8 +58,8 @@ def test_the_common_header_travels_with_every_module_and_enters_its_cache_key() 
     for s in ALL_SOURCES:
         assert f'#include "{COMMON_HEADER_NAME}"' in s.source, f"{s.module_name}: no common header"
         assert COMMON_HEADER_NAME in s.headers, f"{s.module_name}: header not passed to NVRTC"
-        fields = dict(module_name=s.module_name, source=s.source, arch="sm_90", options=s.options,
-                      kind="cubin", nvrtc_version=nvrtc_version())
+        fields = {"module_name": s.module_name, "source": s.source, "arch": "sm_90",
+                  "options": s.options, "kind": "cubin", "nvrtc_version": nvrtc_version()}
         edited = dict(s.headers, **{COMMON_HEADER_NAME: s.headers[COMMON_HEADER_NAME] + "\n"})
         assert artifact_key(headers=s.headers, **fields) != artifact_key(headers=edited, **fields), \
             f"{s.module_name}: editing the common header does not change the cache key"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.execution.executor import ModelExecutor
-from gpu_worker.models import reference as R, weights as W
+from gpu_worker.models import reference as R
+from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
 from gpu_worker.models.decoder import DecoderModel
 from services.common.errors import InvalidArgument

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.models import reference as R
+from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.models import reference as R, weights as W
 
 
 def test_decoder_reference_incremental_decode_matches_a_full_forward():

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
-
-from gpu_worker.models.configs import CONFIGS, get_config
-from gpu_worker.models import weights as W
-
 import pytest
+
+from gpu_worker.models import weights as W
+from gpu_worker.models.configs import CONFIGS, get_config
 from services.common.errors import InvalidArgument
 
 

@@ -15,6 +15,7 @@ from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
 from gpu_worker.servicer import zone_name
+from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from .conftest import DECODER, ENCODER, SEED
 
@@ -156,18 +157,42 @@ def test_embed_of_ragged_or_empty_batches_is_invalid_argument(worker: WorkerClie
                     grpc.StatusCode.INVALID_ARGUMENT, "an empty batch")
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_requests_memory(worker: WorkerClient) -> None:
+def _replays(client: WorkerClient) -> int:
+    return client.stats().capture.replays
+
+
+def _assert_request_stopped(worker: WorkerClient, prompt: list[int], baseline: dict, what: str) -> None:
+    """The abandoned request stops stepping, frees its model for the next caller, and leaves the
+    ledger as it was (a decoder's KV cache is booked at load, so a request adds nothing)."""
+    settled = _wait_for(lambda: _replays(worker) == _replays(worker) == _replays(worker))
+    assert settled, f"{what}: the request kept running after it was abandoned"
+    stopped_at = _replays(worker)
+    time.sleep(0.3)
+    assert _replays(worker) == stopped_at, f"{what}: decode steps continued after the request ended"
+    started = time.perf_counter()
+    # The same shapes as the warm-up, so the warm plans and variants are the baseline's.
+    assert len(worker.generate(DECODER, prompt, 2).tokens) == 2, f"{what}: the model is stuck"
+    assert time.perf_counter() - started < 30, f"{what}: the next request waited for the dead one"
+    assert _wait_for(lambda: _zones(worker) == baseline), \
+        f"{what}: memory not back to its state before the request: {_zones(worker)} != {baseline}"
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_request_and_frees_its_memory(
+        worker: WorkerClient) -> None:
     prompt = list(range(1, 40))
     worker.generate(DECODER, prompt, 2)  # warm this shape's kernels and plans: caches stay booked
     baseline = _zones(worker)
-    stream = worker.generate_stream(DECODER, prompt, CFG.max_context - len(prompt) - 1, timeout=120)
-    first = next(stream)
-    assert first.tokens, "the stream produced no token before the disconnect"
-    held = _zones(worker)
-    assert held != baseline, "a running request books no memory: the test would prove nothing"
-    stream.cancel()
-    assert _wait_for(lambda: _zones(worker) == baseline), \
-        f"memory not freed after the client disconnected: {_zones(worker)} != {baseline}"
+    before = _replays(worker)
+    asked = CFG.max_context - len(prompt) - 1
+    # A plain channel: its call object can be cancelled, as a client process dying would.
+    with grpc.insecure_channel(worker.target) as channel:
+        stream = worker_pb2_grpc.WorkerServiceStub(channel).Generate(
+            worker_pb2.GenerateRequest(model_id=DECODER, prompt_tokens=prompt, max_new_tokens=asked),
+            timeout=300)
+        assert next(stream).tokens, "the stream produced no token before the disconnect"
+        stream.cancel()
+    _assert_request_stopped(worker, prompt, baseline, "after a disconnect")
+    assert _replays(worker) - before < asked - 1, "the disconnected request ran to completion"
 
 
 def test_a_deadline_that_passes_mid_stream_cancels_the_request_and_frees_its_memory(
@@ -175,11 +200,13 @@ def test_a_deadline_that_passes_mid_stream_cancels_the_request_and_frees_its_mem
     prompt = list(range(1, 40))
     worker.generate(DECODER, prompt, 2)
     baseline = _zones(worker)
+    before = _replays(worker)
+    asked = CFG.max_context - len(prompt) - 1
     with pytest.raises(grpc.RpcError) as caught:
-        worker.generate(DECODER, prompt, CFG.max_context - len(prompt) - 1, timeout=0.5)
+        worker.generate(DECODER, prompt, asked, timeout=1.0)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline did not end the call"
-    assert _wait_for(lambda: _zones(worker) == baseline), \
-        f"memory not freed after the deadline passed: {_zones(worker)} != {baseline}"
+    _assert_request_stopped(worker, prompt, baseline, "after the deadline")
+    assert _replays(worker) - before < asked - 1, "the expired request ran to completion"
 
 
 def test_many_concurrent_clients_each_get_their_own_correct_tokens(worker: WorkerClient) -> None:
@@ -205,7 +232,9 @@ def test_get_stats_reports_the_ledger_caches_plans_and_compiles(worker: WorkerCl
     assert s.backend == "sim", "stats do not name the backend"
     assert s.device_total_bytes > 0 and s.device_used_bytes > 0, "device truth missing from stats"
     zones = {zone_name(z.zone): z for z in s.zones}
-    assert zones["weights"].committed_bytes > 0, "loaded weights are not in the ledger"
+    # Slots are packed into shared granules, so committed bytes may sit with another zone;
+    # the content axis always names the weights.
+    assert zones["weights"].content_bytes > 0, "loaded weights are not in the ledger"
     assert s.ledger_bytes == sum(z.committed_bytes for z in s.zones), \
         "ledger_bytes is not the sum of the zones' committed bytes"
     assert s.kernel_cache.entries > 0 and s.kernel_cache.max_variants_per_node >= 1, \
@@ -221,7 +250,7 @@ def test_trim_drops_caches_toward_the_target_and_serving_still_works(worker: Wor
     before = worker.stats().ledger_bytes
     reply = worker.trim(0)
     assert reply.ledger_bytes == worker.stats().ledger_bytes, "Trim reports a ledger it does not have"
-    assert reply.ledger_bytes <= before - reply.freed_bytes, "Trim freed less than it reports"
+    assert reply.freed_bytes > 0 and reply.ledger_bytes < before, "Trim to 0 dropped nothing"
     assert worker.generate(DECODER, [1, 2, 3], 3).tokens == _reference_tokens([1, 2, 3], 3), \
         "the worker serves wrong tokens after a trim"
     _assert_refused(worker, lambda: worker.trim(-1), grpc.StatusCode.INVALID_ARGUMENT,
@@ -229,14 +258,18 @@ def test_trim_drops_caches_toward_the_target_and_serving_still_works(worker: Wor
 
 
 def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> None:
-    before = worker.stats().ledger_bytes
+    # Content, not committed bytes: a tiny model can fit in granules already committed.
+    def content() -> int:
+        return sum(z.content_bytes for z in worker.stats().zones)
+
+    before = content()
     loaded = worker.load_model("transient-model", "decoder", "tiny", 11)
     assert loaded.model.weight_bytes > 0 and loaded.model.vocab_size == CFG.vocab_size, \
         "LoadModel does not describe the model"
-    assert worker.stats().ledger_bytes > before, "a loaded model books nothing"
+    assert content() >= before + loaded.model.weight_bytes, "a loaded model's weights are not booked"
     freed = worker.unload_model("transient-model")
-    assert freed > 0, "UnloadModel reports nothing freed"
+    assert freed >= loaded.model.weight_bytes, "UnloadModel reports less than the weights freed"
     assert "transient-model" not in [m.model_id for m in worker.list_models()], "unloaded model listed"
-    assert _wait_for(lambda: worker.stats().ledger_bytes <= before), "unload left memory booked"
+    assert _wait_for(lambda: content() <= before), "unload left memory booked"
     _assert_refused(worker, lambda: worker.generate_stream("transient-model", [1], 1),
                     grpc.StatusCode.NOT_FOUND, "Generate on an unloaded model")

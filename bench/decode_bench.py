@@ -1,0 +1,178 @@
+"""Decode step throughput: eager launches vs one captured graph per step, and an equivalent fp16
+PyTorch decoder with and without torch.cuda graphs, in the same run (when torch is importable).
+
+Our model: int4 weights (block 32, fp16 scales), f32 activations; per step the host writes the
+token and position, replays (or launches ~16 kernels per layer eagerly), reads the next token.
+The PyTorch peer: the same shapes in fp16 (4x the weight bytes), static KV cache, batch 1.
+
+    python bench/decode_bench.py                         # GPU: 8b-int4
+    python bench/decode_bench.py --backend sim --config tiny --steps 8 --no-torch
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+
+
+def ours(args: argparse.Namespace) -> dict[str, float]:
+    rt = WorkerRuntime(WorkerConfig(backend=args.backend)).start()
+    try:
+        rt.load_model("m", "decoder", args.config, 1)
+        loaded = rt._get("m")
+        model, cfg = loaded.model, loaded.cfg
+        prompt = [(i * 31) % cfg.vocab_size for i in range(args.prompt)]
+        out = {}
+        tokens = {}
+        for mode, capture in (("graph", True), ("eager", False), ("graph again", True)):
+            model.capture = capture
+            tok = model.prefill(prompt)
+            pos = len(prompt)
+            seq = [tok]
+            for _ in range(args.warmup):
+                tok = model.decode(tok, pos)
+                pos += 1
+                seq.append(tok)
+            rt.device.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                tok = model.decode(tok, pos)
+                pos += 1
+                seq.append(tok)
+            rt.device.synchronize()
+            out[mode] = args.steps / (time.perf_counter() - start)
+            tokens[mode] = seq
+            print(f"gpuplane {args.config} int4 decode, {mode:>11}: {out[mode]:8.1f} tokens/s", flush=True)
+        same = tokens["graph"] == tokens["eager"] == tokens["graph again"]
+        print(f"graph and eager produced {'identical' if same else 'DIFFERENT'} tokens", flush=True)
+        return {"eager": out["eager"], "graph": max(out["graph"], out["graph again"]),
+                "weight_bytes": cfg.weight_bytes(), "cfg": cfg}
+    finally:
+        rt.close()
+
+
+def torch_peer(cfg, args: argparse.Namespace) -> dict[str, float] | None:
+    try:
+        import torch
+    except ImportError:
+        print("torch is not importable: no PyTorch peer in this run", flush=True)
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev, dt = torch.device("cuda"), torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, hd, kvh, heads, ffn, L = cfg.hidden, cfg.head_dim, cfg.kv_heads, cfg.heads, cfg.ffn, cfg.layers
+    ctx = args.prompt + args.warmup + args.steps + 8
+
+    def w(*shape):
+        return (torch.randn(*shape, device=dev, generator=g, dtype=torch.float32) / shape[-1] ** 0.5).to(dt)
+
+    layers = [{"n1": torch.ones(h, device=dev, dtype=dt), "n2": torch.ones(h, device=dev, dtype=dt),
+                   "wqkv": w((heads + 2 * kvh) * hd, h), "wo": w(h, h), "wgu": w(2 * ffn, h), "wd": w(h, ffn),
+                   "kc": torch.zeros(ctx, kvh, hd, device=dev, dtype=dt),
+                   "vc": torch.zeros(ctx, kvh, hd, device=dev, dtype=dt)} for _ in range(L)]
+    emb, nf, head = w(cfg.vocab_size, h), torch.ones(h, device=dev, dtype=dt), w(cfg.vocab_size, h)
+    inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, device=dev, dtype=torch.float32) * 2 / hd)
+    keys = torch.arange(ctx, device=dev)
+
+    def rms(x, wt):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + cfg.eps)).to(dt) * wt
+
+    def rope(x, pos):
+        ang = pos.float()[:, None] * inv[None, :]
+        c, s = ang.cos().to(dt), ang.sin().to(dt)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    def step(tok, pos):
+        x = emb[tok]
+        mask = (keys <= pos).view(1, 1, ctx)
+        for ly in layers:
+            qkv = rms(x, ly["n1"]) @ ly["wqkv"].T
+            q = rope(qkv[:, : heads * hd].view(heads, hd), pos)
+            k = rope(qkv[:, heads * hd:(heads + kvh) * hd].view(kvh, hd), pos)
+            v = qkv[:, (heads + kvh) * hd:].view(kvh, hd)
+            ly["kc"].index_copy_(0, pos, k.view(1, kvh, hd))
+            ly["vc"].index_copy_(0, pos, v.view(1, kvh, hd))
+            kk = ly["kc"].repeat_interleave(heads // kvh, 1).transpose(0, 1)   # (H, ctx, hd)
+            vv = ly["vc"].repeat_interleave(heads // kvh, 1).transpose(0, 1)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q.view(heads, 1, hd), kk, vv, attn_mask=mask)
+            x = x + att.reshape(1, h) @ ly["wo"].T
+            gu = rms(x, ly["n2"]) @ ly["wgu"].T
+            x = x + (torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:]) @ ly["wd"].T
+        return torch.argmax(rms(x, nf) @ head.T, -1)
+
+    tok = torch.zeros(1, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    res = {}
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            tok = step(tok, pos)
+            pos += 1
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            tok = step(tok, pos)
+            pos += 1
+            int(tok[0])                       # the host reads each token, as a server does
+        torch.cuda.synchronize()
+        res["eager"] = args.steps / (time.perf_counter() - start)
+        pos.zero_()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step(tok, pos)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(tok, pos)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            graph.replay()
+            tok.copy_(out)
+            pos += 1
+            int(tok[0])
+        torch.cuda.synchronize()
+        res["graph"] = args.steps / (time.perf_counter() - start)
+    for mode in ("eager", "graph"):
+        print(f"pytorch {cfg.name} fp16 decode, {mode:>5}: {res[mode]:8.1f} tokens/s", flush=True)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--config", default="8b-int4")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args()
+    mine = ours(args)
+    peer = None
+    if not args.no_torch:
+        try:
+            peer = torch_peer(mine["cfg"], args)
+        except Exception as exc:  # noqa: BLE001 - the peer is a comparison, not the subject
+            print(f"PyTorch peer failed: {exc!r}", flush=True)
+    print("\n== side by side (tokens/s)", flush=True)
+    print(f"gpuplane int4: eager {mine['eager']:.1f}, graph {mine['graph']:.1f}, "
+          f"graph/eager {mine['graph'] / mine['eager']:.2f}x (reference system: 1.89x)", flush=True)
+    if peer:
+        print(f"pytorch fp16:  eager {peer['eager']:.1f}, graph {peer['graph']:.1f}, "
+              f"graph/eager {peer['graph'] / peer['eager']:.2f}x", flush=True)
+        print(f"gpuplane graph / pytorch graph: {mine['graph'] / peer['graph']:.2f}x; "
+              f"gpuplane graph / pytorch eager: {mine['graph'] / peer['eager']:.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

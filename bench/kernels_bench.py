@@ -1,0 +1,243 @@
+"""Kernel library benchmark (GPU, cuda backend). Prints ratios measured side by side in one run.
+
+1. Roofline: a device-to-device copy of 1 GiB (read + write bytes per second).
+2. Decode linears (1 row) at the 8b-int4 model's shapes: the fused int4 kernel's weight bandwidth
+   as a fraction of the copy bandwidth, and its speedup over the workspace path (dequant + matmul).
+3. The fused/workspace crossover over the row count (checks linear.FUSED_MAX_ROWS).
+4. matmul_nt (fp32 SIMT tiles) against torch.matmul fp32 and fp16 (cuBLAS), when torch is present.
+5. Attention: decode over KV lengths (KV bytes per second vs the copy), prefill over lengths
+   (against torch scaled_dot_product_attention fp32 when present).
+
+Each timing replays one captured graph of `--reps` launches, so launch overhead is excluded.
+
+    python3 bench/kernels_bench.py [--reps 20]            # on the GPU machine
+    python3 bench/kernels_bench.py --backend sim --small  # smoke run of the code path, no GPU
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_worker.compile import KernelCompiler
+from gpu_worker.device import open_device
+from gpu_worker.kernels import (
+    ATTENTION_COMBINE,
+    ATTENTION_DECODE,
+    ATTENTION_DECODE_SPLIT,
+    ATTENTION_PREFILL,
+    FUSED_MAX_ROWS,
+    INT4_DEQUANT,
+    INT4_MATMUL,
+    MATMUL_NT,
+    decode_splits,
+    launch_attention_decode,
+    launch_attention_prefill,
+    launch_int4_dequant,
+    launch_int4_matmul,
+    launch_matmul_nt,
+)
+from gpu_worker.kernels.selfcheck import KernelHarness
+
+GiB = 1 << 30
+
+
+def timed(dev, launch, reps: int) -> float:
+    """Seconds per launch: one graph of `reps` launches, replayed once warm, then timed."""
+    launch(dev.stream)
+    dev.synchronize()
+    with dev.capture() as cap:
+        for _ in range(reps):
+            launch(cap.stream)
+    try:
+        dev.replay(cap.graph_exec)
+        dev.synchronize()
+        t0 = time.perf_counter()
+        dev.replay(cap.graph_exec)
+        dev.synchronize()
+        return (time.perf_counter() - t0) / reps
+    finally:
+        dev.destroy_graph_exec(cap.graph_exec)
+
+
+def torch_timed(fn, reps: int) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+class Bench:
+    def __init__(self, h: KernelHarness, reps: int) -> None:
+        self.h, self.dev, self.reps = h, h.device, reps
+        self.rng = np.random.default_rng(0)
+
+    def buf(self, nbytes: int) -> int:
+        return self.h.put(np.zeros(nbytes, np.uint8))
+
+    def rand_f32(self, *shape: int) -> int:
+        return self.h.put(self.rng.standard_normal(shape, dtype=np.float32))
+
+    def int4_weight(self, n: int, k: int) -> tuple[int, int, int]:
+        kb = -(-k // 32)
+        packed = self.h.put(self.rng.integers(0, 256, (n, kb * 16), dtype=np.uint8))
+        scales = self.h.put((self.rng.uniform(0.5, 1.5, (n, kb)) / 64).astype(np.float16))
+        return packed, scales, n * kb * 18
+
+    def copy_bandwidth(self, nbytes: int) -> float:
+        src, dst = self.buf(nbytes), self.buf(nbytes)
+        be = self.dev.backend
+        t = timed(self.dev, lambda s: be.copy_d2d_async(dst, src, nbytes, s), max(2, self.reps // 4))
+        return 2 * nbytes / t
+
+    def linear_times(self, m: int, n: int, k: int) -> tuple[float, float, int]:
+        """(fused seconds, dequant+matmul seconds, weight bytes) for y = x @ W^T."""
+        h, dev = self.h, self.dev
+        packed, scales, wbytes = self.int4_weight(n, k)
+        x, y = self.rand_f32(m, k), self.buf(4 * m * n)
+        ws = self.buf(INT4_DEQUANT.workspace_bytes(n=n, k=k))
+        fi, fd, fm = h.function(INT4_MATMUL), h.function(INT4_DEQUANT), h.function(MATMUL_NT)
+        fused = timed(dev, lambda s: launch_int4_matmul(dev, fi, y, x, packed, scales, 0, m, n, k,
+                                                        stream=s), self.reps)
+
+        def two_step(s):
+            launch_int4_dequant(dev, fd, ws, packed, scales, n, k, stream=s)
+            launch_matmul_nt(dev, fm, y, x, ws, 0, m, n, k, stream=s)
+        return fused, timed(dev, two_step, self.reps), wbytes
+
+    def matmul_time(self, m: int, n: int, k: int) -> float:
+        dev, f = self.dev, self.h.function(MATMUL_NT)
+        x, w, y = self.rand_f32(m, k), self.rand_f32(n, k), self.buf(4 * m * n)
+        return timed(dev, lambda s: launch_matmul_nt(dev, f, y, x, w, 0, m, n, k, stream=s), self.reps)
+
+    def decode_time(self, length: int, heads: int, kv_heads: int, hd: int, splits: int = 1) -> float:
+        dev, f = self.dev, self.h.function(ATTENTION_DECODE)
+        ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=1, heads=heads, head_dim=hd, splits=splits)
+        extra = {} if splits == 1 else {
+            "splits": splits, "workspace": self.buf(ws_bytes),
+            "split_function": self.h.function(ATTENTION_DECODE_SPLIT),
+            "combine_function": self.h.function(ATTENTION_COMBINE)}
+        kc, vc = self.rand_f32(length, kv_heads * hd), self.rand_f32(length, kv_heads * hd)
+        q, out = self.rand_f32(heads * hd), self.buf(4 * heads * hd)
+        lens = self.h.put(np.array([length], np.int32))
+        w = kv_heads * hd
+        return timed(dev, lambda s: launch_attention_decode(
+            dev, f, out, q, kc, vc, lens, 1, heads, kv_heads, hd, heads * hd, w, length * w, 0,
+            length, stream=s, **extra), self.reps)
+
+    def prefill_time(self, tokens: int, heads: int, kv_heads: int, hd: int) -> float:
+        dev, f = self.dev, self.h.function(ATTENTION_PREFILL)
+        q, out = self.rand_f32(tokens, heads * hd), self.buf(4 * tokens * heads * hd)
+        kc, vc = self.rand_f32(tokens, kv_heads * hd), self.rand_f32(tokens, kv_heads * hd)
+        w = kv_heads * hd
+        return timed(dev, lambda s: launch_attention_prefill(
+            dev, f, out, q, kc, vc, 0, 0, 1, tokens, heads, kv_heads, hd, heads * hd, w, tokens * w,
+            stream=s), max(1, self.reps // 4))
+
+
+def torch_matmul(m: int, n: int, k: int, dtype: str, reps: int) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)
+    return torch_timed(lambda: a @ b.T, reps)
+
+
+def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int) -> float | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    q = torch.randn(1, heads, tokens, hd, device="cuda")
+    k = torch.randn(1, kv_heads, tokens, hd, device="cuda").repeat_interleave(heads // kv_heads, 1)
+    v = torch.randn_like(k)
+    return torch_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    args = ap.parse_args()
+    s = 16 if args.small else 1  # shape divisor
+    dev = open_device(args.backend)
+    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
+    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, reps {args.reps}")
+    with KernelHarness(dev, compiler) as h:
+        b = Bench(h, args.reps)
+        copy = b.copy_bandwidth(GiB // s)
+        print(f"\n[1] d2d copy: {copy / 1e9:.0f} GB/s (read + write)")
+
+        print("\n[2] decode linears, 1 row, 8b-int4 shapes: fused int4 vs workspace path")
+        print(f"{'weight':>10} {'n x k':>14} {'fused us':>9} {'GB/s':>6} {'of copy':>7} "
+              f"{'dequant us':>10} {'speedup':>7}")
+        for name, n, k in (("wq", 4096, 4096), ("w_gate", 14336, 4096), ("w_down", 4096, 14336),
+                           ("lm_head", 128256, 4096)):
+            n, k = max(32, n // s), max(32, k // s)
+            fused, two, wbytes = b.linear_times(1, n, k)
+            print(f"{name:>10} {f'{n}x{k}':>14} {fused * 1e6:9.1f} {wbytes / fused / 1e9:6.0f} "
+                  f"{wbytes / fused / copy:7.2f} {two * 1e6:10.1f} {two / fused:7.1f}x")
+
+        print(f"\n[3] fused vs workspace path by rows (n = k = {4096 // s}); "
+              f"FUSED_MAX_ROWS = {FUSED_MAX_ROWS}")
+        print(f"{'rows':>6} {'fused us':>9} {'dequant us':>10} {'fused/dequant':>13}")
+        for m in (1, 4, 16, 32, 64, 256, 1024):
+            fused, two, _ = b.linear_times(m, 4096 // s, 4096 // s)
+            print(f"{m:6d} {fused * 1e6:9.1f} {two * 1e6:10.1f} {fused / two:13.2f}")
+
+        print("\n[4] matmul_nt fp32 vs torch (cuBLAS)")
+        print(f"{'m x n x k':>18} {'ours TFLOP/s':>12} {'torch fp32':>10} {'ratio':>6} "
+              f"{'torch fp16':>10} {'ratio':>6}")
+        for m, n, k in ((512, 4096, 4096), (2048, 14336, 4096), (5502, 4096, 4096)):
+            m, n, k = m // s, n // s, k // s
+            flops = 2.0 * m * n * k
+            ours = b.matmul_time(m, n, k)
+            row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:12.1f}"
+            for dt in ("float32", "float16"):
+                t = torch_matmul(m, n, k, dt, args.reps) if args.backend == "cuda" else None
+                row += f" {'-':>10} {'-':>6}" if t is None else \
+                    f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
+            print(row)
+
+        print("\n[5a] attention decode (32 heads, 8 KV heads, head_dim 128): single pass vs split-K")
+        print(f"{'kv len':>7} {'1 pass us':>9} {'KV GB/s':>8} {'splits':>6} {'split us':>8} "
+              f"{'KV GB/s':>8} {'of copy':>7} {'speedup':>7}")
+        for length in (512, 2048, 5502, 8192):
+            length = max(8, length // s)
+            kv = 2 * length * 8 * 128 * 4
+            t1 = b.decode_time(length, 32, 8, 128)
+            n = decode_splits(length, 1, 32)
+            tn = b.decode_time(length, 32, 8, 128, n)
+            print(f"{length:7d} {t1 * 1e6:9.1f} {kv / t1 / 1e9:8.0f} {n:6d} {tn * 1e6:8.1f} "
+                  f"{kv / tn / 1e9:8.0f} {kv / tn / copy:7.2f} {t1 / tn:6.1f}x")
+
+        print("\n[5b] attention prefill, causal (32 heads, 8 KV heads, head_dim 128) vs torch SDPA fp32")
+        print(f"{'tokens':>7} {'ours ms':>8} {'torch ms':>9} {'ours/torch':>10}")
+        for tokens in (128, 512, 2048):
+            tokens = max(8, tokens // s)
+            t = b.prefill_time(tokens, 32, 8, 128)
+            tt = torch_prefill(tokens, 32, 8, 128, args.reps) if args.backend == "cuda" else None
+            print(f"{tokens:7d} {t * 1e3:8.2f} " +
+                  (f"{'-':>9} {'-':>10}" if tt is None else f"{tt * 1e3:9.2f} {t / tt:10.1f}"))
+    dev.close()
+
+
+if __name__ == "__main__":
+    main()

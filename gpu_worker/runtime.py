@@ -1,0 +1,332 @@
+"""The worker runtime: one device, its budget owner, the kernel compiler and the loaded models.
+
+This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
+itself (the governor and cache clients do, and are only created when configured). Requests for
+one model are serialized by that model's lock: a decoder has one KV cache, and a plan's captured
+graph bakes its activation pointers, so two requests cannot share a model at once. Different
+models run concurrently; the capture gate orders their captures against each other's syncs.
+
+Errors are services.common.errors: NotFound (unknown model), InvalidArgument (bad request,
+unknown family/config), AlreadyExists (model id taken), ResourceExhausted (admission refused: the
+partial load is unwound, so the ledger is as before).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.execution.kernel_cache import variants_per_node_from_env
+from gpu_worker.execution.plans import max_plans_from_env
+from gpu_worker.models.configs import ModelConfig, get_config
+from gpu_worker.models.decoder import DecoderModel
+from gpu_worker.models.encoder import EncoderModel
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerConfig:
+    backend: str = "auto"
+    governor: str | None = None
+    cache: str | None = None
+    cache_dir: pathlib.Path | None = None
+    worker_id: str = field(default_factory=default_worker_id)
+    variants_per_node: int = field(default_factory=variants_per_node_from_env)
+    max_plans: int = field(default_factory=max_plans_from_env)
+    cache_write_token: str | None = None
+    tracer_provider: object = None
+    max_plan_bytes: int | None = None   # optional byte bound on one model's plans
+    ordinal: int = 0
+    capture: bool = True                # False: eager launches (benchmarks, debugging)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    family: str
+    config: str
+    seed: int
+    vocab_size: int
+    max_context: int
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    info: ModelInfo
+    load_seconds: float
+    kernels_compiled: int
+    kernels_from_cache: int
+
+
+@dataclass(eq=False)
+class _Loaded:
+    info: ModelInfo
+    cfg: ModelConfig
+    executor: ModelExecutor
+    model: DecoderModel | EncoderModel
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _open_backend(kind: str, ordinal: int):
+    """The backend open_device would pick, created here so a governor client can be told about
+    the device before the Device books its context baseline through it."""
+    if kind not in ("auto", "cuda", "sim"):
+        raise InvalidArgument(f"backend must be auto, cuda or sim, got {kind!r}")
+    if kind in ("auto", "cuda"):
+        from gpu_worker.device.cuda_backend import CudaBackend, cuda_device_count
+        if cuda_device_count() > ordinal:
+            return CudaBackend(ordinal)
+        if kind == "cuda":
+            raise FailedPrecondition(f"backend cuda asked for, but there is no CUDA device {ordinal}")
+    from gpu_worker.device.sim_backend import SimBackend
+    return SimBackend(ordinal=ordinal)
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.variants_per_node < 1 or config.max_plans < 1:
+            raise InvalidArgument("variants_per_node and max_plans must be at least 1")
+        self.config = config
+        self.device = None
+        self.budget = None
+        self.cache_client = None
+        self.compiler = None
+        self._models: dict[str, _Loaded] = {}
+        self._lock = threading.Lock()      # guards the model table, not the models
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> WorkerRuntime:
+        from gpu_worker.compile import KernelCompiler
+        from gpu_worker.device import Device
+        cfg = self.config
+        backend = _open_backend(cfg.backend, cfg.ordinal)
+        try:
+            if cfg.governor:
+                from services.governor.client import DeviceDescription, GovernorClient
+                free, total = backend.mem_get_info()
+                info = backend.info
+                self.budget = GovernorClient(
+                    cfg.governor, cfg.worker_id,
+                    DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
+                    tracer_provider=cfg.tracer_provider)
+            self.device = Device(backend, self.budget)
+            if cfg.cache:
+                from cache_service.client import KernelCacheClient
+                self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
+                                                      tracer_provider=cfg.tracer_provider)
+            self.compiler = KernelCompiler(self.device.info.arch, cache_dir=cfg.cache_dir,
+                                           remote=self.cache_client)
+        except BaseException:
+            self.close()
+            backend.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for model_id in list(self._models):
+            self.unload_model(model_id)
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        if self.cache_client is not None:
+            self.cache_client.close()
+            self.cache_client = None
+        if self.budget is not None:
+            self.budget.close()
+            self.budget = None
+
+    def _started(self):
+        if self.device is None:
+            raise FailedPrecondition("the worker runtime is not started (or already closed)")
+        return self.device
+
+    # -- models ----------------------------------------------------------------------------------
+    def load_model(self, model_id: str, family: str, config: str, seed: int) -> LoadResult:
+        from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
+        device = self._started()
+        if not model_id:
+            raise InvalidArgument("model_id is empty")
+        if family not in ("decoder", "encoder"):
+            raise InvalidArgument(f"family must be decoder or encoder, got {family!r}")
+        cfg = get_config(config, family)
+        with self._lock:
+            if model_id in self._models:
+                raise AlreadyExists(f"model {model_id!r} is already loaded; unload it first",
+                                    model_id=model_id)
+            self._models[model_id] = None  # type: ignore[assignment]  # reserve the id
+        started = time.perf_counter()
+        compiled_before = self.compiler.stats()["compiled"]
+        executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
+                                 self.config.max_plans, self.config.max_plan_bytes,
+                                 weight_namespace=f"{model_id}/")
+        cls = DecoderModel if family == "decoder" else EncoderModel
+        model = cls(executor, cfg, int(seed), capture=self.config.capture)
+        try:
+            self._admit(device, cfg)
+            self.compiler.prefetch(ALL_SOURCES)
+            for kdef in ALL_KERNELS:      # load the whole kernel set now: no first-request stall
+                executor.function(kdef)
+            model.load()
+        except BaseException:
+            executor.close()
+            with self._lock:
+                del self._models[model_id]
+            raise
+        compiled = int(self.compiler.stats()["compiled"] - compiled_before)
+        info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
+                         cfg.weight_bytes())
+        with self._lock:
+            self._models[model_id] = _Loaded(info, cfg, executor, model)
+        return LoadResult(info, time.perf_counter() - started, compiled,
+                          max(0, len(ALL_SOURCES) - compiled))
+
+    @staticmethod
+    def _admit(device, cfg: ModelConfig) -> None:
+        """Refuse a model that cannot fit before generating its host weights: a 36 GiB config
+        would otherwise spend a minute and as much host memory only to be refused on the device.
+        A probe commit through the budget owner, released at once."""
+        need = cfg.weight_bytes() + (cfg.kv_bytes() if cfg.family == "decoder" else 0)
+        device.ledger.commit("weights", need)
+        device.ledger.uncommit("weights", need)
+
+    def unload_model(self, model_id: str) -> int:
+        loaded = self._get(model_id)
+        with loaded.lock:
+            with self._lock:
+                if self._models.get(model_id) is not loaded:
+                    raise NotFound(f"model {model_id!r} was unloaded already", model_id=model_id)
+                del self._models[model_id]
+            freed = loaded.executor.close()
+        self.device.synchronize()
+        return freed
+
+    def list_models(self) -> list[ModelInfo]:
+        with self._lock:
+            return [m.info for m in self._models.values() if m is not None]
+
+    def _get(self, model_id: str, family: str | None = None) -> _Loaded:
+        self._started()
+        with self._lock:
+            loaded = self._models.get(model_id)
+        if loaded is None:
+            raise NotFound(f"model {model_id!r} is not loaded on this worker", model_id=model_id)
+        if family is not None and loaded.info.family != family:
+            raise InvalidArgument(f"model {model_id!r} is a {loaded.info.family}, not a {family}")
+        return loaded
+
+    def _still_loaded(self, loaded: _Loaded) -> None:
+        """Called under the model lock: an unload that won the lock first closed the executor."""
+        with self._lock:
+            if self._models.get(loaded.info.model_id) is not loaded:
+                raise NotFound(f"model {loaded.info.model_id!r} was unloaded", model_id=loaded.info.model_id)
+
+    # -- inference -------------------------------------------------------------------------------
+    def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
+        """Validate now (errors raise here, before streaming), then stream one token per item."""
+        loaded = self._get(model_id, "decoder")
+        prompt = [int(t) for t in prompt_tokens]
+        loaded.model.check(prompt, int(max_new_tokens))
+        return self._stream(loaded, prompt, int(max_new_tokens), cancelled)
+
+    def _stream(self, loaded: _Loaded, prompt: list[int], max_new_tokens: int,
+                cancelled: Callable[[], bool]) -> Iterator[list[int]]:
+        with loaded.lock:
+            self._still_loaded(loaded)
+            for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
+                yield [token]
+                if cancelled():
+                    return
+
+    def embed(self, model_id: str, sequences: list[list[int]]) -> np.ndarray:
+        loaded = self._get(model_id, "encoder")
+        with loaded.lock:
+            self._still_loaded(loaded)
+            return loaded.model.embed([[int(t) for t in s] for s in sequences])
+
+    # -- operations ------------------------------------------------------------------------------
+    def trim(self, target_bytes: int) -> tuple[int, int]:
+        """Drop plans and kernel variants, model by model, until the ledger is at or under
+        `target_bytes`; returns (freed, ledger bytes)."""
+        device = self._started()
+        if target_bytes < 0:
+            raise InvalidArgument(f"target_bytes={target_bytes} is negative")
+        freed = 0
+        with self._lock:
+            models = [m for m in self._models.values() if m is not None]
+        for loaded in models:
+            if device.ledger.total_committed() <= target_bytes:
+                break
+            with loaded.lock:
+                freed += loaded.executor.trim()
+            device.synchronize()
+            device.arena.collect()
+        return freed, device.ledger.total_committed()
+
+    def stats(self) -> dict:
+        """Nested dict with worker.proto GetStatsResponse field names."""
+        device = self._started()
+        with self._lock:
+            models = [m for m in self._models.values() if m is not None]
+        kc = {"entries": 0, "hits": 0, "misses": 0, "evictions": 0, "max_variants_per_node": 0,
+              "workspace_bytes": 0, "variant_bound": self.config.variants_per_node}
+        plans = {"entries": 0, "evictions": 0, "hits": 0, "misses": 0, "graph_bytes": 0,
+                 "activation_bytes": 0}
+        replays = 0
+        for m in models:
+            for key, value in m.executor.kernels.stats().items():
+                if key == "max_variants_per_node":
+                    kc[key] = max(kc[key], value)
+                elif key != "variant_bound":
+                    kc[key] += value
+            for key, value in m.executor.plans.stats().items():
+                plans[key] += value
+            replays += m.executor.replays()
+        used, _ = device.truth()
+        ledger = device.ledger.total_committed()
+        w = device.weights.stats()
+        a = device.arena.stats()
+        gate = device.gate.stats
+        comp = self.compiler.stats()
+        return {
+            "backend": device.backend.name,
+            "device_name": device.info.name,
+            "device_total_bytes": device.info.total_bytes,
+            "device_used_bytes": used,
+            "ledger_bytes": ledger,
+            "unaccounted_bytes": used - ledger,
+            "zones": device.ledger.snapshot(),
+            "kernel_cache": kc,
+            "plans": plans,
+            "weights": {"page_ins": w.get("page_ins", 0), "hits": w.get("hits", 0),
+                        "evictions": w.get("evictions", 0), "hit_rate": w.get("hit_rate", 0.0),
+                        "bytes_copied": w.get("bytes_copied", 0),
+                        "resident_bytes": w.get("resident_bytes", 0),
+                        "budget_bytes": w.get("budget_bytes", 0) or 0},
+            "compile": {k: comp.get(k, 0) for k in (
+                "compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits",
+                "remote_errors", "remote_timeouts", "load_fallbacks")},
+            "capture": {"captures": gate.captures,
+                        "invalidations": int(getattr(device.backend, "invalidations", 0)),
+                        "gate_waits": gate.writer_waits, "replays": replays},
+            "arena": {"reserved_bytes": a.get("reserved", 0),
+                      "committed_bytes": a.get("committed", 0),
+                      "peak_committed_bytes": a.get("peak_committed", 0),
+                      "pooled_bytes": a.get("pooled_bytes", 0),
+                      "quarantined_bytes": a.get("quarantined_bytes", 0),
+                      "commits": a.get("commits", 0), "releases": a.get("releases", 0),
+                      "faults": a.get("fault_underflow", 0) + device.ledger.fault_underflow},
+            "governor_connected": bool(self.budget.connected()) if self.budget else False,
+        }

@@ -1,0 +1,176 @@
+"""Stable-address weight slots: eviction, page-in, admission, state machine."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from gpu_worker.device.backend import DeviceError, i64, ptr
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tests.device.conftest import GATES, GRANULE, IMAGE, make_device
+
+
+def _settle(d) -> None:
+    d.synchronize()
+    d.synchronize(d.copy_stream)
+    d.arena.collect()
+
+
+def _w(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_a_weight_keeps_its_address_across_eviction_and_a_graph_replays_the_new_pages(dev):
+    n = 3 * GRANULE + 123
+    slot = dev.weights.add("w", _w(n, 0))
+    out = dev.arena.alloc(n, "activations")
+    dev.weights.ensure_resident(["w"])
+    fn = dev.get_function(dev.load_module(IMAGE), "copy_u8")
+    with dev.capture() as cap:
+        dev.launch(fn, (1,), (1,), [ptr(slot.va), ptr(out.ptr), i64(n)])
+    va = slot.va
+    dev.weights.evict("w")
+    _settle(dev)
+    assert dev.weights.get("w").state == "idle"
+    with pytest.raises(Exception, match="unmapped"):
+        dev.backend.view(va + GRANULE, 1)  # really unmapped, not just marked
+    slot.host[:] = _w(n, 1)
+    dev.weights.ensure_resident(["w"])
+    assert slot.va == va, "a weight moved: captured graphs would read a stale address"
+    dev.replay(cap.graph_exec)
+    assert np.array_equal(dev.from_device(out.ptr, n), _w(n, 1)), "replay did not read the new pages"
+    dev.destroy_graph_exec(cap.graph_exec)
+
+
+def test_evicting_a_slot_while_a_kernel_still_reads_it_does_not_fault(dev):
+    n = 2 * GRANULE
+    slot = dev.weights.add("w", _w(n, 2))
+    out = dev.arena.alloc(n, "activations")
+    dev.weights.ensure_resident(["w"])
+    fn = dev.get_function(dev.load_module(IMAGE), "wait_then_copy")
+    GATES[21] = threading.Event()
+    dev.launch(fn, (1,), (1,), [ptr(slot.va), ptr(out.ptr), i64(n), i64(21)])
+    dev.weights.evict("w")
+    dev.arena.collect()
+    GATES[21].set()
+    assert np.array_equal(dev.from_device(out.ptr, n), _w(n, 2)) and not dev.backend.faults
+
+
+def test_slots_are_packed_so_admission_pays_shared_granules_once():
+    d = make_device(weight_budget=8 * GRANULE)
+    try:
+        keys = [f"w{i}" for i in range(8)]
+        for k in keys:
+            d.weights.add(k, np.ones(GRANULE - 1000, np.uint8))  # just under a granule each
+        d.weights.ensure_resident(keys)
+        st = d.weights.stats()
+        assert st["evictions"] == 0, "packed slots that fit the budget were evicted"
+        assert st["committed_bytes"] <= 8 * GRANULE, "admission counted more than the granules"
+        per_weight_rounding = 8 * GRANULE
+        assert st["committed_bytes"] <= per_weight_rounding
+    finally:
+        d.close()
+
+
+def test_admission_counts_committed_granule_bytes_and_evicts_to_fit():
+    d = make_device(weight_budget=4 * GRANULE)
+    try:
+        for i in range(6):
+            d.weights.add(f"w{i}", np.ones(GRANULE, np.uint8))
+        for i in range(6):
+            d.weights.ensure_resident([f"w{i}"])
+            assert d.arena.zone_live_bytes("weights") <= 4 * GRANULE, "weights exceeded their budget"
+        assert d.weights.stats()["evictions"] >= 2
+    finally:
+        d.close()
+
+
+def test_a_page_in_that_cannot_fit_names_the_zone_and_changes_nothing():
+    d = make_device(weight_budget=2 * GRANULE)
+    try:
+        d.weights.add("big", np.ones(5 * GRANULE, np.uint8))
+        with pytest.raises(ResourceExhausted) as e:
+            d.weights.ensure_resident(["big"])
+        assert e.value.zone == "weights" and e.value.asked_bytes >= 5 * GRANULE
+        assert d.weights.get("big").state == "idle" and d.arena.zone_live_bytes("weights") == 0
+    finally:
+        d.close()
+
+
+def test_never_map_inside_a_capture(dev):
+    dev.weights.add("w", np.ones(1000, np.uint8))
+    with pytest.raises(FailedPrecondition, match="capture"), dev.capture():
+        dev.weights.ensure_resident(["w"])
+    assert dev.weights.get("w").state == "idle"
+
+
+def test_a_failed_page_in_copy_poisons_the_slot_and_unmaps_it(dev):
+    dev.weights.add("w", np.ones(2 * GRANULE, np.uint8))
+    dev.backend.fail_next("copy_h2d_async")
+    with pytest.raises(DeviceError):
+        dev.weights.ensure_resident(["w"])
+    _settle(dev)
+    assert dev.weights.get("w").state == "poisoned"
+    assert dev.arena.zone_live_bytes("weights") == 0, "a poisoned slot stayed mapped"
+    with pytest.raises(FailedPrecondition, match="poisoned"):
+        dev.weights.ensure_resident(["w"])
+    dev.weights.remove("w")
+
+
+def test_a_failed_release_poisons_the_slot(dev):
+    dev.weights.add("w", np.ones(3 * GRANULE, np.uint8))
+    dev.weights.ensure_resident(["w"])
+    dev.backend.fail_next("unmap")
+    dev.weights.evict("w")
+    _settle(dev)
+    assert dev.weights.get("w").state == "poisoned", "a quarantined slot can still be paged in"
+
+
+def test_hits_misses_and_timing_counters(dev):
+    dev.weights.add("a", np.ones(1000, np.uint8))
+    dev.weights.ensure_resident(["a"])
+    dev.weights.ensure_resident(["a"])
+    st = dev.weights.stats()
+    assert (st["page_ins"], st["hits"], st["bytes_copied"]) == (1, 1, 1000)
+    assert st["hit_rate"] == 0.5 and st["driver_seconds"] >= 0 and st["bookkeeping_seconds"] >= 0
+
+
+def test_bad_keys_are_rejected_and_change_nothing(dev):
+    dev.weights.add("a", np.ones(10, np.uint8))
+    with pytest.raises(InvalidArgument):
+        dev.weights.add("a", np.ones(10, np.uint8))
+    with pytest.raises(InvalidArgument):
+        dev.weights.add("e", np.ones(0, np.uint8))
+    with pytest.raises(NotFound):
+        dev.weights.ensure_resident(["a", "missing"])
+    assert dev.weights.get("a").state == "idle", "a rejected call paged in part of its keys"
+
+
+def test_a_capture_using_resident_slots_never_deadlocks_with_a_page_in_on_another_thread(dev):
+    dev.weights.add("r", np.ones(1000, np.uint8))
+    dev.weights.add("x", np.ones(3 * GRANULE, np.uint8))
+    dev.weights.ensure_resident(["r"])
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            while not stop.is_set():
+                dev.weights.ensure_resident(["x"])
+                dev.weights.evict("x")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(50):
+            with dev.capture() as cap:
+                dev.weights.ensure_resident(["r"])
+            dev.destroy_graph_exec(cap.graph_exec)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive(), "deadlock between a capture and a page-in"
+    assert not errors, f"page-in thread failed: {errors[:1]}"

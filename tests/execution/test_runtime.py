@@ -1,0 +1,112 @@
+"""WorkerRuntime (interface 6) on the sim backend: models, generate/embed, stats, trim, errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.models import reference as R
+from gpu_worker.models import weights as W
+from gpu_worker.models.configs import CONFIGS
+from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+
+
+@pytest.fixture
+def runtime(kernel_cache_dir):
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir)).start()
+    yield rt
+    rt.close()
+
+
+def test_runtime_generates_the_reference_tokens_and_streams_one_token_per_item(runtime):
+    result = runtime.load_model("dec", "decoder", "tiny", 11)
+    assert result.info.vocab_size == 1024 and result.info.max_context == 1024
+    chunks = list(runtime.generate("dec", [4, 8, 15, 16, 23, 42], 5))
+    assert all(len(c) == 1 for c in chunks)
+    want = R.DecoderReference(CONFIGS["tiny"], W.load_host(CONFIGS["tiny"], 11)).generate(
+        [4, 8, 15, 16, 23, 42], 5)
+    assert [c[0] for c in chunks] == want, "runtime tokens differ from the reference"
+
+
+def test_runtime_embeds_with_the_encoder(runtime):
+    runtime.load_model("enc", "encoder", "tiny", 2)
+    seqs = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
+    got = runtime.embed("enc", seqs)
+    want = R.EncoderReference(CONFIGS["tiny-encoder"], W.load_host(CONFIGS["tiny-encoder"], 2)).embed(
+        np.array(seqs))
+    assert got.shape == (2, 64) and np.allclose(got, want, atol=1e-4)
+
+
+def test_runtime_refuses_bad_requests_with_domain_errors(runtime):
+    runtime.load_model("dec", "decoder", "tiny", 1)
+    with pytest.raises(AlreadyExists):
+        runtime.load_model("dec", "decoder", "tiny", 1)
+    with pytest.raises(InvalidArgument):
+        runtime.load_model("x", "decoder", "no-such-size", 1)
+    with pytest.raises(InvalidArgument):
+        runtime.load_model("x", "vision", "tiny", 1)
+    with pytest.raises(NotFound):
+        runtime.generate("nope", [1], 1)
+    with pytest.raises(InvalidArgument):
+        runtime.generate("dec", [1, 99999], 1)            # raised before any streaming
+    with pytest.raises(InvalidArgument):
+        runtime.embed("dec", [[1, 2]])                     # a decoder cannot embed
+    with pytest.raises(NotFound):
+        runtime.unload_model("nope")
+    assert [m.model_id for m in runtime.list_models()] == ["dec"]
+
+
+def test_runtime_stats_use_the_worker_proto_field_names(runtime):
+    from gpuplane.worker.v1 import worker_pb2
+    runtime.load_model("dec", "decoder", "tiny", 1)
+    list(runtime.generate("dec", [1, 2, 3], 4))
+    stats = runtime.stats()
+    fields = worker_pb2.GetStatsResponse.DESCRIPTOR.fields_by_name
+    assert set(stats) == set(fields), f"stats keys differ from GetStatsResponse: {set(stats) ^ set(fields)}"
+    for key, value in stats.items():
+        if isinstance(value, dict) and key != "zones":
+            nested = set(fields[key].message_type.fields_by_name)
+            assert set(value) == nested, f"stats[{key!r}] keys differ from the proto: {set(value) ^ nested}"
+    assert stats["backend"] == "sim" and stats["kernel_cache"]["entries"] > 0
+    assert stats["plans"]["entries"] == 2 and stats["kernel_cache"]["variant_bound"] == 4
+    assert stats["capture"]["replays"] >= 3 and len(stats["zones"]) == 8
+    assert stats["arena"]["faults"] == 0, "arena/ledger bookkeeping faults must stay zero"
+
+
+def test_unload_and_trim_give_the_memory_back(runtime):
+    baseline = runtime.device.ledger.snapshot()
+    runtime.load_model("enc", "encoder", "tiny", 1)
+    runtime.embed("enc", [[1, 2, 3] * 10])
+    freed, _ = runtime.trim(0)
+    assert freed > 0 and runtime.stats()["plans"]["entries"] == 0
+    assert runtime.unload_model("enc") > 0
+    after = runtime.device.ledger.snapshot()
+    for zone in ("weights", "workspace", "activations", "graphs", "kv"):
+        assert after[zone][1] == baseline[zone][1], f"{zone} content left after unload"
+
+
+def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtime):
+    import threading
+    runtime.load_model("dec", "decoder", "tiny", 5)
+    runtime.load_model("enc", "encoder", "tiny", 5)
+    host = W.load_host(CONFIGS["tiny"], 5)
+    prompts = [[(i * k + 3) % 1024 for i in range(5 + 9 * k)] for k in range(1, 5)]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            results[k] = [c[0] for c in runtime.generate("dec", prompts[k], 6)]
+            runtime.embed("enc", [[1, 2, 3, k]])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for k in range(4):
+        want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompts[k], 6)
+        assert results[k] == want, f"request {k} interleaved with another sequence's KV cache"
+    assert runtime.device.backend.invalidations == 0, "a capture was invalidated under concurrency"
