@@ -49,7 +49,8 @@ _FIELD_MAX = 256
 _QUARANTINE_KEEP = 1000  # rows of quarantine/conflict history kept for operators
 
 _SCHEMA_VERSION = 1
-_WAL_TRUNCATE_BYTES = 4 << 20  # maintenance truncates a fully checkpointed WAL above this size
+_WAL_TRUNCATE_BYTES = 4 << 20
+_READER_CACHE_KIB = 8 << 10  # maintenance truncates a fully checkpointed WAL above this size
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,10 @@ def _connect(path: pathlib.Path, busy_timeout_ms: int, read_only: bool) -> sqlit
     conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     if read_only:
         conn.execute("PRAGMA query_only=1")
+        # A blob larger than the page cache (default 2 MiB) is re-read page by page from the OS:
+        # a 4 MiB hit took 6.5 ms instead of 0.26 ms. 8 MiB per reader thread covers the largest
+        # common CUBINs; mmap would too, but turns a disk I/O error into SIGBUS.
+        conn.execute(f"PRAGMA cache_size=-{_READER_CACHE_KIB}")
     return conn
 
 

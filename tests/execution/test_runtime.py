@@ -110,3 +110,22 @@ def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtim
         want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompts[k], 6)
         assert results[k] == want, f"request {k} interleaved with another sequence's KV cache"
     assert runtime.device.backend.invalidations == 0, "a capture was invalidated under concurrency"
+
+
+def test_runtime_books_through_a_real_governor_when_one_is_configured(kernel_cache_dir, tmp_path):
+    from services.governor.server import start_governor
+    server, ledger = start_governor("127.0.0.1:0", tmp_path / "governor.db")
+    try:
+        rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
+                                        governor=f"127.0.0.1:{server.port}",
+                                        worker_id="w-exec-test")).start()
+        try:
+            rt.load_model("dec", "decoder", "tiny", 1)
+            list(rt.generate("dec", [1, 2, 3], 3))
+            stats = rt.stats()
+            assert stats["governor_connected"], "the runtime should hold leases from the governor"
+            assert rt.budget.used().get("kv", 0) > 0, "KV bytes must be reserved through the governor"
+        finally:
+            rt.close()
+    finally:
+        server.stop()
