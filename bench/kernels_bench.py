@@ -36,12 +36,14 @@ from gpu_worker.kernels import (
     INT4_DEQUANT,
     INT4_MATMUL,
     MATMUL_NT,
+    MATMUL_NT_LARGE,
     decode_splits,
     launch_attention_decode,
     launch_attention_prefill,
     launch_int4_dequant,
     launch_int4_matmul,
     launch_matmul_nt,
+    launch_matmul_nt_large,
 )
 from gpu_worker.kernels.selfcheck import KernelHarness
 
@@ -118,10 +120,11 @@ class Bench:
             launch_matmul_nt(dev, fm, y, x, ws, 0, m, n, k, stream=s)
         return fused, timed(dev, two_step, self.reps), wbytes
 
-    def matmul_time(self, m: int, n: int, k: int) -> float:
-        dev, f = self.dev, self.h.function(MATMUL_NT)
+    def matmul_time(self, m: int, n: int, k: int, large: bool = False) -> float:
+        dev, f = self.dev, self.h.function(MATMUL_NT_LARGE if large else MATMUL_NT)
+        launch = launch_matmul_nt_large if large else launch_matmul_nt
         x, w, y = self.rand_f32(m, k), self.rand_f32(n, k), self.buf(4 * m * n)
-        return timed(dev, lambda s: launch_matmul_nt(dev, f, y, x, w, 0, m, n, k, stream=s), self.reps)
+        return timed(dev, lambda s: launch(dev, f, y, x, w, 0, m, n, k, stream=s), self.reps)
 
     def decode_time(self, length: int, heads: int, kv_heads: int, hd: int, splits: int = 1) -> float:
         dev, f = self.dev, self.h.function(ATTENTION_DECODE)
@@ -202,14 +205,16 @@ def main() -> None:
             fused, two, _ = b.linear_times(m, 4096 // s, 4096 // s)
             print(f"{m:6d} {fused * 1e6:9.1f} {two * 1e6:10.1f} {fused / two:13.2f}")
 
-        print("\n[4] matmul_nt fp32 vs torch (cuBLAS)")
-        print(f"{'m x n x k':>18} {'ours TFLOP/s':>12} {'torch fp32':>10} {'ratio':>6} "
-              f"{'torch fp16':>10} {'ratio':>6}")
+        print("\n[4] matmul_nt (64x64 tiles) and matmul_nt_large (128x128) fp32 vs torch (cuBLAS)")
+        print("    ratio = torch time / matmul_nt time (< 1: cuBLAS is faster)")
+        print(f"{'m x n x k':>18} {'64 TFLOP/s':>10} {'128 TFLOP/s':>11} {'torch fp32':>10} "
+              f"{'ratio':>6} {'torch fp16':>10} {'ratio':>6}")
         for m, n, k in ((512, 4096, 4096), (2048, 14336, 4096), (5502, 4096, 4096)):
             m, n, k = m // s, n // s, k // s
             flops = 2.0 * m * n * k
             ours = b.matmul_time(m, n, k)
-            row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:12.1f}"
+            large = b.matmul_time(m, n, k, large=True)
+            row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:10.1f} {flops / large / 1e12:11.1f}"
             for dt in ("float32", "float16"):
                 t = torch_matmul(m, n, k, dt, args.reps) if args.backend == "cuda" else None
                 row += f" {'-':>10} {'-':>6}" if t is None else \

@@ -49,8 +49,8 @@ _FIELD_MAX = 256
 _QUARANTINE_KEEP = 1000  # rows of quarantine/conflict history kept for operators
 
 _SCHEMA_VERSION = 1
-_WAL_TRUNCATE_BYTES = 4 << 20
-_READER_CACHE_KIB = 8 << 10  # maintenance truncates a fully checkpointed WAL above this size
+_WAL_TRUNCATE_BYTES = 4 << 20  # maintenance truncates a fully checkpointed WAL above this size
+_READER_CACHE_KIB = 8 << 10  # page cache per reader connection (see _connect)
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,11 @@ class ArtifactStore:
         w.execute("PRAGMA auto_vacuum=INCREMENTAL")
         w.execute("PRAGMA journal_mode=WAL")
         w.execute("PRAGMA synchronous=NORMAL")
-        # Trim the WAL back to this size when it restarts, so 4 MiB blobs do not leave it huge.
-        w.execute(f"PRAGMA journal_size_limit={16 << 20}")
+        # A checkpoint copies the WAL into the file and fsyncs, inside the commit that triggers
+        # it. The default (1000 pages = 4 MiB) checkpoints on every 4 MiB store (36 ms p50 vs
+        # 12 ms measured); 8192 pages amortises it. The WAL is trimmed back to 32 MiB on reset.
+        w.execute("PRAGMA wal_autocheckpoint=8192")
+        w.execute(f"PRAGMA journal_size_limit={32 << 20}")
         if "entries" not in self._db.table_names():
             w.execute("BEGIN IMMEDIATE")
             try:
@@ -290,8 +293,9 @@ class ArtifactStore:
             self._quarantine(entry, expected=sha, actual=actual, size=len(data))
             return None
         try:
-            artifact = Artifact(data=data, kind=kind, arch=arch or "", nvrtc_version=nvrtc or "",
-                                module_name=module or "", compile_seconds=cs or 0.0)
+            artifact = Artifact.hashed(data, actual, kind=kind, arch=arch or "",
+                                       nvrtc_version=nvrtc or "", module_name=module or "",
+                                       compile_seconds=cs or 0.0)
         except InvalidArgument:  # a corrupted kind column
             self._quarantine(entry, expected=sha, actual=actual, size=len(data))
             return None

@@ -16,6 +16,7 @@ instantiate, while nothing else can allocate) in the `graphs` zone.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from gpu_worker.device.ledger import BudgetOwner, Ledger, local_budget
 from gpu_worker.device.release_queue import ReleaseQueue
 from gpu_worker.device.weights import WeightSlot, WeightSlots
 from services.common.errors import InvalidArgument
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Allocation", "Capture", "Device", "DeviceInfo", "WeightSlot", "open_device"]
 
@@ -48,7 +51,10 @@ class Device:
         reserve_bytes: int | None = None,
         gate: CaptureGate | None = None,
         weight_budget_bytes: int | None = None,
+        report_interval_s: float | None = None,
     ) -> None:
+        """`report_interval_s`: how often the zones and the device truth go to the budget owner
+        (its next heartbeat carries them); default 2 s when a budget owner is given, else off."""
         self.backend = backend
         self.info = backend.info
         self.gate = gate or process_gate()
@@ -72,6 +78,22 @@ class Device:
         self._graphs: dict[int, int] = {}  # id(graph_exec) -> booked graph bytes
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
+        interval = report_interval_s if report_interval_s is not None else (2.0 if budget else None)
+        if interval:
+            self._reporter = threading.Thread(target=self._report_loop, args=(interval,),
+                                              name="device-report", daemon=True)
+            self._reporter.start()
+
+    def _report_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                with self.gate.shared():  # cuMemGetInfo is harmless, but never probe mid-capture
+                    used, proc = self.truth()
+                self.ledger.report(used, proc)
+            except Exception:  # noqa: BLE001 - reporting is best effort; the next tick retries
+                _log.warning("device truth report failed", exc_info=True)
 
     # -- modules and launches ------------------------------------------------------------------
     def load_module(self, image: bytes) -> object:
@@ -198,6 +220,9 @@ class Device:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=10)
         self.synchronize(self.stream)
         self.synchronize(self.copy_stream)
         self.weights.close()

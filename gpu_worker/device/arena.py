@@ -84,7 +84,9 @@ class Arena:
         self.granule = g = backend.info.granule_bytes
         self.reserved = -(-reserve_bytes // g) * g
         self.base = backend.reserve(self.reserved)
-        hb = {"weights": 1 << 30, "kv": 256 << 20, "default": g}
+        # Large handles where ranges live and die whole; granule handles (poolable) otherwise.
+        hb = {"weights": 1 << 30, "kv": 256 << 20, "plan": 64 << 20, "activations": 64 << 20,
+              "workspace": 64 << 20, "default": g}
         hb.update(handle_bytes or {})
         self._handle_bytes = {r: max(g, b // g * g) for r, b in hb.items()}
         self._pool_limit = pool_bytes

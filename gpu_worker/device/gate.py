@@ -19,6 +19,7 @@ Contract:
   release); otherwise two threads that each hold a section and both start capturing deadlock.
 - Guards are plain objects: they can be held across begin/end capture and released from another
   function; releasing twice is a no-op.
+- `run_or_defer(fn)` runs work now, or after the capture in progress when it may not block.
 
 Why not threading's primitives or a stock rwlock: none offers writer preference together with
 per-thread re-entrancy, set-aside and a writer bypass.
@@ -29,6 +30,7 @@ the shared sections in flight (allocator calls, tens of microseconds).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
@@ -98,6 +100,7 @@ class CaptureGate:
         self._writer: int | None = None
         # why: writer preference - new shared sections wait while a capture is queued
         self._writers_waiting = 0
+        self._deferred: list[Callable[[], None]] = []  # run_or_defer work held until a capture ends
         self._readers_waiting = 0  # introspection only: lets tests prove "blocked" without sleeping
         self.stats = GateStats()
 
@@ -167,7 +170,24 @@ class CaptureGate:
                 self._writer = None
             if set_aside:
                 self._readers[tid] = self._readers.get(tid, 0) + set_aside
+            deferred, self._deferred = self._deferred, []
             self._cond.notify_all()
+        for fn in deferred:
+            self.run_or_defer(fn)
+
+    def run_or_defer(self, fn: Callable[[], None]) -> bool:
+        """Run `fn` in a shared section now, or, while a capture runs or waits (on another
+        thread), queue it to run when that capture ends. For work that must not block a caller
+        during a capture (e.g. a cleanup on a latency-critical path). True when it ran now."""
+        tid = threading.get_ident()
+        with self._cond:
+            busy = self.enabled and self._writer is not None and self._writer != tid
+            if busy or (self.enabled and self._writers_waiting and not self._readers.get(tid)):
+                self._deferred.append(fn)
+                return False
+        with self.shared():
+            fn()
+        return True
 
     # -- introspection -------------------------------------------------------------------------
     def capturing_thread(self) -> int | None:

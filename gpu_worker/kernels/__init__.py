@@ -54,17 +54,19 @@ from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
     MATMUL_NT,
+    MATMUL_NT_LARGE,
     int4_path,
     launch_int4_dequant,
     launch_int4_matmul,
     launch_matmul_nt,
+    launch_matmul_nt_large,
 )
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
 ALL_KERNELS: list[KernelDef] = [
-    EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, INT4_MATMUL, ROTARY,
+    EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL, ROTARY,
     ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE, KV_APPEND, SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
 ]
@@ -98,6 +100,7 @@ __all__ = [
     "KV_APPEND",
     "LAYERNORM",
     "MATMUL_NT",
+    "MATMUL_NT_LARGE",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
     "MEAN_POOL",
@@ -126,6 +129,7 @@ __all__ = [
     "launch_kv_append",
     "launch_layernorm",
     "launch_matmul_nt",
+    "launch_matmul_nt_large",
     "launch_mean_pool",
     "launch_rmsnorm",
     "launch_rotary",

@@ -4,6 +4,8 @@
   N * K * 4 bytes (its `workspace_bytes(n=, k=)`), then `matmul_nt`, a shared-memory tiled matmul
   (64x64 tiles, K step 16, 4x4 outputs per thread), reads it. Dequantization is exact in float32
   (a 4-bit integer times an fp16 scale), so this path equals the reference up to summation order.
+  `matmul_nt_large` is the same contract with 128x128 tiles and 8x8 outputs per thread for
+  prefill-sized m and n (which of the two wins is for bench/kernels_bench.py [4] to say).
   This workspace is the "dequantization scratch" of DESIGN 1.1: it scales with the weight, so every
   per-node kernel variant that keeps one must have it booked in the `workspace` zone.
 - Fused path (decode, few rows): `int4_matmul` reads the packed weight directly, one warp per
@@ -32,6 +34,7 @@ from gpu_worker.kernels.common import (
 
 FUSED_MAX_ROWS = 16   # at or below: int4_matmul; above: int4_dequant + matmul_nt
 TILE = 64             # matmul_nt output tile (rows and columns)
+LARGE_TILE = 128      # matmul_nt_large output tile
 FUSED_COLS = 8        # int4_matmul: output columns per block (one per warp)
 FUSED_ROWS = 4        # int4_matmul: rows of x per block
 
@@ -94,6 +97,60 @@ gp_matmul_nt(float* y, const float* __restrict__ x, const float* __restrict__ w,
             const int gn = n0 + tx * 4 + j;
             if (gn >= N) continue;
             float v = acc[i][j] + (bias ? bias[gn] : 0.f);
+            float* yp = y + (size_t)gm * N + gn;
+            *yp = accumulate ? *yp + v : v;
+        }
+    }
+}
+
+// matmul_nt_large: same contract as gp_matmul_nt with 128x128 tiles, K step 8, an 8x8 patch per
+// thread (rows ty*4+i and 64+ty*4+i, columns likewise) read from shared memory as float4: twice
+// the FLOPs per shared/global byte of the 64x64 kernel. For large M and N (prefill).
+extern "C" __global__ void __launch_bounds__(256)
+gp_matmul_nt_large(float* y, const float* __restrict__ x, const float* __restrict__ w,
+                   const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    __shared__ __align__(16) float xs[8][132];
+    __shared__ __align__(16) float ws[8][132];
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int m0 = blockIdx.y * 128, n0 = blockIdx.x * 128;
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += 8) {
+#pragma unroll
+        for (int e = tid; e < 1024; e += 256) {
+            const int r = e >> 3, kk = e & 7, gk = k0 + kk;
+            const int gm = m0 + r, gn = n0 + r;
+            xs[kk][r] = (gm < M && gk < K) ? x[(size_t)gm * K + gk] : 0.f;
+            ws[kk][r] = (gn < N && gk < K) ? w[(size_t)gn * K + gk] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const float4 a0 = *reinterpret_cast<const float4*>(&xs[kk][ty * 4]);
+            const float4 a1 = *reinterpret_cast<const float4*>(&xs[kk][64 + ty * 4]);
+            const float4 b0 = *reinterpret_cast<const float4*>(&ws[kk][tx * 4]);
+            const float4 b1 = *reinterpret_cast<const float4*>(&ws[kk][64 + tx * 4]);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int gm = m0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + (i - 4));
+        if (gm >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int gn = n0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + (j - 4));
+            if (gn >= N) continue;
+            const float v = acc[i][j] + (bias ? bias[gn] : 0.f);
             float* yp = y + (size_t)gm * N + gn;
             *yp = accumulate ? *yp + v : v;
         }
@@ -185,6 +242,18 @@ def launch_matmul_nt(device, function, y: int, x: int, w: int, bias: int, m: int
                    i32(1 if accumulate else 0)], stream=stream)
 
 
+def launch_matmul_nt_large(device, function, y: int, x: int, w: int, bias: int, m: int, n: int,
+                           k: int, accumulate: bool = False, stream=None) -> None:
+    """matmul_nt with 128x128 tiles (prefill-sized m and n); same arguments and result."""
+    require_sizes("matmul_nt_large", m=m, n=n, k=k)
+    if m == 0 or n == 0:
+        return
+    require(ceil_div(m, LARGE_TILE) < 65536, f"matmul_nt_large: m={m} exceeds {65535 * LARGE_TILE}")
+    device.launch(function, (ceil_div(n, LARGE_TILE), ceil_div(m, LARGE_TILE), 1), BLOCK,
+                  [ptr(y), ptr(x), ptr(w), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream)
+
+
 def launch_int4_matmul(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                        m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
     require_sizes("int4_matmul", m=m, n=n, k=k)
@@ -204,7 +273,9 @@ def _dequant_workspace(*, n: int, k: int, **_: int) -> int:
 INT4_DEQUANT = KernelDef("int4_dequant", "gp_int4_dequant", SOURCE, reference.int4_dequantize,
                          launch_int4_dequant, workspace=_dequant_workspace)
 MATMUL_NT = KernelDef("matmul_nt", "gp_matmul_nt", SOURCE, reference.matmul_nt, launch_matmul_nt)
+MATMUL_NT_LARGE = KernelDef("matmul_nt_large", "gp_matmul_nt_large", SOURCE, reference.matmul_nt,
+                            launch_matmul_nt_large)
 INT4_MATMUL = KernelDef("int4_matmul", "gp_int4_matmul", SOURCE, reference.int4_matmul,
                         launch_int4_matmul)
 
-KERNELS = [INT4_DEQUANT, MATMUL_NT, INT4_MATMUL]
+KERNELS = [INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL]

@@ -16,6 +16,7 @@ from gpu_worker.kernels.common import (
     KernelDef,
     grid_1d,
     make_source,
+    require,
     require_sizes,
 )
 
@@ -70,6 +71,7 @@ extern "C" __global__ void gp_mean_pool(float* out, const float* __restrict__ x,
 
 def launch_argmax(device, function, out: int, x: int, rows: int, cols: int, stream=None) -> None:
     require_sizes("argmax", rows=rows, cols=cols)
+    require(cols > 0, "argmax: cols must be positive (an empty row has no argmax)")
     if rows == 0:
         return
     device.launch(function, (min(rows, MAX_GRID_1D), 1, 1), BLOCK,

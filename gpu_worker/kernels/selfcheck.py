@@ -45,9 +45,11 @@ from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
     MATMUL_NT,
+    MATMUL_NT_LARGE,
     launch_int4_dequant,
     launch_int4_matmul,
     launch_matmul_nt,
+    launch_matmul_nt_large,
 )
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
@@ -182,13 +184,14 @@ def int4_dequant_case(h, rng, n, k) -> Outcome:
     return Outcome(h.get(ws, (n, k)), ref.int4_dequantize(packed, scales, k), 0, 0)
 
 
-def matmul_nt_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
+def matmul_nt_case(h, rng, m, n, k, bias=False, accumulate=False, large=False) -> Outcome:
     x, w = _f32(rng, m, k), _f32(rng, n, k, scale=1.0 / np.sqrt(k))
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
-    launch_matmul_nt(h.device, h.function(MATMUL_NT), y, h.put(x), h.put(w),
-                     h.put(b) if bias else 0, m, n, k, accumulate)
+    launch = launch_matmul_nt_large if large else launch_matmul_nt
+    launch(h.device, h.function(MATMUL_NT_LARGE if large else MATMUL_NT), y, h.put(x), h.put(w),
+           h.put(b) if bias else 0, m, n, k, accumulate)
     want = ref.matmul_nt(x, w, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
@@ -438,6 +441,9 @@ CASES: list[Case] = [
     C("matmul_nt", matmul_nt_case, m=1, n=7, k=5),
     C("matmul_nt", matmul_nt_case, m=33, n=65, k=47, bias=True),
     C("matmul_nt", matmul_nt_case, m=130, n=200, k=300, accumulate=True),
+    C("matmul_nt_large", matmul_nt_case, m=1, n=7, k=5, large=True),
+    C("matmul_nt_large", matmul_nt_case, m=130, n=257, k=301, bias=True, accumulate=True,
+      large=True),
     C("int4_matmul", int4_matmul_case, m=1, n=7, k=33),
     C("int4_matmul", int4_matmul_case, m=1, n=257, k=1024, bias=True),
     C("int4_matmul", int4_matmul_case, m=7, n=65, k=1100, accumulate=True),

@@ -92,6 +92,7 @@ def _store(mem, y: int, m: int, n: int, r: np.ndarray, accumulate: int) -> None:
 
 
 @register_sim_kernel("gp_matmul_nt")
+@register_sim_kernel("gp_matmul_nt_large")
 def _matmul_nt(mem, grid, block, args) -> None:
     y, x, w, bias, m, n, k, accumulate = _vals(args)
     r = reference.matmul_nt(_arr(mem, x, m * k).reshape(m, k), _arr(mem, w, n * k).reshape(n, k),

@@ -1,6 +1,7 @@
 """cache_service.store: budgets, LRU order, namespaces, corruption, idempotence, vacuum, durability."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import sqlite3
@@ -249,3 +250,12 @@ def test_concurrent_reads_and_evicting_rewrites_never_count_corruption(db):
         assert served, "the readers never saw a hit"
         assert store.stats().corrupt == 0, "a row replaced under a reader was taken for corruption"
         assert all(a.module_name.startswith("mod") for _, a in served)
+
+
+def test_a_hit_carries_the_digest_of_the_bytes_it_returns(db):
+    with ArtifactStore(db) as store:
+        stored = art(3 * KiB, 5)
+        store.store("k", stored)
+        got = store.lookup("k")
+        assert got.sha256 == stored.sha256 == hashlib.sha256(got.data).hexdigest(), \
+            "the digest served with a hit must be the digest of its bytes"

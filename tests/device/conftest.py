@@ -40,10 +40,11 @@ def _wait_then_copy(mem, grid, block, args: list[KernelArg]) -> None:
     mem.view(args[1].value, n)[:] = mem.view(args[0].value, n)
 
 
-def make_device(budget=None, weight_budget=None, gate=None, total=256 << 20) -> Device:
+def make_device(budget=None, weight_budget=None, gate=None, total=256 << 20,
+                report_interval_s: float | None = 0) -> Device:
     backend = SimBackend(total_bytes=total, granule_bytes=GRANULE, context_bytes=16 << 20)
     return Device(backend, budget=budget, reserve_bytes=total, gate=gate or CaptureGate(),
-                  weight_budget_bytes=weight_budget)
+                  weight_budget_bytes=weight_budget, report_interval_s=report_interval_s)
 
 
 @pytest.fixture

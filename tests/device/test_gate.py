@@ -107,3 +107,17 @@ def test_guards_can_be_released_elsewhere_and_a_second_release_is_a_noop():
 
 def test_there_is_one_gate_per_process():
     assert process_gate() is process_gate(), "a second gate would admit unsynchronized captures"
+
+
+def test_run_or_defer_holds_work_until_the_capture_ends():
+    gate = CaptureGate()
+    ran: list[str] = []
+    guard = gate.exclusive()
+    t = threading.Thread(target=lambda: ran.append("now" if gate.run_or_defer(
+        lambda: ran.append("work")) else "deferred"))
+    t.start()
+    t.join(5)
+    assert ran == ["deferred"], f"work ran during another thread's capture: {ran}"
+    guard.release()
+    assert ran == ["deferred", "work"], "deferred work did not run when the capture ended"
+    assert gate.run_or_defer(lambda: ran.append("again")) and ran[-1] == "again"

@@ -34,6 +34,7 @@ MODEL_CASES: list[Case] = [
     Case("int4_matmul", int4_matmul_case, {"m": 16, "n": 1024, "k": 8192, "bias": True}),
     Case("int4_linear", int4_linear_case, {"m": 257, "n": 1024, "k": 4096}),
     Case("matmul_nt", matmul_nt_case, {"m": 512, "n": 1000, "k": 4096}),
+    Case("matmul_nt_large", matmul_nt_case, {"m": 515, "n": 1000, "k": 4100, "large": True}),
     Case("attention_prefill", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)),
     Case("attention_decode", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
                                            "head_dim": 128, "lengths": [5502], "len_add": 1}),
