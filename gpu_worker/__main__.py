@@ -6,9 +6,11 @@ compiles locally (and keeps its own disk cache). Every flag has a GPUPLANE_WORKE
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import pathlib
+import signal
 import socket
 import sys
 
@@ -58,6 +60,8 @@ def serve(args: argparse.Namespace) -> int:
     from gpu_worker.servicer import serve_worker
 
     configure_logging("gpu-worker")
+    # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see a stuck request.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.variants_per_node < 1 or args.max_plans < 1:
         log.error("--variants-per-node and --max-plans must be at least 1")
         return 2

@@ -83,7 +83,10 @@ class RunningServer:
 
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
-        done.wait()
+        # Wake up regularly: a signal delivered to a native thread (NVRTC, gRPC core) only sets
+        # Python's pending flag, and a main thread blocked in an untimed wait never runs the handler.
+        while not done.wait(0.25):
+            pass
         self.stop(grace)
 
 

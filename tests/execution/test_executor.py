@@ -2,6 +2,8 @@
 kernels against simulated device memory, so use-after-free is observable (IllegalAddress)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -84,7 +86,12 @@ def test_negative_control_replay_after_a_free_without_reset_is_a_use_after_free(
     for _, variant in plan.steps:                   # what a cache without the reset would do
         for alloc in variant.workspaces.values():
             device.arena.free(alloc)
-    device.synchronize()
+    deadline = time.monotonic() + 10                # the fenced releases run once both streams pass
+    while device.arena.stats()["pending_releases"] and time.monotonic() < deadline:
+        device.synchronize(device.copy_stream)
+        device.synchronize()
+        device.arena.collect()
+    assert device.arena.stats()["pending_releases"] == 0, "the freed workspaces were never unmapped"
     with pytest.raises(IllegalAddress):
         device.replay(plan.graph_exec)
         device.synchronize()
