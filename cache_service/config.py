@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 
 from cache_service.store import DEFAULT_BUDGET_BYTES, DEFAULT_MAX_ARTIFACT_BYTES, StoreConfig
 from services.common.config import VAR_DIR, env_flag, parse_bytes
+from services.common.server import MAX_MESSAGE_BYTES
 
-DEFAULT_LISTEN = "0.0.0.0:50052"
+MESSAGE_ENVELOPE_BYTES = 1 << 20  # key, metadata and protobuf framing around an artifact
+
+# Loopback by default: a laptop run must not expose an unauthenticated write path. Pods pass
+# --listen=0.0.0.0:PORT (deploy/).
+DEFAULT_LISTEN = "127.0.0.1:50052"
 DEFAULT_TARGET = "127.0.0.1:50052"
 DEFAULT_DB = pathlib.Path(VAR_DIR) / "kernel_cache.sqlite"
 
@@ -22,6 +27,16 @@ class ServerConfig:
     write_token: str | None = None
     metrics_port: int = 0  # 0 = no /metrics endpoint
     maintenance_s: float = 30.0  # prune, persist access times, vacuum, truncate the WAL
+
+    def __post_init__(self) -> None:
+        # An artifact must fit in one message with its envelope, or gRPC refuses it with
+        # RESOURCE_EXHAUSTED before our INVALID_ARGUMENT can explain why.
+        limit = MAX_MESSAGE_BYTES - MESSAGE_ENVELOPE_BYTES
+        if self.store.max_artifact_bytes > limit:
+            raise ValueError(f"max artifact size {self.store.max_artifact_bytes} must stay below "
+                             f"{limit} (the {MAX_MESSAGE_BYTES}-byte gRPC message limit)")
+        if self.maintenance_s <= 0:
+            raise ValueError("maintenance_s must be positive")
 
 
 def parse_namespace_budget(text: str) -> tuple[str, int]:

@@ -7,13 +7,14 @@ or a retry would silently repeat work). Errors surface as `grpc.RpcError` with t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Self
 
 import grpc
 import numpy as np
-
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
+
 from services.common.channels import open_channel
 
 SERVICE = "gpuplane.worker.v1.WorkerService"
@@ -89,7 +90,7 @@ class WorkerClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "WorkerClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

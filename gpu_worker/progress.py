@@ -6,7 +6,8 @@ import itertools
 import sys
 import threading
 import time
-from typing import Iterator, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
 
 @contextlib.contextmanager

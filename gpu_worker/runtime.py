@@ -12,6 +12,7 @@ partial load is unwound, so the ledger is as before).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import socket
@@ -29,6 +30,20 @@ from gpu_worker.models.configs import ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+
+@contextlib.contextmanager
+def _span(provider: object, name: str, **attributes: object) -> Iterator[None]:
+    """A span with domain attributes (model, shape) when OpenTelemetry is importable."""
+    try:
+        from opentelemetry import trace
+    except ImportError:      # the GPU machine may lack the wheels: tracing is optional there
+        yield
+        return
+    tracer = (provider or trace.get_tracer_provider()).get_tracer("gpu_worker.runtime")
+    with tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items()
+                                                        if v is not None}):
+        yield
 
 
 def default_worker_id() -> str:
@@ -174,11 +189,13 @@ class WorkerRuntime:
         cls = DecoderModel if family == "decoder" else EncoderModel
         model = cls(executor, cfg, int(seed), capture=self.config.capture)
         try:
-            self._admit(device, cfg)
-            self.compiler.prefetch(ALL_SOURCES)
-            for kdef in ALL_KERNELS:      # load the whole kernel set now: no first-request stall
-                executor.function(kdef)
-            model.load()
+            with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
+                       family=family, config=config):
+                self._admit(device, cfg)
+                self.compiler.prefetch(ALL_SOURCES)
+                for kdef in ALL_KERNELS:  # load the whole kernel set now: no first-request stall
+                    executor.function(kdef)
+                model.load()
         except BaseException:
             executor.close()
             with self._lock:
@@ -189,6 +206,7 @@ class WorkerRuntime:
                          cfg.weight_bytes())
         with self._lock:
             self._models[model_id] = _Loaded(info, cfg, executor, model)
+        self._report()
         return LoadResult(info, time.perf_counter() - started, compiled,
                           max(0, len(ALL_SOURCES) - compiled))
 
@@ -210,6 +228,7 @@ class WorkerRuntime:
                 del self._models[model_id]
             freed = loaded.executor.close()
         self.device.synchronize()
+        self._report()
         return freed
 
     def list_models(self) -> list[ModelInfo]:
@@ -225,6 +244,11 @@ class WorkerRuntime:
         if family is not None and loaded.info.family != family:
             raise InvalidArgument(f"model {model_id!r} is a {loaded.info.family}, not a {family}")
         return loaded
+
+    def _report(self) -> None:
+        """Hand the ledger and the device truth to the budget owner (sent with its heartbeat)."""
+        if self.device is not None:
+            self.device.report()
 
     def _still_loaded(self, loaded: _Loaded) -> None:
         """Called under the model lock: an unload that won the lock first closed the executor."""
@@ -243,18 +267,28 @@ class WorkerRuntime:
 
     def _stream(self, loaded: _Loaded, prompt: list[int], max_new_tokens: int,
                 cancelled: Callable[[], bool]) -> Iterator[list[int]]:
-        with loaded.lock:
+        with loaded.lock, _span(self.config.tracer_provider, "worker.generate",
+                                model=loaded.info.model_id, prompt_tokens=len(prompt),
+                                max_new_tokens=max_new_tokens):
             self._still_loaded(loaded)
-            for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
-                yield [token]
-                if cancelled():
-                    return
+            try:
+                for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
+                    yield [token]
+                    if cancelled():
+                        return
+            finally:
+                self._report()
 
     def embed(self, model_id: str, sequences: list[list[int]]) -> np.ndarray:
         loaded = self._get(model_id, "encoder")
-        with loaded.lock:
+        with loaded.lock, _span(self.config.tracer_provider, "worker.embed",
+                                model=model_id, batch=len(sequences),
+                                seq=len(sequences[0]) if sequences else 0):
             self._still_loaded(loaded)
-            return loaded.model.embed([[int(t) for t in s] for s in sequences])
+            try:
+                return loaded.model.embed([[int(t) for t in s] for s in sequences])
+            finally:
+                self._report()
 
     # -- operations ------------------------------------------------------------------------------
     def trim(self, target_bytes: int) -> tuple[int, int]:
@@ -273,6 +307,7 @@ class WorkerRuntime:
                 freed += loaded.executor.trim()
             device.synchronize()
             device.arena.collect()
+        self._report()
         return freed, device.ledger.total_committed()
 
     def stats(self) -> dict:
@@ -289,7 +324,7 @@ class WorkerRuntime:
             for key, value in m.executor.kernels.stats().items():
                 if key == "max_variants_per_node":
                     kc[key] = max(kc[key], value)
-                elif key != "variant_bound":
+                elif key in kc and key != "variant_bound":
                     kc[key] += value
             for key, value in m.executor.plans.stats().items():
                 plans[key] += value

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-
 from gpuplane.governor.v1 import governor_pb2
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
+
 from services.common import errors
 from services.common.server import RunningServer, ServiceRegistration, create_server
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Self
 
 from gpu_worker.client import wait_for_health
 
@@ -96,12 +97,9 @@ class Stack:
         argv = [*(prefix or []), self.python, *args, "--listen", f"{host}:{port}"]
         log_path = self.var_dir / "logs" / f"{name}.log"
         env = {**os.environ, "GPUPLANE_LOG_FORMAT": "text", **self.env}
-        log_file = open(log_path, "ab")
-        try:
+        with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log_file.close()
         service = ServiceProcess(name, address, argv, log_path, proc)
         self.processes.append(service)
         self._wait_up(service, health_timeout_s)
@@ -141,7 +139,7 @@ class Stack:
             codes[service.name] = self.stop_one(service)
         return codes
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -148,8 +149,9 @@ def cmd_trim(args: argparse.Namespace) -> None:
 
 
 def cmd_resources(args: argparse.Namespace) -> None:
-    from gpu_worker.servicer import zone_name
     from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+
+    from gpu_worker.servicer import zone_name
 
     with grpc.insecure_channel(args.governor) as channel:
         stub = governor_pb2_grpc.GovernorServiceStub(channel)

@@ -9,7 +9,8 @@ Contract:
 - every workspace is allocated through the arena in the `workspace` zone, so the ledger sees it;
 - an eviction first resets every captured graph registered as a holder of the variant (a graph
   bakes workspace pointers; replaying it after the free is a use-after-free), then frees each
-  workspace through the arena's fenced, deferred release (kernels in flight finish first).
+  workspace through the arena's fenced, deferred release (kernels in flight finish first); a
+  variant whose graph cannot be reset is quarantined (kept allocated and booked), never freed.
 Cost: one dict lookup per node per eager run; a captured plan does not consult the cache at all.
 """
 from __future__ import annotations
@@ -73,6 +74,7 @@ class KernelCache:
         self._nodes: dict[Hashable, OrderedDict[tuple, KernelVariant]] = {}
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
+        self.quarantined: list[KernelVariant] = []
 
     def resolve(self, node: Hashable, shapes: tuple, build: Callable[[], VariantSpec]) -> KernelVariant:
         """The variant for (node, shapes), built on a miss; evicts the node's LRU variant if full."""
@@ -117,8 +119,14 @@ class KernelCache:
 
     def _evict(self, victim: KernelVariant) -> None:
         # Order matters: reset every graph that may replay with these pointers, then free.
-        for holder in list(victim.holders):
-            holder.reset_graph()
+        try:
+            for holder in list(victim.holders):
+                holder.reset_graph()
+        except BaseException:
+            # A graph that may still hold the pointers survives: never free under it. The
+            # workspaces stay allocated (and booked), out of the LRU, counted as quarantined.
+            self.quarantined.append(victim)
+            raise
         victim.holders.clear()
         victim.evicted = True
         for alloc in victim.workspaces.values():
@@ -154,4 +162,5 @@ class KernelCache:
                 "workspace_bytes": sum(v.workspace_bytes for lru in self._nodes.values()
                                        for v in lru.values()),
                 "variant_bound": self.bound,
+                "quarantined": len(self.quarantined),
             }

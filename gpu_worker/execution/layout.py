@@ -23,6 +23,7 @@ def _round(n: int) -> int:
 class Layout:
     offsets: dict[str, int]
     nbytes: int
+    inputs_bytes: int = 0   # the graph's inputs occupy [0, inputs_bytes), placed first
 
 
 def plan_layout(graph: Graph) -> Layout:
@@ -72,6 +73,7 @@ def plan_layout(graph: Graph) -> Layout:
     for name, spec in graph.tensors.items():
         if spec.kind == "input":
             place(name)
+    inputs_bytes = top
     for i, node in enumerate(graph.nodes):
         for name in node.outputs:
             if name in owned and name not in live:
@@ -79,4 +81,4 @@ def plan_layout(graph: Graph) -> Layout:
         for name in {*node.inputs, *node.outputs}:
             if name in live and last_use.get(name) == i:
                 release(name)
-    return Layout(offsets, max(top, ALIGN))
+    return Layout(offsets, max(top, ALIGN), inputs_bytes)

@@ -113,9 +113,20 @@ class PlanCache:
                 self._plans[key] = v
                 self._plans.move_to_end(key, last=False)
             raise
-        for _, v in victims:
-            v.release()
+        self._release_all([v for _, v in victims])
+
+    def _release_all(self, plans: list[Plan]) -> int:
+        """Release each plan even when one release fails; the first failure is re-raised."""
+        freed, failure = 0, None
+        for plan in plans:
+            try:
+                freed += plan.release()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+                failure = failure or exc
             self.evictions += 1
+        if failure is not None:
+            raise failure
+        return freed
 
     def evict_all(self) -> int:
         """Release every plan (trim, unload) after synchronizing; returns bytes released."""
@@ -123,12 +134,9 @@ class PlanCache:
             if not self._plans:
                 return 0
             self._synchronize()
-            freed = 0
-            while self._plans:
-                _, plan = self._plans.popitem(last=False)
-                freed += plan.release()
-                self.evictions += 1
-            return freed
+            plans = list(self._plans.values())
+            self._plans.clear()
+            return self._release_all(plans)
 
     def keys(self) -> list[Hashable]:
         """Plan keys, least recently used first."""

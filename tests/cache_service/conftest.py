@@ -18,10 +18,11 @@ from tests.cache_service.cache_helpers import TOKEN
 def start_server(tmp_path: pathlib.Path) -> Iterator[Callable[..., CacheServer]]:
     started: list[CacheServer] = []
 
-    def start(write_token: str | None = TOKEN, **store: object) -> CacheServer:
+    def start(write_token: str | None = TOKEN, maintenance_s: float = 3600,
+              **store: object) -> CacheServer:
         config = ServerConfig(listen="127.0.0.1:0", db=tmp_path / f"cache{len(started)}.sqlite",
                               store=StoreConfig(**store), write_token=write_token,
-                              maintenance_s=3600)
+                              maintenance_s=maintenance_s)
         server = start_cache_server(config, TracerProvider(), CollectorRegistry())
         started.append(server)
         return server

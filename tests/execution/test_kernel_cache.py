@@ -123,3 +123,19 @@ def test_kernel_cache_clear_frees_every_workspace():
     for n in range(6):
         cache.resolve("attn", ((n,),), spec)
     assert cache.clear() == 4 * 64 and not arena.live, "clear must release every workspace"
+
+
+def test_a_variant_whose_graph_cannot_be_reset_is_quarantined_not_freed():
+    log: list = []
+    arena = RecordingArena(log)
+    cache = KernelCache(arena, variants_per_node=1)
+    v = cache.resolve("attn", ((8, 64),), spec)
+
+    class Stuck:
+        def reset_graph(self):
+            raise RuntimeError("graph destroy failed")
+    cache.hold(v, Stuck())
+    with pytest.raises(RuntimeError):
+        cache.resolve("attn", ((9, 64),), spec)
+    assert v.workspaces["scratch"].ptr in arena.live, "freed a workspace a live graph may still use"
+    assert cache.stats()["quarantined"] == 1

@@ -71,6 +71,9 @@ def test_runtime_stats_use_the_worker_proto_field_names(runtime):
     assert stats["plans"]["entries"] == 2 and stats["kernel_cache"]["variant_bound"] == 4
     assert stats["capture"]["replays"] >= 3 and len(stats["zones"]) == 8
     assert stats["arena"]["faults"] == 0, "arena/ledger bookkeeping faults must stay zero"
+    from gpu_worker.servicer import stats_message
+    msg = stats_message(stats)
+    assert msg.kernel_cache.entries == stats["kernel_cache"]["entries"] and len(msg.zones) == 8
 
 
 def test_unload_and_trim_give_the_memory_back(runtime):
@@ -129,3 +132,32 @@ def test_runtime_books_through_a_real_governor_when_one_is_configured(kernel_cac
             rt.close()
     finally:
         server.stop()
+
+
+def test_runtime_spans_carry_the_model_and_shape(kernel_cache_dir):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
+                                    tracer_provider=provider)).start()
+    try:
+        rt.load_model("enc", "encoder", "tiny", 1)
+        rt.embed("enc", [[1, 2, 3], [4, 5, 6]])
+    finally:
+        rt.close()
+    spans = {s.name: dict(s.attributes) for s in exporter.get_finished_spans()}
+    assert spans["worker.embed"] == {"model": "enc", "batch": 2, "seq": 3}, spans
+    assert spans["worker.load_model"]["config"] == "tiny"
+
+
+def test_two_models_of_one_config_keep_their_own_weights(runtime):
+    runtime.load_model("a", "decoder", "tiny", 1)
+    runtime.load_model("b", "decoder", "tiny", 2)
+    prompt = [5, 6, 7, 8]
+    for model_id, seed in (("a", 1), ("b", 2), ("a", 1)):
+        want = R.DecoderReference(CONFIGS["tiny"], W.load_host(CONFIGS["tiny"], seed)).generate(prompt, 4)
+        got = [c[0] for c in runtime.generate(model_id, prompt, 4)]
+        assert got == want, f"model {model_id} ran with another model's weights"

@@ -3,7 +3,7 @@ in-memory exporter: one client call must be one trace across worker, cache servi
 from __future__ import annotations
 
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider

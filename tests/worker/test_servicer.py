@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import grpc
 import numpy as np
 import pytest
+from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from gpu_worker.client import WorkerClient
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
 from gpu_worker.servicer import zone_name
-from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from .conftest import DECODER, ENCODER, SEED
 
@@ -93,7 +93,7 @@ def test_empty_prompt_is_invalid_argument_and_changes_nothing(worker: WorkerClie
 
 def test_out_of_vocabulary_prompt_is_invalid_argument_and_changes_nothing(worker: WorkerClient) -> None:
     for bad in ([1, CFG.vocab_size], [-1, 2]):
-        _assert_refused(worker, lambda: worker.generate_stream(DECODER, bad, 2),
+        _assert_refused(worker, lambda bad=bad: worker.generate_stream(DECODER, bad, 2),
                         grpc.StatusCode.INVALID_ARGUMENT, f"out-of-vocabulary prompt {bad}")
     _assert_refused(worker, lambda: worker.embed(ENCODER, [[1, 10**6]]),
                     grpc.StatusCode.INVALID_ARGUMENT, "out-of-vocabulary embed sequence")
@@ -101,7 +101,7 @@ def test_out_of_vocabulary_prompt_is_invalid_argument_and_changes_nothing(worker
 
 def test_absurd_max_new_tokens_is_invalid_argument_and_changes_nothing(worker: WorkerClient) -> None:
     for bad in (0, -5, 2**31 - 1):
-        _assert_refused(worker, lambda: worker.generate_stream(DECODER, [1, 2], bad),
+        _assert_refused(worker, lambda bad=bad: worker.generate_stream(DECODER, [1, 2], bad),
                         grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens={bad}")
 
 
@@ -120,12 +120,14 @@ def test_bad_load_requests_are_invalid_argument_and_change_nothing(worker: Worke
                     grpc.StatusCode.INVALID_ARGUMENT, "an unknown config")
     _assert_refused(worker, lambda: worker.load_model("", "decoder", "tiny", 0),
                     grpc.StatusCode.INVALID_ARGUMENT, "an empty model id")
+    _assert_refused(worker, lambda: worker.load_model(DECODER, "decoder", "tiny", 0),
+                    grpc.StatusCode.ALREADY_EXISTS, "a model id already loaded")
 
 
 def test_a_model_that_does_not_fit_is_resource_exhausted_with_details_and_changes_nothing(
         worker: WorkerClient) -> None:
-    from grpc_status import rpc_status
     from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
 
     error = _assert_refused(worker, lambda: worker.load_model("huge", "decoder", "large", 0),
                             grpc.StatusCode.RESOURCE_EXHAUSTED, "a model larger than the device")

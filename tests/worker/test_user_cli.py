@@ -44,3 +44,31 @@ def test_a_refused_call_exits_1_with_the_status_name(worker: WorkerClient, capsy
     code, _, err = _run(worker, capsys, "generate", "--model-id", "nope", "--tokens", "1")
     assert code == 1, "a refused call did not exit 1"
     assert "NOT_FOUND" in err, f"the status is not named for the user: {err!r}"
+
+
+def test_resources_prints_the_governors_ledger_per_worker_and_zone(tmp_path, capsys) -> None:
+    import grpc
+    from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from services.governor.server import start_governor
+
+    server, _ = start_governor("127.0.0.1:0", tmp_path / "governor.db", tracer_provider=TracerProvider())
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = governor_pb2_grpc.GovernorServiceStub(channel)
+            stub.RegisterWorker(governor_pb2.RegisterWorkerRequest(
+                worker_id="cli-worker", host="h", device=governor_pb2.Device(
+                    uuid="GPU-cli", total_bytes=8 << 30, free_bytes=8 << 30, granule_bytes=2 << 20)),
+                timeout=5)
+            stub.Acquire(governor_pb2.AcquireRequest(worker_id="cli-worker", device_uuid="GPU-cli",
+                                                     zone=governor_pb2.ZONE_KV, bytes=64 << 20),
+                         timeout=5)
+        assert main(["--governor", server.address, "resources"]) == 0, "resources failed"
+        out = capsys.readouterr().out
+        assert "GPU-cli" in out and "cli-worker" in out, f"resources lacks the device or worker:\n{out}"
+        assert main(["--governor", server.address, "resources", "--json"]) == 0
+        devices = json.loads(capsys.readouterr().out)["devices"]
+        assert int(devices[0]["leased_bytes"]) == 64 << 20, "resources --json misreports the lease"
+    finally:
+        server.stop(grace=1.0)

@@ -1,6 +1,9 @@
 """KernelCacheService over real gRPC on loopback: auth, status codes, batch, stats, prune, metrics."""
 from __future__ import annotations
 
+import sqlite3
+import time
+
 import grpc
 import pytest
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
@@ -125,3 +128,28 @@ def test_metrics_expose_hits_misses_errors_bytes_budget_and_latency(server, stub
                  'kernel_cache_errors_total{code="UNAUTHENTICATED",method="Store"} 1.0',
                  'kernel_cache_request_seconds_count{method="Lookup"} 2.0'):
         assert line in text, f"metric line missing: {line}"
+
+
+def test_the_maintenance_timer_persists_hits_and_prunes_without_any_write(start_server):
+    server = start_server(maintenance_s=0.05, budget_bytes=0)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.KernelCacheServiceStub(channel)
+        stub.Store(store_request(), timeout=5, metadata=AUTH)
+        stub.Lookup(pb.LookupRequest(key="k"), timeout=5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        row = sqlite3.connect(server.store.path).execute("SELECT hits FROM entries").fetchone()
+        if row == (1,):
+            break
+        time.sleep(0.02)
+    assert row == (1,), "the timer must persist access records when nothing else writes"
+
+
+def test_a_max_artifact_size_at_or_above_the_message_limit_is_refused_at_startup(tmp_path):
+    from cache_service.config import ServerConfig
+    from cache_service.store import StoreConfig
+    from services.common.server import MAX_MESSAGE_BYTES
+
+    with pytest.raises(ValueError, match="message limit"):
+        ServerConfig(db=tmp_path / "c.sqlite",
+                     store=StoreConfig(max_artifact_bytes=MAX_MESSAGE_BYTES))

@@ -103,8 +103,11 @@ def test_refused_stores_are_counted_errors_not_exceptions(server):
 
 
 def test_store_queue_is_bounded_and_drops_instead_of_blocking():
-    client = KernelCacheClient(f"127.0.0.1:{free_dead_port()}", queue_items=4,
-                               queue_bytes=1 << 30, store_deadline_s=0.2)
+    hung = socket.socket()  # the first store hangs on it, so the queue cannot drain meanwhile
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    client = KernelCacheClient(f"127.0.0.1:{hung.getsockname()[1]}", queue_items=4,
+                               queue_bytes=1 << 30, store_deadline_s=0.5)
     try:
         start = time.monotonic()
         for i in range(50):
@@ -113,6 +116,7 @@ def test_store_queue_is_bounded_and_drops_instead_of_blocking():
         assert client.stats()["dropped"] >= 40, "a full queue must drop (and count) stores"
     finally:
         client.close(flush_timeout=0.1)
+        hung.close()
 
 
 class _LyingCache(pb_grpc.KernelCacheServiceServicer):
