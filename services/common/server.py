@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.interceptors import ErrorInterceptor
-from services.common.telemetry import server_tracing_interceptor
+from services.common.telemetry import is_recording, server_tracing_interceptor
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,11 @@ def create_server(
     extra_interceptors: list[grpc.ServerInterceptor] | None = None,
 ) -> RunningServer:
     """Bind `listen` (HOST:PORT, port 0 = any free port), register `services`, start serving."""
+    # Tracing is outermost so its span sees the status the error interceptor sets; it is left out
+    # when the provider exports nowhere (OTEL_TRACES_EXPORTER=none), see telemetry._silent.
+    tracing = [server_tracing_interceptor(tracer_provider)] if is_recording(tracer_provider) else []
     interceptors: list[grpc.ServerInterceptor] = [
-        # Tracing is outermost so its span sees the status the error interceptor sets.
-        server_tracing_interceptor(tracer_provider),
+        *tracing,
         *(extra_interceptors or []),
         ErrorInterceptor(),
     ]

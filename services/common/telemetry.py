@@ -19,6 +19,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 _configured: dict[str, TracerProvider] = {}
+# Providers made with no exporter. Tracing one costs ~185 us per call on a 2-core host (495 vs
+# 310 us p50 per unary call, 2026-11-29), which is most of a cache hit's
+# budget, so servers and channels skip the interceptors when nothing would ever collect the spans.
+_silent: set[int] = set()
 
 
 def _exporter_from_env() -> SpanExporter | None:
@@ -44,10 +48,17 @@ def tracer_provider(service: str) -> TracerProvider:
     exporter = _exporter_from_env()
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
+    else:
+        _silent.add(id(provider))
     if not _configured:
         trace.set_tracer_provider(provider)
     _configured[service] = provider
     return provider
+
+
+def is_recording(provider: object) -> bool:
+    """False for the no-exporter providers made here and for the API's no-op/proxy providers."""
+    return isinstance(provider, TracerProvider) and id(provider) not in _silent
 
 
 def _not_noise() -> Any:
@@ -61,6 +72,8 @@ def server_tracing_interceptor(provider: TracerProvider) -> grpc.ServerIntercept
 def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:
     """Wrap `channel` so outgoing calls carry the current trace context in their metadata."""
     provider = provider or trace.get_tracer_provider()
+    if not is_recording(provider):
+        return channel
     # OTel's client interceptor implements its own grpcext interfaces, not grpc's:
     # grpc.intercept_channel rejects it with a TypeError, so wrap through grpcext.
     interceptor = client_interceptor(tracer_provider=provider, filter_=_not_noise())

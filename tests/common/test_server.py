@@ -209,3 +209,26 @@ def test_binding_a_busy_port_fails_with_a_clear_error(served):
     running, _, probe, _ = served
     with pytest.raises(Exception, match="bind|address|port"):
         create_server(f"127.0.0.1:{running.port}", [_registration(probe)], TracerProvider())
+
+
+def test_servers_skip_tracing_when_no_exporter_is_configured(monkeypatch):
+    from services.common import telemetry
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setattr(telemetry, "_configured", {})
+    silent = telemetry.tracer_provider("probe-silent")
+    assert not telemetry.is_recording(silent), "a provider that exports nowhere must not be traced"
+    exporter = InMemorySpanExporter()
+    loud = TracerProvider()
+    loud.add_span_processor(SimpleSpanProcessor(exporter))
+    assert telemetry.is_recording(loud)
+    probe = Probe()
+    running = create_server("127.0.0.1:0", [_registration(probe)], silent)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            assert _unary(channel)(b"ok", timeout=5) == b"ok"
+            with pytest.raises(grpc.RpcError) as info:
+                _unary(channel)(b"missing", timeout=5)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, "errors still mapped untraced"
+    finally:
+        running.stop(grace=0)

@@ -275,3 +275,22 @@ def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> 
     assert _wait_for(lambda: content() <= before), "unload left memory booked"
     _assert_refused(worker, lambda: worker.generate_stream("transient-model", [1], 1),
                     grpc.StatusCode.NOT_FOUND, "Generate on an unloaded model")
+
+
+def test_stats_mapping_accepts_every_zone_spelling_and_ignores_unknown_keys() -> None:
+    from gpu_worker.servicer import stats_message
+    from gpuplane.governor.v1 import governor_pb2
+
+    as_tuples = stats_message({"backend": "sim", "ledger_bytes": np.int64(7), "future_field": 1,
+                               "zones": {"kv": (4, 3), "weights": (2, 1)},
+                               "plans": {"entries": 2, "evictions": 5, "unknown": 9},
+                               "weights": {"hit_rate": np.float32(0.5)}})
+    as_dicts = stats_message({"backend": "sim", "ledger_bytes": 7,
+                              "zones": [{"zone": "weights", "committed_bytes": 2, "content_bytes": 1},
+                                        {"zone": "kv", "committed_bytes": 4, "content_bytes": 3}],
+                              "plans": {"entries": 2, "evictions": 5},
+                              "weights": {"hit_rate": 0.5}})
+    assert as_tuples == as_dicts, "the two zone spellings map to different messages"
+    assert [z.zone for z in as_tuples.zones] == [governor_pb2.ZONE_WEIGHTS, governor_pb2.ZONE_KV], \
+        "zones are not in the proto enum's order"
+    assert (as_tuples.plans.evictions, as_tuples.weights.hit_rate) == (5, 0.5), "nested fields lost"
