@@ -84,7 +84,13 @@ def serve(args: argparse.Namespace) -> int:
     except BaseException:
         runtime.close()
         raise
-    start_metrics_endpoint(args.metrics_port)
+    if args.metrics_port:
+        from prometheus_client import REGISTRY
+
+        from gpu_worker.metrics import WorkerCollector
+
+        REGISTRY.register(WorkerCollector(runtime))
+        start_metrics_endpoint(args.metrics_port)
     log.info("worker serving", extra={"listen": args.listen, "port": server.port,
                                       "backend": args.backend, "worker_id": config.worker_id,
                                       "governor": args.governor, "cache": args.cache})

@@ -119,8 +119,12 @@ def warm_second_host(stack: Stack, args: argparse.Namespace, cache: str, governo
             "latency_ms": result.latency_seconds * 1000, **figures}
 
 
-def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
-    import matplotlib
+def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
+    """Memory per request as a PNG; False (and no file) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -144,6 +148,7 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -198,8 +203,9 @@ def run_demo(args: argparse.Namespace) -> int:
         }
         print_summary(report["summary"])
         (report_dir / "report.json").write_text(json.dumps(report, indent=2))
-        plot(rows, report_dir / "memory.png")
-        print(f"\nreport: {report_dir / 'report.json'}, plot: {report_dir / 'memory.png'}")
+        plotted = plot(rows, report_dir / "memory.png")
+        print(f"\nreport: {report_dir / 'report.json'}, plot: "
+              f"{report_dir / 'memory.png' if plotted else 'skipped (matplotlib not installed)'}")
     finally:
         with step("stopping the stack (SIGTERM, drain)"):
             codes = stack.stop()

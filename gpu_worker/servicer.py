@@ -24,6 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from gpuplane.governor.v1 import governor_pb2
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
+from opentelemetry import trace
 
 from services.common import errors
 from services.common.server import RunningServer, ServiceRegistration, create_server
@@ -139,6 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         _require(request.model_id, "model_id is empty: name the model to load")
         _require(request.family, "family is empty: use 'decoder' or 'encoder'")
         _require(request.config, "config is empty: use a named size such as 'tiny'")
+        _tag(model_id=request.model_id, family=request.family, config=request.config)
         started = time.perf_counter()
         loaded = self.runtime.load_model(request.model_id, request.family, request.config,
                                          int(request.seed))
@@ -164,6 +166,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[worker_pb2.GenerateResponse]:
         prompt = list(request.prompt_tokens)
+        _tag(model_id=request.model_id, prompt_tokens=len(prompt),
+             max_new_tokens=request.max_new_tokens)
         info = self._model(request.model_id)
         _check_prompt(prompt, info)
         if not 0 < request.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -206,8 +210,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext
               ) -> worker_pb2.EmbedResponse:
-        info = self._model(request.model_id)
         sequences = [list(s.tokens) for s in request.sequences]
+        _tag(model_id=request.model_id, batch=len(sequences),
+             seq=len(sequences[0]) if sequences else 0)
+        info = self._model(request.model_id)
         if not sequences:
             raise errors.InvalidArgument("sequences is empty: send at least one token sequence")
         if len(sequences) > MAX_EMBED_BATCH:
@@ -242,6 +248,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 return info
         raise errors.NotFound(f"model {model_id!r} is not loaded on this worker (see ListModels)",
                               model_id=model_id)
+
+
+def _tag(**attributes: str | int) -> None:
+    """Domain attributes (model, shape) on the server span the tracing interceptor opened."""
+    span = trace.get_current_span()
+    for key, value in attributes.items():
+        span.set_attribute(f"gpuplane.{key}", value)
 
 
 def _require(value: str, message: str) -> None:

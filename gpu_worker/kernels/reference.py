@@ -88,9 +88,11 @@ def rotary(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     """x (tokens, heads, head_dim) rotated at `positions` (tokens,), rotate-half convention."""
     d = x.shape[-1]
     half = d // 2
-    inv = np.float32(theta) ** (-np.arange(0, half, dtype=np.float32) * np.float32(2.0) / np.float32(d))
-    ang = np.asarray(positions).astype(np.float32)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    # float64 angles, as the CUDA kernel forms them (see gp_rotary in rotary.py).
+    inv = np.float64(theta) ** (-np.arange(0, half, dtype=np.float64) * 2.0 / d)
+    ang = np.asarray(positions).astype(np.float64)[:, None] * inv[None, :]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
 

@@ -27,9 +27,13 @@ extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int 
         const int t = (int)(rest % tokens);
         const int b = (int)(rest / tokens);
         const int p = (pos ? pos[b] : 0) + pos_offset + t;
-        const float inv = powf(theta, -((float)(2 * j) / (float)head_dim));
-        float s, c;
-        sincosf((float)p * inv, &s, &c);
+        // The angle is formed in double: at long contexts p * inv is thousands of radians, where
+        // one float ulp of the frequency already moves sin/cos by ~1e-4 (seen on the H200 against
+        // the NumPy reference). The references use float64 angles too.
+        const double inv = pow((double)theta, -((double)(2 * j) / (double)head_dim));
+        double sd, cd;
+        sincos((double)p * inv, &sd, &cd);
+        const float s = (float)sd, c = (float)cd;
         float* row = x + ((size_t)b * tokens + t) * row_stride + (size_t)h * head_dim;
         const float x1 = row[j], x2 = row[j + half];
         row[j] = x1 * c - x2 * s;

@@ -24,8 +24,9 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    inv = theta ** (-np.arange(0, head_dim // 2, dtype=np.float32) * 2.0 / head_dim)
-    ang = positions.astype(np.float32)[:, None] * inv[None, :]
+    # float64 angles, as the rotary kernel forms them (gpu_worker/kernels/rotary.py).
+    inv = np.float64(theta) ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2.0 / head_dim)
+    ang = positions.astype(np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 

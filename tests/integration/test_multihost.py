@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -42,6 +43,26 @@ def _netns_possible() -> str | None:
     return None
 
 
+def _bridge_blocked(server_ns: str, client_ns: str, server_ip: str) -> str | None:
+    """None when a TCP connection crosses the bridge between two namespaces; a host firewall
+    (br_netfilter with a DROP policy, as on Docker hosts) can stop it."""
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", server_ns, sys.executable, "-c",
+         ("import socket; s = socket.create_server(('0.0.0.0', 50099)); print('up', flush=True); "
+          "s.settimeout(10); s.accept()")], stdout=subprocess.PIPE, text=True)
+    try:
+        if listener.stdout.readline().strip() != "up":
+            return "could not listen inside a namespace"
+        probe = subprocess.run(
+            ["ip", "netns", "exec", client_ns, sys.executable, "-c",
+             f"import socket; socket.create_connection(('{server_ip}', 50099), timeout=3)"],
+            capture_output=True, timeout=15, check=False)
+        return None if probe.returncode == 0 else "the bridge between namespaces drops traffic here"
+    finally:
+        listener.kill()
+        listener.wait()
+
+
 @pytest.fixture
 def hosts() -> Iterator[dict[str, str]]:
     """Namespaces cache, host-a, host-b on a bridge; returns name -> IP reachable from here."""
@@ -68,6 +89,9 @@ def hosts() -> Iterator[dict[str, str]]:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             addresses[role] = f"{subnet}.{i}"
+        why = _bridge_blocked(names["cache"], names["host-a"], addresses["cache"])
+        if why:
+            pytest.skip(why)
         yield {"ns:" + role: ns for role, ns in names.items()} | addresses
     except subprocess.CalledProcessError as exc:
         pytest.skip(f"could not build the namespace network: {exc.stderr.decode(errors='replace')}")

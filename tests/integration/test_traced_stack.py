@@ -97,6 +97,9 @@ def test_one_generate_call_is_one_trace_with_the_worker_span_under_the_client(st
     assert served.parent is not None and served.parent.span_id == call.context.span_id, \
         "Generate's server span is not the child of the client's call"
     assert_rpc_attributes(served, WORKER, "Generate")
+    tags = served.attributes
+    assert (tags.get("gpuplane.model_id"), tags.get("gpuplane.prompt_tokens")) == \
+        ("traced-decoder", 4), "Generate's span lacks the model and shape attributes"
     # Every span the worker made for this request belongs to the client's trace.
     own = [s for s in traced.spans("gpu-worker")
            if s[1].parent is not None and s[1].parent.span_id == served.context.span_id]

@@ -35,3 +35,4 @@ def test_with_nothing_configured_the_worker_runs_alone_with_the_auto_backend(
 def test_an_unknown_backend_is_refused_at_the_command_line() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--backend", "opencl"])
+

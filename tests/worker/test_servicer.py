@@ -166,15 +166,14 @@ def _replays(client: WorkerClient) -> int:
 def _assert_request_stopped(worker: WorkerClient, prompt: list[int], baseline: dict, what: str) -> None:
     """The abandoned request stops stepping, frees its model for the next caller, and leaves the
     ledger as it was (a decoder's KV cache is booked at load, so a request adds nothing)."""
-    settled = _wait_for(lambda: _replays(worker) == _replays(worker) == _replays(worker))
-    assert settled, f"{what}: the request kept running after it was abandoned"
+    started = time.perf_counter()
+    # Same shapes as the warm-up, so the warm plans and variants are the baseline's. This call
+    # queues on the model lock: once it returns, the abandoned request has let go of the model.
+    assert len(worker.generate(DECODER, prompt, 2).tokens) == 2, f"{what}: the model is stuck"
+    assert time.perf_counter() - started < 30, f"{what}: the next request waited for the dead one"
     stopped_at = _replays(worker)
     time.sleep(0.3)
     assert _replays(worker) == stopped_at, f"{what}: decode steps continued after the request ended"
-    started = time.perf_counter()
-    # The same shapes as the warm-up, so the warm plans and variants are the baseline's.
-    assert len(worker.generate(DECODER, prompt, 2).tokens) == 2, f"{what}: the model is stuck"
-    assert time.perf_counter() - started < 30, f"{what}: the next request waited for the dead one"
     assert _wait_for(lambda: _zones(worker) == baseline), \
         f"{what}: memory not back to its state before the request: {_zones(worker)} != {baseline}"
 
@@ -211,21 +210,35 @@ def test_a_deadline_that_passes_mid_stream_cancels_the_request_and_frees_its_mem
     assert _replays(worker) - before < asked - 1, "the expired request ran to completion"
 
 
-def test_many_concurrent_clients_each_get_their_own_correct_tokens(worker: WorkerClient) -> None:
+def test_many_concurrent_clients_each_get_their_own_correct_results(worker: WorkerClient) -> None:
+    """Decoder and encoder requests and stats polls at once: captures on one model run beside
+    launches, syncs and reads on the other, all through the capture gate."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, CFG.vocab_size, int(n)).tolist() for n in rng.integers(3, 60, 8)]
     want = {i: _reference_tokens(p, 4) for i, p in enumerate(prompts)}
-    start = threading.Barrier(len(prompts))
+    enc = get_config("tiny", "encoder")
+    batches = [rng.integers(1, enc.vocab_size, (2, int(n))).tolist() for n in (5, 9, 17, 33)]
+    reference = EncoderReference(enc, load_host(enc, SEED))
+    want_embed = [reference.embed(np.array(b)) for b in batches]
+    jobs = len(prompts) + len(batches) + 2
+    start = threading.Barrier(jobs)
 
-    def one(i: int) -> list[int]:
+    def one(i: int) -> object:
         with WorkerClient(worker.target, deadline_s=120.0) as own:
             start.wait()
-            return own.generate(DECODER, prompts[i], 4).tokens
+            if i < len(prompts):
+                return own.generate(DECODER, prompts[i], 4).tokens
+            if i < len(prompts) + len(batches):
+                return own.embed(ENCODER, batches[i - len(prompts)])
+            return [own.stats().ledger_bytes for _ in range(10)]
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = dict(zip(range(len(prompts)), pool.map(one, range(len(prompts)))))
-    wrong = [i for i in got if got[i] != want[i]]
+    with ThreadPoolExecutor(jobs) as pool:
+        got = list(pool.map(one, range(jobs)))
+    wrong = [i for i in range(len(prompts)) if got[i] != want[i]]
     assert not wrong, f"concurrent requests {wrong} got another request's or wrong tokens"
+    for k, expected in enumerate(want_embed):
+        np.testing.assert_allclose(got[len(prompts) + k], expected, rtol=1e-3, atol=1e-4,
+                                   err_msg=f"concurrent embed batch {k} is wrong")
 
 
 def test_get_stats_reports_the_ledger_caches_plans_and_compiles(worker: WorkerClient) -> None:
@@ -278,8 +291,9 @@ def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> 
 
 
 def test_stats_mapping_accepts_every_zone_spelling_and_ignores_unknown_keys() -> None:
-    from gpu_worker.servicer import stats_message
     from gpuplane.governor.v1 import governor_pb2
+
+    from gpu_worker.servicer import stats_message
 
     as_tuples = stats_message({"backend": "sim", "ledger_bytes": np.int64(7), "future_field": 1,
                                "zones": {"kv": (4, 3), "weights": (2, 1)},
