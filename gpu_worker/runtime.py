@@ -141,8 +141,11 @@ class WorkerRuntime:
                 from cache_service.client import KernelCacheClient
                 self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
                                                       tracer_provider=cfg.tracer_provider)
+            # The compiler's spans sit between the worker's request span and the cache service's
+            # span, so they must come from the worker's provider or the trace breaks in two.
             self.compiler = KernelCompiler(self.device.info.arch, cache_dir=cfg.cache_dir,
-                                           remote=self.cache_client)
+                                           remote=self.cache_client,
+                                           tracer_provider=cfg.tracer_provider)
         except BaseException:
             self.close()
             backend.close()

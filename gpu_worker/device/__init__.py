@@ -64,7 +64,7 @@ class Device:
         self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
         # The context baseline is device memory this process pays for: booked, not ignored.
         self._context_bytes = backend.process_used_bytes() or (total - free)
-        self.ledger.commit("context", self._context_bytes)
+        self.ledger.adopt("context", self._context_bytes)
         self.ledger.add_content("context", self._context_bytes)
         self.stream = backend.create_stream()
         self.copy_stream = backend.create_stream()

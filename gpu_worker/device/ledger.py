@@ -23,6 +23,7 @@ class BudgetOwner(Protocol):
     """Interface (2); services.governor.client provides GovernorClient and LocalBudget."""
 
     def reserve(self, zone: str, nbytes: int) -> None: ...
+    def adopt(self, zone: str, nbytes: int) -> None: ...
     def release(self, zone: str, nbytes: int) -> None: ...
     def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
                process_used_bytes: int) -> None: ...
@@ -51,6 +52,11 @@ class _FallbackLocalBudget:
                     f"local budget: asked {nbytes} bytes in zone {zone}, {free} free of "
                     f"{self.budget_bytes}", asked_bytes=nbytes, free_bytes=free, zone=zone,
                     violations=[QuotaViolation(f"local/zone:{zone}", "local budget exhausted")])
+            self._used[zone] = self._used.get(zone, 0) + nbytes
+
+    def adopt(self, zone: str, nbytes: int) -> None:
+        check_zone(zone)
+        with self._lock:
             self._used[zone] = self._used.get(zone, 0) + nbytes
 
     def release(self, zone: str, nbytes: int) -> None:
@@ -107,6 +113,15 @@ class Ledger:
         if nbytes == 0:
             return
         self.budget.reserve(zone, nbytes)
+        with self._lock:
+            self._committed[zone] += nbytes
+
+    def adopt(self, zone: str, nbytes: int) -> None:
+        """Book bytes the device already spent (the context baseline); the budget cannot refuse."""
+        check_zone(zone)
+        if nbytes <= 0:
+            return
+        self.budget.adopt(zone, nbytes)
         with self._lock:
             self._committed[zone] += nbytes
 

@@ -7,11 +7,12 @@ three services in one process can each carry their own service name.
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import client_interceptor, grpcext, server_interceptor
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 from opentelemetry.sdk.resources import Resource
@@ -73,8 +74,39 @@ def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> gr
     """Wrap `channel` so outgoing calls carry the current trace context in their metadata."""
     provider = provider or trace.get_tracer_provider()
     if not is_recording(provider):
-        return channel
+        # No client spans, but the caller's trace context still travels, so a traced caller
+        # behind an untraced hop keeps one trace.
+        return grpc.intercept_channel(channel, _PropagateContext())
     # OTel's client interceptor implements its own grpcext interfaces, not grpc's:
     # grpc.intercept_channel rejects it with a TypeError, so wrap through grpcext.
     interceptor = client_interceptor(tracer_provider=provider, filter_=_not_noise())
     return grpcext.intercept_channel(channel, interceptor)
+
+
+class _PropagateContext(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Injects the current trace context (W3C traceparent) into outgoing metadata; no spans."""
+
+    @staticmethod
+    def _with_context(details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        if not carrier:
+            return details
+        metadata = list(details.metadata or []) + list(carrier.items())
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._with_context(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._with_context(details), request)
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass

@@ -21,6 +21,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,6 +54,7 @@ class DeviceDescription:
 
 class BudgetOwner(Protocol):
     def reserve(self, zone: str, nbytes: int) -> None: ...
+    def adopt(self, zone: str, nbytes: int) -> None: ...
     def release(self, zone: str, nbytes: int) -> None: ...
     def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
                process_used_bytes: int) -> None: ...
@@ -86,6 +88,12 @@ class LocalBudget:
                     f"local budget: asked {nbytes} bytes in zone {zone}, {free} free of "
                     f"{self.budget_bytes}", asked_bytes=nbytes, free_bytes=free, zone=zone,
                     violations=[QuotaViolation(f"local/zone:{zone}", "local budget exhausted")])
+            self._used[zone] = self._used.get(zone, 0) + nbytes
+
+    def adopt(self, zone: str, nbytes: int) -> None:
+        """Book bytes the device has already spent (the context baseline): never refused."""
+        _check(zone, nbytes)
+        with self._lock:
             self._used[zone] = self._used.get(zone, 0) + nbytes
 
     def release(self, zone: str, nbytes: int) -> None:
@@ -182,6 +190,25 @@ class GovernorClient:
             need = nbytes - self._slack(zone)
             if need > 0:
                 self._grow(zone, need)
+            self._used[zone] += nbytes
+
+    def adopt(self, zone: str, nbytes: int) -> None:
+        """Book bytes the device has already spent (the CUDA context baseline): never refused.
+
+        Refusing them would not give the memory back, only hide it from the ledger. If the
+        governor does not answer (a worker that starts before its node's governor), or refuses,
+        the bytes are held unbacked and the heartbeat loop acquires a lease for them as soon as
+        it can, like a lease the governor lost.
+        """
+        _check(zone, nbytes)
+        with self._lock:
+            try:
+                self.reserve(zone, nbytes)
+                return
+            except ResourceExhausted:
+                log.warning("booking already-spent bytes unbacked until the governor admits them",
+                            extra={"worker_id": self.worker_id, "zone": zone, "bytes": nbytes})
+            self._held[zone][f"{_UNBACKED}adopted-{uuid.uuid4().hex[:12]}"] = nbytes
             self._used[zone] += nbytes
 
     def release(self, zone: str, nbytes: int) -> None:

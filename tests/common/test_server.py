@@ -232,3 +232,31 @@ def test_servers_skip_tracing_when_no_exporter_is_configured(monkeypatch):
             assert info.value.code() == grpc.StatusCode.NOT_FOUND, "errors still mapped untraced"
     finally:
         running.stop(grace=0)
+
+
+def test_an_untraced_channel_still_carries_the_callers_trace_context(monkeypatch):
+    from opentelemetry import trace as trace_api
+
+    from services.common import telemetry
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setattr(telemetry, "_configured", {})
+    silent = telemetry.tracer_provider("probe-silent-client")
+    seen: list[str] = []
+
+    class Capture(Probe):
+        def unary(self, request, context):
+            seen.extend(v for k, v in context.invocation_metadata() if k == "traceparent")
+            return request
+
+    running = create_server("127.0.0.1:0", [_registration(Capture())], TracerProvider())
+    caller = TracerProvider()
+    try:
+        channel = telemetry.traced_channel(grpc.insecure_channel(running.address), silent)
+        with caller.get_tracer("test").start_as_current_span("caller") as span:
+            _unary(channel)(b"ok", timeout=5)
+            trace_id = format(span.get_span_context().trace_id, "032x")
+        assert seen and trace_id in seen[0], "the caller's trace context was dropped"
+        assert trace_api.get_current_span() is not span
+    finally:
+        running.stop(grace=0)

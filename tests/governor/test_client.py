@@ -6,7 +6,7 @@ import time
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.governor.client import DeviceDescription, GovernorClient, LocalBudget
 from services.governor.policy import Policy
 from services.governor.server import start_governor
@@ -184,3 +184,42 @@ def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp
         lender.close()
         borrower.close()
         server.stop(grace=0)
+
+
+def test_a_worker_that_starts_before_its_governor_books_its_context_once_the_governor_answers(
+    tmp_path,
+):
+    from gpu_worker.stack import free_port
+
+    port = free_port()
+    c = GovernorClient(f"127.0.0.1:{port}", "early", DEVICE, chunk_bytes=CHUNK, heartbeat_s=0.05,
+                       tracer_provider=TracerProvider())
+    server = None
+    try:
+        c.adopt("context", 3 * MIB)  # already spent on the device: must not be refused
+        assert c.used()["context"] == 3 * MIB
+        with pytest.raises(ResourceExhausted, match="unreachable"):
+            c.reserve("weights", MIB)  # new memory still needs the governor
+        server, ledger = serve(tmp_path, port=port)
+        def backed() -> bool:
+            try:
+                return leased(ledger, "early") >= 3 * MIB
+            except NotFound:  # not registered yet
+                return False
+
+        eventually(backed,
+                   what="the adopted context bytes to be backed by a lease")
+        assert c.lease_ids(), "the unbacked booking must turn into a real lease"
+        c.reserve("weights", MIB)
+    finally:
+        c.close()
+        if server is not None:
+            server.stop(grace=0)
+
+
+def test_local_budget_adopts_already_spent_bytes_even_beyond_its_budget():
+    budget = LocalBudget(MIB)
+    budget.adopt("context", 2 * MIB)
+    assert budget.used()["context"] == 2 * MIB
+    with pytest.raises(ResourceExhausted):
+        budget.reserve("kv", 1)
