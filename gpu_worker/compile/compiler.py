@@ -16,7 +16,10 @@ Contract:
 - `load(device, src)` loads the CUBIN when the device's arch is the compiler's, else the PTX. A
   load failure (PTX ISA newer than the driver, a damaged image) is counted and falls back to the
   other artifact, then to a fresh NVRTC compile for the device's own arch that bypasses every tier.
-- `prefetch(sources)` fetches a model's whole kernel set from the service in one BatchLookup.
+- `prefetch(sources)` fetches a model's whole kernel set from the service in one BatchLookup: the
+  CUBINs only (what loads on this arch, ~60 % of the bytes); their disk writes happen on a
+  background thread. A module fetched so has `ptx == b""` until `load()` needs the PTX (arch
+  mismatch or a CUBIN that fails to load), which it then takes from disk, the service or NVRTC.
 
 Cost: a memo hit is a dict lookup; a key is one SHA-256 over the source (memoized per source).
 """
@@ -28,7 +31,8 @@ import logging
 import pathlib
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +107,11 @@ class KernelCompiler:
             "fresh_compiles": 0,
         }
         self._remote_base = self._remote_counts()
+        # Prefetched artifacts reach the disk on this thread, off the model-load path: a cold
+        # host's stall is the one BatchLookup, not the round trip plus the file writes. A write
+        # lost at exit only means the next start asks the service again.
+        self._disk_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-disk")
+        self._disk_writes: list[Future] = []
 
     # -- keys ------------------------------------------------------------------------------------
     def keys(self, src: KernelSource, arch: str | None = None) -> tuple[str, str]:
@@ -174,18 +183,17 @@ class KernelCompiler:
             if data is not None and _plausible(kind, data):
                 found[kind] = data
         tier = "local"
-        missing = {kind: key for kind, key in wanted.items() if kind not in found}
-        if missing:
-            fetched = self._fetch_remote(src, missing)
+        if "cubin" not in found:  # the CUBIN is what loads here; the PTX comes on demand
+            fetched = self._fetch_remote(src, {"cubin": key_cubin})
             if fetched:  # kept on disk so the next process start is a local hit
-                self.local.put_many({missing[kind]: data for kind, data in fetched.items()})
+                self.local.put_many({key_cubin: fetched["cubin"]})
             found.update(fetched)
             tier = "remote"
-        if len(found) == len(wanted):
+        if "cubin" in found:
             with self._lock:
                 self._counts[f"{tier}_hits"] += 1
             return CompiledModule(
-                src.module_name, key_cubin, key_ptx, found["cubin"], found["ptx"], tier
+                src.module_name, key_cubin, key_ptx, found["cubin"], found.get("ptx", b""), tier
             )
         out = self._nvrtc(src, self.arch)
         self._publish(src, key_cubin, key_ptx, out)
@@ -280,13 +288,10 @@ class KernelCompiler:
             with self._lock:
                 if key_cubin in self._memo:
                     continue
-            cubin, ptx = self.local.get(key_cubin), self.local.get(key_ptx)
-            if (
-                cubin is not None
-                and ptx is not None
-                and _plausible("cubin", cubin)
-                and _plausible("ptx", ptx)
-            ):
+            cubin = self.local.get(key_cubin)
+            if cubin is not None and _plausible("cubin", cubin):
+                ptx = self.local.get(key_ptx)
+                ptx = ptx if ptx is not None and _plausible("ptx", ptx) else b""
                 self._remember(
                     CompiledModule(src.module_name, key_cubin, key_ptx, cubin, ptx, "local")
                 )
@@ -294,7 +299,9 @@ class KernelCompiler:
             todo[key_cubin] = (src, key_ptx)
         if not todo or self.remote is None:
             return 0
-        keys = [k for key_cubin, (_, key_ptx) in todo.items() for k in (key_cubin, key_ptx)]
+        # Only the CUBINs: they are what loads on this arch, and they are ~60 % of the bytes.
+        # A PTX is fetched later, by load(), only if a CUBIN cannot be used.
+        keys = list(todo)
         try:
             got = self.remote.batch_lookup(keys, self.namespace)
         except Exception:
@@ -305,16 +312,30 @@ class KernelCompiler:
         writes: dict[str, bytes] = {}
         for key_cubin, (src, key_ptx) in todo.items():
             cubin = self._accept(src, "cubin", got.get(key_cubin), self.arch)
-            ptx = self._accept(src, "ptx", got.get(key_ptx), self.arch)
-            if cubin is None or ptx is None:
+            if cubin is None:
                 continue
-            writes.update({key_cubin: cubin, key_ptx: ptx})
+            writes[key_cubin] = cubin
             self._remember(
-                CompiledModule(src.module_name, key_cubin, key_ptx, cubin, ptx, "remote")
+                CompiledModule(src.module_name, key_cubin, key_ptx, cubin, b"", "remote")
             )
-        if writes:
-            self.local.put_many(writes)  # so the next process start is a local hit
-        return len(writes) // 2
+        if writes:  # so the next process start is a local hit
+            with self._lock:
+                self._disk_writes = [f for f in self._disk_writes if not f.done()]
+                self._disk_writes.append(self._disk_writer.submit(self._write_local, writes))
+        return len(writes)
+
+    def _write_local(self, writes: dict[str, bytes]) -> None:
+        try:
+            self.local.put_many(writes)
+        except Exception:  # noqa: BLE001 - the disk tier is never load-bearing
+            log.exception("writing prefetched kernels to the local cache failed; ignored")
+
+    def flush_local(self, timeout: float = 10.0) -> bool:
+        """Wait until prefetched artifacts are on the local disk; False if `timeout` passed."""
+        with self._lock:
+            pending = list(self._disk_writes)
+        done, not_done = futures_wait(pending, timeout=timeout)
+        return not not_done
 
     def _remember(self, module: CompiledModule) -> None:
         with self._lock:
@@ -328,11 +349,11 @@ class KernelCompiler:
 
         module = self.compile(src)
         device_arch = device.info.arch
-        candidates = [("cubin", module.cubin)] if device_arch == self.arch else []
-        candidates.append(("ptx", module.ptx))
+        candidates = [("cubin", lambda: module.cubin)] if device_arch == self.arch else []
+        candidates.append(("ptx", lambda: module.ptx or self._ptx_for(src, module)))
         for kind, image in candidates:
             try:
-                return device.load_module(image)
+                return device.load_module(image())
             except DeviceError as exc:
                 log.warning(
                     "loading the %s of %s on %s failed (%s); falling back",
@@ -345,6 +366,18 @@ class KernelCompiler:
                     self._counts["load_fallbacks"] += 1
         fresh = self._fresh_compile(src, device_arch)
         return device.load_module(fresh.cubin)
+
+    def _ptx_for(self, src: KernelSource, module: CompiledModule) -> bytes:
+        """The PTX of a module that was fetched CUBIN-only: disk, then the service, then NVRTC."""
+        data = self.local.get(module.key_ptx)
+        if data is None or not _plausible("ptx", data):
+            data = self._fetch_remote(src, {"ptx": module.key_ptx}).get("ptx")
+        if data is None:
+            data = self._nvrtc(src, self.arch).ptx
+        self.local.put_many({module.key_ptx: data})
+        with self._lock:
+            self._memo[module.key_cubin] = dataclasses.replace(module, ptx=data)
+        return data
 
     def _fresh_compile(self, src: KernelSource, arch: str) -> CompiledModule:
         """NVRTC for `arch`, bypassing every tier; for this compiler's arch it replaces entries."""
