@@ -1,0 +1,1 @@
+"""gpuplane benchmarks: each prints figures measured side by side in one run. See bench/__main__.py."""

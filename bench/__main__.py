@@ -1,0 +1,71 @@
+"""`make bench`: run the benchmarks this machine can run, one after another.
+
+CPU benchmarks always run (quick settings); GPU benchmarks run when a CUDA device is present.
+Each benchmark is also a script with its own flags (`python bench/<name>.py --help`); the
+figures quoted in docs/ name the exact command they came from.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+CPU = [
+    ("cache_service_bench.py", ["--quick"]),
+    ("governor_bench.py", ["--seconds", "2", "--open-seconds", "4"]),
+    ("compile_bench.py", ["--rounds", "3"]),
+]
+GPU = [
+    ("device_bench.py", []),
+    ("kernels_bench.py", ["--reps", "10"]),
+    ("decode_bench.py", ["--steps", "64"]),
+    ("replay_bench.py", []),
+    ("encoder_bench.py", ["--requests", "60"]),
+    ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
+]
+
+
+def _cuda_present() -> bool:
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, count = driver.cuDeviceGetCount()
+        return err == driver.CUresult.CUDA_SUCCESS and count > 0
+    except Exception:  # noqa: BLE001 - no driver at all
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", action="append", help="run only these scripts (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    gpu = _cuda_present()
+    plan = CPU + (GPU if gpu else [])
+    if args.list:
+        for name, flags in CPU + GPU:
+            print(f"{name:24s} {' '.join(flags):40s} {'gpu' if (name, flags) in GPU else 'cpu'}")
+        return 0
+    if not gpu:
+        print("no CUDA device: running the CPU benchmarks only", flush=True)
+    failed = []
+    for name, flags in plan:
+        if args.only and name not in args.only:
+            continue
+        print(f"\n=== {name} {' '.join(flags)}", flush=True)
+        rc = subprocess.call([sys.executable, str(HERE / name), *flags])
+        if rc != 0:
+            failed.append(name)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
