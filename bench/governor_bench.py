@@ -122,12 +122,15 @@ def domain_core(n: int = 5000) -> float:
     from services.governor.store import Store
 
     with tempfile.TemporaryDirectory() as d:
-        ledger = Ledger(Store(pathlib.Path(d) / "core.sqlite"))
+        store = Store(pathlib.Path(d) / "core.sqlite")
+        ledger = Ledger(store)
         ledger.register("w", DeviceSpec(DEVICE_UUID, 1 << 50, 1 << 50))
         t0 = time.perf_counter()
         for _ in range(n):
             ledger.release("w", ledger.acquire("w", "", "kv", 64 * MIB).lease_id)
-        return (time.perf_counter() - t0) / n * 1e6
+        elapsed = time.perf_counter() - t0
+        store.close()
+        return elapsed / n * 1e6
 
 
 def chunked_vs_per_call(target: str, n: int = 2000) -> tuple[float, float]:

@@ -14,12 +14,16 @@ two threads at once (check_same_thread is off only because that thread varies).
 """
 from __future__ import annotations
 
+import logging
 import pathlib
 import sqlite3
+import threading
 from dataclasses import dataclass
 
 import sqlite_utils
 
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DeviceRow:
@@ -58,6 +62,14 @@ class Store:
         self._conn.execute("PRAGMA busy_timeout=5000")
         self.db = sqlite_utils.Database(self._conn)
         self._create_schema()
+        # A WAL checkpoint copies the log into the database and fsyncs; left automatic it runs
+        # inside whichever commit crosses 1000 pages, and that Acquire takes ~3-4 ms instead of
+        # ~30 us (p999 3.3 ms vs 0.2 ms of Ledger.acquire, 2-core VM, 2026-11-29). Checkpoints
+        # run instead on their own connection and thread, off every call's path.
+        self._checkpointer: _Checkpointer | None = None
+        if str(path) != ":memory:":
+            self._conn.execute("PRAGMA wal_autocheckpoint=0")
+            self._checkpointer = _Checkpointer(str(path))
 
     def _create_schema(self) -> None:
         self.db["devices"].create(
@@ -121,4 +133,35 @@ class Store:
         return [LeaseRow(**r) for r in self.db["leases"].rows]
 
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
+        self._conn.close()
+
+
+class _Checkpointer:
+    """Checkpoints the WAL every `interval_s` on a separate connection (PASSIVE: never blocks a
+    writer, and a reader holding an old snapshot only delays the copy)."""
+
+    def __init__(self, path: str, interval_s: float = 1.0) -> None:
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._stop = threading.Event()
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, name="governor-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error:
+            log.warning("WAL checkpoint failed; retrying on the next tick", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.checkpoint()
         self._conn.close()
