@@ -14,8 +14,8 @@ MESSAGE_ENVELOPE_BYTES = 1 << 20  # key, metadata and protobuf framing around an
 
 # Loopback by default: a laptop run must not expose an unauthenticated write path. Pods pass
 # --listen=0.0.0.0:PORT (deploy/).
-DEFAULT_LISTEN = "127.0.0.1:50052"
-DEFAULT_TARGET = "127.0.0.1:50052"
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_DB = pathlib.Path(VAR_DIR) / "kernel_cache.sqlite"
 
 

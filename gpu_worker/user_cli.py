@@ -173,8 +173,8 @@ def cmd_resources(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuplane", description="Use a running gpuplane stack.")
-    env_flag(parser, "--worker", "GPUPLANE_WORKER", "127.0.0.1:50051", "worker HOST:PORT")
-    env_flag(parser, "--governor", "GPUPLANE_GOVERNOR", "127.0.0.1:50053", "governor HOST:PORT")
+    env_flag(parser, "--worker", "GPUPLANE_WORKER", "127.0.0.1:50071", "worker HOST:PORT")
+    env_flag(parser, "--governor", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     commands = parser.add_subparsers(dest="command", required=True)
 
