@@ -29,16 +29,9 @@ GPU = [
 
 
 def _cuda_present() -> bool:
-    try:
-        from cuda.bindings import driver
+    from gpu_worker.device.cuda_backend import cuda_device_count
 
-        (err,) = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = driver.cuDeviceGetCount()
-        return err == driver.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:  # noqa: BLE001 - no driver at all
-        return False
+    return cuda_device_count() > 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,18 +9,9 @@ import pytest
 @functools.lru_cache(maxsize=1)
 def cuda_device_present() -> bool:
     """True when the CUDA driver initialises and reports at least one device."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return False
-    try:
-        (err,) = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = driver.cuDeviceGetCount()
-        return err == driver.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:  # noqa: BLE001 - no driver library at all
-        return False
+    from gpu_worker.device.cuda_backend import cuda_device_count
+
+    return cuda_device_count() > 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

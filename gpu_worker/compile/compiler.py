@@ -327,14 +327,14 @@ class KernelCompiler:
     def _write_local(self, writes: dict[str, bytes]) -> None:
         try:
             self.local.put_many(writes)
-        except Exception:  # noqa: BLE001 - the disk tier is never load-bearing
+        except Exception:  # the disk tier is never load-bearing
             log.exception("writing prefetched kernels to the local cache failed; ignored")
 
     def flush_local(self, timeout: float = 10.0) -> bool:
         """Wait until prefetched artifacts are on the local disk; False if `timeout` passed."""
         with self._lock:
             pending = list(self._disk_writes)
-        done, not_done = futures_wait(pending, timeout=timeout)
+        _done, not_done = futures_wait(pending, timeout=timeout)
         return not not_done
 
     def _remember(self, module: CompiledModule) -> None:

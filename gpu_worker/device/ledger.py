@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from services.common.errors import InvalidArgument, QuotaViolation, ResourceExhausted
+from services.common.errors import InvalidArgument
 
 ZONES: tuple[str, ...] = (
     "weights", "kv", "workspace", "activations", "graphs", "scratch", "transient", "context")
@@ -31,63 +31,10 @@ class BudgetOwner(Protocol):
     def close(self) -> None: ...
 
 
-class _FallbackLocalBudget:
-    """LocalBudget-compatible admission, used only where services.governor cannot be imported
-    (e.g. a GPU machine without the gRPC wheels)."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes <= 0:
-            raise InvalidArgument(f"budget must be positive, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
-        self._lock = threading.Lock()
-        self._used: dict[str, int] = {}
-        self.last_report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
-
-    def reserve(self, zone: str, nbytes: int) -> None:
-        check_zone(zone)
-        with self._lock:
-            free = self.budget_bytes - sum(self._used.values())
-            if nbytes > free:
-                raise ResourceExhausted(
-                    f"local budget: asked {nbytes} bytes in zone {zone}, {free} free of "
-                    f"{self.budget_bytes}", asked_bytes=nbytes, free_bytes=free, zone=zone,
-                    violations=[QuotaViolation(f"local/zone:{zone}", "local budget exhausted")])
-            self._used[zone] = self._used.get(zone, 0) + nbytes
-
-    def adopt(self, zone: str, nbytes: int) -> None:
-        check_zone(zone)
-        with self._lock:
-            self._used[zone] = self._used.get(zone, 0) + nbytes
-
-    def release(self, zone: str, nbytes: int) -> None:
-        check_zone(zone)
-        with self._lock:
-            if nbytes > self._used.get(zone, 0):
-                raise InvalidArgument(f"release of {nbytes} bytes in zone {zone} exceeds the "
-                                      f"{self._used.get(zone, 0)} reserved")
-            self._used[zone] -= nbytes
-
-    def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
-               process_used_bytes: int) -> None:
-        self.last_report = (dict(zones), device_used_bytes, process_used_bytes)
-
-    def connected(self) -> bool:
-        return True
-
-    def used(self) -> dict[str, int]:
-        with self._lock:
-            return {z: b for z, b in self._used.items() if b}
-
-    def close(self) -> None:
-        pass
-
-
 def local_budget(budget_bytes: int) -> BudgetOwner:
-    """The governor package's LocalBudget when importable, else the equivalent fallback."""
-    try:
-        from services.governor.client import LocalBudget
-    except Exception:  # noqa: BLE001 - grpc wheels missing: same admission, locally
-        return _FallbackLocalBudget(budget_bytes)
+    """Admission against a fixed budget in this process: the worker's budget with no governor."""
+    from services.governor.client import LocalBudget
+
     return LocalBudget(budget_bytes)
 
 

@@ -6,7 +6,7 @@ method by the caller, so a non-idempotent call (a Store, an Acquire) is never si
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider

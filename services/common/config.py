@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 VAR_DIR = os.environ.get("GPUPLANE_VAR_DIR", "./var")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -82,7 +83,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
                 try:
                     return inner(request, context)
-                except Exception as exc:  # noqa: BLE001 - this is the mapping point
+                except Exception as exc:  # the mapping point: every error becomes a status
                     if _already_aborted(context):
                         raise
                     _abort(context, exc, method)
@@ -96,7 +97,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 try:
                     yield from inner_stream(request, context)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     if _already_aborted(context):
                         raise
                     _abort(context, exc, method)

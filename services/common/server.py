@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -66,7 +66,7 @@ class RunningServer:
         for hook in self.on_stop:
             try:
                 hook()
-            except Exception:  # noqa: BLE001 - shutdown must finish
+            except Exception:  # shutdown must finish
                 log.exception("stop hook failed")
         log.info("server stopped", extra={"port": self.port})
 

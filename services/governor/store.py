@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import sqlite_utils
 
-
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)

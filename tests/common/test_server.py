@@ -18,7 +18,7 @@ from services.common import errors
 from services.common.server import ServiceRegistration, create_server
 
 SERVICE = "gpuplane.test.v1.Probe"
-_raw = lambda b: b  # noqa: E731 - bytes in, bytes out: no proto needed for the plumbing tests
+_raw = lambda b: b
 
 ERRORS = {
     b"invalid": (errors.InvalidArgument("bad shape"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -149,7 +149,7 @@ def test_errors_in_streaming_handlers_are_mapped_after_the_first_message(served)
     got = []
     with pytest.raises(grpc.RpcError) as info:
         for message in call:
-            got.append(message)
+            got.append(message)  # noqa: PERF402 - keep what arrived before the error
     assert got == [b"first"]
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
@@ -178,7 +178,7 @@ def test_stop_flips_health_to_not_serving_before_in_flight_calls_finish(served):
     stopper.start()
     try:
         deadline = time.monotonic() + 5
-        while not running.health._server_status.get(SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING:
+        while running.health._server_status.get(SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health never flipped to NOT_SERVING during drain"
             time.sleep(0.01)
         assert not slow.done(), "the in-flight call was cut off instead of drained"

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.device.ledger import ZONES, Ledger, _FallbackLocalBudget, local_budget
+from gpu_worker.device.ledger import ZONES, Ledger, local_budget
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 
-@pytest.mark.parametrize("make", [local_budget, _FallbackLocalBudget])
+@pytest.mark.parametrize("make", [local_budget])
 def test_a_refused_commit_books_nothing(make):
     led = Ledger(make(1000))
     led.commit("kv", 600)

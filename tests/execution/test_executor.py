@@ -60,7 +60,7 @@ def test_a_plan_rebuilt_after_eviction_gives_bit_identical_output(device, compil
     ex, model, _ = encoder(device, compiler, max_plans=1, variants_per_node=1)
     first = model.embed(seqs(2, 30))
     model.embed(seqs(3, 21))                       # evicts the (2, 30) plan and its variants
-    assert ("encode", 2, 30) not in ex.plans.keys(), "the LRU plan should have been evicted"
+    assert ("encode", 2, 30) not in ex.plans.keys(), "the LRU plan should have been evicted"  # noqa: SIM118 - PlanCache, not a dict
     again = model.embed(seqs(2, 30))
     assert np.array_equal(first, again), "a rebuilt plan changed the output bits"
 
@@ -130,7 +130,7 @@ def test_trim_and_close_release_every_byte_the_model_booked(device, compiler):
 
 
 def test_eager_and_captured_runs_agree_bit_for_bit(device, compiler):
-    ex, model, _ = encoder(device, compiler)
+    _ex, model, _ = encoder(device, compiler)
     captured = model.embed(seqs(2, 16))
     model.capture = False
     eager = model.embed(seqs(2, 16))

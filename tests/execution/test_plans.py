@@ -50,7 +50,7 @@ def test_plan_cache_keeps_at_most_max_plans_and_evicts_least_recently_used():
 
 
 def test_plan_cache_synchronizes_before_releasing_a_victim():
-    cache, run, log, _ = make_cache(1)
+    _cache, run, log, _ = make_cache(1)
     run("a")
     run("b")
     assert log.index(("sync",)) < log.index(("release", "a")), "a victim was freed before the sync"
@@ -84,7 +84,7 @@ def test_plan_cache_byte_bound_evicts_until_under_budget():
 
 
 def test_evict_all_releases_every_plan_after_one_sync():
-    cache, run, log, built = make_cache(3)
+    cache, run, _log, built = make_cache(3)
     for key in "abc":
         run(key)
     freed = cache.evict_all()

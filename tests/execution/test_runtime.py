@@ -117,7 +117,7 @@ def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtim
 
 def test_runtime_books_through_a_real_governor_when_one_is_configured(kernel_cache_dir, tmp_path):
     from services.governor.server import start_governor
-    server, ledger = start_governor("127.0.0.1:0", tmp_path / "governor.db")
+    server, _ledger = start_governor("127.0.0.1:0", tmp_path / "governor.db")
     try:
         rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
                                         governor=f"127.0.0.1:{server.port}",

@@ -121,7 +121,7 @@ def test_gpu_two_throwing_runs_then_a_third_shape_keep_the_bound(device, compile
 
 
 def test_gpu_decode_graph_replay_matches_eager_decode(device, compiler):
-    ex, model = make(device, compiler, DecoderModel, "small", 5)
+    _ex, model = make(device, compiler, DecoderModel, "small", 5)
     prompt = list(range(1, 50))
     graph_tokens = list(model.generate(prompt, 12))
     model.capture = False
