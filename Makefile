@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The GPU machine has no network: it reuses the system's grpcio/numpy/cupy/cuda-bindings and installs
 # the missing pure-Python wheels carried in .whl/ (see docs/gpu.md). Same stamp, so `make run` and
-# `make test-gpu` then skip the online install.
+# `make test-gpu` then skip the online install. When python3 is itself a virtual environment,
+# --system-site-packages reaches only its base interpreter, so the new venv also gets a .pth file
+# naming python3's own site-packages (searched after the venv's).
 setup-offline:
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import site; print(chr(10).join(site.getsitepackages()))" \
+	    > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_host_site.pth"
 	$(BIN)/python -m pip install -q --no-index --no-deps .whl/*.whl
 	$(BIN)/python -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
