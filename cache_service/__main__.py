@@ -16,6 +16,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
 from cache_service.auth import bearer_metadata
 from cache_service.config import DEFAULT_TARGET, add_serve_flags, server_config_from_args
+from services.common import cli
 from services.common.channels import open_channel
 from services.common.config import env_flag, parse_bytes
 from services.common.logs import configure_logging
@@ -125,4 +126,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -12,8 +12,8 @@ import os
 import pathlib
 import signal
 import socket
-import sys
 
+from services.common import cli
 from services.common.config import VAR_DIR, env_flag
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
@@ -108,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

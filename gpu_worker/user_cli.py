@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from services.common import cli
 from services.common.config import env_flag
 
 MiB = 1 << 20
@@ -226,5 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> None:
+    """The `gpuplane` console script."""
+    cli.run(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -8,6 +8,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from services.common import cli
 from services.common.config import VAR_DIR, env_flag, parse_bytes
 from services.common.logs import configure_logging
 
@@ -117,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)
