@@ -60,14 +60,18 @@ class Device:
         self.gate = gate or process_gate()
         if hasattr(backend, "attach_gate"):
             backend.attach_gate(self.gate)
-        free, total = backend.mem_get_info()
-        self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
-        # The context baseline is device memory this process pays for: booked, not ignored.
-        self._context_bytes = backend.process_used_bytes() or (total - free)
-        self.ledger.adopt("context", self._context_bytes)
-        self.ledger.add_content("context", self._context_bytes)
         self.stream = backend.create_stream()
         self.copy_stream = backend.create_stream()
+        free, total = backend.mem_get_info()
+        self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
+        # The context baseline (streams included) is device memory this process pays for: booked,
+        # not ignored. It is measured the way reconciliation measures the device (cuMemGetInfo),
+        # less what NVML attributes to other processes: NVML's own per-process figure leaves out
+        # ~9 MiB per context that cuMemGetInfo counts (H200, driver 580: 518.0 vs 526.8 MiB), and
+        # booking it would leave that much unaccounted for ever.
+        self._context_bytes = max(0, (total - free) - backend.others_used_bytes())
+        self.ledger.adopt("context", self._context_bytes)
+        self.ledger.add_content("context", self._context_bytes)
         self._streams = [self.stream, self.copy_stream]
         self.queue = ReleaseQueue(backend, self.gate)
         reserve = reserve_bytes or 2 * total
@@ -76,6 +80,7 @@ class Device:
         self.weights = WeightSlots(backend, self.gate, self.arena, self.queue, self.stream,
                                    self.copy_stream, weight_budget_bytes)
         self._graphs: dict[int, int] = {}  # id(graph_exec) -> booked graph bytes
+        self._modules: dict[int, int] = {}  # id(module) -> booked module bytes
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
@@ -97,12 +102,37 @@ class Device:
 
     # -- modules and launches ------------------------------------------------------------------
     def load_module(self, image: bytes) -> object:
-        with self.gate.shared():
+        """Load a PTX/CUBIN image and book the device memory the driver takes for it.
+
+        cuModuleLoadData allocates outside the arena (code, constants; with eager module loading,
+        set by the cuda backend, at load time rather than at first launch): 12.8 MiB for the
+        kernel library on an H200 that the ledger used to miss. The drop in free memory across
+        the load is booked in `context` (adopted: it is already spent). The exclusive side of the
+        gate keeps this process's other threads from committing memory while it is measured, as
+        for graph capture; other processes on the device can still blur it.
+        """
+        if self.gate.is_capturing_thread():  # measured by the capture around us, if anything
             return self.backend.load_module(image)
+        with self.gate.exclusive():
+            free0, _ = self.backend.mem_get_info()
+            module = self.backend.load_module(image)
+            free1, _ = self.backend.mem_get_info()
+        grown = max(0, free0 - free1)
+        if grown:
+            self.ledger.adopt("context", grown)
+            self.ledger.add_content("context", grown)
+            with self._lock:
+                self._modules[id(module)] = grown
+        return module
 
     def unload_module(self, module: object) -> None:
         with self.gate.shared():
             self.backend.unload_module(module)
+        with self._lock:
+            grown = self._modules.pop(id(module), 0)
+        if grown:
+            self.ledger.uncommit("context", grown)
+            self.ledger.remove_content("context", grown)
 
     def get_function(self, module: object, name: str) -> object:
         with self.gate.shared():

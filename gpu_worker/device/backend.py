@@ -86,6 +86,10 @@ class Backend(ABC):
     def process_used_bytes(self) -> int:
         """This process's device bytes per NVML, or 0 where NVML is unavailable."""
 
+    def others_used_bytes(self) -> int:
+        """Device bytes of the *other* processes on this device (NVML), 0 if none or unknown."""
+        return 0
+
     # -- virtual memory management -------------------------------------------------------------
     @abstractmethod
     def reserve(self, nbytes: int) -> int:

@@ -145,6 +145,19 @@ class CudaBackend(Backend):
             return 0
         return 0
 
+    def others_used_bytes(self) -> int:
+        if self._nvml is None:
+            return 0
+        try:
+            import pynvml
+
+            pid = os.getpid()
+            return sum(int(p.usedGpuMemory or 0)
+                       for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
+                       if p.pid != pid)
+        except Exception:  # noqa: BLE001 - NVML is best effort
+            return 0
+
     # -- VMM -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int:
         self._current()
@@ -261,7 +274,18 @@ class CudaBackend(Backend):
         data = bytes(image)
         if not data.startswith(b"\x7fELF") and not data.endswith(b"\0"):
             data += b"\0"  # PTX text must be NUL-terminated
-        return check(_drv().cuModuleLoadData(data), "cuModuleLoadData")
+        d = _drv()
+        module = check(d.cuModuleLoadData(data), "cuModuleLoadData")
+        # Under lazy loading (the CUDA 12+ default) a kernel's code reaches the device at its first
+        # launch, outside any measurement; load every function now, so that Device.load_module
+        # sees and books what the module costs.
+        count = check(d.cuModuleGetFunctionCount(module), "cuModuleGetFunctionCount")
+        if count:
+            functions = check(d.cuModuleEnumerateFunctions(count, module),
+                              "cuModuleEnumerateFunctions")
+            for function in functions:
+                check(d.cuFuncLoad(function), "cuFuncLoad")
+        return module
 
     def unload_module(self, module: Any) -> None:
         self._current()
