@@ -112,6 +112,9 @@ class KernelCompiler:
         # lost at exit only means the next start asks the service again.
         self._disk_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-disk")
         self._disk_writes: list[Future] = []
+        # CUBIN keys the last prefetch asked the service for and did not get: a cold host's
+        # compiles then go straight to NVRTC instead of asking again, one round trip each.
+        self._remote_missed: set[str] = set()
 
     # -- keys ------------------------------------------------------------------------------------
     def keys(self, src: KernelSource, arch: str | None = None) -> tuple[str, str]:
@@ -183,7 +186,10 @@ class KernelCompiler:
             if data is not None and _plausible(kind, data):
                 found[kind] = data
         tier = "local"
-        if "cubin" not in found:  # the CUBIN is what loads here; the PTX comes on demand
+        with self._lock:
+            just_missed = key_cubin in self._remote_missed
+            self._remote_missed.discard(key_cubin)
+        if "cubin" not in found and not just_missed:  # the CUBIN loads here; the PTX on demand
             fetched = self._fetch_remote(src, {"cubin": key_cubin})
             if fetched:  # kept on disk so the next process start is a local hit
                 self.local.put_many({key_cubin: fetched["cubin"]})
@@ -313,6 +319,8 @@ class KernelCompiler:
         for key_cubin, (src, key_ptx) in todo.items():
             cubin = self._accept(src, "cubin", got.get(key_cubin), self.arch)
             if cubin is None:
+                with self._lock:  # compile() need not ask the service again for this one
+                    self._remote_missed.add(key_cubin)
                 continue
             writes[key_cubin] = cubin
             self._remember(

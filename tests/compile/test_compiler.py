@@ -544,3 +544,19 @@ def test_a_ptx_the_driver_rejects_falls_back_to_a_fresh_compile_for_the_device_a
         )
     finally:
         device.close()
+
+
+def test_a_cold_host_asks_the_service_once_per_module_not_again_when_it_compiles(
+    tmp_path: pathlib.Path,
+) -> None:
+    remote = InTestRemote()
+    kernel_set = [source(f"cold{i}", body=f"y[i] = {i}.0f - x[i];") for i in range(3)]
+    c = compiler(tmp_path, "cold_host", remote=remote)
+    remote.batch_calls = remote.lookup_calls = 0
+    assert c.prefetch(kernel_set) == 0
+    tiers = [c.compile(src).source_tier for src in kernel_set]
+    assert tiers == ["compiled"] * 3, tiers
+    assert remote.batch_calls == 1 and remote.lookup_calls == 0, (
+        f"after a prefetch miss the compiles asked again: {remote.batch_calls} batch, "
+        f"{remote.lookup_calls} single lookups")
+
