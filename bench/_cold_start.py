@@ -63,6 +63,23 @@ def interleaved(
     return results
 
 
+def seed_and_run_tiers(
+    script: str, common: list[str], scratch: pathlib.Path, target: str, rounds: int
+) -> tuple[dict, dict[str, list[dict]]]:
+    """One seed run fills a warm local dir and the service; then every tier, interleaved."""
+    warm_dir = scratch / "warm-local"
+    seed = run_child(script, [*common, "--cache-dir", str(warm_dir), "--remote", target])
+
+    def run_tier(tier: str, fresh_dir: pathlib.Path) -> dict:
+        if tier == "cold":
+            return run_child(script, [*common, "--cache-dir", str(fresh_dir)])
+        if tier == "local":
+            return run_child(script, [*common, "--cache-dir", str(warm_dir)])
+        return run_child(script, [*common, "--cache-dir", str(fresh_dir), "--remote", target])
+
+    return seed, interleaved(rounds, run_tier, scratch)
+
+
 def _fmt(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 

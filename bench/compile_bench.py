@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _cold_start import WRITE_TOKEN, interleaved, report, run_child, start_service
+from _cold_start import WRITE_TOKEN, report, seed_and_run_tiers, start_service
 
 
 def child(args: argparse.Namespace) -> None:
@@ -75,24 +75,10 @@ def main() -> None:
         scratch = pathlib.Path(tmp)
         server, target = start_service(scratch / "service.sqlite")
         try:
-            warm_dir = scratch / "warm-local"
             # Seed: one process compiles everything, filling the warm local dir and the service.
-            seed = run_child(
-                script, ["--arch", args.arch, "--cache-dir", str(warm_dir), "--remote", target]
-            )
+            seed, results = seed_and_run_tiers(script, ["--arch", args.arch], scratch, target,
+                                               args.rounds)
             print(f"seed run: {seed}")
-
-            def run_tier(tier: str, fresh_dir: pathlib.Path) -> dict:
-                common = ["--arch", args.arch]
-                if tier == "cold":
-                    return run_child(script, [*common, "--cache-dir", str(fresh_dir)])
-                if tier == "local":
-                    return run_child(script, [*common, "--cache-dir", str(warm_dir)])
-                return run_child(
-                    script, [*common, "--cache-dir", str(fresh_dir), "--remote", target]
-                )
-
-            results = interleaved(args.rounds, run_tier, scratch)
         finally:
             server.stop(1.0)
     print(

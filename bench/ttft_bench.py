@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _cold_start import TIERS, WRITE_TOKEN, interleaved, report, run_child, start_service
+from _cold_start import TIERS, WRITE_TOKEN, report, seed_and_run_tiers, start_service
 
 MODEL_ID = "ttft-decoder"
 
@@ -131,20 +131,8 @@ def main() -> None:
         scratch = pathlib.Path(tmp)
         server, target = start_service(scratch / "service.sqlite")
         try:
-            warm_dir = scratch / "warm-local"
-            seed = run_child(script, [*common, "--cache-dir", str(warm_dir), "--remote", target])
+            seed, results = seed_and_run_tiers(script, common, scratch, target, args.rounds)
             print(f"seed run (fills the local dir and the service): {seed}")
-
-            def run_tier(tier: str, fresh_dir: pathlib.Path) -> dict:
-                if tier == "cold":
-                    return run_child(script, [*common, "--cache-dir", str(fresh_dir)])
-                if tier == "local":
-                    return run_child(script, [*common, "--cache-dir", str(warm_dir)])
-                return run_child(
-                    script, [*common, "--cache-dir", str(fresh_dir), "--remote", target]
-                )
-
-            results = interleaved(args.rounds, run_tier, scratch)
         finally:
             server.stop(1.0)
     print(

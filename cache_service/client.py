@@ -56,7 +56,7 @@ class KernelCacheClient:
         self._stub = pb_grpc.KernelCacheServiceStub(self._channel)
         # Connect now, in the background: a cold worker's first BatchLookup comes during model
         # load, and the TCP + HTTP/2 handshake should not be part of that stall.
-        self._connecting = _start_connecting(self._channel)
+        self._connecting = grpc.channel_ready_future(self._channel)
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
         self._stats_lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "errors": 0, "timeouts": 0, "corrupt": 0, "stores": 0,
@@ -247,8 +247,7 @@ class KernelCacheClient:
                     self._stats["dropped"] += dropped
             if self._worker is not None:
                 self._worker.join(self.store_deadline_s + 1.0)
-            if self._connecting is not None:
-                self._connecting.cancel()
+            self._connecting.cancel()
             self._channel.close()
         except Exception:
             log.exception("kernel cache client close failed")
@@ -259,9 +258,3 @@ class KernelCacheClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-
-def _start_connecting(channel: grpc.Channel) -> grpc.Future | None:
-    try:
-        return grpc.channel_ready_future(channel)
-    except (AttributeError, NotImplementedError):  # a wrapper that hides connectivity
-        return None

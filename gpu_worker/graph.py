@@ -89,3 +89,34 @@ class Graph:
 
     def activation_bytes(self, align: int = 256) -> int:
         return sum(-(-t.nbytes // align) * align for t in self.activations())
+
+
+class GraphBuilder:
+    """Collects tensor specs and nodes in execution order for the models' graph functions."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, TensorSpec] = {}
+        self.nodes: list[Node] = []
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: str = "f32",
+               kind: str = "activation") -> str:
+        self.tensors[name] = TensorSpec(name, shape, dtype, kind)
+        return name
+
+    def weight(self, name: str, shape: tuple[int, ...], dtype: str) -> str:
+        return self.tensor(name, shape, dtype, "weight")
+
+    def node(self, name: str, op: str, ins: tuple, outs: tuple, weights: tuple = (),
+             **attrs: object) -> None:
+        self.nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
+
+    def linear_int4(self, name: str, x: str, out: str, rows: int, out_dim: int,
+                    in_dim: int) -> None:
+        """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales."""
+        self.node(name, "linear_int4", (x,), (self.tensor(out, (rows, out_dim)),),
+                  (self.weight(name + ".q", (out_dim, in_dim // 2), "u8"),
+                   self.weight(name + ".s", (out_dim, in_dim // 32), "f16")))
+
+    def build(self, outputs: tuple[str, ...]) -> Graph:
+        return Graph(self.nodes, self.tensors, outputs=outputs)
+

@@ -94,21 +94,6 @@ class _Loaded:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _open_backend(kind: str, ordinal: int):
-    """The backend open_device would pick, created here so a governor client can be told about
-    the device before the Device books its context baseline through it."""
-    if kind not in ("auto", "cuda", "sim"):
-        raise InvalidArgument(f"backend must be auto, cuda or sim, got {kind!r}")
-    if kind in ("auto", "cuda"):
-        from gpu_worker.device.cuda_backend import CudaBackend, cuda_device_count
-        if cuda_device_count() > ordinal:
-            return CudaBackend(ordinal)
-        if kind == "cuda":
-            raise FailedPrecondition(f"backend cuda asked for, but there is no CUDA device {ordinal}")
-    from gpu_worker.device.sim_backend import SimBackend
-    return SimBackend(ordinal=ordinal)
-
-
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         if config.variants_per_node < 1 or config.max_plans < 1:
@@ -124,9 +109,9 @@ class WorkerRuntime:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
         from gpu_worker.compile import KernelCompiler
-        from gpu_worker.device import Device
+        from gpu_worker.device import Device, open_backend
         cfg = self.config
-        backend = _open_backend(cfg.backend, cfg.ordinal)
+        backend = open_backend(cfg.backend, cfg.ordinal)
         try:
             if cfg.governor:
                 from services.governor.client import DeviceDescription, GovernorClient

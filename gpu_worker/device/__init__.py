@@ -29,11 +29,11 @@ from gpu_worker.device.gate import CaptureGate, process_gate
 from gpu_worker.device.ledger import BudgetOwner, Ledger, local_budget
 from gpu_worker.device.release_queue import ReleaseQueue
 from gpu_worker.device.weights import WeightSlot, WeightSlots
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["Allocation", "Capture", "Device", "DeviceInfo", "WeightSlot", "open_device"]
+__all__ = ["Allocation", "Capture", "Device", "DeviceInfo", "WeightSlot", "open_backend", "open_device"]
 
 
 @dataclass(eq=False)
@@ -275,18 +275,27 @@ def _dim3(v: Sequence[int], what: str) -> tuple[int, int, int]:
     return t  # type: ignore[return-value]
 
 
-def open_device(backend: str = "auto", budget: BudgetOwner | None = None, ordinal: int = 0,
-                reserve_bytes: int | None = None) -> Device:
-    """Open the device. "auto" = cuda when a CUDA device exists, else the sim test double."""
+def open_backend(backend: str = "auto", ordinal: int = 0) -> Backend:
+    """The raw backend: "auto" = cuda when a CUDA device exists, else the sim test double.
+
+    Separate from open_device for callers that must describe the device (to a governor) before
+    the Device books its context baseline through that governor.
+    """
     if backend not in ("auto", "cuda", "sim"):
         raise InvalidArgument(f"backend must be auto, cuda or sim, got {backend!r}")
     if backend in ("auto", "cuda"):
         from gpu_worker.device.cuda_backend import CudaBackend, cuda_device_count
 
         if cuda_device_count() > ordinal:
-            return Device(CudaBackend(ordinal), budget, reserve_bytes)
+            return CudaBackend(ordinal)
         if backend == "cuda":
-            raise DeviceError(f"cuda backend asked for, but no CUDA device {ordinal} is present")
+            raise FailedPrecondition(f"backend cuda asked for, but there is no CUDA device {ordinal}")
     from gpu_worker.device.sim_backend import SimBackend
 
-    return Device(SimBackend(ordinal=ordinal), budget, reserve_bytes)
+    return SimBackend(ordinal=ordinal)
+
+
+def open_device(backend: str = "auto", budget: BudgetOwner | None = None, ordinal: int = 0,
+                reserve_bytes: int | None = None) -> Device:
+    """Open the device on the backend open_backend picks."""
+    return Device(open_backend(backend, ordinal), budget, reserve_bytes)

@@ -131,32 +131,24 @@ class CudaBackend(Backend):
         free, total = check(_drv().cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
-    def process_used_bytes(self) -> int:
+    def _nvml_usage(self) -> dict[int, int]:
+        """pid -> device bytes of every compute process on this device; {} without NVML."""
         if self._nvml is None:
-            return 0
+            return {}
         try:
             import pynvml
 
-            pid = os.getpid()
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml):
-                if p.pid == pid and p.usedGpuMemory is not None:
-                    return int(p.usedGpuMemory)
+            return {p.pid: int(p.usedGpuMemory or 0)
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)}
         except Exception:  # noqa: BLE001 - NVML is best effort (containers often hide pids)
-            return 0
-        return 0
+            return {}
+
+    def process_used_bytes(self) -> int:
+        return self._nvml_usage().get(os.getpid(), 0)
 
     def others_used_bytes(self) -> int:
-        if self._nvml is None:
-            return 0
-        try:
-            import pynvml
-
-            pid = os.getpid()
-            return sum(int(p.usedGpuMemory or 0)
-                       for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)
-                       if p.pid != pid)
-        except Exception:  # noqa: BLE001 - NVML is best effort
-            return 0
+        pid = os.getpid()
+        return sum(used for p, used in self._nvml_usage().items() if p != pid)
 
     # -- VMM -----------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int:

@@ -11,37 +11,19 @@ clamped, and must stay zero.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
 from services.common.errors import InvalidArgument
+from services.governor.client import BudgetOwner, LocalBudget
+from services.governor.policy import LEASABLE_ZONES, check_zone
+from services.governor.policy import ZONES as _GOVERNOR_ZONES
 
-ZONES: tuple[str, ...] = (
-    "weights", "kv", "workspace", "activations", "graphs", "scratch", "transient", "context")
-
-
-class BudgetOwner(Protocol):
-    """Interface (2); services.governor.client provides GovernorClient and LocalBudget."""
-
-    def reserve(self, zone: str, nbytes: int) -> None: ...
-    def adopt(self, zone: str, nbytes: int) -> None: ...
-    def release(self, zone: str, nbytes: int) -> None: ...
-    def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
-               process_used_bytes: int) -> None: ...
-    def connected(self) -> bool: ...
-    def close(self) -> None: ...
+# The zones a worker books, in the proto enum's order (the governor's list less report-only ones).
+ZONES: tuple[str, ...] = tuple(z for z in _GOVERNOR_ZONES if z in LEASABLE_ZONES)
 
 
 def local_budget(budget_bytes: int) -> BudgetOwner:
     """Admission against a fixed budget in this process: the worker's budget with no governor."""
-    from services.governor.client import LocalBudget
-
     return LocalBudget(budget_bytes)
-
-
-def check_zone(zone: str) -> str:
-    if zone not in ZONES:
-        raise InvalidArgument(f"zone {zone!r} is not one of {', '.join(ZONES)}", zone=zone)
-    return zone
 
 
 class Ledger:

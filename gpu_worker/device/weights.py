@@ -151,20 +151,13 @@ class WeightSlots:
     def evict(self, key: str) -> None:
         """Unmap `key`'s pages (fenced); its address stays reserved for the next page-in."""
         with self._gate.shared(), self._lock:
-            slot = self.get(key)
-            if self._gate.is_capturing_thread():
-                raise FailedPrecondition("never unmap inside a capture")
-            if slot.state in ("pending", "resident"):
-                self._evict(slot)
+            self._evict_if_mapped(self.get(key))
 
     def remove(self, key: str) -> None:
         """Forget `key`: evict, give back its address, free its pinned copy after the copy stream."""
         with self._gate.shared(), self._lock:
             slot = self.get(key)
-            if self._gate.is_capturing_thread():
-                raise FailedPrecondition("never unmap inside a capture")
-            if slot.state in ("pending", "resident"):
-                self._evict(slot)
+            self._evict_if_mapped(slot)
             del self._slots[key]
             self.policy.forget(key)
             self.policy.window = max(1, len(self._slots))
@@ -200,6 +193,12 @@ class WeightSlots:
             }
 
     # -- internals -----------------------------------------------------------------------------
+    def _evict_if_mapped(self, slot: WeightSlot) -> None:
+        if self._gate.is_capturing_thread():
+            raise FailedPrecondition("never unmap inside a capture")
+        if slot.state in ("pending", "resident"):
+            self._evict(slot)
+
     def _page_in(self, slot: WeightSlot, need: set[str], stream: object) -> float:
         self._make_room(slot, need)
         while True:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.graph import Graph, Node, TensorSpec
+from gpu_worker.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
 from services.common.errors import InvalidArgument
@@ -29,22 +29,11 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     assert phase in ("prefill", "decode"), phase
     assert phase == "prefill" or seq == 1, "decode runs one token"
     h, hd, kvd = cfg.hidden, cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    T: dict[str, TensorSpec] = {}
-    nodes: list[Node] = []
-
-    def t(name: str, shape: tuple[int, ...], dtype: str = "f32", kind: str = "activation") -> str:
-        T[name] = TensorSpec(name, shape, dtype, kind)
-        return name
-
-    def n(name: str, op: str, ins: tuple, outs: tuple, weights: tuple = (), **attrs: object) -> None:
-        nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
-
-    def w(name: str, shape: tuple[int, ...], dtype: str) -> str:
-        return t(name, shape, dtype, "weight")
+    g = GraphBuilder()
+    t, n, w = g.tensor, g.node, g.weight
 
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
-        n(name, "linear_int4", (x,), (t(out, (seq, out_dim)),),
-          (w(name + ".q", (out_dim, in_dim // 2), "u8"), w(name + ".s", (out_dim, in_dim // 32), "f16")))
+        g.linear_int4(name, x, out, seq, out_dim, in_dim)
 
     tokens = t("tokens", (seq,), "i32", "input")
     start = t("start", (1,), "i32", "input")    # position of the first token, read on device
@@ -92,10 +81,9 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         last = "x.last"
     n("final_norm", "rmsnorm", (last,), (t("hf", (1, h)),), (w("final_norm.w", (h,), "f32"),),
       eps=cfg.eps)
-    n("lm_head", "linear_int4", ("hf",), (t("logits", (1, cfg.vocab_size)),),
-      (w("lm_head.q", (cfg.vocab_size, h // 2), "u8"), w("lm_head.s", (cfg.vocab_size, h // 32), "f16")))
+    g.linear_int4("lm_head", "hf", "logits", 1, cfg.vocab_size, h)
     n("argmax", "argmax", ("logits",), (t("next_token", (1,), "i32"),))
-    return Graph(nodes, T, outputs=("next_token", "logits"))
+    return g.build(outputs=("next_token", "logits"))
 
 
 class DecoderModel:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.graph import Graph, Node, TensorSpec
+from gpu_worker.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
 from services.common.errors import InvalidArgument
@@ -16,22 +16,11 @@ from services.common.errors import InvalidArgument
 
 def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
     h, rows = cfg.hidden, batch * seq
-    T: dict[str, TensorSpec] = {}
-    nodes: list[Node] = []
-
-    def t(name: str, shape: tuple[int, ...], dtype: str = "f32", kind: str = "activation") -> str:
-        T[name] = TensorSpec(name, shape, dtype, kind)
-        return name
-
-    def n(name: str, op: str, ins: tuple, outs: tuple, weights: tuple = (), **attrs: object) -> None:
-        nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
-
-    def w(name: str, shape: tuple[int, ...], dtype: str) -> str:
-        return t(name, shape, dtype, "weight")
+    g = GraphBuilder()
+    t, n, w = g.tensor, g.node, g.weight
 
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
-        n(name, "linear_int4", (x,), (t(out, (rows, out_dim)),),
-          (w(name + ".q", (out_dim, in_dim // 2), "u8"), w(name + ".s", (out_dim, in_dim // 32), "f16")))
+        g.linear_int4(name, x, out, rows, out_dim, in_dim)
 
     def layernorm(name: str, x: str, out: str, wname: str) -> None:
         n(name, "layernorm", (x,), (t(out, (rows, h)),),
@@ -63,7 +52,7 @@ def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         layernorm(p + "mlp_norm", p + "r2", x_next, p + "mlp_norm")
         x = x_next
     n("pool", "mean_pool", (x,), (t("pooled", (batch, h)),), batch=batch, seq=seq)
-    return Graph(nodes, T, outputs=("pooled",))
+    return g.build(outputs=("pooled",))
 
 
 class EncoderModel:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -52,13 +50,3 @@ def dev():
     d = make_device()
     yield d
     d.close()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll a condition that another thread will make true (never a bare sleep as proof)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.001)
-    return cond()

@@ -216,7 +216,7 @@ def test_no_code_outside_the_device_package_calls_a_synchronizing_backend_method
 
 def test_zones_and_device_truth_reach_the_budget_owner_periodically():
     from gpu_worker.device.ledger import local_budget
-    from tests.device.conftest import wait_until
+    from tests.polling import wait_until
 
     budget = local_budget(1 << 30)
     d = make_device(budget=budget, report_interval_s=0.01)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 
 from gpu_worker.device.gate import CaptureGate, process_gate
-from tests.device.conftest import wait_until
+from tests.polling import wait_until
 
 
 def test_a_capture_waits_for_shared_sections_in_flight():

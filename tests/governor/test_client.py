@@ -10,20 +10,11 @@ from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.governor.client import DeviceDescription, GovernorClient, LocalBudget
 from services.governor.policy import Policy
 from services.governor.server import start_governor
+from tests.polling import eventually
 
 MIB = 1 << 20
 CHUNK = 8 * MIB
 DEVICE = DeviceDescription("GPU-client", "test", 2000 * MIB, 100 * MIB, 2 * MIB)
-
-
-def eventually(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `predicate` until true; fail naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for: {what}")
 
 
 def serve(tmp_path, port: int = 0, db: str = "gov.sqlite", **policy):

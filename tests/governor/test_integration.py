@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import ResourceExhausted
 from services.governor.client import DeviceDescription, GovernorClient
+from tests.polling import eventually as _eventually
 
 MIB = 1 << 20
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,12 +47,7 @@ def stub_for(port: int):
 
 
 def eventually(predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for: {what}")
+    _eventually(predicate, timeout, what, interval=0.05)
 
 
 def governor_leases(stub) -> dict[str, set[str]]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pathlib
-import time
 
 import grpc
 import pytest
@@ -14,6 +13,7 @@ from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference
 from gpu_worker.models.weights import load_host
 from gpu_worker.stack import Stack
+from tests.polling import wait_until as _wait_until
 
 TOKEN = "process-stack-token"
 pytestmark = pytest.mark.slow
@@ -37,12 +37,7 @@ def cache_entries(address: str) -> int:
 
 
 def wait_until(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return bool(predicate())
+    return _wait_until(predicate, timeout_s, interval=0.1)
 
 
 def test_three_service_processes_serve_the_decoder_book_it_with_the_governor_and_stop_cleanly(
