@@ -94,6 +94,20 @@ class _Loaded:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def admission_bytes(cfg: ModelConfig, granule: int) -> int:
+    """Committed bytes a model's load asks for: its weights and KV cache, granule-rounded."""
+    from gpu_worker.device.arena import ALIGN
+    from gpu_worker.models.weights import weight_sizes
+
+    def packed(sizes: list[int]) -> int:
+        content = sum(-(-n // ALIGN) * ALIGN for n in sizes)
+        return -(-content // granule) * granule + granule
+    kv: list[int] = []
+    if cfg.family == "decoder":
+        kv = [cfg.kv_bytes() // (2 * cfg.layers)] * (2 * cfg.layers)  # one K and one V per layer
+    return packed(weight_sizes(cfg)) + (packed(kv) if kv else 0)
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         if config.variants_per_node < 1 or config.max_plans < 1:
@@ -202,8 +216,13 @@ class WorkerRuntime:
     def _admit(device, cfg: ModelConfig) -> None:
         """Refuse a model that cannot fit before generating its host weights: a 36 GiB config
         would otherwise spend a minute and as much host memory only to be refused on the device.
-        A probe commit through the budget owner, released at once."""
-        need = cfg.weight_bytes() + (cfg.kv_bytes() if cfg.family == "decoder" else 0)
+        A probe commit through the budget owner, released at once.
+
+        The probe counts what the load will commit, not the tensors' content bytes: every carve
+        is aligned (ALIGN) and commits round up to whole granules, plus one granule where a
+        packed run straddles a boundary. A probe of content bytes passes a model whose commits
+        then fail halfway through its load."""
+        need = admission_bytes(cfg, device.info.granule_bytes)
         device.ledger.commit("weights", need)
         device.ledger.uncommit("weights", need)
 

@@ -15,6 +15,11 @@ Hazards and contract:
 - State per slot: idle (no pages), pending (copy in flight), resident, poisoned (a failed copy or
   release: never used until removed). A failed page-in leaves the slot idle or poisoned, never
   mapped to the wrong bytes.
+- Only an *evictable* slot is ever chosen as a victim. A slot whose owner never calls
+  ensure_resident again before launching kernels on it (the model executor today: it pages in
+  once, at load) must not lose its pages to make room for another slot: the owner's next launch
+  would read unmapped memory (illegal address, context lost). Such a page-in is refused with
+  ResourceExhausted instead.
 
 Cost: a page-in is one cuMemCreate/Map/SetAccess per large handle plus the copy (~55 GB/s pinned
 on H200); a hit is a dict lookup.
@@ -43,6 +48,7 @@ class WeightSlot:
     va: int
     nbytes: int
     host: np.ndarray = field(repr=False)
+    evictable: bool = True  # False: the owner never pages it back, so it is never a victim
     state: str = "idle"  # idle | pending | resident | poisoned
     event: object = field(default=None, repr=False)
     error: str = ""
@@ -84,8 +90,11 @@ class WeightSlots:
             self.policy.capacity_bytes = budget_bytes
 
     # -- slots ---------------------------------------------------------------------------------
-    def add(self, key: str, host: np.ndarray) -> WeightSlot:
-        """Register a weight: pinned host copy and a stable device address; not resident yet."""
+    def add(self, key: str, host: np.ndarray, evictable: bool = True) -> WeightSlot:
+        """Register a weight: pinned host copy and a stable device address; not resident yet.
+
+        `evictable=False` for an owner that does not call ensure_resident before every use: its
+        slot is never evicted to make room for another (see the module docstring)."""
         if not key:
             raise InvalidArgument("weight key must be a non-empty string")
         data = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
@@ -101,7 +110,7 @@ class WeightSlots:
             except BaseException:
                 self._backend.free_pinned(pinned)
                 raise
-            slot = WeightSlot(key, va, data.nbytes, pinned)
+            slot = WeightSlot(key, va, data.nbytes, pinned, evictable=evictable)
             self._slots[key] = slot
             self.policy.window = max(1, len(self._slots))
             return slot
@@ -157,7 +166,7 @@ class WeightSlots:
         """Forget `key`: evict, give back its address, free its pinned copy after the copy stream."""
         with self._gate.shared(), self._lock:
             slot = self.get(key)
-            self._evict_if_mapped(slot)
+            self._evict_if_mapped(slot, counted=False)  # a removal is not an eviction
             del self._slots[key]
             self.policy.forget(key)
             self.policy.window = max(1, len(self._slots))
@@ -193,11 +202,11 @@ class WeightSlots:
             }
 
     # -- internals -----------------------------------------------------------------------------
-    def _evict_if_mapped(self, slot: WeightSlot) -> None:
+    def _evict_if_mapped(self, slot: WeightSlot, counted: bool = True) -> None:
         if self._gate.is_capturing_thread():
             raise FailedPrecondition("never unmap inside a capture")
         if slot.state in ("pending", "resident"):
-            self._evict(slot)
+            self._evict(slot, counted)
 
     def _page_in(self, slot: WeightSlot, need: set[str], stream: object) -> float:
         self._make_room(slot, need)
@@ -224,7 +233,8 @@ class WeightSlots:
             self._arena.decommit(slot.va, slot.nbytes, ZONE, [self._compute, self._copy])
             raise
         slot.state = "pending"
-        self.policy.admit(slot.key, slot.nbytes)
+        if slot.evictable:  # the policy only ever names victims among the keys it was given
+            self.policy.admit(slot.key, slot.nbytes)
         self.counters["page_ins"] += 1
         self.counters["bytes_copied"] += slot.nbytes
         return time.perf_counter() - t0
@@ -247,14 +257,14 @@ class WeightSlots:
                     asked_bytes=cost, free_bytes=max(0, budget - live), zone=ZONE)
             self._evict(self._slots[victim])
 
-    def _evict(self, slot: WeightSlot) -> None:
+    def _evict(self, slot: WeightSlot, counted: bool = True) -> None:
         if slot.state not in ("pending", "resident"):  # e.g. poisoned by a failed release
             self.policy.forget(slot.key)
             return
         self._arena.decommit(slot.va, slot.nbytes, ZONE, [self._compute, self._copy])
         slot.state = "idle"
         self.policy.evicted(slot.key)
-        self.counters["evictions"] += 1
+        self.counters["evictions"] += counted
 
     def _on_quarantine(self, va: int, nbytes: int) -> None:
         for s in self._slots.values():

@@ -182,7 +182,10 @@ class ModelExecutor:
 
     # -- weights and state ------------------------------------------------------------------------
     def add_weight(self, key: str, host: np.ndarray) -> None:
-        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
+        # Not evictable: plans launch on these addresses without paging them back in (weights are
+        # made resident once, at load), so evicting one would fault the model's next request.
+        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host,
+                                                     evictable=False)
 
     def weight_ptr(self, key: str) -> int:
         return int(self._weights[key].va)

@@ -101,6 +101,22 @@ def weight_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
+def weight_sizes(cfg: ModelConfig) -> list[int]:
+    """Bytes of every weight tensor, in load order, without generating any of them."""
+    h = cfg.hidden
+    sizes = [cfg.vocab_size * h * 2]
+    if cfg.family == "encoder":
+        sizes += [cfg.max_context * h * 2, h * 4, h * 4]
+    norms = 2 if cfg.family == "decoder" else 4
+    per_layer = [h * 4] * norms
+    for o, i in cfg.linear_shapes().values():
+        per_layer += [o * i // 2, o * (i // QUANT_BLOCK) * 2]
+    sizes += per_layer * cfg.layers
+    if cfg.family == "decoder":
+        sizes += [h * 4, cfg.vocab_size * h // 2, cfg.vocab_size * (h // QUANT_BLOCK) * 2]
+    return sizes
+
+
 def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (key, host array) for every weight, deterministically from `seed`.
 

@@ -86,6 +86,26 @@ def test_admission_counts_committed_granule_bytes_and_evicts_to_fit():
         d.close()
 
 
+@pytest.mark.parametrize("limit", ["weight_budget", "ledger"])
+def test_a_slot_its_owner_never_pages_back_is_never_evicted_for_another(limit):
+    """Issue 11: a page-in that needs room evicts only evictable slots; otherwise it is refused,
+    and the non-evictable slot stays mapped (its owner's next kernel would fault)."""
+    d = make_device(weight_budget=2 * GRANULE if limit == "weight_budget" else None)
+    try:
+        d.weights.add("pinned", np.ones(GRANULE, np.uint8), evictable=False)
+        d.weights.ensure_resident(["pinned"])
+        if limit == "ledger":   # leave exactly one granule free in the whole budget
+            budget = d.ledger.budget
+            budget.budget_bytes = sum(budget.used().values()) + GRANULE
+        d.weights.add("other", np.ones(2 * GRANULE, np.uint8))
+        with pytest.raises(ResourceExhausted):
+            d.weights.ensure_resident(["other"])
+        assert d.weights.get("pinned").state in ("resident", "pending"), "the pinned slot lost its pages"
+        assert d.weights.stats()["evictions"] == 0
+    finally:
+        d.close()
+
+
 def test_a_page_in_that_cannot_fit_names_the_zone_and_changes_nothing():
     d = make_device(weight_budget=2 * GRANULE)
     try:

@@ -161,3 +161,19 @@ def test_two_models_of_one_config_keep_their_own_weights(runtime):
         want = R.DecoderReference(CONFIGS["tiny"], W.load_host(CONFIGS["tiny"], seed)).generate(prompt, 4)
         got = [c[0] for c in runtime.generate(model_id, prompt, 4)]
         assert got == want, f"model {model_id} ran with another model's weights"
+
+
+@pytest.mark.parametrize("probe", ["content", "granules", "content-unprobed"])
+def test_a_load_never_evicts_weights_another_model_runs_on(runtime, probe, monkeypatch):
+    """DESIGN 2.3 + issue 11: under a budget with exactly the second model's probe free, the
+    second load is refused (RESOURCE_EXHAUSTED) or both models stay correct; never a fault.
+    "content-unprobed" skips the admission probe, so the weight slots' own refusal is what keeps
+    model a's pages mapped (the probe is advisory; the commit-time refusal is the guard)."""
+    from tests.scenarios import second_model_under_an_exact_budget
+    if probe == "content-unprobed":
+        monkeypatch.setattr(WorkerRuntime, "_admit", staticmethod(lambda device, cfg: None))
+    outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0])
+    if probe.startswith("content"):
+        assert outcome == "refused", "content bytes cannot hold the granule-rounded commits"
+    assert runtime.device.weights.stats()["evictions"] == 0, "a load evicted a weight nothing pages back"
+    assert runtime.stats()["arena"]["faults"] == 0

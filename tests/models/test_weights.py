@@ -53,3 +53,10 @@ def test_unknown_config_is_invalid_argument():
     with pytest.raises(InvalidArgument):
         get_config("tiny", family="encoder-ish")
     assert get_config("tiny", family="encoder").name == "tiny-encoder"
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "tiny-encoder"])
+def test_weight_sizes_match_the_generated_tensors_without_generating_them(name):
+    cfg = CONFIGS[name]
+    assert W.weight_sizes(cfg) == [a.nbytes for _, a in W.generate(cfg, 0)]
+    assert sum(W.weight_sizes(cfg)) == cfg.weight_bytes()
