@@ -12,12 +12,16 @@ import os
 import pathlib
 import signal
 import socket
+from typing import TYPE_CHECKING
 
 from services.common import cli
 from services.common.config import VAR_DIR, env_flag
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
 from services.common.telemetry import tracer_provider
+
+if TYPE_CHECKING:
+    from gpu_worker.runtime import WorkerConfig
 
 log = logging.getLogger("gpu_worker")
 
@@ -46,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", 4,
              "kernel shape variants kept per node", type=int)
     env_flag(serve, "--max-plans", "GPUPLANE_MAX_PLANS", 2, "warm shape plans kept per model", type=int)
+    env_flag(serve, "--max-plan-bytes", "GPUPLANE_MAX_PLAN_BYTES", 0,
+             "byte bound on one model's warm plans (arenas + graphs); 0 = only --max-plans", type=int)
+    env_flag(serve, "--cache-namespace", "GPUPLANE_WORKER_CACHE_NAMESPACE", "",
+             "namespace of this worker's entries in the kernel cache service (its per-namespace "
+             "budget applies); empty = the default namespace")
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
              "Prometheus /metrics port; 0 = disabled", type=int)
     env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
@@ -55,28 +64,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerConfig:
+    """The runtime's configuration from parsed `serve` flags."""
+    from gpu_worker.runtime import WorkerConfig
+
+    return WorkerConfig(
+        backend=args.backend,
+        governor=args.governor or None,
+        cache=args.cache or None,
+        cache_dir=pathlib.Path(args.cache_dir) if args.cache_dir else None,
+        cache_namespace=args.cache_namespace,
+        worker_id=args.worker_id or default_worker_id(),
+        variants_per_node=args.variants_per_node,
+        max_plans=args.max_plans,
+        max_plan_bytes=args.max_plan_bytes or None,
+        cache_write_token=args.cache_write_token or None,
+        tracer_provider=provider,
+    )
+
+
 def serve(args: argparse.Namespace) -> int:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.runtime import WorkerRuntime
     from gpu_worker.servicer import serve_worker
 
     configure_logging("gpu-worker")
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see a stuck request.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.variants_per_node < 1 or args.max_plans < 1:
-        log.error("--variants-per-node and --max-plans must be at least 1")
+    if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
+        log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
         return 2
     provider = tracer_provider("gpu-worker")
-    config = WorkerConfig(
-        backend=args.backend,
-        governor=args.governor or None,
-        cache=args.cache or None,
-        cache_dir=pathlib.Path(args.cache_dir) if args.cache_dir else None,
-        worker_id=args.worker_id or default_worker_id(),
-        variants_per_node=args.variants_per_node,
-        max_plans=args.max_plans,
-        cache_write_token=args.cache_write_token or None,
-        tracer_provider=provider,
-    )
+    config = worker_config(args, provider)
     runtime = WorkerRuntime(config)
     runtime.start()
     try:

@@ -56,6 +56,7 @@ class WorkerConfig:
     governor: str | None = None
     cache: str | None = None
     cache_dir: pathlib.Path | None = None
+    cache_namespace: str = ""           # the kernel cache service's namespace for our entries
     worker_id: str = field(default_factory=default_worker_id)
     variants_per_node: int = field(default_factory=variants_per_node_from_env)
     max_plans: int = field(default_factory=max_plans_from_env)
@@ -143,7 +144,7 @@ class WorkerRuntime:
             # The compiler's spans sit between the worker's request span and the cache service's
             # span, so they must come from the worker's provider or the trace breaks in two.
             self.compiler = KernelCompiler(self.device.info.arch, cache_dir=cfg.cache_dir,
-                                           remote=self.cache_client,
+                                           remote=self.cache_client, namespace=cfg.cache_namespace,
                                            tracer_provider=cfg.tracer_provider)
         except BaseException:
             self.close()
@@ -184,7 +185,6 @@ class WorkerRuntime:
                                     model_id=model_id)
             self._models[model_id] = None  # type: ignore[assignment]  # reserve the id
         started = time.perf_counter()
-        compiled_before = self.compiler.stats()["compiled"]
         executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
                                  self.config.max_plans, self.config.max_plan_bytes,
                                  weight_namespace=f"{model_id}/")
@@ -203,14 +203,15 @@ class WorkerRuntime:
             with self._lock:
                 del self._models[model_id]
             raise
-        compiled = int(self.compiler.stats()["compiled"] - compiled_before)
+        # Counted per module of this load (a concurrent load's compiles are not ours).
+        compiled = executor.module_tiers["compiled"]
+        from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
         info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
                          cfg.weight_bytes())
         with self._lock:
             self._models[model_id] = _Loaded(info, cfg, executor, model)
         self._report()
-        return LoadResult(info, time.perf_counter() - started, compiled,
-                          max(0, len(ALL_SOURCES) - compiled))
+        return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
 
     @staticmethod
     def _admit(device, cfg: ModelConfig) -> None:
@@ -299,8 +300,8 @@ class WorkerRuntime:
 
     # -- operations ------------------------------------------------------------------------------
     def trim(self, target_bytes: int) -> tuple[int, int]:
-        """Drop plans and kernel variants, model by model, until the ledger is at or under
-        `target_bytes`; returns (freed, ledger bytes)."""
+        """Drop plans and kernel variants, model by model, then the arena's retained handles,
+        stopping as soon as the ledger is at or under `target_bytes`; returns (freed, ledger)."""
         device = self._started()
         if target_bytes < 0:
             raise InvalidArgument(f"target_bytes={target_bytes} is negative")
@@ -314,6 +315,8 @@ class WorkerRuntime:
                 freed += loaded.executor.trim()
             device.synchronize()
             device.arena.collect()
+        if device.ledger.total_committed() > target_bytes:
+            freed += device.arena.release_pool()  # freed handles land in the pool first
         self._report()
         return freed, device.ledger.total_committed()
 
@@ -348,7 +351,7 @@ class WorkerRuntime:
             "device_total_bytes": device.info.total_bytes,
             "device_used_bytes": used,
             "ledger_bytes": ledger,
-            "unaccounted_bytes": used - ledger,
+            "unaccounted_bytes": device.unaccounted_bytes(),
             "zones": device.ledger.snapshot(),
             "kernel_cache": kc,
             "plans": plans,
@@ -361,7 +364,7 @@ class WorkerRuntime:
                 "compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits",
                 "remote_errors", "remote_timeouts", "load_fallbacks")},
             "capture": {"captures": gate.captures,
-                        "invalidations": int(getattr(device.backend, "invalidations", 0)),
+                        "invalidations": device.capture_invalidations,
                         "gate_waits": gate.writer_waits, "replays": replays},
             "arena": {"reserved_bytes": a.get("reserved", 0),
                       "committed_bytes": a.get("committed", 0),
@@ -369,6 +372,6 @@ class WorkerRuntime:
                       "pooled_bytes": a.get("pooled_bytes", 0),
                       "quarantined_bytes": a.get("quarantined_bytes", 0),
                       "commits": a.get("commits", 0), "releases": a.get("releases", 0),
-                      "faults": a.get("fault_underflow", 0) + device.ledger.fault_underflow},
+                      "faults": device.bookkeeping_faults()},
             "governor_connected": bool(self.budget.connected()) if self.budget else False,
         }

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import pathlib
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -351,11 +352,16 @@ class KernelCompiler:
             self._counts[f"{module.source_tier}_hits"] += 1
 
     # -- load ------------------------------------------------------------------------------------
-    def load(self, device: Any, src: KernelSource) -> Any:
-        """Load `src` on `device` (a gpu_worker.device.Device); see the module doc for the order."""
+    def load(self, device: Any, src: KernelSource, tiers: Counter[str] | None = None) -> Any:
+        """Load `src` on `device` (a gpu_worker.device.Device); see the module doc for the order.
+
+        `tiers`, when given, counts where this call got the module ("memo", "local", "remote" or
+        "compiled"): what a model load reports as kernels compiled vs taken from a cache."""
         from gpu_worker.device.backend import DeviceError
 
         module = self.compile(src)
+        if tiers is not None:
+            tiers[module.source_tier] += 1
         device_arch = device.info.arch
         candidates = [("cubin", lambda: module.cubin)] if device_arch == self.arch else []
         candidates.append(("ptx", lambda: module.ptx or self._ptx_for(src, module)))

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_worker.device.arena import Allocation, Arena
-from gpu_worker.device.backend import Backend, DeviceError, DeviceInfo, KernelArg
+from gpu_worker.device.backend import (
+    Backend,
+    CaptureInvalidated,
+    DeviceError,
+    DeviceInfo,
+    KernelArg,
+)
 from gpu_worker.device.gate import CaptureGate, process_gate
 from gpu_worker.device.ledger import BudgetOwner, Ledger, local_budget
 from gpu_worker.device.release_queue import ReleaseQueue
@@ -80,6 +86,9 @@ class Device:
         self.weights = WeightSlots(backend, self.gate, self.arena, self.queue, self.stream,
                                    self.copy_stream, weight_budget_bytes)
         self._graphs: dict[int, int] = {}  # id(graph_exec) -> booked graph bytes
+        # Captures whose end-capture the driver refused as invalidated (both backends count it
+        # here, where it surfaces; the sim additionally records which call caused it).
+        self.capture_invalidations = 0
         self._modules: dict[int, int] = {}  # id(module) -> booked module bytes
         self._lock = threading.Lock()
         self._closed = False
@@ -159,9 +168,9 @@ class Device:
                 yield cap
             except BaseException:
                 with contextlib.suppress(DeviceError):  # the body's error is the one to report
-                    graph = self.backend.end_capture(stream)  # always ended, even on error
+                    graph = self._end_capture(stream)  # always ended, even on error
                 raise
-            graph = self.backend.end_capture(stream)
+            graph = self._end_capture(stream)
             cap.graph_exec = self.backend.instantiate(graph)
             free1, _ = self.backend.mem_get_info()
             cap.graph_bytes = max(0, free0 - free1)
@@ -179,6 +188,14 @@ class Device:
                 self.backend.destroy_graph(graph)
             guard.release()
             self.queue.fence_parked()
+
+    def _end_capture(self, stream: object) -> object:
+        try:
+            return self.backend.end_capture(stream)
+        except CaptureInvalidated:
+            with self._lock:
+                self.capture_invalidations += 1
+            raise
 
     def replay(self, graph_exec: object, stream: object = None) -> None:
         self.backend.launch_graph(graph_exec, self.stream if stream is None else stream)
@@ -229,11 +246,21 @@ class Device:
         return total - free, self.backend.process_used_bytes()
 
     def unaccounted_bytes(self) -> int:
-        """Device-used bytes the ledger does not explain (0 when every byte is booked).
-
-        Meaningful when this process is alone on the device (the sim, a dedicated GPU)."""
+        """Device-used bytes the ledger does not explain (0 when every byte is booked): the
+        device's use less what NVML attributes to other processes, less this ledger."""
         used, _ = self.truth()
-        return used - self.ledger.total_committed()
+        return used - self.backend.others_used_bytes() - self.ledger.total_committed()
+
+    def unaccounted_tolerance(self) -> int:
+        """How far unaccounted may drift before it is a fault: 1 % of device use or one granule
+        (the driver rounds some of its own allocations to granules we cannot see)."""
+        used, _ = self.truth()
+        return max(self.info.granule_bytes, used // 100)
+
+    def bookkeeping_faults(self) -> int:
+        """Ledger and arena underflows, plus one while unaccounted is beyond its tolerance."""
+        underflows = self.ledger.fault_underflow + self.arena.counters["fault_underflow"]
+        return underflows + int(abs(self.unaccounted_bytes()) > self.unaccounted_tolerance())
 
     def report(self) -> None:
         used, proc = self.truth()

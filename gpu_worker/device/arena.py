@@ -212,13 +212,20 @@ class Arena:
                 self._decommit(a.ptr, a.size, a.zone, [])
                 self._live.pop(a.ptr, None)
         self._queue.drain()
+        self.release_pool()
+
+    def release_pool(self) -> int:
+        """Release every retained handle (booked in POOL_ZONE); returns the bytes given back."""
+        freed = 0
         with self._gate.shared(), self._lock:
             for size, handles in self._pool.items():
                 for h in handles:
                     self._drv(self._backend.release_physical, h)
                     self.counters["pooled_bytes"] -= size
                     self._ledger.uncommit(POOL_ZONE, size)
+                    freed += size
             self._pool.clear()
+        return freed
 
     # -- carve ---------------------------------------------------------------------------------
     def _carve(self, nbytes: int, top: bool) -> int:

@@ -9,6 +9,7 @@ for the eager-vs-graph benchmark and for debugging.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -178,6 +179,7 @@ class ModelExecutor:
         self._state: dict[str, object] = {}          # name -> Allocation
         self._functions: dict[tuple[str, str], object] = {}
         self._modules: dict[object, object] = {}     # KernelSource -> loaded module
+        self.module_tiers: Counter[str] = Counter()  # where each loaded module came from
         self.replay_count = 0
 
     # -- weights and state ------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class ModelExecutor:
         if fn is None:
             module = self._modules.get(kdef.source)
             if module is None:
-                module = self.compiler.load(self.device, kdef.source)
+                module = self.compiler.load(self.device, kdef.source, self.module_tiers)
                 self._modules[kdef.source] = module
             fn = self.device.get_function(module, kdef.entry)
             self._functions[fkey] = fn

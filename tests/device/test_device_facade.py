@@ -85,6 +85,7 @@ def test_gate_off_another_threads_sync_invalidates_the_capture_negative_control(
             t.start()
             t.join(5)
         assert d.backend.invalidation_causes["synchronize_context"] == 1
+        assert d.capture_invalidations == 1, "the failed end-capture was not counted by the device"
         d.arena.free(buf)
     finally:
         d.close()

@@ -177,3 +177,114 @@ def test_a_load_never_evicts_weights_another_model_runs_on(runtime, probe, monke
         assert outcome == "refused", "content bytes cannot hold the granule-rounded commits"
     assert runtime.device.weights.stats()["evictions"] == 0, "a load evicted a weight nothing pages back"
     assert runtime.stats()["arena"]["faults"] == 0
+
+
+def test_arena_faults_count_unaccounted_device_memory_not_only_underflows(runtime):
+    """ArenaStats.faults: underflows + 1 while unaccounted is beyond max(1 %, one granule)."""
+    runtime.load_model("dec", "decoder", "tiny", 1)
+    assert runtime.stats()["arena"]["faults"] == 0
+    backend = runtime.device.backend
+    used, _ = runtime.device.truth()
+    hidden = backend.create_physical(max(4 * backend.info.granule_bytes,
+                                         -(-used // 50 // backend.info.granule_bytes) * backend.info.granule_bytes))
+    try:
+        stats = runtime.stats()
+        assert stats["unaccounted_bytes"] > 0, "an unbooked physical allocation must show as unaccounted"
+        assert stats["arena"]["faults"] == 1, "unaccounted memory beyond tolerance is a fault"
+    finally:
+        backend.release_physical(hidden)
+    assert runtime.stats()["arena"]["faults"] == 0
+
+
+def test_a_model_load_loads_the_whole_kernel_set_so_no_request_compiles_or_loads_a_module(runtime):
+    """"No request pays a compile stall": every module is compiled and loaded at LoadModel."""
+    runtime.load_model("dec", "decoder", "tiny", 1)
+    runtime.load_model("enc", "encoder", "tiny", 1)
+    compiled = runtime.compiler.stats()["compiled"]
+    loads = runtime.device.backend.calls["load_module"]
+    assert loads > 0, "the sim backend did not count module loads: the test proves nothing"
+    list(runtime.generate("dec", list(range(1, 40)), 3))      # new prefill and decode shapes
+    list(runtime.generate("dec", list(range(1, 300)), 2))
+    runtime.embed("enc", [[1, 2, 3], [4, 5, 6]])
+    assert runtime.compiler.stats()["compiled"] == compiled, "a request compiled a kernel"
+    assert runtime.device.backend.calls["load_module"] == loads, "a request loaded a module"
+
+
+def test_kernels_from_cache_counts_the_modules_a_load_took_from_a_cache(tmp_path):
+    from gpu_worker.kernels import ALL_SOURCES
+    modules = len(ALL_SOURCES)
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path / "cold")).start()
+    try:
+        cold = rt.load_model("a", "decoder", "tiny", 1)
+        assert (cold.kernels_compiled, cold.kernels_from_cache) == (modules, 0), "empty disk cache"
+        warm = rt.load_model("b", "decoder", "tiny", 2)
+        assert (warm.kernels_compiled, warm.kernels_from_cache) == (0, modules), "in-process memo"
+    finally:
+        rt.close()
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path / "cold")).start()
+    try:
+        disk = rt.load_model("a", "decoder", "tiny", 1)
+        assert (disk.kernels_compiled, disk.kernels_from_cache) == (0, modules), "disk cache"
+    finally:
+        rt.close()
+    # Two loads at once on a cold cache: each counts only its own modules, and the process
+    # compiled each module once (a derived "modules - compiled delta" miscounts both).
+    import threading
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path / "cold2")).start()
+    try:
+        results = {}
+        threads = [threading.Thread(target=lambda m=m: results.__setitem__(
+            m, rt.load_model(m, "decoder", "tiny", 1))) for m in ("x", "y")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(r.kernels_compiled + r.kernels_from_cache == modules for r in results.values())
+        assert sum(r.kernels_compiled for r in results.values()) == modules
+    finally:
+        rt.close()
+
+
+def test_trim_stops_at_its_target_and_reaches_it_when_it_can(runtime):
+    for model_id in ("a", "b"):
+        runtime.load_model(model_id, "decoder", "tiny", 1)
+        list(runtime.generate(model_id, [1, 2, 3, 4], 2))
+    plans = {m: runtime._models[m].executor.plans.stats()["entries"] for m in ("a", "b")}
+    assert all(plans.values()), plans
+    ledger = runtime.device.ledger.total_committed()
+    freed, after = runtime.trim(ledger)
+    assert (freed, after) == (0, ledger), "a trim to the current ledger dropped something"
+    freed, after = runtime.trim(ledger - 1)
+    assert freed > 0 and after <= ledger - 1, "trim did not reach a reachable target"
+    assert runtime._models["b"].executor.plans.stats()["entries"] == plans["b"], \
+        "trim dropped the second model's plans after the first was enough"
+    freed, after = runtime.trim(0)
+    assert runtime._models["b"].executor.plans.stats()["entries"] == 0
+    assert runtime.device.arena.stats()["pooled_bytes"] == 0, "trim to 0 kept retained handles"
+    assert [c[0] for c in runtime.generate("a", [1, 2, 3, 4], 2)] == \
+        R.DecoderReference(CONFIGS["tiny"], W.load_host(CONFIGS["tiny"], 1)).generate([1, 2, 3, 4], 2)
+
+
+def test_the_worker_stores_kernels_under_its_cache_namespace(tmp_path):
+    """--cache-namespace: the worker's stores land in that namespace, so the cache service's
+    per-namespace budget applies to worker traffic."""
+    from prometheus_client import CollectorRegistry
+
+    from cache_service.config import ServerConfig
+    from cache_service.server import start_cache_server
+    from gpu_worker.kernels import ALL_SOURCES
+    cache = start_cache_server(ServerConfig(listen="127.0.0.1:0", db=tmp_path / "cache.db",
+                                            write_token="t"), registry=CollectorRegistry())
+    try:
+        rt = WorkerRuntime(WorkerConfig(backend="sim", cache=cache.address, cache_write_token="t",
+                                        cache_dir=tmp_path / "kernels", cache_namespace="team-a")).start()
+        try:
+            rt.load_model("dec", "decoder", "tiny", 1)
+            assert rt.cache_client.flush(timeout=30.0), "the stores did not reach the cache service"
+        finally:
+            rt.close()
+        namespaces = {ns.namespace: ns.entries for ns in cache.store.stats().namespaces}
+        assert namespaces.get("team-a", 0) >= len(ALL_SOURCES), namespaces
+        assert namespaces.get("", 0) == 0, f"worker stores escaped its namespace: {namespaces}"
+    finally:
+        cache.stop()

@@ -114,6 +114,7 @@ def test_gate_off_another_threads_context_sync_invalidates_a_thread_local_captur
             assert synced.wait(10), "the other thread's context sync never returned"
         t.join(10)
         assert not d.backend.is_capturing(d.stream), "a failed capture must still be ended"
+        assert d.capture_invalidations == 1, "the cuda backend did not count the invalidation"
         d.arena.free(buf)
     finally:
         d.close()

@@ -36,3 +36,13 @@ def test_an_unknown_backend_is_refused_at_the_command_line() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--backend", "opencl"])
 
+
+
+def test_cache_namespace_and_max_plan_bytes_reach_the_runtime_config(monkeypatch) -> None:
+    from gpu_worker.__main__ import worker_config
+    monkeypatch.setenv("GPUPLANE_WORKER_CACHE_NAMESPACE", "team-a")
+    args = build_parser().parse_args(["serve", "--max-plan-bytes", "1048576"])
+    config = worker_config(args)
+    assert (config.cache_namespace, config.max_plan_bytes) == ("team-a", 1 << 20)
+    assert worker_config(build_parser().parse_args(["serve", "--max-plan-bytes", "0"])).max_plan_bytes \
+        is None, "0 must mean no byte bound"

@@ -308,3 +308,24 @@ def test_stats_mapping_accepts_every_zone_spelling_and_ignores_unknown_keys() ->
     assert [z.zone for z in as_tuples.zones] == [governor_pb2.ZONE_WEIGHTS, governor_pb2.ZONE_KV], \
         "zones are not in the proto enum's order"
     assert (as_tuples.plans.evictions, as_tuples.weights.hit_rate) == (5, 0.5), "nested fields lost"
+
+
+def test_first_token_seconds_is_the_servers_time_to_the_first_token(worker: WorkerClient,
+                                                                    monkeypatch) -> None:
+    """GenerateResponse.first_token_seconds: request to first token, measured on the server
+    (a slow prefill shows in it; the decode steps after the first token do not)."""
+    from gpu_worker.models.decoder import DecoderModel
+    slow_prefill, real_prefill = 0.3, DecoderModel.prefill
+
+    def prefill(self, prompt):
+        time.sleep(slow_prefill)
+        return real_prefill(self, prompt)
+    monkeypatch.setattr(DecoderModel, "prefill", prefill)
+    started = time.perf_counter()
+    result = worker.generate(DECODER, [3, 1, 4, 1, 5], 8)
+    total = time.perf_counter() - started
+    assert result.tokens == _reference_tokens([3, 1, 4, 1, 5], 8)
+    assert slow_prefill <= result.first_token_seconds < total, \
+        f"first_token_seconds={result.first_token_seconds:.3f} for a {slow_prefill}s prefill, {total:.3f}s total"
+    assert result.first_token_seconds <= result.client_first_token_seconds, \
+        "the server's first-token time exceeds what the client saw"
