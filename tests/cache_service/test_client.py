@@ -61,7 +61,8 @@ def test_server_down_lookups_are_misses_within_the_deadline_and_the_breaker_open
             start = time.monotonic()
             assert client.lookup("k") is None
             assert client.batch_lookup(["k"]) == {}
-            assert time.monotonic() - start < 2 * 0.25 + 0.2, "a dead server must not stall lookups"
+            # Two calls, each bounded by its 0.25 s deadline; the slack absorbs a loaded CI host.
+            assert time.monotonic() - start < 2 * 0.25 + 0.5, "a dead server must not stall lookups"
         client.store("k", make_artifact())  # must not raise or block
         stats = client.stats()
         assert stats["breaker_open"] == 1, "consecutive failures must open the breaker"
