@@ -175,6 +175,9 @@ def test_a_load_never_evicts_weights_another_model_runs_on(runtime, probe, monke
     outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0])
     if probe.startswith("content"):
         assert outcome == "refused", "content bytes cannot hold the granule-rounded commits"
+    cfg = CONFIGS["small"]
+    assert [c[0] for c in runtime.generate("a", [5, 6, 7, 8, 9, 10], 4)] == \
+        R.DecoderReference(cfg, W.load_host(cfg, 1)).generate([5, 6, 7, 8, 9, 10], 4)
     assert runtime.device.weights.stats()["evictions"] == 0, "a load evicted a weight nothing pages back"
     assert runtime.stats()["arena"]["faults"] == 0
 

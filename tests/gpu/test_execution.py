@@ -127,3 +127,21 @@ def test_gpu_decode_graph_replay_matches_eager_decode(device, compiler):
     model.capture = False
     eager_tokens = list(model.generate(prompt, 12))
     assert graph_tokens == eager_tokens, "captured decode diverged from eager decode"
+
+
+@pytest.mark.parametrize("probe", ["granules", "content-unprobed"])
+def test_on_cuda_a_load_never_evicts_weights_another_model_runs_on(probe, monkeypatch, kernel_cache_dir):
+    """Issue 11's device fault, on the H200: the second model under an exact budget is refused
+    or both serve; model a never reads unmapped weights (illegal address, context lost)."""
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from tests.scenarios import second_model_under_an_exact_budget
+    if probe == "content-unprobed":
+        monkeypatch.setattr(WorkerRuntime, "_admit", staticmethod(lambda device, cfg: None))
+    rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernel_cache_dir)).start()
+    try:
+        outcome = second_model_under_an_exact_budget(rt, probe.split("-")[0])
+        if probe == "content-unprobed":
+            assert outcome == "refused"
+        assert rt.stats()["weights"]["evictions"] == 0
+    finally:
+        rt.close()
