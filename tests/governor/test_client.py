@@ -181,7 +181,7 @@ def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp
                 return False
         eventually(lender_got_it, what="the lender to acquire the bytes the borrower gave back")
         assert asked and asked[0] == ("weights", idle), "the on_reclaim hook must see the ask"
-        assert leased(ledger, "borrower") == held - idle, "the borrower must give back its idle bytes"
+        assert leased(ledger, "borrower") == held - idle, "the borrower must give back its idle"
         assert leased(ledger, "lender") >= want
     finally:
         lender.close()
