@@ -9,6 +9,8 @@ measured side by side in one run and printed as ratios:
   throughput = hits/s with 16 clients, target >= 2,000 on 2 cores
   store ratio = remote Store p50 / local file publish (temp file + rename) p50
 
+A target MISSED makes the exit status 1 (bench/targets.py).
+
 The local-file baseline reads the same bytes from a file and checks their SHA-256, as every tier
 must before loading code. Single-client hits, file reads and empty RPCs are alternated in rounds
 in this process, so a shared machine's changing load hits all three alike. Run: python bench/cache_service_bench.py [--quick] [--json OUT]
@@ -37,6 +39,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.targets import Targets
 from cache_service.artifact import Artifact
 from cache_service.client import KernelCacheClient
 from cache_service.convert import artifact_to_pb
@@ -230,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(10)
     results["loadavg_end"] = os.getloadavg()
-    report(results)
+    targets = Targets("cache_service_bench")
+    report(results, targets)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    return 0
+    return targets.exit_code()
 
 
-def report(r: dict) -> None:
+def report(r: dict, targets: Targets) -> None:
     c = r["clients"]
     print(f"kernel cache bench  {r['date']}  {r['machine']}  python {r['python']}"
           f"{'  (quick)' if r['quick'] else ''}")
@@ -253,10 +257,15 @@ def report(r: dict) -> None:
             print(f"{label:>7} {name:<22} {m['p50_ms']:9.3f} {m['p99_ms']:9.3f} {rate}")
     print("ratios (same run):")
     for label, row in r["sizes"].items():
-        print(f"  {label:>7}: hit p50 / (file read+verify + empty RPC) = {row['hit_ratio']:.2f}"
-              f"{'  [target <= 1.5]' if label == '256KiB' else ''};  hits/s with {c} clients = "
-              f"{row['hit_n']['ops_per_s']:.0f} [target >= 2000];  store p50 / file publish = "
-              f"{row['store_ratio']:.2f}")
+        print(f"  {label:>7}: hit p50 / (file read+verify + empty RPC) = {row['hit_ratio']:.2f};  "
+              f"hits/s with {c} clients = {row['hit_n']['ops_per_s']:.0f};  store p50 / file "
+              f"publish = {row['store_ratio']:.2f}")
+    for label, row in r["sizes"].items():
+        if label == "256KiB":
+            targets.check("256KiB hit p50 / (file read+verify + empty RPC)", row["hit_ratio"],
+                          "<=", 1.5)
+        targets.check(f"{label} hits/s with {c} clients", row["hit_n"]["ops_per_s"], ">=", 2000,
+                      fmt=".0f")
 
 
 if __name__ == "__main__":

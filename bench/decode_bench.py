@@ -5,6 +5,10 @@ Our model: int4 weights (block 32, fp16 scales), f32 activations; per step the h
 token and position, replays (or launches ~16 kernels per layer eagerly), reads the next token.
 The PyTorch peer: the same shapes in fp16 (4x the weight bytes), static KV cache, batch 1.
 
+Same method on every side: `--trials` timed runs per mode, graph and eager interleaved, each run
+`--steps` steps after `--warmup`; the figure is the median run. Targets (MISSED: exit status 1):
+graph and eager produce identical tokens; graph/eager >= 1.89 (the reference system's gain).
+
     python bench/decode_bench.py                         # GPU: 8b-int4
     python bench/decode_bench.py --backend sim --config tiny --steps 8 --no-torch
 """
@@ -12,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.targets import Targets
 from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+
+MODES = ("graph", "eager")
 
 
 def ours(args: argparse.Namespace) -> dict[str, float]:
@@ -27,30 +35,32 @@ def ours(args: argparse.Namespace) -> dict[str, float]:
         loaded = rt._get("m")
         model, cfg = loaded.model, loaded.cfg
         prompt = [(i * 31) % cfg.vocab_size for i in range(args.prompt)]
-        out = {}
-        tokens = {}
-        for mode, capture in (("graph", True), ("eager", False), ("graph again", True)):
-            model.capture = capture
-            tok = model.prefill(prompt)
-            pos = len(prompt)
-            seq = [tok]
-            for _ in range(args.warmup):
-                tok = model.decode(tok, pos)
-                pos += 1
-                seq.append(tok)
-            rt.device.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                tok = model.decode(tok, pos)
-                pos += 1
-                seq.append(tok)
-            rt.device.synchronize()
-            out[mode] = args.steps / (time.perf_counter() - start)
-            tokens[mode] = seq
-            print(f"gpuplane {args.config} int4 decode, {mode:>11}: {out[mode]:8.1f} tokens/s", flush=True)
-        same = tokens["graph"] == tokens["eager"] == tokens["graph again"]
-        print(f"graph and eager produced {'identical' if same else 'DIFFERENT'} tokens", flush=True)
-        return {"eager": out["eager"], "graph": max(out["graph"], out["graph again"]),
+        runs: dict[str, list[float]] = {m: [] for m in MODES}
+        tokens: dict[str, list[list[int]]] = {m: [] for m in MODES}
+        for trial in range(args.trials):
+            for mode in MODES:
+                model.capture = mode == "graph"
+                tok = model.prefill(prompt)
+                pos = len(prompt)
+                seq = [tok]
+                for _ in range(args.warmup):
+                    tok = model.decode(tok, pos)
+                    pos += 1
+                    seq.append(tok)
+                rt.device.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    tok = model.decode(tok, pos)
+                    pos += 1
+                    seq.append(tok)
+                rt.device.synchronize()
+                runs[mode].append(args.steps / (time.perf_counter() - start))
+                tokens[mode].append(seq)
+                print(f"gpuplane {args.config} int4 decode, {mode:>5} run {trial + 1}: "
+                      f"{runs[mode][-1]:8.1f} tokens/s", flush=True)
+        first = tokens["graph"][0]
+        same = all(seq == first for m in MODES for seq in tokens[m])
+        return {**{m: statistics.median(runs[m]) for m in MODES}, "same_tokens": same,
                 "weight_bytes": cfg.weight_bytes(), "cfg": cfg}
     finally:
         rt.close()
@@ -110,20 +120,8 @@ def torch_peer(cfg, args: argparse.Namespace) -> dict[str, float] | None:
 
     tok = torch.zeros(1, dtype=torch.long, device=dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
-    res = {}
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
     with torch.inference_mode():
-        for _ in range(args.warmup):
-            tok = step(tok, pos)
-            pos += 1
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            tok = step(tok, pos)
-            pos += 1
-            int(tok[0])                       # the host reads each token, as a server does
-        torch.cuda.synchronize()
-        res["eager"] = args.steps / (time.perf_counter() - start)
-        pos.zero_()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -134,16 +132,32 @@ def torch_peer(cfg, args: argparse.Namespace) -> dict[str, float] | None:
         with torch.cuda.graph(graph):
             out = step(tok, pos)
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            graph.replay()
-            tok.copy_(out)
-            pos += 1
-            int(tok[0])
-        torch.cuda.synchronize()
-        res["graph"] = args.steps / (time.perf_counter() - start)
+
+        def advance(mode: str) -> None:
+            if mode == "graph":
+                graph.replay()
+                tok.copy_(out)
+            else:
+                tok.copy_(step(tok, pos))
+            pos.add_(1)
+
+        for _ in range(args.trials):
+            for mode in MODES:
+                pos.zero_()
+                tok.zero_()
+                for _ in range(args.warmup):
+                    advance(mode)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    advance(mode)
+                    int(tok[0])                       # the host reads each token, as a server does
+                torch.cuda.synchronize()
+                runs[mode].append(args.steps / (time.perf_counter() - start))
+    res = {m: statistics.median(runs[m]) for m in MODES}
     for mode in ("eager", "graph"):
-        print(f"pytorch {cfg.name} fp16 decode, {mode:>5}: {res[mode]:8.1f} tokens/s", flush=True)
+        print(f"pytorch {cfg.name} fp16 decode, {mode:>5}: {res[mode]:8.1f} tokens/s (median of "
+              f"{args.trials})", flush=True)
     return res
 
 
@@ -154,8 +168,10 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--trials", type=int, default=3, help="timed runs per mode (median)")
     p.add_argument("--no-torch", action="store_true")
     args = p.parse_args()
+    targets = Targets("decode_bench")
     mine = ours(args)
     peer = None
     if not args.no_torch:
@@ -163,15 +179,19 @@ def main() -> int:
             peer = torch_peer(mine["cfg"], args)
         except Exception as exc:  # noqa: BLE001 - the peer is a comparison, not the subject
             print(f"PyTorch peer failed: {exc!r}", flush=True)
-    print("\n== side by side (tokens/s)", flush=True)
+    print(f"\n== side by side (tokens/s, median of {args.trials} runs each)", flush=True)
     print(f"gpuplane int4: eager {mine['eager']:.1f}, graph {mine['graph']:.1f}, "
-          f"graph/eager {mine['graph'] / mine['eager']:.2f}x (reference system: 1.89x)", flush=True)
+          f"graph/eager {mine['graph'] / mine['eager']:.2f}x", flush=True)
     if peer:
         print(f"pytorch fp16:  eager {peer['eager']:.1f}, graph {peer['graph']:.1f}, "
               f"graph/eager {peer['graph'] / peer['eager']:.2f}x", flush=True)
         print(f"gpuplane graph / pytorch graph: {mine['graph'] / peer['graph']:.2f}x; "
               f"gpuplane graph / pytorch eager: {mine['graph'] / peer['eager']:.2f}x", flush=True)
-    return 0
+    targets.require("graph and eager decode identical tokens", mine["same_tokens"],
+                    f"{args.trials} runs of each")
+    targets.check("gpuplane graph/eager (reference system 1.89)", mine["graph"] / mine["eager"],
+                  ">=", 1.89)
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

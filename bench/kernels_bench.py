@@ -8,7 +8,13 @@
 5. Attention: decode over KV lengths (KV bytes per second vs the copy), prefill over lengths
    (against torch scaled_dot_product_attention fp32 when present).
 
-Each timing replays one captured graph of `--reps` launches, so launch overhead is excluded.
+Same method on both sides: each timing (ours, and torch's cuBLAS / SDPA peers) captures `--reps`
+launches into one CUDA graph (ours through the device layer, torch through torch.cuda.CUDAGraph),
+replays it once warm, then times `--samples` replays; the figure is the median replay / reps.
+Launch overhead is excluded on both sides.
+
+Target (MISSED: exit status 1): at every row count up to FUSED_MAX_ROWS the fused int4 kernel is
+faster than the dequant-workspace path (the crossover the threshold claims).
 
     python3 bench/kernels_bench.py [--reps 20]            # on the GPU machine
     python3 bench/kernels_bench.py --backend sim --small  # smoke run of the code path, no GPU
@@ -16,15 +22,18 @@ Each timing replays one captured graph of `--reps` launches, so launch overhead 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.targets import Targets
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.kernels import (
@@ -50,41 +59,67 @@ from gpu_worker.kernels.selfcheck import KernelHarness
 GiB = 1 << 30
 
 
-def timed(dev, launch, reps: int) -> float:
-    """Seconds per launch: one graph of `reps` launches, replayed once warm, then timed."""
+SAMPLES = 5  # timed replays per figure (median), --samples
+
+
+def median_replay(replay: Callable[[], None], sync: Callable[[], None], samples: int) -> float:
+    """Median seconds of one replay: replayed once warm, then `samples` timed replays."""
+    replay()
+    sync()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        replay()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def timed(dev, launch, reps: int, samples: int = SAMPLES) -> float:
+    """Seconds per launch: one graph of `reps` launches (median replay / reps)."""
     launch(dev.stream)
     dev.synchronize()
     with dev.capture() as cap:
         for _ in range(reps):
             launch(cap.stream)
     try:
-        dev.replay(cap.graph_exec)
-        dev.synchronize()
-        t0 = time.perf_counter()
-        dev.replay(cap.graph_exec)
-        dev.synchronize()
-        return (time.perf_counter() - t0) / reps
+        return median_replay(lambda: dev.replay(cap.graph_exec), dev.synchronize, samples) / reps
     finally:
         dev.destroy_graph_exec(cap.graph_exec)
 
 
-def torch_timed(fn, reps: int) -> float | None:
+def torch_timed(fn, reps: int, samples: int = SAMPLES) -> float | None:
+    """Seconds per call of a torch op, timed as `timed` times ours: `reps` calls captured into one
+    torch.cuda.CUDAGraph, median replay / reps. None without torch or when the op cannot be
+    captured (printed)."""
     try:
         import torch
     except ImportError:
         return None
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except RuntimeError as exc:
+        print(f"    torch peer could not be captured: {exc}", flush=True)
+        return None
+    try:
+        return median_replay(graph.replay, torch.cuda.synchronize, samples) / reps
+    finally:
+        del graph
 
 
 class Bench:
-    def __init__(self, h: KernelHarness, reps: int) -> None:
-        self.h, self.dev, self.reps = h, h.device, reps
+    def __init__(self, h: KernelHarness, reps: int, samples: int = SAMPLES) -> None:
+        self.h, self.dev, self.reps, self.samples = h, h.device, reps, samples
         self.rng = np.random.default_rng(0)
 
     def buf(self, nbytes: int) -> int:
@@ -102,7 +137,8 @@ class Bench:
     def copy_bandwidth(self, nbytes: int) -> float:
         src, dst = self.buf(nbytes), self.buf(nbytes)
         be = self.dev.backend
-        t = timed(self.dev, lambda s: be.copy_d2d_async(dst, src, nbytes, s), max(2, self.reps // 4))
+        t = timed(self.dev, lambda s: be.copy_d2d_async(dst, src, nbytes, s),
+                  max(2, self.reps // 4), self.samples)
         return 2 * nbytes / t
 
     def linear_times(self, m: int, n: int, k: int) -> tuple[float, float, int]:
@@ -113,18 +149,19 @@ class Bench:
         ws = self.buf(INT4_DEQUANT.workspace_bytes(n=n, k=k))
         fi, fd, fm = h.function(INT4_MATMUL), h.function(INT4_DEQUANT), h.function(MATMUL_NT)
         fused = timed(dev, lambda s: launch_int4_matmul(dev, fi, y, x, packed, scales, 0, m, n, k,
-                                                        stream=s), self.reps)
+                                                        stream=s), self.reps, self.samples)
 
         def two_step(s):
             launch_int4_dequant(dev, fd, ws, packed, scales, n, k, stream=s)
             launch_matmul_nt(dev, fm, y, x, ws, 0, m, n, k, stream=s)
-        return fused, timed(dev, two_step, self.reps), wbytes
+        return fused, timed(dev, two_step, self.reps, self.samples), wbytes
 
     def matmul_time(self, m: int, n: int, k: int, large: bool = False) -> float:
         dev, f = self.dev, self.h.function(MATMUL_NT_LARGE if large else MATMUL_NT)
         launch = launch_matmul_nt_large if large else launch_matmul_nt
         x, w, y = self.rand_f32(m, k), self.rand_f32(n, k), self.buf(4 * m * n)
-        return timed(dev, lambda s: launch(dev, f, y, x, w, 0, m, n, k, stream=s), self.reps)
+        return timed(dev, lambda s: launch(dev, f, y, x, w, 0, m, n, k, stream=s),
+                     self.reps, self.samples)
 
     def decode_time(self, length: int, heads: int, kv_heads: int, hd: int, splits: int = 1) -> float:
         dev, f = self.dev, self.h.function(ATTENTION_DECODE)
@@ -139,7 +176,7 @@ class Bench:
         w = kv_heads * hd
         return timed(dev, lambda s: launch_attention_decode(
             dev, f, out, q, kc, vc, lens, 1, heads, kv_heads, hd, heads * hd, w, length * w, 0,
-            length, stream=s, **extra), self.reps)
+            length, stream=s, **extra), self.reps, self.samples)
 
     def prefill_time(self, tokens: int, heads: int, kv_heads: int, hd: int) -> float:
         dev, f = self.dev, self.h.function(ATTENTION_PREFILL)
@@ -148,20 +185,21 @@ class Bench:
         w = kv_heads * hd
         return timed(dev, lambda s: launch_attention_prefill(
             dev, f, out, q, kc, vc, 0, 0, 1, tokens, heads, kv_heads, hd, heads * hd, w, tokens * w,
-            stream=s), max(1, self.reps // 4))
+            stream=s), max(1, self.reps // 4), self.samples)
 
 
-def torch_matmul(m: int, n: int, k: int, dtype: str, reps: int) -> float | None:
+def torch_matmul(m: int, n: int, k: int, dtype: str, reps: int, samples: int) -> float | None:
     try:
         import torch
     except ImportError:
         return None
     dt = getattr(torch, dtype)
     a, b = torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)
-    return torch_timed(lambda: a @ b.T, reps)
+    return torch_timed(lambda: a @ b.T, reps, samples)
 
 
-def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int) -> float | None:
+def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int,
+                  samples: int) -> float | None:
     try:
         import torch
         import torch.nn.functional as F
@@ -170,21 +208,25 @@ def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int) ->
     q = torch.randn(1, heads, tokens, hd, device="cuda")
     k = torch.randn(1, kv_heads, tokens, hd, device="cuda").repeat_interleave(heads // kv_heads, 1)
     v = torch.randn_like(k)
-    return torch_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+    return torch_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps,
+                       samples)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=SAMPLES,
+                    help="timed replays per figure (median)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
     args = ap.parse_args()
+    targets = Targets("kernels_bench")
     s = 16 if args.small else 1  # shape divisor
     dev = open_device(args.backend)
     compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
     print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, reps {args.reps}")
     with KernelHarness(dev, compiler) as h:
-        b = Bench(h, args.reps)
+        b = Bench(h, args.reps, args.samples)
         copy = b.copy_bandwidth(GiB // s)
         print(f"\n[1] d2d copy: {copy / 1e9:.0f} GB/s (read + write)")
 
@@ -201,9 +243,14 @@ def main() -> None:
         print(f"\n[3] fused vs workspace path by rows (n = k = {4096 // s}); "
               f"FUSED_MAX_ROWS = {FUSED_MAX_ROWS}")
         print(f"{'rows':>6} {'fused us':>9} {'dequant us':>10} {'fused/dequant':>13}")
+        worst = 0.0  # the largest fused/dequant time ratio at rows <= FUSED_MAX_ROWS
         for m in (1, 4, 16, 32, 64, 256, 1024):
             fused, two, _ = b.linear_times(m, 4096 // s, 4096 // s)
             print(f"{m:6d} {fused * 1e6:9.1f} {two * 1e6:10.1f} {fused / two:13.2f}")
+            if m <= FUSED_MAX_ROWS:
+                worst = max(worst, fused / two)
+        targets.check(f"fused/dequant time at rows <= FUSED_MAX_ROWS ({FUSED_MAX_ROWS}), worst",
+                      worst, "<", 1.0)
 
         print("\n[4] matmul_nt (64x64 tiles) and matmul_nt_large (128x128) fp32 vs torch (cuBLAS)")
         print("    ratio = torch time / matmul_nt time (< 1: cuBLAS is faster)")
@@ -216,7 +263,8 @@ def main() -> None:
             large = b.matmul_time(m, n, k, large=True)
             row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:10.1f} {flops / large / 1e12:11.1f}"
             for dt in ("float32", "float16"):
-                t = torch_matmul(m, n, k, dt, args.reps) if args.backend == "cuda" else None
+                t = (torch_matmul(m, n, k, dt, args.reps, args.samples)
+                     if args.backend == "cuda" else None)
                 row += f" {'-':>10} {'-':>6}" if t is None else \
                     f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
             print(row)
@@ -238,11 +286,13 @@ def main() -> None:
         for tokens in (128, 512, 2048):
             tokens = max(8, tokens // s)
             t = b.prefill_time(tokens, 32, 8, 128)
-            tt = torch_prefill(tokens, 32, 8, 128, args.reps) if args.backend == "cuda" else None
+            tt = (torch_prefill(tokens, 32, 8, 128, max(1, args.reps // 4), args.samples)
+                  if args.backend == "cuda" else None)
             print(f"{tokens:7d} {t * 1e3:8.2f} " +
                   (f"{'-':>9} {'-':>10}" if tt is None else f"{tt * 1e3:9.2f} {t / tt:10.1f}"))
     dev.close()
+    return targets.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _cold_start import TIERS, WRITE_TOKEN, report, seed_and_run_tiers, start_service
+from targets import Targets
 
 MODEL_ID = "ttft-decoder"
 
@@ -95,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="auto", help="auto | cuda | sim")
@@ -109,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
-        return
+        return 0
     try:
         import gpu_worker.runtime  # noqa: F401
     except ImportError as exc:
@@ -160,12 +161,13 @@ def main() -> None:
         "median stall (model_ttft - reload_ttft): "
         + ", ".join(f"{t} {stall[t] * 1e3:.1f} ms" for t in TIERS)
     )
+    targets = Targets("ttft_bench")
+    targets.check("stall shared/cold", stall["shared"] / stall["cold"] if stall["cold"] > 0
+                  else float("nan"), "<", 0.05, fmt=".3f")
     if stall["cold"] > 0:
-        print(
-            f"stall shared/cold = {stall['shared'] / stall['cold']:.3f}  "
-            f"stall local/cold = {stall['local'] / stall['cold']:.3f}  (goal: shared < 0.05)"
-        )
+        print(f"stall local/cold = {stall['local'] / stall['cold']:.3f}")
+    return targets.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,10 @@
 
 Gauges for device truth, the ledger by zone (committed and content) and unaccounted bytes; the
 kernel cache, plans, weights, compile and capture counters as the stats report them. A scrape that
-finds the runtime closed yields nothing rather than failing the endpoint.
+cannot read the stats (the runtime closed, or stats() raised) yields none of these rather than
+failing the endpoint; the failure is logged and counted in
+gpuplane_worker_survived_errors_total{site="metrics_scrape"} (gpu_worker/survived.py), which the
+same endpoint serves.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from gpu_worker.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
 SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena")
@@ -23,7 +28,9 @@ class WorkerCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
             stats = self.runtime.stats()
-        except Exception:  # noqa: BLE001 - a closed runtime must not break the scrape
+        except Exception as exc:  # noqa: BLE001 - a closed runtime must not break the scrape
+            survived("metrics_scrape", exc, "worker stats unreadable: this scrape has no worker "
+                     "gauges")
             return
         for name in ("device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes"):
             gauge = GaugeMetricFamily(f"gpuplane_worker_{name}", f"Worker: {name}")

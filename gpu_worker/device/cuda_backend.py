@@ -140,7 +140,10 @@ class CudaBackend(Backend):
 
             return {p.pid: int(p.usedGpuMemory or 0)
                     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)}
-        except Exception:  # noqa: BLE001 - NVML is best effort (containers often hide pids)
+        except Exception as exc:  # noqa: BLE001 - NVML is best effort (containers often hide pids)
+            from gpu_worker.survived import survived  # lazy: only on the fallback path
+
+            survived("nvml_query", exc, _NVML_FALLBACK, device_uuid=self.info.uuid)
             return {}
 
     def process_used_bytes(self) -> int:
@@ -344,11 +347,21 @@ class CudaBackend(Backend):
         self._reservations.clear()
 
 
+# What falling back changes: without per-process figures, others_used_bytes() is 0, so the context
+# baseline the Device books (device used at start minus other processes) also counts every other
+# process's memory on the card, and process_used_bytes() reports 0 to the governor.
+_NVML_FALLBACK = ("NVML per-process memory unavailable: the context baseline now includes other "
+                  "processes' device memory and process_used_bytes reports 0")
+
+
 def _nvml_handle(uuid: str) -> Any:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetHandleByUUID(uuid)
-    except Exception:  # noqa: BLE001 - NVML is optional (pynvml missing, no permission)
+    except Exception as exc:  # noqa: BLE001 - NVML is optional (pynvml missing, no permission)
+        from gpu_worker.survived import survived
+
+        survived("nvml_unavailable", exc, _NVML_FALLBACK, device_uuid=uuid)
         return None

@@ -4,7 +4,10 @@ Hazard: CuPy's default memory pool is a second allocator: its bytes escape the l
 "second ledger" of DESIGN 1.5), and a pool that grows during a capture calls cudaMalloc on the
 capturing thread, which fails and invalidates the capture. With `install(device)` every CuPy array
 is an arena allocation, booked in `zone`; freeing is fenced on the device's streams plus the CuPy
-stream current at free time (CuPy work may run on its own stream).
+stream current at free time (CuPy work may run on its own stream). A free that fails (the arena
+refuses it, or CuPy is already torn down at interpreter exit) cannot raise out of `__del__`: it is
+logged and counted (gpuplane_worker_survived_errors_total{site="cupy_free"}), and the allocation
+stays booked in the ledger rather than reused.
 
 Cost: one arena alloc per CuPy allocation (a carve plus, when a granule is new, a VMM map); small
 arrays share granules, so most allocations touch the driver not at all.
@@ -14,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.device import Device
+from gpu_worker.survived import survived
 
 
 class _Owner:
@@ -32,8 +36,12 @@ class _Owner:
             cur = cupy.cuda.get_current_stream().ptr
             streams.append(driver.CUstream(cur))
             self.device.arena.free(self.allocation, fence_streams=streams)
-        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the device is going away
-            pass
+        except Exception as exc:  # noqa: BLE001 - __del__ must not raise
+            try:
+                survived("cupy_free", exc, "a CuPy array's arena free failed; its bytes stay "
+                         "booked", ptr=f"{self.allocation.ptr:#x}", nbytes=self.allocation.size)
+            except Exception:  # noqa: BLE001, S110 - interpreter exit: logging itself is gone
+                pass
 
 
 class ArenaAllocator:

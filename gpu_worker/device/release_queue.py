@@ -8,7 +8,8 @@ every stream.
 Contract: `defer(streams, action)` records one event on each stream that may touch the range and
 queues `action`; `poll()` runs an action only once all its events have completed (cuEventQuery,
 which never blocks or synchronizes). An action that raises is quarantined: its range is never
-reused and the failure is counted. A release requested by the capturing thread is parked until the
+reused, the failure is counted (stats and gpuplane_worker_survived_errors_total{site=
+"release_quarantined"}) and logged with what was being released. A release requested by the capturing thread is parked until the
 capture ends (an event recorded on a capturing stream would become a graph node). Event recording
 and actions hold a capture-gate section: an event recorded on a stream another thread is capturing
 would join that capture.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.device.backend import Backend
 from gpu_worker.device.gate import CaptureGate
+from gpu_worker.survived import survived
 
 
 @dataclass(eq=False)
@@ -123,6 +125,9 @@ class ReleaseQueue:
             with self._lock:
                 self.stats.quarantined += 1
                 self.stats.quarantine.append(Quarantined(e.what, f"{type(exc).__name__}: {exc}"))
+            # Each quarantine leaks device memory or host pinned memory for the process's life.
+            survived("release_quarantined", exc, "a deferred release failed; its range is "
+                     "quarantined (never reused, still booked)", every=True, what=e.what)
         finally:
             self._give_events(e.events)
 

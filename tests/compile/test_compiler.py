@@ -299,10 +299,9 @@ def test_an_unknown_arch_is_refused_before_anything_is_created(tmp_path: pathlib
 
 
 def test_an_unreachable_service_falls_through_to_compiling_quickly(tmp_path: pathlib.Path) -> None:
-    client_mod = pytest.importorskip(
-        "cache_service.client", reason="cache_service.client (interface 1) is not written yet"
-    )
-    client = client_mod.KernelCacheClient("127.0.0.1:1", deadline_s=0.25)
+    from cache_service.client import KernelCacheClient
+
+    client = KernelCacheClient("127.0.0.1:1", deadline_s=0.25)
     try:
         c = compiler(tmp_path, remote=client)
         start = time.perf_counter()
@@ -366,11 +365,9 @@ def test_work_past_the_memo_is_traced_with_module_key_prefix_and_tier(
 @pytest.fixture
 def cache_server(tmp_path: pathlib.Path):
     """A real cache_service server (SQLite in tmp_path) on port 0, with a write token."""
-    server_mod = pytest.importorskip(
-        "cache_service.server", reason="cache_service.server is not written yet"
-    )
     from prometheus_client import CollectorRegistry
 
+    from cache_service import server as server_mod
     from cache_service.config import ServerConfig
 
     config = ServerConfig(
@@ -419,7 +416,6 @@ def test_a_second_host_warms_from_a_real_service_and_compiles_nothing(
 def lying_server():
     """A real gRPC KernelCacheService on loopback that serves every key with bytes that fail their
     digest (a damaged database row, a hostile proxy): what the client's verification must catch."""
-    pytest.importorskip("cache_service.convert", reason="cache_service is not written yet")
     from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
     from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
@@ -484,12 +480,9 @@ def test_a_real_service_serving_bytes_that_fail_their_digest_is_a_miss_and_compi
 
 
 def _sim_device():
-    device_mod = pytest.importorskip(
-        "gpu_worker.device", reason="gpu_worker.device (interface 3) is not written yet"
-    )
-    if not hasattr(device_mod, "open_device"):
-        pytest.skip("gpu_worker.device.open_device (interface 3) is not written yet")
-    return device_mod.open_device("sim")
+    from gpu_worker.device import open_device
+
+    return open_device("sim")
 
 
 def test_load_uses_the_cubin_when_the_device_arch_matches(tmp_path: pathlib.Path) -> None:

@@ -157,20 +157,32 @@ def test_a_governor_that_lost_its_state_gets_the_clients_leases_back(tmp_path):
 
 
 def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp_path):
+    """The lender gets what the borrower gives back; the idle bytes stay under the hysteresis
+    threshold, so only the reclaim path can return them (negative control: without it the
+    lender's second reserve is refused for ever)."""
     server, ledger = serve(tmp_path, zone_budgets={"kv": 50 * MIB, "weights": 50 * MIB})
     asked = []
     lender = client(server, "lender", heartbeat_s=10)
     borrower = client(server, "borrower", on_reclaim=lambda z, b: asked.append((z, b)))
     try:
-        borrower.reserve("weights", 90 * MIB)  # 40 MiB of kv's share borrowed
-        borrower.release("weights", 30 * MIB)  # now idle, but under the hysteresis threshold
-        assert leased(ledger, "borrower") >= 90 * MIB
+        borrower.reserve("weights", 90 * MIB)  # 40 MiB and more of kv's share borrowed
+        held = leased(ledger, "borrower")
+        idle = 2 * CHUNK - 4 * MIB  # idle, but under the 2-chunk hysteresis threshold
+        borrower.release("weights", idle - (held - 90 * MIB))
+        free = ledger.resources()[0].free_budget_bytes
+        want = free + idle  # all the budget's free bytes plus every idle byte the borrower holds
         with pytest.raises(ResourceExhausted, match="admission refused"):
-            lender.reserve("kv", 50 * MIB)
-        eventually(lambda: asked, what="the borrower to be asked to give back")
-        assert asked[0][0] == "weights"
-        eventually(lambda: leased(ledger, "borrower") <= 90 * MIB - CHUNK,
-                   what="idle borrowed leases to be released")
+            lender.reserve("kv", want)
+        def lender_got_it() -> bool:
+            try:
+                lender.reserve("kv", want)
+                return True
+            except ResourceExhausted:
+                return False
+        eventually(lender_got_it, what="the lender to acquire the bytes the borrower gave back")
+        assert asked and asked[0] == ("weights", idle), "the on_reclaim hook must see the ask"
+        assert leased(ledger, "borrower") == held - idle, "the borrower must give back its idle"
+        assert leased(ledger, "lender") >= want
     finally:
         lender.close()
         borrower.close()

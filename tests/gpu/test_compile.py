@@ -3,7 +3,7 @@ back. Run on the GPU machine: `.venv/bin/python -m pytest -m gpu tests/gpu/test_
 
 Most tests drive the driver directly through `RawDriverDevice` (cuModuleLoadData on the retained
 primary context), so they do not depend on the device layer; the last one goes through
-gpu_worker.device.open_device("cuda") and skips until that exists.
+gpu_worker.device.open_device("cuda").
 """
 
 from __future__ import annotations
@@ -186,12 +186,9 @@ def test_a_ptx_with_an_isa_newer_than_the_driver_falls_back_to_a_fresh_cubin(
 
 
 def test_compiler_load_through_the_cuda_device_layer(tmp_path: pathlib.Path) -> None:
-    device_mod = pytest.importorskip(
-        "gpu_worker.device", reason="gpu_worker.device not written yet"
-    )
-    if not hasattr(device_mod, "open_device"):
-        pytest.skip("gpu_worker.device.open_device (interface 3) is not written yet")
-    device = device_mod.open_device("cuda")
+    from gpu_worker.device import open_device
+
+    device = open_device("cuda")
     try:
         c = KernelCompiler(device.info.arch, cache_dir=tmp_path)
         module = c.load(device, AXPY)

@@ -1,11 +1,13 @@
 """The worker's Prometheus collector reads a real runtime's stats at scrape time."""
 from __future__ import annotations
 
+import logging
 import pathlib
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpu_worker import survived
 from gpu_worker.metrics import WorkerCollector
 
 
@@ -27,4 +29,24 @@ def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_clos
     assert 'gpuplane_worker_zone_committed_bytes{zone="context"}' in text, "zones not exported"
     assert "gpuplane_worker_kernel_cache_entries" in text, "kernel cache not exported"
     assert "gpuplane_worker_compile_compiled" in text, "compile counters not exported"
-    assert generate_latest(registry) is not None, "a scrape after close broke the endpoint"
+
+
+
+def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_counts_the_failure(
+        tmp_path: pathlib.Path, caplog, monkeypatch) -> None:
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+
+    monkeypatch.setattr(survived, "_logged", set())
+    runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(runtime))
+    runtime.close()
+    before = survived.count("metrics_scrape")
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+        text = generate_latest(registry).decode()  # must not raise: the endpoint stays up
+    assert "gpuplane_worker_ledger_bytes" not in text, "a closed runtime exported stale gauges"
+    assert survived.count("metrics_scrape") == before + 1, "the failed scrape was not counted"
+    assert [r for r in caplog.records if getattr(r, "site", None) == "metrics_scrape"], \
+        "the failed scrape was not logged"
+    served = generate_latest(REGISTRY).decode()  # the registry the worker's /metrics serves
+    assert 'gpuplane_worker_survived_errors_total{site="metrics_scrape"}' in served
