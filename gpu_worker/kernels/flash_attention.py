@@ -340,9 +340,9 @@ __device__ __forceinline__ void gp_fd_split_block(
         l[i] = 0.f;
     }
     // The loop bound depends on the warp only: every lane of a warp runs every step (shuffles).
-    for (int base = j0 + warp * KPW * GP_FD_UNROLL; base < j1; base += STEP) {
+    for (int jw = j0 + warp * KPW * GP_FD_UNROLL; jw < j1; jw += STEP) {
         uint4 kr[GP_FD_UNROLL], vr[GP_FD_UNROLL];
-        const int jb = base + gw * GP_FD_UNROLL;
+        const int jb = jw + gw * GP_FD_UNROLL;
 #pragma unroll
         for (int u = 0; u < GP_FD_UNROLL; ++u) {
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
@@ -352,16 +352,9 @@ __device__ __forceinline__ void gp_fd_split_block(
                 vr[u] = *reinterpret_cast<const uint4*>(v + off);
             }
         }
-        float vf[GP_FD_UNROLL][8];
-#pragma unroll
-        for (int u = 0; u < GP_FD_UNROLL; ++u) {
-            const unsigned w[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) { vf[u][2 * e] = gp_h2f_lo(w[e]); vf[u][2 * e + 1] = gp_h2f_hi(w[e]); }
-        }
+        float sc[GP_FD_HPB][GP_FD_UNROLL];  // scores, then their weights e^(s - m)
 #pragma unroll
         for (int i = 0; i < GP_FD_HPB; ++i) {
-            float s[GP_FD_UNROLL];
 #pragma unroll
             for (int u = 0; u < GP_FD_UNROLL; ++u) {
                 const unsigned w[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w};
@@ -373,26 +366,33 @@ __device__ __forceinline__ void gp_fd_split_block(
                 }
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                s[u] = jb + u < j1 ? d : -INFINITY;
+                sc[i][u] = jb + u < j1 ? d : -INFINITY;
             }
-            float mx = s[0];
+            float mx = sc[i][0];
 #pragma unroll
-            for (int u = 1; u < GP_FD_UNROLL; ++u) mx = fmaxf(mx, s[u]);
+            for (int u = 1; u < GP_FD_UNROLL; ++u) mx = fmaxf(mx, sc[i][u]);
             const float mn = fmaxf(m[i], mx);
             const float base = mn == -INFINITY ? 0.f : mn;  // no key yet: no inf - inf
             const float corr = gp_exp2(m[i] - base);
-            float pu[GP_FD_UNROLL], ps = 0.f;
+            float ps = 0.f;
 #pragma unroll
-            for (int u = 0; u < GP_FD_UNROLL; ++u) { pu[u] = gp_exp2(s[u] - base); ps += pu[u]; }
+            for (int u = 0; u < GP_FD_UNROLL; ++u) { sc[i][u] = gp_exp2(sc[i][u] - base); ps += sc[i][u]; }
             l[i] = l[i] * corr + ps;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                float a = acc[i][e] * corr;
-#pragma unroll
-                for (int u = 0; u < GP_FD_UNROLL; ++u) a = fmaf(pu[u], vf[u][e], a);
-                acc[i][e] = a;
-            }
             m[i] = mn;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[i][e] *= corr;
+        }
+        // V one key at a time: 8 converted floats live, not 8 per key in flight.
+#pragma unroll
+        for (int u = 0; u < GP_FD_UNROLL; ++u) {
+            const unsigned w[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+            float vf[8];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { vf[2 * e] = gp_h2f_lo(w[e]); vf[2 * e + 1] = gp_h2f_hi(w[e]); }
+#pragma unroll
+            for (int i = 0; i < GP_FD_HPB; ++i)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[i][e] = fmaf(sc[i][u], vf[e], acc[i][e]);
         }
     }
 #pragma unroll
@@ -423,7 +423,7 @@ __device__ __forceinline__ void gp_fd_split_block(
 // grid (kv_heads * ceil(group / 4), batch, splits), 128 threads; group = heads / kv_heads.
 // Partial state of (b, h, split s) at ws[((b*heads + h)*splits + s)*(head_dim + 2)]: max score
 // (natural units, scaled), sum of e^(score - max), unnormalised acc: attention.py's layout.
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 4)
 gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restrict__ q,
                           const unsigned short* __restrict__ k,
                           const unsigned short* __restrict__ v, const int* __restrict__ lens,
@@ -447,26 +447,30 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
         gp_fd_split_block<64>(part, qq, k + kv_off, v + kv_off, nh, j0, j1, kv_row_stride, sl, stride);
 }
 
-// grid (heads, batch): out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+// Thread s owns split s's weight (splits <= 64 < 128), so the split loop over dims is free of
+// dependent loads: at 64 splits a serial walk over (m, l) costs microseconds of L2 latency.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_f16(unsigned short* __restrict__ out, const float* __restrict__ ws, int batch,
                      int heads, int head_dim, int splits) {
-    const int h = blockIdx.x, b = blockIdx.y;
-    const float* part = ws + ((long long)b * heads + h) * splits * (head_dim + 2);
-    float mx = -INFINITY;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (head_dim + 2)]);
+    __shared__ float w_s[GP_FD_THREADS];
+    __shared__ float scratch[33];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
+    const float* part = ws + ((long long)b * heads + h) * splits * width;
+    const float ms = tid < splits ? part[tid * width] : -INFINITY;
+    const float ls = tid < splits ? part[tid * width + 1] : 0.f;
+    const float mx = gp_block_max(ms, scratch);
+    const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;  // all empty: zeros
+    const float l = gp_block_sum(ls * w, scratch);
+    w_s[tid] = w;
+    __syncthreads();
+    const float inv = l > 0.f ? 1.f / l : 0.f;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float l = 0.f, acc = 0.f;
-        if (mx != -INFINITY) {  // every split empty: zeros
-            for (int s = 0; s < splits; ++s) {
-                const float* ps = part + s * (head_dim + 2);
-                const float w = ps[1] > 0.f ? expf(ps[0] - mx) : 0.f;
-                l = fmaf(ps[1], w, l);
-                acc = fmaf(ps[2 + d], w, acc);
-            }
-        }
-        o[d] = gp_f2h(l > 0.f ? acc / l : 0.f);
+    for (int d = tid; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) acc = fmaf(part[s * width + 2 + d], w_s[s], acc);
+        o[d] = gp_f2h(acc * inv);
     }
 }
 """)
