@@ -199,44 +199,61 @@ __device__ __forceinline__ void gp_fa_prefill_block(
         if (more) { gp_fa_stage<D>(k_s, k, n0 + GP_FA_BN, kend, kv_row_stride); gp_cp_async_commit(); }
 
         const bool mask = n0 + GP_FA_BN > kmin;
-        float mx_lo = -INFINITY, mx_hi = -INFINITY;
+        if (mask) {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = n0 + nt * 8 + 2 * tq + e;
+                    if (j >= lim_lo) s[nt][e] = -INFINITY;
+                    if (j >= lim_hi) s[nt][2 + e] = -INFINITY;
+                }
+        }
+        // Row maxima of the raw scores (scale > 0 commutes with max) by a tree, not a chain:
+        // with 3 warps per scheduler a 16-long dependent chain shows up as latency stalls.
+        float tl[8], th[8];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int j = n0 + nt * 8 + 2 * tq + e;
-                float a = s[nt][e] * scale_log2, c = s[nt][2 + e] * scale_log2;
-                if (mask) {
-                    if (j >= lim_lo) a = -INFINITY;
-                    if (j >= lim_hi) c = -INFINITY;
-                }
-                s[nt][e] = a;
-                s[nt][2 + e] = c;
-                mx_lo = fmaxf(mx_lo, a);
-                mx_hi = fmaxf(mx_hi, c);
-            }
+            tl[nt] = fmaxf(s[nt][0], s[nt][1]);
+            th[nt] = fmaxf(s[nt][2], s[nt][3]);
         }
+#pragma unroll
+        for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+            for (int nt = 0; nt < w; ++nt) {
+                tl[nt] = fmaxf(tl[nt], tl[nt + w]);
+                th[nt] = fmaxf(th[nt], th[nt + w]);
+            }
+        float mx_lo = tl[0], mx_hi = th[0];
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
         mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
         mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        // m is kept in scaled log2 units; p = 2^(s * scale_log2 - m) is one FFMA and one MUFU.
+        const float mn_lo = fmaxf(m_lo, mx_lo * scale_log2), mn_hi = fmaxf(m_hi, mx_hi * scale_log2);
         // A row that has seen no key yet keeps m = -inf; exponents then use base 0 (no inf - inf).
         const float base_lo = mn_lo == -INFINITY ? 0.f : mn_lo;
         const float base_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
         const float corr_lo = gp_exp2(m_lo - base_lo), corr_hi = gp_exp2(m_hi - base_hi);
         m_lo = mn_lo;
         m_hi = mn_hi;
-        float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-            s[nt][0] = gp_exp2(s[nt][0] - base_lo);
-            s[nt][1] = gp_exp2(s[nt][1] - base_lo);
-            s[nt][2] = gp_exp2(s[nt][2] - base_hi);
-            s[nt][3] = gp_exp2(s[nt][3] - base_hi);
-            sum_lo += s[nt][0] + s[nt][1];
-            sum_hi += s[nt][2] + s[nt][3];
+            s[nt][0] = gp_exp2(fmaf(s[nt][0], scale_log2, -base_lo));
+            s[nt][1] = gp_exp2(fmaf(s[nt][1], scale_log2, -base_lo));
+            s[nt][2] = gp_exp2(fmaf(s[nt][2], scale_log2, -base_hi));
+            s[nt][3] = gp_exp2(fmaf(s[nt][3], scale_log2, -base_hi));
+            tl[nt] = s[nt][0] + s[nt][1];
+            th[nt] = s[nt][2] + s[nt][3];
         }
+#pragma unroll
+        for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+            for (int nt = 0; nt < w; ++nt) {
+                tl[nt] += tl[nt + w];
+                th[nt] += th[nt + w];
+            }
+        const float sum_lo = tl[0], sum_hi = th[0];
         l_lo = l_lo * corr_lo + sum_lo;  // this thread's share of the row sum; reduced at the end
         l_hi = l_hi * corr_hi + sum_hi;
 #pragma unroll
@@ -498,7 +515,10 @@ def attention_combine_f16(partials: np.ndarray) -> np.ndarray:
 
 # -- launchers -------------------------------------------------------------------------------
 def _scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    """1/sqrt(head_dim) unless given; positive (the kernels take maxima of unscaled scores)."""
+    value = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    require(math.isfinite(value) and value > 0, f"attention scale={scale!r} must be finite and > 0")
+    return value
 
 
 def _check_common(kernel: str, heads: int, kv_heads: int, head_dim: int) -> None:
