@@ -128,7 +128,7 @@ class Bench:
         return t, splits
 
     def prefill(self, tokens: int, heads: int, kv_heads: int, hd: int) -> float:
-        h, dev, f = self.h, self.dev, self.h.function(FLASH_ATTENTION_PREFILL)
+        dev, f = self.dev, self.h.function(FLASH_ATTENTION_PREFILL)
         q, out = self.f16(tokens, heads * hd), self.buf(2 * tokens * heads * hd)
         row = kv_heads * hd
         k, v = self.f16(tokens, row), self.f16(tokens, row)

@@ -15,26 +15,30 @@ read from device int32s, so a captured graph stays valid as they change:
 
 Prefill design (FlashAttention-2, Dao 2023). A block is 4 warps and owns 64 query rows of one
 (sequence, head); each warp owns 16 rows, so the softmax state of a row never leaves its warp (no
-block-wide reductions, one barrier pair per key tile). Q lives in registers as mma A fragments
-(loaded once, 32 registers at head_dim 128); K and V tiles of 64 keys are staged in shared memory
-by cp.async, V(n) in flight while S = Q K(n)^T runs and K(n+1) in flight while O += P V(n) runs.
-S and O accumulate in fp32 through `mma.sync.m16n8k16` (fp16 in, fp32 accumulate); the S
-accumulator's register layout is exactly the A-fragment layout of P, so P goes from registers to
-the second mma rounded to fp16 without touching shared memory; the scores are never materialised.
-B fragments come from shared memory by ldmatrix (.trans for V), whose 8 row addresses land in 8
-distinct bank quads because each staged row is padded by 16 bytes. Tiles of 64 x 64: 64 query rows
-give 4 warps (enough warps per block to hide the mma latency with 2-3 blocks per SM) while the
-two staged tiles plus padding stay at 34 KiB (head_dim 128), under the 48 KiB static limit;
-64 keys keep S at 32 fp32 registers per thread next to O's 64. Causal blocks stop at their last
-row's diagonal, and the grid runs the longest (last) row blocks first so short blocks fill the
-tail. Online softmax in the exp2 domain (scale * log2 e folded into one multiply).
+block-wide reductions). Q lives in registers as mma A fragments (loaded once, 32 registers at
+head_dim 128); K and V tiles of 64 keys are staged in shared memory by cp.async, V(n) in flight
+while S = Q K(n)^T runs and K(n+1) in flight while softmax and O += P V(n) run. S and O
+accumulate in fp32 through `mma.sync.m16n8k16` (fp16 in); the S accumulator's register layout is
+exactly the A-fragment layout of P, so P goes to the second mma rounded to fp16 without touching
+shared memory; the scores are never materialised. B fragments come from shared memory by
+ldmatrix (.trans for V); each staged row is padded by 16 bytes so the 8 row addresses of an
+ldmatrix land in distinct banks. Why 64 x 64 and 4 warps: O (64) + S (32) + Q (32) fp32/fp16x2
+registers per thread put the kernel at 165 registers = 3 blocks (12 warps) per SM, and the two
+staged tiles (34 KiB at head_dim 128) stay under the 48 KiB static shared-memory limit (the device
+layer sets no dynamic-smem attribute). Measured alternatives on the H200 (docs/kernels.md): 32-key
+tiles double-buffered (same smem) 5 % slower; the same forced to 4 blocks per SM (128 registers,
+spills) 14 % slower. Causal blocks stop at their last row's diagonal, and the grid runs the
+longest (last) row blocks first so short blocks fill the tail. Online softmax in the exp2 domain
+(scale * log2 e folded into one FFMA before each ex2), row max/sum by trees, not chains.
 
 Decode design (flash decoding). One block of 128 threads serves one KV head and up to 4 of its
 query heads over one split, so each KV byte is read once per group, not once per query head.
 head_dim / 8 lanes own one key (16-byte loads: a lane owns 8 dims), each lane group streams 4 keys
 per step (8 independent 16-byte loads in flight per thread) and keeps its own online-softmax state
-per query head in registers; the lane groups merge once at the end through shared memory. Splits
-are sized (flash_decode_splits) for ~4 blocks per SM, a function of max_len so graphs stay valid.
+per query head in registers; the lane groups merge once at the end through shared memory. 128
+registers (launch bounds) give 4 blocks per SM, and splits are sized (flash_decode_splits) for
+~4 blocks per SM, i.e. one wave (1.3 waves at 167 registers cost 45 % at 8k context). A function
+of max_len, so graphs stay valid. The combine gives each split's weight its own thread.
 
 Hazards: cp.async zero-fills rows past the last visible key (P = 0 times stale NaN bits would be
 NaN); every loop that shuffles is uniform across its warp. Contract: head_dim 64 or 128, K/V and
@@ -62,6 +66,7 @@ MIN_SPLIT_KEYS = 128       # fewest keys per split worth a block (4 steps of 32 
 SOURCE = make_source("gp_flash_attention", r"""
 #define GP_FA_BM 64
 #define GP_FA_BN 64
+#define GP_FA_MINB 3  // blocks per SM the registers must allow: 3 x 4 warps at <= 168 registers
 #define GP_FA_PAD 8
 #define GP_FA_LOG2E 1.4426950408889634f
 #define GP_FD_HPB 4
@@ -124,13 +129,13 @@ __device__ __forceinline__ unsigned gp_ld32(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
-// Stage keys [n0, n0 + 64) of one KV head into a padded shared tile; rows at or past `kend`
+// Stage keys [n0, n0 + BN) of one KV head into a padded shared tile; rows at or past `kend`
 // are zero-filled (their P is 0, and 0 * stale bits could be NaN).
-template <int D>
+template <int D, int BN>
 __device__ __forceinline__ void gp_fa_stage(unsigned short* tile, const unsigned short* base,
                                             int n0, int kend, long long row_stride) {
     constexpr int LD = D + GP_FA_PAD, CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < GP_FA_BN * CHUNKS; c += blockDim.x) {
+    for (int c = threadIdx.x; c < BN * CHUNKS; c += blockDim.x) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8, j = n0 + r;
         const bool in = j < kend;
         gp_cp_async16(gp_smem(tile + r * LD + col), base + (in ? (long long)j * row_stride + col : 0),
@@ -138,6 +143,124 @@ __device__ __forceinline__ void gp_fa_stage(unsigned short* tile, const unsigned
     }
 }
 
+// S (16 rows x 8*NT keys, fp32) = Q K^T from a staged K tile at shared address ks.
+template <int D, int NT>
+__device__ __forceinline__ void gp_fa_qk(float (&s)[NT][4], const unsigned (&qf)[D / 16][4],
+                                         unsigned ks, int lm, int lr) {
+    constexpr int LD = D + GP_FA_PAD;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            unsigned b[4];
+            gp_ldsm_x4(b, ks + 2u * ((np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8));
+            gp_mma16816(s[2 * np], qf[kc], b[0], b[1]);
+            gp_mma16816(s[2 * np + 1], qf[kc], b[2], b[3]);
+        }
+    }
+}
+
+// Online softmax of one S tile (keys n0..): masks, updates the row state (m in scaled log2
+// units, l this thread's share of the row sum), returns the O correction factors and P as the
+// A fragments of the P.V mma (the S accumulator layout is the A layout: no shared memory).
+template <int NT>
+__device__ __forceinline__ void gp_fa_softmax(float (&s)[NT][4], unsigned (&pf)[NT / 2][4],
+                                              float& m_lo, float& m_hi, float& l_lo, float& l_hi,
+                                              float& corr_lo, float& corr_hi, bool mask, int n0,
+                                              int tq, int lim_lo, int lim_hi, float scale_log2) {
+    if (mask) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = n0 + nt * 8 + 2 * tq + e;
+                if (j >= lim_lo) s[nt][e] = -INFINITY;
+                if (j >= lim_hi) s[nt][2 + e] = -INFINITY;
+            }
+    }
+    // Row maxima of the raw scores (scale > 0 commutes with max) by a tree, not a chain:
+    // with 3 warps per scheduler a 16-long dependent chain shows up as latency stalls.
+    float tl[NT], th[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        tl[nt] = fmaxf(s[nt][0], s[nt][1]);
+        th[nt] = fmaxf(s[nt][2], s[nt][3]);
+    }
+#pragma unroll
+    for (int w = NT / 2; w > 0; w >>= 1)
+#pragma unroll
+        for (int nt = 0; nt < w; ++nt) {
+            tl[nt] = fmaxf(tl[nt], tl[nt + w]);
+            th[nt] = fmaxf(th[nt], th[nt + w]);
+        }
+    float mx_lo = tl[0], mx_hi = th[0];
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    // p = 2^(s * scale_log2 - m): one FFMA and one MUFU per score.
+    const float mn_lo = fmaxf(m_lo, mx_lo * scale_log2), mn_hi = fmaxf(m_hi, mx_hi * scale_log2);
+    // A row that has seen no key yet keeps m = -inf; exponents then use base 0 (no inf - inf).
+    const float base_lo = mn_lo == -INFINITY ? 0.f : mn_lo;
+    const float base_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
+    corr_lo = gp_exp2(m_lo - base_lo);
+    corr_hi = gp_exp2(m_hi - base_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[nt][0] = gp_exp2(fmaf(s[nt][0], scale_log2, -base_lo));
+        s[nt][1] = gp_exp2(fmaf(s[nt][1], scale_log2, -base_lo));
+        s[nt][2] = gp_exp2(fmaf(s[nt][2], scale_log2, -base_hi));
+        s[nt][3] = gp_exp2(fmaf(s[nt][3], scale_log2, -base_hi));
+        tl[nt] = s[nt][0] + s[nt][1];
+        th[nt] = s[nt][2] + s[nt][3];
+    }
+#pragma unroll
+    for (int w = NT / 2; w > 0; w >>= 1)
+#pragma unroll
+        for (int nt = 0; nt < w; ++nt) {
+            tl[nt] += tl[nt + w];
+            th[nt] += th[nt + w];
+        }
+    l_lo = l_lo * corr_lo + tl[0];
+    l_hi = l_hi * corr_hi + th[0];
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {  // key tiles 2kk, 2kk+1 form one k16 A fragment
+        pf[kk][0] = gp_pack_h2(s[2 * kk][0], s[2 * kk][1]);
+        pf[kk][1] = gp_pack_h2(s[2 * kk][2], s[2 * kk][3]);
+        pf[kk][2] = gp_pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pf[kk][3] = gp_pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+}
+
+// O (16 rows x D, fp32) = O * corr + P V from a staged V tile at shared address vs.
+template <int D, int NT>
+__device__ __forceinline__ void gp_fa_pv(float (&o)[D / 8][4], const unsigned (&pf)[NT / 2][4],
+                                         unsigned vs, int lm, int lr, float corr_lo,
+                                         float corr_hi) {
+    constexpr int LD = D + GP_FA_PAD;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        o[i][0] *= corr_lo; o[i][1] *= corr_lo;
+        o[i][2] *= corr_hi; o[i][3] *= corr_hi;
+    }
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            unsigned b[4];
+            gp_ldsm_x4_t(b, vs + 2u * ((kk * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8));
+            gp_mma16816(o[2 * dp], pf[kk], b[0], b[1]);
+            gp_mma16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// One block: 64 query rows [t0, t0 + 64) of one (sequence, head), 4 warps of 16 rows; 64-key
+// tiles, one K and one V buffer: V(n) lands during QK(n), K(n+1) during softmax and PV(n).
 template <int D>
 __device__ __forceinline__ void gp_fa_prefill_block(
         unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
@@ -145,7 +268,7 @@ __device__ __forceinline__ void gp_fa_prefill_block(
         unsigned short* k_s, unsigned short* v_s, int tokens, int t0, int p, int valid, int causal,
         long long q_row_stride, long long out_row_stride, long long kv_row_stride,
         float scale_log2) {
-    constexpr int LD = D + GP_FA_PAD, KC = D / 16, DT = D / 8;
+    constexpr int KC = D / 16, DT = D / 8, BN = GP_FA_BN, NT = BN / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3, lm = lane >> 3, lr = lane & 7;
     const int row_lo = t0 + warp * 16 + g, row_hi = row_lo + 8;
@@ -153,7 +276,7 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     const int lim_hi = max(0, causal ? min(p + row_hi + 1, valid) : valid);
     const int kend = max(0, causal ? min(p + t0 + GP_FA_BM, valid) : valid);
     const int kmin = max(0, causal ? min(p + t0 + 1, valid) : valid);  // the block's first row
-    const int ntiles = (kend + GP_FA_BN - 1) / GP_FA_BN;
+    const int ntiles = (kend + BN - 1) / BN;
 
     unsigned qf[KC][4];
     {
@@ -174,113 +297,25 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
     const unsigned ks = gp_smem(k_s), vs = gp_smem(v_s);
 
-    if (ntiles > 0) { gp_fa_stage<D>(k_s, k, 0, kend, kv_row_stride); gp_cp_async_commit(); }
+    if (ntiles > 0) { gp_fa_stage<D, BN>(k_s, k, 0, kend, kv_row_stride); gp_cp_async_commit(); }
     for (int tile = 0; tile < ntiles; ++tile) {
-        const int n0 = tile * GP_FA_BN;
-        gp_fa_stage<D>(v_s, v, n0, kend, kv_row_stride);
+        const int n0 = tile * BN;
+        gp_fa_stage<D, BN>(v_s, v, n0, kend, kv_row_stride);
         gp_cp_async_commit();
         gp_cp_async_wait<1>();  // K(tile) landed (V(tile) may still be in flight)
         __syncthreads();
-        float s[8][4];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                unsigned b[4];
-                gp_ldsm_x4(b, ks + 2u * ((np * 16 + (lm >> 1) * 8 + lr) * LD + kc * 16 + (lm & 1) * 8));
-                gp_mma16816(s[2 * np], qf[kc], b[0], b[1]);
-                gp_mma16816(s[2 * np + 1], qf[kc], b[2], b[3]);
-            }
-        }
+        float s[NT][4];
+        unsigned pf[NT / 2][4];
+        float corr_lo, corr_hi;
+        gp_fa_qk<D, NT>(s, qf, ks, lm, lr);
         __syncthreads();  // every warp is done with k_s
         const bool more = tile + 1 < ntiles;
-        if (more) { gp_fa_stage<D>(k_s, k, n0 + GP_FA_BN, kend, kv_row_stride); gp_cp_async_commit(); }
-
-        const bool mask = n0 + GP_FA_BN > kmin;
-        if (mask) {
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = n0 + nt * 8 + 2 * tq + e;
-                    if (j >= lim_lo) s[nt][e] = -INFINITY;
-                    if (j >= lim_hi) s[nt][2 + e] = -INFINITY;
-                }
-        }
-        // Row maxima of the raw scores (scale > 0 commutes with max) by a tree, not a chain:
-        // with 3 warps per scheduler a 16-long dependent chain shows up as latency stalls.
-        float tl[8], th[8];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            tl[nt] = fmaxf(s[nt][0], s[nt][1]);
-            th[nt] = fmaxf(s[nt][2], s[nt][3]);
-        }
-#pragma unroll
-        for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-            for (int nt = 0; nt < w; ++nt) {
-                tl[nt] = fmaxf(tl[nt], tl[nt + w]);
-                th[nt] = fmaxf(th[nt], th[nt + w]);
-            }
-        float mx_lo = tl[0], mx_hi = th[0];
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        // m is kept in scaled log2 units; p = 2^(s * scale_log2 - m) is one FFMA and one MUFU.
-        const float mn_lo = fmaxf(m_lo, mx_lo * scale_log2), mn_hi = fmaxf(m_hi, mx_hi * scale_log2);
-        // A row that has seen no key yet keeps m = -inf; exponents then use base 0 (no inf - inf).
-        const float base_lo = mn_lo == -INFINITY ? 0.f : mn_lo;
-        const float base_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
-        const float corr_lo = gp_exp2(m_lo - base_lo), corr_hi = gp_exp2(m_hi - base_hi);
-        m_lo = mn_lo;
-        m_hi = mn_hi;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            s[nt][0] = gp_exp2(fmaf(s[nt][0], scale_log2, -base_lo));
-            s[nt][1] = gp_exp2(fmaf(s[nt][1], scale_log2, -base_lo));
-            s[nt][2] = gp_exp2(fmaf(s[nt][2], scale_log2, -base_hi));
-            s[nt][3] = gp_exp2(fmaf(s[nt][3], scale_log2, -base_hi));
-            tl[nt] = s[nt][0] + s[nt][1];
-            th[nt] = s[nt][2] + s[nt][3];
-        }
-#pragma unroll
-        for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-            for (int nt = 0; nt < w; ++nt) {
-                tl[nt] += tl[nt + w];
-                th[nt] += th[nt + w];
-            }
-        const float sum_lo = tl[0], sum_hi = th[0];
-        l_lo = l_lo * corr_lo + sum_lo;  // this thread's share of the row sum; reduced at the end
-        l_hi = l_hi * corr_hi + sum_hi;
-#pragma unroll
-        for (int i = 0; i < DT; ++i) {
-            o[i][0] *= corr_lo; o[i][1] *= corr_lo;
-            o[i][2] *= corr_hi; o[i][3] *= corr_hi;
-        }
-        unsigned pf[4][4];  // the S accumulators of key tiles 2kk, 2kk+1 are P's A fragment
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pf[kk][0] = gp_pack_h2(s[2 * kk][0], s[2 * kk][1]);
-            pf[kk][1] = gp_pack_h2(s[2 * kk][2], s[2 * kk][3]);
-            pf[kk][2] = gp_pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pf[kk][3] = gp_pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+        if (more) { gp_fa_stage<D, BN>(k_s, k, n0 + BN, kend, kv_row_stride); gp_cp_async_commit(); }
+        gp_fa_softmax<NT>(s, pf, m_lo, m_hi, l_lo, l_hi, corr_lo, corr_hi, n0 + BN > kmin, n0, tq,
+                          lim_lo, lim_hi, scale_log2);
         if (more) gp_cp_async_wait<1>(); else gp_cp_async_wait<0>();  // V(tile) landed
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned b[4];
-                gp_ldsm_x4_t(b, vs + 2u * ((kk * 16 + (lm & 1) * 8 + lr) * LD + dp * 16 + (lm >> 1) * 8));
-                gp_mma16816(o[2 * dp], pf[kk], b[0], b[1]);
-                gp_mma16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
-            }
-        }
+        gp_fa_pv<D, NT>(o, pf, vs, lm, lr, corr_lo, corr_hi);
         __syncthreads();  // every warp is done with v_s before the next tile overwrites it
     }
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
@@ -301,7 +336,7 @@ __device__ __forceinline__ void gp_fa_prefill_block(
 
 // grid (ceil(tokens / 64), heads, batch), 128 threads. Row block ceil-1 first: with a causal
 // mask it is the longest, so the short ones fill the tail of the grid.
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, GP_FA_MINB)
 gp_flash_prefill_f16(unsigned short* out, const unsigned short* __restrict__ q,
                      const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
                      const int* __restrict__ lens, const int* __restrict__ past, int batch,

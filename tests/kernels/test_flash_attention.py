@@ -3,6 +3,8 @@ mma, ldmatrix, cp.async, no register spills), the sim backend against the NumPy 
 the shared cases, the launchers' refusals, and the split policy."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -67,6 +69,16 @@ def test_every_entry_compiles_without_register_spills(compiled) -> None:
         section = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
         assert "0 bytes spill stores, 0 bytes spill loads" in section, \
             f"{entry} spills registers to local memory:\n{section}"
+
+
+def test_register_budgets_keep_the_designed_occupancy(compiled) -> None:
+    """Prefill: <= 168 registers = 3 blocks of 4 warps per SM; decode: <= 128 = 4 blocks (one
+    wave of flash_decode_splits' grid at 8k context)."""
+    log = compiled.log if isinstance(compiled.log, str) else compiled.log.decode()
+    for entry, budget in (("gp_flash_prefill_f16", 168), ("gp_flash_decode_split_f16", 128)):
+        section = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
+        used = int(re.search(r"Used (\d+) registers", section).group(1))
+        assert used <= budget, f"{entry} uses {used} registers > {budget}: occupancy drops a block"
 
 
 def test_the_tolerance_fails_an_off_by_one_in_the_causal_mask() -> None:
