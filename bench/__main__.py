@@ -23,6 +23,7 @@ CPU = [
 GPU = [
     ("device_bench.py", []),
     ("kernels_bench.py", ["--reps", "10"]),
+    ("attention_bench.py", ["--reps", "10", "--trials", "5"]),
     ("decode_bench.py", ["--steps", "64"]),
     ("replay_bench.py", []),
     ("encoder_bench.py", ["--requests", "60"]),

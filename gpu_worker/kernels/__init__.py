@@ -49,6 +49,17 @@ from gpu_worker.kernels.elementwise import (
     launch_silu_gate,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
+from gpu_worker.kernels.flash_attention import (
+    FLASH_ATTENTION_COMBINE,
+    FLASH_ATTENTION_DECODE_SPLIT,
+    FLASH_ATTENTION_PREFILL,
+    flash_decode_splits,
+    flash_decode_workspace_bytes,
+    launch_flash_attention_combine,
+    launch_flash_attention_decode,
+    launch_flash_attention_decode_split,
+    launch_flash_attention_prefill,
+)
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -69,6 +80,7 @@ ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL, ROTARY,
     ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE, KV_APPEND, SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
+    FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -76,6 +88,7 @@ KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 ALL_SOURCES: list[KernelSource] = list({id(k.source): k.source for k in ALL_KERNELS}.values())
 
 # Registers the sim backend's NumPy kernels (entry name -> implementation) as a side effect.
+from gpu_worker.kernels import flash_sim as _flash_sim  # noqa: F401
 from gpu_worker.kernels import sim as _sim  # noqa: F401
 
 __all__ = [
@@ -92,6 +105,9 @@ __all__ = [
     "COMMON_HEADER",
     "COMMON_HEADER_NAME",
     "EMBEDDING_GATHER",
+    "FLASH_ATTENTION_COMBINE",
+    "FLASH_ATTENTION_DECODE_SPLIT",
+    "FLASH_ATTENTION_PREFILL",
     "FUSED_MAX_ROWS",
     "GELU",
     "INT4_DEQUANT",
@@ -113,6 +129,8 @@ __all__ = [
     "KernelSource",
     "decode_splits",
     "decode_workspace_bytes",
+    "flash_decode_splits",
+    "flash_decode_workspace_bytes",
     "int4_path",
     "launch_add",
     "launch_add_i32",
@@ -123,6 +141,10 @@ __all__ = [
     "launch_attention_prefill",
     "launch_bias_add",
     "launch_embedding_gather",
+    "launch_flash_attention_combine",
+    "launch_flash_attention_decode",
+    "launch_flash_attention_decode_split",
+    "launch_flash_attention_prefill",
     "launch_gelu",
     "launch_int4_dequant",
     "launch_int4_matmul",
