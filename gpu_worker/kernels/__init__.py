@@ -49,6 +49,7 @@ from gpu_worker.kernels.elementwise import (
     launch_silu_gate,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
+from gpu_worker.kernels.half import INT4_DEQUANT_F16, TO_F16, launch_int4_dequant_f16, launch_to_f16
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -66,7 +67,8 @@ from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_m
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
 ALL_KERNELS: list[KernelDef] = [
-    EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL, ROTARY,
+    EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL,
+    INT4_DEQUANT_F16, TO_F16, ROTARY,
     ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE, KV_APPEND, SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
 ]
@@ -95,6 +97,7 @@ __all__ = [
     "FUSED_MAX_ROWS",
     "GELU",
     "INT4_DEQUANT",
+    "INT4_DEQUANT_F16",
     "INT4_MATMUL",
     "KERNELS_BY_NAME",
     "KV_APPEND",
@@ -109,6 +112,7 @@ __all__ = [
     "ROTARY",
     "SILU_GATE",
     "THREADS",
+    "TO_F16",
     "KernelDef",
     "KernelSource",
     "decode_splits",
@@ -125,6 +129,7 @@ __all__ = [
     "launch_embedding_gather",
     "launch_gelu",
     "launch_int4_dequant",
+    "launch_int4_dequant_f16",
     "launch_int4_matmul",
     "launch_kv_append",
     "launch_layernorm",
@@ -134,4 +139,5 @@ __all__ = [
     "launch_rmsnorm",
     "launch_rotary",
     "launch_silu_gate",
+    "launch_to_f16",
 ]

@@ -41,6 +41,7 @@ from gpu_worker.kernels.elementwise import (
     launch_silu_gate,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
+from gpu_worker.kernels.half import INT4_DEQUANT_F16, TO_F16, launch_int4_dequant_f16, launch_to_f16
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -217,6 +218,42 @@ def int4_linear_case(h, rng, m, n, k) -> Outcome:
     launch_int4_dequant(h.device, h.function(INT4_DEQUANT), ws, h.put(packed), h.put(scales), n, k)
     launch_matmul_nt(h.device, h.function(MATMUL_NT), y, h.put(x), ws, 0, m, n, k)
     return Outcome(h.get(y, (m, n)), ref.int4_matmul(x, packed, scales), 1e-4, 1e-4)
+
+
+def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None) -> Outcome:
+    packed, scales = _quantized(rng, n, k)
+    rows = n - row0 if rows is None else rows
+    tile = h.put(np.full(INT4_DEQUANT_F16.workspace_bytes(rows=rows, k=k) // 2, np.nan, np.float16))
+    launch_int4_dequant_f16(h.device, h.function(INT4_DEQUANT_F16), tile, h.put(packed),
+                            h.put(scales), row0, rows, n, k)
+    want = ref.int4_dequantize_f16(packed, scales, k)[row0:row0 + rows]
+    return Outcome(h.get(tile, (rows, k), np.uint16), want.view(np.uint16))   # bit-exact
+
+
+def to_f16_case(h, rng, n) -> Outcome:
+    x = _f32(rng, n, scale=100.0)
+    x[: min(n, 4)] = np.array([7e4, -7e4, 1e-8, 0.33325], np.float32)[: min(n, 4)]  # overflow, subnormal
+    out = h.put(np.zeros(n, np.float16))
+    launch_to_f16(h.device, h.function(TO_F16), out, h.put(x), n)
+    return Outcome(h.get(out, (n,), np.uint16), ref.to_f16(x).view(np.uint16))   # bit-exact
+
+
+def tensor_linear_case(h, rng, m, n, k, tile_rows, accumulate=False) -> Outcome:
+    """The prefill linear end to end: x -> fp16, W dequantized one tile of rows at a time, each
+    tile multiplied by the device's BLAS into its columns of y (row stride n)."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k)
+    y0 = _f32(rng, m, n)
+    y, x16 = h.put(y0), h.put(np.zeros((m, k), np.float16))
+    tile = h.put(np.zeros(tile_rows * k, np.float16))
+    pk, sc = h.put(packed), h.put(scales)
+    launch_to_f16(h.device, h.function(TO_F16), x16, h.put(x), m * k)
+    for r0 in range(0, n, tile_rows):
+        rows = min(tile_rows, n - r0)
+        launch_int4_dequant_f16(h.device, h.function(INT4_DEQUANT_F16), tile, pk, sc, r0, rows, n, k)
+        h.device.blas.gemm_nt(y + 4 * r0, x16, tile, m, rows, k, ldy=n, accumulate=accumulate)
+    want = ref.int4_linear_f16(x, packed, scales) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
 def rotary_case(h, rng, batch, tokens, heads, head_dim, pad=0, offset=0, theta=10000.0) -> Outcome:
@@ -449,6 +486,14 @@ CASES: list[Case] = [
     C("int4_matmul", int4_matmul_case, m=7, n=65, k=1100, accumulate=True),
     C("int4_matmul", int4_matmul_case, m=33, n=9, k=64),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
+    C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
+    C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),
+    C("to_f16", to_f16_case, n=1),
+    C("to_f16", to_f16_case, n=70001),
+    C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,
+      tile_rows=64),
+    C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=17, n=70, k=256,
+      tile_rows=70, accumulate=True),
     C("rotary", rotary_case, batch=1, tokens=1, heads=1, head_dim=2),
     C("rotary", rotary_case, batch=2, tokens=7, heads=3, head_dim=64, pad=16, offset=3),
     C("rotary", rotary_case, batch=1, tokens=33, heads=4, head_dim=128, theta=500000.0),

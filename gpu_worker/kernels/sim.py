@@ -249,3 +249,18 @@ def _mean_pool(mem, grid, block, args) -> None:
     lv = _arr(mem, lens, batch, np.int32) if lens else None
     r = reference.mean_pool(_arr(mem, x, batch * seq * hidden).reshape(batch, seq, hidden), lv)
     _arr(mem, out, batch * hidden).reshape(batch, hidden)[:] = r
+
+
+@register_sim_kernel("gp_int4_dequant_f16")
+def _int4_dequant_f16(mem, grid, block, args) -> None:
+    w16, packed, scales, row0, rows, k = _vals(args)
+    kb = reference.int4_blocks(k)
+    pk = _arr(mem, packed + row0 * kb * 16, rows * kb * 16, np.uint8).reshape(rows, kb * 16)
+    sc = _arr(mem, scales + row0 * kb * 2, rows * kb, np.float16).reshape(rows, kb)
+    _arr(mem, w16, rows * k, np.float16).reshape(rows, k)[:] = reference.int4_dequantize_f16(pk, sc, k)
+
+
+@register_sim_kernel("gp_to_f16")
+def _to_f16(mem, grid, block, args) -> None:
+    out, x, n = _vals(args)
+    _arr(mem, out, n, np.float16)[:] = reference.to_f16(_arr(mem, x, n))

@@ -18,6 +18,10 @@ from gpu_worker.models.configs import CONFIGS
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 
+# Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
+# summation-order difference that crosses an fp16 rounding boundary moves a value by 2^-11 relative.
+ATOL = 1e-3
+
 pytestmark = pytest.mark.gpu
 
 
@@ -77,7 +81,7 @@ def test_gpu_kernel_variants_stay_bounded_under_24_shapes_with_correct_results(d
     for batch in (1, 2, 3):
         for seq in (5, 9, 17, 24, 31, 40, 48, 63):
             got = model.embed(seqs(batch, seq))
-            assert np.allclose(got, ref.embed(np.array(seqs(batch, seq))), atol=1e-4), (batch, seq)
+            assert np.allclose(got, ref.embed(np.array(seqs(batch, seq))), atol=ATOL), (batch, seq)
             assert ex.kernels.stats()["max_variants_per_node"] <= 4
             assert device.ledger.snapshot()["workspace"][1] == ex.kernels.stats()["workspace_bytes"]
     assert ex.plans.stats()["entries"] <= 2
