@@ -30,6 +30,7 @@ import ctypes
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -81,14 +82,16 @@ class Blas(ABC):
         self._gemm(y, x, w, m, n, k, ldy, accumulate, out_dtype,
                    self.device.stream if stream is None else stream)
 
-    def is_warm(self, key: tuple) -> bool:
-        return key in self._warm
+    def is_warm(self, shape: tuple) -> bool:
+        return shape in self._warm
 
-    def warm(self, key: tuple, run, stream=None) -> None:
-        """Run `run()` (launches that include this library's calls) eagerly, once per `key`,
-        before a capture records them; book the device memory the first calls took."""
-        if key in self._warm:
-            return
+    def warm(self, shapes: Iterable[tuple], run: Callable[[], None], stream=None) -> bool:
+        """If any of `shapes` (m, n, k) is new, run `run()` (launches that include those calls)
+        eagerly now, before a capture records them, and book the device memory the first calls
+        took; returns whether it ran (False: every shape was warm, `run` was not called)."""
+        new = set(shapes) - self._warm
+        if not new:
+            return False
         device = self.device
         if device.gate.is_capturing_thread():
             raise DeviceError("blas.warm: called while this thread captures; warm up first")
@@ -99,7 +102,8 @@ class Blas(ABC):
             device.backend.synchronize_stream(stream)
             free1, _ = device.backend.mem_get_info()
         self._book(max(0, free0 - free1))
-        self._warm.add(key)
+        self._warm |= new
+        return True
 
     def _book(self, grown: int) -> None:
         if grown:

@@ -83,11 +83,10 @@ class ShapePlan:
         """Launch `steps`; the first time a GEMM shape is seen, as the BLAS warm-up (eager,
         measured and booked: DESIGN 2.1 forbids what a first cuBLAS call does inside capture)."""
         shapes = self._gemm_shapes(steps)
-        blas = self.executor.device.blas if shapes else None
-        if blas is None or all(blas.is_warm(s) for s in shapes):
+        ran = bool(shapes) and self.executor.device.blas.warm(
+            shapes, lambda: self.launch_all(steps, stream), stream)
+        if not ran:
             self.launch_all(steps, stream)
-            return
-        blas.warm(shapes, lambda: self.launch_all(steps, stream), stream)
 
     def execute(self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...],
                 capture: bool = True) -> dict[str, np.ndarray]:

@@ -70,9 +70,10 @@ def tile_rows(n: int, k: int, tile_bytes: int) -> int:
     return fit // TILE_ROW_ALIGN * TILE_ROW_ALIGN
 
 
-def tile_bytes_for(fp16_weight_bytes: list[int], limit: int = DEQUANT_TILE_BYTES) -> int:
-    """The model's tile: its largest weight in fp16 when that fits under `limit`, else `limit`."""
-    return min(limit, max(fp16_weight_bytes, default=0))
+def tile_bytes_for(fp16_weight_bytes: list[int], limit: int | None = None) -> int:
+    """The model's tile: its largest weight in fp16 when that fits under `limit` (default
+    DEQUANT_TILE_BYTES), else `limit`."""
+    return min(DEQUANT_TILE_BYTES if limit is None else limit, max(fp16_weight_bytes, default=0))
 
 
 def _linear_dims(node: Node, graph: Graph) -> tuple[int, int, int]:
