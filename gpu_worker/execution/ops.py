@@ -174,6 +174,18 @@ def _launch_attention_prefill(c: LaunchContext) -> None:
         causal=True, stream=c.stream)
 
 
+def _launch_attention_prefill_cached(c: LaunchContext) -> None:
+    """A prefill chunk against the KV cache: query t sees cache rows [0, start + t], at most
+    start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len)."""
+    a = c.node.attributes
+    tokens, width = c.shape(0)
+    kv_width = int(a["kv_heads"]) * int(a["head_dim"])
+    attention.launch_attention_prefill(
+        c.device, c.fn("attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(4),
+        c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
+        kv_width, int(a["max_context"]) * kv_width, causal=True, stream=c.stream)
+
+
 def _launch_attention_bidirectional(c: LaunchContext) -> None:
     a = c.node.attributes
     batch, seq, width = int(a["batch"]), int(a["seq"]), c.shape(0)[1]
@@ -228,6 +240,8 @@ OPS: dict[str, OpBinding] = {
     "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
     "attention_prefill": OpBinding((attention.ATTENTION_PREFILL,), _launch_attention_prefill),
+    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL,),
+                                          _launch_attention_prefill_cached),
     "attention_bidirectional": OpBinding((attention.ATTENTION_PREFILL,),
                                          _launch_attention_bidirectional),
     "attention_decode": OpBinding((attention.ATTENTION_DECODE,), _launch_attention_decode),
