@@ -97,7 +97,7 @@ def linears(device, lengths, reps: int, torch_ok: bool) -> None:
         if torch_ok and torch is not None:
             wt = torch.from_numpy(ref.int4_dequantize_f16(packed, scales, k)).cuda()
         for m in lengths:
-            def tensor(m=m, n=n, k=k, rows=rows) -> None:
+            def tensor(m=m, n=n, k=k, rows=rows, pk=pk, sc=sc) -> None:
                 launch_to_f16(device, fns["to_f16"], x16.ptr, x.ptr, m * k)
                 for r0 in range(0, n, rows):
                     part = min(rows, n - r0)
@@ -105,7 +105,7 @@ def linears(device, lengths, reps: int, torch_ok: bool) -> None:
                                             r0, part, n, k)
                     blas.gemm_nt(y.ptr + 4 * r0, x16.ptr, tile.ptr, m, part, k, ldy=n)
 
-            def f32(m=m, n=n, k=k) -> None:
+            def f32(m=m, n=n, k=k, pk=pk, sc=sc) -> None:
                 launch_int4_dequant(device, fns["int4_dequant"], w32.ptr, pk.ptr, sc.ptr, n, k)
                 launch_matmul_nt_large(device, fns["matmul_nt_large"], y.ptr, x.ptr, w32.ptr, 0, m, n, k)
 
@@ -159,7 +159,10 @@ def torch_peer(cfg):
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     @torch.inference_mode()
+    @sdpa_kernel([SDPBackend.FLASH_ATTENTION])    # the peer's attention is FlashAttention, not math
     def prefill(tokens: list[int]) -> int:
         n = len(tokens)
         ids = torch.tensor(tokens, device=dev)
@@ -168,11 +171,13 @@ def torch_peer(cfg):
         x = emb[ids]
         for ly in layers:
             a = rms(x, ly["n1"])
-            q = rope((a @ ly["wq"].T).view(n, heads, hd), c, s).transpose(0, 1)
-            k = rope((a @ ly["wk"].T).view(n, kvh, hd), c, s).transpose(0, 1)
-            v = (a @ ly["wv"].T).view(n, kvh, hd).transpose(0, 1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + att.transpose(0, 1).reshape(n, h) @ ly["wo"].T
+            # (1, heads, n, hd) contiguous with KV heads repeated: SDPA's flash backend takes it
+            q = rope((a @ ly["wq"].T).view(n, heads, hd), c, s).transpose(0, 1)[None].contiguous()
+            k = rope((a @ ly["wk"].T).view(n, kvh, hd), c, s).repeat_interleave(heads // kvh, 1)
+            v = (a @ ly["wv"].T).view(n, kvh, hd).repeat_interleave(heads // kvh, 1)
+            k, v = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + att[0].transpose(0, 1).reshape(n, h) @ ly["wo"].T
             a = rms(x, ly["n2"])
             x = x + (F.silu(a @ ly["wg"].T) * (a @ ly["wu"].T)) @ ly["wd"].T
         return int(torch.argmax(rms(x[-1:], nf) @ head.T, -1)[0])   # the host reads the token

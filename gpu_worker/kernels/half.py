@@ -28,12 +28,6 @@ from gpu_worker.kernels.common import (
 )
 
 SOURCE = make_source("gp_half", r"""
-__device__ __forceinline__ unsigned short gp_float_to_half(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 // w16[r - row0, c] = fp16((nib(r, c) - 8) * scale(r, c / 32)) for r in [row0, row0 + rows)
 extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                                                const unsigned char* __restrict__ packed,

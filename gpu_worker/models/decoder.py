@@ -11,6 +11,7 @@ Two graph shapes per model:
   3 x 2048 instead of 8192), and activation memory is bounded by the chunk, not the prompt;
 - decode: one token whose position is read from device memory (`start`), so the captured
   graph does not depend on the KV length and replays for every step.
+The KV cache is fp16 (KV_DTYPE): half the bytes per token of context of the f32 activations.
 Both end in greedy argmax, so a step returns one int32 to the host.
 """
 from __future__ import annotations
@@ -20,13 +21,14 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.graph import Graph, GraphBuilder
+from gpu_worker.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
 from services.common.config import env_int
 from services.common.errors import InvalidArgument
 
 DEFAULT_PREFILL_CHUNK = 2048
+KV_DTYPE = "f16"    # the KV cache: fp16 (attention reads it into f32 arithmetic)
 
 
 def prefill_chunk_from_env() -> int:
@@ -57,8 +59,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         kc, vc = kv_state_names(layer)
-        t(kc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
-        t(vc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
+        t(kc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
+        t(vc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
         n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h)),),
           (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "wq", p + "h", p + "q", h, h)
@@ -136,7 +138,7 @@ class DecoderModel:
     def load(self) -> None:
         for key, host in generate(self.cfg, self.seed):
             self.executor.add_weight(key, host)
-        per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * 4
+        per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * DTYPE_BYTES[KV_DTYPE]
         for layer in range(self.cfg.layers):
             for name in kv_state_names(layer):
                 self.executor.add_state(name, per_layer, "kv")

@@ -2,7 +2,8 @@
 
 float32 throughout, weights dequantized exactly as the int4 kernels dequantize them, except that a
 linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
-and W to fp16 first and accumulates in f32, as cuBLAS does. The
+and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
+V rounded to fp16 (`fp16=False` turns both off). The
 operations are spelled out one function each so a kernel's NumPy reference and this model agree
 on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
 h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
@@ -123,6 +124,8 @@ class DecoderReference:
             k = mm(h, p + "wk").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             v = mm(h, p + "wv").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+            if self.lin.fp16:   # the cache holds fp16: what attention reads back is rounded
+                k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
