@@ -133,3 +133,17 @@ def test_gpu_decode_graph_replay_matches_eager_decode(device, compiler):
     model.capture = False
     eager_tokens = list(model.generate(prompt, 12))
     assert graph_tokens == eager_tokens, "captured decode diverged from eager decode"
+
+
+def test_gpu_chunked_prefill_gives_the_reference_tokens_captured_and_eager(device, compiler):
+    ex = ModelExecutor(device, compiler)
+    model = DecoderModel(ex, CONFIGS["tiny"], 7, prefill_chunk=96)
+    model.load()
+    host = W.load_host(CONFIGS["tiny"], 7)
+    # 1020 tokens in chunks of 96: the last chunk's padding runs past the 1024-row cache
+    for prompt in ([(i * 37) % 1024 for i in range(300)], [(i * 11) % 1024 for i in range(1020)]):
+        want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompt, 4)
+        model.capture = True
+        assert list(model.generate(prompt, 4)) == want, f"{len(prompt)} tokens, captured"
+        model.capture = False
+        assert list(model.generate(prompt, 4)) == want, f"{len(prompt)} tokens, eager"

@@ -49,6 +49,15 @@ MODEL_CASES: list[Case] = [
     Case("attention_decode", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
                                            "head_dim": 128, "lengths": [5502], "len_add": 1,
                                            "max_len": 8192, "splits": decode_splits(8192)}),
+    Case("attention_prefill_kv16", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)
+         | {"past": 512, "kv16": True}),
+    Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
+                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
+                                                "kv16": True}),
+    Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
+                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
+                                                "max_len": 8192, "splits": decode_splits(8192),
+                                                "kv16": True}),
 ]
 
 

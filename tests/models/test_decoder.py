@@ -120,3 +120,14 @@ def test_a_padded_last_chunk_at_the_end_of_the_context_stays_inside_the_cache(de
     prompt = [(i * 11) % 1024 for i in range(1020)]
     want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompt, 4)
     assert list(model.generate(prompt, 4)) == want
+
+
+def test_the_kv_cache_is_fp16_half_the_bytes_of_f32(device, compiler):
+    cfg = CONFIGS["tiny"]
+    before = device.ledger.snapshot()["kv"][1]
+    ex, _ = load(device, compiler)
+    per_token = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim      # K and V elements
+    assert device.ledger.snapshot()["kv"][1] - before == per_token * cfg.max_context * 2, \
+        "the KV zone must hold exactly 2 bytes per K/V element of the context"
+    assert cfg.kv_bytes() == per_token * cfg.max_context * 2
+    ex.close()
