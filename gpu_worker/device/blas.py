@@ -176,6 +176,9 @@ class CublasBlas(Blas):
             raise
         self._book(max(0, free0 - free1))
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        # a handle is not safe for concurrent use: set-stream, set-workspace and the GEMM of one
+        # call must not interleave with another thread's (two models on one device)
+        self._call_lock = threading.Lock()
 
     def _check(self, status: int, call: str) -> None:
         if status != 0:
@@ -184,16 +187,17 @@ class CublasBlas(Blas):
 
     def _gemm(self, y, x, w, m, n, k, ldy, accumulate, out_dtype, stream) -> None:
         lib, h = self._lib, self._handle
-        # Stream first, then workspace: cublasSetStream resets the workspace to cuBLAS's own pool.
-        self._check(lib.cublasSetStream_v2(h, ctypes.c_void_p(int(stream))), "cublasSetStream_v2")
-        self._check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(self.workspace.ptr),
-                                              WORKSPACE_BYTES), "cublasSetWorkspace_v2")
         beta = self._one if accumulate else self._zero
-        self._check(lib.cublasGemmEx(
-            h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._one),
-            ctypes.c_void_p(w), CUDA_R_16F, k, ctypes.c_void_p(x), CUDA_R_16F, k,
-            ctypes.byref(beta), ctypes.c_void_p(y), OUT_DTYPES[out_dtype], ldy,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), f"cublasGemmEx(m={m}, n={n}, k={k})")
+        with self._call_lock:
+            # Stream first, then workspace: cublasSetStream resets the workspace to cuBLAS's pool.
+            self._check(lib.cublasSetStream_v2(h, ctypes.c_void_p(int(stream))), "cublasSetStream_v2")
+            self._check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(self.workspace.ptr),
+                                                  WORKSPACE_BYTES), "cublasSetWorkspace_v2")
+            self._check(lib.cublasGemmEx(
+                h, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, ctypes.byref(self._one),
+                ctypes.c_void_p(w), CUDA_R_16F, k, ctypes.c_void_p(x), CUDA_R_16F, k,
+                ctypes.byref(beta), ctypes.c_void_p(y), OUT_DTYPES[out_dtype], ldy,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), f"cublasGemmEx(m={m}, n={n}, k={k})")
 
     def _destroy(self) -> None:
         if self._handle:
