@@ -25,6 +25,7 @@ GPU = [
     ("kernels_bench.py", ["--reps", "10"]),
     ("attention_bench.py", ["--reps", "10", "--trials", "5"]),
     ("decode_bench.py", ["--steps", "64"]),
+    ("prefill_bench.py", ["--reps", "3"]),
     ("replay_bench.py", []),
     ("encoder_bench.py", ["--requests", "60"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),

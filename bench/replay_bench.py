@@ -123,12 +123,11 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--max-plans", type=int, default=2)
     p.add_argument("--bucketing", choices=("on", "off"), default="off")
-    p.add_argument("--dequant-limit-mib", type=int, default=256,
-                   help="largest per-node dequantization workspace (MiB); 256 puts every 8b-int4 "
-                        "linear on the workspace path, as in the system DESIGN 1.1 describes")
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="GPUPLANE_PREFILL_CHUNK for the run; 8192 (above every length) keeps one "
+                        "prefill shape per length, the traffic DESIGN 1.1 describes")
     args = p.parse_args()
-    from gpu_worker.execution import ops
-    ops.DEQUANT_WORKSPACE_LIMIT = args.dequant_limit_mib << 20
+    os.environ["GPUPLANE_PREFILL_CHUNK"] = str(args.prefill_chunk)
     results = [run_bound(args, int(b)) for b in args.bounds.split(",")]
     print("\n== side by side", flush=True)
     base = results[0]

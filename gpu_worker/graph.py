@@ -112,7 +112,17 @@ class GraphBuilder:
 
     def linear_int4(self, name: str, x: str, out: str, rows: int, out_dim: int,
                     in_dim: int) -> None:
-        """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales."""
+        """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales.
+
+        Above FUSED_MAX_ROWS rows the linear runs on tensor cores, whose operands are fp16: a
+        `to_f16` node casts x into an fp16 activation `<name>.x16` first (the layout reuses its
+        bytes once the linear has read it)."""
+        from gpu_worker.kernels.linear import int4_path  # the one place that picks the path
+
+        if int4_path(rows) == "tensor":
+            x16 = self.tensor(name + ".x16", (rows, in_dim), "f16")
+            self.node(name + ".cast", "to_f16", (x,), (x16,))
+            x = x16
         self.node(name, "linear_int4", (x,), (self.tensor(out, (rows, out_dim)),),
                   (self.weight(name + ".q", (out_dim, in_dim // 2), "u8"),
                    self.weight(name + ".s", (out_dim, in_dim // 32), "f16")))

@@ -91,6 +91,9 @@ class Device:
         self.capture_invalidations = 0
         self._modules: dict[int, int] = {}  # id(module) -> booked module bytes
         self._lock = threading.Lock()
+        self._blas = None       # gpu_worker.device.blas.Blas, opened on first use
+        self._blas_users = 0    # models holding it (acquire_blas); at 0 release_blas closes it
+        self._blas_lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -108,6 +111,40 @@ class Device:
                 self.ledger.report(used, proc)
             except Exception:  # noqa: BLE001 - reporting is best effort; the next tick retries
                 _log.warning("device truth report failed", exc_info=True)
+
+    @property
+    def blas(self):
+        """The device's GEMM library (cuBLAS on cuda), opened on first use, outside capture."""
+        with self._blas_lock:
+            if self._blas is None:
+                from gpu_worker.device.blas import open_blas
+
+                self._blas = open_blas(self)
+            return self._blas
+
+    def blas_stats(self) -> dict[str, int]:
+        """The BLAS's counters (zeros while it is not open); opens nothing."""
+        with self._blas_lock:
+            blas = self._blas
+        if blas is None:
+            return {"calls": 0, "library_bytes": 0, "workspace_bytes": 0, "warm_shapes": 0}
+        return blas.stats()
+
+    def acquire_blas(self):
+        """`blas`, held by a model until release_blas: its handle and workspace stay booked
+        while any model holds it, and are given back when the last one lets go."""
+        blas = self.blas
+        with self._blas_lock:
+            self._blas_users += 1
+        return blas
+
+    def release_blas(self) -> None:
+        with self._blas_lock:
+            self._blas_users = max(0, self._blas_users - 1)
+            blas = self._blas if self._blas_users == 0 else None
+            self._blas = None if blas is not None else self._blas
+        if blas is not None:
+            blas.close()
 
     # -- modules and launches ------------------------------------------------------------------
     def load_module(self, image: bytes) -> object:
@@ -282,6 +319,9 @@ class Device:
             self._reporter.join(timeout=10)
         self.synchronize(self.stream)
         self.synchronize(self.copy_stream)
+        if self._blas is not None:
+            self._blas.close()
+            self._blas = None
         self.weights.close()
         self.arena.close()
         self.queue.close()

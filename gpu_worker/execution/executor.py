@@ -16,7 +16,7 @@ import numpy as np
 
 from gpu_worker.execution.kernel_cache import KernelCache, KernelVariant, VariantSpec
 from gpu_worker.execution.layout import plan_layout
-from gpu_worker.execution.ops import OPS, LaunchContext
+from gpu_worker.execution.ops import OPS, LaunchContext, tile_bytes_for
 from gpu_worker.execution.plans import PlanCache
 from gpu_worker.graph import Graph
 
@@ -69,9 +69,25 @@ class ShapePlan:
         return steps
 
     def launch_all(self, steps: list[tuple[object, KernelVariant]], stream: object) -> None:
-        device = self.executor.device
+        device, tile = self.executor.device, self.executor.tile
         for node, variant in steps:
-            OPS[node.op].launch(LaunchContext(device, node, self.graph, variant, self.ptr, stream))
+            OPS[node.op].launch(LaunchContext(device, node, self.graph, variant, self.ptr, stream,
+                                              tile))
+
+    def _gemm_shapes(self, steps) -> frozenset:
+        tile = self.executor.tile
+        size = tile.size if tile is not None else 0
+        return frozenset(s for node, _ in steps
+                         for s in OPS[node.op].gemms(node, self.graph, size))
+
+    def _launch_warm(self, steps, stream: object) -> None:
+        """Launch `steps`; the first time a GEMM shape is seen, as the BLAS warm-up (eager,
+        measured and booked: DESIGN 2.1 forbids what a first cuBLAS call does inside capture)."""
+        shapes = self._gemm_shapes(steps)
+        ran = bool(shapes) and self.executor.device.blas.warm(
+            shapes, lambda: self.launch_all(steps, stream), stream)
+        if not ran:
+            self.launch_all(steps, stream)
 
     def execute(self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...],
                 capture: bool = True) -> dict[str, np.ndarray]:
@@ -80,7 +96,7 @@ class ShapePlan:
         with self._lock:
             self._write_inputs(inputs, stream)
             if not capture:
-                self.launch_all(self.resolve(), stream)
+                self._launch_warm(self.resolve(), stream)
             else:
                 if self.graph_exec is None:
                     self._capture(stream)
@@ -128,6 +144,12 @@ class ShapePlan:
     def _capture(self, stream: object) -> None:
         steps = self.resolve()      # may evict variants (and reset other plans' graphs) first
         device = self.executor.device
+        # Every GEMM shape runs once eagerly before any capture records it; the eager run writes
+        # what the replay below writes again (no node reads what a later node of the graph wrote
+        # in a previous run), so it changes no result.
+        shapes = self._gemm_shapes(steps)
+        if shapes and not all(device.blas.is_warm(s) for s in shapes):
+            self._launch_warm(steps, stream)
         with device.capture(stream=stream) as cap:
             self.launch_all(steps, stream)
         self.graph_exec, self.steps = cap.graph_exec, steps
@@ -180,6 +202,10 @@ class ModelExecutor:
         self._functions: dict[tuple[str, str], object] = {}
         self._modules: dict[object, object] = {}     # KernelSource -> loaded module
         self.module_tiers: Counter[str] = Counter()  # where each loaded module came from
+        # The dequantization tile the tensor-core linears share (ops module note); allocated at
+        # the first variant that needs it, outside capture, and fixed until trim/close (captured
+        # graphs bake its address).
+        self.tile: object | None = None
         self.replay_count = 0
 
     # -- weights and state ------------------------------------------------------------------------
@@ -219,8 +245,38 @@ class ModelExecutor:
             self._functions[fkey] = fn
         return fn
 
+    def _ensure_tile(self) -> None:
+        """The dequantization tile and the device's BLAS, held until trim/close."""
+        if self.tile is not None:
+            return
+        # an int4 weight is (n, 16 * ceil(k/32)) packed bytes: its fp16 rows take 4x that
+        nbytes = tile_bytes_for([4 * int(slot.nbytes) for key, slot in self._weights.items()
+                                 if key.endswith(".q")])
+        self.device.acquire_blas()
+        try:
+            self.tile = self.device.arena.alloc(max(1, nbytes), "workspace", role="workspace")
+        except BaseException:
+            self.device.release_blas()
+            raise
+
+    def _free_tile(self) -> int:
+        if self.tile is None:
+            return 0
+        freed = self.tile.size
+        self.device.arena.free(self.tile)   # fenced by the arena's deferred release
+        self.tile = None
+        self.device.release_blas()
+        return freed
+
+    def shared_workspace_bytes(self) -> int:
+        """Workspace bytes outside the kernel cache: the dequantization tile (the device's
+        BLAS workspace is the device's: Device.blas.stats())."""
+        return self.tile.size if self.tile is not None else 0
+
     def variant_spec(self, node, graph: Graph) -> VariantSpec:
         binding = OPS[node.op]
+        if binding.gemms(node, graph, 1 << 62):
+            self._ensure_tile()
         return VariantSpec(function={k.name: self.function(k) for k in binding.kernels},
                            workspace_bytes=binding.workspace(node, graph))
 
@@ -238,6 +294,7 @@ class ModelExecutor:
         """Drop every plan and kernel variant (they rebuild on demand); returns bytes released."""
         freed = self.plans.evict_all()
         freed += self.kernels.clear()
+        freed += self._free_tile()
         return freed
 
     def close(self) -> int:

@@ -1,11 +1,15 @@
 """Graph op -> kernel library bindings: which kernels a node needs, the workspaces a variant owns
 for the node's shapes, and how to launch it.
 
-The int4 linear picks its path per variant: the fused int4 kernel (no workspace) for few rows or
-when the dequantized weight would exceed `DEQUANT_WORKSPACE_LIMIT`, else dequantize into a
-per-variant workspace (booked in the `workspace` zone) and run the tiled matmul. The limit keeps
-one variant's scratch at the 64 MiB per matmul of DESIGN 1.2; a 14336 x 4096 MLP weight would
-otherwise need 224 MiB of scratch per variant, per node.
+The int4 linear has two paths, fixed by the graph (GraphBuilder.linear_int4 via
+`linear.int4_path`): few rows (decode) read the packed weight directly in the fused int4 kernel,
+no workspace; many rows (prefill) arrive as fp16 (a `to_f16` node) and run on tensor cores: the
+weight is dequantized to fp16 one bounded tile of rows at a time into the model's dequantization
+tile (`ModelExecutor.dequant_tile`, booked in `workspace`, one per model: nodes run one after
+another on the model's stream, so one tile serves them all), and each tile is multiplied by cuBLAS
+(gpu_worker.device.blas) with fp32 accumulation into its columns of y. The tile is
+`DEQUANT_TILE_BYTES` (default 32 MiB) at most, whatever the weight: a 14336 x 4096 MLP weight
+takes 4 tiles instead of 112 MiB of scratch (224 MiB per variant per node in f32 before).
 """
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.graph import Graph, Node
-from gpu_worker.kernels import attention, elementwise, embedding, linear, norm, reduce, rotary
+from gpu_worker.kernels import attention, elementwise, embedding, half, linear, norm, reduce, rotary
 from services.common.config import env_int
 
-DEQUANT_WORKSPACE_LIMIT = env_int("GPUPLANE_DEQUANT_WORKSPACE_LIMIT", 64 << 20)
+DEQUANT_TILE_BYTES = env_int("GPUPLANE_DEQUANT_TILE_BYTES", 32 << 20)
+TILE_ROW_ALIGN = 64   # tile rows: a multiple of 64 keeps every GEMM's output columns aligned
 
 
 @dataclass
@@ -27,6 +32,7 @@ class LaunchContext:
     variant: object           # KernelVariant: .function (dict name -> fn), .workspace_ptr(name)
     ptr: Callable[[str], int]
     stream: object
+    tile: object = None       # the model's dequantization tile (.ptr, .size), when an op needs it
 
     def fn(self, kernel_name: str) -> object:
         return self.variant.function[kernel_name]
@@ -49,36 +55,65 @@ class OpBinding:
     kernels: tuple                                       # KernelDefs the op launches
     launch: Callable[[LaunchContext], None]
     workspace: Callable[[Node, Graph], dict[str, int]] = lambda node, graph: {}
+    # GEMM shapes (m, n, k) the op hands to the device's BLAS for this node (warmed up before capture)
+    gemms: Callable[[Node, Graph, int], list[tuple[int, int, int]]] = lambda node, graph, tile: []
 
 
-def _linear_path(node: Node, graph: Graph) -> str:
+def tile_rows(n: int, k: int, tile_bytes: int) -> int:
+    """Weight rows per dequantization tile: all n when they fit, else a multiple of 64."""
+    fit = tile_bytes // max(1, 2 * k)
+    if fit >= n:
+        return n
+    if fit < TILE_ROW_ALIGN:
+        raise ValueError(f"a dequantization tile of {tile_bytes} bytes holds fewer than "
+                         f"{TILE_ROW_ALIGN} rows of k={k}: raise GPUPLANE_DEQUANT_TILE_BYTES")
+    return fit // TILE_ROW_ALIGN * TILE_ROW_ALIGN
+
+
+def tile_bytes_for(fp16_weight_bytes: list[int], limit: int | None = None) -> int:
+    """The model's tile: its largest weight in fp16 when that fits under `limit` (default
+    DEQUANT_TILE_BYTES), else `limit`."""
+    return min(DEQUANT_TILE_BYTES if limit is None else limit, max(fp16_weight_bytes, default=0))
+
+
+def _linear_dims(node: Node, graph: Graph) -> tuple[int, int, int]:
     m, k = graph.tensors[node.inputs[0]].shape
-    n = graph.tensors[node.outputs[0]].shape[1]
-    if linear.int4_path(m) == "fused" or linear.INT4_DEQUANT.workspace_bytes(n=n, k=k) > DEQUANT_WORKSPACE_LIMIT:
-        return "fused"
-    return "dequant"
+    return m, graph.tensors[node.outputs[0]].shape[1], k
 
 
-def _linear_workspace(node: Node, graph: Graph) -> dict[str, int]:
-    if _linear_path(node, graph) == "fused":
-        return {}
-    k = graph.tensors[node.inputs[0]].shape[1]
-    n = graph.tensors[node.outputs[0]].shape[1]
-    return {"dequant": linear.INT4_DEQUANT.workspace_bytes(n=n, k=k)}
+def _on_tensor_cores(node: Node, graph: Graph) -> bool:
+    return graph.tensors[node.inputs[0]].dtype == "f16"
+
+
+def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, int, int]]:
+    if not _on_tensor_cores(node, graph):
+        return []
+    m, n, k = _linear_dims(node, graph)
+    rows = tile_rows(n, k, tile_bytes)
+    return sorted({(m, min(rows, n - r0), k) for r0 in range(0, n, rows)})
 
 
 def _launch_linear(c: LaunchContext) -> None:
-    m, k = c.shape(0)
-    n = c.graph.tensors[c.node.outputs[0]].shape[1]
-    if _linear_path(c.node, c.graph) == "fused":
+    m, n, k = _linear_dims(c.node, c.graph)
+    if not _on_tensor_cores(c.node, c.graph):
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
                                   c.weight(1), 0, m, n, k, stream=c.stream)
         return
-    ws = c.variant.workspace_ptr("dequant")
-    linear.launch_int4_dequant(c.device, c.fn("int4_dequant"), ws, c.weight(0), c.weight(1), n, k,
-                               stream=c.stream)
-    linear.launch_matmul_nt(c.device, c.fn("matmul_nt"), c.out(), c.inp(0), ws, 0, m, n, k,
-                            stream=c.stream)
+    assert c.tile is not None, f"{c.node.name}: the tensor-core linear needs the dequant tile"
+    rows = tile_rows(n, k, c.tile.size)
+    y = c.out()
+    for r0 in range(0, n, rows):
+        part = min(rows, n - r0)
+        half.launch_int4_dequant_f16(c.device, c.fn("int4_dequant_f16"), c.tile.ptr, c.weight(0),
+                                     c.weight(1), r0, part, n, k, stream=c.stream)
+        # columns [r0, r0 + part) of y: row stride n
+        c.device.blas.gemm_nt(y + 4 * r0, c.inp(0), c.tile.ptr, m, part, k, ldy=n,
+                              stream=c.stream)
+
+
+def _launch_to_f16(c: LaunchContext) -> None:
+    half.launch_to_f16(c.device, c.fn("to_f16"), c.out(), c.inp(0), _elements(c.shape(0)),
+                       stream=c.stream)
 
 
 def _launch_embedding(c: LaunchContext) -> None:
@@ -139,6 +174,24 @@ def _launch_attention_prefill(c: LaunchContext) -> None:
         causal=True, stream=c.stream)
 
 
+def _kv16(c: LaunchContext, cache: str) -> bool:
+    """Whether the node's KV cache tensor is fp16 (the _kv16 kernels) or f32."""
+    return c.graph.tensors[cache].dtype == "f16"
+
+
+def _launch_attention_prefill_cached(c: LaunchContext) -> None:
+    """A prefill chunk against the KV cache: query t sees cache rows [0, start + t], at most
+    start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len)."""
+    a = c.node.attributes
+    tokens, width = c.shape(0)
+    kv_width = int(a["kv_heads"]) * int(a["head_dim"])
+    kv16 = _kv16(c, c.node.inputs[1])
+    attention.launch_attention_prefill(
+        c.device, c.fn("attention_prefill_kv16" if kv16 else "attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(4),
+        c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
+        kv_width, int(a["max_context"]) * kv_width, causal=True, stream=c.stream)
+
+
 def _launch_attention_bidirectional(c: LaunchContext) -> None:
     a = c.node.attributes
     batch, seq, width = int(a["batch"]), int(a["seq"]), c.shape(0)[1]
@@ -154,8 +207,9 @@ def _launch_attention_decode(c: LaunchContext) -> None:
     kv_width = int(a["kv_heads"]) * int(a["head_dim"])
     max_len = int(a["max_context"])
     # keys [0, start + 1): the length lives in device memory, so the graph does not depend on it
+    kv16 = _kv16(c, c.node.inputs[1])
     attention.launch_attention_decode(
-        c.device, c.fn("attention_decode"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
+        c.device, c.fn("attention_decode_kv16" if kv16 else "attention_decode"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
         int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width,
         max_len * kv_width, 1, max_len, stream=c.stream)
 
@@ -164,8 +218,9 @@ def _launch_kv_append(c: LaunchContext) -> None:
     a = c.node.attributes
     tokens, kv_width = c.shape(0)
     max_len = int(a["max_context"])
+    kv16 = _kv16(c, c.node.outputs[0])
     attention.launch_kv_append(
-        c.device, c.fn("kv_append"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
+        c.device, c.fn("kv_append_kv16" if kv16 else "kv_append"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
         int(a["kv_heads"]), int(a["head_dim"]), kv_width, kv_width, max_len * kv_width, 0, max_len,
         stream=c.stream)
 
@@ -182,8 +237,9 @@ def _launch_mean_pool(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((linear.INT4_DEQUANT, linear.MATMUL_NT, linear.INT4_MATMUL),
-                             _launch_linear, _linear_workspace),
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL), _launch_linear,
+                             gemms=_linear_gemms),
+    "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),
     "rmsnorm": OpBinding((norm.RMSNORM,), _launch_rmsnorm),
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),
@@ -192,10 +248,14 @@ OPS: dict[str, OpBinding] = {
     "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
     "attention_prefill": OpBinding((attention.ATTENTION_PREFILL,), _launch_attention_prefill),
+    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL,
+                                           attention.ATTENTION_PREFILL_KV16),
+                                          _launch_attention_prefill_cached),
     "attention_bidirectional": OpBinding((attention.ATTENTION_PREFILL,),
                                          _launch_attention_bidirectional),
-    "attention_decode": OpBinding((attention.ATTENTION_DECODE,), _launch_attention_decode),
-    "kv_append": OpBinding((attention.KV_APPEND,), _launch_kv_append),
+    "attention_decode": OpBinding((attention.ATTENTION_DECODE, attention.ATTENTION_DECODE_KV16),
+                                  _launch_attention_decode),
+    "kv_append": OpBinding((attention.KV_APPEND, attention.KV_APPEND_KV16), _launch_kv_append),
     "argmax": OpBinding((reduce.ARGMAX,), _launch_argmax),
     "mean_pool": OpBinding((reduce.MEAN_POOL,), _launch_mean_pool),
 }

@@ -1,6 +1,11 @@
 """Grouped-query attention (prefill and decode) and the KV cache append.
 
-Layouts (f32; strides in floats):
+Every kernel over K/V has a `_kv16` twin (same launcher, same arguments) whose K/V (the cache, or
+what kv_append writes into it) are fp16: half the KV bytes per token of context and per decode
+step. q, out and all arithmetic (dot products, softmax, P.V) stay f32; a value enters the fp16
+cache rounded to nearest even.
+
+Layouts (f32 or fp16 K/V; strides in elements):
   q        row (b, t) at q + (b*tokens + t)*q_row_stride, head h at + h*head_dim
   k, v     key j of sequence b at k + b*kv_batch_stride + j*kv_row_stride, KV head at + hk*head_dim
            (a KV cache (batch, max_len, kv_heads, head_dim) has kv_row_stride = kv_heads*head_dim,
@@ -46,8 +51,10 @@ SOURCE = make_source("gp_attention", r"""
 
 // One block: one query row against keys [0, nkeys). Must be called by every thread of the block.
 // With `partial`, writes the unnormalised state (max, sum, acc[head_dim]) there instead of out.
+// KV: float or gp_h (an fp16 KV cache); q, out and all arithmetic stay float.
+template <typename KV>
 __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__ q,
-                              const float* __restrict__ k, const float* __restrict__ v, int nkeys,
+                              const KV* __restrict__ k, const KV* __restrict__ v, int nkeys,
                               long long kv_row_stride, int head_dim, float scale,
                               float* __restrict__ partial = nullptr) {
     __shared__ float q_s[GP_MAX_HEAD_DIM];
@@ -62,9 +69,9 @@ __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__
     for (int c0 = 0; c0 < nkeys; c0 += GP_ATT_CHUNK) {
         const int n = min(GP_ATT_CHUNK, nkeys - c0);
         for (int j = warp; j < n; j += nwarps) {
-            const float* kr = k + (long long)(c0 + j) * kv_row_stride;
+            const KV* kr = k + (long long)(c0 + j) * kv_row_stride;
             float s = 0.f;
-            for (int d = lane; d < head_dim; d += 32) s = fmaf(q_s[d], kr[d], s);
+            for (int d = lane; d < head_dim; d += 32) s = fmaf(q_s[d], gp_ld(kr + d), s);
             s = gp_warp_sum(s);
             if (lane == 0) p_s[j] = s * scale;
         }
@@ -83,11 +90,11 @@ __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__
         l = l * corr + csum;
         acc0 *= corr;
         acc1 *= corr;
-        const float* vc = v + (long long)c0 * kv_row_stride;
+        const KV* vc = v + (long long)c0 * kv_row_stride;
         if (d0 < head_dim)
-            for (int j = 0; j < n; ++j) acc0 = fmaf(p_s[j], vc[(long long)j * kv_row_stride + d0], acc0);
+            for (int j = 0; j < n; ++j) acc0 = fmaf(p_s[j], gp_ld(vc + (long long)j * kv_row_stride + d0), acc0);
         if (d1 < head_dim)
-            for (int j = 0; j < n; ++j) acc1 = fmaf(p_s[j], vc[(long long)j * kv_row_stride + d1], acc1);
+            for (int j = 0; j < n; ++j) acc1 = fmaf(p_s[j], gp_ld(vc + (long long)j * kv_row_stride + d1), acc1);
         m = m_new;
         __syncthreads();  // p_s is rewritten by the next chunk
     }
@@ -103,12 +110,13 @@ __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__
 }
 
 // grid (heads, tokens, batch)
-extern "C" __global__ void __launch_bounds__(256)
-gp_attention_prefill(float* out, const float* __restrict__ q, const float* __restrict__ k,
-                     const float* __restrict__ v, const int* __restrict__ lens,
-                     const int* __restrict__ past, int batch, int tokens, int heads, int kv_heads,
-                     int head_dim, int q_row_stride, int kv_row_stride, long long kv_batch_stride,
-                     int past_len, int causal, float scale) {
+template <typename KV>
+__device__ __forceinline__ void
+gp_attention_prefill_t(float* out, const float* __restrict__ q, const KV* __restrict__ k,
+                       const KV* __restrict__ v, const int* __restrict__ lens,
+                       const int* __restrict__ past, int batch, int tokens, int heads, int kv_heads,
+                       int head_dim, int q_row_stride, int kv_row_stride, long long kv_batch_stride,
+                       int past_len, int causal, float scale) {
     const int h = blockIdx.x, t = blockIdx.y, b = blockIdx.z;
     const int hk = h / (heads / kv_heads);
     const int p = (past ? past[b] : 0) + past_len;
@@ -122,11 +130,12 @@ gp_attention_prefill(float* out, const float* __restrict__ q, const float* __res
 }
 
 // grid (heads, batch)
-extern "C" __global__ void __launch_bounds__(256)
-gp_attention_decode(float* out, const float* __restrict__ q, const float* __restrict__ k,
-                    const float* __restrict__ v, const int* __restrict__ lens, int batch, int heads,
-                    int kv_heads, int head_dim, int q_row_stride, int kv_row_stride,
-                    long long kv_batch_stride, int len_add, int max_len, float scale) {
+template <typename KV>
+__device__ __forceinline__ void
+gp_attention_decode_t(float* out, const float* __restrict__ q, const KV* __restrict__ k,
+                      const KV* __restrict__ v, const int* __restrict__ lens, int batch, int heads,
+                      int kv_heads, int head_dim, int q_row_stride, int kv_row_stride,
+                      long long kv_batch_stride, int len_add, int max_len, float scale) {
     const int h = blockIdx.x, b = blockIdx.y;
     const int hk = h / (heads / kv_heads);
     const int nkeys = max(0, min(lens[b] + len_add, max_len));
@@ -140,13 +149,14 @@ gp_attention_decode(float* out, const float* __restrict__ q, const float* __rest
 // [s*span, (s+1)*span) of the current length and writes its partial state to
 // ws[((b*heads + h)*splits + s)*(head_dim + 2)]. The span is fixed by max_len, not by the length,
 // so a captured graph stays valid as the cache grows.
-extern "C" __global__ void __launch_bounds__(256)
-gp_attention_decode_split(float* __restrict__ ws, const float* __restrict__ q,
-                          const float* __restrict__ k, const float* __restrict__ v,
-                          const int* __restrict__ lens, int batch, int heads, int kv_heads,
-                          int head_dim, int q_row_stride, int kv_row_stride,
-                          long long kv_batch_stride, int len_add, int max_len, int span,
-                          float scale) {
+template <typename KV>
+__device__ __forceinline__ void
+gp_attention_decode_split_t(float* __restrict__ ws, const float* __restrict__ q,
+                            const KV* __restrict__ k, const KV* __restrict__ v,
+                            const int* __restrict__ lens, int batch, int heads, int kv_heads,
+                            int head_dim, int q_row_stride, int kv_row_stride,
+                            long long kv_batch_stride, int len_add, int max_len, int span,
+                            float scale) {
     const int h = blockIdx.x, b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     const int hk = h / (heads / kv_heads);
     const int nkeys = max(0, min(lens[b] + len_add, max_len));
@@ -181,11 +191,12 @@ gp_attention_combine(float* __restrict__ out, const float* __restrict__ ws, int 
     }
 }
 
-extern "C" __global__ void gp_kv_append(float* k_cache, float* v_cache, const float* __restrict__ k,
-                                        const float* __restrict__ v, const int* __restrict__ pos,
-                                        int batch, int tokens, int kv_heads, int head_dim,
-                                        int src_row_stride, int kv_row_stride,
-                                        long long kv_batch_stride, int pos_offset, int max_len) {
+template <typename KV>
+__device__ __forceinline__ void
+gp_kv_append_t(KV* k_cache, KV* v_cache, const float* __restrict__ k, const float* __restrict__ v,
+               const int* __restrict__ pos, int batch, int tokens, int kv_heads, int head_dim,
+               int src_row_stride, int kv_row_stride, long long kv_batch_stride, int pos_offset,
+               int max_len) {
     const int width = kv_heads * head_dim;
     GP_GRID_STRIDE(i, (long long)batch * tokens * width) {
         const int d = (int)(i % width);
@@ -195,10 +206,60 @@ extern "C" __global__ void gp_kv_append(float* k_cache, float* v_cache, const fl
         if (dst < 0 || dst >= max_len) continue;
         const long long s = bt * src_row_stride + d;
         const long long o = (long long)b * kv_batch_stride + (long long)dst * kv_row_stride + d;
-        k_cache[o] = k[s];
-        v_cache[o] = v[s];
+        gp_st(k_cache + o, k[s]);
+        gp_st(v_cache + o, v[s]);
     }
 }
+
+// Entry points: <name> over a float KV, <name>_kv16 over an fp16 KV cache (q, out: float).
+#define GP_PREFILL_ARGS(KV) float* out, const float* __restrict__ q, const KV* __restrict__ k, \
+    const KV* __restrict__ v, const int* __restrict__ lens, const int* __restrict__ past, int batch, \
+    int tokens, int heads, int kv_heads, int head_dim, int q_row_stride, int kv_row_stride, \
+    long long kv_batch_stride, int past_len, int causal, float scale
+#define GP_PREFILL_PASS out, q, k, v, lens, past, batch, tokens, heads, kv_heads, head_dim, \
+    q_row_stride, kv_row_stride, kv_batch_stride, past_len, causal, scale
+extern "C" __global__ void __launch_bounds__(256) gp_attention_prefill(GP_PREFILL_ARGS(float)) {
+    gp_attention_prefill_t(GP_PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) gp_attention_prefill_kv16(GP_PREFILL_ARGS(gp_h)) {
+    gp_attention_prefill_t(GP_PREFILL_PASS);
+}
+
+#define GP_DECODE_ARGS(KV) float* out, const float* __restrict__ q, const KV* __restrict__ k, \
+    const KV* __restrict__ v, const int* __restrict__ lens, int batch, int heads, int kv_heads, \
+    int head_dim, int q_row_stride, int kv_row_stride, long long kv_batch_stride, int len_add, \
+    int max_len, float scale
+#define GP_DECODE_PASS out, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, \
+    kv_row_stride, kv_batch_stride, len_add, max_len, scale
+extern "C" __global__ void __launch_bounds__(256) gp_attention_decode(GP_DECODE_ARGS(float)) {
+    gp_attention_decode_t(GP_DECODE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) gp_attention_decode_kv16(GP_DECODE_ARGS(gp_h)) {
+    gp_attention_decode_t(GP_DECODE_PASS);
+}
+
+#define GP_SPLIT_ARGS(KV) float* __restrict__ ws, const float* __restrict__ q, \
+    const KV* __restrict__ k, const KV* __restrict__ v, const int* __restrict__ lens, int batch, \
+    int heads, int kv_heads, int head_dim, int q_row_stride, int kv_row_stride, \
+    long long kv_batch_stride, int len_add, int max_len, int span, float scale
+#define GP_SPLIT_PASS ws, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, \
+    kv_row_stride, kv_batch_stride, len_add, max_len, span, scale
+extern "C" __global__ void __launch_bounds__(256) gp_attention_decode_split(GP_SPLIT_ARGS(float)) {
+    gp_attention_decode_split_t(GP_SPLIT_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256)
+gp_attention_decode_split_kv16(GP_SPLIT_ARGS(gp_h)) {
+    gp_attention_decode_split_t(GP_SPLIT_PASS);
+}
+
+#define GP_APPEND_ARGS(KV) KV* k_cache, KV* v_cache, const float* __restrict__ k, \
+    const float* __restrict__ v, const int* __restrict__ pos, int batch, int tokens, int kv_heads, \
+    int head_dim, int src_row_stride, int kv_row_stride, long long kv_batch_stride, \
+    int pos_offset, int max_len
+#define GP_APPEND_PASS k_cache, v_cache, k, v, pos, batch, tokens, kv_heads, head_dim, \
+    src_row_stride, kv_row_stride, kv_batch_stride, pos_offset, max_len
+extern "C" __global__ void gp_kv_append(GP_APPEND_ARGS(float)) { gp_kv_append_t(GP_APPEND_PASS); }
+extern "C" __global__ void gp_kv_append_kv16(GP_APPEND_ARGS(gp_h)) { gp_kv_append_t(GP_APPEND_PASS); }
 """)
 
 
@@ -344,5 +405,41 @@ ATTENTION_COMBINE = KernelDef("attention_combine", "gp_attention_combine", SOURC
                               reference.attention_combine, launch_attention_combine)
 KV_APPEND = KernelDef("kv_append", "gp_kv_append", SOURCE, reference.kv_append, launch_kv_append)
 
+# The same kernels over an fp16 KV cache: the same arguments (pointers to fp16 K/V; strides in
+# elements), so the launchers are the f32 ones under their own names.
+def launch_attention_prefill_kv16(*args, **kwargs) -> None:
+    """launch_attention_prefill with k and v in an fp16 cache."""
+    launch_attention_prefill(*args, **kwargs)
+
+
+def launch_attention_decode_kv16(*args, **kwargs) -> None:
+    """launch_attention_decode with an fp16 KV cache (split_function: the _kv16 split)."""
+    launch_attention_decode(*args, **kwargs)
+
+
+def launch_attention_decode_split_kv16(*args, **kwargs) -> None:
+    """launch_attention_decode_split with an fp16 KV cache."""
+    launch_attention_decode_split(*args, **kwargs)
+
+
+def launch_kv_append_kv16(*args, **kwargs) -> None:
+    """launch_kv_append into an fp16 cache (k and v in: f32)."""
+    launch_kv_append(*args, **kwargs)
+
+
+ATTENTION_PREFILL_KV16 = KernelDef("attention_prefill_kv16", "gp_attention_prefill_kv16", SOURCE,
+                                   reference.attention, launch_attention_prefill_kv16)
+ATTENTION_DECODE_KV16 = KernelDef("attention_decode_kv16", "gp_attention_decode_kv16", SOURCE,
+                                  reference.attention, launch_attention_decode_kv16,
+                                  workspace=decode_workspace_bytes)
+ATTENTION_DECODE_SPLIT_KV16 = KernelDef("attention_decode_split_kv16",
+                                        "gp_attention_decode_split_kv16", SOURCE,
+                                        reference.attention_partial,
+                                        launch_attention_decode_split_kv16,
+                                        workspace=decode_workspace_bytes)
+KV_APPEND_KV16 = KernelDef("kv_append_kv16", "gp_kv_append_kv16", SOURCE, reference.kv_append,
+                           launch_kv_append_kv16)
+
 KERNELS = [ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE,
-           KV_APPEND]
+           KV_APPEND, ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, ATTENTION_DECODE_SPLIT_KV16,
+           KV_APPEND_KV16]

@@ -45,6 +45,21 @@ __device__ __forceinline__ float gp_half_to_float(unsigned short h) {
     return f;
 }
 
+// fp16 storage without cuda_fp16.h: the bits in a 2-byte struct, so overloads on it cannot be
+// confused with unsigned short. gp_ld / gp_st move a value of either storage type as a float.
+struct __align__(2) gp_h { unsigned short x; };
+
+__device__ __forceinline__ unsigned short gp_float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));   // round to nearest even
+    return h;
+}
+
+__device__ __forceinline__ float gp_ld(const float* p) { return *p; }
+__device__ __forceinline__ float gp_ld(const gp_h* p) { return gp_half_to_float(p->x); }
+__device__ __forceinline__ void gp_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void gp_st(gp_h* p, float v) { p->x = gp_float_to_half(v); }
+
 __device__ __forceinline__ float gp_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -32,7 +32,7 @@ from gpu_worker.kernels.common import (
     require_sizes,
 )
 
-FUSED_MAX_ROWS = 16   # at or below: int4_matmul; above: int4_dequant + matmul_nt
+FUSED_MAX_ROWS = 16   # at or below: int4_matmul; above: the tensor-core path (int4_path)
 TILE = 64             # matmul_nt output tile (rows and columns)
 LARGE_TILE = 128      # matmul_nt_large output tile
 FUSED_COLS = 8        # int4_matmul: output columns per block (one per warp)
@@ -217,8 +217,11 @@ gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __res
 
 
 def int4_path(m: int) -> str:
-    """Which linear path serves `m` rows: "fused" (int4_matmul) or "dequant" (+ matmul_nt)."""
-    return "fused" if m <= FUSED_MAX_ROWS else "dequant"
+    """Which linear path serves `m` rows in a model graph: "fused" (int4_matmul, decode) or
+    "tensor" (int4_dequant_f16 into a bounded tile, then cuBLAS fp16 GEMM: gpu_worker.kernels.half
+    and gpu_worker.device.blas). The f32 dequant + matmul_nt path stays in the library as the
+    measured baseline (bench/kernels_bench.py, docs/kernels.md)."""
+    return "fused" if m <= FUSED_MAX_ROWS else "tensor"
 
 
 def launch_int4_dequant(device, function, workspace: int, packed: int, scales: int, n: int, k: int,

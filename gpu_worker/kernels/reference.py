@@ -52,6 +52,27 @@ def int4_dequantize(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarra
     return (q * scales.astype(np.float32)[..., None]).reshape(n, -1)[:, :k]
 
 
+def int4_dequantize_f16(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+    """fp16 (N, K): the exact f32 product rounded to nearest even (as cvt.rn.f16.f32)."""
+    return int4_dequantize(packed, scales, k).astype(np.float16)
+
+
+def to_f16(x: np.ndarray) -> np.ndarray:
+    """f32 -> fp16, round to nearest even; beyond 65504 -> inf (as cvt.rn.f16.f32)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16)
+
+
+def gemm_nt_f16(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """y = x @ w.T from fp16 operands with f32 accumulation (the tensor-core linear), f32 out."""
+    return matmul_nt(x16.astype(np.float32), w16.astype(np.float32))
+
+
+def int4_linear_f16(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The prefill linear as the tensor-core path computes it: x and dequant(W) rounded to fp16."""
+    return gemm_nt_f16(to_f16(x), int4_dequantize_f16(packed, scales, x.shape[1]))
+
+
 def matmul_nt(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x @ w.T (+ bias): x (M, K), w (N, K) float32."""
     y = (x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32)

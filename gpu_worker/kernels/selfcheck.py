@@ -20,9 +20,13 @@ from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.attention import (
     ATTENTION_COMBINE,
     ATTENTION_DECODE,
+    ATTENTION_DECODE_KV16,
     ATTENTION_DECODE_SPLIT,
+    ATTENTION_DECODE_SPLIT_KV16,
     ATTENTION_PREFILL,
+    ATTENTION_PREFILL_KV16,
     KV_APPEND,
+    KV_APPEND_KV16,
     launch_attention_decode,
     launch_attention_prefill,
     launch_kv_append,
@@ -41,6 +45,7 @@ from gpu_worker.kernels.elementwise import (
     launch_silu_gate,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
+from gpu_worker.kernels.half import INT4_DEQUANT_F16, TO_F16, launch_int4_dequant_f16, launch_to_f16
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -142,6 +147,12 @@ def _f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarra
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+def _kv(rng: np.random.Generator, kv16: bool, *shape: int) -> tuple[np.ndarray, np.ndarray]:
+    """A K and a V cache, f32 or fp16."""
+    dt = np.float16 if kv16 else np.float32
+    return _f32(rng, *shape).astype(dt), _f32(rng, *shape).astype(dt)
+
+
 # -- cases --------------------------------------------------------------------------------------
 def embedding_case(h, rng, rows, hidden, vocab, accumulate=False) -> Outcome:
     table = _f32(rng, vocab, hidden).astype(np.float16)
@@ -219,6 +230,42 @@ def int4_linear_case(h, rng, m, n, k) -> Outcome:
     return Outcome(h.get(y, (m, n)), ref.int4_matmul(x, packed, scales), 1e-4, 1e-4)
 
 
+def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None) -> Outcome:
+    packed, scales = _quantized(rng, n, k)
+    rows = n - row0 if rows is None else rows
+    tile = h.put(np.full(INT4_DEQUANT_F16.workspace_bytes(rows=rows, k=k) // 2, np.nan, np.float16))
+    launch_int4_dequant_f16(h.device, h.function(INT4_DEQUANT_F16), tile, h.put(packed),
+                            h.put(scales), row0, rows, n, k)
+    want = ref.int4_dequantize_f16(packed, scales, k)[row0:row0 + rows]
+    return Outcome(h.get(tile, (rows, k), np.uint16), want.view(np.uint16))   # bit-exact
+
+
+def to_f16_case(h, rng, n) -> Outcome:
+    x = _f32(rng, n, scale=100.0)
+    x[: min(n, 4)] = np.array([7e4, -7e4, 1e-8, 0.33325], np.float32)[: min(n, 4)]  # overflow, subnormal
+    out = h.put(np.zeros(n, np.float16))
+    launch_to_f16(h.device, h.function(TO_F16), out, h.put(x), n)
+    return Outcome(h.get(out, (n,), np.uint16), ref.to_f16(x).view(np.uint16))   # bit-exact
+
+
+def tensor_linear_case(h, rng, m, n, k, tile_rows, accumulate=False) -> Outcome:
+    """The prefill linear end to end: x -> fp16, W dequantized one tile of rows at a time, each
+    tile multiplied by the device's BLAS into its columns of y (row stride n)."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k)
+    y0 = _f32(rng, m, n)
+    y, x16 = h.put(y0), h.put(np.zeros((m, k), np.float16))
+    tile = h.put(np.zeros(tile_rows * k, np.float16))
+    pk, sc = h.put(packed), h.put(scales)
+    launch_to_f16(h.device, h.function(TO_F16), x16, h.put(x), m * k)
+    for r0 in range(0, n, tile_rows):
+        rows = min(tile_rows, n - r0)
+        launch_int4_dequant_f16(h.device, h.function(INT4_DEQUANT_F16), tile, pk, sc, r0, rows, n, k)
+        h.device.blas.gemm_nt(y + 4 * r0, x16, tile, m, rows, k, ldy=n, accumulate=accumulate)
+    want = ref.int4_linear_f16(x, packed, scales) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
+
+
 def rotary_case(h, rng, batch, tokens, heads, head_dim, pad=0, offset=0, theta=10000.0) -> Outcome:
     stride = heads * head_dim + pad
     x = _f32(rng, batch * tokens, stride)
@@ -236,19 +283,19 @@ def rotary_case(h, rng, batch, tokens, heads, head_dim, pad=0, offset=0, theta=1
 
 
 def prefill_case(h, rng, batch, tokens, heads, kv_heads, head_dim, causal=True, past=0,
-                 past_arg=0, lens=None) -> Outcome:
+                 past_arg=0, lens=None, kv16=False) -> Outcome:
     """q from a padded buffer; K/V in cache layout (batch, max_len, kv_heads, head_dim) holding
-    `past + past_arg` earlier rows, then this prefill's rows."""
+    `past + past_arg` earlier rows, then this prefill's rows; `kv16`: an fp16 cache."""
     p = past + past_arg
     max_len = p + tokens + 3
     q_stride = heads * head_dim + 8
     kv_row = kv_heads * head_dim
     q = _f32(rng, batch * tokens, q_stride)
-    kc, vc = _f32(rng, batch, max_len, kv_heads, head_dim), _f32(rng, batch, max_len, kv_heads, head_dim)
+    kc, vc = _kv(rng, kv16, batch, max_len, kv_heads, head_dim)
     lens_arr = None if lens is None else np.asarray(lens, np.int32)
     out = h.put(np.zeros((batch * tokens, heads * head_dim), np.float32))
     launch_attention_prefill(
-        h.device, h.function(ATTENTION_PREFILL), out, h.put(q), h.put(kc), h.put(vc),
+        h.device, h.function(ATTENTION_PREFILL_KV16 if kv16 else ATTENTION_PREFILL), out, h.put(q), h.put(kc), h.put(vc),
         h.put(lens_arr) if lens is not None else 0,
         h.put(np.full(batch, past, np.int32)) if past else 0, batch, tokens, heads, kv_heads,
         head_dim, q_stride, kv_row, max_len * kv_row, p - past, causal)
@@ -256,54 +303,60 @@ def prefill_case(h, rng, batch, tokens, heads, kv_heads, head_dim, causal=True, 
     for b in range(batch):
         qb = q[b * tokens:(b + 1) * tokens, :heads * head_dim].reshape(tokens, heads, head_dim)
         valid = (tokens if lens is None else int(lens[b])) + p
-        r = ref.attention(qb, kc[b, :valid], vc[b, :valid], p + np.arange(tokens), causal)
+        r = ref.attention(qb, kc[b, :valid].astype(np.float32), vc[b, :valid].astype(np.float32),
+                          p + np.arange(tokens), causal)
         want[b * tokens:(b + 1) * tokens] = r.reshape(tokens, -1)
     return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
 
 
 def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, max_len=None,
-                splits=1) -> Outcome:
+                splits=1, kv16=False) -> Outcome:
     """splits > 1 runs the split-K path (decode_split + combine through a workspace)."""
     lengths = np.asarray(lengths, np.int32)
     max_len = int(lengths.max()) + len_add + 2 if max_len is None else max_len
     q = _f32(rng, batch, heads * head_dim)
-    kc, vc = _f32(rng, batch, max_len, kv_heads, head_dim), _f32(rng, batch, max_len, kv_heads, head_dim)
+    kc, vc = _kv(rng, kv16, batch, max_len, kv_heads, head_dim)
     out = h.put(np.zeros((batch, heads * head_dim), np.float32))
     kv_row = kv_heads * head_dim
+    decode, split = ((ATTENTION_DECODE_KV16, ATTENTION_DECODE_SPLIT_KV16) if kv16
+                     else (ATTENTION_DECODE, ATTENTION_DECODE_SPLIT))
     ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=batch, heads=heads, head_dim=head_dim,
                                                 splits=splits)
     ws = h.put(np.full(ws_bytes // 4, np.nan, np.float32)) if ws_bytes else 0
-    launch_attention_decode(h.device, h.function(ATTENTION_DECODE), out, h.put(q), h.put(kc),
+    launch_attention_decode(h.device, h.function(decode), out, h.put(q), h.put(kc),
                             h.put(vc), h.put(lengths), batch, heads, kv_heads, head_dim,
                             heads * head_dim, kv_row, max_len * kv_row, len_add, max_len,
                             splits=splits, workspace=ws,
-                            split_function=h.function(ATTENTION_DECODE_SPLIT) if ws else None,
+                            split_function=h.function(split) if ws else None,
                             combine_function=h.function(ATTENTION_COMBINE) if ws else None)
     want = np.zeros((batch, heads * head_dim), np.float32)
     for b in range(batch):
         n = max(0, min(int(lengths[b]) + len_add, max_len))
-        r = ref.attention(q[b].reshape(1, heads, head_dim), kc[b, :n], vc[b, :n], np.array([n - 1]),
-                          False)
+        r = ref.attention(q[b].reshape(1, heads, head_dim), kc[b, :n].astype(np.float32),
+                          vc[b, :n].astype(np.float32), np.array([n - 1]), False)
         want[b] = r.reshape(-1)
     return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
 
 
-def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0, max_len=16) -> Outcome:
+def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0, max_len=16,
+                   kv16=False) -> Outcome:
     width = kv_heads * head_dim
     src_stride = 3 * width  # k and v inside a fused qkv-like row
     src = _f32(rng, batch * tokens, src_stride)
-    kc, vc = _f32(rng, batch, max_len, width), _f32(rng, batch, max_len, width)
+    kc, vc = _kv(rng, kv16, batch, max_len, width)
     kp, vp, sp = h.put(kc), h.put(vc), h.put(src)
-    launch_kv_append(h.device, h.function(KV_APPEND), kp, vp, sp + 4 * width, sp + 8 * width,
+    launch_kv_append(h.device, h.function(KV_APPEND_KV16 if kv16 else KV_APPEND), kp, vp, sp + 4 * width, sp + 8 * width,
                      h.put(np.asarray(pos, np.int32)), batch, tokens, kv_heads, head_dim,
                      src_stride, width, max_len * width, offset, max_len)
     wk, wv = kc.copy(), vc.copy()
     for b in range(batch):
         rows = src[b * tokens:(b + 1) * tokens]
         start = pos[b] + offset
-        wk[b] = ref.kv_append(kc[b], rows[:, width:2 * width], start)
-        wv[b] = ref.kv_append(vc[b], rows[:, 2 * width:], start)
-    got = np.stack([h.get(kp, kc.shape), h.get(vp, vc.shape)])
+        wk[b] = ref.kv_append(kc[b], rows[:, width:2 * width].astype(kc.dtype), start)
+        wv[b] = ref.kv_append(vc[b], rows[:, 2 * width:].astype(vc.dtype), start)
+    got = np.stack([h.get(kp, kc.shape, kc.dtype), h.get(vp, vc.shape, vc.dtype)])
+    if kv16:   # bit-exact: rounded to nearest even on the way in
+        return Outcome(got.view(np.uint16), np.stack([wk, wv]).view(np.uint16))
     return Outcome(got, np.stack([wk, wv]), 0, 0)
 
 
@@ -449,6 +502,14 @@ CASES: list[Case] = [
     C("int4_matmul", int4_matmul_case, m=7, n=65, k=1100, accumulate=True),
     C("int4_matmul", int4_matmul_case, m=33, n=9, k=64),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
+    C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
+    C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),
+    C("to_f16", to_f16_case, n=1),
+    C("to_f16", to_f16_case, n=70001),
+    C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,
+      tile_rows=64),
+    C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=17, n=70, k=256,
+      tile_rows=70, accumulate=True),
     C("rotary", rotary_case, batch=1, tokens=1, heads=1, head_dim=2),
     C("rotary", rotary_case, batch=2, tokens=7, heads=3, head_dim=64, pad=16, offset=3),
     C("rotary", rotary_case, batch=1, tokens=33, heads=4, head_dim=128, theta=500000.0),
@@ -474,6 +535,17 @@ CASES: list[Case] = [
     C("attention_decode", decode_case, SPLIT, batch=1, heads=4, kv_heads=4, head_dim=288,
       lengths=[0], max_len=64, splits=3),
     C("kv_append", kv_append_case, batch=1, tokens=7, kv_heads=2, head_dim=16, pos=[3]),
+    C("kv_append_kv16", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
+      offset=1, max_len=16, kv16=True),
+    C("attention_prefill_kv16", prefill_case, batch=1, tokens=7, heads=8, kv_heads=2, head_dim=40,
+      past=5, past_arg=2, kv16=True),
+    C("attention_prefill_kv16", prefill_case, batch=1, tokens=300, heads=2, kv_heads=1,
+      head_dim=128, kv16=True),
+    C("attention_decode_kv16", decode_case, batch=2, heads=8, kv_heads=2, head_dim=128,
+      lengths=[7, 600], len_add=1, kv16=True),
+    C("attention_decode_kv16", decode_case, ("attention_decode_split_kv16", "attention_combine"),
+      batch=2, heads=2, kv_heads=1, head_dim=64, lengths=[700, 3], len_add=1, max_len=1000,
+      splits=4, kv16=True),
     C("kv_append", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
       offset=1, max_len=16),
     C("silu_gate", silu_gate_case, rows=7, cols=33),

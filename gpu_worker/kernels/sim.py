@@ -119,10 +119,15 @@ def _rotary(mem, grid, block, args) -> None:
         xb[:] = reference.rotary(np.array(xb), np.arange(start, start + tokens), np.float32(theta))
 
 
-@register_sim_kernel("gp_attention_prefill")
-def _attention_prefill(mem, grid, block, args) -> None:
+def _kv_view(mem, p: int, shape, strides, kvt) -> np.ndarray:
+    """K/V rows as float32 (an fp16 cache is upcast, as the kernels' gp_ld does)."""
+    return np.asarray(_strided(mem, p, shape, strides, kvt), np.float32)
+
+
+def _attention_prefill(mem, grid, block, args, kvt=np.float32) -> None:
     (out, q, k, v, lens, past, batch, tokens, heads, kv_heads, head_dim, q_row_stride,
      kv_row_stride, kv_batch_stride, past_len, causal, scale) = _vals(args)
+    isz = np.dtype(kvt).itemsize
     for b in range(batch):
         p = _opt_i32(mem, past, b) + past_len
         valid = (_opt_i32(mem, lens, b) if lens else tokens) + p
@@ -130,32 +135,32 @@ def _attention_prefill(mem, grid, block, args) -> None:
         qb = _strided(mem, q + 4 * b * tokens * q_row_stride, (tokens, heads, head_dim),
                       (q_row_stride, head_dim, 1))
         kv_shape, kv_strides = (nkeys, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
-        kb = _strided(mem, k + 4 * b * kv_batch_stride, kv_shape, kv_strides)
-        vb = _strided(mem, v + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        kb = _kv_view(mem, k + isz * b * kv_batch_stride, kv_shape, kv_strides, kvt)
+        vb = _kv_view(mem, v + isz * b * kv_batch_stride, kv_shape, kv_strides, kvt)
         r = reference.attention(qb, kb, vb, p + np.arange(tokens), bool(causal), n_valid=valid,
                                 scale=scale)
         ob = _arr(mem, out + 4 * b * tokens * heads * head_dim, tokens * heads * head_dim)
         ob[:] = r.reshape(-1)
 
 
-@register_sim_kernel("gp_attention_decode")
-def _attention_decode(mem, grid, block, args) -> None:
+def _attention_decode(mem, grid, block, args, kvt=np.float32) -> None:
     (out, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, kv_row_stride,
      kv_batch_stride, len_add, max_len, scale) = _vals(args)
+    isz = np.dtype(kvt).itemsize
     for b in range(batch):
         nkeys = max(0, min(_opt_i32(mem, lens, b) + len_add, max_len))
         qb = _arr(mem, q + 4 * b * q_row_stride, heads * head_dim).reshape(1, heads, head_dim)
         kv_shape, kv_strides = (nkeys, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
-        kb = _strided(mem, k + 4 * b * kv_batch_stride, kv_shape, kv_strides)
-        vb = _strided(mem, v + 4 * b * kv_batch_stride, kv_shape, kv_strides)
+        kb = _kv_view(mem, k + isz * b * kv_batch_stride, kv_shape, kv_strides, kvt)
+        vb = _kv_view(mem, v + isz * b * kv_batch_stride, kv_shape, kv_strides, kvt)
         r = reference.attention(qb, kb, vb, np.array([nkeys - 1]), False, scale=scale)
         _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
 
 
-@register_sim_kernel("gp_attention_decode_split")
-def _attention_decode_split(mem, grid, block, args) -> None:
+def _attention_decode_split(mem, grid, block, args, kvt=np.float32) -> None:
     (ws, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, kv_row_stride,
      kv_batch_stride, len_add, max_len, span, scale) = _vals(args)
+    isz = np.dtype(kvt).itemsize
     splits = grid[2]
     width = head_dim + 2
     for b in range(batch):
@@ -167,10 +172,10 @@ def _attention_decode_split(mem, grid, block, args) -> None:
             j0 = min(sp * span, nkeys)
             j1 = min(j0 + span, nkeys)
             kv_shape, kv_strides = (j1 - j0, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
-            off = 4 * (b * kv_batch_stride + j0 * kv_row_stride)
-            part[sp] = reference.attention_partial(qb, _strided(mem, k + off, kv_shape, kv_strides),
-                                                   _strided(mem, v + off, kv_shape, kv_strides),
-                                                   scale)
+            off = isz * (b * kv_batch_stride + j0 * kv_row_stride)
+            part[sp] = reference.attention_partial(
+                qb, _kv_view(mem, k + off, kv_shape, kv_strides, kvt),
+                _kv_view(mem, v + off, kv_shape, kv_strides, kvt), scale)
 
 
 @register_sim_kernel("gp_attention_combine")
@@ -184,10 +189,10 @@ def _attention_combine(mem, grid, block, args) -> None:
         _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
 
 
-@register_sim_kernel("gp_kv_append")
-def _kv_append(mem, grid, block, args) -> None:
+def _kv_append(mem, grid, block, args, kvt=np.float32) -> None:
     (k_cache, v_cache, k, v, pos, batch, tokens, kv_heads, head_dim, src_row_stride,
      kv_row_stride, kv_batch_stride, pos_offset, max_len) = _vals(args)
+    isz = np.dtype(kvt).itemsize
     width = kv_heads * head_dim
     for b in range(batch):
         start = _opt_i32(mem, pos, b) + pos_offset
@@ -197,9 +202,19 @@ def _kv_append(mem, grid, block, args) -> None:
         shape = (t1 - t0, width)
         for cache, src in ((k_cache, k), (v_cache, v)):
             s = _strided(mem, src + 4 * (b * tokens + t0) * src_row_stride, shape, (src_row_stride, 1))
-            d = _strided(mem, cache + 4 * (b * kv_batch_stride + (start + t0) * kv_row_stride),
-                         shape, (kv_row_stride, 1))
-            d[:] = s
+            d = _strided(mem, cache + isz * (b * kv_batch_stride + (start + t0) * kv_row_stride),
+                         shape, (kv_row_stride, 1), kvt)
+            with np.errstate(over="ignore"):
+                d[:] = s.astype(kvt)    # round to nearest even, as cvt.rn.f16.f32
+
+
+for _entry, _fn in (("gp_attention_prefill", _attention_prefill),
+                    ("gp_attention_decode", _attention_decode),
+                    ("gp_attention_decode_split", _attention_decode_split),
+                    ("gp_kv_append", _kv_append)):
+    register_sim_kernel(_entry)(_fn)
+    register_sim_kernel(_entry + "_kv16")(
+        lambda mem, grid, block, args, _fn=_fn: _fn(mem, grid, block, args, np.float16))
 
 
 @register_sim_kernel("gp_silu_gate")
@@ -249,3 +264,18 @@ def _mean_pool(mem, grid, block, args) -> None:
     lv = _arr(mem, lens, batch, np.int32) if lens else None
     r = reference.mean_pool(_arr(mem, x, batch * seq * hidden).reshape(batch, seq, hidden), lv)
     _arr(mem, out, batch * hidden).reshape(batch, hidden)[:] = r
+
+
+@register_sim_kernel("gp_int4_dequant_f16")
+def _int4_dequant_f16(mem, grid, block, args) -> None:
+    w16, packed, scales, row0, rows, k = _vals(args)
+    kb = reference.int4_blocks(k)
+    pk = _arr(mem, packed + row0 * kb * 16, rows * kb * 16, np.uint8).reshape(rows, kb * 16)
+    sc = _arr(mem, scales + row0 * kb * 2, rows * kb, np.float16).reshape(rows, kb)
+    _arr(mem, w16, rows * k, np.float16).reshape(rows, k)[:] = reference.int4_dequantize_f16(pk, sc, k)
+
+
+@register_sim_kernel("gp_to_f16")
+def _to_f16(mem, grid, block, args) -> None:
+    out, x, n = _vals(args)
+    _arr(mem, out, n, np.float16)[:] = reference.to_f16(_arr(mem, x, n))

@@ -66,7 +66,7 @@ class ModelConfig:
     def kv_bytes(self, context: int | None = None) -> int:
         """KV cache bytes (f32) for one sequence of `context` tokens."""
         ctx = self.max_context if context is None else context
-        return 2 * self.layers * ctx * self.kv_heads * self.head_dim * 4
+        return 2 * self.layers * ctx * self.kv_heads * self.head_dim * 2   # fp16 K and V
 
 
 CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (

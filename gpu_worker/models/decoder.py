@@ -1,10 +1,17 @@
 """The Llama-style decoder as a graph: RMSNorm, rotary, GQA with a KV cache, SiLU-gated MLP.
 
 Two graph shapes per model:
-- prefill(S): S = the prompt length bucketed onto the plan ladder; the prompt is padded at the end
-  (causal attention: padding never reaches a real position) and `last_index` picks row L-1;
+- prefill(S), run as chunked prefill: a prompt of L <= C tokens (C = the prefill chunk,
+  GPUPLANE_PREFILL_CHUNK, default 2048) runs once at S = L bucketed onto the plan ladder; a longer
+  prompt runs in ceil(L / C) chunks of S = C against the KV cache, the last one padded. Each chunk
+  appends its keys to the cache at `start` and attends to the cache rows [0, start + t] of its
+  token t (no more than `chunk_len` real rows: padding never reaches a real position), and
+  `last_index` picks row L-1 of the last chunk. So every prompt length uses one of a handful of
+  plan shapes (the ladder up to C), no prompt pads by more than one chunk (5502 tokens run as
+  3 x 2048 instead of 8192), and activation memory is bounded by the chunk, not the prompt;
 - decode: one token whose position is read from device memory (`start`), so the captured
   graph does not depend on the KV length and replays for every step.
+The KV cache is fp16 (KV_DTYPE): half the bytes per token of context of the f32 activations.
 Both end in greedy argmax, so a step returns one int32 to the host.
 """
 from __future__ import annotations
@@ -14,10 +21,18 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.graph import Graph, GraphBuilder
+from gpu_worker.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
+from services.common.config import env_int
 from services.common.errors import InvalidArgument
+
+DEFAULT_PREFILL_CHUNK = 2048
+KV_DTYPE = "f16"    # the KV cache: fp16 (attention reads it into f32 arithmetic)
+
+
+def prefill_chunk_from_env() -> int:
+    return env_int("GPUPLANE_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)
 
 
 def kv_state_names(layer: int) -> tuple[str, str]:
@@ -37,13 +52,15 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
 
     tokens = t("tokens", (seq,), "i32", "input")
     start = t("start", (1,), "i32", "input")    # position of the first token, read on device
+    if phase == "prefill":
+        chunk_len = t("chunk_len", (1,), "i32", "input")   # real (unpadded) tokens in this chunk
     n("embed", "embedding", (tokens,), (t("x.0", (seq, h)),), (w("embed", (cfg.vocab_size, h), "f16"),))
     x = "x.0"
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         kc, vc = kv_state_names(layer)
-        t(kc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
-        t(vc, (cfg.max_context, cfg.kv_heads, hd), kind="state")
+        t(kc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
+        t(vc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
         n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h)),),
           (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "wq", p + "h", p + "q", h, h)
@@ -57,8 +74,10 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
           kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
         if phase == "prefill":
-            n(p + "attn", "attention_prefill", (p + "q", p + "k", p + "v"), (t(p + "a", (seq, h)),),
-              heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd)
+            # against the cache: earlier chunks' keys are there, this chunk's were just appended
+            n(p + "attn", "attention_prefill_cached", (p + "q", kc, vc, start, chunk_len),
+              (t(p + "a", (seq, h)),), heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd,
+              max_context=cfg.max_context)
         else:
             n(p + "attn", "attention_decode", (p + "q", kc, vc, start), (t(p + "a", (seq, h)),),
               heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
@@ -96,19 +115,30 @@ class DecoderModel:
     family = "decoder"
 
     def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True,
-                 bucketed: bool = True) -> None:
+                 bucketed: bool = True, prefill_chunk: int | None = None) -> None:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
         # False: one prefill shape per prompt length (the unbucketed traffic of DESIGN 1.1,
         # for the replay benchmark); True: lengths rounded up onto the plan ladder.
         self.bucketed = bucketed
+        self.prefill_chunk = prefill_chunk_from_env() if prefill_chunk is None else prefill_chunk
+        if self.prefill_chunk < 1:
+            raise InvalidArgument(f"prefill chunk must be >= 1 token, got {self.prefill_chunk}")
 
     def _prefill_len(self, n: int) -> int:
         return min(seq_bucket(n), self.cfg.max_context) if self.bucketed else n
 
+    def prefill_chunks(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, real tokens, plan rows) of each chunk of an n-token prompt."""
+        c = self.prefill_chunk
+        if n <= c:
+            return [(0, n, self._prefill_len(n))]
+        # unbucketed: the last chunk runs at its own length (one shape per length, DESIGN 1.1)
+        return [(s, min(c, n - s), c if self.bucketed else min(c, n - s)) for s in range(0, n, c)]
+
     def load(self) -> None:
         for key, host in generate(self.cfg, self.seed):
             self.executor.add_weight(key, host)
-        per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * 4
+        per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * DTYPE_BYTES[KV_DTYPE]
         for layer in range(self.cfg.layers):
             for name in kv_state_names(layer):
                 self.executor.add_state(name, per_layer, "kv")
@@ -128,18 +158,23 @@ class DecoderModel:
                 f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
 
     def prefill(self, prompt: list[int]) -> int:
-        """Run the prompt (padded to its bucket) into the KV cache; the first generated token."""
+        """Run the prompt into the KV cache, chunk by chunk; the first generated token."""
         return int(self._prefill(prompt, "next_token")[0])
 
     def _prefill(self, prompt: list[int], output: str) -> np.ndarray:
-        seq = self._prefill_len(len(prompt))
-        tokens = np.zeros(seq, np.int32)
-        tokens[:len(prompt)] = prompt
-        out = self.executor.run(
-            ("prefill", 1, seq), lambda: build_decoder_graph(self.cfg, seq, "prefill"),
-            {"tokens": tokens, "start": np.zeros(1, np.int32),
-             "last_index": np.array([len(prompt) - 1], np.int32)},
-            (output,), capture=self.capture)
+        chunks = self.prefill_chunks(len(prompt))
+        out: dict[str, np.ndarray] = {}
+        for i, (start, real, seq) in enumerate(chunks):
+            tokens = np.zeros(seq, np.int32)
+            tokens[:real] = prompt[start:start + real]
+            last = i == len(chunks) - 1
+            out = self.executor.run(
+                ("prefill", 1, seq),
+                lambda seq=seq: build_decoder_graph(self.cfg, seq, "prefill"),
+                {"tokens": tokens, "start": np.array([start], np.int32),
+                 "chunk_len": np.array([real], np.int32),
+                 "last_index": np.array([real - 1], np.int32)},
+                (output,) if last else (), capture=self.capture)
         return out[output]
 
     def decode(self, token: int, position: int) -> int:

@@ -1,6 +1,9 @@
 """NumPy reference forwards for the two model families: the correctness oracle for the executor.
 
-float32 throughout, weights dequantized exactly as the int4 kernels dequantize them. The
+float32 throughout, weights dequantized exactly as the int4 kernels dequantize them, except that a
+linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
+and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
+V rounded to fp16 (`fp16=False` turns both off). The
 operations are spelled out one function each so a kernel's NumPy reference and this model agree
 on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
 h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.kernels.linear import int4_path
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
 
@@ -63,7 +67,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, ca
     return np.einsum("hst,thd->shd", p, vv).astype(np.float32)
 
 
-def _linears(cfg: ModelConfig, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+class Linears(dict):
+    """Dequantized weights by key; `mm(x, key, rows)` multiplies as the executor's path for a
+    graph of `rows` rows does (fp16 operands above FUSED_MAX_ROWS)."""
+
+    def __init__(self, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
+        super().__init__(weights)
+        self.fp16 = fp16        # False: f32 everywhere (the math's own invariants, no rounding)
+        self._f16: dict[str, np.ndarray] = {}
+
+    def mm(self, x: np.ndarray, key: str, rows: int) -> np.ndarray:
+        if not self.fp16 or int4_path(rows) != "tensor":
+            return x @ self[key].T
+        if key not in self._f16:
+            self._f16[key] = self[key].astype(np.float16).astype(np.float32)
+        return (x.astype(np.float16).astype(np.float32) @ self._f16[key].T).astype(np.float32)
+
+
+def _linears(cfg: ModelConfig, w: dict[str, np.ndarray], fp16: bool) -> Linears:
     out = {}
     for layer in range(cfg.layers):
         for lin in cfg.linear_shapes():
@@ -71,14 +92,15 @@ def _linears(cfg: ModelConfig, w: dict[str, np.ndarray]) -> dict[str, np.ndarray
             out[key] = dequantize(w[key + ".q"], w[key + ".s"])
     if cfg.family == "decoder":
         out["lm_head"] = dequantize(w["lm_head.q"], w["lm_head.s"])
-    return out
+    return Linears(out, fp16)
 
 
 class DecoderReference:
     """Llama-style decoder with a KV cache: prefill any prompt, then decode greedily."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
-        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights)
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
+        """`fp16=False`: every linear in f32 (not what the executor computes above 16 rows)."""
+        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
 
@@ -89,21 +111,28 @@ class DecoderReference:
             self.k = [np.zeros((0, cfg.kv_heads, cfg.head_dim), np.float32)] * cfg.layers
             self.v = list(self.k)
         pos = np.arange(start, start + len(tokens))
+        rows = len(tokens)   # the executor's graph has at least as many (padding): same path
+
+        def mm(x: np.ndarray, key: str) -> np.ndarray:
+            return lin.mm(x, key, rows)
+
         x = w["embed"][np.asarray(tokens)].astype(np.float32)
         for layer in range(cfg.layers):
             p = f"layers.{layer}."
             h = rmsnorm(x, w[p + "attn_norm.w"], cfg.eps)
-            q = (h @ lin[p + "wq"].T).reshape(len(tokens), cfg.heads, cfg.head_dim)
-            k = (h @ lin[p + "wk"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
-            v = (h @ lin[p + "wv"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
+            q = mm(h, p + "wq").reshape(len(tokens), cfg.heads, cfg.head_dim)
+            k = mm(h, p + "wk").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
+            v = mm(h, p + "wv").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+            if self.lin.fp16:   # the cache holds fp16: what attention reads back is rounded
+                k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
-            x = x + a.reshape(len(tokens), cfg.hidden) @ lin[p + "wo"].T
+            x = x + mm(a.reshape(len(tokens), cfg.hidden), p + "wo")
             h = rmsnorm(x, w[p + "mlp_norm.w"], cfg.eps)
-            m = silu(h @ lin[p + "w_gate"].T) * (h @ lin[p + "w_up"].T)
-            x = x + m @ lin[p + "w_down"].T
+            m = silu(mm(h, p + "w_gate")) * mm(h, p + "w_up")
+            x = x + mm(m, p + "w_down")
         x = rmsnorm(x, w["final_norm.w"], cfg.eps)
         return (x @ lin["lm_head"].T).astype(np.float32)
 
@@ -124,26 +153,31 @@ class DecoderReference:
 class EncoderReference:
     """BERT-style post-LN encoder; mean-pooled embeddings (batch, hidden)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
-        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights)
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
+        self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
 
     def embed(self, sequences: np.ndarray) -> np.ndarray:
         cfg, w, lin = self.cfg, self.w, self.lin
         seqs = np.asarray(sequences)
         out = np.empty((seqs.shape[0], cfg.hidden), np.float32)
         pos = np.arange(seqs.shape[1])
+        rows = seqs.shape[0] * seqs.shape[1]   # the encoder graph runs the whole batch at once
+
+        def mm(x: np.ndarray, key: str) -> np.ndarray:
+            return lin.mm(x, key, rows)
+
         for b, toks in enumerate(seqs):
             x = w["embed"][toks].astype(np.float32) + w["pos_embed"][pos].astype(np.float32)
             x = layernorm(x, w["embed_norm.w"], w["embed_norm.b"], cfg.eps)
             for layer in range(cfg.layers):
                 p = f"layers.{layer}."
                 shp = (len(toks), cfg.heads, cfg.head_dim)
-                q = (x @ lin[p + "wq"].T).reshape(shp)
-                k = (x @ lin[p + "wk"].T).reshape(shp)
-                v = (x @ lin[p + "wv"].T).reshape(shp)
+                q = mm(x, p + "wq").reshape(shp)
+                k = mm(x, p + "wk").reshape(shp)
+                v = mm(x, p + "wv").reshape(shp)
                 a = attention(q, k, v, pos, causal=False).reshape(len(toks), cfg.hidden)
-                x = layernorm(x + a @ lin[p + "wo"].T, w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
-                m = gelu(x @ lin[p + "w_up"].T) @ lin[p + "w_down"].T
+                x = layernorm(x + mm(a, p + "wo"), w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
+                m = mm(gelu(mm(x, p + "w_up")), p + "w_down")
                 x = layernorm(x + m, w[p + "mlp_norm.w"], w[p + "mlp_norm.b"], cfg.eps)
             out[b] = x.mean(axis=0)
         return out

@@ -14,6 +14,10 @@ from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
 from gpu_worker.models.encoder import EncoderModel
 
+# Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
+# summation-order difference that crosses an fp16 rounding boundary moves a value by 2^-11 relative.
+ATOL = 1e-3
+
 
 def encoder(device, compiler, config="tiny-encoder", seed=1, **kw):
     ex = ModelExecutor(device, compiler, **kw)
@@ -37,11 +41,13 @@ def test_kernel_variants_stay_bounded_under_24_distinct_shapes_with_correct_resu
     for batch, seq in shapes:
         got = model.embed(seqs(batch, seq))
         want = ref.embed(np.array(seqs(batch, seq)))
-        assert np.allclose(got, want, atol=1e-4), f"wrong embeddings at shape {(batch, seq)}"
+        assert np.allclose(got, want, atol=ATOL), f"wrong embeddings at shape {(batch, seq)}"
         s = ex.kernels.stats()
         assert s["max_variants_per_node"] <= 4, f"variant bound broken at {(batch, seq)}: {s}"
-        assert zone_content(device, "workspace") == s["workspace_bytes"], \
-            "the ledger's workspace zone must hold exactly the kernel cache's workspaces"
+        shared = ex.shared_workspace_bytes() + device.blas_stats()["workspace_bytes"]
+        assert zone_content(device, "workspace") == s["workspace_bytes"] + shared, \
+            "the ledger's workspace zone must hold exactly the kernel cache's workspaces, the " \
+            "model's dequantization tile and the device's BLAS workspace"
         assert ex.plans.stats()["entries"] <= 2, "plan bound broken"
         assert zone_content(device, "activations") == ex.plans.stats()["activation_bytes"], \
             "the ledger's activations zone must hold exactly the plans' arenas"
@@ -53,7 +59,7 @@ def test_encoder_embeddings_match_the_reference(device, compiler):
     batch = seqs(4, 33, salt=5)
     got = model.embed(batch)
     assert got.shape == (4, CONFIGS["tiny-encoder"].hidden) and got.dtype == np.float32
-    assert np.allclose(got, ref.embed(np.array(batch)), atol=1e-4), "encoder embeddings diverged"
+    assert np.allclose(got, ref.embed(np.array(batch)), atol=ATOL), "encoder embeddings diverged"
 
 
 def test_a_plan_rebuilt_after_eviction_gives_bit_identical_output(device, compiler):
@@ -76,16 +82,18 @@ def test_variant_eviction_resets_the_graphs_that_hold_its_workspaces(device, com
     assert plan_a.graph_exec is None, "eviction left a graph holding freed workspace pointers"
     again = model.embed(a)                          # recaptured against fresh workspaces
     device.synchronize()
-    assert np.array_equal(first, again) and np.allclose(first, ref.embed(np.array(a)), atol=1e-4)
+    assert np.array_equal(first, again) and np.allclose(first, ref.embed(np.array(a)), atol=ATOL)
 
 
 def test_negative_control_replay_after_a_free_without_reset_is_a_use_after_free(device, compiler):
     ex, model, _ = encoder(device, compiler, config="small-encoder")
-    model.embed(seqs(2, 20))
-    plan = ex.plans.get(("encode", 2, 20))
-    for _, variant in plan.steps:                   # what a cache without the reset would do
-        for alloc in variant.workspaces.values():
-            device.arena.free(alloc)
+    model.embed(seqs(4, 200))                       # an activation arena of several granules
+    plan = ex.plans.get(("encode", 4, 200))
+    assert ex.tile is not None, "800 rows run on tensor cores, through the dequantization tile"
+    # what freeing the scratch the graph baked, without resetting the graph first, would do
+    for alloc in [ex.tile, plan.arena_alloc, *(a for _, v in plan.steps for a in v.workspaces.values())]:
+        device.arena.free(alloc)
+    ex.tile, plan.arena_alloc = None, None
     deadline = time.monotonic() + 10                # the fenced releases run once both streams pass
     while device.arena.stats()["pending_releases"] and time.monotonic() < deadline:
         device.synchronize(device.copy_stream)
@@ -107,7 +115,7 @@ def test_two_throwing_runs_on_new_shapes_then_a_third_keep_the_plan_bound(device
     with pytest.raises(DeviceError):
         model.embed(seqs(1, 10))
     got = model.embed(seqs(1, 11))
-    assert np.allclose(got, ref.embed(np.array(seqs(1, 11))), atol=1e-4)
+    assert np.allclose(got, ref.embed(np.array(seqs(1, 11))), atol=ATOL)
     stats = ex.plans.stats()
     assert stats["entries"] <= 2, f"plan bound broken after throwing runs: {ex.plans.keys()}"
     assert zone_content(device, "activations") == stats["activation_bytes"], \

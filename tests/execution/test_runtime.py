@@ -10,6 +10,10 @@ from gpu_worker.models.configs import CONFIGS
 from gpu_worker.runtime import WorkerConfig, WorkerRuntime
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 
+# Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
+# summation-order difference that crosses an fp16 rounding boundary moves a value by 2^-11 relative.
+ATOL = 1e-3
+
 
 @pytest.fixture
 def runtime(kernel_cache_dir):
@@ -34,7 +38,7 @@ def test_runtime_embeds_with_the_encoder(runtime):
     got = runtime.embed("enc", seqs)
     want = R.EncoderReference(CONFIGS["tiny-encoder"], W.load_host(CONFIGS["tiny-encoder"], 2)).embed(
         np.array(seqs))
-    assert got.shape == (2, 64) and np.allclose(got, want, atol=1e-4)
+    assert got.shape == (2, 64) and np.allclose(got, want, atol=ATOL)
 
 
 def test_runtime_refuses_bad_requests_with_domain_errors(runtime):

@@ -18,10 +18,12 @@ from gpu_worker.kernels.selfcheck import (
     KernelHarness,
     attention_case_sizes,
     decode_case,
+    int4_dequant_f16_case,
     int4_linear_case,
     int4_matmul_case,
     matmul_nt_case,
     prefill_case,
+    tensor_linear_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -33,6 +35,12 @@ MODEL_CASES: list[Case] = [
     Case("int4_matmul", int4_matmul_case, {"m": 4, "n": 4096, "k": 14336}),
     Case("int4_matmul", int4_matmul_case, {"m": 16, "n": 1024, "k": 8192, "bias": True}),
     Case("int4_linear", int4_linear_case, {"m": 257, "n": 1024, "k": 4096}),
+    Case("int4_dequant_f16", int4_dequant_f16_case, {"n": 14336, "k": 4096, "row0": 4096,
+                                                     "rows": 4096}),
+    Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 14336, "k": 4096,
+                                               "tile_rows": 4096}),
+    Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 4096, "k": 14336,
+                                               "tile_rows": 1152, "accumulate": True}),
     Case("matmul_nt", matmul_nt_case, {"m": 512, "n": 1000, "k": 4096}),
     Case("matmul_nt_large", matmul_nt_case, {"m": 515, "n": 1000, "k": 4100, "large": True}),
     Case("attention_prefill", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)),
@@ -41,6 +49,15 @@ MODEL_CASES: list[Case] = [
     Case("attention_decode", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
                                            "head_dim": 128, "lengths": [5502], "len_add": 1,
                                            "max_len": 8192, "splits": decode_splits(8192)}),
+    Case("attention_prefill_kv16", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)
+         | {"past": 512, "kv16": True}),
+    Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
+                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
+                                                "kv16": True}),
+    Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
+                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
+                                                "max_len": 8192, "splits": decode_splits(8192),
+                                                "kv16": True}),
 ]
 
 

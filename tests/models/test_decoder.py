@@ -71,3 +71,63 @@ def test_cancelled_generation_stops_between_steps(device, compiler):
     for tok in model.generate([1, 2, 3], 50, cancelled=lambda: len(seen) >= 3):
         seen.append(tok)  # noqa: PERF402 - `cancelled` reads `seen` as it grows
     assert len(seen) == 3, f"generation ran past cancellation: {len(seen)} tokens"
+
+
+def chunked(device, compiler, chunk, seed=7, **kw):
+    ex = ModelExecutor(device, compiler, **kw)
+    model = DecoderModel(ex, CONFIGS["tiny"], seed, prefill_chunk=chunk)
+    model.load()
+    return ex, model
+
+
+def test_chunked_prefill_gives_the_reference_tokens_captured_and_eager(device, compiler):
+    _, model = chunked(device, compiler, 64)
+    host = W.load_host(CONFIGS["tiny"], 7)
+    prompt = [(i * 37) % 1024 for i in range(150)]           # chunks 64 + 64 + 22 (padded)
+    assert [c[1:] for c in model.prefill_chunks(150)] == [(64, 64), (64, 64), (22, 64)]
+    want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompt, 6)
+    assert list(model.generate(prompt, 6)) == want, "chunked prefill diverged from the reference"
+    model.capture = False
+    assert list(model.generate(prompt, 6)) == want, "eager chunked prefill diverged from the graph"
+
+
+def test_every_prompt_length_uses_a_handful_of_shapes_and_pads_less_than_one_chunk(device, compiler):
+    _, model = chunked(device, compiler, 256)
+    shapes = set()
+    for n in range(1, 1001):
+        chunks = model.prefill_chunks(n)
+        assert sum(c[1] for c in chunks) == n and chunks[0][0] == 0
+        assert sum(c[2] for c in chunks) - n < 256, f"a {n}-token prompt pads by a chunk or more"
+        shapes |= {c[2] for c in chunks}
+    assert shapes == {16, 32, 64, 128, 256}, f"plan shapes {sorted(shapes)}"
+
+
+def test_prefill_activation_memory_is_bounded_by_the_chunk(device, compiler):
+    ex, model = chunked(device, compiler, 64, max_plans=1)
+    model.prefill(list(range(64)))
+    one_chunk = ex.plans.stats()["activation_bytes"]
+    model.prefill([(i * 3) % 1024 for i in range(900)])       # 15 chunks of 64
+    assert ex.plans.keys() == [("prefill", 1, 64)]
+    assert ex.plans.stats()["activation_bytes"] == one_chunk, "activations grew with the prompt"
+
+
+def test_a_padded_last_chunk_at_the_end_of_the_context_stays_inside_the_cache(device, compiler):
+    # 1020 tokens in chunks of 96: the last chunk's padding reaches rows 1020..1055 of a
+    # 1024-row cache; appends past the end are dropped and attention reads only real rows
+    # (an out-of-bounds read raises IllegalAddress on the sim)
+    _, model = chunked(device, compiler, 96)
+    host = W.load_host(CONFIGS["tiny"], 7)
+    prompt = [(i * 11) % 1024 for i in range(1020)]
+    want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompt, 4)
+    assert list(model.generate(prompt, 4)) == want
+
+
+def test_the_kv_cache_is_fp16_half_the_bytes_of_f32(device, compiler):
+    cfg = CONFIGS["tiny"]
+    before = device.ledger.snapshot()["kv"][1]
+    ex, _ = load(device, compiler)
+    per_token = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim      # K and V elements
+    assert device.ledger.snapshot()["kv"][1] - before == per_token * cfg.max_context * 2, \
+        "the KV zone must hold exactly 2 bytes per K/V element of the context"
+    assert cfg.kv_bytes() == per_token * cfg.max_context * 2
+    ex.close()

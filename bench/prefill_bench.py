@@ -1,0 +1,300 @@
+"""Prefill at the 8b-int4 shapes (Llama-3-8B) against plain PyTorch fp16 (SDPA causal + cuBLAS), in
+the same run, plus the first token of the same prompts through WorkerService (issue 12).
+
+[1] prefill linears: ours on tensor cores (x -> fp16, the int4 weight dequantized to fp16 one
+    bounded tile at a time, cuBLAS GemmEx with fp32 accumulation) vs ours in f32 (int4_dequant +
+    the NVRTC tiled matmul_nt_large) vs torch fp16 `x @ w.T` (weight already fp16, no dequant);
+    TFLOP/s of each, ratios. This is the measurement behind the linear path (docs/kernels.md).
+[2] prefill of 469 / 2048 / 5502 tokens: ours through the executor (chunked prefill, captured
+    plans, warm) vs the peer's fp16 prefill (32 layers, SDPA causal with GQA, last-row logits and
+    argmax); both timed from the host call to the token on the host, median of --reps.
+[3] where the time goes: one prefill chunk of ours node by node (eager, synchronized after each
+    node), summed per op.
+[4] first token through WorkerService (a real gRPC server on loopback, the same runtime):
+    Generate(max_new_tokens=1), client-side time to the first token, median of --reps.
+
+Targets (issue 12, H200): prefill 5502 and 2048 within 1.5x the peer, 469 within 2x; first token
+of the 5502-token prompt through gRPC within 2x the peer's prefill. A missed target prints MISSED
+and the process exits 1.
+
+    python3 bench/prefill_bench.py                      # GPU: 8b-int4
+    python3 bench/prefill_bench.py --config small --lengths 100,600 --no-torch    # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np
+
+LENGTHS = (469, 2048, 5502)
+TARGETS = {469: 2.0, 2048: 1.5, 5502: 1.5}     # ours / peer prefill time, at most
+GRPC_TARGET = (5502, 2.0)                       # first token via gRPC / peer prefill, at most
+LINEAR_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))   # (n, k): wq/wo, gate/up, down
+
+
+def median_time(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# -- [1] linears --------------------------------------------------------------------------------
+def linears(device, lengths, reps: int, torch_ok: bool) -> None:
+    from gpu_worker.compile import KernelCompiler
+    from gpu_worker.execution.ops import DEQUANT_TILE_BYTES, tile_rows
+    from gpu_worker.kernels import (
+        INT4_DEQUANT,
+        INT4_DEQUANT_F16,
+        MATMUL_NT_LARGE,
+        TO_F16,
+        launch_int4_dequant,
+        launch_int4_dequant_f16,
+        launch_matmul_nt_large,
+        launch_to_f16,
+    )
+    from gpu_worker.kernels import reference as ref
+
+    compiler = KernelCompiler(device.info.arch, cache_dir=tempfile.mkdtemp(prefix="prefill-bench-"))
+    fns = {}
+    for kdef in (INT4_DEQUANT, INT4_DEQUANT_F16, MATMUL_NT_LARGE, TO_F16):
+        fns[kdef.name] = device.get_function(compiler.load(device, kdef.source), kdef.entry)
+    blas = device.acquire_blas()
+    rng = np.random.default_rng(0)
+    mmax, nmax, kmax = max(lengths), max(n for n, _ in LINEAR_SHAPES), max(k for _, k in LINEAR_SHAPES)
+    x = device.arena.alloc(mmax * kmax * 4, "activations")
+    x16 = device.arena.alloc(mmax * kmax * 2, "activations")
+    y = device.arena.alloc(mmax * nmax * 4, "activations")
+    tile = device.arena.alloc(DEQUANT_TILE_BYTES, "workspace")
+    w32 = device.arena.alloc(nmax * kmax * 4, "workspace")
+    device.to_device(x.ptr, rng.standard_normal(mmax * kmax, dtype=np.float32))
+    print("\n[1] prefill linears, 8b-int4 shapes: TFLOP/s (median of "
+          f"{reps}); ours tensor cores (fp16 dequant tiles + cuBLAS) vs ours f32 NVRTC tiled vs torch fp16")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    for n, k in LINEAR_SHAPES:
+        packed, scales = ref.int4_quantize(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+        pk = device.arena.alloc(packed.nbytes, "activations")
+        sc = device.arena.alloc(scales.nbytes, "activations")
+        device.to_device(pk.ptr, packed)
+        device.to_device(sc.ptr, scales)
+        rows = tile_rows(n, k, DEQUANT_TILE_BYTES)
+        wt = None
+        if torch_ok and torch is not None:
+            wt = torch.from_numpy(ref.int4_dequantize_f16(packed, scales, k)).cuda()
+        for m in lengths:
+            def tensor(m=m, n=n, k=k, rows=rows, pk=pk, sc=sc) -> None:
+                launch_to_f16(device, fns["to_f16"], x16.ptr, x.ptr, m * k)
+                for r0 in range(0, n, rows):
+                    part = min(rows, n - r0)
+                    launch_int4_dequant_f16(device, fns["int4_dequant_f16"], tile.ptr, pk.ptr, sc.ptr,
+                                            r0, part, n, k)
+                    blas.gemm_nt(y.ptr + 4 * r0, x16.ptr, tile.ptr, m, part, k, ldy=n)
+
+            def f32(m=m, n=n, k=k, pk=pk, sc=sc) -> None:
+                launch_int4_dequant(device, fns["int4_dequant"], w32.ptr, pk.ptr, sc.ptr, n, k)
+                launch_matmul_nt_large(device, fns["matmul_nt_large"], y.ptr, x.ptr, w32.ptr, 0, m, n, k)
+
+            blas.warm({(m, min(rows, n), k)}, tensor)
+            flop = 2.0 * m * n * k
+            t_tc = median_time(tensor, reps, device.synchronize)
+            t_32 = median_time(f32, max(1, reps // 3), device.synchronize)
+            line = (f"  m={m:5d} n={n:5d} k={k:5d}: tensor {flop / t_tc / 1e12:6.1f}, "
+                    f"f32 {flop / t_32 / 1e12:5.1f} ({t_32 / t_tc:5.1f}x slower)")
+            if wt is not None:
+                xt = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                t_pt = median_time(lambda xt=xt, wt=wt: xt @ wt.T, reps, torch.cuda.synchronize)
+                line += f", torch fp16 {flop / t_pt / 1e12:6.1f} (ours/torch time {t_tc / t_pt:4.2f}x)"
+            print(line, flush=True)
+        device.arena.free(pk)
+        device.arena.free(sc)
+        del wt
+    device.synchronize()
+    for a in (x, x16, y, tile, w32):
+        device.arena.free(a)
+    device.release_blas()
+
+
+# -- [2] the PyTorch peer -----------------------------------------------------------------------
+def torch_peer(cfg):
+    """A prefill function of plain PyTorch fp16 at cfg's shapes, or None without torch/CUDA."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev, dt = torch.device("cuda"), torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, hd, kvh, heads, ffn = cfg.hidden, cfg.head_dim, cfg.kv_heads, cfg.heads, cfg.ffn
+
+    def w(*shape):
+        return (torch.randn(*shape, device=dev, generator=g, dtype=dt) / shape[-1] ** 0.5)
+
+    layers = [{"n1": torch.ones(h, device=dev, dtype=dt), "n2": torch.ones(h, device=dev, dtype=dt),
+               "wq": w(heads * hd, h), "wk": w(kvh * hd, h), "wv": w(kvh * hd, h), "wo": w(h, h),
+               "wg": w(ffn, h), "wu": w(ffn, h), "wd": w(h, ffn)} for _ in range(cfg.layers)]
+    emb, nf, head = w(cfg.vocab_size, h), torch.ones(h, device=dev, dtype=dt), w(cfg.vocab_size, h)
+    inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, device=dev, dtype=torch.float32) * 2 / hd)
+
+    def rms(x, wt):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + cfg.eps)).to(dt) * wt
+
+    def rope(x, c, s):
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @torch.inference_mode()
+    @sdpa_kernel([SDPBackend.FLASH_ATTENTION])    # the peer's attention is FlashAttention, not math
+    def prefill(tokens: list[int]) -> int:
+        n = len(tokens)
+        ids = torch.tensor(tokens, device=dev)
+        ang = torch.arange(n, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
+        c, s = ang.cos().to(dt)[:, None, :], ang.sin().to(dt)[:, None, :]
+        x = emb[ids]
+        for ly in layers:
+            a = rms(x, ly["n1"])
+            # (1, heads, n, hd) contiguous with KV heads repeated: SDPA's flash backend takes it
+            q = rope((a @ ly["wq"].T).view(n, heads, hd), c, s).transpose(0, 1)[None].contiguous()
+            k = rope((a @ ly["wk"].T).view(n, kvh, hd), c, s).repeat_interleave(heads // kvh, 1)
+            v = (a @ ly["wv"].T).view(n, kvh, hd).repeat_interleave(heads // kvh, 1)
+            k, v = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + att[0].transpose(0, 1).reshape(n, h) @ ly["wo"].T
+            a = rms(x, ly["n2"])
+            x = x + (F.silu(a @ ly["wg"].T) * (a @ ly["wu"].T)) @ ly["wd"].T
+        return int(torch.argmax(rms(x[-1:], nf) @ head.T, -1)[0])   # the host reads the token
+
+    return prefill
+
+
+# -- [3] breakdown ------------------------------------------------------------------------------
+def breakdown(rt, executor, key) -> None:
+    from gpu_worker.execution.ops import OPS, LaunchContext
+
+    plan = executor.plans.get(key)
+    if plan is None:
+        return
+    device = rt.device
+    per_op: dict[str, float] = {}
+    for node, variant in plan.resolve():
+        t0 = time.perf_counter()
+        OPS[node.op].launch(LaunchContext(device, node, plan.graph, variant, plan.ptr, device.stream,
+                                          executor.tile))
+        device.synchronize()
+        per_op[node.op] = per_op.get(node.op, 0.0) + time.perf_counter() - t0
+    total = sum(per_op.values())
+    print(f"\n[3] one prefill chunk {key} node by node (eager, synchronized per node): "
+          f"{total * 1e3:.1f} ms")
+    for op, t in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        print(f"  {op:26s} {t * 1e3:8.1f} ms  {100 * t / total:5.1f} %")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--config", default="8b-int4")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: linears,grpc")
+    args = p.parse_args()
+    lengths = [int(v) for v in args.lengths.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from gpu_worker.client import WorkerClient
+    from gpu_worker.models.configs import CONFIGS
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.servicer import serve_worker
+
+    cfg = CONFIGS[args.config]
+    rt = WorkerRuntime(WorkerConfig(backend=args.backend)).start()
+    print(f"device: {rt.device.info.name}; config {cfg.name}; lengths {lengths}; reps {args.reps}",
+          flush=True)
+    if "linears" not in skip:
+        linears(rt.device, lengths, args.reps, not args.no_torch)
+    server = None
+    failures = []
+    try:
+        t0 = time.perf_counter()
+        rt.load_model("m", "decoder", cfg.name, 1)
+        print(f"\nloaded {cfg.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+        loaded = rt._get("m")
+        model, executor = loaded.model, loaded.model.executor
+        peer = None if args.no_torch else torch_peer(cfg)
+        prompts = {n: [(i * 31 + 7) % cfg.vocab_size for i in range(n)] for n in lengths}
+        ours, theirs = {}, {}
+        print(f"\n[2] prefill (host call to first token on the host), median of {args.reps}; "
+              f"chunk {model.prefill_chunk}")
+        for n in lengths:
+            ours[n] = median_time(lambda n=n: model.prefill(prompts[n]), args.reps, lambda: None)
+            line = (f"  {n:5d} tokens: gpuplane {ours[n] * 1e3:8.1f} ms "
+                    f"(chunks {[c[2] for c in model.prefill_chunks(n)]})")
+            if peer is not None:
+                import torch
+
+                theirs[n] = median_time(lambda n=n: peer(prompts[n]), args.reps, torch.cuda.synchronize)
+                ratio = ours[n] / theirs[n]
+                verdict = "ok" if ratio <= TARGETS.get(n, 2.0) else "MISSED"
+                if verdict == "MISSED":
+                    failures.append(f"prefill {n}: {ratio:.2f}x > {TARGETS.get(n, 2.0)}x")
+                line += (f", torch fp16 {theirs[n] * 1e3:7.1f} ms: {ratio:6.2f}x "
+                         f"(target <= {TARGETS.get(n, 2.0)}x) {verdict}")
+            print(line, flush=True)
+        longest = max(lengths)
+        chunk_key = ("prefill", 1, model.prefill_chunks(longest)[-1][2])
+        model.prefill(prompts[longest])
+        breakdown(rt, executor, chunk_key)
+        if "grpc" not in skip:
+            server = serve_worker(rt, "127.0.0.1:0", TracerProvider())
+            client = WorkerClient(server.address, deadline_s=600.0)
+            print(f"\n[4] first token through WorkerService (gRPC, loopback), median of {args.reps}")
+            for n in lengths:
+                client.generate("m", prompts[n], 1)       # warm: plans captured
+                times = [client.generate("m", prompts[n], 1).client_first_token_seconds
+                         for _ in range(args.reps)]
+                t = statistics.median(times)
+                line = f"  {n:5d} tokens: first token {t * 1e3:8.1f} ms"
+                if n in theirs:
+                    ratio = t / theirs[n]
+                    line += f" = {ratio:6.2f}x the peer's prefill"
+                    if n == GRPC_TARGET[0]:
+                        ok = ratio <= GRPC_TARGET[1]
+                        line += f" (target <= {GRPC_TARGET[1]}x) {'ok' if ok else 'MISSED'}"
+                        if not ok:
+                            failures.append(f"first token {n} via gRPC: {ratio:.2f}x > {GRPC_TARGET[1]}x")
+                print(line, flush=True)
+            client.close()
+    finally:
+        if server is not None:
+            server.stop(grace=5.0)            # closes the runtime too
+        else:
+            rt.close()
+    if failures:
+        print("\nMISSED: " + "; ".join(failures), flush=True)
+        return 1
+    if not theirs:
+        print("\nno PyTorch peer in this run: no ratio checked", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""fp16 operands for the tensor-core linear (prefill): int4 -> fp16 dequantization and f32 -> fp16.
+
+The prefill linear y = x @ W^T runs on tensor cores through cuBLAS (gpu_worker.device.blas): both
+operands must be fp16. These kernels produce them:
+- `int4_dequant_f16` expands rows [row0, row0 + rows) of the int4 weight into fp16, each row
+  k halves, into a bounded dequantization tile (the per-model workspace of execution.ops): one
+  thread per packed 32-bit word (8 weights of one quant block), one 16-byte store of 8 halves.
+  nibble-8 times the fp16 scale is exact in f32 and then rounded to nearest even in fp16
+  (`cvt.rn.f16.f32`), exactly what NumPy's astype(float16) does: the result is bit-exact against
+  reference.int4_dequantize_f16.
+- `to_f16` converts activations f32 -> fp16 (round to nearest even, bit-exact against NumPy);
+  it disappears once activations are fp16 end to end.
+
+Layout as gpu_worker.kernels.linear: packed (N, 16 * ceil(K/32)) u8, scales (N, ceil(K/32)) fp16.
+The 16-byte store needs K % 8 == 0 (Llama-shaped weights); other K take a scalar path.
+"""
+from __future__ import annotations
+
+from gpu_worker.device.backend import i32, i64, ptr
+from gpu_worker.kernels import reference
+from gpu_worker.kernels.common import (
+    BLOCK,
+    KernelDef,
+    grid_1d,
+    make_source,
+    require,
+    require_sizes,
+)
+
+SOURCE = make_source("gp_half", r"""
+// w16[r - row0, c] = fp16((nib(r, c) - 8) * scale(r, c / 32)) for r in [row0, row0 + rows)
+extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
+                                               const unsigned char* __restrict__ packed,
+                                               const unsigned short* __restrict__ scales,
+                                               int row0, int rows, int k) {
+    const int kb = (k + 31) >> 5;
+    if ((k & 7) == 0) {
+        const int words = k >> 3;                       // 8 weights per 32-bit word
+        GP_GRID_STRIDE(i, (long long)rows * words) {
+            const int r = (int)(i / words), wd = (int)(i % words);
+            const size_t gr = (size_t)(row0 + r);
+            const unsigned int q = reinterpret_cast<const unsigned int*>(packed + gr * kb * 16)[wd];
+            const float s = gp_half_to_float(scales[gr * kb + (wd >> 2)]);
+            unsigned int h[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float lo = (float)((int)((q >> (8 * j)) & 15u) - 8) * s;
+                const float hi = (float)((int)((q >> (8 * j + 4)) & 15u) - 8) * s;
+                h[j] = (unsigned int)gp_float_to_half(lo) | ((unsigned int)gp_float_to_half(hi) << 16);
+            }
+            *reinterpret_cast<uint4*>(w16 + (size_t)r * k + (size_t)wd * 8) =
+                make_uint4(h[0], h[1], h[2], h[3]);
+        }
+    } else {
+        GP_GRID_STRIDE(i, (long long)rows * k) {
+            const int r = (int)(i / k), c = (int)(i % k);
+            const size_t gr = (size_t)(row0 + r);
+            const unsigned char byte = packed[gr * kb * 16 + (c >> 1)];
+            const int nib = (c & 1) ? (byte >> 4) : (byte & 15);
+            w16[i] = gp_float_to_half((float)(nib - 8) * gp_half_to_float(scales[gr * kb + (c >> 5)]));
+        }
+    }
+}
+
+extern "C" __global__ void gp_to_f16(unsigned short* __restrict__ out, const float* __restrict__ x,
+                                     long long n) {
+    GP_GRID_STRIDE(i, n) out[i] = gp_float_to_half(x[i]);
+}
+""")
+
+
+def launch_int4_dequant_f16(device, function, w16: int, packed: int, scales: int, row0: int,
+                            rows: int, n: int, k: int, stream=None) -> None:
+    """Rows [row0, row0 + rows) of the (n, k) int4 weight into `w16` (rows * k fp16)."""
+    require_sizes("int4_dequant_f16", row0=row0, rows=rows, n=n, k=k, elements=rows * k)
+    require(row0 + rows <= n, f"int4_dequant_f16: rows [{row0}, {row0 + rows}) outside n={n}")
+    require(packed % 16 == 0 and w16 % 16 == 0,
+            "int4_dequant_f16: packed weight and tile must be 16-byte aligned")
+    if rows == 0 or k == 0:
+        return
+    device.launch(function, grid_1d(rows * k // 8 if k % 8 == 0 else rows * k), BLOCK,
+                  [ptr(w16), ptr(packed), ptr(scales), i32(row0), i32(rows), i32(k)],
+                  stream=stream)
+
+
+def launch_to_f16(device, function, out: int, x: int, n: int, stream=None) -> None:
+    require(isinstance(n, int) and 0 <= n < 2**62, f"to_f16: n={n!r} must be a non-negative int")
+    if n == 0:
+        return
+    device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(x), i64(n)],
+                  stream=stream)
+
+
+def _tile_workspace(*, rows: int, k: int, **_: int) -> int:
+    return 2 * rows * k
+
+
+INT4_DEQUANT_F16 = KernelDef("int4_dequant_f16", "gp_int4_dequant_f16", SOURCE,
+                             reference.int4_dequantize_f16, launch_int4_dequant_f16,
+                             workspace=_tile_workspace)
+TO_F16 = KernelDef("to_f16", "gp_to_f16", SOURCE, reference.to_f16, launch_to_f16)
+
+KERNELS = [INT4_DEQUANT_F16, TO_F16]

@@ -1,0 +1,66 @@
+"""The prefill linear on tensor cores, through the executor on the sim: one bounded dequantization
+tile per model shared by every linear node, each GEMM shape warmed up once before any capture."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.execution import ops
+from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.models import reference as R
+from gpu_worker.models import weights as W
+from gpu_worker.models.configs import CONFIGS
+from gpu_worker.models.encoder import EncoderModel
+
+ATOL = 1e-3   # fp16 operand rounding (see tests/execution/test_executor.py)
+
+
+def seqs(batch, seq):
+    return [[(b * 131 + t * 17) % 1024 for t in range(seq)] for b in range(batch)]
+
+
+def test_tile_rows_split_a_weight_that_exceeds_the_tile_into_64_row_multiples():
+    assert ops.tile_rows(1024, 4096, 32 << 20) == 1024, "a weight that fits is one tile"
+    rows = ops.tile_rows(14336, 4096, 32 << 20)
+    assert rows == 4096 and -(-14336 // rows) == 4, "8b's MLP weight: 4 tiles of 32 MiB"
+    assert ops.tile_rows(4096, 14336, 32 << 20) % 64 == 0
+    with pytest.raises(ValueError, match="GPUPLANE_DEQUANT_TILE_BYTES"):
+        ops.tile_rows(4096, 14336, 1 << 20)
+
+
+def test_every_linear_shares_one_bounded_tile_and_results_match_the_reference(device, compiler,
+                                                                              monkeypatch):
+    monkeypatch.setattr(ops, "DEQUANT_TILE_BYTES", 256 << 10)   # w_up: 5 tiles, w_down: 6
+    cfg = CONFIGS["small-encoder"]
+    ex = ModelExecutor(device, compiler)
+    model = EncoderModel(ex, cfg, 1)
+    model.load()
+    ref = R.EncoderReference(cfg, W.load_host(cfg, 1))
+    for batch, seq in ((2, 20), (3, 33)):
+        got = model.embed(seqs(batch, seq))
+        assert np.allclose(got, ref.embed(np.array(seqs(batch, seq))), atol=ATOL), (batch, seq)
+        assert ex.tile.size == 256 << 10, "the tile is bounded by the limit, not by the weight"
+        assert ex.kernels.stats()["workspace_bytes"] == 0, "no per-variant dequant workspace"
+    ex.close()
+    assert device.blas_stats()["workspace_bytes"] == 0, "the last model gave the BLAS back"
+
+
+def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(device, compiler):
+    cfg = CONFIGS["tiny-encoder"]
+    ex = ModelExecutor(device, compiler, max_plans=1)
+    model = EncoderModel(ex, cfg, 1)
+    model.load()
+    model.embed(seqs(2, 20))
+    blas = device.blas
+    warm, calls = blas.stats()["warm_shapes"], blas.stats()["calls"]
+    assert warm > 0, "the first plan's GEMM shapes were warmed up"
+    model.embed(seqs(4, 9))           # another plan; rows 36: new shapes, warmed, then captured
+    model.embed(seqs(2, 20))          # the first shape again (plan rebuilt): nothing to warm
+    assert blas.stats()["warm_shapes"] > warm
+    per_run = sum(len(ops.OPS[n.op].gemms(n, p.graph, ex.tile.size))
+                  for p in [ex.plans.get(("encode", 2, 20))] for n in p.graph.nodes)
+    # (2, 20) rebuilt: its capture records GEMMs but runs no eager warm-up; a replay runs on the
+    # device without calling the library from the host
+    assert blas.stats()["calls"] - calls == 2 * per_run + per_run, \
+        "warm-up + capture for (4, 9), capture only for the rebuilt (2, 20)"
+    ex.close()
