@@ -13,8 +13,9 @@ import pathlib
 import signal
 import socket
 
-from services.common import cli
+from services.common import cli, security
 from services.common.config import VAR_DIR, env_flag
+from services.common.errors import GpuplaneError
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
 from services.common.telemetry import tracer_provider
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
              "gRPC handler threads (concurrent calls)", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
+    # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
+    # the governor and the cache; --tls-ca verifies those two.
+    security.add_server_flags(serve, "WORKER")
+    security.add_client_flags(serve, "WORKER", pair=False)
     return parser
 
 
@@ -65,6 +70,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.variants_per_node < 1 or args.max_plans < 1:
         log.error("--variants-per-node and --max-plans must be at least 1")
         return 2
+    try:
+        server_security = security.server_security_from_args(args)
+        outgoing = security.channel_tls_from_args(args)
+    except GpuplaneError as err:
+        log.error("%s", err.message)
+        return 2
     provider = tracer_provider("gpu-worker")
     config = WorkerConfig(
         backend=args.backend,
@@ -75,12 +86,14 @@ def serve(args: argparse.Namespace) -> int:
         variants_per_node=args.variants_per_node,
         max_plans=args.max_plans,
         cache_write_token=args.cache_write_token or None,
+        tls=outgoing,
         tracer_provider=provider,
     )
     runtime = WorkerRuntime(config)
     runtime.start()
     try:
-        server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers)
+        server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers,
+                              security=server_security)
     except BaseException:
         runtime.close()
         raise
