@@ -22,7 +22,9 @@ import grpc
 
 from services.common.errors import GpuplaneError, PermissionDenied, Unauthenticated
 from services.common.identity import (
+    AUTH_HEADER,
     ROLES,
+    SAN_PROPERTY,
     Level,
     Principal,
     RoleMap,
@@ -66,9 +68,9 @@ class Policy:
     def enforcing(self) -> bool:
         return bool(self.roles) or bool(self.tokens)
 
-    def principal(self, auth_context: Mapping[str, Any],
-                  metadata: Any) -> Principal:
-        identities = list(certificate_identities(auth_context))
+    def principal(self, sans: tuple[str | bytes, ...], metadata: Any) -> Principal:
+        """The caller named by its certificate's SANs and (with tokens configured) its token."""
+        identities = list(certificate_identities(sans))
         token = self.tokens.identify(metadata) if self.tokens else None
         if token:
             identities.append(token)
@@ -111,12 +113,32 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
     def __init__(self, policy: Policy, rules: Mapping[str, Rule]) -> None:
         self.policy = policy
         self.rules = dict(rules)
+        # Per method: the handler gRPC gave and our wrapper of it. Both are the same on every
+        # call, and building a wrapper per call costs as much as the check itself.
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+        # (SANs, authorization header) -> Principal: a worker's every call is the same caller,
+        # so the parse and the glob matches are paid once. Bounded: cleared when full.
+        self._principals: dict[tuple[Any, ...], Principal] = {}
+
+    def _principal(self, context: grpc.ServicerContext) -> Principal:
+        sans = tuple(context.peer_identities() or ()) \
+            if context.peer_identity_key() == SAN_PROPERTY else ()
+        metadata = context.invocation_metadata() if self.policy.tokens else ()
+        header = tuple(v for k, v in metadata if k == AUTH_HEADER)
+        key = (sans, header)
+        who = self._principals.get(key)
+        if who is None:
+            who = self.policy.principal(sans, metadata)  # raises on a wrong token: not cached
+            if len(self._principals) >= 4096:
+                self._principals.clear()
+            self._principals[key] = who
+        return who
 
     def _check(self, method: str, rule: Rule | None, request: Any,
                context: grpc.ServicerContext) -> None:
         who = None
         try:
-            who = self.policy.principal(context.auth_context(), context.invocation_metadata())
+            who = self._principal(context)
             self.policy.authorize(method, rule, who, request)
         except GpuplaneError as exc:
             _audit("deny", method, who, context, exc)
@@ -129,6 +151,14 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
         method = details.method
         if handler is None or method.split("/")[1] in PUBLIC_SERVICES:
             return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         rule = self.rules.get(method)
         check = self._check
         if handler.unary_unary:

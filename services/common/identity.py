@@ -121,15 +121,17 @@ def _text(value: str | bytes) -> str:
     return value if isinstance(value, str) else value.decode(errors="replace")
 
 
-def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> tuple[str, ...]:
-    """The SANs of a verified peer certificate, URIs first (gRPC's auth context properties)."""
-    uris = [_text(v) for v in auth_context.get("x509_subject_alternative_name", ())
-            if b"://" in (v if isinstance(v, bytes) else v.encode())]
-    dns = [_text(v) for v in auth_context.get("peer_dns", ())]
-    if not dns:  # older cores list DNS names among the SANs only
-        dns = [_text(v) for v in auth_context.get("x509_subject_alternative_name", ())
-               if _text(v) not in uris and "://" not in _text(v)]
-    return tuple(dict.fromkeys([*uris, *dns]))
+# gRPC's peer identity property of a TLS peer whose certificate has subject alternative names
+# (URIs, DNS names, IPs, in certificate order). Without SANs gRPC falls back to the common name,
+# which is not an identity here: identities are SANs, as in SPIFFE.
+SAN_PROPERTY = "x509_subject_alternative_name"
+
+
+def certificate_identities(sans: Iterable[str | bytes]) -> tuple[str, ...]:
+    """The SANs of a verified peer certificate, URIs (SPIFFE ids) first, then the others."""
+    names = [_text(v) for v in sans]
+    return tuple(dict.fromkeys([*(n for n in names if "://" in n),
+                                *(n for n in names if "://" not in n)]))
 
 
 @dataclass(frozen=True)
