@@ -88,10 +88,10 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging("kernel-cache")
     try:
         config = server_config_from_args(args)
-    except GpuplaneError as err:
+        server = start_cache_server(config)
+    except GpuplaneError as err:  # inconsistent flags, TLS files that cannot be read
         print(f"error: {err.message}", file=sys.stderr)
         return EXIT_USAGE
-    server = start_cache_server(config)
     print(f"kernel cache listening on port {server.port}", file=sys.stderr, flush=True)
     server.running.serve_until_signalled()
     return EXIT_OK

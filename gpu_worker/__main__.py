@@ -94,6 +94,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers,
                               security=server_security)
+    except GpuplaneError as err:  # TLS files that cannot be read
+        runtime.close()
+        log.error("%s", err.message)
+        return 2
     except BaseException:
         runtime.close()
         raise

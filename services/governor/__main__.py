@@ -73,8 +73,12 @@ def serve(args: argparse.Namespace) -> int:
     except GpuplaneError as err:
         print(f"error: {err.message}", file=sys.stderr)
         return 2
-    server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable,
-                                    security=server_security)
+    try:
+        server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable,
+                                        security=server_security)
+    except GpuplaneError as err:  # e.g. TLS files that cannot be read
+        print(f"error: {err.message}", file=sys.stderr)
+        return 2
     REGISTRY.register(LedgerCollector(ledger))
     start_metrics_endpoint(args.metrics_port)
     print(f"governor listening on port {server.port}", flush=True)
