@@ -1,6 +1,6 @@
 """The price of mutual TLS and per-RPC authorization: governor Acquire and cache hit p50, side by side.
 
-    .venv/bin/python bench/tls_bench.py [--calls 2000] [--rounds 10] [--artifact-bytes 256KiB]
+    .venv/bin/python bench/tls_bench.py [--calls 2000] [--rounds 50] [--artifact-bytes 256KiB]
 
 Four servers run as their own processes through their real CLIs, as deployed: a governor and a
 kernel cache in plaintext, and a governor and a kernel cache with --tls-cert/--tls-key/
@@ -137,7 +137,7 @@ def cache_side(channel: grpc.Channel, size: int) -> Callable[[int, list[float]],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per side per op")
-    parser.add_argument("--rounds", type=int, default=10, help="alternations plaintext/TLS")
+    parser.add_argument("--rounds", type=int, default=50, help="alternations plaintext/TLS")
     parser.add_argument("--artifact-bytes", type=parse_bytes, default=256 * 1024)
     parser.add_argument("--without-roles", action="store_true",
                         help="TLS side without --role (no authorization): splits the cost")

@@ -93,7 +93,7 @@ class Policy:
                                    f"{', '.join(sorted(who.roles)) or 'no role'}")
         if rule.owner_field and who.level < Level.ADMIN:
             target = getattr(request, rule.owner_field)
-            if target not in who.subjects():
+            if target not in who.subjects:
                 raise PermissionDenied(f"{who.name} may act only on its own worker id, not "
                                        f"{target!r}", worker_id=target)
 

@@ -16,6 +16,7 @@ import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
@@ -51,12 +52,13 @@ class Principal:
     def name(self) -> str:
         return self.identities[0] if self.identities else "anonymous"
 
-    @property
+    @cached_property  # a principal is cached per caller and asked on every call
     def level(self) -> Level:
         best = Level.AUTHENTICATED if self.authenticated else Level.PUBLIC
         return max([best, *(ROLES[r] for r in self.roles)])
 
-    def subjects(self) -> set[str]:
+    @cached_property
+    def subjects(self) -> frozenset[str]:
         """The names an identity speaks for: the last path segment of a URI
         (`spiffe://gpuplane/worker/host-a` -> `host-a`), the first label of a DNS name, a token's
         name. A worker identity may act only on the worker id equal to one of them."""
@@ -69,7 +71,7 @@ class Principal:
             else:
                 out.add(ident.split(".", 1)[0])
         out.discard("")
-        return out
+        return frozenset(out)
 
 
 ANONYMOUS = Principal()

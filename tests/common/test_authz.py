@@ -61,7 +61,7 @@ def test_every_rpc_of_every_service_has_exactly_one_rule(service, access):
 
 def test_identities_speak_for_the_last_uri_segment_the_first_dns_label_and_the_token_name():
     who = Principal(("spiffe://gpuplane/worker/host-a", "host-b.workers.svc", "token:host-c"))
-    assert who.subjects() == {"host-a", "host-b", "host-c"}
+    assert who.subjects == {"host-a", "host-b", "host-c"}
 
 
 def test_roles_are_ordered_and_a_caller_gets_its_highest():
