@@ -24,7 +24,6 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.artifact import Artifact, sha256_hex
-from cache_service.auth import bearer_metadata
 from cache_service.breaker import CircuitBreaker
 from cache_service.convert import artifact_from_pb, artifact_to_pb
 from services.common.channels import open_channel
@@ -51,10 +50,10 @@ class KernelCacheClient:
         self.target = target
         self.deadline_s = deadline_s
         self.store_deadline_s = store_deadline_s
-        self._metadata = bearer_metadata(write_token)
         self._channel = open_channel(target, SERVICE_NAME,
                                      idempotent_methods=("Lookup", "BatchLookup", "GetStats"),
-                                     tracer_provider=tracer_provider, tls=tls)
+                                     tracer_provider=tracer_provider, tls=tls,
+                                     metadata_token=write_token)  # every call: it names us
         self._stub = pb_grpc.KernelCacheServiceStub(self._channel)
         # Connect now, in the background: a cold worker's first BatchLookup comes during model
         # load, and the TCP + HTTP/2 handshake should not be part of that stall. A health check
@@ -198,8 +197,7 @@ class KernelCacheClient:
             try:
                 request = pb.StoreRequest(key=key, namespace=namespace,
                                           artifact=artifact_to_pb(artifact))
-                if self._call(self._stub.Store, request, self.store_deadline_s,
-                              self._metadata) is not None:
+                if self._call(self._stub.Store, request, self.store_deadline_s) is not None:
                     self._count("stores")
             except Exception:
                 log.exception("kernel cache store failed unexpectedly")

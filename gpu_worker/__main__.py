@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
              "local disk cache of compiled kernels")
     env_flag(serve, "--cache-write-token", "GPUPLANE_WORKER_CACHE_WRITE_TOKEN", "",
              "bearer token for storing into the kernel cache service; empty = read only")
+    env_flag(serve, "--governor-token", "GPUPLANE_WORKER_GOVERNOR_TOKEN", "",
+             "bearer token naming this worker to the governor (deployments without mutual TLS)")
     env_flag(serve, "--worker-id", "GPUPLANE_WORKER_ID", "", "worker id (default: HOST-PID)")
     env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", 4,
              "kernel shape variants kept per node", type=int)
@@ -87,6 +89,7 @@ def serve(args: argparse.Namespace) -> int:
         max_plans=args.max_plans,
         cache_write_token=args.cache_write_token or None,
         tls=outgoing,
+        governor_token=args.governor_token or None,
         tracer_provider=provider,
     )
     runtime = WorkerRuntime(config)

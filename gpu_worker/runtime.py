@@ -65,6 +65,7 @@ class WorkerConfig:
     max_plans: int = field(default_factory=max_plans_from_env)
     cache_write_token: str | None = None
     tls: ChannelTLS | None = None       # outgoing calls (governor, cache); None = plaintext
+    governor_token: str | None = None   # bearer token for the governor, without mutual TLS
     tracer_provider: object = None
     max_plan_bytes: int | None = None   # optional byte bound on one model's plans
     ordinal: int = 0
@@ -125,7 +126,7 @@ class WorkerRuntime:
                 self.budget = GovernorClient(
                     cfg.governor, cfg.worker_id,
                     DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
-                    tracer_provider=cfg.tracer_provider, tls=cfg.tls)
+                    tracer_provider=cfg.tracer_provider, tls=cfg.tls, token=cfg.governor_token)
             self.device = Device(backend, self.budget)
             if cfg.cache:
                 from cache_service.client import KernelCacheClient

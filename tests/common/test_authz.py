@@ -305,3 +305,39 @@ def test_with_tokens_a_caller_without_one_is_unauthenticated_and_the_token_names
         assert [w.worker_id for d in ledger.resources() for w in d.workers] == ["host-a"]
     finally:
         server.stop(grace=0)
+
+
+def test_the_worker_s_clients_name_it_by_token_to_a_governor_and_a_cache_without_mutual_tls(
+        tmp_path):
+    from cache_service.client import KernelCacheClient
+    from cache_service.config import ServerConfig
+    from cache_service.server import start_cache_server
+    from services.governor.client import DeviceDescription, GovernorClient
+
+    governor, ledger = start_governor(
+        "127.0.0.1:0", tmp_path / "gov.sqlite", LedgerPolicy(budget_fraction=1.0),
+        tracer_provider=TracerProvider(), security=ServerSecurity(policy=Policy(
+            RoleMap.of([("worker", "token:host-*")]), Tokens({"host-a": "secret-a"}))))
+    cache = start_cache_server(ServerConfig(
+        listen="127.0.0.1:0", db=tmp_path / "cache.sqlite", write_token="w-secret",
+        security=ServerSecurity(policy=Policy(RoleMap.of([("worker", "token:host-*")])))),
+        TracerProvider(), CollectorRegistry())
+    device = DeviceDescription("GPU-tok", "test", 2000 * MIB, 1000 * MIB, 2 * MIB)
+    budget = GovernorClient(governor.address, "host-a", device, chunk_bytes=64 * MIB,
+                            token="secret-a")
+    writer = KernelCacheClient(cache.address, write_token="w-secret", deadline_s=5)
+    anonymous = KernelCacheClient(cache.address, deadline_s=5)
+    try:
+        budget.reserve("kv", MIB)
+        assert [w.worker_id for d in ledger.resources() for w in d.workers] == ["host-a"], \
+            "the token did not name the worker to the governor"
+        writer.store("k", make_artifact(1024, 1))
+        assert writer.flush(10) and writer.lookup("k") is not None, \
+            "the write token's holder could not store and read back"
+        assert anonymous.lookup("k") is None and anonymous.stats()["errors"] == 1, \
+            "with roles mapped, a read without a credential must be refused"
+    finally:
+        for c in (budget, writer, anonymous):
+            c.close()
+        cache.stop(grace=0.5)
+        governor.stop(grace=0)
