@@ -52,8 +52,11 @@ def add_server_flags(parser: argparse.ArgumentParser, prefix: str) -> None:
              "PEM CA bundle: require client certificates signed by it (mutual TLS)")
     roles_env, tokens_env = f"GPUPLANE_{prefix}_ROLES", f"GPUPLANE_{prefix}_TOKENS"
     # Repeatable flags replace (not extend) their environment default: flag > env > none.
-    parser.set_defaults(role_env=[parse_role(r) for r in _env_list(roles_env)],
-                        token_env=[parse_token(t) for t in _env_list(tokens_env)])
+    try:
+        parser.set_defaults(role_env=[parse_role(r) for r in _env_list(roles_env)],
+                            token_env=[parse_token(t) for t in _env_list(tokens_env)])
+    except InvalidArgument as err:
+        parser.error(f"{roles_env} or {tokens_env}: {err.message}")
     g.add_argument("--role", action="append", type=_checked(parse_role), metavar="ROLE=GLOB",
                    help="map identities matching GLOB to ROLE (client, worker, admin); repeat; "
                         f"turns on per-RPC authorization (env {roles_env}, space-separated)")

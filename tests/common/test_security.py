@@ -39,10 +39,16 @@ def test_a_certificate_without_its_key_or_a_client_ca_without_a_certificate_is_r
         security.server_security_from_args(parse(["--tls-client-ca", "ca.pem"]))
 
 
-def test_a_role_outside_client_worker_admin_is_a_usage_error(capsys):
+def test_a_role_outside_client_worker_admin_is_a_usage_error_in_a_flag_or_the_env(
+        capsys, monkeypatch):
     with pytest.raises(SystemExit) as done:
         parse(["--role", "root=*"])
     assert done.value.code == 2 and "ROLE=GLOB" in capsys.readouterr().err
+    monkeypatch.setenv("GPUPLANE_GOVERNOR_ROLES", "worker")
+    with pytest.raises(SystemExit) as done:
+        parse([])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "GPUPLANE_GOVERNOR_ROLES" in err, err
 
 
 def test_a_server_given_missing_certificate_files_exits_2_with_the_path(tmp_path):
