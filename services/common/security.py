@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from services.common.authz import Policy
 from services.common.config import env_flag
 from services.common.errors import InvalidArgument
 from services.common.identity import RoleMap, Tokens, parse_role, parse_token
 from services.common.tls import ChannelTLS, ServerTLS
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,9 @@ def _env_list(env: str) -> list[str]:
     return os.environ.get(env, "").split()
 
 
-def _checked(parse):  # argparse shows ArgumentTypeError messages as usage errors
-    def wrapped(text: str):
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` for argparse: its InvalidArgument becomes a usage error with the same message."""
+    def wrapped(text: str) -> T:
         try:
             return parse(text)
         except InvalidArgument as err:
