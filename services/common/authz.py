@@ -6,7 +6,8 @@ the handler runs, from the peer's certificate (or token) and the method's rule:
 - deny by default: an RPC of a served service missing from its table is refused;
 - a caller without an identity is refused UNAUTHENTICATED, one with the wrong role or acting on
   another worker's id PERMISSION_DENIED, and the handler never runs (nothing changes);
-- each refusal and each admin-level call leaves exactly one line on the `gpuplane.audit` logger.
+- each refusal, each call of an admin RPC and each admin call on another worker's id leaves
+  exactly one line on the `gpuplane.audit` logger.
 Health and reflection are public (Kubernetes probes and grpcurl carry no identity).
 With neither roles nor tokens, no interceptor is installed: behaviour and cost are as before.
 Cost: one dict lookup, one auth-context read and a few glob matches per call (~10 us).
@@ -143,7 +144,9 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
         except GpuplaneError as exc:
             _audit("deny", method, who, context, exc)
             raise
-        if rule is not None and rule.level >= Level.ADMIN:
+        # Admin calls leave a line too: admin RPCs, and an admin acting on another worker's id.
+        if rule is not None and (rule.level >= Level.ADMIN or (
+                rule.owner_field and getattr(request, rule.owner_field) not in who.subjects)):
             _audit("allow", method, who, context)
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:

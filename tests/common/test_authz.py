@@ -184,8 +184,10 @@ def test_a_client_identity_cannot_acquire_and_the_refusal_changes_nothing_and_is
         grpc.StatusCode.OK, "reads are for any authenticated caller"
 
 
-def test_worker_a_cannot_release_or_deregister_worker_b_and_the_admin_can(governor, identities):
+def test_worker_a_cannot_release_or_deregister_worker_b_and_the_admin_can(
+        governor, identities, caplog):
     server, ledger = governor
+    caplog.set_level(logging.INFO, logger="gpuplane.audit")
     a = governor_stub(identities, server, "worker/host-a")
     b = governor_stub(identities, server, "worker/host-b")
     admin = governor_stub(identities, server, "admin/ops")
@@ -203,11 +205,17 @@ def test_worker_a_cannot_release_or_deregister_worker_b_and_the_admin_can(govern
                                            timeout=5)) == DENIED, "worker A deregistered B"
     assert [x.lease_id for x in ledger.leases_of("host-b")] == [lease.lease_id], \
         "B's lease did not survive A's refused calls"
+    assert [r.audit for r in audit_lines(caplog)] == ["deny"] * 4, "one line per refusal"
+    caplog.clear()
     assert admin.Release(gpb.ReleaseRequest(worker_id="host-b", lease_id=lease.lease_id),
                          timeout=5).released_bytes == 64 * MIB, "the admin could not release"
     admin.DeregisterWorker(gpb.DeregisterWorkerRequest(worker_id="host-b"), timeout=5)
     workers = {w.worker_id for d in ledger.resources() for w in d.workers}
     assert workers == {"host-a"}, "the admin could not deregister B"
+    assert [(r.audit, r.method.rsplit("/", 1)[1], r.identity) for r in audit_lines(caplog)] == [
+        ("allow", "Release", "spiffe://gpuplane/admin/ops"),
+        ("allow", "DeregisterWorker", "spiffe://gpuplane/admin/ops")], \
+        "an admin acting on another worker's id must be audit-logged"
 
 
 @pytest.fixture(scope="module")
