@@ -35,6 +35,8 @@ from services.common.identity import (
 
 audit = logging.getLogger("gpuplane.audit")
 
+# A handler's own refusals (the ledger: a lease that is not the caller's) are audited as well.
+_REFUSALS = (PermissionDenied, Unauthenticated)
 PUBLIC_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                    "grpc.reflection.v1.ServerReflection")
 
@@ -136,7 +138,7 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
         return who
 
     def _check(self, method: str, rule: Rule | None, request: Any,
-               context: grpc.ServicerContext) -> None:
+               context: grpc.ServicerContext) -> Principal:
         who = None
         try:
             who = self._principal(context)
@@ -148,6 +150,7 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
         if rule is not None and (rule.level >= Level.ADMIN or (
                 rule.owner_field and getattr(request, rule.owner_field) not in who.subjects)):
             _audit("allow", method, who, context)
+        return who
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
@@ -168,8 +171,12 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
             inner = handler.unary_unary
 
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                check(method, rule, request, context)
-                return inner(request, context)
+                who = check(method, rule, request, context)
+                try:
+                    return inner(request, context)
+                except _REFUSALS as exc:  # the domain's own refusals are audited too
+                    _audit("deny", method, who, context, exc)
+                    raise
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer)
@@ -177,8 +184,12 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                check(method, rule, request, context)
-                yield from inner_stream(request, context)
+                who = check(method, rule, request, context)
+                try:
+                    yield from inner_stream(request, context)
+                except _REFUSALS as exc:
+                    _audit("deny", method, who, context, exc)
+                    raise
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
