@@ -12,6 +12,7 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.identity import bearer_metadata
+from services.common.reloading_channel import ReloadingChannel
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.telemetry import _CallDetails as CallDetails
 from services.common.telemetry import traced_channel
@@ -62,6 +63,8 @@ def open_channel(
     ]
     if tls is None:
         channel = grpc.insecure_channel(target, options=options)
+    elif tls.cert_file:  # a client certificate: follow its renewals (reloading_channel)
+        channel = ReloadingChannel(lambda creds: grpc.secure_channel(target, creds, options), tls)
     else:
         channel = grpc.secure_channel(target, tls.credentials(), options=options)
     if metadata_token:

@@ -9,9 +9,8 @@ connection's handshake, so new connections get the new certificate while connect
 keep theirs (a running stream completes). A pair that does not match (a half-written rotation) is
 logged and the previous pair kept; the next connection tries again.
 Cost: three stat calls per new connection; nothing per call.
-Channels read their files once, when opened: gRPC has no reloading channel credentials, and an
-established connection is not re-handshaken, so a client picks up a renewed certificate on restart
-(renew well before expiry: cert-manager renews at two thirds of the lifetime).
+A client with a certificate of its own gets the same from `services.common.reloading_channel`:
+gRPC has no reloading channel credentials, so that module opens a new channel when the files change.
 """
 from __future__ import annotations
 
@@ -34,6 +33,18 @@ def _read(path: str, what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as err:
         raise InvalidArgument(f"cannot read the {what} {path!r}: {err.strerror}") from None
+
+
+def file_stamp(paths: list[str]) -> tuple[tuple[int, int], ...]:
+    """(mtime_ns, size) of each file, (-1, -1) for one that is missing: changes when any does."""
+    stamps = []
+    for f in paths:
+        try:
+            st = os.stat(f)
+            stamps.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            stamps.append((-1, -1))
+    return tuple(stamps)
 
 
 def _check_pair(cert_file: str, key_file: str) -> None:
@@ -74,14 +85,7 @@ class _ReloadingCertificate:
         self.reloads = 0
 
     def _stat(self) -> tuple[tuple[int, int], ...]:
-        stamps = []
-        for f in self.tls._files():
-            try:
-                st = os.stat(f)
-                stamps.append((st.st_mtime_ns, st.st_size))
-            except OSError:
-                stamps.append((-1, -1))
-        return tuple(stamps)
+        return file_stamp(self.tls._files())
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         t = self.tls
@@ -131,6 +135,9 @@ class ChannelTLS:
         if bool(self.cert_file) != bool(self.key_file):
             raise InvalidArgument("a client certificate needs its key and a key its certificate "
                                   "(give both --tls-cert and --tls-key)")
+
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        return file_stamp([f for f in (self.ca_file, self.cert_file, self.key_file) if f])
 
     def credentials(self) -> grpc.ChannelCredentials:
         ca = _read(self.ca_file, "TLS CA") if self.ca_file else None

@@ -174,3 +174,48 @@ def test_a_half_written_rotation_keeps_the_previous_certificate_until_the_pair_m
     shutil.copyfile(staged.key, key)
     assert list_models(server.address, new_trust) == grpc.StatusCode.OK, \
         "the completed pair was not picked up"
+
+
+def test_a_client_presents_its_renewed_certificate_on_new_calls_while_its_open_stream_continues(
+        tmp_path, ca):
+    from services.common.authz import Policy
+    from services.common.channels import open_channel
+    from services.common.identity import RoleMap
+    from tests.polling import eventually
+
+    leaf = ca.issue("governor")
+    security = ServerSecurity(ServerTLS(str(leaf.cert), str(leaf.key), str(ca.ca_file)),
+                              Policy(RoleMap.of([("worker", "spiffe://gpuplane/worker/*")])))
+    server, _ = start_governor("127.0.0.1:0", tmp_path / "gov.sqlite",
+                               tracer_provider=TracerProvider(), security=security)
+    cert, key = tmp_path / "client" / "tls.crt", tmp_path / "client" / "tls.key"
+    cert.parent.mkdir()
+    ca.issue("old", uris=("spiffe://gpuplane/worker/old",), cert_path=cert, key_path=key)
+    channel = open_channel(server.address, "gpuplane.governor.v1.GovernorService",
+                           tls=ChannelTLS(str(ca.ca_file), str(cert), str(key)))
+    stub = governor_pb2_grpc.GovernorServiceStub(channel)  # made once, as the worker does
+
+    def register(worker_id: str) -> grpc.StatusCode:
+        try:
+            stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=worker_id, device=DEVICE),
+                                timeout=5)
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    try:
+        assert register("old") == grpc.StatusCode.OK
+        watch = stub.WatchResources(pb.WatchResourcesRequest(), timeout=60)
+        next(watch)
+        ca.issue("new", uris=("spiffe://gpuplane/worker/new",), cert_path=cert, key_path=key)
+        eventually(lambda: register("new") == grpc.StatusCode.OK, timeout=10,
+                   what="a call under the renewed client certificate")
+        assert register("old") == grpc.StatusCode.PERMISSION_DENIED, \
+            "new calls still presented the old certificate"
+        seen = next(watch)  # the stream opened before the renewal is still served
+        while "new" not in {w.worker_id for d in seen.devices for w in d.workers}:
+            seen = next(watch)
+        watch.cancel()
+    finally:
+        channel.close()
+        server.stop(grace=0)
