@@ -19,6 +19,7 @@ CPU = [
     ("cache_service_bench.py", ["--quick"]),
     ("governor_bench.py", ["--seconds", "2", "--open-seconds", "4"]),
     ("compile_bench.py", ["--rounds", "3"]),
+    ("tls_bench.py", ["--calls", "1000", "--rounds", "5"]),
 ]
 GPU = [
     ("device_bench.py", []),

@@ -16,9 +16,10 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
 from cache_service.auth import bearer_metadata
 from cache_service.config import DEFAULT_TARGET, add_serve_flags, server_config_from_args
-from services.common import cli
+from services.common import cli, security
 from services.common.channels import open_channel
 from services.common.config import env_flag, parse_bytes
+from services.common.errors import GpuplaneError
 from services.common.logs import configure_logging
 
 EXIT_OK, EXIT_MISS, EXIT_USAGE, EXIT_RPC = 0, 1, 2, 3
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         env_flag(p, "--timeout", "GPUPLANE_CACHE_CLI_TIMEOUT", 10.0, "RPC deadline in seconds",
                  type=float)
+        security.add_client_flags(p, "CLI")
         if name == "lookup":
             p.add_argument("key")
             p.add_argument("--namespace", default="")
@@ -84,15 +86,25 @@ def _serve(args: argparse.Namespace) -> int:
     from cache_service.server import start_cache_server  # heavy imports only for the server
 
     configure_logging("kernel-cache")
-    server = start_cache_server(server_config_from_args(args))
+    try:
+        config = server_config_from_args(args)
+        server = start_cache_server(config)
+    except GpuplaneError as err:  # inconsistent flags, TLS files that cannot be read
+        print(f"error: {err.message}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"kernel cache listening on port {server.port}", file=sys.stderr, flush=True)
     server.running.serve_until_signalled()
     return EXIT_OK
 
 
 def _client_command(args: argparse.Namespace) -> int:
+    try:
+        tls = security.channel_tls_from_args(args)
+    except GpuplaneError as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        return EXIT_USAGE
     channel = open_channel(args.target, "gpuplane.kernelcache.v1.KernelCacheService",
-                           idempotent_methods=("Lookup", "GetStats"))
+                           idempotent_methods=("Lookup", "GetStats"), tls=tls)
     stub = pb_grpc.KernelCacheServiceStub(channel)
     try:
         if args.command == "stats":

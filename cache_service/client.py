@@ -24,10 +24,10 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.artifact import Artifact, sha256_hex
-from cache_service.auth import bearer_metadata
 from cache_service.breaker import CircuitBreaker
 from cache_service.convert import artifact_from_pb, artifact_to_pb
 from services.common.channels import open_channel
+from services.common.tls import ChannelTLS
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,14 @@ class KernelCacheClient:
                  tracer_provider: Any = None, *, store_deadline_s: float = 5.0,
                  queue_items: int = 256, queue_bytes: int = 64 << 20,
                  failure_threshold: int = 5, cooldown_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls: ChannelTLS | None = None) -> None:
         self.target = target
         self.deadline_s = deadline_s
         self.store_deadline_s = store_deadline_s
-        self._metadata = bearer_metadata(write_token)
         self._channel = open_channel(target, SERVICE_NAME,
                                      idempotent_methods=("Lookup", "BatchLookup", "GetStats"),
-                                     tracer_provider=tracer_provider)
+                                     tracer_provider=tracer_provider, tls=tls,
+                                     metadata_token=write_token)  # every call: it names us
         self._stub = pb_grpc.KernelCacheServiceStub(self._channel)
         # Connect now, in the background: a cold worker's first BatchLookup comes during model
         # load, and the TCP + HTTP/2 handshake should not be part of that stall. A health check
@@ -197,8 +197,7 @@ class KernelCacheClient:
             try:
                 request = pb.StoreRequest(key=key, namespace=namespace,
                                           artifact=artifact_to_pb(artifact))
-                if self._call(self._stub.Store, request, self.store_deadline_s,
-                              self._metadata) is not None:
+                if self._call(self._stub.Store, request, self.store_deadline_s) is not None:
                     self._count("stores")
             except Exception:
                 log.exception("kernel cache store failed unexpectedly")

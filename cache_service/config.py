@@ -7,6 +7,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from cache_service.store import DEFAULT_BUDGET_BYTES, DEFAULT_MAX_ARTIFACT_BYTES, StoreConfig
+from services.common import security
 from services.common.config import VAR_DIR, env_flag, parse_bytes
 from services.common.server import MAX_MESSAGE_BYTES
 
@@ -27,6 +28,7 @@ class ServerConfig:
     write_token: str | None = None
     metrics_port: int = 0  # 0 = no /metrics endpoint
     maintenance_s: float = 30.0  # prune, persist access times, vacuum, truncate the WAL
+    security: security.ServerSecurity = field(default_factory=security.ServerSecurity)
 
     def __post_init__(self) -> None:
         # An artifact must fit in one message with its envelope, or gRPC refuses it with
@@ -70,6 +72,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
              DEFAULT_MAX_ARTIFACT_BYTES, "largest artifact accepted", type=parse_bytes)
     env_flag(parser, "--maintenance-s", "GPUPLANE_CACHE_MAINTENANCE_S", 30.0,
              "seconds between maintenance passes", type=float)
+    security.add_server_flags(parser, "CACHE")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -78,6 +81,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         listen=args.listen, db=args.db, write_token=args.write_token or None,
         metrics_port=args.metrics_port, maintenance_s=args.maintenance_s,
+        security=security.server_security_from_args(args),
         store=StoreConfig(budget_bytes=args.budget_bytes, namespace_budgets=budgets,
                           low_watermark=args.low_watermark,
                           max_artifact_bytes=args.max_artifact_bytes),

@@ -9,11 +9,13 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from cache_service.auth import WriteGuard
+from cache_service.access import ACCESS
+from cache_service.auth import with_write_token
 from cache_service.config import ServerConfig
 from cache_service.metrics import CacheMetrics
 from cache_service.servicer import SERVICE_NAME, KernelCacheServicer
 from cache_service.store import ArtifactStore
+from services.common.authz import table
 from services.common.metrics import start_metrics_endpoint
 from services.common.server import RunningServer, ServiceRegistration, create_server
 from services.common.telemetry import tracer_provider as default_tracer_provider
@@ -58,7 +60,7 @@ def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | N
     """Open the store (refusing a database another server holds), then serve on `config.listen`."""
     store = ArtifactStore(config.db, config.store)
     metrics = CacheMetrics(store, registry)
-    servicer = KernelCacheServicer(store, WriteGuard(config.write_token))
+    servicer = KernelCacheServicer(store)
     try:
         running = create_server(
             config.listen,
@@ -66,6 +68,8 @@ def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | N
                                  pb_grpc.add_KernelCacheServiceServicer_to_server)],
             tracer_provider or default_tracer_provider("kernel-cache"),
             extra_interceptors=[metrics.interceptor()],
+            security=with_write_token(config.security, config.write_token),
+            access=table(SERVICE_NAME, ACCESS),
         )
     except BaseException:
         metrics.unregister()
@@ -80,5 +84,6 @@ def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | N
     log.info("kernel cache serving", extra={
         "port": running.port, "db": str(config.db), "budget_bytes": config.store.budget_bytes,
         "namespace_budgets": dict(config.store.namespace_budgets),
-        "writes_need_token": config.write_token is not None})
+        "writes_need_token": config.write_token is not None,
+        "tls": config.security.tls is not None})
     return CacheServer(running=running, store=store, servicer=servicer, metrics=metrics)

@@ -5,7 +5,6 @@ import grpc
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
-from cache_service.auth import WriteGuard
 from cache_service.convert import artifact_from_pb, artifact_to_pb
 from cache_service.store import OMITTED, ArtifactStore, CacheStats
 from services.common.errors import InvalidArgument
@@ -32,14 +31,12 @@ def stats_to_pb(s: CacheStats) -> pb.GetStatsResponse:
 
 
 class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
-    def __init__(self, store: ArtifactStore, guard: WriteGuard,
+    def __init__(self, store: ArtifactStore,
                  batch_response_bytes: int = BATCH_RESPONSE_BYTES) -> None:
         self.store = store
-        self.guard = guard
         self.batch_response_bytes = batch_response_bytes
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreResponse:
-        self.guard.check(context.invocation_metadata())
         if not request.HasField("artifact"):
             raise InvalidArgument("artifact is required")
         artifact, claimed = artifact_from_pb(request.artifact)
@@ -75,7 +72,6 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
         return stats_to_pb(self.store.stats())
 
     def Prune(self, request: pb.PruneRequest, context: grpc.ServicerContext) -> pb.PruneResponse:
-        self.guard.check(context.invocation_metadata())
         outcome = self.store.prune(request.target_bytes)
         return pb.PruneResponse(evicted_entries=outcome.evicted_entries,
                                 freed_bytes=outcome.freed_bytes, total_bytes=outcome.total_bytes)

@@ -14,8 +14,9 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from services.common import cli
+from services.common import cli, security
 from services.common.config import VAR_DIR, env_flag
+from services.common.errors import GpuplaneError
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
 from services.common.telemetry import tracer_provider
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
              "local disk cache of compiled kernels")
     env_flag(serve, "--cache-write-token", "GPUPLANE_WORKER_CACHE_WRITE_TOKEN", "",
              "bearer token for storing into the kernel cache service; empty = read only")
+    env_flag(serve, "--governor-token", "GPUPLANE_WORKER_GOVERNOR_TOKEN", "",
+             "bearer token naming this worker to the governor (deployments without mutual TLS)")
     env_flag(serve, "--worker-id", "GPUPLANE_WORKER_ID", "", "worker id (default: HOST-PID)")
     env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", 4,
              "kernel shape variants kept per node", type=int)
@@ -61,10 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
              "gRPC handler threads (concurrent calls)", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
+    # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
+    # the governor and the cache; --tls-ca verifies those two.
+    security.add_server_flags(serve, "WORKER")
+    security.add_client_flags(serve, "WORKER", pair=False)
     return parser
 
 
-def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerConfig:
+def worker_config(args: argparse.Namespace, provider: object = None,
+                  tls: object = None) -> WorkerConfig:
     """The runtime's configuration from parsed `serve` flags."""
     from gpu_worker.runtime import WorkerConfig
 
@@ -79,6 +87,8 @@ def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerCo
         max_plans=args.max_plans,
         max_plan_bytes=args.max_plan_bytes or None,
         cache_write_token=args.cache_write_token or None,
+        tls=tls,
+        governor_token=args.governor_token or None,
         tracer_provider=provider,
     )
 
@@ -93,12 +103,23 @@ def serve(args: argparse.Namespace) -> int:
     if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
         log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
         return 2
+    try:
+        server_security = security.server_security_from_args(args)
+        outgoing = security.channel_tls_from_args(args)
+    except GpuplaneError as err:
+        log.error("%s", err.message)
+        return 2
     provider = tracer_provider("gpu-worker")
-    config = worker_config(args, provider)
+    config = worker_config(args, provider, tls=outgoing)
     runtime = WorkerRuntime(config)
     runtime.start()
     try:
-        server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers)
+        server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers,
+                              security=server_security)
+    except GpuplaneError as err:  # TLS files that cannot be read
+        runtime.close()
+        log.error("%s", err.message)
+        return 2
     except BaseException:
         runtime.close()
         raise

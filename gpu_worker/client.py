@@ -16,6 +16,7 @@ import numpy as np
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.channels import open_channel
+from services.common.tls import ChannelTLS
 
 SERVICE = "gpuplane.worker.v1.WorkerService"
 IDEMPOTENT = ("ListModels", "GetStats")
@@ -34,11 +35,13 @@ class GenerateResult:
 
 class WorkerClient:
     def __init__(self, target: str, deadline_s: float = 30.0, load_deadline_s: float = 600.0,
-                 tracer_provider=None) -> None:
+                 tracer_provider=None, tls: ChannelTLS | None = None,
+                 token: str | None = None) -> None:
         self.target = target
         self.deadline_s = deadline_s
         self.load_deadline_s = load_deadline_s
-        self.channel = open_channel(target, SERVICE, IDEMPOTENT, tracer_provider=tracer_provider)
+        self.channel = open_channel(target, SERVICE, IDEMPOTENT, tracer_provider=tracer_provider,
+                                    tls=tls, metadata_token=token)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
 
     def load_model(self, model_id: str, family: str = "decoder", config: str = "tiny", seed: int = 0,

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from gpu_worker.models.configs import ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+if TYPE_CHECKING:  # the runtime never imports grpc; the channels do, in the clients
+    from services.common.tls import ChannelTLS
 
 
 @contextlib.contextmanager
@@ -61,6 +65,8 @@ class WorkerConfig:
     variants_per_node: int = field(default_factory=variants_per_node_from_env)
     max_plans: int = field(default_factory=max_plans_from_env)
     cache_write_token: str | None = None
+    tls: ChannelTLS | None = None       # outgoing calls (governor, cache); None = plaintext
+    governor_token: str | None = None   # bearer token for the governor, without mutual TLS
     tracer_provider: object = None
     max_plan_bytes: int | None = None   # optional byte bound on one model's plans
     ordinal: int = 0
@@ -135,12 +141,13 @@ class WorkerRuntime:
                 self.budget = GovernorClient(
                     cfg.governor, cfg.worker_id,
                     DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
-                    tracer_provider=cfg.tracer_provider)
+                    tracer_provider=cfg.tracer_provider, tls=cfg.tls, token=cfg.governor_token)
             self.device = Device(backend, self.budget)
             if cfg.cache:
                 from cache_service.client import KernelCacheClient
                 self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
-                                                      tracer_provider=cfg.tracer_provider)
+                                                      tracer_provider=cfg.tracer_provider,
+                                                      tls=cfg.tls)
             # The compiler's spans sit between the worker's request span and the cache service's
             # span, so they must come from the worker's provider or the trace breaks in two.
             self.compiler = KernelCompiler(self.device.info.arch, cache_dir=cfg.cache_dir,

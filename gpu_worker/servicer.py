@@ -26,7 +26,10 @@ from gpuplane.governor.v1 import governor_pb2
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 from opentelemetry import trace
 
+from gpu_worker.access import ACCESS
 from services.common import errors
+from services.common.authz import table
+from services.common.security import ServerSecurity
 from services.common.server import RunningServer, ServiceRegistration, create_server
 
 log = logging.getLogger(__name__)
@@ -279,8 +282,8 @@ def _check_prompt(tokens: list[int], info: Any) -> None:
             f"({max_context} tokens)", tokens=len(tokens), max_context=max_context)
 
 
-def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: int = 32
-                 ) -> RunningServer:
+def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: int = 32,
+                 security: ServerSecurity | None = None) -> RunningServer:
     """Start WorkerService for `runtime` on `listen`; the runtime is closed when the server stops."""
     servicer = WorkerServicer(runtime)
     registration = ServiceRegistration(
@@ -288,6 +291,7 @@ def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: i
         servicer=servicer,
         add=worker_pb2_grpc.add_WorkerServiceServicer_to_server,
     )
-    server = create_server(listen, [registration], tracer_provider, max_workers=max_workers)
+    server = create_server(listen, [registration], tracer_provider, max_workers=max_workers,
+                           security=security, access=table(registration.full_name, ACCESS))
     server.on_stop.append(runtime.close)
     return server

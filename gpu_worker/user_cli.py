@@ -22,8 +22,10 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from services.common import cli
+from services.common import cli, security
+from services.common.channels import open_channel
 from services.common.config import env_flag
+from services.common.errors import GpuplaneError
 
 MiB = 1 << 20
 
@@ -45,9 +47,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_load(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         reply = client.load_model(args.model_id, args.family, args.config, args.seed)
     if args.json:
         return _print_json(reply)
@@ -58,16 +58,12 @@ def cmd_load(args: argparse.Namespace) -> None:
 
 
 def cmd_unload(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         print(f"unloaded {args.model_id}: freed {_mib(client.unload_model(args.model_id))}")
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         models = client.list_models()
     if args.json:
         print(json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True)
@@ -79,14 +75,12 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
     prompt = args.tokens
     if args.random:
         prompt = np.random.default_rng(args.seed).integers(1, args.vocab, args.random).tolist()
     if not prompt:
         raise SystemExit("give a prompt with --tokens 1,2,3 or --random N")
-    with WorkerClient(args.worker, deadline_s=args.timeout) as client:
+    with _worker(args, deadline_s=args.timeout) as client:
         produced: list[int] = []
         first = 0.0
         for message in client.generate_stream(args.model_id, prompt, args.max_new_tokens):
@@ -103,9 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
-    with WorkerClient(args.worker, deadline_s=args.timeout) as client:
+    with _worker(args, deadline_s=args.timeout) as client:
         vectors = client.embed(args.model_id, args.tokens)
     if args.json:
         print(json.dumps(vectors.tolist()))
@@ -116,10 +108,9 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
     from gpu_worker.servicer import zone_name
 
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         s = client.stats()
     if args.json:
         return _print_json(s)
@@ -142,9 +133,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
 
 
 def cmd_trim(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
-
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         reply = client.trim(args.target_bytes)
     print(f"freed {_mib(reply.freed_bytes)}, ledger now {_mib(reply.ledger_bytes)}")
 
@@ -154,9 +143,14 @@ def cmd_resources(args: argparse.Namespace) -> None:
 
     from gpu_worker.servicer import zone_name
 
-    with grpc.insecure_channel(args.governor) as channel:
+    channel = open_channel(args.governor, "gpuplane.governor.v1.GovernorService",
+                           ["GetResources"], tls=security.channel_tls_from_args(args),
+                           metadata_token=args.token or None)
+    try:
         stub = governor_pb2_grpc.GovernorServiceStub(channel)
         reply = stub.GetResources(governor_pb2.GetResourcesRequest(), timeout=10.0)
+    finally:
+        channel.close()
     if args.json:
         return _print_json(reply)
     for d in reply.devices:
@@ -172,11 +166,21 @@ def cmd_resources(args: argparse.Namespace) -> None:
                       f"content {_mib(z.content_bytes):>14}  leased {_mib(z.leased_bytes):>14}")
 
 
+def _worker(args: argparse.Namespace, **kwargs: Any) -> Any:
+    from gpu_worker.client import WorkerClient
+
+    return WorkerClient(args.worker, tls=security.channel_tls_from_args(args),
+                        token=args.token or None, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuplane", description="Use a running gpuplane stack.")
     env_flag(parser, "--worker", "GPUPLANE_WORKER", "127.0.0.1:50071", "worker HOST:PORT")
     env_flag(parser, "--governor", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    security.add_client_flags(parser, "CLI")
+    env_flag(parser, "--token", "GPUPLANE_CLI_TOKEN", "",
+             "bearer token to send (deployments without mutual TLS)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     # --json is accepted after the command too; SUPPRESS keeps the top-level value when absent.
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         print(f"gpuplane {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except GpuplaneError as exc:  # a flag combination that cannot work, e.g. --tls-cert alone
+        print(f"gpuplane {args.command}: {exc.message}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,8 +11,12 @@ from collections.abc import Iterable
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.identity import bearer_metadata
+from services.common.reloading_channel import ReloadingChannel
 from services.common.server import MAX_MESSAGE_BYTES
+from services.common.telemetry import _CallDetails as CallDetails
 from services.common.telemetry import traced_channel
+from services.common.tls import ChannelTLS
 
 
 def service_config(service: str, idempotent_methods: Iterable[str]) -> str:
@@ -41,9 +45,12 @@ def open_channel(
     service: str,
     idempotent_methods: Iterable[str] = (),
     tracer_provider: TracerProvider | None = None,
-    metadata_token: str | None = None,
+    metadata_token: str | None = None,  # a bearer token sent with every call
+    tls: ChannelTLS | None = None,
+    extra_options: Iterable[tuple[str, object]] = (),
 ) -> grpc.Channel:
-    """A traced insecure channel to `target` with retry config for `idempotent_methods`."""
+    """A traced channel to `target` with retry config for `idempotent_methods`: plaintext, or TLS
+    (mutual when `tls` carries a client pair) verifying the server against `tls.ca_file`."""
     options = [
         ("grpc.service_config", service_config(service, idempotent_methods)),
         ("grpc.enable_retries", 1),
@@ -52,6 +59,32 @@ def open_channel(
         # Reconnect quickly after a peer restarts instead of backing off for up to two minutes.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        *extra_options,
     ]
-    channel = grpc.insecure_channel(target, options=options)
+    if tls is None:
+        channel = grpc.insecure_channel(target, options=options)
+    elif tls.cert_file:  # a client certificate: follow its renewals (reloading_channel)
+        channel = ReloadingChannel(lambda creds: grpc.secure_channel(target, creds, options), tls)
+    else:
+        channel = grpc.secure_channel(target, tls.credentials(), options=options)
+    if metadata_token:
+        channel = grpc.intercept_channel(channel, _BearerToken(metadata_token))
     return traced_channel(channel, tracer_provider)
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (deployments without mutual TLS)."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = bearer_metadata(token)
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return CallDetails(details.method, details.timeout,
+                            [*(details.metadata or ()), *self.metadata], details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._with_token(details), request)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -20,8 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.authz import AuthorizationInterceptor, Rule
 from services.common.interceptors import ErrorInterceptor
+from services.common.security import ServerSecurity
 from services.common.telemetry import is_recording, server_tracing_interceptor
+from services.common.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     service_names: list[str]
+    health_port: int = 0  # the plaintext health-only port (--health-listen), 0 when none
     on_stop: list[Callable[[], None]] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -96,8 +100,14 @@ def create_server(
     tracer_provider: TracerProvider,
     max_workers: int = 32,
     extra_interceptors: list[grpc.ServerInterceptor] | None = None,
+    security: ServerSecurity | None = None,
+    access: Mapping[str, Rule] | None = None,
 ) -> RunningServer:
-    """Bind `listen` (HOST:PORT, port 0 = any free port), register `services`, start serving."""
+    """Bind `listen` (HOST:PORT, port 0 = any free port), register `services`, start serving.
+
+    `security` adds TLS (mutual with a client CA) and, when it maps roles or tokens, enforces
+    `access` (full method path -> Rule, see services.common.authz) on every call."""
+    security = security or ServerSecurity()
     # Tracing is outermost so its span sees the status the error interceptor sets; it is left out
     # when the provider exports nowhere (OTEL_TRACES_EXPORTER=none), see telemetry._silent.
     tracing = [server_tracing_interceptor(tracer_provider)] if is_recording(tracer_provider) else []
@@ -106,6 +116,9 @@ def create_server(
         *(extra_interceptors or []),
         ErrorInterceptor(),
     ]
+    if security.policy.enforcing:
+        # Inside the error interceptor, which maps its refusals to status codes.
+        interceptors.append(AuthorizationInterceptor(security.policy, access or {}))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
@@ -124,12 +137,39 @@ def create_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(listen)
+    if security.tls is not None:
+        port = server.add_secure_port(listen, server_credentials(security.tls))
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not bind {listen!r}: is the port already in use?")
+    health_only, health_port = None, 0
+    if security.health_listen:
+        health_only, health_port = _health_server(security.health_listen, health_servicer)
     server.start()
+    if health_only is not None:
+        health_only.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("server started", extra={"listen": listen, "port": port, "services": names})
-    return RunningServer(server=server, port=port, health=health_servicer, service_names=names)
+    log.info("server started", extra={
+        "listen": listen, "port": port, "services": names, "health_port": health_port,
+        "tls": "off" if security.tls is None else ("mutual" if security.tls.mutual else "server"),
+        "authorization": security.policy.enforcing})
+    running = RunningServer(server=server, port=port, health=health_servicer, service_names=names,
+                            health_port=health_port)
+    if health_only is not None:
+        running.on_stop.append(lambda: health_only.stop(0).wait())
+    return running
+
+
+def _health_server(listen: str, servicer: health.HealthServicer) -> tuple[grpc.Server, int]:
+    """A plaintext server with only the shared health servicer: Kubernetes' native gRPC probe
+    cannot speak TLS, and this port reveals nothing but SERVING / NOT_SERVING."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+                         options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind the health port {listen!r}: is it already in use?")
+    return server, port

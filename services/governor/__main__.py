@@ -8,7 +8,7 @@ import sys
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.common import cli
+from services.common import cli, security
 from services.common.config import VAR_DIR, env_flag, parse_bytes
 from services.common.logs import configure_logging
 
@@ -44,10 +44,12 @@ def _parser() -> argparse.ArgumentParser:
              "Prometheus port (0 = off)", type=int)
     serve.add_argument("--durable", action="store_true",
                        help="fsync every change (synchronous=FULL): survives power loss too")
+    security.add_server_flags(serve, "GOVERNOR")
     res = sub.add_parser("resources", help="print the ledger of every device")
     env_flag(res, "--target", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
     res.add_argument("--device", default="", help="one device uuid (default: all)")
     res.add_argument("--json", action="store_true", help="print JSON")
+    security.add_client_flags(res, "CLI")
     return parser
 
 
@@ -67,10 +69,16 @@ def serve(args: argparse.Namespace) -> int:
                         transient_headroom_bytes=args.transient_headroom,
                         lease_ttl_s=args.lease_ttl_seconds,
                         unaccounted_alert_bytes=args.unaccounted_alert)
+        server_security = security.server_security_from_args(args)
     except GpuplaneError as err:
         print(f"error: {err.message}", file=sys.stderr)
         return 2
-    server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable)
+    try:
+        server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable,
+                                        security=server_security)
+    except GpuplaneError as err:  # e.g. TLS files that cannot be read
+        print(f"error: {err.message}", file=sys.stderr)
+        return 2
     REGISTRY.register(LedgerCollector(ledger))
     start_metrics_endpoint(args.metrics_port)
     print(f"governor listening on port {server.port}", flush=True)
@@ -82,9 +90,15 @@ def resources(args: argparse.Namespace) -> int:
     from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 
     from services.common.channels import open_channel
+    from services.common.errors import GpuplaneError
     from services.governor.servicer import SERVICE_NAME, zone_name
 
-    channel = open_channel(args.target, SERVICE_NAME, ["GetResources"])
+    try:
+        tls = security.channel_tls_from_args(args)
+    except GpuplaneError as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        return 2
+    channel = open_channel(args.target, SERVICE_NAME, ["GetResources"], tls=tls)
     try:
         reply = governor_pb2_grpc.GovernorServiceStub(channel).GetResources(
             governor_pb2.GetResourcesRequest(device_uuid=args.device), timeout=5.0)

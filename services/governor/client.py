@@ -33,6 +33,7 @@ from grpc_status import rpc_status
 
 from services.common.channels import open_channel
 from services.common.errors import InvalidArgument, QuotaViolation, ReclaimHint, ResourceExhausted
+from services.common.tls import ChannelTLS
 from services.governor.policy import LEASABLE_ZONES, check_zone
 from services.governor.servicer import SERVICE_NAME, zone_name, zone_value
 
@@ -147,7 +148,8 @@ class GovernorClient:
 
     def __init__(self, target: str, worker_id: str, device: DeviceDescription,
                  chunk_bytes: int = 64 << 20, heartbeat_s: float = 2.0, tracer_provider=None,
-                 on_reclaim: Callable[[str, int], None] | None = None) -> None:
+                 on_reclaim: Callable[[str, int], None] | None = None,
+                 tls: ChannelTLS | None = None, token: str | None = None) -> None:
         if chunk_bytes <= 0 or heartbeat_s <= 0:
             raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
         self.worker_id, self.device = worker_id, device
@@ -155,7 +157,7 @@ class GovernorClient:
         self.on_reclaim = on_reclaim
         self._channel = open_channel(target, SERVICE_NAME,
                                      ["RegisterWorker", "Heartbeat", "GetResources"],
-                                     tracer_provider)
+                                     tracer_provider, tls=tls, metadata_token=token)
         self._stub = governor_pb2_grpc.GovernorServiceStub(self._channel)
         # One lock for the local books; held across a growth Acquire so two threads do not both
         # grow the same zone (the second one usually fits in the first one's chunk).

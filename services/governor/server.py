@@ -6,23 +6,28 @@ import threading
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.authz import table
+from services.common.security import ServerSecurity
 from services.common.server import RunningServer, create_server
 from services.common.telemetry import tracer_provider as default_tracer_provider
+from services.governor.access import ACCESS
 from services.governor.ledger import Ledger
 from services.governor.policy import Policy
-from services.governor.servicer import registration
+from services.governor.servicer import SERVICE_NAME, registration
 from services.governor.store import Store
 
 
 def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = None,
                    tracer_provider: TracerProvider | None = None,
-                   durable: bool = False) -> tuple[RunningServer, Ledger]:
+                   durable: bool = False,
+                   security: ServerSecurity | None = None) -> tuple[RunningServer, Ledger]:
     """Open the store, load the ledger, serve on `listen`; stop() also ends the sweeper."""
     policy = policy or Policy()
     store = Store(db, durable=durable)
     ledger = Ledger(store, policy)
     server = create_server(listen, [registration(ledger)],
-                           tracer_provider or default_tracer_provider("governor"))
+                           tracer_provider or default_tracer_provider("governor"),
+                           security=security, access=table(SERVICE_NAME, ACCESS))
     stop = threading.Event()
 
     def sweep() -> None:

@@ -160,14 +160,37 @@ def test_the_cache_byte_budget_fits_twice_in_its_volume(docs):
 # --- every container --------------------------------------------------------------------------
 
 
+ENV_PREFIX = {"worker": "WORKER", "cache": "CACHE", "governor": "GOVERNOR"}
+TLS_MOUNT = "/etc/gpuplane/tls"
+
+
+def security_env(docs: list[Doc], component: str) -> dict[str, str]:
+    """The component's own security settings (GPUPLANE_<SERVICE>_TLS_*, _ROLES, _HEALTH_LISTEN)."""
+    environment = container_environment(docs, container(docs, component))
+    prefix = f"GPUPLANE_{ENV_PREFIX[component]}_"
+    return {k[len(prefix):]: v for k, v in environment.items() if k.startswith(prefix) and
+            k[len(prefix):].split("_")[0] in {"TLS", "ROLES", "HEALTH"}}
+
+
+def probed_port(docs: list[Doc], component: str) -> int:
+    """Where the kubelet can probe: the serving port in plaintext, else the health-only port."""
+    listen = security_env(docs, component).get("HEALTH_LISTEN")
+    return int(listen.rsplit(":", 1)[1]) if listen else WORKLOADS[component][2]
+
+
 @pytest.mark.parametrize("component", sorted(WORKLOADS))
-def test_every_container_has_grpc_health_probes_on_its_serving_port(docs, component):
+def test_every_container_has_grpc_health_probes_on_a_port_the_kubelet_can_probe(docs, component):
     c = container(docs, component)
-    port = WORKLOADS[component][2]
-    assert {p["containerPort"] for p in c["ports"]} >= {port, 9090}, "grpc and metrics ports"
-    assert any(a == f"--listen=0.0.0.0:{port}" for a in c["args"]), "serves on the probed port"
+    port, probed = WORKLOADS[component][2], probed_port(docs, component)
+    assert {p["containerPort"] for p in c["ports"]} >= {port, probed, 9090}, \
+        "grpc, health and metrics ports"
+    assert any(a == f"--listen=0.0.0.0:{port}" for a in c["args"]), "serves on its grpc port"
+    if "TLS_CERT" in security_env(docs, component):
+        # The kubelet's native gRPC probe speaks plaintext only.
+        assert probed != port, f"{component} serves TLS but has no plaintext health-only port"
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-        assert c[probe]["grpc"]["port"] == port, f"{component} {probe} must be a native gRPC probe"
+        assert c[probe]["grpc"]["port"] == probed, \
+            f"{component} {probe} must be a native gRPC probe on port {probed}"
 
 
 def test_the_worker_startup_probe_allows_minutes_of_warm_up(docs):
@@ -316,7 +339,22 @@ def test_the_pod_command_serves_the_probed_health_and_metrics_then_drains_on_sig
     environment["OTEL_TRACES_EXPORTER"] = "none"
     for peer in ("GPUPLANE_WORKER_GOVERNOR", "GPUPLANE_WORKER_CACHE"):
         environment[peer] = f"127.0.0.1:{_free_port()}"
-    port, metrics = _free_port(), _free_port()
+    port, metrics, health = _free_port(), _free_port(), _free_port()
+    prefix = f"GPUPLANE_{ENV_PREFIX[component]}_"
+    if f"{prefix}HEALTH_LISTEN" in environment:
+        environment[f"{prefix}HEALTH_LISTEN"] = f"127.0.0.1:{health}"
+    else:
+        health = port
+    if any(v.startswith(TLS_MOUNT) for v in environment.values()):
+        # The mounted certificate, made here: a pod whose TLS files do not load never serves.
+        from tests.certs import CertificateAuthority
+
+        ca = CertificateAuthority(tmp_path / "tls", "deploy")
+        ca.issue("pod", uris=(f"spiffe://gpuplane/{component}",), cert_path=tmp_path / "tls" /
+                 "tls.crt", key_path=tmp_path / "tls" / "tls.key")
+        (tmp_path / "tls" / "ca.crt").write_bytes(ca.ca_file.read_bytes())
+        environment = {k: v.replace(TLS_MOUNT, str(tmp_path / "tls"))
+                       for k, v in environment.items()}
     argv = []
     for arg in c["args"]:
         arg = re.sub(r"\$\((\w+)\)", lambda m: environment[m.group(1)], arg)
@@ -332,7 +370,7 @@ def test_the_pod_command_serves_the_probed_health_and_metrics_then_drains_on_sig
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (_serving(port) and _metrics_up(metrics)):
+        while not (_serving(health) and _metrics_up(metrics)):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"{component} never served health+metrics: {process.stderr.read()}")
             time.sleep(0.2)
@@ -483,3 +521,62 @@ def test_no_overlay_deploys_a_floating_image_tag_and_prod_ships_the_package_vers
                 assert image == f"gpuplane/{component}:{version}", (
                     f"prod must ship the release {version}, not {image}"
                 )
+
+
+# --- service identity (issue 17) ----------------------------------------------------------------
+
+
+def _tls_volume(docs: list[Doc], component: str) -> dict[str, Any]:
+    c, spec = container(docs, component), pod(docs, component)["spec"]
+    name = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}[TLS_MOUNT]
+    return {v["name"]: v for v in spec["volumes"]}[name]
+
+
+def test_every_tls_server_mounts_a_certificate_its_overlay_issues_for_its_identity(docs):
+    issued = {c["spec"]["secretName"]: c for c in find(docs, "Certificate")}
+    for component in WORKLOADS:
+        sec = security_env(docs, component)
+        if "TLS_CERT" not in sec:
+            continue
+        for key in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"):
+            assert sec[key].startswith(TLS_MOUNT + "/"), f"{component}: {key} is not mounted"
+        volume = _tls_volume(docs, component)
+        if "secret" in volume:
+            cert = issued[volume["secret"]["secretName"]]["spec"]
+            assert cert["uris"] == [f"spiffe://gpuplane/{component}"], f"{component} identity"
+            assert f"gpuplane-{component}" in cert["dnsNames"], "clients dial the Service name"
+            assert {"server auth", "client auth"} <= set(cert["usages"])
+            issuer = cert["issuerRef"]["name"]
+        else:
+            csi = volume["csi"]
+            attrs = csi["volumeAttributes"]
+            assert csi["driver"] == "csi.cert-manager.io", f"{component}: unknown TLS volume"
+            assert attrs["csi.cert-manager.io/uri-sans"] == "spiffe://gpuplane/worker/${POD_NAME}"
+            assert env(container(docs, component))["GPUPLANE_WORKER_ID"]["value"] == \
+                "$(POD_NAME)", "the worker id must be the name its certificate speaks for"
+            issuer = attrs["csi.cert-manager.io/issuer-name"]
+        assert one(docs, "Issuer", issuer)["spec"]["ca"]["secretName"], \
+            f"{component}: not signed by the overlay's CA Issuer"
+
+
+def test_the_role_mappings_grant_each_issued_identity_what_its_calls_need(docs):
+    from services.common.identity import RoleMap, parse_role
+
+    roles = {c: RoleMap.of(parse_role(r) for r in security_env(docs, c).get("ROLES", "").split())
+             for c in WORKLOADS}
+    if not any(roles.values()):
+        # Without authorization (dev) every caller is allowed, as before; then no TLS either,
+        # or a certificate would name callers that no role recognises.
+        assert not any("TLS_CERT" in security_env(docs, c) for c in WORKLOADS)
+        return
+    worker_pod = "spiffe://gpuplane/worker/gpuplane-worker-6d5f-abcde"
+    for server in ("governor", "cache"):
+        assert "worker" in roles[server].roles_of([worker_pod]), f"workers cannot use the {server}"
+    uris = {u for c in find(docs, "Certificate") for u in c["spec"].get("uris", [])}
+    assert "admin" in roles["worker"].roles_of([u for u in uris if "/admin/" in u]), \
+        "no issued certificate may load models"
+    assert "client" in roles["worker"].roles_of([u for u in uris if "/client/" in u]), \
+        "no issued certificate may generate"
+    assert not roles["worker"].roles_of([worker_pod]), "a worker may not administer another worker"
+    assert security_env(docs, "worker").get("TLS_CA"), \
+        "the worker's calls to the governor and the cache must verify them"

@@ -1,9 +1,12 @@
 """The three services in one process on loopback ports, each with its own tracer provider and
-in-memory exporter: one client call must be one trace across worker, cache service and governor."""
+in-memory exporter: one client call must be one trace across worker, cache service and governor.
+Every test runs twice: in plaintext, and over mutual TLS with per-RPC authorization on all three
+servers (certificates made here, roles mapped from their SPIFFE URIs)."""
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -12,6 +15,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
 from gpu_worker.client import WorkerClient
+from services.common.authz import Policy
+from services.common.identity import RoleMap
+from services.common.security import ServerSecurity
+from services.common.tls import ChannelTLS, ServerTLS
 
 from .spans import Traced, ancestors, assert_rpc_attributes, rpc_span, trace_spans
 
@@ -21,8 +28,41 @@ CACHE = "gpuplane.kernelcache.v1.KernelCacheService"
 TOKEN = "integration-token"
 
 
+@dataclass
+class Security:
+    """What each party of the stack is given in one mode: plaintext (all None) or mutual TLS."""
+
+    servers: dict[str, ServerSecurity] = field(default_factory=dict)
+    worker_out: ChannelTLS | None = None  # the worker's calls to the governor and the cache
+    client: ChannelTLS | None = None      # the test's calls to the worker (an admin identity)
+
+
+@pytest.fixture(params=["plaintext", "mutual-tls"])
+def security(request, tmp_path: pathlib.Path) -> Security:
+    if request.param == "plaintext":
+        return Security()
+    from tests.certs import CertificateAuthority
+
+    ca = CertificateAuthority(tmp_path / "pki")
+    ca_file = str(ca.ca_file)
+    servers = {}
+    for name, roles in (("governor", [("worker", "spiffe://gpuplane/worker/*")]),
+                        ("cache", [("worker", "spiffe://gpuplane/worker/*")]),
+                        ("worker", [("admin", "spiffe://gpuplane/admin/*")])):
+        leaf = ca.issue(name, uris=(f"spiffe://gpuplane/{name}",))
+        servers[name] = ServerSecurity(ServerTLS(str(leaf.cert), str(leaf.key), ca_file),
+                                       Policy(RoleMap.of(roles)))
+    worker = ca.issue("worker-id", uris=("spiffe://gpuplane/worker/traced-worker",))
+    admin = ca.issue("admin", uris=("spiffe://gpuplane/admin/ops",))
+    # The worker serves and calls out with one certificate, as in a pod.
+    servers["worker"] = ServerSecurity(ServerTLS(str(worker.cert), str(worker.key), ca_file),
+                                       servers["worker"].policy)
+    return Security(servers, ChannelTLS(ca_file, str(worker.cert), str(worker.key)),
+                    ChannelTLS(ca_file, str(admin.cert), str(admin.key)))
+
+
 @pytest.fixture
-def stack(tmp_path: pathlib.Path) -> Iterator[tuple[Traced, WorkerClient]]:
+def stack(tmp_path: pathlib.Path, security: Security) -> Iterator[tuple[Traced, WorkerClient]]:
     from cache_service.config import ServerConfig
     from cache_service.server import start_cache_server
     from gpu_worker.runtime import WorkerConfig, WorkerRuntime
@@ -31,17 +71,21 @@ def stack(tmp_path: pathlib.Path) -> Iterator[tuple[Traced, WorkerClient]]:
 
     traced = Traced()
     governor, _ = start_governor("127.0.0.1:0", tmp_path / "governor.db",
-                                 tracer_provider=traced.provider("governor"))
+                                 tracer_provider=traced.provider("governor"),
+                                 security=security.servers.get("governor"))
     cache = start_cache_server(
-        ServerConfig(listen="127.0.0.1:0", db=tmp_path / "cache.db", write_token=TOKEN),
+        ServerConfig(listen="127.0.0.1:0", db=tmp_path / "cache.db", write_token=TOKEN,
+                     security=security.servers.get("cache", ServerSecurity())),
         tracer_provider=traced.provider("kernel-cache"), registry=CollectorRegistry())
     runtime = WorkerRuntime(WorkerConfig(
         backend="sim", governor=governor.address, cache=cache.address,
         cache_dir=tmp_path / "kernels", worker_id="traced-worker", cache_write_token=TOKEN,
-        tracer_provider=traced.provider("gpu-worker")))
+        tls=security.worker_out, tracer_provider=traced.provider("gpu-worker")))
     runtime.start()
-    worker = serve_worker(runtime, "127.0.0.1:0", traced.provider("gpu-worker"))
-    client = WorkerClient(worker.address, deadline_s=120.0, tracer_provider=traced.provider("client"))
+    worker = serve_worker(runtime, "127.0.0.1:0", traced.provider("gpu-worker"),
+                          security=security.servers.get("worker"))
+    client = WorkerClient(worker.address, deadline_s=120.0, tracer_provider=traced.provider("client"),
+                          tls=security.client)
     try:
         yield traced, client
     finally:
@@ -149,10 +193,12 @@ def test_an_admission_refused_by_the_governor_is_recorded_on_both_services_spans
         "the worker's call to the governor does not record the refusal as an error"
 
 
-def test_health_checks_are_not_traced(stack) -> None:
+def test_health_checks_are_not_traced(stack, security: Security) -> None:
     traced, client = stack
     traced.clear()
-    with grpc.insecure_channel(client.target) as channel:
+    tls = security.client
+    with (grpc.secure_channel(client.target, tls.credentials()) if tls
+          else grpc.insecure_channel(client.target)) as channel:
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     client.list_models()
     rpc_span(traced, "gpu-worker", "WorkerService/ListModels", SpanKind.SERVER)
