@@ -6,6 +6,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field
 
+from cache_service.claims import DEFAULT_MAX_TTL_S, DEFAULT_MAX_WAIT_S, DEFAULT_MAX_WAITERS
 from cache_service.store import DEFAULT_BUDGET_BYTES, DEFAULT_MAX_ARTIFACT_BYTES, StoreConfig
 from services.common.config import VAR_DIR, env_flag, parse_bytes
 from services.common.server import MAX_MESSAGE_BYTES
@@ -27,6 +28,11 @@ class ServerConfig:
     write_token: str | None = None
     metrics_port: int = 0  # 0 = no /metrics endpoint
     maintenance_s: float = 30.0  # prune, persist access times, vacuum, truncate the WAL
+    max_claim_ttl_s: float = DEFAULT_MAX_TTL_S  # longest single-flight claim a worker may take
+    max_claim_wait_s: float = DEFAULT_MAX_WAIT_S  # longest one Claim call waits server-side
+    # Claim calls waiting at once; below the server's 32 threads, so the holder's Store that
+    # wakes them always finds a thread.
+    max_claim_waiters: int = DEFAULT_MAX_WAITERS
 
     def __post_init__(self) -> None:
         # An artifact must fit in one message with its envelope, or gRPC refuses it with
@@ -37,6 +43,11 @@ class ServerConfig:
                              f"{limit} (the {MAX_MESSAGE_BYTES}-byte gRPC message limit)")
         if self.maintenance_s <= 0:
             raise ValueError("maintenance_s must be positive")
+        if self.max_claim_ttl_s <= 0 or self.max_claim_wait_s < 0:
+            raise ValueError("max_claim_ttl_s must be positive and max_claim_wait_s not negative")
+        if not 0 <= self.max_claim_waiters <= 24:
+            raise ValueError("max_claim_waiters must be in [0, 24]: waiters may not take the "
+                             "threads (32) that the Stores waking them need")
 
 
 def parse_namespace_budget(text: str) -> tuple[str, int]:
@@ -70,6 +81,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
              DEFAULT_MAX_ARTIFACT_BYTES, "largest artifact accepted", type=parse_bytes)
     env_flag(parser, "--maintenance-s", "GPUPLANE_CACHE_MAINTENANCE_S", 30.0,
              "seconds between maintenance passes", type=float)
+    env_flag(parser, "--max-claim-ttl-s", "GPUPLANE_CACHE_MAX_CLAIM_TTL_S", DEFAULT_MAX_TTL_S,
+             "longest single-flight compile claim a worker may take", type=float)
+    env_flag(parser, "--max-claim-wait-s", "GPUPLANE_CACHE_MAX_CLAIM_WAIT_S", DEFAULT_MAX_WAIT_S,
+             "longest one Claim call waits on the server (clients loop)", type=float)
+    env_flag(parser, "--max-claim-waiters", "GPUPLANE_CACHE_MAX_CLAIM_WAITERS",
+             DEFAULT_MAX_WAITERS, "Claim calls that may wait at once (the rest poll)", type=int)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -78,6 +95,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         listen=args.listen, db=args.db, write_token=args.write_token or None,
         metrics_port=args.metrics_port, maintenance_s=args.maintenance_s,
+        max_claim_ttl_s=args.max_claim_ttl_s, max_claim_wait_s=args.max_claim_wait_s,
+        max_claim_waiters=args.max_claim_waiters,
         store=StoreConfig(budget_bytes=args.budget_bytes, namespace_budgets=budgets,
                           low_watermark=args.low_watermark,
                           max_artifact_bytes=args.max_artifact_bytes),

@@ -6,8 +6,15 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
 from cache_service.auth import WriteGuard
+from cache_service.claims import ClaimStats, ClaimTable, Outcome
 from cache_service.convert import artifact_from_pb, artifact_to_pb
-from cache_service.store import OMITTED, ArtifactStore, CacheStats
+from cache_service.store import (
+    OMITTED,
+    ArtifactStore,
+    CacheStats,
+    normalize_namespace,
+    validate_key,
+)
 from services.common.errors import InvalidArgument
 from services.common.server import MAX_MESSAGE_BYTES
 
@@ -18,8 +25,15 @@ MAX_BATCH_KEYS = 4096
 BATCH_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 
 
-def stats_to_pb(s: CacheStats) -> pb.GetStatsResponse:
+_OUTCOME_TO_PB = {Outcome.GRANTED: pb.CLAIM_OUTCOME_GRANTED, Outcome.FOUND: pb.CLAIM_OUTCOME_FOUND,
+                  Outcome.HELD: pb.CLAIM_OUTCOME_HELD}
+
+
+def stats_to_pb(s: CacheStats, c: ClaimStats) -> pb.GetStatsResponse:
     return pb.GetStatsResponse(
+        claims=pb.ClaimStats(granted=c.granted, waits=c.waits, wait_hits=c.wait_hits,
+                             expired=c.expired, released=c.released, active=c.active,
+                             waiting=c.waiting),
         entries=s.entries, total_bytes=s.total_bytes, budget_bytes=s.budget_bytes, hits=s.hits,
         misses=s.misses, evictions=s.evictions, stores=s.stores, corrupt=s.corrupt,
         digest_conflicts=s.digest_conflicts, compile_seconds_saved=s.compile_seconds_saved,
@@ -32,9 +46,10 @@ def stats_to_pb(s: CacheStats) -> pb.GetStatsResponse:
 
 
 class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
-    def __init__(self, store: ArtifactStore, guard: WriteGuard,
+    def __init__(self, store: ArtifactStore, guard: WriteGuard, claims: ClaimTable,
                  batch_response_bytes: int = BATCH_RESPONSE_BYTES) -> None:
         self.store = store
+        self.claims = claims
         self.guard = guard
         self.batch_response_bytes = batch_response_bytes
 
@@ -72,10 +87,33 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
 
     def GetStats(self, request: pb.GetStatsRequest,
                  context: grpc.ServicerContext) -> pb.GetStatsResponse:
-        return stats_to_pb(self.store.stats())
+        return stats_to_pb(self.store.stats(), self.claims.stats())
 
     def Prune(self, request: pb.PruneRequest, context: grpc.ServicerContext) -> pb.PruneResponse:
         self.guard.check(context.invocation_metadata())
         outcome = self.store.prune(request.target_bytes)
         return pb.PruneResponse(evicted_entries=outcome.evicted_entries,
                                 freed_bytes=outcome.freed_bytes, total_bytes=outcome.total_bytes)
+
+    def Claim(self, request: pb.ClaimRequest, context: grpc.ServicerContext) -> pb.ClaimResponse:
+        # A claim makes other hosts wait: only writers may take one.
+        self.guard.check(context.invocation_metadata())
+        entry = (normalize_namespace(request.namespace), validate_key(request.key))
+        # Never wait past the caller's own deadline (less a margin for the answer to get back).
+        left = context.time_remaining()
+        wait_s = request.wait_s if left is None else min(request.wait_s, max(0.0, left - 0.05))
+        self.claims.validate(request.holder, request.ttl_s, request.wait_s)
+        result = self.claims.claim(entry, request.holder, request.ttl_s, wait_s,
+                                   lambda: self.store.lookup_present(request.key, request.namespace))
+        response = pb.ClaimResponse(outcome=_OUTCOME_TO_PB[result.outcome],
+                                    expires_in_s=result.expires_in_s, took_over=result.took_over,
+                                    retry_after_s=result.retry_after_s)
+        if result.found is not None:
+            response.artifact.CopyFrom(artifact_to_pb(result.found))
+        return response
+
+    def ReleaseClaim(self, request: pb.ReleaseClaimRequest,
+                     context: grpc.ServicerContext) -> pb.ReleaseClaimResponse:
+        self.guard.check(context.invocation_metadata())
+        entry = (normalize_namespace(request.namespace), validate_key(request.key))
+        return pb.ReleaseClaimResponse(released=self.claims.release(entry, request.holder))

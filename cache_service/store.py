@@ -181,6 +181,9 @@ class ArtifactStore:
         self._counters = {"hits": 0, "misses": 0, "evictions": 0, "stores": 0, "corrupt": 0,
                               "digest_conflicts": 0, "quarantined": 0}
         self._compile_seconds_saved = 0.0
+        # Called with the entry after every Store (the key is present then, whichever digest it
+        # kept), outside every lock: single-flight claims end there (cache_service.claims).
+        self._store_listeners: list[Callable[[EntryId], None]] = []
         self._writer = _connect(self.path, self.config.busy_timeout_ms, read_only=False)
         self._db = sqlite_utils.Database(self._writer)
         self._create_schema()
@@ -248,6 +251,14 @@ class ArtifactStore:
     def lookup(self, key: str, namespace: str = "") -> Artifact | None:
         """The artifact, or None (a miss). Corrupt bytes are never returned: they are quarantined."""
         entry = (normalize_namespace(namespace), validate_key(key))
+        return self._read(entry, self._clock())
+
+    def lookup_present(self, key: str, namespace: str = "") -> Artifact | None:
+        """Like `lookup`, but an absent key is not counted as a miss (a claim's check, not a read)."""
+        entry = (normalize_namespace(namespace), validate_key(key))
+        with self._index_lock:
+            if self._index.get(entry) is None:
+                return None
         return self._read(entry, self._clock())
 
     def batch_lookup(self, keys: Iterable[str], namespace: str = "",
@@ -350,6 +361,17 @@ class ArtifactStore:
         ns = normalize_namespace(namespace)
         entry = (ns, validate_key(key))
         self._validate(artifact, sha256, ns)
+        outcome = self._store(entry, artifact)
+        for listener in self._store_listeners:  # the key is present, whichever digest it kept
+            listener(entry)
+        return outcome
+
+    def add_store_listener(self, listener: Callable[[EntryId], None]) -> None:
+        """Call `listener(entry)` after every Store (the entry is present when it runs)."""
+        self._store_listeners.append(listener)
+
+    def _store(self, entry: EntryId, artifact: Artifact) -> StoreOutcome:
+        ns = entry[0]
         now = self._clock()
         with self._write_lock:
             with self._index_lock:
