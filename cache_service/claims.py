@@ -51,6 +51,7 @@ class ClaimResult(Generic[T]):
     expires_in_s: float = 0.0     # GRANTED: the caller's claim; HELD: the other holder's
     took_over: bool = False       # GRANTED over another holder's expired claim
     retry_after_s: float = 0.0    # HELD at once because every waiting slot was taken
+    waited: bool = False          # this call waited on another holder's claim
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class ClaimTable:
                 if waited:
                     with self._cond:
                         self._counts["wait_hits"] += 1
-                return ClaimResult(Outcome.FOUND, found=found)
+                return ClaimResult(Outcome.FOUND, found=found, waited=waited)
             with self._cond:
                 now = self._clock()
                 current = self._claims.get(entry)
@@ -124,14 +125,16 @@ class ClaimTable:
                         self._counts["expired"] += 1
                     self._claims[entry] = _Claim(holder, now + ttl_s)
                     self._counts["granted"] += 1
-                    return ClaimResult(Outcome.GRANTED, expires_in_s=ttl_s, took_over=took_over)
+                    return ClaimResult(Outcome.GRANTED, expires_in_s=ttl_s, took_over=took_over,
+                                       waited=waited)
                 left = deadline - now
                 if left <= 0 or self._closed:
-                    return ClaimResult(Outcome.HELD, expires_in_s=current.expires - now)
+                    return ClaimResult(Outcome.HELD, expires_in_s=current.expires - now,
+                                       waited=waited)
                 if self._waiting >= self.max_waiters:
                     retry = min(left, current.expires - now, 0.25)
                     return ClaimResult(Outcome.HELD, expires_in_s=current.expires - now,
-                                       retry_after_s=retry)
+                                       retry_after_s=retry, waited=waited)
                 if not waited:
                     self._counts["waits"] += 1
                     waited = True

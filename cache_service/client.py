@@ -49,6 +49,7 @@ class ClaimReply:
     expires_in_s: float = 0.0
     took_over: bool = False
     retry_after_s: float = 0.0
+    waited: bool = False  # the service waited on another holder's claim before answering
 
 
 _CLAIM_OUTCOMES = {pb.CLAIM_OUTCOME_GRANTED: "granted", pb.CLAIM_OUTCOME_FOUND: "found",
@@ -167,7 +168,7 @@ class KernelCacheClient:
                     return None
                 self._count("hits")
             return ClaimReply(outcome, artifact, response.expires_in_s, response.took_over,
-                              response.retry_after_s)
+                              response.retry_after_s, response.waited)
         except Exception:
             log.exception("kernel cache claim failed unexpectedly")
             self._count("errors")

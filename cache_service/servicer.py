@@ -107,7 +107,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
                                    lambda: self.store.lookup_present(request.key, request.namespace))
         response = pb.ClaimResponse(outcome=_OUTCOME_TO_PB[result.outcome],
                                     expires_in_s=result.expires_in_s, took_over=result.took_over,
-                                    retry_after_s=result.retry_after_s)
+                                    retry_after_s=result.retry_after_s, waited=result.waited)
         if result.found is not None:
             response.artifact.CopyFrom(artifact_to_pb(result.found))
         return response

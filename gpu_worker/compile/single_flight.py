@@ -113,6 +113,9 @@ class SingleFlight:
                 reply = None
             if reply is None:
                 return COMPILE
+            if not waited and (reply.waited or reply.outcome == "held"):
+                self._count("claim_waits")
+                waited = True
             if reply.outcome == "found":
                 if waited:
                     self._count("claim_wait_hits")
@@ -120,9 +123,6 @@ class SingleFlight:
             if reply.outcome == "granted":
                 self._count("claims_granted", *(("claim_takeovers",) if reply.took_over else ()))
                 return CLAIMED
-            if not waited:  # held by another host
-                self._count("claim_waits")
-                waited = True
             left = deadline - self._clock()
             if left <= 0:
                 self._count("claim_wait_timeouts")

@@ -198,18 +198,20 @@ class ClaimRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., namespace: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
-    __slots__ = ("outcome", "artifact", "expires_in_s", "took_over", "retry_after_s")
+    __slots__ = ("outcome", "artifact", "expires_in_s", "took_over", "retry_after_s", "waited")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FIELD_NUMBER: _ClassVar[int]
     outcome: ClaimOutcome
     artifact: Artifact
     expires_in_s: float
     took_over: bool
     retry_after_s: float
-    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., took_over: _Optional[bool] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    waited: bool
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., took_over: _Optional[bool] = ..., retry_after_s: _Optional[float] = ..., waited: _Optional[bool] = ...) -> None: ...
 
 class ReleaseClaimRequest(_message.Message):
     __slots__ = ("key", "namespace", "holder")
