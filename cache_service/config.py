@@ -7,6 +7,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from cache_service.claims import DEFAULT_MAX_TTL_S, DEFAULT_MAX_WAIT_S, DEFAULT_MAX_WAITERS
+from cache_service.hot_tier import DEFAULT_HOT_BYTES
 from cache_service.store import DEFAULT_BUDGET_BYTES, DEFAULT_MAX_ARTIFACT_BYTES, StoreConfig
 from services.common.config import VAR_DIR, env_flag, parse_bytes
 from services.common.server import MAX_MESSAGE_BYTES
@@ -79,6 +80,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
              "fraction of a budget that pruning goes down to", type=float)
     env_flag(parser, "--max-artifact-bytes", "GPUPLANE_CACHE_MAX_ARTIFACT_BYTES",
              DEFAULT_MAX_ARTIFACT_BYTES, "largest artifact accepted", type=parse_bytes)
+    env_flag(parser, "--hot-bytes", "GPUPLANE_CACHE_HOT_BYTES", DEFAULT_HOT_BYTES,
+             "in-memory tier of verified artifacts, e.g. 64MiB (0 = off)", type=parse_bytes)
     env_flag(parser, "--maintenance-s", "GPUPLANE_CACHE_MAINTENANCE_S", 30.0,
              "seconds between maintenance passes", type=float)
     env_flag(parser, "--max-claim-ttl-s", "GPUPLANE_CACHE_MAX_CLAIM_TTL_S", DEFAULT_MAX_TTL_S,
@@ -99,5 +102,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_claim_waiters=args.max_claim_waiters,
         store=StoreConfig(budget_bytes=args.budget_bytes, namespace_budgets=budgets,
                           low_watermark=args.low_watermark,
-                          max_artifact_bytes=args.max_artifact_bytes),
+                          max_artifact_bytes=args.max_artifact_bytes,
+                          hot_bytes=args.hot_bytes),
     )

@@ -51,6 +51,12 @@ class StoreCollector:
             ("compile_seconds_saved", s.compile_seconds_saved, "Compile time hits saved callers"),
         ):
             yield CounterMetricFamily(f"kernel_cache_{name}", doc, value=value)
+        yield CounterMetricFamily("kernel_cache_hot_hits", "Hits served from the in-memory tier",
+                                  value=s.hot_hits)
+        yield GaugeMetricFamily("kernel_cache_hot_bytes", "Bytes in the in-memory tier",
+                                value=s.hot_bytes)
+        yield GaugeMetricFamily("kernel_cache_hot_budget_bytes", "In-memory tier budget (0 = off)",
+                                value=s.hot_budget_bytes)
         yield GaugeMetricFamily("kernel_cache_entries", "Entries held", value=s.entries)
         yield GaugeMetricFamily("kernel_cache_db_file_bytes", "Database + WAL file size",
                                 value=s.db_file_bytes)

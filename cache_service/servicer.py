@@ -39,6 +39,8 @@ def stats_to_pb(s: CacheStats, c: ClaimStats) -> pb.GetStatsResponse:
         digest_conflicts=s.digest_conflicts, compile_seconds_saved=s.compile_seconds_saved,
         db_file_bytes=s.db_file_bytes, quarantined=s.quarantined,
         max_artifact_bytes=s.max_artifact_bytes, low_watermark=s.low_watermark,
+        hot_entries=s.hot_entries, hot_bytes=s.hot_bytes, hot_budget_bytes=s.hot_budget_bytes,
+        hot_hits=s.hot_hits,
         namespaces=[pb.NamespaceStats(namespace=n.namespace, entries=n.entries,
                                       total_bytes=n.total_bytes, budget_bytes=n.budget_bytes)
                     for n in s.namespaces],

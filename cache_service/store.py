@@ -13,7 +13,9 @@ is in the OS page cache) though not a power cut, an accepted trade for a cache. 
 database file: an exclusive `flock` on `<db>.lock` refuses a second one.
 Ordering lives in memory (`RecencyIndex`): a hit moves an entry to most-recently-used at once;
 `last_access` and hit counts reach the database in batches with the next write or maintenance pass.
-Cost: a hit is one indexed SELECT of the blob plus a SHA-256 of it (~0.15 ms per 256 KiB); a store
+Cost: a hit from the in-memory hot tier (`hot_tier.HotTier`, filled on store and on first read)
+is a dict lookup; past it, one indexed SELECT of the blob plus a SHA-256 of it (~0.15 ms per
+256 KiB); a store
 is one fsync-free transaction; eviction prunes to a low watermark so it runs once per ~10 % of
 turnover, followed by an incremental vacuum that gives the freed pages back to the file system.
 """
@@ -34,6 +36,7 @@ from typing import Self
 import sqlite_utils
 
 from cache_service.artifact import Artifact, sha256_hex
+from cache_service.hot_tier import DEFAULT_HOT_BYTES, HotTier
 from cache_service.recency import EntryId, EntryMeta, RecencyIndex
 from services.common.errors import FailedPrecondition, InvalidArgument
 
@@ -62,10 +65,13 @@ class StoreConfig:
     busy_timeout_ms: int = 5000
     # Dirty last-access records that make a read path flush them early (bounds memory and staleness).
     access_flush_threshold: int = 4096
+    hot_bytes: int = DEFAULT_HOT_BYTES  # in-memory tier of verified artifacts; 0 = off
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
             raise InvalidArgument("budget_bytes cannot be negative (0 = unbounded)")
+        if self.hot_bytes < 0:
+            raise InvalidArgument("hot_bytes cannot be negative (0 = no in-memory tier)")
         if not 0.0 < self.low_watermark <= 1.0:
             raise InvalidArgument("low_watermark must be in (0, 1]")
         for ns, budget in self.namespace_budgets.items():
@@ -115,6 +121,10 @@ class CacheStats:
     max_artifact_bytes: int
     low_watermark: float
     namespaces: list[NamespaceStats]
+    hot_entries: int = 0
+    hot_bytes: int = 0
+    hot_budget_bytes: int = 0
+    hot_hits: int = 0
 
 
 class Omitted:
@@ -174,6 +184,9 @@ class ArtifactStore:
         self._write_lock = threading.Lock()  # the one writer
         self._index_lock = threading.Lock()  # index, dirty access records, counters; held briefly
         self._index = RecencyIndex()
+        # Verified artifacts in memory; filled and emptied only under _index_lock, in step with
+        # the index (see cache_service.hot_tier for the contract).
+        self._hot = HotTier(self.config.hot_bytes)
         self._dirty: dict[EntryId, tuple[float, int]] = {}  # entry -> (last access, hits since flush)
         self._readers = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
@@ -289,6 +302,9 @@ class ArtifactStore:
                 return None
             last, hits = self._dirty.get(entry, (now, 0))
             self._dirty[entry] = (max(last, now), hits + 1)
+        hot = self._hot.get(entry, meta.sha256)
+        if hot is not None:
+            return self._hit(hot)
         row = self._reader().execute(
             "SELECT data, sha256, kind, arch, nvrtc_version, module_name, compile_seconds "
             "FROM entries WHERE namespace=? AND key=?", entry).fetchone()
@@ -310,6 +326,15 @@ class ArtifactStore:
         except InvalidArgument:  # a corrupted kind column
             self._quarantine(entry, expected=sha, actual=actual, size=len(data))
             return None
+        with self._index_lock:
+            # Only while the index still vouches for this very row: an eviction or re-store
+            # that ran since the SELECT must not leave these bytes in memory.
+            current = self._index.get(entry)
+            if current is not None and current.sha256 == actual:
+                self._hot.put(entry, artifact)
+        return self._hit(artifact)
+
+    def _hit(self, artifact: Artifact) -> Artifact:
         with self._index_lock:
             self._counters["hits"] += 1
             self._compile_seconds_saved += artifact.compile_seconds
@@ -344,6 +369,7 @@ class ArtifactStore:
                 if gone and meta is not None and meta.sha256 == expected:
                     self._index.remove(entry)
                     self._dirty.pop(entry, None)
+                    self._hot.drop(entry)
                 self._counters["corrupt"] += 1
                 self._counters["quarantined"] += gone
                 self._counters["misses"] += 1
@@ -395,6 +421,7 @@ class ArtifactStore:
                 self._forget(victims)
                 self._index.add(entry, EntryMeta(artifact.size, artifact.sha256,
                                                  artifact.compile_seconds))
+                self._hot.put(entry, artifact)  # its digest was verified by _validate
                 self._counters["stores"] += 1
             if victims:
                 self._vacuum()
@@ -544,6 +571,7 @@ class ArtifactStore:
         for v in victims:
             self._index.remove(v)
             self._dirty.pop(v, None)
+            self._hot.drop(v)
         self._counters["evictions"] += len(victims)
 
     def _flush_access_statements(self) -> None:
@@ -592,7 +620,13 @@ class ArtifactStore:
             low_watermark=self.config.low_watermark,
             namespaces=[NamespaceStats(ns, n, b, self.config.budget_for(ns))
                         for ns, (n, b) in sorted(namespaces.items())],
+            hot_entries=len(self._hot), hot_bytes=self._hot.bytes,
+            hot_budget_bytes=self._hot.budget_bytes, hot_hits=self._hot.hits,
         )
+
+    def hot_snapshot(self) -> dict[EntryId, str]:
+        """(namespace, key) -> digest of every artifact the in-memory tier holds."""
+        return self._hot.snapshot()
 
     def db_file_bytes(self) -> int:
         total = 0
