@@ -259,8 +259,8 @@ class KernelCacheClient:
                 self._queued_bytes -= artifact.size
                 self._in_flight += 1
             try:
-                request = pb.StoreRequest(key=key, namespace=namespace,
-                                          artifact=artifact_to_pb(artifact))
+                request = pb.StoreRequest(key=key, namespace=namespace)
+                artifact_to_pb(artifact, into=request.artifact)  # in place: see convert
                 if self._call(self._stub.Store, request, self.store_deadline_s,
                               self._metadata) is not None:
                     self._count("stores")

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from cache_service.auth import WriteGuard
 from cache_service.claims import ClaimTable
 from cache_service.config import ServerConfig
+from cache_service.malloc import keep_large_blocks_in_heap
 from cache_service.metrics import CacheMetrics
 from cache_service.servicer import SERVICE_NAME, KernelCacheServicer
 from cache_service.store import ArtifactStore
@@ -59,6 +60,7 @@ class _Maintenance(threading.Thread):
 def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | None = None,
                        registry: CollectorRegistry = REGISTRY) -> CacheServer:
     """Open the store (refusing a database another server holds), then serve on `config.listen`."""
+    keep_large_blocks_in_heap()  # see cache_service.malloc: the largest cost of a hot hit
     store = ArtifactStore(config.db, config.store)
     claims = ClaimTable(max_ttl_s=config.max_claim_ttl_s, max_wait_s=config.max_claim_wait_s,
                         max_waiters=config.max_claim_waiters)

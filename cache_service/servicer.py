@@ -68,7 +68,9 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
         artifact = self.store.lookup(request.key, request.namespace)
         if artifact is None:
             return pb.LookupResponse(found=False)
-        return pb.LookupResponse(found=True, artifact=artifact_to_pb(artifact))
+        response = pb.LookupResponse(found=True)
+        artifact_to_pb(artifact, into=response.artifact)
+        return response
 
     def BatchLookup(self, request: pb.BatchLookupRequest,
                     context: grpc.ServicerContext) -> pb.BatchLookupResponse:
@@ -84,7 +86,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
             elif r is None:
                 out.results.add(found=False)
             else:
-                out.results.add(found=True, artifact=artifact_to_pb(r))
+                artifact_to_pb(r, into=out.results.add(found=True).artifact)
         return out
 
     def GetStats(self, request: pb.GetStatsRequest,
@@ -111,7 +113,7 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
                                     expires_in_s=result.expires_in_s, took_over=result.took_over,
                                     retry_after_s=result.retry_after_s, waited=result.waited)
         if result.found is not None:
-            response.artifact.CopyFrom(artifact_to_pb(result.found))
+            artifact_to_pb(result.found, into=response.artifact)
         return response
 
     def ReleaseClaim(self, request: pb.ReleaseClaimRequest,
