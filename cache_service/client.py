@@ -143,18 +143,19 @@ class KernelCacheClient:
     # -- single-flight claims -------------------------------------------------------------------
 
     def claim(self, key: str, namespace: str, holder: str, ttl_s: float,
-              wait_s: float = 0.0) -> ClaimReply | None:
+              wait_s: float = 0.0, slack_s: float | None = None) -> ClaimReply | None:
         """Claim `key` for compiling, or wait up to `wait_s` on another holder's claim.
 
         None when the service cannot answer (down, slow, refused, breaker open, corrupt bytes):
-        the caller compiles locally. Returns within `wait_s` plus the lookup deadline.
+        the caller compiles locally. Returns within `wait_s` plus `slack_s` (default: the
+        lookup deadline), the time the answer has to come back after the service's wait.
         """
         try:
             response = self._call(
                 self._stub.Claim,
                 pb.ClaimRequest(key=key, namespace=namespace, holder=holder, ttl_s=ttl_s,
                                 wait_s=wait_s),
-                wait_s + self.deadline_s, self._metadata)
+                wait_s + (self.deadline_s if slack_s is None else slack_s), self._metadata)
             if response is None:
                 return None
             outcome = _CLAIM_OUTCOMES.get(response.outcome)

@@ -49,6 +49,7 @@ class StoreCollector:
             ("corrupt", s.corrupt, "Reads whose bytes failed the digest check (quarantined)"),
             ("digest_conflicts", s.digest_conflicts, "Stores of a known key with another digest"),
             ("compile_seconds_saved", s.compile_seconds_saved, "Compile time hits saved callers"),
+            ("bytes_served", s.bytes_served, "Artifact bytes returned by hits"),
         ):
             yield CounterMetricFamily(f"kernel_cache_{name}", doc, value=value)
         yield CounterMetricFamily("kernel_cache_hot_hits", "Hits served from the in-memory tier",

@@ -125,6 +125,7 @@ class CacheStats:
     hot_bytes: int = 0
     hot_budget_bytes: int = 0
     hot_hits: int = 0
+    bytes_served: int = 0
 
 
 class Omitted:
@@ -192,7 +193,7 @@ class ArtifactStore:
         self._reader_conns: list[sqlite3.Connection] = []
         self._closed = False
         self._counters = {"hits": 0, "misses": 0, "evictions": 0, "stores": 0, "corrupt": 0,
-                              "digest_conflicts": 0, "quarantined": 0}
+                              "digest_conflicts": 0, "quarantined": 0, "bytes_served": 0}
         self._compile_seconds_saved = 0.0
         # Called with the entry after every Store (the key is present then, whichever digest it
         # kept), outside every lock: single-flight claims end there (cache_service.claims).
@@ -337,6 +338,7 @@ class ArtifactStore:
     def _hit(self, artifact: Artifact) -> Artifact:
         with self._index_lock:
             self._counters["hits"] += 1
+            self._counters["bytes_served"] += artifact.size
             self._compile_seconds_saved += artifact.compile_seconds
             flush_early = len(self._dirty) >= self.config.access_flush_threshold
         if flush_early and self._write_lock.acquire(blocking=False):
@@ -622,6 +624,7 @@ class ArtifactStore:
                         for ns, (n, b) in sorted(namespaces.items())],
             hot_entries=len(self._hot), hot_bytes=self._hot.bytes,
             hot_budget_bytes=self._hot.budget_bytes, hot_hits=self._hot.hits,
+            bytes_served=c["bytes_served"],
         )
 
     def hot_snapshot(self) -> dict[EntryId, str]:

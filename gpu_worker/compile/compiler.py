@@ -30,6 +30,7 @@ Cost: a memo hit is a dict lookup; a key is one SHA-256 over the source (memoize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -219,7 +220,8 @@ class KernelCompiler:
                 src.module_name, key_cubin, key_ptx, found["cubin"], found.get("ptx", b""), tier
             )
         try:
-            out = self._nvrtc(src, self.arch)
+            with self.single_flight.renewing(key_cubin) if claimed else contextlib.nullcontext():
+                out = self._nvrtc(src, self.arch)
         except BaseException:
             if claimed:  # so other hosts compile now instead of waiting out the TTL
                 self.single_flight.release(key_cubin)

@@ -9,19 +9,23 @@ Contract: `acquire(key)` returns within `policy.wait_s` (plus one RPC deadline) 
 - `CLAIMED`: this host holds the claim; compile, then the store of the key ends the claim (or
   `release()` after a failed compile, so waiters need not wait out the TTL);
 - `COMPILE`: compile without a claim: the service did not answer, refused, or the wait ran out.
-A claim whose holder stalls expires after `policy.ttl_s`; the next waiter takes it over.
-Cost: one Claim RPC per missed key when nobody holds it; a waiter holds one RPC open on the
-service for up to 5 s at a time (the service caps waiters and tells the rest to poll).
+While the holder compiles, `renewing(key)` claims the key again every ttl/3, so a slow compile
+(a loaded host) keeps its claim; a holder that dies or hangs stops renewing and its claim
+expires after `policy.ttl_s`; the next waiter takes it over.
+Cost: one Claim RPC per missed key when nobody holds it, one per ttl/3 of compiling; a waiter
+holds one RPC open on the service for up to 5 s at a time (the service caps waiters and tells
+the rest to poll).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +39,9 @@ DEFAULT_TTL_S = 10.0
 # than all compiling at their deadline; 0 turns single flight off.
 DEFAULT_WAIT_S = 20.0
 _WAIT_PER_CALL_S = 5.0  # the service's own cap (cache_service.claims.DEFAULT_MAX_WAIT_S)
+# Deadline of a Claim call past its wait: room for the answer to come back from a loaded service
+# (a waiter whose call times out compiles locally, which is what single flight is there to avoid).
+_ANSWER_SLACK_S = 1.0
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -108,7 +115,8 @@ class SingleFlight:
             left = max(0.0, deadline - self._clock())
             try:
                 reply = self.remote.claim(key, self.namespace, self.policy.holder,
-                                          self.policy.ttl_s, wait_s=min(left, _WAIT_PER_CALL_S))
+                                          self.policy.ttl_s, wait_s=min(left, _WAIT_PER_CALL_S),
+                                          slack_s=_ANSWER_SLACK_S)
             except Exception:  # noqa: BLE001 - the client promises not to raise; never load-bearing
                 reply = None
             if reply is None:
@@ -129,6 +137,29 @@ class SingleFlight:
                 return COMPILE
             if reply.retry_after_s > 0:  # the service had no waiting slot free: poll
                 self._sleep(min(reply.retry_after_s, left))
+
+    @contextlib.contextmanager
+    def renewing(self, key: str) -> Iterator[None]:
+        """Renew this host's claim on `key` every ttl/3 while the body (the compile) runs."""
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(self.policy.ttl_s / 3):
+                try:
+                    reply = self.remote.claim(key, self.namespace, self.policy.holder,
+                                              self.policy.ttl_s, wait_s=0.0)
+                except Exception:  # noqa: BLE001 - renewal is best effort; the TTL still holds
+                    reply = None
+                if reply is not None and reply.outcome != "granted":
+                    return  # stored meanwhile, or taken over: nothing left to keep
+
+        thread = threading.Thread(target=renew, name="kernel-claim-renew", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=self.policy.ttl_s)
 
     def release(self, key: str) -> None:
         try:

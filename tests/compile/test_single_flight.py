@@ -173,8 +173,9 @@ def test_a_service_that_never_answers_holds_a_compile_no_longer_than_its_deadlin
             conn.close()
     nvrtc = module.compile_seconds
     assert module.source_tier == "compiled"
-    # One batch lookup (4 x 0.25 s) plus one Claim (wait 1.0 s + 0.25 s), then NVRTC.
-    assert took - nvrtc < 2.25 + 0.5, f"{took - nvrtc:.2f}s spent on a silent service"
+    # One batch lookup (4 x 0.25 s) plus one Claim (wait 1.0 s + 1.0 s for the answer), then
+    # NVRTC: the bound a worker's cold start has against a service that never answers.
+    assert took - nvrtc < 3.0 + 0.5, f"{took - nvrtc:.2f}s spent on a silent service"
 
 
 def test_a_wait_that_outlives_its_budget_compiles_locally_and_is_counted(
@@ -195,3 +196,24 @@ def test_a_wait_that_outlives_its_budget_compiles_locally_and_is_counted(
     assert module.source_tier == "compiled"
     assert 0.4 < took < 1.5, f"waited {took:.2f}s on a 0.5 s budget"
     assert c.stats()["claim_wait_timeouts"] == 1 and c.stats()["claim_waits"] == 1, c.stats()
+
+
+def test_a_holder_that_is_still_compiling_keeps_its_claim_past_the_ttl(
+        server: CacheServer) -> None:
+    from gpu_worker.compile.single_flight import CLAIMED, SingleFlight
+
+    holder, other = client(server.address), client(server.address)
+    try:
+        flight = SingleFlight(holder, "", ClaimPolicy(ttl_s=0.3, wait_s=5.0, holder="slow-host"))
+        assert flight.acquire("k-slow") == CLAIMED
+        with flight.renewing("k-slow"):
+            time.sleep(1.0)  # a compile three TTLs long on a loaded host
+            reply = other.claim("k-slow", "", "eager-host", ttl_s=5.0)
+            assert reply is not None and reply.outcome == "held", \
+                f"a holder still compiling lost its claim: {reply}"
+        assert wait_until(lambda: other.claim("k-slow", "", "eager-host", ttl_s=5.0).outcome
+                          == "granted", 3.0), "the claim outlived its holder's last renewal"
+        assert server.servicer.claims.stats().expired == 1
+    finally:
+        holder.close()
+        other.close()

@@ -114,7 +114,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces", "quarantined", "max_artifact_bytes", "low_watermark", "claims", "hot_entries", "hot_bytes", "hot_budget_bytes", "hot_hits")
+    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces", "quarantined", "max_artifact_bytes", "low_watermark", "claims", "hot_entries", "hot_bytes", "hot_budget_bytes", "hot_hits", "bytes_served")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class GetStatsResponse(_message.Message):
     HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOT_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOT_HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     total_bytes: int
     budget_bytes: int
@@ -155,7 +156,8 @@ class GetStatsResponse(_message.Message):
     hot_bytes: int
     hot_budget_bytes: int
     hot_hits: int
-    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., claims: _Optional[_Union[ClaimStats, _Mapping]] = ..., hot_entries: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., hot_budget_bytes: _Optional[int] = ..., hot_hits: _Optional[int] = ...) -> None: ...
+    bytes_served: int
+    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., claims: _Optional[_Union[ClaimStats, _Mapping]] = ..., hot_entries: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., hot_budget_bytes: _Optional[int] = ..., hot_hits: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
 
 class ClaimStats(_message.Message):
     __slots__ = ("granted", "waits", "wait_hits", "expired", "released", "active", "waiting")
