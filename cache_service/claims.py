@@ -63,6 +63,7 @@ class ClaimStats:
     released: int
     active: int
     waiting: int
+    renewed: int = 0
 
 
 @dataclass
@@ -85,7 +86,8 @@ class ClaimTable:
         self._claims: dict[EntryId, _Claim] = {}
         self._waiting = 0
         self._closed = False  # the server is stopping: nobody waits any more
-        self._counts = {"granted": 0, "waits": 0, "wait_hits": 0, "expired": 0, "released": 0}
+        self._counts = {"granted": 0, "waits": 0, "wait_hits": 0, "expired": 0, "released": 0,
+                        "renewed": 0}
 
     def validate(self, holder: str, ttl_s: float, wait_s: float) -> None:
         """InvalidArgument for a request the table would refuse (checked before anything changes)."""
@@ -123,8 +125,10 @@ class ClaimTable:
                     took_over = current is not None and current.holder != holder
                     if took_over:
                         self._counts["expired"] += 1
+                    renewal = current is not None and current.holder == holder and \
+                        current.expires > now
                     self._claims[entry] = _Claim(holder, now + ttl_s)
-                    self._counts["granted"] += 1
+                    self._counts["renewed" if renewal else "granted"] += 1
                     return ClaimResult(Outcome.GRANTED, expires_in_s=ttl_s, took_over=took_over,
                                        waited=waited)
                 left = deadline - now

@@ -36,6 +36,7 @@ class StoreCollector:
             ("claim_wait_hits", c.wait_hits, "Claim waits that ended with the artifact stored"),
             ("claims_expired", c.expired, "Claims whose holder neither stored nor released"),
             ("claims_released", c.released, "Claims given back after a failed compile"),
+            ("claims_renewed", c.renewed, "Claims renewed by a holder still compiling"),
         ):
             yield CounterMetricFamily(f"kernel_cache_{name}", doc, value=value)
         yield GaugeMetricFamily("kernel_cache_claims_active", "Live claims", value=c.active)

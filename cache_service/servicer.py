@@ -33,7 +33,7 @@ def stats_to_pb(s: CacheStats, c: ClaimStats) -> pb.GetStatsResponse:
     return pb.GetStatsResponse(
         claims=pb.ClaimStats(granted=c.granted, waits=c.waits, wait_hits=c.wait_hits,
                              expired=c.expired, released=c.released, active=c.active,
-                             waiting=c.waiting),
+                             waiting=c.waiting, renewed=c.renewed),
         entries=s.entries, total_bytes=s.total_bytes, budget_bytes=s.budget_bytes, hits=s.hits,
         misses=s.misses, evictions=s.evictions, stores=s.stores, corrupt=s.corrupt,
         digest_conflicts=s.digest_conflicts, compile_seconds_saved=s.compile_seconds_saved,

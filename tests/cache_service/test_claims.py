@@ -48,6 +48,7 @@ def test_the_same_holder_claiming_again_renews_its_claim() -> None:
     assert table.claim(E, "host-a", 10.0, 0.0, absent).outcome is Outcome.GRANTED
     clock.now += 8  # 16 s after the first claim, 8 after the renewal: still live
     assert table.claim(E, "host-b", 10.0, 0.0, absent).outcome is Outcome.HELD
+    assert table.stats().granted == 1 and table.stats().renewed == 1, table.stats()
 
 
 def test_an_expired_claim_is_taken_over_and_counted_as_expired() -> None:

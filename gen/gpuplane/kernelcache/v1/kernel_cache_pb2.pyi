@@ -160,7 +160,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., claims: _Optional[_Union[ClaimStats, _Mapping]] = ..., hot_entries: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., hot_budget_bytes: _Optional[int] = ..., hot_hits: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
 
 class ClaimStats(_message.Message):
-    __slots__ = ("granted", "waits", "wait_hits", "expired", "released", "active", "waiting")
+    __slots__ = ("granted", "waits", "wait_hits", "expired", "released", "active", "waiting", "renewed")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     WAITS_FIELD_NUMBER: _ClassVar[int]
     WAIT_HITS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class ClaimStats(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
     granted: int
     waits: int
     wait_hits: int
@@ -175,7 +176,8 @@ class ClaimStats(_message.Message):
     released: int
     active: int
     waiting: int
-    def __init__(self, granted: _Optional[int] = ..., waits: _Optional[int] = ..., wait_hits: _Optional[int] = ..., expired: _Optional[int] = ..., released: _Optional[int] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    renewed: int
+    def __init__(self, granted: _Optional[int] = ..., waits: _Optional[int] = ..., wait_hits: _Optional[int] = ..., expired: _Optional[int] = ..., released: _Optional[int] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., renewed: _Optional[int] = ...) -> None: ...
 
 class PruneRequest(_message.Message):
     __slots__ = ("target_bytes",)
