@@ -176,6 +176,9 @@ def main() -> None:
     parser.add_argument("--open-seconds", type=float, default=10.0,
                         help="duration of each open-loop level (longer: enough samples for p99)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
+    parser.add_argument("--memory-db", action="store_true",
+                        help="serve from an in-memory SQLite database (no durable writes at all): "
+                             "the ceiling of any commit optimisation, never a deployment")
     args = parser.parse_args()
     figures: dict = {}
     with socket.socket() as s:
@@ -185,7 +188,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         governor = subprocess.Popen(
             [sys.executable, "-m", "services.governor", "serve", "--listen", target, "--db",
-             f"{d}/gov.sqlite"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+             ":memory:" if args.memory_db else f"{d}/gov.sqlite"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, env={**os.environ, "GPUPLANE_LOG_LEVEL": "WARNING"})
         try:
             assert "listening" in governor.stdout.readline(), "the governor did not start"
