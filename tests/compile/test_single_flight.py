@@ -217,3 +217,24 @@ def test_a_holder_that_is_still_compiling_keeps_its_claim_past_the_ttl(
     finally:
         holder.close()
         other.close()
+
+
+def test_the_claim_policy_comes_from_the_environment_and_rejects_nonsense(monkeypatch) -> None:
+    monkeypatch.setenv("GPUPLANE_KERNEL_CLAIM_TTL_S", "4")
+    monkeypatch.setenv("GPUPLANE_KERNEL_CLAIM_WAIT_S", "0")
+    policy = ClaimPolicy.from_env()
+    assert policy.ttl_s == 4.0 and policy.wait_s == 0.0 and policy.holder
+    monkeypatch.setenv("GPUPLANE_KERNEL_CLAIM_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="GPUPLANE_KERNEL_CLAIM_WAIT_S"):
+        ClaimPolicy.from_env()
+
+
+def test_wait_zero_turns_single_flight_off_and_asks_the_service_nothing(
+        tmp_path: pathlib.Path, server: CacheServer) -> None:
+    remote = client(server.address)
+    try:
+        c = compiler(tmp_path, remote, "solo", wait_s=0.0)
+        assert c.compile(source("sf_off", body="y[i] = 13.0f * x[i];")).source_tier == "compiled"
+        assert server.servicer.claims.stats().granted == 0 and c.stats()["claims_granted"] == 0
+    finally:
+        remote.close()
