@@ -17,6 +17,7 @@ CPU = [
     ("cache_service_bench.py", ["--quick"]),
     ("governor_bench.py", ["--seconds", "2", "--open-seconds", "4"]),
     ("compile_bench.py", ["--rounds", "3"]),
+    ("fleet_bench.py", ["--hosts", "8"]),
 ]
 GPU = [
     ("device_bench.py", []),
