@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup setup-offline setup-cuda run serve test test-gpu proto lint bench manifests deploy clean
+.PHONY: setup setup-offline setup-cuda run serve test test-gpu proto lint bench bench-compare manifests deploy clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,12 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m bench
+
+# The CPU benchmarks on BASE (default: the merge base with main) and on the working tree,
+# alternating, each figure's ratio with its spread. Informational: never fails on a figure.
+BENCH_ROUNDS ?= 2
+bench-compare: setup
+	$(BIN)/python bench/compare.py --rounds $(BENCH_ROUNDS) $(if $(BASE),--base $(BASE))
 
 manifests: setup
 	$(BIN)/python -m deploy.render --out var/manifests

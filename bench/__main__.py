@@ -20,6 +20,7 @@ CPU = [
     ("governor_bench.py", ["--seconds", "2", "--open-seconds", "4"]),
     ("compile_bench.py", ["--rounds", "3"]),
     ("tls_bench.py", ["--calls", "1000", "--rounds", "5"]),
+    ("fleet_bench.py", ["--hosts", "8"]),
 ]
 GPU = [
     ("device_bench.py", []),

@@ -5,10 +5,12 @@ The server runs as its own process (`python -m cache_service serve`), as deploye
 measured side by side in one run and printed as ratios:
 
   hit ratio  = remote hit p50 / (local file read+verify p50 + empty RPC round trip p50)
-               target <= 1.5 for 256 KiB (issue 2)
-  throughput = hits/s with 16 clients, target >= 2,000 on 2 cores
+               target <= 1.5 for 256 KiB (issues 2, 16)
+  rate ratio = hits/s with 16 clients / empty RPCs/s (health Check) of the same 16 clients
+               against the same server, alternated in rounds; target >= 0.5 for 256 KiB (issue 16)
+  throughput = hits/s with 16 clients (issue 2 asked for >= 2,000 on 2 cores; printed, see
+               docs/design.md amendment 9)
   store ratio = remote Store p50 / local file publish (temp file + rename) p50
-
 A target MISSED makes the exit status 1 (bench/targets.py).
 
 The local-file baseline reads the same bytes from a file and checks their SHA-256, as every tier
@@ -64,14 +66,17 @@ def pct(samples: list[float], q: float) -> float:
 
 _client: KernelCacheClient | None = None
 _stub = None
+_health = None
 _barrier = None
 
 
 def _init_worker(target: str, barrier) -> None:
-    global _client, _stub, _barrier
+    global _client, _stub, _health, _barrier
     _client = KernelCacheClient(target, deadline_s=30.0)
-    _stub = pb_grpc.KernelCacheServiceStub(grpc.insecure_channel(target, options=[
-        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]))
+    channel = grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    _stub = pb_grpc.KernelCacheServiceStub(channel)
+    _health = health_pb2_grpc.HealthStub(channel)
     _barrier = barrier
 
 
@@ -85,6 +90,25 @@ def _lookups(args: tuple[list[str], int]) -> tuple[float, float, list[float], in
         misses += _client.lookup(keys[i % len(keys)]) is None
         lat.append(time.perf_counter() - t)
     return start, time.monotonic(), lat, misses
+
+
+def _empty_rpcs(count: int) -> tuple[float, float, list[float], int]:
+    request = health_pb2.HealthCheckRequest()
+    return _timed(lambda: _health.Check(request, timeout=30), count)
+
+
+def _timed(call, count: int) -> tuple[float, float, list[float], int]:
+    call()  # warm the channel
+    _barrier.wait()
+    lat, failed, start = [], 0, time.monotonic()
+    for _ in range(count):
+        t = time.perf_counter()
+        try:
+            call()
+        except grpc.RpcError:
+            failed += 1
+        lat.append(time.perf_counter() - t)
+    return start, time.monotonic(), lat, failed
 
 
 def _stores(args: tuple[int, int, str]) -> tuple[float, float, list[float], int]:
@@ -104,12 +128,31 @@ def _stores(args: tuple[int, int, str]) -> tuple[float, float, list[float], int]
     return start, time.monotonic(), lat, failed
 
 
+def alternated_rates(pool, keys: list[str], per_client: int, clients: int,
+                     rounds: int = 3) -> tuple[dict, dict]:
+    """Hits and empty RPCs from the same client processes, alternated in rounds (same load)."""
+    hits, rpcs = [], []
+    for _ in range(rounds):
+        rpcs.append(run_parallel(pool, _empty_rpcs, [max(5, per_client // rounds)] * clients))
+        hits.append(run_parallel(pool, _lookups, [(keys, max(5, per_client // rounds))] * clients))
+    return merge(hits), merge(rpcs)
+
+
+def merge(rows: list[dict]) -> dict:
+    """Rounds combined: total ops over total wall time; percentiles over every sample."""
+    lat = [x for r in rows for x in r["lat"]]
+    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "ops": len(lat),
+            "ops_per_s": len(lat) / sum(r["wall"] for r in rows),
+            "failed": sum(r["failed"] for r in rows)}
+
+
 def run_parallel(pool, func, tasks) -> dict:
     results = pool.map(func, tasks, chunksize=1)
     lat = [x for r in results for x in r[2]]
     wall = max(r[1] for r in results) - min(r[0] for r in results)
     return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "ops": len(lat),
-            "ops_per_s": len(lat) / wall, "failed": sum(r[3] for r in results)}
+            "ops_per_s": len(lat) / wall, "failed": sum(r[3] for r in results), "lat": lat,
+            "wall": wall}
 
 
 # -- baselines in this process ------------------------------------------------------------------
@@ -216,14 +259,15 @@ def main(argv: list[str] | None = None) -> int:
             assert seed.flush(60), "seeding the cache failed"
             row = interleaved_hits(target, seed, keys, paths, n(lookups[label]))
             row["file_publish"] = file_publishes(folder, size, n(stores[label]))
-            row["hit_n"] = run_parallel(poolN, _lookups, [(keys, n(lookups[label], args.clients))
-                                                          for _ in range(args.clients)])
+            row["hit_n"], row["rpc_n"] = alternated_rates(
+                poolN, keys, n(lookups[label], args.clients), args.clients)
             row["store_1"] = run_parallel(pool1, _stores, [(size, n(stores[label]), f"s1-{label}")])
             row["store_n"] = run_parallel(poolN, _stores, [
                 (size, n(stores[label], args.clients), f"sN-{label}-{c}")
                 for c in range(args.clients)])
             base = row["file_read"]["p50_ms"] + row["empty_rpc"]["p50_ms"]
             row["hit_ratio"] = row["hit_1"]["p50_ms"] / base
+            row["rate_ratio"] = row["hit_n"]["ops_per_s"] / row["rpc_n"]["ops_per_s"]
             row["store_ratio"] = row["store_1"]["p50_ms"] / row["file_publish"]["p50_ms"]
             results["sizes"][label] = row
         seed.close()
@@ -233,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(10)
     results["loadavg_end"] = os.getloadavg()
+    for row in results["sizes"].values():
+        for m in row.values():
+            if isinstance(m, dict):
+                m.pop("lat", None)
     targets = Targets("cache_service_bench")
     report(results, targets)
     if args.json:
@@ -241,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(r: dict, targets: Targets) -> None:
+    """Print the table and the ratios, and check the targets."""
     c = r["clients"]
     print(f"kernel cache bench  {r['date']}  {r['machine']}  python {r['python']}"
           f"{'  (quick)' if r['quick'] else ''}")
@@ -250,7 +299,8 @@ def report(r: dict, targets: Targets) -> None:
     for label, row in r["sizes"].items():
         for name, key in (("empty RPC (health)", "empty_rpc"), ("file read+sha256", "file_read"),
                           ("file publish", "file_publish"),
-                          ("hit, 1 client", "hit_1"), (f"hit, {c} clients", "hit_n"),
+                          ("hit, 1 client", "hit_1"), (f"empty RPC, {c} clients", "rpc_n"),
+                          (f"hit, {c} clients", "hit_n"),
                           ("store, 1 client", "store_1"), (f"store, {c} clients", "store_n")):
             m = row[key]
             rate = f"{m['ops_per_s']:9.0f}" if "ops_per_s" in m else f"{'':>9}"
@@ -258,14 +308,13 @@ def report(r: dict, targets: Targets) -> None:
     print("ratios (same run):")
     for label, row in r["sizes"].items():
         print(f"  {label:>7}: hit p50 / (file read+verify + empty RPC) = {row['hit_ratio']:.2f};  "
-              f"hits/s with {c} clients = {row['hit_n']['ops_per_s']:.0f};  store p50 / file "
-              f"publish = {row['store_ratio']:.2f}")
-    for label, row in r["sizes"].items():
-        if label == "256KiB":
-            targets.check("256KiB hit p50 / (file read+verify + empty RPC)", row["hit_ratio"],
-                          "<=", 1.5)
-        targets.check(f"{label} hits/s with {c} clients", row["hit_n"]["ops_per_s"], ">=", 2000,
-                      fmt=".0f")
+              f"hits/s / empty RPCs/s with {c} clients = {row['hit_n']['ops_per_s']:.0f} / "
+              f"{row['rpc_n']['ops_per_s']:.0f} = {row['rate_ratio']:.2f};  "
+              f"store p50 / file publish = {row['store_ratio']:.2f}")
+    row = r["sizes"].get("256KiB")
+    if row is not None:
+        targets.check("256 KiB hit p50 / (file read+verify + empty RPC)", row["hit_ratio"], "<=", 1.5)
+        targets.check(f"256 KiB hits/s / empty RPCs/s, {c} clients", row["rate_ratio"], ">=", 0.5)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--remote", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=pathlib.Path, help="also write the medians here")
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -93,6 +94,12 @@ def main() -> None:
             ["compiled", "local_hits", "remote_hits", "prefetched"],
         )
     )
+    if args.json:
+        import statistics
+
+        args.json.write_text(json.dumps({tier: {
+            "median_s": statistics.median(r["seconds"] for r in runs),
+            "compiled": runs[-1]["compiled"]} for tier, runs in results.items()}, indent=2))
 
 
 if __name__ == "__main__":

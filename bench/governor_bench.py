@@ -175,7 +175,12 @@ def main() -> None:
                         help="open-loop Acquire+Release pairs per second per client (0 = skip)")
     parser.add_argument("--open-seconds", type=float, default=10.0,
                         help="duration of each open-loop level (longer: enough samples for p99)")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
+    parser.add_argument("--memory-db", action="store_true",
+                        help="serve from an in-memory SQLite database (no durable writes at all): "
+                             "the ceiling of any commit optimisation, never a deployment")
     args = parser.parse_args()
+    figures: dict = {}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -183,7 +188,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         governor = subprocess.Popen(
             [sys.executable, "-m", "services.governor", "serve", "--listen", target, "--db",
-             f"{d}/gov.sqlite"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+             ":memory:" if args.memory_db else f"{d}/gov.sqlite"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, env={**os.environ, "GPUPLANE_LOG_LEVEL": "WARNING"})
         try:
             assert "listening" in governor.stdout.readline(), "the governor did not start"
@@ -200,6 +205,8 @@ def main() -> None:
                 base = None
                 for clients in [int(x) for x in args.levels.split(",")]:
                     r = run_level(target, clients, args.processes, seconds, rate)
+                    figures[f"{'open' if rate else 'closed'}_{clients}"] = {
+                        k: v for k, v in r.items() if isinstance(v, (int, float))}
                     base = base or r["acquire_p99_ms"]
                     print(f"{clients:>7} {r['samples']:>7} {r['calls_per_s']:>9.0f} {r['acquire_p50_ms']:>7.2f}m "
                           f"{r['acquire_p99_ms']:>7.2f}m {r['release_p50_ms']:>7.2f}m "
@@ -210,6 +217,11 @@ def main() -> None:
             chunked, per_call = chunked_vs_per_call(target)
             print(f"1 MiB reserve+release: GovernorClient {chunked:.1f} us vs one RPC each "
                   f"{per_call:.0f} us ({per_call / chunked:.0f}x)")
+            figures["domain_core_us"] = core
+            if args.json:
+                import json
+
+                args.json.write_text(json.dumps(figures, indent=2))
         finally:
             governor.kill()
             governor.wait()

@@ -37,6 +37,7 @@ from gpuplane.governor.v1 import governor_pb2_grpc
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as cpb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc
 
+from bench.targets import Targets
 from cache_service.artifact import Artifact
 from cache_service.convert import artifact_to_pb
 from services.common.config import parse_bytes
@@ -177,18 +178,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.artifact_bytes} bytes; TLS side = mutual TLS (EC P-256)"
           f"{' without authorization' if args.without_roles else ' + role authorization'}")
     print(f"{'op':<26} {'side':<12} {'p50 ms':>9} {'p99 ms':>9}")
-    missed = False
+    targets = Targets("tls_bench")
     for service, label in (("governor", "governor Acquire"), ("cache", "cache hit (Lookup)")):
         p50 = {}
         for side, values in results[service].items():
             p50[side] = _pct(values, 0.5) * 1e3
             print(f"{label:<26} {side:<12} {p50[side]:9.3f} {_pct(values, 0.99) * 1e3:9.3f}")
-        ratio = p50["mutual TLS"] / p50["plaintext"]
-        ok = ratio <= TARGET_RATIO
-        missed |= not ok
-        print(f"  ratio p50 mutual TLS / plaintext = {ratio:.3f}  [target <= {TARGET_RATIO}]"
-              f"{'' if ok else '  MISSED'}")
-    return 1 if missed else 0
+        targets.check(f"{label} p50 mutual TLS / plaintext",
+                      p50["mutual TLS"] / p50["plaintext"], "<=", TARGET_RATIO, fmt=".3f")
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

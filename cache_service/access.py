@@ -10,6 +10,9 @@ from services.common.identity import Level
 
 ACCESS = {
     "Store": Rule(Level.WORKER),
+    # A claim promises a Store (others wait for it): only a caller that may store may claim.
+    "Claim": Rule(Level.WORKER),
+    "ReleaseClaim": Rule(Level.WORKER),
     "Prune": Rule(Level.ADMIN),
     "Lookup": Rule(Level.AUTHENTICATED),
     "BatchLookup": Rule(Level.AUTHENTICATED),

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Self
 
 import grpc
@@ -37,6 +38,22 @@ _BATCH_KEYS = 1024
 _PEER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
                   grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+@dataclass(frozen=True)
+class ClaimReply:
+    """What Claim answered: outcome "granted" | "found" | "held"; `artifact` is verified."""
+
+    outcome: str
+    artifact: Artifact | None = None
+    expires_in_s: float = 0.0
+    took_over: bool = False
+    retry_after_s: float = 0.0
+    waited: bool = False  # the service waited on another holder's claim before answering
+
+
+_CLAIM_OUTCOMES = {pb.CLAIM_OUTCOME_GRANTED: "granted", pb.CLAIM_OUTCOME_FOUND: "found",
+                   pb.CLAIM_OUTCOME_HELD: "held"}
 
 
 class KernelCacheClient:
@@ -123,6 +140,54 @@ class KernelCacheClient:
             self._count("errors")
         return found
 
+    # -- single-flight claims -------------------------------------------------------------------
+
+    def claim(self, key: str, namespace: str, holder: str, ttl_s: float,
+              wait_s: float = 0.0, slack_s: float | None = None) -> ClaimReply | None:
+        """Claim `key` for compiling, or wait up to `wait_s` on another holder's claim.
+
+        None when the service cannot answer (down, slow, refused, breaker open, corrupt bytes):
+        the caller compiles locally. Returns within `wait_s` plus `slack_s` (default: the
+        lookup deadline), the time the answer has to come back after the service's wait.
+        """
+        try:
+            response = self._call(
+                self._stub.Claim,
+                pb.ClaimRequest(key=key, namespace=namespace, holder=holder, ttl_s=ttl_s,
+                                wait_s=wait_s),
+                wait_s + (self.deadline_s if slack_s is None else slack_s))
+            if response is None:
+                return None
+            outcome = _CLAIM_OUTCOMES.get(response.outcome)
+            if outcome is None:
+                self._count("errors")
+                return None
+            artifact = None
+            if outcome == "found":
+                artifact = self._verified(key, response.artifact)
+                if artifact is None:
+                    return None
+                self._count("hits")
+            return ClaimReply(outcome, artifact, response.expires_in_s, response.took_over,
+                              response.retry_after_s, response.waited)
+        except Exception:
+            log.exception("kernel cache claim failed unexpectedly")
+            self._count("errors")
+            return None
+
+    def release_claim(self, key: str, namespace: str, holder: str) -> bool:
+        """Give a claim back (the compile failed) so waiters need not wait out its TTL."""
+        try:
+            response = self._call(self._stub.ReleaseClaim,
+                                  pb.ReleaseClaimRequest(key=key, namespace=namespace,
+                                                         holder=holder),
+                                  self.deadline_s)
+            return bool(response is not None and response.released)
+        except Exception:
+            log.exception("kernel cache claim release failed unexpectedly")
+            self._count("errors")
+            return False
+
     def _verified(self, key: str, message: pb.Artifact) -> Artifact | None:
         try:
             artifact, claimed = artifact_from_pb(message)
@@ -195,8 +260,8 @@ class KernelCacheClient:
                 self._queued_bytes -= artifact.size
                 self._in_flight += 1
             try:
-                request = pb.StoreRequest(key=key, namespace=namespace,
-                                          artifact=artifact_to_pb(artifact))
+                request = pb.StoreRequest(key=key, namespace=namespace)
+                artifact_to_pb(artifact, into=request.artifact)  # in place: see convert
                 if self._call(self._stub.Store, request, self.store_deadline_s) is not None:
                     self._count("stores")
             except Exception:

@@ -6,6 +6,8 @@ import os
 import pathlib
 from dataclasses import dataclass, field
 
+from cache_service.claims import DEFAULT_MAX_TTL_S, DEFAULT_MAX_WAIT_S, DEFAULT_MAX_WAITERS
+from cache_service.hot_tier import DEFAULT_HOT_BYTES
 from cache_service.store import DEFAULT_BUDGET_BYTES, DEFAULT_MAX_ARTIFACT_BYTES, StoreConfig
 from services.common import security
 from services.common.config import VAR_DIR, env_flag, parse_bytes
@@ -29,6 +31,11 @@ class ServerConfig:
     metrics_port: int = 0  # 0 = no /metrics endpoint
     maintenance_s: float = 30.0  # prune, persist access times, vacuum, truncate the WAL
     security: security.ServerSecurity = field(default_factory=security.ServerSecurity)
+    max_claim_ttl_s: float = DEFAULT_MAX_TTL_S  # longest single-flight claim a worker may take
+    max_claim_wait_s: float = DEFAULT_MAX_WAIT_S  # longest one Claim call waits server-side
+    # Claim calls waiting at once; below the server's 32 threads, so the holder's Store that
+    # wakes them always finds a thread.
+    max_claim_waiters: int = DEFAULT_MAX_WAITERS
 
     def __post_init__(self) -> None:
         # An artifact must fit in one message with its envelope, or gRPC refuses it with
@@ -39,6 +46,11 @@ class ServerConfig:
                              f"{limit} (the {MAX_MESSAGE_BYTES}-byte gRPC message limit)")
         if self.maintenance_s <= 0:
             raise ValueError("maintenance_s must be positive")
+        if self.max_claim_ttl_s <= 0 or self.max_claim_wait_s < 0:
+            raise ValueError("max_claim_ttl_s must be positive and max_claim_wait_s not negative")
+        if not 0 <= self.max_claim_waiters <= 24:
+            raise ValueError("max_claim_waiters must be in [0, 24]: waiters may not take the "
+                             "threads (32) that the Stores waking them need")
 
 
 def parse_namespace_budget(text: str) -> tuple[str, int]:
@@ -70,9 +82,17 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
              "fraction of a budget that pruning goes down to", type=float)
     env_flag(parser, "--max-artifact-bytes", "GPUPLANE_CACHE_MAX_ARTIFACT_BYTES",
              DEFAULT_MAX_ARTIFACT_BYTES, "largest artifact accepted", type=parse_bytes)
+    env_flag(parser, "--hot-bytes", "GPUPLANE_CACHE_HOT_BYTES", DEFAULT_HOT_BYTES,
+             "in-memory tier of verified artifacts, e.g. 64MiB (0 = off)", type=parse_bytes)
     env_flag(parser, "--maintenance-s", "GPUPLANE_CACHE_MAINTENANCE_S", 30.0,
              "seconds between maintenance passes", type=float)
     security.add_server_flags(parser, "CACHE")
+    env_flag(parser, "--max-claim-ttl-s", "GPUPLANE_CACHE_MAX_CLAIM_TTL_S", DEFAULT_MAX_TTL_S,
+             "longest single-flight compile claim a worker may take", type=float)
+    env_flag(parser, "--max-claim-wait-s", "GPUPLANE_CACHE_MAX_CLAIM_WAIT_S", DEFAULT_MAX_WAIT_S,
+             "longest one Claim call waits on the server (clients loop)", type=float)
+    env_flag(parser, "--max-claim-waiters", "GPUPLANE_CACHE_MAX_CLAIM_WAITERS",
+             DEFAULT_MAX_WAITERS, "Claim calls that may wait at once (the rest poll)", type=int)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -82,7 +102,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         listen=args.listen, db=args.db, write_token=args.write_token or None,
         metrics_port=args.metrics_port, maintenance_s=args.maintenance_s,
         security=security.server_security_from_args(args),
+        max_claim_ttl_s=args.max_claim_ttl_s, max_claim_wait_s=args.max_claim_wait_s,
+        max_claim_waiters=args.max_claim_waiters,
         store=StoreConfig(budget_bytes=args.budget_bytes, namespace_budgets=budgets,
                           low_watermark=args.low_watermark,
-                          max_artifact_bytes=args.max_artifact_bytes),
+                          max_artifact_bytes=args.max_artifact_bytes,
+                          hot_bytes=args.hot_bytes),
     )

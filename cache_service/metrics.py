@@ -14,6 +14,7 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cache_service.claims import ClaimTable
 from cache_service.store import ArtifactStore
 
 # Loopback hits are ~0.3 ms; remote 4 MiB stores tens of ms; a stalled writer seconds.
@@ -21,13 +22,26 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class StoreCollector:
-    """Exposes an ArtifactStore's stats as kernel_cache_* metrics."""
+    """Exposes an ArtifactStore's and a ClaimTable's stats as kernel_cache_* metrics."""
 
-    def __init__(self, store: ArtifactStore) -> None:
-        self.store = store
+    def __init__(self, store: ArtifactStore, claims: ClaimTable) -> None:
+        self.store, self.claims = store, claims
 
     def collect(self) -> Iterator[Any]:
         s = self.store.stats()
+        c = self.claims.stats()
+        for name, value, doc in (
+            ("claims_granted", c.granted, "Single-flight compile claims granted"),
+            ("claim_waits", c.waits, "Claim calls that waited on another host's claim"),
+            ("claim_wait_hits", c.wait_hits, "Claim waits that ended with the artifact stored"),
+            ("claims_expired", c.expired, "Claims whose holder neither stored nor released"),
+            ("claims_released", c.released, "Claims given back after a failed compile"),
+            ("claims_renewed", c.renewed, "Claims renewed by a holder still compiling"),
+        ):
+            yield CounterMetricFamily(f"kernel_cache_{name}", doc, value=value)
+        yield GaugeMetricFamily("kernel_cache_claims_active", "Live claims", value=c.active)
+        yield GaugeMetricFamily("kernel_cache_claim_waiting", "Claim calls waiting now",
+                                value=c.waiting)
         for name, value, doc in (
             ("hits", s.hits, "Lookups answered with verified bytes"),
             ("misses", s.misses, "Lookups of absent (or corrupt) entries"),
@@ -36,8 +50,15 @@ class StoreCollector:
             ("corrupt", s.corrupt, "Reads whose bytes failed the digest check (quarantined)"),
             ("digest_conflicts", s.digest_conflicts, "Stores of a known key with another digest"),
             ("compile_seconds_saved", s.compile_seconds_saved, "Compile time hits saved callers"),
+            ("bytes_served", s.bytes_served, "Artifact bytes returned by hits"),
         ):
             yield CounterMetricFamily(f"kernel_cache_{name}", doc, value=value)
+        yield CounterMetricFamily("kernel_cache_hot_hits", "Hits served from the in-memory tier",
+                                  value=s.hot_hits)
+        yield GaugeMetricFamily("kernel_cache_hot_bytes", "Bytes in the in-memory tier",
+                                value=s.hot_bytes)
+        yield GaugeMetricFamily("kernel_cache_hot_budget_bytes", "In-memory tier budget (0 = off)",
+                                value=s.hot_budget_bytes)
         yield GaugeMetricFamily("kernel_cache_entries", "Entries held", value=s.entries)
         yield GaugeMetricFamily("kernel_cache_db_file_bytes", "Database + WAL file size",
                                 value=s.db_file_bytes)
@@ -56,9 +77,10 @@ class StoreCollector:
 class CacheMetrics:
     """Registers the store collector and the RPC metrics in `registry` (default: the global one)."""
 
-    def __init__(self, store: ArtifactStore, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, store: ArtifactStore, claims: ClaimTable,
+                 registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
-        self.collector = StoreCollector(store)
+        self.collector = StoreCollector(store, claims)
         registry.register(self.collector)
         self.latency = Histogram("kernel_cache_request_seconds", "RPC latency by method",
                                  ["method"], buckets=_LATENCY_BUCKETS, registry=registry)

@@ -11,7 +11,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from cache_service.access import ACCESS
 from cache_service.auth import with_write_token
+from cache_service.claims import ClaimTable
 from cache_service.config import ServerConfig
+from cache_service.malloc import keep_large_blocks_in_heap
 from cache_service.metrics import CacheMetrics
 from cache_service.servicer import SERVICE_NAME, KernelCacheServicer
 from cache_service.store import ArtifactStore
@@ -43,13 +45,15 @@ class CacheServer:
 
 
 class _Maintenance(threading.Thread):
-    def __init__(self, store: ArtifactStore, interval_s: float) -> None:
+    def __init__(self, store: ArtifactStore, claims: ClaimTable, interval_s: float) -> None:
         super().__init__(name="cache-maintenance", daemon=True)
-        self.store, self.interval_s, self.stopped = store, interval_s, threading.Event()
+        self.store, self.claims = store, claims
+        self.interval_s, self.stopped = interval_s, threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval_s):
             try:
+                self.claims.reap()
                 self.store.maintain()
             except Exception:
                 log.exception("maintenance pass failed")
@@ -58,9 +62,13 @@ class _Maintenance(threading.Thread):
 def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | None = None,
                        registry: CollectorRegistry = REGISTRY) -> CacheServer:
     """Open the store (refusing a database another server holds), then serve on `config.listen`."""
+    keep_large_blocks_in_heap()  # see cache_service.malloc: the largest cost of a hot hit
     store = ArtifactStore(config.db, config.store)
-    metrics = CacheMetrics(store, registry)
-    servicer = KernelCacheServicer(store)
+    claims = ClaimTable(max_ttl_s=config.max_claim_ttl_s, max_wait_s=config.max_claim_wait_s,
+                        max_waiters=config.max_claim_waiters)
+    store.add_store_listener(claims.stored)
+    metrics = CacheMetrics(store, claims, registry)
+    servicer = KernelCacheServicer(store, claims)
     try:
         running = create_server(
             config.listen,
@@ -75,12 +83,14 @@ def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | N
         metrics.unregister()
         store.close()
         raise
-    maintenance = _Maintenance(store, config.maintenance_s)
+    maintenance = _Maintenance(store, claims, config.maintenance_s)
     maintenance.start()
     if config.metrics_port:
         start_metrics_endpoint(config.metrics_port)
     # Order matters: stop the timer before closing the store it writes to.
-    running.on_stop += [maintenance.stopped.set, maintenance.join, store.close, metrics.unregister]
+    # Claim waiters still blocked (a stop with little grace) are woken before the store closes.
+    running.on_stop += [maintenance.stopped.set, maintenance.join, claims.close, store.close,
+                        metrics.unregister]
     log.info("kernel cache serving", extra={
         "port": running.port, "db": str(config.db), "budget_bytes": config.store.budget_bytes,
         "namespace_budgets": dict(config.store.namespace_budgets),

@@ -13,7 +13,9 @@ is in the OS page cache) though not a power cut, an accepted trade for a cache. 
 database file: an exclusive `flock` on `<db>.lock` refuses a second one.
 Ordering lives in memory (`RecencyIndex`): a hit moves an entry to most-recently-used at once;
 `last_access` and hit counts reach the database in batches with the next write or maintenance pass.
-Cost: a hit is one indexed SELECT of the blob plus a SHA-256 of it (~0.15 ms per 256 KiB); a store
+Cost: a hit from the in-memory hot tier (`hot_tier.HotTier`, filled on store and on first read)
+is a dict lookup; past it, one indexed SELECT of the blob plus a SHA-256 of it (~0.15 ms per
+256 KiB); a store
 is one fsync-free transaction; eviction prunes to a low watermark so it runs once per ~10 % of
 turnover, followed by an incremental vacuum that gives the freed pages back to the file system.
 """
@@ -34,6 +36,7 @@ from typing import Self
 import sqlite_utils
 
 from cache_service.artifact import Artifact, sha256_hex
+from cache_service.hot_tier import DEFAULT_HOT_BYTES, HotTier
 from cache_service.recency import EntryId, EntryMeta, RecencyIndex
 from services.common.errors import FailedPrecondition, InvalidArgument
 
@@ -62,10 +65,13 @@ class StoreConfig:
     busy_timeout_ms: int = 5000
     # Dirty last-access records that make a read path flush them early (bounds memory and staleness).
     access_flush_threshold: int = 4096
+    hot_bytes: int = DEFAULT_HOT_BYTES  # in-memory tier of verified artifacts; 0 = off
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:
             raise InvalidArgument("budget_bytes cannot be negative (0 = unbounded)")
+        if self.hot_bytes < 0:
+            raise InvalidArgument("hot_bytes cannot be negative (0 = no in-memory tier)")
         if not 0.0 < self.low_watermark <= 1.0:
             raise InvalidArgument("low_watermark must be in (0, 1]")
         for ns, budget in self.namespace_budgets.items():
@@ -115,6 +121,11 @@ class CacheStats:
     max_artifact_bytes: int
     low_watermark: float
     namespaces: list[NamespaceStats]
+    hot_entries: int = 0
+    hot_bytes: int = 0
+    hot_budget_bytes: int = 0
+    hot_hits: int = 0
+    bytes_served: int = 0
 
 
 class Omitted:
@@ -174,13 +185,19 @@ class ArtifactStore:
         self._write_lock = threading.Lock()  # the one writer
         self._index_lock = threading.Lock()  # index, dirty access records, counters; held briefly
         self._index = RecencyIndex()
+        # Verified artifacts in memory; filled and emptied only under _index_lock, in step with
+        # the index (see cache_service.hot_tier for the contract).
+        self._hot = HotTier(self.config.hot_bytes)
         self._dirty: dict[EntryId, tuple[float, int]] = {}  # entry -> (last access, hits since flush)
         self._readers = threading.local()
         self._reader_conns: list[sqlite3.Connection] = []
         self._closed = False
         self._counters = {"hits": 0, "misses": 0, "evictions": 0, "stores": 0, "corrupt": 0,
-                              "digest_conflicts": 0, "quarantined": 0}
+                              "digest_conflicts": 0, "quarantined": 0, "bytes_served": 0}
         self._compile_seconds_saved = 0.0
+        # Called with the entry after every Store (the key is present then, whichever digest it
+        # kept), outside every lock: single-flight claims end there (cache_service.claims).
+        self._store_listeners: list[Callable[[EntryId], None]] = []
         self._writer = _connect(self.path, self.config.busy_timeout_ms, read_only=False)
         self._db = sqlite_utils.Database(self._writer)
         self._create_schema()
@@ -250,6 +267,14 @@ class ArtifactStore:
         entry = (normalize_namespace(namespace), validate_key(key))
         return self._read(entry, self._clock())
 
+    def lookup_present(self, key: str, namespace: str = "") -> Artifact | None:
+        """Like `lookup`, but an absent key is not counted as a miss (a claim's check, not a read)."""
+        entry = (normalize_namespace(namespace), validate_key(key))
+        with self._index_lock:
+            if self._index.get(entry) is None:
+                return None
+        return self._read(entry, self._clock())
+
     def batch_lookup(self, keys: Iterable[str], namespace: str = "",
                      max_bytes: int | None = None) -> list[Artifact | None | Omitted]:
         """One result per key, in order; past `max_bytes` of data, found entries are OMITTED."""
@@ -278,6 +303,9 @@ class ArtifactStore:
                 return None
             last, hits = self._dirty.get(entry, (now, 0))
             self._dirty[entry] = (max(last, now), hits + 1)
+        hot = self._hot.get(entry, meta.sha256)
+        if hot is not None:
+            return self._hit(hot)
         row = self._reader().execute(
             "SELECT data, sha256, kind, arch, nvrtc_version, module_name, compile_seconds "
             "FROM entries WHERE namespace=? AND key=?", entry).fetchone()
@@ -300,7 +328,17 @@ class ArtifactStore:
             self._quarantine(entry, expected=sha, actual=actual, size=len(data))
             return None
         with self._index_lock:
+            # Only while the index still vouches for this very row: an eviction or re-store
+            # that ran since the SELECT must not leave these bytes in memory.
+            current = self._index.get(entry)
+            if current is not None and current.sha256 == actual:
+                self._hot.put(entry, artifact)
+        return self._hit(artifact)
+
+    def _hit(self, artifact: Artifact) -> Artifact:
+        with self._index_lock:
             self._counters["hits"] += 1
+            self._counters["bytes_served"] += artifact.size
             self._compile_seconds_saved += artifact.compile_seconds
             flush_early = len(self._dirty) >= self.config.access_flush_threshold
         if flush_early and self._write_lock.acquire(blocking=False):
@@ -333,6 +371,7 @@ class ArtifactStore:
                 if gone and meta is not None and meta.sha256 == expected:
                     self._index.remove(entry)
                     self._dirty.pop(entry, None)
+                    self._hot.drop(entry)
                 self._counters["corrupt"] += 1
                 self._counters["quarantined"] += gone
                 self._counters["misses"] += 1
@@ -350,6 +389,17 @@ class ArtifactStore:
         ns = normalize_namespace(namespace)
         entry = (ns, validate_key(key))
         self._validate(artifact, sha256, ns)
+        outcome = self._store(entry, artifact)
+        for listener in self._store_listeners:  # the key is present, whichever digest it kept
+            listener(entry)
+        return outcome
+
+    def add_store_listener(self, listener: Callable[[EntryId], None]) -> None:
+        """Call `listener(entry)` after every Store (the entry is present when it runs)."""
+        self._store_listeners.append(listener)
+
+    def _store(self, entry: EntryId, artifact: Artifact) -> StoreOutcome:
+        ns = entry[0]
         now = self._clock()
         with self._write_lock:
             with self._index_lock:
@@ -373,6 +423,7 @@ class ArtifactStore:
                 self._forget(victims)
                 self._index.add(entry, EntryMeta(artifact.size, artifact.sha256,
                                                  artifact.compile_seconds))
+                self._hot.put(entry, artifact)  # its digest was verified by _validate
                 self._counters["stores"] += 1
             if victims:
                 self._vacuum()
@@ -522,6 +573,7 @@ class ArtifactStore:
         for v in victims:
             self._index.remove(v)
             self._dirty.pop(v, None)
+            self._hot.drop(v)
         self._counters["evictions"] += len(victims)
 
     def _flush_access_statements(self) -> None:
@@ -570,7 +622,14 @@ class ArtifactStore:
             low_watermark=self.config.low_watermark,
             namespaces=[NamespaceStats(ns, n, b, self.config.budget_for(ns))
                         for ns, (n, b) in sorted(namespaces.items())],
+            hot_entries=len(self._hot), hot_bytes=self._hot.bytes,
+            hot_budget_bytes=self._hot.budget_bytes, hot_hits=self._hot.hits,
+            bytes_served=c["bytes_served"],
         )
+
+    def hot_snapshot(self) -> dict[EntryId, str]:
+        """(namespace, key) -> digest of every artifact the in-memory tier holds."""
+        return self._hot.snapshot()
 
     def db_file_bytes(self) -> int:
         total = 0

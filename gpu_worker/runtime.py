@@ -367,9 +367,7 @@ class WorkerRuntime:
                         "bytes_copied": w.get("bytes_copied", 0),
                         "resident_bytes": w.get("resident_bytes", 0),
                         "budget_bytes": w.get("budget_bytes", 0) or 0},
-            "compile": {k: comp.get(k, 0) for k in (
-                "compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits",
-                "remote_errors", "remote_timeouts", "load_fallbacks")},
+            "compile": dict(comp),
             "capture": {"captures": gate.captures,
                         "invalidations": device.capture_invalidations,
                         "gate_waits": gate.writer_waits, "replays": replays},

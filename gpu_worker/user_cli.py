@@ -127,7 +127,9 @@ def cmd_stats(args: argparse.Namespace) -> None:
     print(f"plans: {p.entries} warm, hits {p.hits}, misses {p.misses}, evictions {p.evictions}, "
           f"graphs {_mib(p.graph_bytes)}")
     print(f"compile: compiled {c.compiled} ({c.compile_seconds:.2f}s), memo {c.memo_hits}, "
-          f"local {c.local_hits}, remote {c.remote_hits}, remote errors {c.remote_errors}")
+          f"local {c.local_hits}, remote {c.remote_hits}, remote errors {c.remote_errors}; "
+          f"claims {c.claims_granted}, waits {c.claim_waits} ({c.claim_wait_hits} hits, "
+          f"{c.claim_takeovers} takeovers, {c.claim_wait_timeouts} timed out)")
     print(f"capture: {s.capture.captures} captures, {s.capture.replays} replays, "
           f"{s.capture.invalidations} invalidations, {s.capture.gate_waits} gate waits")
 

@@ -11,6 +11,10 @@ Contract:
   service, a corrupt file or an artifact whose metadata does not match falls through to the next
   tier; after a compile both artifacts go to the disk and (fire-and-forget) to the service; a
   remote hit is written to the disk so the next process start is local.
+- Across hosts, a key that misses every tier is claimed at the service before NVRTC runs
+  (`single_flight.SingleFlight`): the holder compiles and its Store ends the claim; other hosts
+  wait for that Store (bounded by `claim.wait_s`), take over a claim that expired, and compile
+  locally whenever the service cannot answer.
 - Concurrent `compile`s of one key in one process run NVRTC once: the first caller is the leader
   and the others wait on its future (and get its exception if it fails; the next call retries).
 - `load(device, src)` loads the CUBIN when the device's arch is the compiler's, else the PTX. A
@@ -26,6 +30,7 @@ Cost: a memo hit is a dict lookup; a key is one SHA-256 over the source (memoize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -42,6 +47,7 @@ from opentelemetry import trace
 from gpu_worker.compile.key import artifact_key
 from gpu_worker.compile.local_cache import LocalKernelCache, default_cache_dir, default_max_bytes
 from gpu_worker.compile.nvrtc import NvrtcOutput, compile_program, nvrtc_version, validate_arch
+from gpu_worker.compile.single_flight import CLAIMED, ClaimPolicy, Fetched, SingleFlight
 from gpu_worker.compile.source import KernelSource
 from services.common.errors import FailedPrecondition, InvalidArgument
 
@@ -80,14 +86,17 @@ class KernelCompiler:
         max_local_bytes: int | None = None,
         namespace: str = "",
         tracer_provider: Any = None,
+        claim: ClaimPolicy | None = None,
     ) -> None:
         """`max_local_bytes` None: GPUPLANE_KERNEL_CACHE_MAX_BYTES, else 256 MiB (0 unbounded).
-        `tracer_provider` None: the global one (spans only for work past the memo)."""
+        `tracer_provider` None: the global one (spans only for work past the memo).
+        `claim` None: ClaimPolicy.from_env() (GPUPLANE_KERNEL_CLAIM_TTL_S / _WAIT_S)."""
         self.arch = validate_arch(arch)
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
         self.nvrtc_version = nvrtc_version()
         self.namespace = namespace
         self.remote = remote
+        self.single_flight = SingleFlight(remote, namespace, claim or ClaimPolicy.from_env())
         self.local = LocalKernelCache(
             pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir(),
             default_max_bytes() if max_local_bytes is None else max_local_bytes,
@@ -196,13 +205,28 @@ class KernelCompiler:
                 self.local.put_many({key_cubin: fetched["cubin"]})
             found.update(fetched)
             tier = "remote"
+        claimed = False
+        if "cubin" not in found and self.single_flight.enabled:
+            got = self.single_flight.acquire(key_cubin)
+            if isinstance(got, Fetched):  # another host compiled it while this one waited
+                data = self._accept(src, "cubin", got.artifact, self.arch)
+                if data is not None:
+                    self.local.put_many({key_cubin: data})
+                    found["cubin"], tier = data, "remote"
+            claimed = got == CLAIMED
         if "cubin" in found:
             with self._lock:
                 self._counts[f"{tier}_hits"] += 1
             return CompiledModule(
                 src.module_name, key_cubin, key_ptx, found["cubin"], found.get("ptx", b""), tier
             )
-        out = self._nvrtc(src, self.arch)
+        try:
+            with self.single_flight.renewing(key_cubin) if claimed else contextlib.nullcontext():
+                out = self._nvrtc(src, self.arch)
+        except BaseException:
+            if claimed:  # so other hosts compile now instead of waiting out the TTL
+                self.single_flight.release(key_cubin)
+            raise
         self._publish(src, key_cubin, key_ptx, out)
         return CompiledModule(
             src.module_name, key_cubin, key_ptx, out.cubin, out.ptx, "compiled", out.seconds
@@ -437,6 +461,7 @@ class KernelCompiler:
         "remote_errors",
         "remote_timeouts",
         "load_fallbacks",
+        *SingleFlight.FIELDS,
     )
 
     def stats(self) -> dict[str, int | float]:
@@ -467,6 +492,7 @@ class KernelCompiler:
                 k: (v if k == "compile_seconds" else int(v)) for k, v in self._counts.items()
             }
             counts["memo_entries"] = len(self._memo)
+        counts.update(self.single_flight.stats())
         counts["remote_errors"] = (
             delta("errors")
             + delta("corrupt")

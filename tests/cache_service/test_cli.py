@@ -85,3 +85,17 @@ def test_serve_defaults_put_the_database_under_var_with_a_256_mib_budget(monkeyp
     config = server_config_from_args(_parser().parse_args(["serve"]))
     assert config.store.budget_bytes == 256 << 20 and config.write_token is None
     assert config.db.name == "kernel_cache.sqlite" and config.db.parent.name == "var"
+
+
+def test_hot_tier_and_claim_flags_take_env_defaults_and_refuse_waiters_that_could_starve_stores(
+        monkeypatch):
+    from cache_service.__main__ import _parser
+    from cache_service.config import ServerConfig, server_config_from_args
+
+    monkeypatch.setenv("GPUPLANE_CACHE_HOT_BYTES", "8MiB")
+    monkeypatch.setenv("GPUPLANE_CACHE_MAX_CLAIM_TTL_S", "60")
+    config = server_config_from_args(_parser().parse_args(["serve", "--max-claim-waiters", "4"]))
+    assert config.store.hot_bytes == 8 << 20 and config.max_claim_ttl_s == 60.0
+    assert config.max_claim_waiters == 4 and config.max_claim_wait_s == 5.0
+    with pytest.raises(ValueError, match="max_claim_waiters"):
+        ServerConfig(max_claim_waiters=32)  # every server thread waiting: no Store could wake them

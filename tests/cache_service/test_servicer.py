@@ -153,3 +153,71 @@ def test_a_max_artifact_size_at_or_above_the_message_limit_is_refused_at_startup
     with pytest.raises(ValueError, match="message limit"):
         ServerConfig(db=tmp_path / "c.sqlite",
                      store=StoreConfig(max_artifact_bytes=MAX_MESSAGE_BYTES))
+
+
+# -- single-flight claims ---------------------------------------------------------------------
+
+
+def claim(stub, holder: str, key: str = "k", ttl_s: float = 30.0, wait_s: float = 0.0,
+          metadata=AUTH, timeout: float = 10.0) -> pb.ClaimResponse:
+    return stub.Claim(pb.ClaimRequest(key=key, holder=holder, ttl_s=ttl_s, wait_s=wait_s),
+                      timeout=timeout, metadata=metadata)
+
+
+def test_a_claim_needs_the_write_token_because_it_makes_other_hosts_wait(stub, server):
+    assert code_of(lambda: claim(stub, "h", metadata=None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: stub.ReleaseClaim(pb.ReleaseClaimRequest(key="k", holder="h"),
+                                             timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    assert server.servicer.claims.stats().active == 0, "a refused claim was taken"
+
+
+@pytest.mark.parametrize("request_fields", [
+    {"key": "", "holder": "h", "ttl_s": 1.0}, {"key": "k", "holder": "", "ttl_s": 1.0},
+    {"key": "k", "holder": "h", "ttl_s": 0.0}, {"key": "k", "holder": "h", "ttl_s": 1e9},
+    {"key": "k", "holder": "h", "ttl_s": 1.0, "wait_s": -1.0},
+    {"key": "k", "holder": "h", "ttl_s": 1.0, "namespace": "bad ns"}])
+def test_a_bad_claim_is_invalid_argument_and_takes_nothing(stub, server, request_fields):
+    assert code_of(lambda: stub.Claim(pb.ClaimRequest(**request_fields), timeout=5,
+                                      metadata=AUTH)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert server.servicer.claims.stats().active == 0
+
+
+def test_claim_then_store_ends_the_claim_and_the_waiter_gets_the_artifact(stub, server):
+    import threading
+
+    assert claim(stub, "host-a").outcome == pb.CLAIM_OUTCOME_GRANTED
+    assert claim(stub, "host-b").outcome == pb.CLAIM_OUTCOME_HELD
+    replies: list[pb.ClaimResponse] = []
+    waiter = threading.Thread(target=lambda: replies.append(claim(stub, "host-b", wait_s=10.0)))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while server.servicer.claims.stats().waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stored = store_request("k", seed=7)
+    assert stub.Store(stored, timeout=5, metadata=AUTH).stored
+    waiter.join(10)
+    assert replies and replies[0].outcome == pb.CLAIM_OUTCOME_FOUND, replies
+    assert replies[0].artifact == stored.artifact, "FOUND must carry the stored artifact"
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=5).claims
+    assert (stats.granted, stats.waits, stats.wait_hits, stats.active) == (1, 1, 1, 0), stats
+    text = generate_latest(server.metrics.registry).decode()
+    for line in ("kernel_cache_claims_granted_total 1.0", "kernel_cache_claim_waits_total 1.0",
+                 "kernel_cache_claim_wait_hits_total 1.0", "kernel_cache_claims_expired_total 0.0"):
+        assert line in text, f"{line!r} missing from /metrics"
+
+
+def test_release_lets_the_next_host_claim_at_once(stub):
+    assert claim(stub, "host-a").outcome == pb.CLAIM_OUTCOME_GRANTED
+    assert not stub.ReleaseClaim(pb.ReleaseClaimRequest(key="k", holder="host-b"), timeout=5,
+                                 metadata=AUTH).released
+    assert stub.ReleaseClaim(pb.ReleaseClaimRequest(key="k", holder="host-a"), timeout=5,
+                             metadata=AUTH).released
+    assert claim(stub, "host-b").outcome == pb.CLAIM_OUTCOME_GRANTED
+
+
+def test_a_claim_never_waits_past_the_callers_deadline(stub):
+    assert claim(stub, "host-a").outcome == pb.CLAIM_OUTCOME_GRANTED
+    started = time.monotonic()
+    reply = claim(stub, "host-b", wait_s=30.0, timeout=0.5)
+    assert reply.outcome == pb.CLAIM_OUTCOME_HELD
+    assert time.monotonic() - started < 0.5, "the server waited past the caller's deadline"

@@ -12,9 +12,20 @@ class ArtifactKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ARTIFACT_KIND_UNSPECIFIED: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_PTX: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_CUBIN: _ClassVar[ArtifactKind]
+
+class ClaimOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_OUTCOME_UNSPECIFIED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_GRANTED: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_FOUND: _ClassVar[ClaimOutcome]
+    CLAIM_OUTCOME_HELD: _ClassVar[ClaimOutcome]
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_PTX: ArtifactKind
 ARTIFACT_KIND_CUBIN: ArtifactKind
+CLAIM_OUTCOME_UNSPECIFIED: ClaimOutcome
+CLAIM_OUTCOME_GRANTED: ClaimOutcome
+CLAIM_OUTCOME_FOUND: ClaimOutcome
+CLAIM_OUTCOME_HELD: ClaimOutcome
 
 class Artifact(_message.Message):
     __slots__ = ("data", "sha256", "kind", "arch", "nvrtc_version", "module_name", "compile_seconds")
@@ -103,7 +114,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces", "quarantined", "max_artifact_bytes", "low_watermark")
+    __slots__ = ("entries", "total_bytes", "budget_bytes", "hits", "misses", "evictions", "stores", "corrupt", "digest_conflicts", "compile_seconds_saved", "db_file_bytes", "namespaces", "quarantined", "max_artifact_bytes", "low_watermark", "claims", "hot_entries", "hot_bytes", "hot_budget_bytes", "hot_hits", "bytes_served")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +130,12 @@ class GetStatsResponse(_message.Message):
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     MAX_ARTIFACT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    HOT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOT_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOT_HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     total_bytes: int
     budget_bytes: int
@@ -134,7 +151,33 @@ class GetStatsResponse(_message.Message):
     quarantined: int
     max_artifact_bytes: int
     low_watermark: float
-    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ...) -> None: ...
+    claims: ClaimStats
+    hot_entries: int
+    hot_bytes: int
+    hot_budget_bytes: int
+    hot_hits: int
+    bytes_served: int
+    def __init__(self, entries: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., stores: _Optional[int] = ..., corrupt: _Optional[int] = ..., digest_conflicts: _Optional[int] = ..., compile_seconds_saved: _Optional[float] = ..., db_file_bytes: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., quarantined: _Optional[int] = ..., max_artifact_bytes: _Optional[int] = ..., low_watermark: _Optional[float] = ..., claims: _Optional[_Union[ClaimStats, _Mapping]] = ..., hot_entries: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., hot_budget_bytes: _Optional[int] = ..., hot_hits: _Optional[int] = ..., bytes_served: _Optional[int] = ...) -> None: ...
+
+class ClaimStats(_message.Message):
+    __slots__ = ("granted", "waits", "wait_hits", "expired", "released", "active", "waiting", "renewed")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    WAITS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_HITS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    waits: int
+    wait_hits: int
+    expired: int
+    released: int
+    active: int
+    waiting: int
+    renewed: int
+    def __init__(self, granted: _Optional[int] = ..., waits: _Optional[int] = ..., wait_hits: _Optional[int] = ..., expired: _Optional[int] = ..., released: _Optional[int] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., renewed: _Optional[int] = ...) -> None: ...
 
 class PruneRequest(_message.Message):
     __slots__ = ("target_bytes",)
@@ -151,3 +194,49 @@ class PruneResponse(_message.Message):
     freed_bytes: int
     total_bytes: int
     def __init__(self, evicted_entries: _Optional[int] = ..., freed_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("key", "namespace", "holder", "ttl_s", "wait_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    namespace: str
+    holder: str
+    ttl_s: float
+    wait_s: float
+    def __init__(self, key: _Optional[str] = ..., namespace: _Optional[str] = ..., holder: _Optional[str] = ..., ttl_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("outcome", "artifact", "expires_in_s", "took_over", "retry_after_s", "waited")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    WAITED_FIELD_NUMBER: _ClassVar[int]
+    outcome: ClaimOutcome
+    artifact: Artifact
+    expires_in_s: float
+    took_over: bool
+    retry_after_s: float
+    waited: bool
+    def __init__(self, outcome: _Optional[_Union[ClaimOutcome, str]] = ..., artifact: _Optional[_Union[Artifact, _Mapping]] = ..., expires_in_s: _Optional[float] = ..., took_over: _Optional[bool] = ..., retry_after_s: _Optional[float] = ..., waited: _Optional[bool] = ...) -> None: ...
+
+class ReleaseClaimRequest(_message.Message):
+    __slots__ = ("key", "namespace", "holder")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    namespace: str
+    holder: str
+    def __init__(self, key: _Optional[str] = ..., namespace: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class ReleaseClaimResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

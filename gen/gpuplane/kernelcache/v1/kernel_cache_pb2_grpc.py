@@ -59,6 +59,16 @@ class KernelCacheServiceStub:
                 request_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneRequest.SerializeToString,
                 response_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/gpuplane.kernelcache.v1.KernelCacheService/Claim',
+                request_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.ReleaseClaim = channel.unary_unary(
+                '/gpuplane.kernelcache.v1.KernelCacheService/ReleaseClaim',
+                request_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimRequest.SerializeToString,
+                response_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimResponse.FromString,
+                _registered_method=True)
 
 
 class KernelCacheServiceServicer:
@@ -94,6 +104,18 @@ class KernelCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseClaim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KernelCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_KernelCacheServiceServicer_to_server(servicer, server):
                     servicer.Prune,
                     request_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneRequest.FromString,
                     response_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimRequest.FromString,
+                    response_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimResponse.SerializeToString,
+            ),
+            'ReleaseClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClaim,
+                    request_deserializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimRequest.FromString,
+                    response_serializer=gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +290,60 @@ class KernelCacheService:
             '/gpuplane.kernelcache.v1.KernelCacheService/Prune',
             gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneRequest.SerializeToString,
             gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.PruneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuplane.kernelcache.v1.KernelCacheService/Claim',
+            gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimRequest.SerializeToString,
+            gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuplane.kernelcache.v1.KernelCacheService/ReleaseClaim',
+            gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimRequest.SerializeToString,
+            gpuplane_dot_kernelcache_dot_v1_dot_kernel__cache__pb2.ReleaseClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -172,7 +172,7 @@ class WeightStats(_message.Message):
     def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class CompileStats(_message.Message):
-    __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks")
+    __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks", "claims_granted", "claim_waits", "claim_wait_hits", "claim_takeovers", "claim_wait_timeouts")
     COMPILED_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMO_HITS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,11 @@ class CompileStats(_message.Message):
     REMOTE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_WAITS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_WAIT_HITS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_WAIT_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     compiled: int
     compile_seconds: float
     memo_hits: int
@@ -189,7 +194,12 @@ class CompileStats(_message.Message):
     remote_errors: int
     remote_timeouts: int
     load_fallbacks: int
-    def __init__(self, compiled: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., memo_hits: _Optional[int] = ..., local_hits: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_timeouts: _Optional[int] = ..., load_fallbacks: _Optional[int] = ...) -> None: ...
+    claims_granted: int
+    claim_waits: int
+    claim_wait_hits: int
+    claim_takeovers: int
+    claim_wait_timeouts: int
+    def __init__(self, compiled: _Optional[int] = ..., compile_seconds: _Optional[float] = ..., memo_hits: _Optional[int] = ..., local_hits: _Optional[int] = ..., remote_hits: _Optional[int] = ..., remote_errors: _Optional[int] = ..., remote_timeouts: _Optional[int] = ..., load_fallbacks: _Optional[int] = ..., claims_granted: _Optional[int] = ..., claim_waits: _Optional[int] = ..., claim_wait_hits: _Optional[int] = ..., claim_takeovers: _Optional[int] = ..., claim_wait_timeouts: _Optional[int] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("captures", "invalidations", "gate_waits", "replays")
