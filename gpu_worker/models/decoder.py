@@ -39,6 +39,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     start = t("start", (1,), "i32", "input")    # position of the first token, read on device
     n("embed", "embedding", (tokens,), (t("x.0", (seq, h)),), (w("embed", (cfg.vocab_size, h), "f16"),))
     x = "x.0"
+    # llama3 rope scaling: the rescaled frequency table replaces theta's formula
+    rope = (w("rope.inv_freq", (hd // 2,), "f32"),) if cfg.rope_scaling is not None else ()
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         kc, vc = kv_state_names(layer)
@@ -49,10 +51,14 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         linear(p + "wq", p + "h", p + "q", h, h)
         linear(p + "wk", p + "h", p + "k", kvd, h)
         linear(p + "wv", p + "h", p + "v", kvd, h)
+        if cfg.qkv_bias:  # Qwen2: biases on q, k and v only, added in place
+            for lin, out, dim in (("wq", "q", h), ("wk", "k", kvd), ("wv", "v", kvd)):
+                n(p + lin + "_bias", "bias_add", (p + out,), (p + out,),
+                  (w(p + lin + ".b", (dim,), "f32"),))
         # rotary rotates in place; its output names the same tensor
-        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",),
+        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",), rope,
           heads=cfg.heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",),
+        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",), rope,
           heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
         n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
           kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
@@ -96,8 +102,11 @@ class DecoderModel:
     family = "decoder"
 
     def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True,
-                 bucketed: bool = True) -> None:
+                 bucketed: bool = True,
+                 weights: Callable[[], Iterator[tuple[str, np.ndarray]]] | None = None) -> None:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
+        # a checkpoint's streaming loader (gpu_worker/checkpoints); None: weights from the seed
+        self.weights = weights
         # False: one prefill shape per prompt length (the unbucketed traffic of DESIGN 1.1,
         # for the replay benchmark); True: lengths rounded up onto the plan ladder.
         self.bucketed = bucketed
@@ -106,7 +115,8 @@ class DecoderModel:
         return min(seq_bucket(n), self.cfg.max_context) if self.bucketed else n
 
     def load(self) -> None:
-        for key, host in generate(self.cfg, self.seed):
+        source = self.weights() if self.weights is not None else generate(self.cfg, self.seed)
+        for key, host in source:
             self.executor.add_weight(key, host)
         per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * 4
         for layer in range(self.cfg.layers):

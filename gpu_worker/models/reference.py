@@ -23,17 +23,21 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     # float64 angles, as the rotary kernel forms them (gpu_worker/kernels/rotary.py).
     inv = np.float64(theta) ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2.0 / head_dim)
+    if inv_freq is not None:  # llama3 scaling: the model's f32 table, as the kernel reads it
+        inv = np.asarray(inv_freq, np.float32).astype(np.float64)
     ang = positions.astype(np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, theta: float,
+         inv_freq: np.ndarray | None = None) -> np.ndarray:
     """x: (seq, heads, head_dim) rotated at `positions` (seq,)."""
     half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, inv_freq)
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -96,7 +100,12 @@ class DecoderReference:
             q = (h @ lin[p + "wq"].T).reshape(len(tokens), cfg.heads, cfg.head_dim)
             k = (h @ lin[p + "wk"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             v = (h @ lin[p + "wv"].T).reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
-            q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+            if cfg.qkv_bias:
+                q = q + w[p + "wq.b"].reshape(cfg.heads, cfg.head_dim)
+                k = k + w[p + "wk.b"].reshape(cfg.kv_heads, cfg.head_dim)
+                v = v + w[p + "wv.b"].reshape(cfg.kv_heads, cfg.head_dim)
+            table = w.get("rope.inv_freq")
+            q, k = rope(q, pos, cfg.rope_theta, table), rope(k, pos, cfg.rope_theta, table)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)

@@ -1,0 +1,146 @@
+"""Build tiny random Hugging Face checkpoints with `transformers` and record its outputs as goldens.
+
+Run in a separate environment that has torch (CPU) and transformers, never the project's:
+    python -m venv /tmp/peer-venv && /tmp/peer-venv/bin/pip install torch transformers tokenizers numpy
+    /tmp/peer-venv/bin/python scripts/make_checkpoint_goldens.py tests/checkpoints/golden
+
+For each model (Llama with llama3 rope scaling, sharded; Llama tied; Qwen2 tied; Qwen2 untied) it
+writes `<name>/` (config.json, bf16 safetensors, generation_config.json) and `<name>.npz`:
+  prompts     int32 (P, L)       prompts fed to the peer
+  logits      float32 (P, vocab) transformers' fp32 logits at each prompt's last position
+  greedy      int32 (P, 16)      transformers' greedy tokens
+The peer runs on the weights our loader serves: every linear dequantized from our int4 block
+format (gpu_worker.models.weights.quantize), the embedding table rounded to fp16, so the goldens
+check the loader's mapping and our graph, not the quantization error.
+The Llama directory also gets a tokenizer.json (a byte-level BPE trained here) and
+`tokenizer.npz`: transformers' ids for sample texts and its decoding of them.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from gpu_worker.models.weights import quantize  # noqa: E402  (pure NumPy)
+
+VOCAB = 288
+STEPS = 16
+PROMPTS = [[1, 17, 42, 99, 7, 250, 3, 64], [5, 200, 11, 11, 140, 33, 8, 2]]
+TEXTS = ["Hello, world!", "gpuplane serves checkpoints — naïve café 日本語 🙂", "  spaces\tand\nlines "]
+CORPUS = ("the quick brown fox jumps over the lazy dog. hello world, hello gpuplane. "
+          "checkpoints are loaded from safetensors and quantized on load. ") * 20
+
+SHAPES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+
+
+def models_to_build() -> dict[str, tuple[type, object]]:
+    return {
+        "llama-llama3-sharded": (LlamaForCausalLM, LlamaConfig(
+            **SHAPES, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+        "llama-tied": (LlamaForCausalLM, LlamaConfig(**SHAPES, rms_norm_eps=1e-5,
+                                                     tie_word_embeddings=True)),
+        "qwen2-tied": (Qwen2ForCausalLM, Qwen2Config(**SHAPES, rms_norm_eps=1e-6,
+                                                     rope_theta=1000000.0, tie_word_embeddings=True)),
+        "qwen2-untied": (Qwen2ForCausalLM, Qwen2Config(**SHAPES, rms_norm_eps=1e-6,
+                                                       rope_theta=1000000.0, tie_word_embeddings=False)),
+    }
+
+
+def roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """The float32 weight our int4 kernels compute with."""
+    return torch.from_numpy(quantize(w.float().numpy()).dequantize())
+
+
+def served_weights(model: torch.nn.Module, tied: bool) -> dict[str, torch.Tensor]:
+    """The state dict as our loader serves it (int4 linears, fp16 embedding, f32 rest)."""
+    state = {k: v.float().clone() for k, v in model.state_dict().items()}
+    embed = state["model.embed_tokens.weight"]
+    out = {}
+    for name, value in state.items():
+        if name == "model.embed_tokens.weight":
+            out[name] = value.half().float()
+        elif name.endswith("_proj.weight") or name == "lm_head.weight":
+            out[name] = roundtrip(value)
+        else:
+            out[name] = value
+    out["lm_head.weight"] = roundtrip(embed if tied else state["lm_head.weight"])
+    return out
+
+
+def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def build(root: pathlib.Path, name: str, cls: type, config) -> None:
+    torch.manual_seed(sum(map(ord, name)))
+    model = cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mapping mistake shows
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in pname
+                        else torch.empty_like(p).uniform_(-0.5, 0.5))
+    model = model.to(torch.bfloat16)
+    shard = "20KB" if "sharded" in name else "10GB"
+    model.save_pretrained(root / name, safe_serialization=True, max_shard_size=shard)
+
+    # The peer: the same architecture in fp32, untied, on the weights we serve.
+    peer_cfg = cls.config_class.from_dict({**config.to_dict(), "tie_word_embeddings": False})
+    peer = cls(peer_cfg).eval()
+    peer.load_state_dict(served_weights(model, config.tie_word_embeddings), strict=True)
+    with torch.no_grad():
+        logits = np.stack([peer(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS])
+    np.savez_compressed(root / f"{name}.npz", prompts=np.array(PROMPTS, np.int32),
+                        logits=logits.astype(np.float32),
+                        greedy=np.array([greedy(peer, p) for p in PROMPTS], np.int32))
+
+
+def build_tokenizer(directory: pathlib.Path, root: pathlib.Path) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 3, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    ids = [hf.encode(t, add_special_tokens=False) for t in TEXTS]
+    width = max(map(len, ids))
+    padded = np.full((len(ids), width), -1, np.int32)
+    for i, row in enumerate(ids):
+        padded[i, :len(row)] = row
+    np.savez_compressed(root / "tokenizer.npz", texts=np.array(TEXTS), ids=padded,
+                        decoded=np.array([hf.decode(r) for r in ids]))
+
+
+def main() -> None:
+    root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/checkpoints/golden")
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (cls, config) in models_to_build().items():
+        build(root, name, cls, config)
+    build_tokenizer(root / "llama-tied", root)
+    (root / "README.md").write_text(
+        "Made by scripts/make_checkpoint_goldens.py with transformers "
+        f"{__import__('transformers').__version__} and torch {torch.__version__}; do not edit.\n")
+    print(json.dumps(sorted(p.name for p in root.iterdir())))
+
+
+if __name__ == "__main__":
+    main()
