@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
              "gRPC handler threads (concurrent calls)", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
+    env_flag(serve, "--model-root", "GPUPLANE_WORKER_MODEL_ROOT", "",
+             "directory of Hugging Face checkpoints LoadModel may read; empty = synthetic models only")
+    env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
+             "tokens of context served from a checkpoint (at most its max_position_embeddings)",
+             type=int)
     return parser
 
 
@@ -80,6 +85,8 @@ def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerCo
         max_plan_bytes=args.max_plan_bytes or None,
         cache_write_token=args.cache_write_token or None,
         tracer_provider=provider,
+        model_root=pathlib.Path(args.model_root) if args.model_root else None,
+        checkpoint_context=args.checkpoint_context,
     )
 
 
@@ -92,6 +99,9 @@ def serve(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
         log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
+        return 2
+    if args.checkpoint_context < 1:
+        log.error("--checkpoint-context must be at least 1")
         return 2
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider)

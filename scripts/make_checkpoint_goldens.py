@@ -24,11 +24,16 @@ import sys
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from gpu_worker.models.weights import quantize  # noqa: E402  (pure NumPy)
+from gpu_worker.models.weights import quantize
 
 VOCAB = 288
 STEPS = 16
@@ -37,9 +42,9 @@ TEXTS = ["Hello, world!", "gpuplane serves checkpoints — naïve café 日本�
 CORPUS = ("the quick brown fox jumps over the lazy dog. hello world, hello gpuplane. "
           "checkpoints are loaded from safetensors and quantized on load. ") * 20
 
-SHAPES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+SHAPES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "initializer_range": 0.25, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def models_to_build() -> dict[str, tuple[type, object]]:

@@ -23,6 +23,7 @@ import json
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 
@@ -174,7 +175,7 @@ class Checkpoint:
             f.close()
         self._files = {}
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

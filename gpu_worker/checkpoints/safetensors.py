@@ -17,6 +17,8 @@ import json
 import mmap
 import pathlib
 import struct
+from itertools import pairwise
+from typing import Self
 
 import numpy as np
 
@@ -42,7 +44,7 @@ class SafetensorsFile:
     def __init__(self, path: pathlib.Path) -> None:
         self.path = pathlib.Path(path)
         try:
-            self._file = open(self.path, "rb")
+            self._file = open(self.path, "rb")  # noqa: SIM115  (open as long as the mapping)
         except FileNotFoundError:
             raise CheckpointError(f"{self.path.name}: file is missing", file=str(self.path)) from None
         self._map: mmap.mmap | None = None
@@ -95,7 +97,7 @@ class SafetensorsFile:
                                  f"({data_size} bytes): the file is truncated or the header lies", name)
             entries[name] = (dtype, shape, begin, end)
         spans = sorted((b, e, name) for name, (_, _, b, e) in entries.items() if e > b)
-        for (_, e0, a), (b1, _, b) in zip(spans, spans[1:]):
+        for (_, e0, a), (b1, _, b) in pairwise(spans):
             if b1 < e0:
                 raise self._fail(f"data of {a!r} and {b!r} overlap", b)
         return entries, metadata, data_start
@@ -136,7 +138,7 @@ class SafetensorsFile:
             self._map = None
         self._file.close()
 
-    def __enter__(self) -> SafetensorsFile:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

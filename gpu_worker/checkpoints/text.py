@@ -24,7 +24,7 @@ class TextCodec:
         from tokenizers import Tokenizer
         try:
             self._tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust library raises a bare Exception on a bad file
+        except Exception as exc:  # noqa: BLE001  (the Rust library raises a bare Exception)
             raise InvalidArgument(f"{path.name} could not be read as a tokenizer ({exc})",
                                   file=str(path)) from None
 

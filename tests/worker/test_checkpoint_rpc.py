@@ -135,3 +135,24 @@ def test_an_absolute_path_inside_the_root_loads_qwen2_which_stops_at_its_eos(wor
     assert out[-1].stopped_at_eos == (want[-1] == 2)
     worker.unload_model("qwen")
     assert worker.stats().ledger_bytes == before, "unload must return every byte of the load"
+
+
+def test_the_cli_loads_a_checkpoint_and_streams_text(worker, capsys):
+    from gpu_worker.user_cli import main
+    assert main(["--worker", worker.target, "load", "--model-id", "cli", "--checkpoint",
+                 "qwen2-untied"]) == 0
+    assert "qwen2-untied (Qwen2ForCausalLM, int4)" in capsys.readouterr().out
+    worker.unload_model("cli")
+    assert main(["--worker", worker.target, "generate", "--model-id", "llama", "--prompt",
+                 "hello world", "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    codec = TextCodec.for_checkpoint(GOLDEN / "llama-tied")
+    assert out["text"] == codec.decode(out["tokens"]) and out["prompt_tokens"] == len(codec.encode("hello world"))
+
+
+def test_the_serve_flags_set_the_model_root_and_context(tmp_path):
+    from gpu_worker.__main__ import build_parser, worker_config
+    cfg = worker_config(build_parser().parse_args(
+        ["serve", "--model-root", str(tmp_path), "--checkpoint-context", "4096"]))
+    assert cfg.model_root == tmp_path and cfg.checkpoint_context == 4096
+    assert worker_config(build_parser().parse_args(["serve"])).model_root is None
