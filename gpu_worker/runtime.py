@@ -207,12 +207,12 @@ class WorkerRuntime:
         with Checkpoint.open(directory, self.config.checkpoint_context) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
-            return self._load(model_id, ckpt.cfg, "decoder", ckpt.cfg.name, 0, ckpt.weights,
-                              source, codec, ckpt.spec.eos_token_ids)
+            return self._load(model_id, ckpt.cfg, ckpt.cfg.family, ckpt.cfg.name, 0, ckpt.weights,
+                              source, codec, ckpt.spec.eos_token_ids, ckpt.spec.normalize)
 
     def _load(self, model_id: str, cfg: ModelConfig, family: str, config: str, seed: int,
               weights, source: dict | None = None, codec: TextCodec | None = None,
-              eos: tuple[int, ...] = ()) -> LoadResult:
+              eos: tuple[int, ...] = (), normalize: bool = False) -> LoadResult:
         from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
         device = self._started()
         with self._lock:
@@ -227,7 +227,8 @@ class WorkerRuntime:
         if family == "decoder":
             model = DecoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights)
         else:
-            model = EncoderModel(executor, cfg, seed, capture=self.config.capture)
+            model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
+                                 normalize=normalize)
         try:
             with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
                        family=family, config=config):
@@ -336,6 +337,24 @@ class WorkerRuntime:
 
     def eos_token_ids(self, model_id: str) -> tuple[int, ...]:
         return self._get(model_id).eos_token_ids
+
+    def embed_texts(self, model_id: str, texts: list[str]) -> np.ndarray:
+        """Embeddings of `texts`, in order. The encoder has no padding mask, so texts are grouped
+        by token count and each group runs as one exact-length batch."""
+        codec = self.codec(model_id)
+        sequences = [codec.encode(t) for t in texts]
+        by_length: dict[int, list[int]] = {}
+        for i, s in enumerate(sequences):
+            by_length.setdefault(len(s), []).append(i)
+        out: np.ndarray | None = None
+        for indices in by_length.values():
+            vectors = self.embed(model_id, [sequences[i] for i in indices])
+            if out is None:
+                out = np.empty((len(texts), vectors.shape[1]), np.float32)
+            out[indices] = vectors
+        if out is None:
+            raise InvalidArgument("texts is empty: send at least one text")
+        return out
 
     def embed(self, model_id: str, sequences: list[list[int]]) -> np.ndarray:
         loaded = self._get(model_id, "encoder")

@@ -237,13 +237,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext
               ) -> worker_pb2.EmbedResponse:
-        if request.texts and request.sequences:
-            raise errors.InvalidArgument("send sequences (token ids) or texts, not both")
         if request.texts:
-            codec = self.runtime.codec(request.model_id)
-            sequences = [codec.encode(t) for t in request.texts]
-        else:
-            sequences = [list(s.tokens) for s in request.sequences]
+            if request.sequences:
+                raise errors.InvalidArgument("send sequences (token ids) or texts, not both")
+            if len(request.texts) > MAX_EMBED_BATCH:
+                raise errors.InvalidArgument(
+                    f"{len(request.texts)} texts exceed the batch limit of {MAX_EMBED_BATCH}")
+            _tag(model_id=request.model_id, batch=len(request.texts))
+            self._model(request.model_id)
+            vectors = self.runtime.embed_texts(request.model_id, list(request.texts))
+            return worker_pb2.EmbedResponse(
+                embeddings=[worker_pb2.Embedding(values=[float(x) for x in row]) for row in vectors])
+        sequences = [list(s.tokens) for s in request.sequences]
         _tag(model_id=request.model_id, batch=len(sequences),
              seq=len(sequences[0]) if sequences else 0)
         info = self._model(request.model_id)

@@ -14,6 +14,9 @@ format (gpu_worker.models.weights.quantize), the embedding table rounded to fp16
 check the loader's mapping and our graph, not the quantization error.
 The Llama directory also gets a tokenizer.json (a byte-level BPE trained here) and
 `tokenizer.npz`: transformers' ids for sample texts and its decoding of them.
+`bert-st/` is a BertModel in the sentence-transformers layout (modules.json, mean Pooling,
+Normalize, a WordPiece tokenizer.json, names without the `bert.` prefix, exact GELU) and
+`bert-st.npz` transformers' mean-pooled, normalized embeddings of token sequences and of texts.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    BertConfig,
+    BertModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -135,12 +140,75 @@ def build_tokenizer(directory: pathlib.Path, root: pathlib.Path) -> None:
                         decoded=np.array([hf.decode(r) for r in ids]))
 
 
+def build_bert(root: pathlib.Path) -> None:
+    name, directory = "bert-st", root / "bert-st"
+    torch.manual_seed(sum(map(ord, name)))
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, type_vocab_size=2,
+                        hidden_act="gelu", initializer_range=0.25, layer_norm_eps=1e-12)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "LayerNorm" in pname or pname.endswith(".bias"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if pname.endswith("LayerNorm.weight")
+                        else torch.empty_like(p).uniform_(-0.5, 0.5))
+    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ], indent=2))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}, indent=2))
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = __import__("tokenizers").normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    tok.train_from_iterator([CORPUS], trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    tok.save(str(directory / "tokenizer.json"))
+
+    state = {k: v.float().clone() for k, v in model.state_dict().items()}
+    served = {}
+    for k, v in state.items():
+        if k == "embeddings.word_embeddings.weight":
+            served[k] = v.half().float()
+        elif k == "embeddings.position_embeddings.weight":  # token type 0 folded in, as we load it
+            served[k] = (v + state["embeddings.token_type_embeddings.weight"][0]).half().float()
+        elif k == "embeddings.token_type_embeddings.weight":
+            served[k] = torch.zeros_like(v)
+        elif k.endswith(".weight") and "LayerNorm" not in k:
+            served[k] = roundtrip(v)
+        else:
+            served[k] = v
+    peer = BertModel(config, add_pooling_layer=False).eval()
+    peer.load_state_dict(served, strict=True)
+
+    def embed(ids: list[list[int]]) -> np.ndarray:
+        with torch.no_grad():
+            h = peer(torch.tensor(ids)).last_hidden_state.mean(dim=1)
+        return torch.nn.functional.normalize(h, dim=-1).numpy()
+
+    sequences = [[2, 17, 42, 99, 7, 250, 3], [2, 5, 200, 11, 140, 33, 3]]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    texts = ["hello world", "the lazy dog jumps over the quick brown fox"]
+    text_vectors = np.concatenate([embed([hf.encode(t)]) for t in texts])
+    np.savez_compressed(root / f"{name}.npz", sequences=np.array(sequences, np.int32),
+                        embeddings=embed(sequences), texts=np.array(texts), text_embeddings=text_vectors)
+
+
 def main() -> None:
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/checkpoints/golden")
     root.mkdir(parents=True, exist_ok=True)
     for name, (cls, config) in models_to_build().items():
         build(root, name, cls, config)
     build_tokenizer(root / "llama-tied", root)
+    build_bert(root)
     (root / "README.md").write_text(
         "Made by scripts/make_checkpoint_goldens.py with transformers "
         f"{__import__('transformers').__version__} and torch {torch.__version__}; do not edit.\n")

@@ -4,6 +4,9 @@ What is supported, and the message every refusal repeats:
 - LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: GQA, rope_scaling "llama3", tied embeddings),
 - MistralForCausalLM (no sliding window shorter than the served context),
 - Qwen2ForCausalLM (q/k/v biases, tied embeddings);
+- for Embed, BertModel (and BERT task models, whose `bert.` prefix is skipped) as
+  sentence-transformers ship it: absolute positions, post-LayerNorm, GELU, mean pooling, and
+  unit-length output when modules.json lists a Normalize module;
 unquantized F32/F16/BF16 weights, quantized to our int4 block format on load.
 Refusals: an unknown architecture or a malformed config is INVALID_ARGUMENT; a known model whose
 feature we lack (a pre-quantized checkpoint, another rope scaling, a short sliding window) is
@@ -19,9 +22,14 @@ from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import FailedPrecondition, InvalidArgument
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_TEXT = ("supported: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM with "
-                  "unquantized F32/F16/BF16 safetensors (quantized to int4 on load)")
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ENCODERS = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
+SUPPORTED = DECODERS + ENCODERS
+SUPPORTED_TEXT = ("supported: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (Generate), "
+                  "BertModel (Embed), with unquantized F32/F16/BF16 safetensors (quantized to int4 "
+                  "on load)")
+# transformers' activation names: "gelu" is the erf form; these two are the tanh approximation
+_GELU = {"gelu": True, "gelu_new": False, "gelu_pytorch_tanh": False}
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,8 @@ class CheckpointSpec:
     architecture: str
     tied_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    positions: int = 0          # the checkpoint's max_position_embeddings (rows of a BERT table)
+    normalize: bool = False     # encoders: sentence-transformers' Normalize module is present
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -84,6 +94,8 @@ def read_spec(directory: pathlib.Path, max_context: int) -> CheckpointSpec:
     if arch not in SUPPORTED:
         raise InvalidArgument(f"config.json: architecture {archs or raw.get('model_type')!r} is not "
                               f"supported; {SUPPORTED_TEXT}", architecture=str(archs))
+    if arch in ENCODERS:
+        return _bert_spec(directory, raw, arch, max_context)
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?")
@@ -129,3 +141,54 @@ def read_spec(directory: pathlib.Path, max_context: int) -> CheckpointSpec:
                       eps=eps, rope_theta=theta, qkv_bias=arch == "Qwen2ForCausalLM",
                       rope_scaling=scaling)
     return CheckpointSpec(cfg, arch, tied, eos)
+
+
+def _bert_spec(directory: pathlib.Path, raw: dict, arch: str, max_context: int) -> CheckpointSpec:
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise FailedPrecondition(f"config.json: position_embedding_type "
+                                 f"{raw['position_embedding_type']!r}; only 'absolute' is supported")
+    act = raw.get("hidden_act", "gelu")
+    if act not in _GELU:
+        raise InvalidArgument(f"config.json: hidden_act {act!r}; BERT is served with {sorted(_GELU)}")
+    if raw.get("quantization_config"):
+        raise InvalidArgument(f"config.json: quantized BERT checkpoints are not supported; {SUPPORTED_TEXT}")
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        layers, ffn, vocab = (int(raw["num_hidden_layers"]), int(raw["intermediate_size"]),
+                              int(raw["vocab_size"]))
+        positions = int(raw.get("max_position_embeddings", 512))
+        eps = float(raw.get("layer_norm_eps", 1e-12))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"config.json: field {exc} is missing or not a number") from None
+    normalize = False
+    modules = directory / "modules.json"
+    if modules.exists():
+        for module in _read_json_list(modules):
+            kind = str(module.get("type", ""))
+            if kind.endswith("Normalize"):
+                normalize = True
+            elif kind.endswith("Pooling"):
+                pooling = _read_json(directory / str(module.get("path", "")) / "config.json")
+                other = [k for k, v in pooling.items()
+                         if k.startswith("pooling_mode_") and v and k != "pooling_mode_mean_tokens"]
+                if other or not pooling.get("pooling_mode_mean_tokens", False):
+                    raise FailedPrecondition(f"{module.get('path')}/config.json: pooling {other} is "
+                                             "not supported; only mean pooling")
+            elif not kind.endswith("Transformer"):
+                raise FailedPrecondition(f"modules.json: module {kind!r} is not supported "
+                                         "(Transformer, mean Pooling and Normalize are)")
+    cfg = ModelConfig(directory.name or "checkpoint", "encoder", vocab_size=vocab, hidden=hidden,
+                      layers=layers, heads=heads, kv_heads=heads, ffn=ffn,
+                      max_context=min(positions, max_context), eps=eps, linear_bias=True,
+                      gelu_exact=_GELU[act])
+    return CheckpointSpec(cfg, arch, False, (), positions=positions, normalize=normalize)
+
+
+def _read_json_list(path: pathlib.Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"{path.name} is not valid JSON ({exc})", file=str(path)) from None
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise InvalidArgument(f"{path.name} is not a list of modules", file=str(path))
+    return data

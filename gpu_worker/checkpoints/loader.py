@@ -47,11 +47,23 @@ class Source:
     """Where one of our weights comes from: an HF tensor, and how it is converted."""
     hf_name: str
     kind: str                    # "table" (f16) | "vector" (f32) | "int4" (.q/.s pair)
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]       # ours
+    hf_shape: tuple[int, ...] | None = None  # the stored one, where it differs (position table)
+    plus_row0: str = ""          # BERT: token-type row 0 folded into the position table
 
 
-def sources(spec: CheckpointSpec) -> dict[str, Source]:
-    """Our weight name (without .q/.s) -> its HF source, in load order."""
+# BERT (sentence-transformers layout): our encoder weight -> the tensor under `encoder.layer.{i}.`
+_BERT_LINEARS = {"wq": "attention.self.query", "wk": "attention.self.key",
+                 "wv": "attention.self.value", "wo": "attention.output.dense",
+                 "w_up": "intermediate.dense", "w_down": "output.dense"}
+_BERT_NORMS = {"attn_norm": "attention.output.LayerNorm", "mlp_norm": "output.LayerNorm"}
+
+
+def sources(spec: CheckpointSpec, prefix: str = "") -> dict[str, Source]:
+    """Our weight name (without .q/.s) -> its HF source, in load order. `prefix`: "bert." for
+    BERT checkpoints saved from a task model, "" for a bare BertModel."""
+    if spec.cfg.family == "encoder":
+        return _encoder_sources(spec, prefix)
     cfg = spec.cfg
     h, kvd = cfg.hidden, cfg.kv_heads * cfg.head_dim
     out = {"embed": Source("model.embed_tokens.weight", "table", (cfg.vocab_size, h))}
@@ -69,6 +81,30 @@ def sources(spec: CheckpointSpec) -> dict[str, Source]:
     head = "model.embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
     out["lm_head"] = Source(head, "int4", (cfg.vocab_size, h))
     return out
+
+
+def _encoder_sources(spec: CheckpointSpec, prefix: str) -> dict[str, Source]:
+    cfg, h, e = spec.cfg, spec.cfg.hidden, prefix + "embeddings."
+    out = {"embed": Source(e + "word_embeddings.weight", "table", (cfg.vocab_size, h)),
+           "pos_embed": Source(e + "position_embeddings.weight", "table", (cfg.max_context, h),
+                               (spec.positions, h), e + "token_type_embeddings.weight"),
+           "embed_norm.w": Source(e + "LayerNorm.weight", "vector", (h,)),
+           "embed_norm.b": Source(e + "LayerNorm.bias", "vector", (h,))}
+    shapes = cfg.linear_shapes()
+    for i in range(cfg.layers):
+        hf, p = f"{prefix}encoder.layer.{i}.", f"layers.{i}."
+        for ours, theirs in _BERT_NORMS.items():
+            out[p + ours + ".w"] = Source(hf + theirs + ".weight", "vector", (h,))
+            out[p + ours + ".b"] = Source(hf + theirs + ".bias", "vector", (h,))
+        for lin, name in _BERT_LINEARS.items():
+            out[p + lin] = Source(hf + name + ".weight", "int4", shapes[lin])
+            out[p + lin + ".b"] = Source(hf + name + ".bias", "vector", (shapes[lin][0],))
+    return out
+
+
+def _alias(name: str) -> str:
+    """Old BERT checkpoints spell LayerNorm weight/bias as gamma/beta."""
+    return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
 
 
 def _shard_map(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -91,9 +127,10 @@ class Checkpoint:
     """An opened, fully validated checkpoint; `weights()` streams it. `close()` unmaps."""
 
     def __init__(self, directory: pathlib.Path, spec: CheckpointSpec,
-                 files: dict[pathlib.Path, SafetensorsFile], where: dict[str, pathlib.Path]) -> None:
+                 files: dict[pathlib.Path, SafetensorsFile],
+                 where: dict[str, tuple[pathlib.Path, str]], srcs: dict[str, Source]) -> None:
         self.directory, self.spec, self._files, self._where = directory, spec, files, where
-        self._sources = sources(spec)
+        self._sources = srcs
 
     @property
     def cfg(self) -> ModelConfig:
@@ -106,32 +143,60 @@ class Checkpoint:
         shard_of = _shard_map(directory)
         single = directory / "model.safetensors"
         files: dict[pathlib.Path, SafetensorsFile] = {}
-        where: dict[str, pathlib.Path] = {}
-        try:
-            for name, src in sources(spec).items():
-                path = shard_of.get(src.hf_name, single if not shard_of else None)
+        where: dict[str, tuple[pathlib.Path, str]] = {}
+
+        def locate(hf_name: str) -> tuple[pathlib.Path, str]:
+            """(file, stored name) of `hf_name` or its gamma/beta alias; a name that is in
+            neither is reported under its own name, by the file that should hold it."""
+            fallback = None
+            for candidate in dict.fromkeys((hf_name, _alias(hf_name))):
+                path = shard_of.get(candidate, single if not shard_of else None)
                 if path is None:
-                    raise CheckpointError(f"{INDEX}: tensor {src.hf_name!r} is not in the weight_map",
-                                          file=str(directory / INDEX), tensor=src.hf_name)
+                    continue
                 if path not in files:
                     files[path] = SafetensorsFile(path)
-                dtype, shape = files[path].info(src.hf_name)
-                if tuple(shape) != src.shape or dtype not in FLOAT_DTYPES:
-                    raise CheckpointError(
-                        f"{path.name}, tensor {src.hf_name!r}: {dtype}{list(shape)} disagrees with "
-                        f"config.json, which implies a float tensor of shape {list(src.shape)}",
-                        file=str(path), tensor=src.hf_name)
-                where[name] = path
+                if candidate in files[path].entries:
+                    return path, candidate
+                fallback = fallback or (path, hf_name)
+            if fallback is None:
+                raise CheckpointError(f"{INDEX}: tensor {hf_name!r} is not in the weight_map",
+                                      file=str(directory / INDEX), tensor=hf_name)
+            return fallback
+
+        try:
+            prefix = ""
+            if spec.cfg.family == "encoder":  # a task model's file prefixes every name
+                probe = "bert.embeddings.word_embeddings.weight"
+                if probe in shard_of or (not shard_of and probe in files.setdefault(
+                        single, SafetensorsFile(single)).entries):
+                    prefix = "bert."
+            srcs = sources(spec, prefix)
+            for name, src in srcs.items():
+                for hf_name, want in ((src.hf_name, src.hf_shape or src.shape),
+                                      (src.plus_row0, None)):
+                    if not hf_name:
+                        continue
+                    path, stored = locate(hf_name)
+                    dtype, shape = files[path].info(stored)
+                    if (want is not None and tuple(shape) != want) or dtype not in FLOAT_DTYPES \
+                            or (want is None and (len(shape) != 2 or shape[1] != spec.cfg.hidden)):
+                        raise CheckpointError(
+                            f"{path.name}, tensor {stored!r}: {dtype}{list(shape)} disagrees with "
+                            f"config.json, which implies a float tensor of shape "
+                            f"{list(want) if want else ['n', spec.cfg.hidden]}",
+                            file=str(path), tensor=stored)
+                    where[hf_name] = (path, stored)
         except BaseException:
             for f in files.values():
                 f.close()
             raise
-        return cls(directory, spec, files, where)
+        return cls(directory, spec, files, where, srcs)
 
-    def _float(self, key: str, rows: slice | None = None) -> np.ndarray:
-        src_file, hf = self._files[self._where[key]], self._sources[key].hf_name
-        dtype, _ = src_file.info(hf)
-        view = src_file.tensor(hf)
+    def _float(self, hf_name: str, rows: slice | None = None) -> np.ndarray:
+        path, stored = self._where[hf_name]
+        src_file = self._files[path]
+        dtype, _ = src_file.info(stored)
+        view = src_file.tensor(stored)
         return to_float32(view if rows is None else view[rows], dtype)
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -141,12 +206,15 @@ class Checkpoint:
         for key, src in self._sources.items():
             if src.kind == "table":
                 emitted.append(key)
-                yield key, self._float(key).astype(np.float16)
+                table = self._float(src.hf_name, slice(0, src.shape[0]))
+                if src.plus_row0:  # BERT: every position has token type 0
+                    table = table + self._float(src.plus_row0, slice(0, 1))
+                yield key, table.astype(np.float16)
             elif src.kind == "vector":
                 emitted.append(key)
-                yield key, self._float(key)
+                yield key, self._float(src.hf_name)
             else:
-                packed, scales = self._quantize(key, src.shape)
+                packed, scales = self._quantize(src.hf_name, src.shape)
                 emitted += [key + ".q", key + ".s"]
                 yield key + ".q", packed
                 yield key + ".s", scales
@@ -156,13 +224,13 @@ class Checkpoint:
                                             cfg.rope_scaling).astype(np.float32)
         assert sorted(emitted) == sorted(weight_names(cfg)), "loader and weight_names disagree"
 
-    def _quantize(self, key: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _quantize(self, hf_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         out_dim, in_dim = shape
         packed = np.empty((out_dim, in_dim // 2), np.uint8)
         scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
         for r in range(0, out_dim, CHUNK_ROWS):
             rows = slice(r, min(r + CHUNK_ROWS, out_dim))
-            q = quantize(self._float(key, rows))
+            q = quantize(self._float(hf_name, rows))
             packed[rows], scales[rows] = q.packed, q.scales
         return packed, scales
 

@@ -133,7 +133,7 @@ def _launch_silu_mul(c: LaunchContext) -> None:
 
 def _launch_gelu(c: LaunchContext) -> None:
     elementwise.launch_gelu(c.device, c.fn("gelu"), c.out(), c.inp(0), _elements(c.shape(0)),
-                            stream=c.stream)
+                            stream=c.stream, exact=bool(c.node.attributes.get("exact", False)))
 
 
 def _launch_attention_prefill(c: LaunchContext) -> None:

@@ -161,8 +161,12 @@ def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
-    """tanh approximation (as BERT's and the model reference's)."""
+def gelu(x: np.ndarray, exact: bool = False) -> np.ndarray:
+    """tanh approximation (as the model reference's), or the erf form (`exact`, transformers'
+    "gelu" as BERT checkpoints use it)."""
+    if exact:
+        from math import erf
+        return (0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))).astype(np.float32)
     return (0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))).astype(np.float32)
 
 

@@ -214,8 +214,8 @@ def _silu_gate(mem, grid, block, args) -> None:
 
 @register_sim_kernel("gp_gelu")
 def _gelu(mem, grid, block, args) -> None:
-    out, x, n = _vals(args)
-    _arr(mem, out, n)[:] = reference.gelu(_arr(mem, x, n))
+    out, x, n, exact = _vals(args)
+    _arr(mem, out, n)[:] = reference.gelu(_arr(mem, x, n), bool(exact))
 
 
 @register_sim_kernel("gp_add")

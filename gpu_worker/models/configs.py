@@ -31,6 +31,9 @@ class ModelConfig:
     # Llama 3.1's rescaled rotary frequencies (carried as the weight `rope.inv_freq`).
     qkv_bias: bool = False
     rope_scaling: Llama3Scaling | None = None
+    # BERT checkpoints: a bias on every encoder linear, and the exact (erf) GELU
+    linear_bias: bool = False
+    gelu_exact: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +69,8 @@ class ModelConfig:
             total += q(self.vocab_size, self.hidden) + 4 * self.hidden
             total += self.layers * 4 * (self.hidden + 2 * self.kv_heads * self.head_dim) * self.qkv_bias
             total += 4 * (self.head_dim // 2) * (self.rope_scaling is not None)
+        elif self.linear_bias:
+            total += self.layers * 4 * sum(o for o, _ in self.linear_shapes().values())
         else:
             total += self.max_context * self.hidden * 2 + 2 * 4 * self.hidden
         return total

@@ -47,7 +47,10 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
+def gelu(x: np.ndarray, exact: bool = False) -> np.ndarray:
+    if exact:  # the erf form of BERT checkpoints
+        from math import erf
+        return 0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
 
 
@@ -146,13 +149,15 @@ class EncoderReference:
             x = layernorm(x, w["embed_norm.w"], w["embed_norm.b"], cfg.eps)
             for layer in range(cfg.layers):
                 p = f"layers.{layer}."
+
+                def f(name: str, h: np.ndarray, p: str = p) -> np.ndarray:
+                    y = h @ lin[p + name].T
+                    return y + w[p + name + ".b"] if cfg.linear_bias else y
                 shp = (len(toks), cfg.heads, cfg.head_dim)
-                q = (x @ lin[p + "wq"].T).reshape(shp)
-                k = (x @ lin[p + "wk"].T).reshape(shp)
-                v = (x @ lin[p + "wv"].T).reshape(shp)
+                q, k, v = f("wq", x).reshape(shp), f("wk", x).reshape(shp), f("wv", x).reshape(shp)
                 a = attention(q, k, v, pos, causal=False).reshape(len(toks), cfg.hidden)
-                x = layernorm(x + a @ lin[p + "wo"].T, w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
-                m = gelu(x @ lin[p + "w_up"].T) @ lin[p + "w_down"].T
+                x = layernorm(x + f("wo", a), w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
+                m = f("w_down", gelu(f("w_up", x), cfg.gelu_exact))
                 x = layernorm(x + m, w[p + "mlp_norm.w"], w[p + "mlp_norm.b"], cfg.eps)
             out[b] = x.mean(axis=0)
         return out

@@ -99,6 +99,8 @@ def weight_names(cfg: ModelConfig) -> list[str]:
             names += [p + lin + ".q", p + lin + ".s"]
         if cfg.qkv_bias:
             names += [p + "wq.b", p + "wk.b", p + "wv.b"]
+        if cfg.linear_bias:
+            names += [p + lin + ".b" for lin in cfg.linear_shapes()]
     if cfg.family == "decoder":
         names += ["final_norm.w", "lm_head.q", "lm_head.s"]
         if cfg.rope_scaling is not None:
@@ -119,6 +121,8 @@ def weight_sizes(cfg: ModelConfig) -> list[int]:
     if cfg.qkv_bias:
         kvd = cfg.kv_heads * cfg.head_dim
         per_layer += [h * 4, kvd * 4, kvd * 4]
+    if cfg.linear_bias:
+        per_layer += [o * 4 for o, _ in cfg.linear_shapes().values()]
     sizes += per_layer * cfg.layers
     if cfg.family == "decoder":
         sizes += [h * 4, cfg.vocab_size * h // 2, cfg.vocab_size * (h // QUANT_BLOCK) * 2]
@@ -152,6 +156,9 @@ def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
         if cfg.qkv_bias:
             for lin in ("wq", "wk", "wv"):
                 yield p + lin + ".b", random_vector(seed, p + lin + ".b", linears[lin][0], 0.0, 0.1)
+        if cfg.linear_bias:
+            for lin, (o, _) in linears.items():
+                yield p + lin + ".b", random_vector(seed, p + lin + ".b", o, 0.0, 0.1)
     if cfg.family == "decoder":
         yield "final_norm.w", random_vector(seed, "final_norm.w", h, 1.0, 0.1)
         q = random_linear(seed, "lm_head", cfg.vocab_size, h)

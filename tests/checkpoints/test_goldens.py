@@ -4,6 +4,7 @@ bf16 safetensors). The peer ran in fp32 on the weights we serve (int4-dequantize
 embedding), so a mismatch is a mapping or graph error, not quantization noise."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -76,3 +77,27 @@ def test_negative_control_the_goldens_see_rope_scaling_and_biases(name, drop):
         w[drop] = np.zeros_like(w[drop])
     logits = R.DecoderReference(cfg, w).forward(list(g["prompts"][0]), 0)[-1]
     assert np.abs(logits - g["logits"][0]).max() > 1e-2, f"dropping {drop} went unnoticed"
+
+
+def test_bert_sentence_transformers_embeddings_match_transformers(device, compiler):
+    """BertModel in the sentence-transformers layout (no `bert.` prefix, exact GELU, mean pooling,
+    Normalize): reference and sim encoder against transformers' pooled, normalized output."""
+    from gpu_worker.models.encoder import EncoderModel
+    g = np.load(GOLDEN / "bert-st.npz")
+    with Checkpoint.open(GOLDEN / "bert-st", max_context=256) as ckpt:
+        assert ckpt.cfg.family == "encoder" and ckpt.spec.normalize and ckpt.cfg.gelu_exact
+        assert ckpt.cfg.max_context == 64, "the position table bounds the served context"
+        host = ckpt.host_weights()
+        model = EncoderModel(ModelExecutor(device, compiler), ckpt.cfg, 0, weights=ckpt.weights,
+                             normalize=True)
+        model.load()
+        cfg = ckpt.cfg
+    pooled = R.EncoderReference(cfg, host).embed(g["sequences"])
+    ref = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    np.testing.assert_allclose(ref, g["embeddings"], atol=1e-6, err_msg="reference != transformers")
+    # negative control: the tanh GELU (what a loader ignoring hidden_act would run) misses by far more
+    tanh = R.EncoderReference(dataclasses.replace(cfg, gelu_exact=False), host).embed(g["sequences"])
+    tanh /= np.linalg.norm(tanh, axis=1, keepdims=True)
+    assert np.abs(tanh - g["embeddings"]).max() > 2e-5, "the goldens cannot tell erf from tanh GELU"
+    got = model.embed([list(s) for s in g["sequences"]])
+    np.testing.assert_allclose(got, g["embeddings"], atol=2e-6, err_msg="sim encoder != transformers")

@@ -130,3 +130,43 @@ def test_quantization_streams_in_row_chunks_with_the_same_result(ckpt, monkeypat
         chunked = c.host_weights()
     for k in whole:
         np.testing.assert_array_equal(whole[k], chunked[k], err_msg=k)
+
+
+@pytest.fixture
+def bert(tmp_path):
+    return pathlib.Path(shutil.copytree(GOLDEN / "bert-st", tmp_path / "bert"))
+
+
+def test_bert_task_model_prefix_and_gamma_beta_names_load_the_same_weights(bert):
+    with Checkpoint.open(bert, 256) as c:
+        want = c.host_weights()
+    def rename(t):
+        for name in list(t):
+            new = "bert." + name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+                "LayerNorm.bias", "LayerNorm.beta")
+            t[new] = t.pop(name)
+    _rewrite(bert, rename)
+    with Checkpoint.open(bert, 256) as c:
+        got = c.host_weights()
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_bert_pooling_other_than_mean_is_refused(bert):
+    (bert / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    with pytest.raises(FailedPrecondition, match="only mean pooling"):
+        Checkpoint.open(bert, 256)
+
+
+def test_bert_relative_positions_are_refused(bert):
+    _edit_config(bert, position_embedding_type="relative_key")
+    with pytest.raises(FailedPrecondition, match="absolute"):
+        Checkpoint.open(bert, 256)
+
+
+def test_without_modules_json_a_bert_is_mean_pooled_and_not_normalized(bert):
+    (bert / "modules.json").unlink()
+    with Checkpoint.open(bert, 256) as c:
+        assert not c.spec.normalize and c.cfg.family == "encoder"

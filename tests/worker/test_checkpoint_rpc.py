@@ -21,7 +21,7 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "checkpoints" / "golden"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("models")
-    for name in ("llama-tied", "qwen2-untied"):
+    for name in ("llama-tied", "qwen2-untied", "bert-st"):
         shutil.copytree(GOLDEN / name, root / name)
     stop = shutil.copytree(GOLDEN / "llama-tied", root / "llama-eos")
     eos = int(np.load(GOLDEN / "llama-tied.npz")["greedy"][0][3])
@@ -156,3 +156,20 @@ def test_the_serve_flags_set_the_model_root_and_context(tmp_path):
         ["serve", "--model-root", str(tmp_path), "--checkpoint-context", "4096"]))
     assert cfg.model_root == tmp_path and cfg.checkpoint_context == 4096
     assert worker_config(build_parser().parse_args(["serve"])).model_root is None
+
+
+def test_embed_texts_of_different_lengths_match_transformers_in_order(worker):
+    worker.stub.LoadModel(worker_pb2.LoadModelRequest(model_id="bert", checkpoint="bert-st"))
+    try:
+        info = {m.model_id: m for m in worker.list_models()}["bert"]
+        assert (info.family, info.architecture, info.has_tokenizer) == ("encoder", "BertModel", True)
+        g = np.load(GOLDEN / "bert-st.npz")
+        texts = [str(t) for t in g["texts"]]
+        reply = worker.stub.Embed(worker_pb2.EmbedRequest(model_id="bert", texts=texts), timeout=120)
+        got = np.array([list(e.values) for e in reply.embeddings], np.float32)
+        np.testing.assert_allclose(got, g["text_embeddings"], atol=2e-6)
+        with pytest.raises(grpc.RpcError) as err:
+            worker.stub.Embed(worker_pb2.EmbedRequest(model_id="llama", texts=["hi"]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "a decoder cannot embed"
+    finally:
+        worker.unload_model("bert")
