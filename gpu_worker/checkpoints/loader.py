@@ -16,6 +16,12 @@ Name mapping (Llama, Mistral and Qwen2 share it):
   model.layers.{i}.self_attn.{q,k,v}_proj.bias -> layers.{i}.w{q,k,v}.b (Qwen2, f32)
   model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layers.{i}.w_{gate,up,down}.{q,s} (int4)
   lm_head.weight -> lm_head.{q,s}; with tied embeddings, the embedding table quantized
+BERT ([bert.] prefix optional; LayerNorm gamma/beta accepted for weight/bias):
+  embeddings.word_embeddings -> embed; embeddings.position_embeddings (first max_context rows)
+  + token_type_embeddings row 0 -> pos_embed; embeddings.LayerNorm -> embed_norm.{w,b}
+  encoder.layer.{i}.attention.self.{query,key,value}, attention.output.dense, intermediate.dense,
+  output.dense -> layers.{i}.{wq,wk,wv,wo,w_up,w_down} (int4 + .b biases);
+  attention.output.LayerNorm -> attn_norm, output.LayerNorm -> mlp_norm
 """
 from __future__ import annotations
 
@@ -171,7 +177,7 @@ class Checkpoint:
                         single, SafetensorsFile(single)).entries):
                     prefix = "bert."
             srcs = sources(spec, prefix)
-            for name, src in srcs.items():
+            for src in srcs.values():
                 for hf_name, want in ((src.hf_name, src.hf_shape or src.shape),
                                       (src.plus_row0, None)):
                     if not hf_name:
