@@ -17,6 +17,8 @@ The Llama directory also gets a tokenizer.json (a byte-level BPE trained here) a
 `bert-st/` is a BertModel in the sentence-transformers layout (modules.json, mean Pooling,
 Normalize, a WordPiece tokenizer.json, names without the `bert.` prefix, exact GELU) and
 `bert-st.npz` transformers' mean-pooled, normalized embeddings of token sequences and of texts.
+`llama-gptq/` is a Llama in GPTQ v1 layout (sym, 4-bit, group 128, no act-order, lm_head float),
+`llama-gptq.npz` transformers' outputs on its dequantized weights plus one dequantized linear.
 """
 from __future__ import annotations
 
@@ -162,12 +164,16 @@ def build_bert(root: pathlib.Path) -> None:
     (directory / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 32, "pooling_mode_cls_token": False,
         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}, indent=2))
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    # A fixed vocabulary (the WordPiece trainer's order varies between runs): specials, the
+    # corpus's words, then every character alone and as a continuation.
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"))
+    words = sorted(set(CORPUS.replace(".", " ").replace(",", " ").split()))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words, *chars, *("##" + c for c in chars)]
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     tok.normalizer = __import__("tokenizers").normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
-    tok.train_from_iterator([CORPUS], trainer)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = __import__("tokenizers").processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
@@ -202,6 +208,74 @@ def build_bert(root: pathlib.Path) -> None:
                         embeddings=embed(sequences), texts=np.array(texts), text_embeddings=text_vectors)
 
 
+def gptq_pack(w: np.ndarray, group: int, v2: bool) -> dict[str, np.ndarray]:
+    """GPTQ's symmetric 4-bit layout of an f32 (out, in) weight (the format's documented packing:
+    nibbles along the input, lowest bits first; zeros along the output; v1 stores zero - 1)."""
+    out_dim, in_dim = w.shape
+    groups = w.reshape(out_dim, in_dim // group, group)
+    scales = (np.abs(groups).max(axis=2) / 7.0).astype(np.float16)          # (out, in/g)
+    q = np.clip(np.rint(groups / scales.astype(np.float32)[..., None]) + 8, 0, 15)
+    q = q.reshape(out_dim, in_dim).astype(np.uint32).T                       # (in, out)
+    qweight = np.zeros((in_dim // 8, out_dim), np.uint32)
+    for j in range(8):
+        qweight |= q[j::8] << np.uint32(4 * j)
+    stored_zero = 8 if v2 else 7
+    qzeros = np.zeros((in_dim // group, out_dim // 8), np.uint32)
+    for j in range(8):
+        qzeros |= np.uint32(stored_zero) << np.uint32(4 * j)
+    return {"qweight": qweight.view(np.int32), "qzeros": qzeros.view(np.int32),
+            "scales": np.ascontiguousarray(scales.T), "g_idx": (np.arange(in_dim) // group).astype(np.int32)}
+
+
+def gptq_dequant(parts: dict[str, np.ndarray], group: int) -> np.ndarray:
+    """w = (q - 8) * scale, straight from the packed tensors (the peer's view of the weight)."""
+    words = parts["qweight"].view(np.uint32)
+    q = np.stack([(words >> np.uint32(4 * j)) & 0xF for j in range(8)], axis=1).reshape(-1, words.shape[1])
+    s = np.repeat(parts["scales"].astype(np.float32), group, axis=0)        # (in, out)
+    return ((q.astype(np.float32) - 8.0) * s).T                               # (out, in)
+
+
+def build_gptq(root: pathlib.Path) -> None:
+    """Llama, tied, group 128, GPTQ v1, lm_head left unquantized (the usual layout)."""
+    from safetensors.numpy import save_file
+    name, directory, group = "llama-gptq", root / "llama-gptq", 128
+    torch.manual_seed(sum(map(ord, name)))
+    config = LlamaConfig(**{**SHAPES, "hidden_size": 128, "intermediate_size": 256,
+                            "num_hidden_layers": 1}, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory, safe_serialization=True)   # config.json, generation_config.json
+    (directory / "model.safetensors").unlink()
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                  "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors, served = {}, {}
+    for pname, value in model.state_dict().items():
+        w = value.float().numpy()
+        if pname.endswith("_proj.weight"):
+            parts = gptq_pack(w, group, v2=False)
+            base = pname.removesuffix(".weight")
+            tensors.update({f"{base}.{k}": v for k, v in parts.items()})
+            served[pname] = torch.from_numpy(gptq_dequant(parts, group))
+        elif pname != "lm_head.weight":
+            tensors[pname] = w.astype(np.float16)
+            served[pname] = torch.from_numpy(w.astype(np.float16).astype(np.float32))
+    embed = tensors["model.embed_tokens.weight"].astype(np.float32)
+    served["lm_head.weight"] = roundtrip(torch.from_numpy(embed))   # we quantize the tied head
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    peer = LlamaForCausalLM(LlamaConfig.from_dict({**config.to_dict(), "tie_word_embeddings": False})).eval()
+    peer.load_state_dict(served, strict=True)
+    with torch.no_grad():
+        logits = np.stack([peer(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS])
+    np.savez_compressed(root / f"{name}.npz", prompts=np.array(PROMPTS, np.int32), logits=logits,
+                        greedy=np.array([greedy(peer, p) for p in PROMPTS], np.int32),
+                        wq0=served["model.layers.0.self_attn.q_proj.weight"].numpy())
+
+
 def main() -> None:
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/checkpoints/golden")
     root.mkdir(parents=True, exist_ok=True)
@@ -209,6 +283,7 @@ def main() -> None:
         build(root, name, cls, config)
     build_tokenizer(root / "llama-tied", root)
     build_bert(root)
+    build_gptq(root)
     (root / "README.md").write_text(
         "Made by scripts/make_checkpoint_goldens.py with transformers "
         f"{__import__('transformers').__version__} and torch {torch.__version__}; do not edit.\n")

@@ -7,7 +7,8 @@ What is supported, and the message every refusal repeats:
 - for Embed, BertModel (and BERT task models, whose `bert.` prefix is skipped) as
   sentence-transformers ship it: absolute positions, post-LayerNorm, GELU, mean pooling, and
   unit-length output when modules.json lists a Normalize module;
-unquantized F32/F16/BF16 weights, quantized to our int4 block format on load.
+unquantized F32/F16/BF16 weights, quantized to our int4 block format on load, or symmetric 4-bit
+GPTQ without act-order (group size a multiple of 32), taken over without requantizing.
 Refusals: an unknown architecture or a malformed config is INVALID_ARGUMENT; a known model whose
 feature we lack (a pre-quantized checkpoint, another rope scaling, a short sliding window) is
 FAILED_PRECONDITION, since the checkpoint itself is fine.
@@ -18,7 +19,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
 from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import FailedPrecondition, InvalidArgument
 
@@ -26,8 +27,8 @@ DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ENCODERS = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
 SUPPORTED = DECODERS + ENCODERS
 SUPPORTED_TEXT = ("supported: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (Generate), "
-                  "BertModel (Embed), with unquantized F32/F16/BF16 safetensors (quantized to int4 "
-                  "on load)")
+                  "BertModel (Embed), with F32/F16/BF16 safetensors (quantized to int4 on load) "
+                  f"or symmetric 4-bit GPTQ without act-order, group size a multiple of {QUANT_BLOCK}")
 # transformers' activation names: "gelu" is the erf form; these two are the tanh approximation
 _GELU = {"gelu": True, "gelu_new": False, "gelu_pytorch_tanh": False}
 
@@ -40,6 +41,8 @@ class CheckpointSpec:
     tied_embeddings: bool
     eos_token_ids: tuple[int, ...]
     positions: int = 0          # the checkpoint's max_position_embeddings (rows of a BERT table)
+    gptq_group: int = 0         # pre-quantized GPTQ: its group size (-1: one group); 0: unquantized
+    gptq_v2: bool = False       # GPTQ v2 stores the true zero point (v1 stores zero - 1)
     normalize: bool = False     # encoders: sentence-transformers' Normalize module is present
 
 
@@ -96,15 +99,7 @@ def read_spec(directory: pathlib.Path, max_context: int) -> CheckpointSpec:
                               f"supported; {SUPPORTED_TEXT}", architecture=str(archs))
     if arch in ENCODERS:
         return _bert_spec(directory, raw, arch, max_context)
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?")
-        if method == "gptq" and quant.get("sym", True) and quant.get("bits") == 4:
-            raise FailedPrecondition(
-                "pre-quantized GPTQ checkpoints are not supported yet; "
-                f"{SUPPORTED_TEXT}", quant_method=method)
-        raise InvalidArgument(f"config.json: quantization {method!r} (asymmetric or not 4-bit) "
-                              f"is not supported; {SUPPORTED_TEXT}", quant_method=str(method))
+    gptq_group, gptq_v2 = _gptq(directory, raw)
     if raw.get("hidden_act", "silu") != "silu":
         raise InvalidArgument(f"config.json: hidden_act {raw['hidden_act']!r}; {arch} is served "
                               "with SiLU only")
@@ -140,7 +135,34 @@ def read_spec(directory: pathlib.Path, max_context: int) -> CheckpointSpec:
                       layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn, max_context=served,
                       eps=eps, rope_theta=theta, qkv_bias=arch == "Qwen2ForCausalLM",
                       rope_scaling=scaling)
-    return CheckpointSpec(cfg, arch, tied, eos)
+    return CheckpointSpec(cfg, arch, tied, eos, gptq_group=gptq_group, gptq_v2=gptq_v2)
+
+
+def _gptq(directory: pathlib.Path, raw: dict) -> tuple[int, bool]:
+    """(group size, v2 zeros) of a pre-quantized GPTQ checkpoint; (0, False) when unquantized.
+    Symmetric 4-bit GPTQ without act-order maps exactly onto our blocks of 32 (each group's scale
+    repeated, nibble q standing for q - 8), so it loads without requantizing; anything else is
+    refused."""
+    quant = raw.get("quantization_config")
+    separate = directory / "quantize_config.json"
+    if not quant and separate.exists():
+        quant = {"quant_method": "gptq", **_read_json(separate)}
+    if not quant:
+        return 0, False
+    method = quant.get("quant_method", "?")
+    supported = SUPPORTED_TEXT
+    if method != "gptq" or quant.get("bits") != 4 or not quant.get("sym", True):
+        raise InvalidArgument(f"config.json: quantization {method!r} (bits {quant.get('bits')}, "
+                              f"sym {quant.get('sym', True)}) is not supported; {supported}",
+                              quant_method=str(method))
+    group = int(quant.get("group_size", 128))
+    fmt = quant.get("checkpoint_format", "gptq")
+    if quant.get("desc_act") or (group != -1 and (group <= 0 or group % QUANT_BLOCK)) \
+            or fmt not in ("gptq", "gptq_v2"):
+        raise FailedPrecondition(f"GPTQ with desc_act {quant.get('desc_act')}, group_size {group}, "
+                                 f"checkpoint_format {fmt!r} is not supported; {supported}")
+    return group, fmt == "gptq_v2"
+
 
 
 def _bert_spec(directory: pathlib.Path, raw: dict, arch: str, max_context: int) -> CheckpointSpec:

@@ -33,11 +33,13 @@ from typing import Self
 
 import numpy as np
 
+from gpu_worker.checkpoints import gptq
 from gpu_worker.checkpoints.hf_config import CheckpointSpec, read_spec
 from gpu_worker.checkpoints.safetensors import CheckpointError, SafetensorsFile, to_float32
 from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
 from gpu_worker.models.rope import inv_freq
 from gpu_worker.models.weights import quantize, weight_names
+from services.common.errors import FailedPrecondition
 
 CHUNK_ROWS = 4096  # rows of a linear converted at once: 4096 x 14336 f32 is 235 MB
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -52,7 +54,8 @@ _LINEARS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn
 class Source:
     """Where one of our weights comes from: an HF tensor, and how it is converted."""
     hf_name: str
-    kind: str                    # "table" (f16) | "vector" (f32) | "int4" (.q/.s pair)
+    kind: str                    # "table" (f16) | "vector" (f32) | "int4" (.q/.s pair) |
+                                 # "gptq" (.q/.s pair from `<hf_name>.qweight/.qzeros/.scales`)
     shape: tuple[int, ...]       # ours
     hf_shape: tuple[int, ...] | None = None  # the stored one, where it differs (position table)
     plus_row0: str = ""          # BERT: token-type row 0 folded into the position table
@@ -79,7 +82,8 @@ def sources(spec: CheckpointSpec, prefix: str = "") -> dict[str, Source]:
         out[p + "attn_norm.w"] = Source(hf + "input_layernorm.weight", "vector", (h,))
         out[p + "mlp_norm.w"] = Source(hf + "post_attention_layernorm.weight", "vector", (h,))
         for lin, name in _LINEARS.items():
-            out[p + lin] = Source(hf + name + ".weight", "int4", shapes[lin])
+            out[p + lin] = (Source(hf + name, "gptq", shapes[lin]) if spec.gptq_group
+                            else Source(hf + name + ".weight", "int4", shapes[lin]))
         if cfg.qkv_bias:
             for lin, dim in (("wq", h), ("wk", kvd), ("wv", kvd)):
                 out[p + lin + ".b"] = Source(hf + _LINEARS[lin] + ".bias", "vector", (dim,))
@@ -111,6 +115,24 @@ def _encoder_sources(spec: CheckpointSpec, prefix: str) -> dict[str, Source]:
 def _alias(name: str) -> str:
     """Old BERT checkpoints spell LayerNorm weight/bias as gamma/beta."""
     return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+
+
+def _check_gptq(files: dict[pathlib.Path, SafetensorsFile],
+                where: dict[str, tuple[pathlib.Path, str]], base: str, group: int, v2: bool) -> None:
+    """Refuse act-order (g_idx not i // group) and asymmetric zero points: neither maps onto our
+    blocks without requantizing."""
+    def read(part: str) -> tuple[str, np.ndarray]:
+        path, stored = where[f"{base}.{part}"]
+        return path.name, files[path].tensor(stored)
+    if f"{base}.g_idx" in where:
+        name, g_idx = read("g_idx")
+        if not np.array_equal(g_idx, np.arange(g_idx.shape[0]) // group):
+            raise FailedPrecondition(f"{name}, tensor {base + '.g_idx'!r}: act-order (desc_act) "
+                                     "GPTQ is not supported", tensor=base + ".g_idx")
+    name, qzeros = read("qzeros")
+    if not (gptq.zeros(qzeros, v2) == 8).all():
+        raise CheckpointError(f"{name}, tensor {base + '.qzeros'!r}: zero points other than 8 "
+                              "(asymmetric GPTQ) are not supported", tensor=base + ".qzeros")
 
 
 def _shard_map(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -169,15 +191,49 @@ class Checkpoint:
                                       file=str(directory / INDEX), tensor=hf_name)
             return fallback
 
+        def present(hf_name: str) -> bool:
+            if shard_of:
+                return hf_name in shard_of
+            return hf_name in files.setdefault(single, SafetensorsFile(single)).entries
+
+        def check(path: pathlib.Path, stored: str, dtypes: tuple[str, ...],
+                  want: tuple[int, ...] | None, what: str) -> None:
+            dtype, shape = files[path].info(stored)
+            if dtype not in dtypes or (want is not None and tuple(shape) != want):
+                raise CheckpointError(
+                    f"{path.name}, tensor {stored!r}: {dtype}{list(shape)} disagrees with "
+                    f"config.json, which implies {what} of shape {list(want or [])}",
+                    file=str(path), tensor=stored)
+
         try:
             prefix = ""
             if spec.cfg.family == "encoder":  # a task model's file prefixes every name
-                probe = "bert.embeddings.word_embeddings.weight"
-                if probe in shard_of or (not shard_of and probe in files.setdefault(
-                        single, SafetensorsFile(single)).entries):
+                if present("bert.embeddings.word_embeddings.weight"):
                     prefix = "bert."
             srcs = sources(spec, prefix)
+            if spec.gptq_group and not present("lm_head.qweight"):  # lm_head is often left float
+                head = "model.embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
+                srcs["lm_head"] = Source(head, "int4", srcs["lm_head"].shape)
+            elif spec.gptq_group:
+                srcs["lm_head"] = Source("lm_head", "gptq", srcs["lm_head"].shape)
             for src in srcs.values():
+                if src.kind == "gptq":
+                    out_dim, in_dim = src.shape
+                    group = in_dim if spec.gptq_group == -1 else spec.gptq_group
+                    if in_dim % group:
+                        raise CheckpointError(f"GPTQ group_size {group} does not divide the input "
+                                              f"dimension {in_dim} of {src.hf_name!r}")
+                    parts = {"qweight": (("I32",), (in_dim // 8, out_dim), "int32 nibbles"),
+                             "qzeros": (("I32",), (in_dim // group, out_dim // 8), "int32 zeros"),
+                             "scales": (("F16",), (in_dim // group, out_dim), "fp16 scales")}
+                    if present(src.hf_name + ".g_idx"):
+                        parts["g_idx"] = (("I32",), (in_dim,), "int32 group indices")
+                    for part, (dtypes, want, what) in parts.items():
+                        path, stored = locate(f"{src.hf_name}.{part}")
+                        check(path, stored, dtypes, want, what)
+                        where[f"{src.hf_name}.{part}"] = (path, stored)
+                    _check_gptq(files, where, src.hf_name, group, spec.gptq_v2)
+                    continue
                 for hf_name, want in ((src.hf_name, src.hf_shape or src.shape),
                                       (src.plus_row0, None)):
                     if not hf_name:
@@ -219,6 +275,12 @@ class Checkpoint:
             elif src.kind == "vector":
                 emitted.append(key)
                 yield key, self._float(src.hf_name)
+            elif src.kind == "gptq":
+                packed, scales = gptq.to_blocks(self._raw(src.hf_name + ".qweight"),
+                                                self._raw(src.hf_name + ".scales"), self.spec.gptq_group)
+                emitted += [key + ".q", key + ".s"]
+                yield key + ".q", packed
+                yield key + ".s", scales
             else:
                 packed, scales = self._quantize(src.hf_name, src.shape)
                 emitted += [key + ".q", key + ".s"]
@@ -229,6 +291,10 @@ class Checkpoint:
             yield "rope.inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta,
                                             cfg.rope_scaling).astype(np.float32)
         assert sorted(emitted) == sorted(weight_names(cfg)), "loader and weight_names disagree"
+
+    def _raw(self, hf_name: str) -> np.ndarray:
+        path, stored = self._where[hf_name]
+        return np.array(self._files[path].tensor(stored))  # a copy: the mapping may close
 
     def _quantize(self, hf_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         out_dim, in_dim = shape

@@ -16,7 +16,7 @@ from gpu_worker.models import reference as R
 from gpu_worker.models.decoder import DecoderModel
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-MODELS = ["llama-llama3-sharded", "llama-tied", "qwen2-tied", "qwen2-untied"]
+MODELS = ["llama-llama3-sharded", "llama-tied", "qwen2-tied", "qwen2-untied", "llama-gptq"]
 
 
 def _golden(name: str):
@@ -51,6 +51,7 @@ def test_decoder_on_the_sim_backend_matches_transformers(name, device, compiler)
 
 def test_the_goldens_cover_the_structure_flags():
     specs = {n: Checkpoint.open(GOLDEN / n, 256) for n in MODELS}
+    assert specs["llama-gptq"].spec.gptq_group == 128
     try:
         assert specs["llama-llama3-sharded"].cfg.rope_scaling is not None
         assert specs["llama-tied"].spec.tied_embeddings and specs["qwen2-tied"].spec.tied_embeddings
@@ -101,3 +102,13 @@ def test_bert_sentence_transformers_embeddings_match_transformers(device, compil
     assert np.abs(tanh - g["embeddings"]).max() > 2e-5, "the goldens cannot tell erf from tanh GELU"
     got = model.embed([list(s) for s in g["sequences"]])
     np.testing.assert_allclose(got, g["embeddings"], atol=2e-6, err_msg="sim encoder != transformers")
+
+
+def test_gptq_weights_are_taken_over_bit_for_bit_not_requantized():
+    """The GPTQ goldens' q_proj, dequantized by the format's own formula, equals what we serve:
+    requantizing into blocks of 32 would have moved it."""
+    from gpu_worker.models.weights import dequantize
+    g = _golden("llama-gptq")
+    with Checkpoint.open(GOLDEN / "llama-gptq", 256) as ckpt:
+        w = ckpt.host_weights()
+    np.testing.assert_array_equal(dequantize(w["layers.0.wq.q"], w["layers.0.wq.s"]), g["wq0"])

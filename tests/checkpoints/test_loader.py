@@ -90,9 +90,13 @@ def test_a_directory_without_weights_or_config_is_refused(tmp_path, ckpt):
     ({"architectures": ["GPT2LMHeadModel"]}, InvalidArgument, "supported: LlamaForCausalLM"),
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, InvalidArgument, "'awq'"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}}, InvalidArgument,
-     "asymmetric"),
-    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True}}, FailedPrecondition,
-     "GPTQ checkpoints are not supported yet"),
+     "sym False"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 8, "sym": True}}, InvalidArgument,
+     "bits 8"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": True}},
+     FailedPrecondition, "desc_act True"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "group_size": 48}},
+     FailedPrecondition, "group_size 48"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      FailedPrecondition, "'yarn'"),
     ({"hidden_act": "gelu"}, InvalidArgument, "SiLU"),
@@ -170,3 +174,43 @@ def test_without_modules_json_a_bert_is_mean_pooled_and_not_normalized(bert):
     (bert / "modules.json").unlink()
     with Checkpoint.open(bert, 256) as c:
         assert not c.spec.normalize and c.cfg.family == "encoder"
+
+
+@pytest.fixture
+def gptq_ckpt(tmp_path):
+    return pathlib.Path(shutil.copytree(GOLDEN / "llama-gptq", tmp_path / "gptq"))
+
+
+def _rewrite_raw(directory: pathlib.Path, change) -> None:
+    with SafetensorsFile(directory / "model.safetensors") as f:
+        tensors = {n: np.array(f.tensor(n)) for n in f.names()}
+    change(tensors)
+    write_safetensors(directory / "model.safetensors", tensors)
+
+
+def test_gptq_act_order_g_idx_is_refused(gptq_ckpt):
+    name = "model.layers.0.mlp.down_proj.g_idx"   # in 256: two groups of 128
+    _rewrite_raw(gptq_ckpt, lambda t: t.__setitem__(name, t[name][::-1].copy()))
+    with pytest.raises(FailedPrecondition, match="act-order"):
+        Checkpoint.open(gptq_ckpt, 256)
+
+
+def test_gptq_asymmetric_zero_points_are_refused(gptq_ckpt):
+    name = "model.layers.0.self_attn.k_proj.qzeros"
+    _rewrite_raw(gptq_ckpt, lambda t: t.__setitem__(name, t[name] + 1))
+    with pytest.raises(CheckpointError, match="zero points other than 8"):
+        Checkpoint.open(gptq_ckpt, 256)
+
+
+def test_gptq_v2_zeros_are_read_as_the_true_zero(gptq_ckpt):
+    _edit_config(gptq_ckpt, quantization_config={"quant_method": "gptq", "bits": 4, "sym": True,
+                                                  "group_size": 128, "checkpoint_format": "gptq_v2"})
+    with pytest.raises(CheckpointError, match="zero points other than 8"):   # v1 file read as v2
+        Checkpoint.open(gptq_ckpt, 256)
+
+
+def test_gptq_scales_of_the_wrong_dtype_are_refused_by_name(gptq_ckpt):
+    name = "model.layers.0.self_attn.o_proj.scales"
+    _rewrite_raw(gptq_ckpt, lambda t: t.__setitem__(name, t[name].astype(np.float32)))
+    with pytest.raises(CheckpointError, match=r"o_proj.scales'.*fp16 scales"):
+        Checkpoint.open(gptq_ckpt, 256)
