@@ -214,3 +214,12 @@ def test_gptq_scales_of_the_wrong_dtype_are_refused_by_name(gptq_ckpt):
     _rewrite_raw(gptq_ckpt, lambda t: t.__setitem__(name, t[name].astype(np.float32)))
     with pytest.raises(CheckpointError, match=r"o_proj.scales'.*fp16 scales"):
         Checkpoint.open(gptq_ckpt, 256)
+
+
+def test_an_index_that_does_not_list_a_tensor_is_refused(tmp_path):
+    d = pathlib.Path(shutil.copytree(GOLDEN / "llama-llama3-sharded", tmp_path / "s"))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.down_proj.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.down_proj.weight' is not in the weight_map"):
+        Checkpoint.open(d, 256)
