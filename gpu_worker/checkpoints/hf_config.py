@@ -10,7 +10,7 @@ What is supported, and the message every refusal repeats:
 unquantized F32/F16/BF16 weights, quantized to our int4 block format on load, or symmetric 4-bit
 GPTQ without act-order (group size a multiple of 32), taken over without requantizing.
 Refusals: an unknown architecture or a malformed config is INVALID_ARGUMENT; a known model whose
-feature we lack (a pre-quantized checkpoint, another rope scaling, a short sliding window) is
+feature we lack (act-order GPTQ, another rope scaling, a short sliding window) is
 FAILED_PRECONDITION, since the checkpoint itself is fine.
 """
 from __future__ import annotations
