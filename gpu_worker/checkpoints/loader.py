@@ -11,8 +11,10 @@ The name mapping is in mapping.py, file lookup in shards.py, GPTQ's layout in gp
 """
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 import numpy as np
@@ -27,7 +29,10 @@ from gpu_worker.models.rope import inv_freq
 from gpu_worker.models.weights import quantize, weight_names
 from services.common.errors import FailedPrecondition
 
-CHUNK_ROWS = 4096  # rows of a linear converted at once: 4096 x 14336 f32 is 235 MB
+CHUNK_ROWS = 1024  # rows of a linear converted at once: 1024 x 14336 f32 is 59 MB
+# NumPy releases the GIL inside its loops, so row chunks quantize in parallel threads; the
+# transient host memory is QUANT_THREADS chunks of f32.
+QUANT_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def _check_float(shards: ShardSet, spec: CheckpointSpec, src: Source) -> None:
@@ -139,10 +144,18 @@ class Checkpoint:
         out_dim, in_dim = shape
         packed = np.empty((out_dim, in_dim // 2), np.uint8)
         scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
-        for r in range(0, out_dim, CHUNK_ROWS):
+
+        def chunk(r: int) -> None:
             rows = slice(r, min(r + CHUNK_ROWS, out_dim))
             q = quantize(self._shards.float32(hf_name, rows))
             packed[rows], scales[rows] = q.packed, q.scales
+        starts = range(0, out_dim, CHUNK_ROWS)
+        if QUANT_THREADS == 1 or len(starts) == 1:
+            for r in starts:
+                chunk(r)
+        else:
+            with ThreadPoolExecutor(QUANT_THREADS) as pool:
+                list(pool.map(chunk, starts))   # list(): re-raise a chunk's exception here
         return packed, scales
 
     def host_weights(self) -> dict[str, np.ndarray]:
