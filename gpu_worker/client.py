@@ -90,6 +90,13 @@ class WorkerClient:
         response = self.stub.Embed(request, timeout=timeout or self.deadline_s)
         return np.array([list(e.values) for e in response.embeddings], dtype=np.float32)
 
+    def embed_texts(self, model_id: str, texts: list[str], timeout: float | None = None
+                    ) -> np.ndarray:
+        """Embeddings of `texts` (any lengths) by a model with a tokenizer, in order."""
+        request = worker_pb2.EmbedRequest(model_id=model_id, texts=texts)
+        response = self.stub.Embed(request, timeout=timeout or self.deadline_s)
+        return np.array([list(e.values) for e in response.embeddings], dtype=np.float32)
+
     def stats(self) -> worker_pb2.GetStatsResponse:
         return self.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=self.deadline_s)
 

@@ -5,6 +5,7 @@
     gpuplane generate --model-id m1 --tokens 1,2,3 --max-new-tokens 16
     gpuplane generate --model-id llama --prompt "Once upon a time" --max-new-tokens 32
     gpuplane embed --model-id e1 --tokens 1,2,3 --tokens 4,5,6
+    gpuplane embed --model-id bert --text "first text" --text "second"
     gpuplane stats [--json]
     gpuplane resources [--json]          (asks the governor)
     gpuplane models | unload | trim
@@ -121,8 +122,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_embed(args: argparse.Namespace) -> None:
     from gpu_worker.client import WorkerClient
 
+    if bool(args.tokens) == bool(args.text):
+        raise SystemExit("give --tokens 1,2,3 or --text TEXT (repeatable), not both")
     with WorkerClient(args.worker, deadline_s=args.timeout) as client:
-        vectors = client.embed(args.model_id, args.tokens)
+        vectors = (client.embed_texts(args.model_id, args.text) if args.text
+                   else client.embed(args.model_id, args.tokens))
     if args.json:
         print(json.dumps(vectors.tolist()))
         return
@@ -228,10 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for --random")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
-    p = add("embed", cmd_embed, "embed token sequences with an encoder model")
+    p = add("embed", cmd_embed, "embed token sequences (or texts) with an encoder model")
     p.add_argument("--model-id", required=True)
-    p.add_argument("--tokens", type=_tokens, action="append", required=True,
+    p.add_argument("--tokens", type=_tokens, action="append", default=[],
                    help="one sequence (repeat for a batch; all the same length)")
+    p.add_argument("--text", action="append", default=[],
+                   help="one text (repeat for a batch; a model with a tokenizer)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     add("stats", cmd_stats, "the worker's memory, caches, plans, compiles and captures")
     add("resources", cmd_resources, "the governor's ledger per device, worker and zone")

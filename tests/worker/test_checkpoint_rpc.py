@@ -158,7 +158,7 @@ def test_the_serve_flags_set_the_model_root_and_context(tmp_path):
     assert worker_config(build_parser().parse_args(["serve"])).model_root is None
 
 
-def test_embed_texts_of_different_lengths_match_transformers_in_order(worker):
+def test_embed_texts_of_different_lengths_match_transformers_in_order(worker, capsys):
     worker.stub.LoadModel(worker_pb2.LoadModelRequest(model_id="bert", checkpoint="bert-st"))
     try:
         info = {m.model_id: m for m in worker.list_models()}["bert"]
@@ -168,6 +168,10 @@ def test_embed_texts_of_different_lengths_match_transformers_in_order(worker):
         reply = worker.stub.Embed(worker_pb2.EmbedRequest(model_id="bert", texts=texts), timeout=120)
         got = np.array([list(e.values) for e in reply.embeddings], np.float32)
         np.testing.assert_allclose(got, g["text_embeddings"], atol=2e-6)
+        from gpu_worker.user_cli import main
+        assert main(["--worker", worker.target, "embed", "--model-id", "bert", "--json",
+                     *(a for t in texts for a in ("--text", t))]) == 0
+        np.testing.assert_allclose(json.loads(capsys.readouterr().out), g["text_embeddings"], atol=2e-6)
         with pytest.raises(grpc.RpcError) as err:
             worker.stub.Embed(worker_pb2.EmbedRequest(model_id="llama", texts=["hi"]), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "a decoder cannot embed"
