@@ -178,7 +178,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     # -- inference --------------------------------------------------------------------------
     def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[worker_pb2.GenerateResponse]:
+        _tag(model_id=request.model_id)
         info = self._model(request.model_id)
+        eos = self.runtime.eos_token_ids(request.model_id)  # now: the model may go mid-stream
         if request.prompt and request.prompt_tokens:
             raise errors.InvalidArgument("send prompt (text) or prompt_tokens, not both")
         # Text in means text out: a decoder per request keeps characters split across tokens
@@ -186,8 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         codec = self.runtime.codec(request.model_id) if request.prompt else None
         prompt = codec.encode(request.prompt) if codec else list(request.prompt_tokens)
         text = codec.stream() if codec else None
-        _tag(model_id=request.model_id, prompt_tokens=len(prompt),
-             max_new_tokens=request.max_new_tokens)
+        _tag(prompt_tokens=len(prompt), max_new_tokens=request.max_new_tokens)
         _check_prompt(prompt, info)
         if not 0 < request.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise errors.InvalidArgument(
@@ -230,7 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 close()
         if not gone.is_set():
             done = worker_pb2.GenerateResponse(done=True, prompt_tokens=len(prompt))
-            done.stopped_at_eos = last in self.runtime.eos_token_ids(request.model_id)
+            done.stopped_at_eos = last in eos
             if text is not None:
                 done.text = text.finish()
             yield done
