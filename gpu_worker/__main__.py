@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     # the governor and the cache; --tls-ca verifies those two.
     security.add_server_flags(serve, "WORKER")
     security.add_client_flags(serve, "WORKER", pair=False)
+    env_flag(serve, "--model-root", "GPUPLANE_WORKER_MODEL_ROOT", "",
+             "directory of Hugging Face checkpoints LoadModel may read; empty = synthetic models only")
+    env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
+             "tokens of context served from a checkpoint (at most its max_position_embeddings)",
+             type=int)
     return parser
 
 
@@ -90,6 +95,8 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         tls=tls,
         governor_token=args.governor_token or None,
         tracer_provider=provider,
+        model_root=pathlib.Path(args.model_root) if args.model_root else None,
+        checkpoint_context=args.checkpoint_context,
     )
 
 
@@ -108,6 +115,9 @@ def serve(args: argparse.Namespace) -> int:
         outgoing = security.channel_tls_from_args(args)
     except GpuplaneError as err:
         log.error("%s", err.message)
+        return 2
+    if args.checkpoint_context < 1:
+        log.error("--checkpoint-context must be at least 1")
         return 2
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider, tls=outgoing)

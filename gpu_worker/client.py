@@ -49,6 +49,13 @@ class WorkerClient:
         request = worker_pb2.LoadModelRequest(model_id=model_id, family=family, config=config, seed=seed)
         return self.stub.LoadModel(request, timeout=timeout or self.load_deadline_s)
 
+    def load_checkpoint(self, model_id: str, checkpoint: str, weight_format: str = "",
+                        timeout: float | None = None) -> worker_pb2.LoadModelResponse:
+        """A Hugging Face checkpoint directory under the worker's --model-root."""
+        request = worker_pb2.LoadModelRequest(model_id=model_id, checkpoint=checkpoint,
+                                              weight_format=weight_format)
+        return self.stub.LoadModel(request, timeout=timeout or self.load_deadline_s)
+
     def unload_model(self, model_id: str) -> int:
         request = worker_pb2.UnloadModelRequest(model_id=model_id)
         return self.stub.UnloadModel(request, timeout=self.deadline_s).freed_bytes
@@ -57,10 +64,12 @@ class WorkerClient:
         return list(self.stub.ListModels(worker_pb2.ListModelsRequest(), timeout=self.deadline_s).models)
 
     def generate_stream(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
-                        timeout: float | None = None) -> Iterator[worker_pb2.GenerateResponse]:
-        """The raw response stream; cancel it with `.cancel()` on the returned call object."""
+                        timeout: float | None = None, prompt: str = ""
+                        ) -> Iterator[worker_pb2.GenerateResponse]:
+        """The raw response stream; cancel it with `.cancel()` on the returned call object.
+        `prompt` (text) replaces `prompt_tokens` for a model with a tokenizer."""
         request = worker_pb2.GenerateRequest(model_id=model_id, prompt_tokens=prompt_tokens,
-                                             max_new_tokens=max_new_tokens)
+                                             max_new_tokens=max_new_tokens, prompt=prompt)
         return self.stub.Generate(request, timeout=timeout or self.deadline_s)
 
     def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
@@ -81,6 +90,13 @@ class WorkerClient:
               ) -> np.ndarray:
         request = worker_pb2.EmbedRequest(
             model_id=model_id, sequences=[worker_pb2.TokenSequence(tokens=s) for s in sequences])
+        response = self.stub.Embed(request, timeout=timeout or self.deadline_s)
+        return np.array([list(e.values) for e in response.embeddings], dtype=np.float32)
+
+    def embed_texts(self, model_id: str, texts: list[str], timeout: float | None = None
+                    ) -> np.ndarray:
+        """Embeddings of `texts` (any lengths) by a model with a tokenizer, in order."""
+        request = worker_pb2.EmbedRequest(model_id=model_id, texts=texts)
         response = self.stub.Embed(request, timeout=timeout or self.deadline_s)
         return np.array([list(e.values) for e in response.embeddings], dtype=np.float32)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
@@ -71,6 +72,8 @@ class WorkerConfig:
     max_plan_bytes: int | None = None   # optional byte bound on one model's plans
     ordinal: int = 0
     capture: bool = True                # False: eager launches (benchmarks, debugging)
+    model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
+    checkpoint_context: int = 8192      # tokens served from a checkpoint (KV cache is f32)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,10 @@ class ModelInfo:
     vocab_size: int
     max_context: int
     weight_bytes: int
+    checkpoint: str = ""
+    architecture: str = ""
+    weight_format: str = ""
+    has_tokenizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,8 @@ class _Loaded:
     executor: ModelExecutor
     model: DecoderModel | EncoderModel
     lock: threading.Lock = field(default_factory=threading.Lock)
+    codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
+    eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
 
 
 def admission_bytes(cfg: ModelConfig, granule: int) -> int:
@@ -178,14 +187,41 @@ class WorkerRuntime:
         return self.device
 
     # -- models ----------------------------------------------------------------------------------
-    def load_model(self, model_id: str, family: str, config: str, seed: int) -> LoadResult:
-        from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
-        device = self._started()
+    def load_model(self, model_id: str, family: str, config: str, seed: int,
+                   checkpoint: str = "", weight_format: str = "") -> LoadResult:
+        """A synthetic model (family, config, seed), or a checkpoint directory under the model
+        root (family/config/seed ignored). A failed load leaves nothing booked or listed."""
+        self._started()
         if not model_id:
             raise InvalidArgument("model_id is empty")
+        if checkpoint:
+            return self._load_checkpoint(model_id, checkpoint, weight_format or "int4")
         if family not in ("decoder", "encoder"):
             raise InvalidArgument(f"family must be decoder or encoder, got {family!r}")
         cfg = get_config(config, family)
+        return self._load(model_id, cfg, family, config, int(seed), None)
+
+    def _load_checkpoint(self, model_id: str, checkpoint: str, weight_format: str) -> LoadResult:
+        from gpu_worker.checkpoints import Checkpoint
+        from gpu_worker.checkpoints.paths import resolve_checkpoint
+        if weight_format != "int4":
+            if weight_format == "fp16":
+                raise FailedPrecondition("weight_format 'fp16' is not supported yet (the fp16 "
+                                         "decoder is not on this worker): load with 'int4'")
+            raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (or '' for it)")
+        directory = resolve_checkpoint(self.config.model_root, checkpoint)
+        codec = TextCodec.for_checkpoint(directory)
+        with Checkpoint.open(directory, self.config.checkpoint_context) as ckpt:
+            source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
+                      "weight_format": weight_format, "has_tokenizer": codec is not None}
+            return self._load(model_id, ckpt.cfg, ckpt.cfg.family, ckpt.cfg.name, 0, ckpt.weights,
+                              source, codec, ckpt.spec.eos_token_ids, ckpt.spec.normalize)
+
+    def _load(self, model_id: str, cfg: ModelConfig, family: str, config: str, seed: int,
+              weights, source: dict | None = None, codec: TextCodec | None = None,
+              eos: tuple[int, ...] = (), normalize: bool = False) -> LoadResult:
+        from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
+        device = self._started()
         with self._lock:
             if model_id in self._models:
                 raise AlreadyExists(f"model {model_id!r} is already loaded; unload it first",
@@ -195,8 +231,11 @@ class WorkerRuntime:
         executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
                                  self.config.max_plans, self.config.max_plan_bytes,
                                  weight_namespace=f"{model_id}/")
-        cls = DecoderModel if family == "decoder" else EncoderModel
-        model = cls(executor, cfg, int(seed), capture=self.config.capture)
+        if family == "decoder":
+            model = DecoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights)
+        else:
+            model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
+                                 normalize=normalize)
         try:
             with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
                        family=family, config=config):
@@ -214,9 +253,10 @@ class WorkerRuntime:
         compiled = executor.module_tiers["compiled"]
         from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
         info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
-                         cfg.weight_bytes())
+                         cfg.weight_bytes(), **(source or {}))
         with self._lock:
-            self._models[model_id] = _Loaded(info, cfg, executor, model)
+            self._models[model_id] = _Loaded(info, cfg, executor, model, codec=codec,
+                                             eos_token_ids=eos)
         self._report()
         return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
 
@@ -289,10 +329,39 @@ class WorkerRuntime:
             try:
                 for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
                     yield [token]
-                    if cancelled():
+                    if cancelled() or token in loaded.eos_token_ids:
                         return
             finally:
                 self._report()
+
+    def codec(self, model_id: str) -> TextCodec:
+        """The model's tokenizer; FAILED_PRECONDITION for a model without one."""
+        loaded = self._get(model_id)
+        if loaded.codec is None:
+            raise FailedPrecondition(f"model {model_id!r} has no tokenizer (synthetic, or its "
+                                     "checkpoint lacks tokenizer.json): send token ids")
+        return loaded.codec
+
+    def eos_token_ids(self, model_id: str) -> tuple[int, ...]:
+        return self._get(model_id).eos_token_ids
+
+    def embed_texts(self, model_id: str, texts: list[str]) -> np.ndarray:
+        """Embeddings of `texts`, in order. The encoder has no padding mask, so texts are grouped
+        by token count and each group runs as one exact-length batch."""
+        codec = self.codec(model_id)
+        sequences = [codec.encode(t) for t in texts]
+        by_length: dict[int, list[int]] = {}
+        for i, s in enumerate(sequences):
+            by_length.setdefault(len(s), []).append(i)
+        out: np.ndarray | None = None
+        for indices in by_length.values():
+            vectors = self.embed(model_id, [sequences[i] for i in indices])
+            if out is None:
+                out = np.empty((len(texts), vectors.shape[1]), np.float32)
+            out[indices] = vectors
+        if out is None:
+            raise InvalidArgument("texts is empty: send at least one text")
+        return out
 
     def embed(self, model_id: str, sequences: list[list[int]]) -> np.ndarray:
         loaded = self._get(model_id, "encoder")

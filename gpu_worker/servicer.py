@@ -141,12 +141,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def LoadModel(self, request: worker_pb2.LoadModelRequest, context: grpc.ServicerContext
                   ) -> worker_pb2.LoadModelResponse:
         _require(request.model_id, "model_id is empty: name the model to load")
-        _require(request.family, "family is empty: use 'decoder' or 'encoder'")
+        if request.checkpoint:
+            _tag(model_id=request.model_id, checkpoint=request.checkpoint)
+            started = time.perf_counter()
+            loaded = self.runtime.load_model(request.model_id, "", "", 0,
+                                             checkpoint=request.checkpoint,
+                                             weight_format=request.weight_format)
+            return self._loaded(loaded, started)
+        _require(request.family, "family is empty: use 'decoder' or 'encoder' (or a checkpoint)")
         _require(request.config, "config is empty: use a named size such as 'tiny'")
+        if request.weight_format:
+            raise errors.InvalidArgument("weight_format applies to checkpoints only")
         _tag(model_id=request.model_id, family=request.family, config=request.config)
         started = time.perf_counter()
         loaded = self.runtime.load_model(request.model_id, request.family, request.config,
                                          int(request.seed))
+        return self._loaded(loaded, started)
+
+    @staticmethod
+    def _loaded(loaded: Any, started: float) -> worker_pb2.LoadModelResponse:
         fields = dict(_as_mapping(loaded))
         info = fields.get("info") or fields.get("model") or loaded
         response = worker_pb2.LoadModelResponse(model=model_info_message(info))
@@ -168,10 +181,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     # -- inference --------------------------------------------------------------------------
     def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.ServicerContext
                  ) -> Iterator[worker_pb2.GenerateResponse]:
-        prompt = list(request.prompt_tokens)
-        _tag(model_id=request.model_id, prompt_tokens=len(prompt),
-             max_new_tokens=request.max_new_tokens)
+        _tag(model_id=request.model_id)
         info = self._model(request.model_id)
+        eos = self.runtime.eos_token_ids(request.model_id)  # now: the model may go mid-stream
+        if request.prompt and request.prompt_tokens:
+            raise errors.InvalidArgument("send prompt (text) or prompt_tokens, not both")
+        # Text in means text out: a decoder per request keeps characters split across tokens
+        # whole, so the stream's `text` fields concatenate to the decoded output.
+        codec = self.runtime.codec(request.model_id) if request.prompt else None
+        prompt = codec.encode(request.prompt) if codec else list(request.prompt_tokens)
+        text = codec.stream() if codec else None
+        _tag(prompt_tokens=len(prompt), max_new_tokens=request.max_new_tokens)
         _check_prompt(prompt, info)
         if not 0 < request.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
             raise errors.InvalidArgument(
@@ -192,11 +212,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         tokens = self.runtime.generate(request.model_id, prompt, int(request.max_new_tokens),
                                        cancelled=lambda: gone.is_set() or not context.is_active())
         first = True
+        last = None
         try:
             for chunk in tokens:
                 if gone.is_set():
                     break
                 response = worker_pb2.GenerateResponse(tokens=[int(t) for t in chunk])
+                last = int(chunk[-1]) if chunk else last
+                if text is not None:
+                    response.text = text.push(chunk)
                 if first:
                     response.first_token_seconds = time.perf_counter() - started
                     response.prompt_tokens = len(prompt)
@@ -209,10 +233,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if close is not None:
                 close()
         if not gone.is_set():
-            yield worker_pb2.GenerateResponse(done=True, prompt_tokens=len(prompt))
+            done = worker_pb2.GenerateResponse(done=True, prompt_tokens=len(prompt))
+            done.stopped_at_eos = last in eos
+            if text is not None:
+                done.text = text.finish()
+            yield done
 
     def Embed(self, request: worker_pb2.EmbedRequest, context: grpc.ServicerContext
               ) -> worker_pb2.EmbedResponse:
+        if request.texts:
+            if request.sequences:
+                raise errors.InvalidArgument("send sequences (token ids) or texts, not both")
+            if len(request.texts) > MAX_EMBED_BATCH:
+                raise errors.InvalidArgument(
+                    f"{len(request.texts)} texts exceed the batch limit of {MAX_EMBED_BATCH}")
+            _tag(model_id=request.model_id, batch=len(request.texts))
+            self._model(request.model_id)
+            vectors = self.runtime.embed_texts(request.model_id, list(request.texts))
+            return worker_pb2.EmbedResponse(
+                embeddings=[worker_pb2.Embedding(values=[float(x) for x in row]) for row in vectors])
         sequences = [list(s.tokens) for s in request.sequences]
         _tag(model_id=request.model_id, batch=len(sequences),
              seq=len(sequences[0]) if sequences else 0)

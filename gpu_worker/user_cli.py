@@ -1,8 +1,11 @@
 """`gpuplane`: the command line for users of a running stack.
 
     gpuplane load --model-id m1 --family decoder --config tiny --seed 0
+    gpuplane load --model-id llama --checkpoint Llama-3.2-1B [--weight-format int4]
     gpuplane generate --model-id m1 --tokens 1,2,3 --max-new-tokens 16
+    gpuplane generate --model-id llama --prompt "Once upon a time" --max-new-tokens 32
     gpuplane embed --model-id e1 --tokens 1,2,3 --tokens 4,5,6
+    gpuplane embed --model-id bert --text "first text" --text "second"
     gpuplane stats [--json]
     gpuplane resources [--json]          (asks the governor)
     gpuplane models | unload | trim
@@ -48,11 +51,16 @@ def _mib(n: int) -> str:
 
 def cmd_load(args: argparse.Namespace) -> None:
     with _worker(args) as client:
-        reply = client.load_model(args.model_id, args.family, args.config, args.seed)
+        if args.checkpoint:
+            reply = client.load_checkpoint(args.model_id, args.checkpoint, args.weight_format)
+        else:
+            reply = client.load_model(args.model_id, args.family, args.config, args.seed)
     if args.json:
         return _print_json(reply)
     m = reply.model
-    print(f"loaded {m.model_id}: {m.family}/{m.config} seed {m.seed}, vocab {m.vocab_size}, "
+    source = (f"{m.checkpoint} ({m.architecture}, {m.weight_format})" if m.checkpoint
+              else f"{m.family}/{m.config} seed {m.seed}")
+    print(f"loaded {m.model_id}: {source}, vocab {m.vocab_size}, "
           f"context {m.max_context}, weights {_mib(m.weight_bytes)} in {reply.load_seconds:.2f}s "
           f"(kernels compiled {reply.kernels_compiled}, from cache {reply.kernels_from_cache})")
 
@@ -78,27 +86,39 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = args.tokens
     if args.random:
         prompt = np.random.default_rng(args.seed).integers(1, args.vocab, args.random).tolist()
-    if not prompt:
-        raise SystemExit("give a prompt with --tokens 1,2,3 or --random N")
+    if not prompt and not args.prompt:
+        raise SystemExit("give a prompt with --prompt TEXT, --tokens 1,2,3 or --random N")
     with _worker(args, deadline_s=args.timeout) as client:
         produced: list[int] = []
+        text: list[str] = []
         first = 0.0
-        for message in client.generate_stream(args.model_id, prompt, args.max_new_tokens):
+        prompt_tokens = len(prompt)
+        for message in client.generate_stream(args.model_id, [] if args.prompt else prompt,
+                                              args.max_new_tokens, prompt=args.prompt):
             if message.first_token_seconds:
                 first = message.first_token_seconds
+            prompt_tokens = message.prompt_tokens or prompt_tokens
             produced.extend(message.tokens)
-            if not args.json and message.tokens:
+            text.append(message.text)
+            if not args.json and args.prompt:
+                print(message.text, end="", flush=True)
+            elif not args.json and message.tokens:
                 print(" ".join(map(str, message.tokens)), end=" ", flush=True)
     if args.json:
-        print(json.dumps({"prompt_tokens": len(prompt), "tokens": produced,
-                          "first_token_seconds": first}))
+        out = {"prompt_tokens": prompt_tokens, "tokens": produced, "first_token_seconds": first}
+        if args.prompt:
+            out["text"] = "".join(text)
+        print(json.dumps(out))
     else:
         print(f"\n({len(produced)} tokens; first token after {first * 1000:.1f} ms)")
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
+    if bool(args.tokens) == bool(args.text):
+        raise SystemExit("give --tokens 1,2,3 or --text TEXT (repeatable), not both")
     with _worker(args, deadline_s=args.timeout) as client:
-        vectors = client.embed(args.model_id, args.tokens)
+        vectors = (client.embed_texts(args.model_id, args.text) if args.text
+                   else client.embed(args.model_id, args.tokens))
     if args.json:
         print(json.dumps(vectors.tolist()))
         return
@@ -200,21 +220,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="decoder", choices=["decoder", "encoder"])
     p.add_argument("--config", default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", default="",
+                   help="a Hugging Face checkpoint directory under the worker's --model-root "
+                        "(instead of --family/--config/--seed)")
+    p.add_argument("--weight-format", default="", choices=["", "int4", "fp16"],
+                   help="int4 (default: quantized on load); fp16 is refused until supported")
     p = add("unload", cmd_unload, "unload a model and free its memory")
     p.add_argument("--model-id", required=True)
     add("models", cmd_models, "list the loaded models")
     p = add("generate", cmd_generate, "generate tokens from a prompt (streamed as produced)")
     p.add_argument("--model-id", required=True)
     p.add_argument("--tokens", type=_tokens, default=[], help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--prompt", default="", help="prompt text (a model with a tokenizer); "
+                   "the reply is streamed as text")
     p.add_argument("--random", type=int, default=0, help="use N random prompt tokens instead")
     p.add_argument("--vocab", type=int, default=1024, help="vocabulary for --random")
     p.add_argument("--seed", type=int, default=0, help="seed for --random")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
-    p = add("embed", cmd_embed, "embed token sequences with an encoder model")
+    p = add("embed", cmd_embed, "embed token sequences (or texts) with an encoder model")
     p.add_argument("--model-id", required=True)
-    p.add_argument("--tokens", type=_tokens, action="append", required=True,
+    p.add_argument("--tokens", type=_tokens, action="append", default=[],
                    help="one sequence (repeat for a batch; all the same length)")
+    p.add_argument("--text", action="append", default=[],
+                   help="one text (repeat for a batch; a model with a tokenizer)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     add("stats", cmd_stats, "the worker's memory, caches, plans, compiles and captures")
     add("resources", cmd_resources, "the governor's ledger per device, worker and zone")

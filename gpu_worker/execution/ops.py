@@ -138,7 +138,14 @@ def _launch_rotary(c: LaunchContext) -> None:
     a = c.node.attributes
     tokens, width = c.shape(0)
     rotary.launch_rotary(c.device, c.fn("rotary"), c.inp(0), c.inp(1), 1, tokens, int(a["heads"]),
-                         int(a["head_dim"]), width, 0, float(a["theta"]), stream=c.stream)
+                         int(a["head_dim"]), width, 0, float(a["theta"]), stream=c.stream,
+                         inv_freq=c.weight(0) if c.node.weights else 0)
+
+
+def _launch_bias_add(c: LaunchContext) -> None:
+    rows, cols = c.shape(0)
+    elementwise.launch_bias_add(c.device, c.fn("bias_add"), c.out(), c.inp(0), c.weight(0), rows,
+                                cols, stream=c.stream)
 
 
 def _elements(shape: tuple[int, ...]) -> int:
@@ -161,7 +168,7 @@ def _launch_silu_mul(c: LaunchContext) -> None:
 
 def _launch_gelu(c: LaunchContext) -> None:
     elementwise.launch_gelu(c.device, c.fn("gelu"), c.out(), c.inp(0), _elements(c.shape(0)),
-                            stream=c.stream)
+                            stream=c.stream, exact=bool(c.node.attributes.get("exact", False)))
 
 
 def _launch_attention_prefill(c: LaunchContext) -> None:
@@ -245,6 +252,7 @@ OPS: dict[str, OpBinding] = {
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),
     "rotary": OpBinding((rotary.ROTARY,), _launch_rotary),
     "add": OpBinding((elementwise.ADD,), _launch_add),
+    "bias_add": OpBinding((elementwise.BIAS_ADD,), _launch_bias_add),
     "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
     "attention_prefill": OpBinding((attention.ATTENTION_PREFILL,), _launch_attention_prefill),

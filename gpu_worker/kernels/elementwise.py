@@ -3,7 +3,7 @@
 All are grid-stride loops over the elements; outputs may alias inputs (in place).
 - silu_gate: out (rows, cols) = silu(gate) * up, gate/up rows `gate_stride`/`up_stride` floats
   apart (both halves of a fused gate|up matmul output are addressed in place).
-- gelu: tanh approximation. add: out = a + b. bias_add: out (rows, cols) = x + bias[col].
+- gelu: tanh approximation, or the exact erf form (`exact`, BERT checkpoints). add: out = a + b. bias_add: out (rows, cols) = x + bias[col].
 - add_i32: p[i] += delta for i < n; advances a device position/length counter inside a captured
   decode graph so the next replay sees the next position.
 """
@@ -23,10 +23,11 @@ extern "C" __global__ void gp_silu_gate(float* out, const float* gate, const flo
     }
 }
 
-extern "C" __global__ void gp_gelu(float* out, const float* x, int n) {
+extern "C" __global__ void gp_gelu(float* out, const float* x, int n, int exact) {
     GP_GRID_STRIDE(i, n) {
         const float v = x[i];
-        out[i] = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        out[i] = exact ? 0.5f * v * (1.0f + erff(v * 0.7071067811865476f))
+                       : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
     }
 }
 
@@ -59,10 +60,11 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
                   stream=stream)
 
 
-def launch_gelu(device, function, out: int, x: int, n: int, stream=None) -> None:
+def launch_gelu(device, function, out: int, x: int, n: int, stream=None, exact: bool = False) -> None:
     require_sizes("gelu", n=n)
     if n:
-        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(x), i32(n)], stream=stream)
+        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(x), i32(n), i32(int(exact))],
+                      stream=stream)
 
 
 def launch_add(device, function, out: int, a: int, b: int, n: int, stream=None) -> None:

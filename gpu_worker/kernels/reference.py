@@ -105,12 +105,16 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) ->
     return (y if b is None else y + b).astype(np.float32)
 
 
-def rotary(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """x (tokens, heads, head_dim) rotated at `positions` (tokens,), rotate-half convention."""
+def rotary(x: np.ndarray, positions: np.ndarray, theta: float,
+           inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """x (tokens, heads, head_dim) rotated at `positions` (tokens,), rotate-half convention;
+    `inv_freq` (head_dim // 2,) f32 replaces theta's frequencies when given."""
     d = x.shape[-1]
     half = d // 2
     # float64 angles, as the CUDA kernel forms them (see gp_rotary in rotary.py).
     inv = np.float64(theta) ** (-np.arange(0, half, dtype=np.float64) * 2.0 / d)
+    if inv_freq is not None:
+        inv = np.asarray(inv_freq, np.float32).astype(np.float64)
     ang = np.asarray(positions).astype(np.float64)[:, None] * inv[None, :]
     cos = np.cos(ang).astype(np.float32)[:, None, :]
     sin = np.sin(ang).astype(np.float32)[:, None, :]
@@ -178,8 +182,12 @@ def silu_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float32)
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
-    """tanh approximation (as BERT's and the model reference's)."""
+def gelu(x: np.ndarray, exact: bool = False) -> np.ndarray:
+    """tanh approximation (as the model reference's), or the erf form (`exact`, transformers'
+    "gelu" as BERT checkpoints use it)."""
+    if exact:
+        from math import erf
+        return (0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))).astype(np.float32)
     return (0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))).astype(np.float32)
 
 

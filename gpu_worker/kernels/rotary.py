@@ -5,7 +5,7 @@ Shapes: x (batch, tokens, heads, head_dim) f32 with `row_stride` floats between 
 Position of token t of sequence b: (pos ? pos[b] : 0) + pos_offset + t, where `pos` is a device
 int32 per sequence. Reading the position from device memory is what lets a captured decode graph
 be replayed at every step: the graph bakes the pointer, the step writes the value.
-Angles are float32 (pos * theta^(-2i/d)), as in the references.
+Angles are pos * theta^(-2i/d), or pos * inv_freq[i] when a table is given (0: none).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, re
 SOURCE = make_source("gp_rotary", r"""
 extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int batch, int tokens,
                                      int heads, int head_dim, int row_stride, int pos_offset,
-                                     float theta) {
+                                     float theta, const float* __restrict__ inv_freq) {
     const int half = head_dim >> 1;
     const long long total = (long long)batch * tokens * heads * half;
     GP_GRID_STRIDE(i, total) {
@@ -30,7 +30,9 @@ extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int 
         // The angle is formed in double: at long contexts p * inv is thousands of radians, where
         // one float ulp of the frequency already moves sin/cos by ~1e-4 (seen on the H200 against
         // the NumPy reference). The references use float64 angles too.
-        const double inv = pow((double)theta, -((double)(2 * j) / (double)head_dim));
+        // inv_freq, when given, is a model's rescaled table (llama3 rope scaling).
+        const double inv = inv_freq ? (double)inv_freq[j]
+                                    : pow((double)theta, -((double)(2 * j) / (double)head_dim));
         double sd, cd;
         sincos((double)p * inv, &sd, &cd);
         const float s = (float)sd, c = (float)cd;
@@ -45,7 +47,7 @@ extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int 
 
 def launch_rotary(device, function, x: int, pos: int, batch: int, tokens: int, heads: int,
                   head_dim: int, row_stride: int, pos_offset: int, theta: float,
-                  stream=None) -> None:
+                  stream=None, inv_freq: int = 0) -> None:
     require_sizes("rotary", batch=batch, tokens=tokens, heads=heads, head_dim=head_dim,
                   row_stride=row_stride, items=batch * tokens * heads * head_dim)
     require(head_dim % 2 == 0, f"rotary: head_dim={head_dim} must be even")
@@ -56,7 +58,7 @@ def launch_rotary(device, function, x: int, pos: int, batch: int, tokens: int, h
         return
     device.launch(function, grid_1d(total), BLOCK,
                   [ptr(x), ptr(pos), i32(batch), i32(tokens), i32(heads), i32(head_dim),
-                   i32(row_stride), i32(pos_offset), f32(theta)], stream=stream)
+                   i32(row_stride), i32(pos_offset), f32(theta), ptr(inv_freq)], stream=stream)
 
 
 ROTARY = KernelDef("rotary", "gp_rotary", SOURCE, reference.rotary, launch_rotary)

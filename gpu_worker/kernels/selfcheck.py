@@ -369,11 +369,11 @@ def silu_gate_case(h, rng, rows, cols) -> Outcome:
     return Outcome(h.get(out, (rows, cols)), ref.silu_gate(gu[:, :cols], gu[:, cols:]), 1e-5, 1e-6)
 
 
-def gelu_case(h, rng, n) -> Outcome:
+def gelu_case(h, rng, n, exact=False) -> Outcome:
     x = _f32(rng, n, scale=4.0)
     p = h.put(x)
-    launch_gelu(h.device, h.function(GELU), p, p, n)
-    return Outcome(h.get(p, (n,)), ref.gelu(x), 1e-5, 1e-6)
+    launch_gelu(h.device, h.function(GELU), p, p, n, exact=exact)
+    return Outcome(h.get(p, (n,)), ref.gelu(x, exact), 1e-5, 1e-6)
 
 
 def add_case(h, rng, n) -> Outcome:
@@ -550,6 +550,7 @@ CASES: list[Case] = [
       offset=1, max_len=16),
     C("silu_gate", silu_gate_case, rows=7, cols=33),
     C("gelu", gelu_case, n=1001),
+    C("gelu", gelu_case, n=1001, exact=True),
     C("add", add_case, n=1),
     C("add", add_case, n=70001),
     C("bias_add", bias_add_case, rows=7, cols=33),

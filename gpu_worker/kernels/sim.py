@@ -111,12 +111,14 @@ def _int4_matmul(mem, grid, block, args) -> None:
 
 @register_sim_kernel("gp_rotary")
 def _rotary(mem, grid, block, args) -> None:
-    x, pos, batch, tokens, heads, head_dim, row_stride, pos_offset, theta = _vals(args)
+    x, pos, batch, tokens, heads, head_dim, row_stride, pos_offset, theta, inv_freq = _vals(args)
+    table = _arr(mem, inv_freq, head_dim // 2) if inv_freq else None
     for b in range(batch):
         xb = _strided(mem, x + 4 * b * tokens * row_stride, (tokens, heads, head_dim),
                       (row_stride, head_dim, 1))
         start = _opt_i32(mem, pos, b) + pos_offset
-        xb[:] = reference.rotary(np.array(xb), np.arange(start, start + tokens), np.float32(theta))
+        xb[:] = reference.rotary(np.array(xb), np.arange(start, start + tokens), np.float32(theta),
+                                  table)
 
 
 def _kv_view(mem, p: int, shape, strides, kvt) -> np.ndarray:
@@ -227,8 +229,8 @@ def _silu_gate(mem, grid, block, args) -> None:
 
 @register_sim_kernel("gp_gelu")
 def _gelu(mem, grid, block, args) -> None:
-    out, x, n = _vals(args)
-    _arr(mem, out, n)[:] = reference.gelu(_arr(mem, x, n))
+    out, x, n, exact = _vals(args)
+    _arr(mem, out, n)[:] = reference.gelu(_arr(mem, x, n), bool(exact))
 
 
 @register_sim_kernel("gp_add")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import InvalidArgument
 
 QUANT_BLOCK = 32  # int4 block size along the input dimension; fp16 scale per block
@@ -26,6 +27,13 @@ class ModelConfig:
     max_context: int
     eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Structure flags of real checkpoints (gpu_worker/checkpoints): Qwen2's q/k/v biases, and
+    # Llama 3.1's rescaled rotary frequencies (carried as the weight `rope.inv_freq`).
+    qkv_bias: bool = False
+    rope_scaling: Llama3Scaling | None = None
+    # BERT checkpoints: a bias on every encoder linear, and the exact (erf) GELU
+    linear_bias: bool = False
+    gelu_exact: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +67,10 @@ class ModelConfig:
         total = self.layers * per_layer + self.vocab_size * self.hidden * 2
         if self.family == "decoder":
             total += q(self.vocab_size, self.hidden) + 4 * self.hidden
+            total += self.layers * 4 * (self.hidden + 2 * self.kv_heads * self.head_dim) * self.qkv_bias
+            total += 4 * (self.head_dim // 2) * (self.rope_scaling is not None)
+        elif self.linear_bias:
+            total += self.layers * 4 * sum(o for o, _ in self.linear_shapes().values())
         else:
             total += self.max_context * self.hidden * 2 + 2 * 4 * self.hidden
         return total

@@ -56,6 +56,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         chunk_len = t("chunk_len", (1,), "i32", "input")   # real (unpadded) tokens in this chunk
     n("embed", "embedding", (tokens,), (t("x.0", (seq, h)),), (w("embed", (cfg.vocab_size, h), "f16"),))
     x = "x.0"
+    # llama3 rope scaling: the rescaled frequency table replaces theta's formula
+    rope = (w("rope.inv_freq", (hd // 2,), "f32"),) if cfg.rope_scaling is not None else ()
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         kc, vc = kv_state_names(layer)
@@ -66,10 +68,14 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         linear(p + "wq", p + "h", p + "q", h, h)
         linear(p + "wk", p + "h", p + "k", kvd, h)
         linear(p + "wv", p + "h", p + "v", kvd, h)
+        if cfg.qkv_bias:  # Qwen2: biases on q, k and v only, added in place
+            for lin, out, dim in (("wq", "q", h), ("wk", "k", kvd), ("wv", "v", kvd)):
+                n(p + lin + "_bias", "bias_add", (p + out,), (p + out,),
+                  (w(p + lin + ".b", (dim,), "f32"),))
         # rotary rotates in place; its output names the same tensor
-        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",),
+        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",), rope,
           heads=cfg.heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",),
+        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",), rope,
           heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
         n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
           kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
@@ -115,8 +121,11 @@ class DecoderModel:
     family = "decoder"
 
     def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True,
-                 bucketed: bool = True, prefill_chunk: int | None = None) -> None:
+                 bucketed: bool = True, prefill_chunk: int | None = None,
+                 weights: Callable[[], Iterator[tuple[str, np.ndarray]]] | None = None) -> None:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
+        # a checkpoint's streaming loader (gpu_worker/checkpoints); None: weights from the seed
+        self.weights = weights
         # False: one prefill shape per prompt length (the unbucketed traffic of DESIGN 1.1,
         # for the replay benchmark); True: lengths rounded up onto the plan ladder.
         self.bucketed = bucketed
@@ -136,7 +145,8 @@ class DecoderModel:
         return [(s, min(c, n - s), c if self.bucketed else min(c, n - s)) for s in range(0, n, c)]
 
     def load(self) -> None:
-        for key, host in generate(self.cfg, self.seed):
+        source = self.weights() if self.weights is not None else generate(self.cfg, self.seed)
+        for key, host in source:
             self.executor.add_weight(key, host)
         per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * DTYPE_BYTES[KV_DTYPE]
         for layer in range(self.cfg.layers):

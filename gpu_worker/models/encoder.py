@@ -6,6 +6,8 @@ Sequences in one call share a length (the Embed RPC's contract), so a plan is ex
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
 
 from gpu_worker.graph import Graph, GraphBuilder
@@ -21,6 +23,8 @@ def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
 
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
         g.linear_int4(name, x, out, rows, out_dim, in_dim)
+        if cfg.linear_bias:  # BERT checkpoints: added in place
+            n(name + "_bias", "bias_add", (out,), (out,), (w(name + ".b", (out_dim,), "f32"),))
 
     def layernorm(name: str, x: str, out: str, wname: str) -> None:
         n(name, "layernorm", (x,), (t(out, (rows, h)),),
@@ -45,7 +49,7 @@ def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
         n(p + "res_attn", "add", (x, p + "o"), (t(p + "r1", (rows, h)),))
         layernorm(p + "attn_norm", p + "r1", p + "x1", p + "attn_norm")
         linear(p + "w_up", p + "x1", p + "u", cfg.ffn, h)
-        n(p + "gelu", "gelu", (p + "u",), (t(p + "g", (rows, cfg.ffn)),))
+        n(p + "gelu", "gelu", (p + "u",), (t(p + "g", (rows, cfg.ffn)),), exact=cfg.gelu_exact)
         linear(p + "w_down", p + "g", p + "d", h, cfg.ffn)
         n(p + "res_mlp", "add", (p + "x1", p + "d"), (t(p + "r2", (rows, h)),))
         x_next = f"x.{layer + 1}"
@@ -60,11 +64,17 @@ class EncoderModel:
 
     family = "encoder"
 
-    def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True) -> None:
+    def __init__(self, executor, cfg: ModelConfig, seed: int, capture: bool = True,
+                 weights: Callable[[], Iterator[tuple[str, np.ndarray]]] | None = None,
+                 normalize: bool = False) -> None:
         self.executor, self.cfg, self.seed, self.capture = executor, cfg, seed, capture
+        # a checkpoint's streaming loader (gpu_worker/checkpoints); None: weights from the seed
+        self.weights = weights
+        self.normalize = normalize  # sentence-transformers' Normalize module: unit-length output
 
     def load(self) -> None:
-        for key, host in generate(self.cfg, self.seed):
+        source = self.weights() if self.weights is not None else generate(self.cfg, self.seed)
+        for key, host in source:
             self.executor.add_weight(key, host)
         self.executor.ensure_resident()
 
@@ -91,4 +101,7 @@ class EncoderModel:
         out = self.executor.run(
             ("encode", batch, seq), lambda: build_encoder_graph(self.cfg, batch, seq),
             {"tokens": tokens, "positions": positions}, ("pooled",), capture=self.capture)
-        return out["pooled"]
+        pooled = out["pooled"]
+        if self.normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return pooled

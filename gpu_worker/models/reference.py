@@ -27,17 +27,21 @@ def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nda
     return (x - mu) / np.sqrt(var + eps) * w + b
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     # float64 angles, as the rotary kernel forms them (gpu_worker/kernels/rotary.py).
     inv = np.float64(theta) ** (-np.arange(0, head_dim // 2, dtype=np.float64) * 2.0 / head_dim)
+    if inv_freq is not None:  # llama3 scaling: the model's f32 table, as the kernel reads it
+        inv = np.asarray(inv_freq, np.float32).astype(np.float64)
     ang = positions.astype(np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, theta: float,
+         inv_freq: np.ndarray | None = None) -> np.ndarray:
     """x: (seq, heads, head_dim) rotated at `positions` (seq,)."""
     half = x.shape[-1] // 2
-    cos, sin = rope_tables(positions, x.shape[-1], theta)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, inv_freq)
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -47,7 +51,10 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def gelu(x: np.ndarray) -> np.ndarray:
+def gelu(x: np.ndarray, exact: bool = False) -> np.ndarray:
+    if exact:  # the erf form of BERT checkpoints
+        from math import erf
+        return 0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
 
 
@@ -123,7 +130,12 @@ class DecoderReference:
             q = mm(h, p + "wq").reshape(len(tokens), cfg.heads, cfg.head_dim)
             k = mm(h, p + "wk").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             v = mm(h, p + "wv").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
-            q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+            if cfg.qkv_bias:
+                q = q + w[p + "wq.b"].reshape(cfg.heads, cfg.head_dim)
+                k = k + w[p + "wk.b"].reshape(cfg.kv_heads, cfg.head_dim)
+                v = v + w[p + "wv.b"].reshape(cfg.kv_heads, cfg.head_dim)
+            table = w.get("rope.inv_freq")
+            q, k = rope(q, pos, cfg.rope_theta, table), rope(k, pos, cfg.rope_theta, table)
             if self.lin.fp16:   # the cache holds fp16: what attention reads back is rounded
                 k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
             self.k[layer] = np.concatenate([self.k[layer], k])
@@ -171,13 +183,15 @@ class EncoderReference:
             x = layernorm(x, w["embed_norm.w"], w["embed_norm.b"], cfg.eps)
             for layer in range(cfg.layers):
                 p = f"layers.{layer}."
+
+                def f(name: str, h: np.ndarray, p: str = p) -> np.ndarray:
+                    y = mm(h, p + name)
+                    return y + w[p + name + ".b"] if cfg.linear_bias else y
                 shp = (len(toks), cfg.heads, cfg.head_dim)
-                q = mm(x, p + "wq").reshape(shp)
-                k = mm(x, p + "wk").reshape(shp)
-                v = mm(x, p + "wv").reshape(shp)
+                q, k, v = f("wq", x).reshape(shp), f("wk", x).reshape(shp), f("wv", x).reshape(shp)
                 a = attention(q, k, v, pos, causal=False).reshape(len(toks), cfg.hidden)
-                x = layernorm(x + mm(a, p + "wo"), w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
-                m = mm(gelu(mm(x, p + "w_up")), p + "w_down")
+                x = layernorm(x + f("wo", a), w[p + "attn_norm.w"], w[p + "attn_norm.b"], cfg.eps)
+                m = f("w_down", gelu(f("w_up", x), cfg.gelu_exact))
                 x = layernorm(x + m, w[p + "mlp_norm.w"], w[p + "mlp_norm.b"], cfg.eps)
             out[b] = x.mean(axis=0)
         return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
+from gpu_worker.models.rope import inv_freq
 
 # Uniform integers on [-8, 7] have a standard deviation of ~4.61; scales centre on
 # 1 / (4.61 * sqrt(in)) so a linear roughly preserves the activations' scale.
@@ -96,8 +97,14 @@ def weight_names(cfg: ModelConfig) -> list[str]:
         names += [p + n for n in norms]
         for lin in cfg.linear_shapes():
             names += [p + lin + ".q", p + lin + ".s"]
+        if cfg.qkv_bias:
+            names += [p + "wq.b", p + "wk.b", p + "wv.b"]
+        if cfg.linear_bias:
+            names += [p + lin + ".b" for lin in cfg.linear_shapes()]
     if cfg.family == "decoder":
         names += ["final_norm.w", "lm_head.q", "lm_head.s"]
+        if cfg.rope_scaling is not None:
+            names.append("rope.inv_freq")
     return names
 
 
@@ -111,9 +118,16 @@ def weight_sizes(cfg: ModelConfig) -> list[int]:
     per_layer = [h * 4] * norms
     for o, i in cfg.linear_shapes().values():
         per_layer += [o * i // 2, o * (i // QUANT_BLOCK) * 2]
+    if cfg.qkv_bias:
+        kvd = cfg.kv_heads * cfg.head_dim
+        per_layer += [h * 4, kvd * 4, kvd * 4]
+    if cfg.linear_bias:
+        per_layer += [o * 4 for o, _ in cfg.linear_shapes().values()]
     sizes += per_layer * cfg.layers
     if cfg.family == "decoder":
         sizes += [h * 4, cfg.vocab_size * h // 2, cfg.vocab_size * (h // QUANT_BLOCK) * 2]
+        if cfg.rope_scaling is not None:
+            sizes.append(cfg.head_dim // 2 * 4)
     return sizes
 
 
@@ -139,11 +153,19 @@ def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
             q = random_linear(seed, p + lin, o, i)
             yield p + lin + ".q", q.packed
             yield p + lin + ".s", q.scales
+        if cfg.qkv_bias:
+            for lin in ("wq", "wk", "wv"):
+                yield p + lin + ".b", random_vector(seed, p + lin + ".b", linears[lin][0], 0.0, 0.1)
+        if cfg.linear_bias:
+            for lin, (o, _) in linears.items():
+                yield p + lin + ".b", random_vector(seed, p + lin + ".b", o, 0.0, 0.1)
     if cfg.family == "decoder":
         yield "final_norm.w", random_vector(seed, "final_norm.w", h, 1.0, 0.1)
         q = random_linear(seed, "lm_head", cfg.vocab_size, h)
         yield "lm_head.q", q.packed
         yield "lm_head.s", q.scales
+        if cfg.rope_scaling is not None:
+            yield "rope.inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float32)
 
 
 def load_host(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:

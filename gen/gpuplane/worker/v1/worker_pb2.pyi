@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "family", "config", "seed", "vocab_size", "max_context", "weight_bytes")
+    __slots__ = ("model_id", "family", "config", "seed", "vocab_size", "max_context", "weight_bytes", "checkpoint", "architecture", "weight_format", "has_tokenizer")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,10 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     family: str
     config: str
@@ -23,19 +27,27 @@ class ModelInfo(_message.Message):
     vocab_size: int
     max_context: int
     weight_bytes: int
-    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint: str
+    architecture: str
+    weight_format: str
+    has_tokenizer: bool
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., checkpoint: _Optional[str] = ..., architecture: _Optional[str] = ..., weight_format: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("model_id", "family", "config", "seed")
+    __slots__ = ("model_id", "family", "config", "seed", "checkpoint", "weight_format")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     family: str
     config: str
     seed: int
-    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    checkpoint: str
+    weight_format: str
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., checkpoint: _Optional[str] = ..., weight_format: _Optional[str] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model", "load_seconds", "kernels_compiled", "kernels_from_cache")
@@ -72,26 +84,32 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "prompt_tokens", "max_new_tokens")
+    __slots__ = ("model_id", "prompt_tokens", "max_new_tokens", "prompt")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    prompt: str
+    def __init__(self, model_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "done", "first_token_seconds", "prompt_tokens")
+    __slots__ = ("tokens", "done", "first_token_seconds", "prompt_tokens", "text", "stopped_at_eos")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_AT_EOS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     done: bool
     first_token_seconds: float
     prompt_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., first_token_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    text: str
+    stopped_at_eos: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., first_token_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., stopped_at_eos: _Optional[bool] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("tokens",)
@@ -100,12 +118,14 @@ class TokenSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model_id", "sequences")
+    __slots__ = ("model_id", "sequences", "texts")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values",)

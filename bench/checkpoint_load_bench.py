@@ -1,0 +1,142 @@
+"""Checkpoint load time against the time to read its files and copy them to the device (issue 15).
+
+Writes a bf16 safetensors checkpoint with Llama-3-8B's shapes (random weights; `--layers` and
+`--vocab` shrink it), then, alternating, `--rounds` times in one run:
+  read+copy  every tensor's stored bytes read from the file and copied into a weight slot
+             (add_weight + ensure_resident): the floor any loader pays;
+  load       our loader: the same files through `Checkpoint.weights()` (bf16 -> int4 quantization
+             on the host) into the same kind of weight slots.
+Both sides go through one device and one weight store; the statistic is the best round of each.
+Target: load <= 1.5 x read+copy; a miss prints MISSED and exits 1. The files are read from the
+page cache on both sides (the first round warms it; caches are not dropped on a shared machine).
+
+    python bench/checkpoint_load_bench.py --backend cuda                    # 8B: 16 GB of files
+    python bench/checkpoint_load_bench.py --backend sim --layers 1 --vocab 32000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_worker.checkpoints import Checkpoint, SafetensorsFile
+from gpu_worker.checkpoints.shards import INDEX
+from gpu_worker.device import open_device
+from gpu_worker.execution.executor import ModelExecutor
+
+TARGET = 1.5
+GB = 1e9
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    return ((rng.standard_normal(shape, dtype=np.float32) * scale).view(np.uint32) >> 16).astype("<u2")
+
+
+def write_checkpoint(root: pathlib.Path, layers: int, vocab: int) -> int:
+    """An 8B-shaped Llama, one shard per layer; returns the bytes written."""
+    h, ffn, heads, kv = 4096, 14336, 32, 8
+    kvd = kv * h // heads
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": ffn,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "eos_token_id": 1}))
+    rng = np.random.default_rng(0)
+    shards: dict[str, dict[str, tuple[tuple[int, ...], float]]] = {
+        "embed": {"model.embed_tokens.weight": ((vocab, h), 1.0), "model.norm.weight": ((h,), 1.0),
+                  "lm_head.weight": ((vocab, h), 0.02)}}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shards[f"layer{i}"] = {
+            p + "input_layernorm.weight": ((h,), 1.0), p + "post_attention_layernorm.weight": ((h,), 1.0),
+            p + "self_attn.q_proj.weight": ((h, h), 0.02), p + "self_attn.k_proj.weight": ((kvd, h), 0.02),
+            p + "self_attn.v_proj.weight": ((kvd, h), 0.02), p + "self_attn.o_proj.weight": ((h, h), 0.02),
+            p + "mlp.gate_proj.weight": ((ffn, h), 0.02), p + "mlp.up_proj.weight": ((ffn, h), 0.02),
+            p + "mlp.down_proj.weight": ((h, ffn), 0.02)}
+    weight_map, total = {}, 0
+    for shard, tensors in shards.items():
+        header, offset = {}, 0
+        for name, (shape, _) in tensors.items():
+            n = int(np.prod(shape)) * 2
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[name] = f"{shard}.safetensors"
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(root / f"{shard}.safetensors", "wb") as f:
+            f.write(len(blob).to_bytes(8, "little") + blob)
+            for shape, scale in tensors.values():
+                _bf16(rng, shape, scale).tofile(f)
+        total += offset
+    (root / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+def read_and_copy(device, compiler, root: pathlib.Path) -> float:
+    ex = ModelExecutor(device, compiler)
+    start = time.perf_counter()
+    for path in sorted(root.glob("*.safetensors")):
+        with SafetensorsFile(path) as f:
+            for name in f.names():
+                ex.add_weight(name, np.array(f.tensor(name)))
+    ex.ensure_resident()
+    device.synchronize()
+    seconds = time.perf_counter() - start
+    ex.close()
+    return seconds
+
+
+def load(device, compiler, root: pathlib.Path) -> float:
+    ex = ModelExecutor(device, compiler)
+    start = time.perf_counter()
+    with Checkpoint.open(root, 8192) as ckpt:
+        for key, host in ckpt.weights():
+            ex.add_weight(key, host)
+    ex.ensure_resident()
+    device.synchronize()
+    seconds = time.perf_counter() - start
+    ex.close()
+    return seconds
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="cuda", choices=["cuda", "sim"])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dir", default="", help="where to write the checkpoint (default: a temp dir)")
+    args = p.parse_args()
+    from gpu_worker.compile import KernelCompiler
+    device = open_device(args.backend)
+    compiler = KernelCompiler(device.info.arch)
+    with tempfile.TemporaryDirectory(dir=args.dir or None) as tmp:
+        root = pathlib.Path(tmp) / "llama-8b-shapes"
+        root.mkdir()
+        size = write_checkpoint(root, args.layers, args.vocab)
+        print(f"checkpoint: {args.layers} layers, vocab {args.vocab}, {size / GB:.2f} GB of bf16 "
+              f"({device.backend.name})", flush=True)
+        base, ours = [], []
+        for r in range(args.rounds):
+            base.append(read_and_copy(device, compiler, root))
+            ours.append(load(device, compiler, root))
+            print(f"  round {r}: read+copy {base[-1]:.2f} s ({size / GB / base[-1]:.2f} GB/s), "
+                  f"load {ours[-1]:.2f} s ({size / GB / ours[-1]:.2f} GB/s)", flush=True)
+    ratio = min(ours) / min(base)
+    verdict = "met" if ratio <= TARGET else "MISSED"
+    print(f"load / (read + copy) = {min(ours):.2f} s / {min(base):.2f} s = {ratio:.2f}x "
+          f"(target <= {TARGET}x): {verdict}")
+    device.close()
+    return 0 if ratio <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
