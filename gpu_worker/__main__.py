@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--cache-namespace", "GPUPLANE_WORKER_CACHE_NAMESPACE", "",
              "namespace of this worker's entries in the kernel cache service (its per-namespace "
              "budget applies); empty = the default namespace")
+    env_flag(serve, "--weight-budget-bytes", "GPUPLANE_WEIGHT_BUDGET_BYTES", 0,
+             "cap on resident weight bytes (idle models' weights page out to pinned host, their "
+             "next request pages them in); the governor's weights zone may cap lower; 0 = none",
+             type=int)
+    env_flag(serve, "--host-pinned-budget-bytes", "GPUPLANE_HOST_PINNED_BUDGET_BYTES", 0,
+             "cap on pinned host bytes holding weight copies; 0 = none", type=int)
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
              "Prometheus /metrics port; 0 = disabled", type=int)
     env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
@@ -80,6 +86,8 @@ def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerCo
         max_plan_bytes=args.max_plan_bytes or None,
         cache_write_token=args.cache_write_token or None,
         tracer_provider=provider,
+        weight_budget_bytes=args.weight_budget_bytes or None,
+        host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
     )
 
 
@@ -92,6 +100,9 @@ def serve(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
         log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
+        return 2
+    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0:
+        log.error("--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)")
         return 2
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider)

@@ -403,6 +403,12 @@ class GovernorClient:
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
             self.counters["reclaim_asks"] += 1
+            if self.on_reclaim:  # the owner shrinks the zones first, so this beat gives it back
+                for zone, nbytes in asks.items():
+                    try:
+                        self.on_reclaim(zone, nbytes)
+                    except Exception:  # give back what is idle all the same
+                        log.exception("on_reclaim failed", extra={"zone": zone, "bytes": nbytes})
             self._give_back(asks)
 
     def _give_back(self, asks: dict[str, int]) -> None:
@@ -450,5 +456,3 @@ class GovernorClient:
                         with self._lock:
                             self._held[zone][lease_id] = before  # still ours: usable again
                         raise
-            if asks.get(zone) and self.on_reclaim:
-                self.on_reclaim(zone, asks[zone])
