@@ -18,6 +18,8 @@ Hazards and contract:
   each measures what it saw freed.
 - Each step books what it freed: the drop of the ledger's committed bytes (all zones, or the
   asked zone for a governor ask) once the fenced releases it queued have run, and counts it.
+- A refusal that reclaiming everything could not cure (asked > free + what idle models and the
+  pool hold) strips nothing: a request that can never fit must change nothing.
 Cost: nothing until a refusal or an ask; then one fenced-release drain per step and per model.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ class IdleCandidate(Protocol):
 
     def drop_caches(self) -> int: ...   # plans and kernel variants; returns bytes released
     def page_out(self) -> int: ...      # weights to pinned host; returns bytes released
+    def reclaimable_bytes(self) -> int: ...  # what the two above would release now
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,27 @@ class Reclaimer:
         self.last: ReclaimReport | None = None
 
     # -- entry points ----------------------------------------------------------------------------
-    def on_refusal(self, zone: str, nbytes: int) -> int:
-        """The arena's hook: a commit of `nbytes` in `zone` was refused; returns bytes freed.
+    def on_refusal(self, zone: str, nbytes: int, free_bytes: int = 0, reason: str = "refusal"
+                   ) -> int:
+        """A commit of `nbytes` in `zone` was refused with `free_bytes` free; returns bytes freed.
 
-        Any zone's bytes help a refusal of the device budget, and the arena retries after each
+        Any zone's bytes help a refusal of the device budget, and the caller retries after each
         round, so a zone cap the frees of this round did not relieve gets the next round."""
-        return self.reclaim(nbytes, None, "refusal").freed_bytes
+        if max(0, free_bytes) + self.reclaimable_bytes() < nbytes:
+            log.info("reclaim skipped: the refusal cannot be cured",
+                     extra={"zone": zone, "asked": nbytes, "free": free_bytes})
+            return 0
+        return self.reclaim(nbytes, None, reason).freed_bytes
+
+    def reclaimable_bytes(self) -> int:
+        """What the order could free now: idle models' caches and weights, pooled handles and
+        queued releases (an upper bound; a model that turns busy meanwhile keeps its own)."""
+        idle = sum(m.reclaimable_bytes() for m in self._models()
+                   if not m.closed and not m.lock.locked())
+        pooled = self._device.arena.stats()["pooled_bytes"]
+        # Queued releases free an unknown amount: enough to be worth one round.
+        queued = 1 << 62 if self._device.queue.pending() else 0
+        return idle + pooled + queued
 
     def on_governor_ask(self, zone: str, nbytes: int) -> None:
         """The governor client's on_reclaim: shrink `zone` by `nbytes` before it gives back."""

@@ -124,6 +124,11 @@ class _Loaded:
     def page_out(self) -> int:
         return self.executor.page_out()
 
+    def reclaimable_bytes(self) -> int:
+        plans = self.executor.plans.stats()
+        return (self.executor.resident_bytes() + plans["activation_bytes"] + plans["graph_bytes"]
+                + self.executor.kernels.stats()["workspace_bytes"])
+
     def live_info(self) -> ModelInfo:
         resident = self.executor.resident_bytes()
         total = self.info.weight_bytes
@@ -305,8 +310,9 @@ class WorkerRuntime:
             try:
                 device.ledger.commit(zone, nbytes)
                 return
-            except ResourceExhausted:
-                if self.reclaimer is None or self.reclaimer.reclaim(nbytes, None, "load").freed_bytes <= 0:
+            except ResourceExhausted as exc:
+                if self.reclaimer is None or self.reclaimer.on_refusal(
+                        zone, nbytes, exc.free_bytes, "load") <= 0:
                     raise
         device.ledger.commit(zone, nbytes)
 
