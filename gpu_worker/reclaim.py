@@ -59,7 +59,7 @@ class IdleCandidate(Protocol):
 class StepResult:
     step: str
     freed_bytes: int                   # ledger drop measured after the step's releases ran
-    models: tuple[str, ...] = ()       # the idle models it took from
+    models: tuple[str, ...] = ()       # the idle models it took caches or weights from
 
 
 @dataclass
@@ -161,11 +161,15 @@ class Reclaimer:
                 if m.closed:
                     continue
                 action = m.drop_caches if step == "idle_plans" else m.page_out
-                got = self._measured(step, zone, action).freed_bytes
+                released = 0
+
+                def run(action=action) -> None:
+                    nonlocal released
+                    released = action()
+                freed += self._measured(step, zone, run).freed_bytes
             finally:
                 m.lock.release()
-            if got:
-                freed += got
+            if released:  # granules shared with a neighbour stay committed: 0 freed is possible
                 took.append(m.model_id)
         return StepResult(step, freed, tuple(took))
 
