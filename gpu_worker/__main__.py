@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
              type=int)
     env_flag(serve, "--host-pinned-budget-bytes", "GPUPLANE_HOST_PINNED_BUDGET_BYTES", 0,
              "cap on pinned host bytes holding weight copies; 0 = none", type=int)
+    env_flag(serve, "--lease-chunk-bytes", "GPUPLANE_LEASE_CHUNK_BYTES", 64 << 20,
+             "governor lease growth unit: larger = fewer Acquire calls, more idle lease bytes",
+             type=int)
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
              "Prometheus /metrics port; 0 = disabled", type=int)
     env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
@@ -88,6 +91,7 @@ def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerCo
         tracer_provider=provider,
         weight_budget_bytes=args.weight_budget_bytes or None,
         host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
+        lease_chunk_bytes=args.lease_chunk_bytes,
     )
 
 
@@ -101,8 +105,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
         log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
         return 2
-    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0:
-        log.error("--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)")
+    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0 or args.lease_chunk_bytes <= 0:
+        log.error("--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none), "
+                  "--lease-chunk-bytes positive")
         return 2
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider)

@@ -80,6 +80,7 @@ class WorkerConfig:
     capture: bool = True                # False: eager launches (benchmarks, debugging)
     weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
     host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
+    lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ class WorkerRuntime:
                 self.budget = GovernorClient(
                     cfg.governor, cfg.worker_id,
                     DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
-                    tracer_provider=cfg.tracer_provider)
+                    chunk_bytes=cfg.lease_chunk_bytes, tracer_provider=cfg.tracer_provider)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
             self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
             self.reclaimer = Reclaimer(self.device, self._candidates)

@@ -405,8 +405,12 @@ class GovernorClient:
             self.counters["reclaim_asks"] += 1
             if self.on_reclaim:  # the owner shrinks the zones first, so this beat gives it back
                 for zone, nbytes in asks.items():
+                    with self._lock:  # idle lease bytes go back first: shrink only the rest
+                        short = nbytes - max(0, self._slack(zone))
+                    if short <= 0:
+                        continue
                     try:
-                        self.on_reclaim(zone, nbytes)
+                        self.on_reclaim(zone, short)
                     except Exception:  # give back what is idle all the same
                         log.exception("on_reclaim failed", extra={"zone": zone, "bytes": nbytes})
             self._give_back(asks)

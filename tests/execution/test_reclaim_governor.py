@@ -89,3 +89,62 @@ def test_a_single_load_never_asks_the_zone_for_more_than_it_can_grant(tmp_path, 
     finally:
         rt.close()
         server.stop(grace=0)
+
+
+def test_a_reclaim_ask_is_answered_by_paging_out_idle_weights_and_a_second_worker_gets_them(
+        tmp_path, kernel_cache_dir):
+    """Worker A's idle `small` decoder borrows the weights zone beyond its 1 MiB share. Worker B
+    on the same device fills the device inside its kv share; its next kv ask, still inside the
+    share, is refused and the governor asks A for weights. A answers within a heartbeat by paging
+    its idle model's weights out (the reclaim order, governor entry) and gives the lease bytes
+    back; B's retry is granted. A's model then wakes with the same tokens."""
+    from services.common.errors import ResourceExhausted
+    from services.governor.client import DeviceDescription, GovernorClient
+    from tests.polling import eventually
+
+    kv_share, ask = 3000 * MIB, 16 * MIB
+    server, ledger = serve(tmp_path, budget_fraction=1.0, lending=True,
+                           zone_budgets={"weights": 1 * MIB, "kv": kv_share})
+    a = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir, worker_id="A",
+                                   governor=server.address, lease_chunk_bytes=2 * MIB)).start()
+    b = None
+    try:
+        a.load_model("m", "decoder", "small", 1)
+        first = [c[0] for c in a.generate("m", PROMPT, NEW_TOKENS)]
+        info = a.device.info
+        b = GovernorClient(server.address, "B", DeviceDescription(
+            info.uuid, info.name, info.total_bytes, info.total_bytes, info.granule_bytes),
+            chunk_bytes=2 * MIB, heartbeat_s=0.05, tracer_provider=TracerProvider())
+        eventually(lambda: ledger.resources(info.uuid)[0].zones, what="A's zones reported")
+        report = ledger.resources(info.uuid)[0]
+        weights_borrowed = leased(ledger, "A", "weights") - 1 * MIB
+        assert weights_borrowed > ask, "A does not borrow enough for the test to mean anything"
+        fill_kv = kv_share - leased(ledger, "A", "kv") - ask
+        b.reserve("kv", fill_kv)
+        b.reserve("scratch", report.free_budget_bytes - fill_kv)  # the device is now full
+        assert ledger.resources(info.uuid)[0].free_budget_bytes == 0
+        with pytest.raises(ResourceExhausted):
+            b.reserve("kv", ask)       # inside kv's share: the governor asks the borrower back
+
+        def granted() -> bool:
+            try:
+                b.reserve("kv", ask)
+            except ResourceExhausted:
+                return False
+            return True
+        # A's heartbeat is 2 s: one beat delivers the ask and gives the bytes back.
+        eventually(granted, timeout=3 * 2.0 + 2, interval=0.1, what="B to get A's idle weights")
+        assert [m.state for m in a.list_models()] == ["offloaded"], "A was not shrunk by paging out"
+        stats = a.stats()["reclaim"]
+        assert stats["governor_asks"] >= 1 and stats["idle_weights_bytes"] > 0, stats
+        assert stats["idle_plans_bytes"] == 0, "a weights ask dropped plans (they free no weights)"
+        b.release("kv", fill_kv + ask)
+        b.release("scratch", report.free_budget_bytes - fill_kv)
+        b.close()
+        b = None
+        assert [c[0] for c in a.generate("m", PROMPT, NEW_TOKENS)] == first
+    finally:
+        if b is not None:
+            b.close()
+        a.close()
+        server.stop(grace=0)
