@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
-SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena")
+SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim")
 
 
 class WorkerCollector(Collector):

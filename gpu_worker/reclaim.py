@@ -19,16 +19,26 @@ Hazards and contract:
 - Each step books what it freed: the drop of the ledger's committed bytes (all zones, or the
   asked zone for a governor ask) once the fenced releases it queued have run, and counts it.
 - A refusal that reclaiming everything could not cure (asked > free + what idle models and the
-  pool hold) strips nothing: a request that can never fit must change nothing.
+  pool hold + what the governor names as reclaimable on other workers) strips nothing: a request
+  that can never fit must change nothing.
+- Last in the order, other workers on the device: when the governor's refusal names memory they
+  hold (its reclaimable hints; it asks them to give back through their heartbeats), the caller is
+  told to retry at intervals for up to `peer_wait_s` (about one of their heartbeats) before the
+  refusal goes through, once per refusal episode of a thread.
 Cost: nothing until a refusal or an ask; then one fenced-release drain per step and per model.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from services.common.errors import ResourceExhausted
+
+PEER_POLLS = 6  # retries spread over one peer wait
 
 log = logging.getLogger(__name__)
 
@@ -77,26 +87,50 @@ class ReclaimReport:
 class Reclaimer:
     """One per worker: answers arena refusals, load admission and governor asks in one order."""
 
-    def __init__(self, device, models: Callable[[], list[IdleCandidate]]) -> None:
+    def __init__(self, device, models: Callable[[], list[IdleCandidate]], worker_id: str = "",
+                 peer_wait_s: float = 0.0) -> None:
         self._device = device
         self._models = models
+        self._worker_id = worker_id
+        self._peer_wait_s = peer_wait_s
+        self._episode = threading.local()  # per thread: when its current peer wait ends
         self._lock = threading.Lock()  # guards only the counters, never held while freeing
-        self.counters: dict[str, int] = {"rounds": 0, "governor_asks": 0,
+        self.counters: dict[str, int] = {"rounds": 0, "governor_asks": 0, "peer_waits": 0,
                                          **{f"{s}_bytes": 0 for s in STEPS}}
         self.last: ReclaimReport | None = None
 
     # -- entry points ----------------------------------------------------------------------------
-    def on_refusal(self, zone: str, nbytes: int, free_bytes: int = 0, reason: str = "refusal"
-                   ) -> int:
-        """A commit of `nbytes` in `zone` was refused with `free_bytes` free; returns bytes freed.
+    def on_refusal(self, zone: str, refusal: ResourceExhausted, reason: str = "refusal") -> int:
+        """A commit in `zone` was refused; returns the bytes freed, or a positive number when a
+        retry is worth it (a peer is giving back), 0 when the refusal should go through.
 
         Any zone's bytes help a refusal of the device budget, and the caller retries after each
         round, so a zone cap the frees of this round did not relieve gets the next round."""
-        if max(0, free_bytes) + self.reclaimable_bytes() < nbytes:
+        nbytes = max(1, refusal.asked_bytes)
+        peers = sum(h.bytes for h in refusal.reclaimable if h.worker_id != self._worker_id)
+        if max(0, refusal.free_bytes) + self.reclaimable_bytes() + peers < nbytes:
             log.info("reclaim skipped: the refusal cannot be cured",
-                     extra={"zone": zone, "asked": nbytes, "free": free_bytes})
+                     extra={"zone": zone, "asked": nbytes, "free": refusal.free_bytes})
             return 0
-        return self.reclaim(nbytes, None, reason).freed_bytes
+        freed = self.reclaim(nbytes, None, reason).freed_bytes
+        if freed > 0 or peers <= 0:
+            return freed
+        return self._wait_for_peers()
+
+    def _wait_for_peers(self) -> int:
+        """Sleep one slice of the peer wait and ask for a retry; 0 once the wait is over."""
+        if self._peer_wait_s <= 0:
+            return 0
+        now = time.monotonic()
+        ends = getattr(self._episode, "ends", 0.0)
+        if now >= ends + self._peer_wait_s:  # a new refusal episode: start a wait
+            ends = self._episode.ends = now + self._peer_wait_s
+            with self._lock:
+                self.counters["peer_waits"] += 1
+        if now >= ends:
+            return 0
+        time.sleep(min(ends - now, self._peer_wait_s / PEER_POLLS))
+        return 1
 
     def reclaimable_bytes(self) -> int:
         """What the order could free now: idle models' caches and weights, pooled handles and

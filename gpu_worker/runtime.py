@@ -193,7 +193,9 @@ class WorkerRuntime:
                     chunk_bytes=cfg.lease_chunk_bytes, tracer_provider=cfg.tracer_provider)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
             self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
-            self.reclaimer = Reclaimer(self.device, self._candidates)
+            # A peer asked by the governor gives back on its next heartbeat (2 s by default).
+            peer_wait = 2.5 * self.budget.heartbeat_s if self.budget is not None else 0.0
+            self.reclaimer = Reclaimer(self.device, self._candidates, cfg.worker_id, peer_wait)
             self.device.arena.reclaimer = self.reclaimer.on_refusal
             if self.budget is not None:  # a reclaim ask is answered before the leases go back
                 self.budget.on_reclaim = self.reclaimer.on_governor_ask
@@ -312,8 +314,7 @@ class WorkerRuntime:
                 device.ledger.commit(zone, nbytes)
                 return
             except ResourceExhausted as exc:
-                if self.reclaimer is None or self.reclaimer.on_refusal(
-                        zone, nbytes, exc.free_bytes, "load") <= 0:
+                if self.reclaimer is None or self.reclaimer.on_refusal(zone, exc, "load") <= 0:
                     raise
         device.ledger.commit(zone, nbytes)
 

@@ -105,9 +105,9 @@ class Arena:
         self._mapped_bytes = 0
         self._live_by_zone: dict[str, int] = {}  # bytes of mappings in state live, per zone
         self.on_quarantine: list[Callable[[int, int], None]] = []
-        # Called with (zone, bytes asked, bytes the refusal said were free) after a refusal;
-        # returns the bytes it freed (0: give up and let the refusal through).
-        self.reclaimer: Callable[[str, int, int], int] | None = None
+        # Called with (zone, the refusal) after a refusal; returns the bytes it freed, or a
+        # positive number when a retry is worth it (0: give up and let the refusal through).
+        self.reclaimer: Callable[[str, ResourceExhausted], int] | None = None
         self.counters = dict.fromkeys((
             "commits", "releases", "handles_created", "handles_reused", "resurrected", "peak_committed",
             "pooled_bytes", "quarantined", "quarantined_bytes", "fault_underflow", "allocs", "frees"), 0)
@@ -176,7 +176,7 @@ class Arena:
             except ResourceExhausted as exc:
                 if self.reclaimer is None or self._gate.is_capturing_thread():
                     raise
-                if self.reclaimer(zone, max(1, exc.asked_bytes), exc.free_bytes) <= 0:
+                if self.reclaimer(zone, exc) <= 0:
                     raise
         return attempt()
 

@@ -148,3 +148,74 @@ def test_a_reclaim_ask_is_answered_by_paging_out_idle_weights_and_a_second_worke
             b.close()
         a.close()
         server.stop(grace=0)
+
+
+def fill_device(ledger, uuid: str, filler, keep_free: int, room: dict[str, int]) -> None:
+    """Lease all but `keep_free` bytes of the device to `filler`: every zone with a share up to
+    it (less `room` left inside it), the rest in `scratch` (no share: the pool the shares leave).
+    The pool cannot overflow while the device does not, so the filler borrows nothing the
+    governor could ask back."""
+    report = ledger.resources(uuid)[0]
+    left = report.free_budget_bytes - keep_free
+    for z in report.zones:
+        if left > 0 and z.budget_bytes and z.leased_bytes < z.budget_bytes:
+            take = min(left, max(0, z.budget_bytes - z.leased_bytes - room.get(z.zone, 0)))
+            if take:
+                filler.reserve(z.zone, take)
+                left -= take
+    if left > 0:
+        filler.reserve("scratch", left)
+    assert ledger.resources(uuid)[0].free_budget_bytes == keep_free
+    assert not any(z.borrowed_bytes for z in ledger.resources(uuid)[0].zones
+                   if z.zone not in ("activations",)), "the filler borrowed"
+
+
+def test_a_second_worker_gets_memory_from_the_first_workers_idle_zones_instead_of_a_refusal(
+        tmp_path, kernel_cache_dir, monkeypatch):
+    """Two workers on one device. A's idle model borrowed the activations zone (1 MiB share);
+    the rest of the device is leased inside the shares. B's load, inside its weights share, is
+    refused by the governor, which asks A to give back; B's reclaim order ends by waiting for
+    that (about one heartbeat) and its load succeeds: no RESOURCE_EXHAUSTED reaches B's caller."""
+    from types import SimpleNamespace
+
+    from gpu_worker.device import sim_backend
+    from services.governor.client import DeviceDescription, GovernorClient
+
+    shares = {"weights": 64 * MIB, "kv": 2900 * MIB, "context": 600 * MIB,
+              "activations": 1 * MIB}
+    server, ledger = serve(tmp_path, budget_fraction=1.0, lending=True, zone_budgets=shares)
+    workers: list = []
+    filler = None
+    try:
+        a = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir, worker_id="A",
+                                       governor=server.address, lease_chunk_bytes=2 * MIB)).start()
+        workers.append(a)
+        a.load_model("m", "decoder", "small", 1)
+        list(a.generate("m", PROMPT, 2))                 # A's plans: borrowed activations
+        uuid = a.device.info.uuid
+        monkeypatch.setattr(sim_backend, "uuidlib",      # B's sim device is A's device
+                            SimpleNamespace(uuid4=lambda: uuid.removeprefix("GPU-sim-")))
+        b = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir, worker_id="B",
+                                       governor=server.address, lease_chunk_bytes=2 * MIB)).start()
+        workers.append(b)
+        assert b.device.info.uuid == uuid
+        borrowed = leased(ledger, "A", "activations") - shares["activations"]
+        assert borrowed > 0, "A borrowed nothing: the test would prove nothing"
+        filler = GovernorClient(server.address, "filler", DeviceDescription(
+            uuid, "sim", 4 << 30, 4 << 30, 2 * MIB), chunk_bytes=1, heartbeat_s=0.05,
+            tracer_provider=TracerProvider())
+        # B's load probes 4 MiB of weights: leave less free than that, short by what A borrowed.
+        need = 4 * MIB
+        fill_device(ledger, uuid, filler, need - min(borrowed, 2 * MIB), {"weights": need})
+        before = leased(ledger, "A", "activations")
+        b.load_model("enc", "encoder", "tiny", 1)       # refused first, then granted
+        assert b.stats()["reclaim"]["peer_waits"] >= 1, "B's load did not wait for a peer"
+        assert a.budget.counters["reclaim_asks"] >= 1, "the governor never asked A"
+        assert leased(ledger, "A", "activations") < before, "A gave nothing back"
+        assert [m.model_id for m in b.list_models()] == ["enc"]
+    finally:
+        if filler is not None:
+            filler.close()
+        for w in reversed(workers):
+            w.close()
+        server.stop(grace=0)

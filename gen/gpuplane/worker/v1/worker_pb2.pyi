@@ -194,20 +194,22 @@ class WeightStats(_message.Message):
     def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ReclaimStats(_message.Message):
-    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes")
+    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_ASKS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_RELEASES_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_PLANS_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_HANDLES_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_WAITS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     governor_asks: int
     completed_releases_bytes: int
     idle_plans_bytes: int
     pooled_handles_bytes: int
     idle_weights_bytes: int
-    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ...) -> None: ...
+    peer_waits: int
+    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ...) -> None: ...
 
 class CompileStats(_message.Message):
     __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks")
