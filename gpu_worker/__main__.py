@@ -55,13 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--cache-namespace", "GPUPLANE_WORKER_CACHE_NAMESPACE", "",
              "namespace of this worker's entries in the kernel cache service (its per-namespace "
              "budget applies); empty = the default namespace")
-    env_flag(serve, "--weight-budget-bytes", "GPUPLANE_WEIGHT_BUDGET_BYTES", 0,
+    env_flag(serve, "--weight-budget-bytes", "GPUPLANE_WORKER_WEIGHT_BUDGET_BYTES", 0,
              "cap on resident weight bytes (idle models' weights page out to pinned host, their "
              "next request pages them in); the governor's weights zone may cap lower; 0 = none",
              type=int)
-    env_flag(serve, "--host-pinned-budget-bytes", "GPUPLANE_HOST_PINNED_BUDGET_BYTES", 0,
+    env_flag(serve, "--host-pinned-budget-bytes", "GPUPLANE_WORKER_HOST_PINNED_BUDGET_BYTES", 0,
              "cap on pinned host bytes holding weight copies; 0 = none", type=int)
-    env_flag(serve, "--lease-chunk-bytes", "GPUPLANE_LEASE_CHUNK_BYTES", 64 << 20,
+    env_flag(serve, "--lease-chunk-bytes", "GPUPLANE_WORKER_LEASE_CHUNK_BYTES", 64 << 20,
              "governor lease growth unit: larger = fewer Acquire calls, more idle lease bytes",
              type=int)
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
@@ -95,6 +95,17 @@ def worker_config(args: argparse.Namespace, provider: object = None) -> WorkerCo
     )
 
 
+def flag_problem(args: argparse.Namespace) -> str:
+    """Why the `serve` flags cannot start a worker ("" when they can)."""
+    if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
+        return "--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0"
+    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0:
+        return "--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)"
+    if args.lease_chunk_bytes <= 0:
+        return "--lease-chunk-bytes must be positive"
+    return ""
+
+
 def serve(args: argparse.Namespace) -> int:
     from gpu_worker.runtime import WorkerRuntime
     from gpu_worker.servicer import serve_worker
@@ -102,12 +113,9 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging("gpu-worker")
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see a stuck request.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
-        log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
-        return 2
-    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0 or args.lease_chunk_bytes <= 0:
-        log.error("--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none), "
-                  "--lease-chunk-bytes positive")
+    problem = flag_problem(args)
+    if problem:
+        log.error(problem)
         return 2
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider)
