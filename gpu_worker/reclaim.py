@@ -24,7 +24,8 @@ Hazards and contract:
 - Last in the order, other workers on the device: when the governor's refusal names memory they
   hold (its reclaimable hints; it asks them to give back through their heartbeats), the caller is
   told to retry at intervals for up to `peer_wait_s` (about one of their heartbeats) before the
-  refusal goes through, once per refusal episode of a thread.
+  refusal goes through, once per refusal episode of a thread, and never while the thread holds a
+  capture-gate section (a weight page-in does): load admission probes first, outside any section.
 Cost: nothing until a refusal or an ask; then one fenced-release drain per step and per model.
 """
 from __future__ import annotations
@@ -119,7 +120,9 @@ class Reclaimer:
 
     def _wait_for_peers(self) -> int:
         """Sleep one slice of the peer wait and ask for a retry; 0 once the wait is over."""
-        if self._peer_wait_s <= 0:
+        # Never sleep inside a capture-gate section (a weight page-in holds one): a capture
+        # queued behind it would stall every thread of the worker for the whole wait.
+        if self._peer_wait_s <= 0 or self._device.gate.holds_section():
             return 0
         now = time.monotonic()
         ends = getattr(self._episode, "ends", 0.0)
