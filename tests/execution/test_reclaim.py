@@ -177,3 +177,49 @@ def test_budgets_must_be_positive():
         WorkerRuntime(WorkerConfig(backend="sim", weight_budget_bytes=0))
     with pytest.raises(InvalidArgument):
         WorkerRuntime(WorkerConfig(backend="sim", host_pinned_budget_bytes=-1))
+
+
+def test_reclaims_racing_requests_never_deadlock_and_never_change_a_token(runtime):
+    """Two models serve requests on two threads while a third thread keeps running the whole
+    reclaim order (as governor asks would) and offloading them: each request still gives the
+    reference tokens (a model is stripped only between its requests), and everything finishes."""
+    import threading
+
+    seeds = {"a": 11, "b": 12}
+    for model_id, seed in seeds.items():
+        runtime.load_model(model_id, "decoder", "tiny", seed)
+    want = {m: reference_tokens(s, 3) for m, s in seeds.items()}
+    errors: list[BaseException] = []
+    done = threading.Event()
+    wrong: list[str] = []
+
+    def serve(model_id: str) -> None:
+        try:
+            for _ in range(6):
+                if tokens(runtime, model_id, 3) != want[model_id]:
+                    wrong.append(model_id)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    def strip() -> None:
+        try:
+            i = 0
+            while not done.is_set():
+                runtime.reclaimer.reclaim(1 << 40, reason="governor")
+                runtime.offload_model("ab"[i % 2])
+                i += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    servers = [threading.Thread(target=serve, args=(m,)) for m in seeds]
+    stripper = threading.Thread(target=strip)
+    for t in (*servers, stripper):
+        t.start()
+    for t in servers:
+        t.join(timeout=120)
+    done.set()
+    stripper.join(timeout=30)
+    assert not any(t.is_alive() for t in (*servers, stripper)), "a thread hung: deadlock"
+    assert not errors, f"a thread failed: {errors[:1]}"
+    assert not wrong, f"models {wrong} gave other tokens after being stripped"
+    assert runtime.stats()["reclaim"]["rounds"] > 0 and runtime.stats()["arena"]["faults"] == 0
