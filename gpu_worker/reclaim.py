@@ -145,6 +145,13 @@ class Reclaimer:
         queued = 1 << 62 if self._device.queue.pending() else 0
         return idle + pooled + queued
 
+    def commit(self, zone: str, nbytes: int) -> None:
+        """Book `nbytes` in `zone` on the ledger directly (a load's admission probe), reclaiming
+        and retrying on refusal like an arena commit; raises the last refusal."""
+        def attempt() -> None:
+            self._device.ledger.commit(zone, nbytes)
+        self._device.arena.retry_reclaiming(zone, attempt, reason="load")
+
     def on_governor_ask(self, zone: str, nbytes: int) -> None:
         """The governor client's on_reclaim: shrink `zone` by `nbytes` before it gives back."""
         with self._lock:

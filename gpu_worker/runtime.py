@@ -301,22 +301,11 @@ class WorkerRuntime:
         booked: list[tuple[str, int]] = []
         try:
             for zone, nbytes in need.items():
-                self._probe(device, zone, nbytes)
+                self.reclaimer.commit(zone, nbytes)   # reclaims before it refuses
                 booked.append((zone, nbytes))
         finally:
             for zone, nbytes in booked:
                 device.ledger.uncommit(zone, nbytes)
-
-    def _probe(self, device, zone: str, nbytes: int) -> None:
-        from gpu_worker.device.arena import MAX_RECLAIM_ROUNDS
-        for _ in range(MAX_RECLAIM_ROUNDS):
-            try:
-                device.ledger.commit(zone, nbytes)
-                return
-            except ResourceExhausted as exc:
-                if self.reclaimer is None or self.reclaimer.on_refusal(zone, exc, "load") <= 0:
-                    raise
-        device.ledger.commit(zone, nbytes)
 
     def unload_model(self, model_id: str) -> int:
         loaded = self._get(model_id)

@@ -105,9 +105,9 @@ class Arena:
         self._mapped_bytes = 0
         self._live_by_zone: dict[str, int] = {}  # bytes of mappings in state live, per zone
         self.on_quarantine: list[Callable[[int, int], None]] = []
-        # Called with (zone, the refusal) after a refusal; returns the bytes it freed, or a
+        # Called with (zone, the refusal, why) after a refusal; returns the bytes it freed, or a
         # positive number when a retry is worth it (0: give up and let the refusal through).
-        self.reclaimer: Callable[[str, ResourceExhausted], int] | None = None
+        self.reclaimer: Callable[[str, ResourceExhausted, str], int] | None = None
         self.counters = dict.fromkeys((
             "commits", "releases", "handles_created", "handles_reused", "resurrected", "peak_committed",
             "pooled_bytes", "quarantined", "quarantined_bytes", "fault_underflow", "allocs", "frees"), 0)
@@ -166,7 +166,8 @@ class Arena:
                 self._commit(ptr, nbytes, zone, role)
         self.retry_reclaiming(zone, once)
 
-    def retry_reclaiming(self, zone: str, attempt: Callable[[], object]) -> object:
+    def retry_reclaiming(self, zone: str, attempt: Callable[[], object], reason: str = "refusal"
+                         ) -> object:
         """Run `attempt`; on ResourceExhausted ask the reclaimer and retry while it frees bytes.
         Also for bookings outside the arena (a captured graph's memory, in `graphs`)."""
         # Bounded: every round frees something, but other threads may take it again meanwhile.
@@ -176,7 +177,7 @@ class Arena:
             except ResourceExhausted as exc:
                 if self.reclaimer is None or self._gate.is_capturing_thread():
                     raise
-                if self.reclaimer(zone, exc) <= 0:
+                if self.reclaimer(zone, exc, reason) <= 0:
                     raise
         return attempt()
 
