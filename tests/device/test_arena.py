@@ -54,6 +54,9 @@ def test_a_free_is_fenced_until_the_streams_have_passed_it(dev):
     GATES[7].set()
     got = dev.from_device(dst.ptr, 4 * GRANULE)
     assert (got == bytes_of(4 * GRANULE)).all() and not dev.backend.faults, "the kernel faulted"
+    # The release is fenced on the copy stream too; its event completes on that stream's own
+    # thread, so wait for it as well (without this the check raced it: ~5 % of runs failed).
+    dev.synchronize(dev.copy_stream)
     dev.arena.collect()
     assert dev.queue.pending() == 0, "the fenced release never ran after the kernel finished"
     dev.arena.free(dst)
