@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--cache-namespace", "GPUPLANE_WORKER_CACHE_NAMESPACE", "",
              "namespace of this worker's entries in the kernel cache service (its per-namespace "
              "budget applies); empty = the default namespace")
+    env_flag(serve, "--weight-budget-bytes", "GPUPLANE_WORKER_WEIGHT_BUDGET_BYTES", 0,
+             "cap on resident weight bytes (idle models' weights page out to pinned host, their "
+             "next request pages them in); the governor's weights zone may cap lower; 0 = none",
+             type=int)
+    env_flag(serve, "--host-pinned-budget-bytes", "GPUPLANE_WORKER_HOST_PINNED_BUDGET_BYTES", 0,
+             "cap on pinned host bytes holding weight copies; 0 = none", type=int)
+    env_flag(serve, "--lease-chunk-bytes", "GPUPLANE_WORKER_LEASE_CHUNK_BYTES", 64 << 20,
+             "governor lease growth unit: larger = fewer Acquire calls, more idle lease bytes",
+             type=int)
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
              "Prometheus /metrics port; 0 = disabled", type=int)
     env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
@@ -97,7 +106,21 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         tracer_provider=provider,
         model_root=pathlib.Path(args.model_root) if args.model_root else None,
         checkpoint_context=args.checkpoint_context,
+        weight_budget_bytes=args.weight_budget_bytes or None,
+        host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
+        lease_chunk_bytes=args.lease_chunk_bytes,
     )
+
+
+def flag_problem(args: argparse.Namespace) -> str:
+    """Why the `serve` flags cannot start a worker ("" when they can)."""
+    if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
+        return "--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0"
+    if args.weight_budget_bytes < 0 or args.host_pinned_budget_bytes < 0:
+        return "--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)"
+    if args.lease_chunk_bytes <= 0:
+        return "--lease-chunk-bytes must be positive"
+    return ""
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -107,8 +130,9 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging("gpu-worker")
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see a stuck request.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.variants_per_node < 1 or args.max_plans < 1 or args.max_plan_bytes < 0:
-        log.error("--variants-per-node and --max-plans must be at least 1, --max-plan-bytes >= 0")
+    problem = flag_problem(args)
+    if problem:
+        log.error(problem)
         return 2
     try:
         server_security = security.server_security_from_args(args)

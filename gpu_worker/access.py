@@ -1,6 +1,6 @@
 """Who may call which WorkerService RPC (enforced by services.common.authz).
 
-Loading, unloading and trimming change what a GPU holds and are admin calls (audit-logged even when
+Loading, unloading, offloading and trimming change what a GPU holds and are admin calls (audit-logged even when
 allowed); inference and the read-only views are for clients and above.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ ACCESS = {
     "LoadModel": Rule(Level.ADMIN),
     "UnloadModel": Rule(Level.ADMIN),
     "Trim": Rule(Level.ADMIN),
+    "OffloadModel": Rule(Level.ADMIN),
     "Generate": Rule(Level.CLIENT),
     "Embed": Rule(Level.CLIENT),
     "ListModels": Rule(Level.CLIENT),

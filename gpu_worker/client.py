@@ -60,6 +60,10 @@ class WorkerClient:
         request = worker_pb2.UnloadModelRequest(model_id=model_id)
         return self.stub.UnloadModel(request, timeout=self.deadline_s).freed_bytes
 
+    def offload_model(self, model_id: str) -> worker_pb2.OffloadModelResponse:
+        request = worker_pb2.OffloadModelRequest(model_id=model_id)
+        return self.stub.OffloadModel(request, timeout=self.deadline_s)
+
     def list_models(self) -> list[worker_pb2.ModelInfo]:
         return list(self.stub.ListModels(worker_pb2.ListModelsRequest(), timeout=self.deadline_s).models)
 

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from gpu_worker.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
-SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena")
+SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim")
 
 
 class WorkerCollector(Collector):

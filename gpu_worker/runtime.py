@@ -6,13 +6,19 @@ one model are serialized by that model's lock: a decoder has one KV cache, and a
 graph bakes its activation pointers, so two requests cannot share a model at once. Different
 models run concurrently; the capture gate orders their captures against each other's syncs.
 
+Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
+hands it every refusal, load admission asks it before refusing, and the governor client hands it
+every reclaim ask. A model's weights may be paged out only while it is idle; every request pins
+them and pages back in what is missing (`ModelExecutor.resident`) before it launches anything.
+
 Errors are services.common.errors: NotFound (unknown model), InvalidArgument (bad request,
-unknown family/config), AlreadyExists (model id taken), ResourceExhausted (admission refused: the
-partial load is unwound, so the ledger is as before).
+unknown family/config), AlreadyExists (model id taken), ResourceExhausted (admission refused once
+nothing could be reclaimed: the partial load is unwound, so the ledger is as before).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 import socket
@@ -31,7 +37,14 @@ from gpu_worker.execution.plans import max_plans_from_env
 from gpu_worker.models.configs import ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from gpu_worker.reclaim import Reclaimer
+from services.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 
 if TYPE_CHECKING:  # the runtime never imports grpc; the channels do, in the clients
     from services.common.tls import ChannelTLS
@@ -74,6 +87,9 @@ class WorkerConfig:
     capture: bool = True                # False: eager launches (benchmarks, debugging)
     model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
     checkpoint_context: int = 8192      # tokens served from a checkpoint (KV cache is f32)
+    weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
+    host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
+    lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,8 @@ class ModelInfo:
     architecture: str = ""
     weight_format: str = ""
     has_tokenizer: bool = False
+    resident_bytes: int = 0   # weight bytes mapped on the device now
+    state: str = "resident"   # resident | partial | offloaded (weights on pinned host only)
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,7 @@ class LoadResult:
 
 @dataclass(eq=False)
 class _Loaded:
+    """A loaded model; also what the reclaimer sees of it (gpu_worker.reclaim.IdleCandidate)."""
     info: ModelInfo
     cfg: ModelConfig
     executor: ModelExecutor
@@ -108,10 +127,41 @@ class _Loaded:
     lock: threading.Lock = field(default_factory=threading.Lock)
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
     eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
+    last_used: float = field(default_factory=time.monotonic)
+    closed: bool = False
+
+    @property
+    def model_id(self) -> str:
+        return self.info.model_id
+
+    def drop_caches(self) -> int:
+        return self.executor.trim()
+
+    def page_out(self) -> int:
+        return self.executor.page_out()
+
+    def reclaimable_bytes(self) -> int:
+        plans = self.executor.plans.stats()
+        return (self.executor.resident_bytes() + plans["activation_bytes"] + plans["graph_bytes"]
+                + self.executor.kernels.stats()["workspace_bytes"])
+
+    def live_info(self) -> ModelInfo:
+        resident = self.executor.resident_bytes()
+        total = self.info.weight_bytes
+        state = "resident" if resident >= total else "offloaded" if resident == 0 else "partial"
+        return dataclasses.replace(self.info, resident_bytes=resident, state=state)
 
 
 def admission_bytes(cfg: ModelConfig, granule: int) -> int:
     """Committed bytes a model's load asks for: its weights and KV cache, granule-rounded."""
+    return sum(admission_by_zone(cfg, granule).values())
+
+
+def admission_by_zone(cfg: ModelConfig, granule: int) -> dict[str, int]:
+    """Committed bytes a model's load asks for, per zone: weights in `weights`, KV in `kv`.
+
+    Per zone because the governor's zone budgets are: booking the KV cache in `weights` made a
+    `small` decoder (23.8 MiB of weights, 64 MiB of KV) ask a 40 MiB weights zone for 87.8 MiB."""
     from gpu_worker.device.arena import ALIGN
     from gpu_worker.models.weights import weight_sizes
 
@@ -121,18 +171,23 @@ def admission_bytes(cfg: ModelConfig, granule: int) -> int:
     kv: list[int] = []
     if cfg.family == "decoder":
         kv = [cfg.kv_bytes() // (2 * cfg.layers)] * (2 * cfg.layers)  # one K and one V per layer
-    return packed(weight_sizes(cfg)) + (packed(kv) if kv else 0)
+    return {"weights": packed(weight_sizes(cfg)), "kv": packed(kv) if kv else 0}
 
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         if config.variants_per_node < 1 or config.max_plans < 1:
             raise InvalidArgument("variants_per_node and max_plans must be at least 1")
+        for name in ("weight_budget_bytes", "host_pinned_budget_bytes"):
+            value = getattr(config, name)
+            if value is not None and value <= 0:
+                raise InvalidArgument(f"{name}={value} must be positive (or None: no budget)")
         self.config = config
         self.device = None
         self.budget = None
         self.cache_client = None
         self.compiler = None
+        self.reclaimer: Reclaimer | None = None
         self._models: dict[str, _Loaded] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
 
@@ -150,8 +205,16 @@ class WorkerRuntime:
                 self.budget = GovernorClient(
                     cfg.governor, cfg.worker_id,
                     DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
-                    tracer_provider=cfg.tracer_provider, tls=cfg.tls, token=cfg.governor_token)
-            self.device = Device(backend, self.budget)
+                    chunk_bytes=cfg.lease_chunk_bytes, tracer_provider=cfg.tracer_provider,
+                    tls=cfg.tls, token=cfg.governor_token)
+            self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
+            self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
+            # A peer asked by the governor gives back on its next heartbeat (2 s by default).
+            peer_wait = 2.5 * self.budget.heartbeat_s if self.budget is not None else 0.0
+            self.reclaimer = Reclaimer(self.device, self._candidates, cfg.worker_id, peer_wait)
+            self.device.arena.reclaimer = self.reclaimer.on_refusal
+            if self.budget is not None:  # a reclaim ask is answered before the leases go back
+                self.budget.on_reclaim = self.reclaimer.on_governor_ask
             if cfg.cache:
                 from cache_service.client import KernelCacheClient
                 self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
@@ -171,7 +234,10 @@ class WorkerRuntime:
     def close(self) -> None:
         for model_id in list(self._models):
             self.unload_model(model_id)
+        if self.budget is not None:
+            self.budget.on_reclaim = None
         if self.device is not None:
+            self.device.arena.reclaimer = None
             self.device.close()
             self.device = None
         if self.cache_client is not None:
@@ -239,7 +305,7 @@ class WorkerRuntime:
         try:
             with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
                        family=family, config=config):
-                self._admit(device, cfg)
+                self._admit(device, cfg, model_id)
                 self.compiler.prefetch(ALL_SOURCES)
                 for kdef in ALL_KERNELS:  # load the whole kernel set now: no first-request stall
                     executor.function(kdef)
@@ -260,19 +326,34 @@ class WorkerRuntime:
         self._report()
         return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
 
-    @staticmethod
-    def _admit(device, cfg: ModelConfig) -> None:
+    def _admit(self, device, cfg: ModelConfig, model_id: str) -> None:
         """Refuse a model that cannot fit before generating its host weights: a 36 GiB config
         would otherwise spend a minute and as much host memory only to be refused on the device.
-        A probe commit through the budget owner, released at once.
+        A probe commit per zone through the budget owner, released at once; a refused probe asks
+        the reclaimer first (idle models' caches, then their weights), and is refused only when
+        nothing more can go. A model whose weights alone exceed the weight budget is refused
+        outright: streaming layers through the slots is not built yet.
 
         The probe counts what the load will commit, not the tensors' content bytes: every carve
         is aligned (ALIGN) and commits round up to whole granules, plus one granule where a
         packed run straddles a boundary. A probe of content bytes passes a model whose commits
         then fail halfway through its load."""
-        need = admission_bytes(cfg, device.info.granule_bytes)
-        device.ledger.commit("weights", need)
-        device.ledger.uncommit("weights", need)
+        need = admission_by_zone(cfg, device.info.granule_bytes)
+        budget = device.weights.budget_bytes
+        if budget is not None and need["weights"] > budget:
+            raise ResourceExhausted(
+                f"model {model_id!r} needs {need['weights']} committed bytes of weights, more than "
+                f"the {budget}-byte weight budget (--weight-budget-bytes); a model larger than the "
+                "budget would need its layers streamed through the slots, which this worker does "
+                "not do yet", asked_bytes=need["weights"], free_bytes=budget, zone="weights")
+        booked: list[tuple[str, int]] = []
+        try:
+            for zone, nbytes in need.items():
+                self.reclaimer.commit(zone, nbytes)   # reclaims before it refuses
+                booked.append((zone, nbytes))
+        finally:
+            for zone, nbytes in booked:
+                device.ledger.uncommit(zone, nbytes)
 
     def unload_model(self, model_id: str) -> int:
         loaded = self._get(model_id)
@@ -281,14 +362,34 @@ class WorkerRuntime:
                 if self._models.get(model_id) is not loaded:
                     raise NotFound(f"model {model_id!r} was unloaded already", model_id=model_id)
                 del self._models[model_id]
+            loaded.closed = True
             freed = loaded.executor.close()
         self.device.synchronize()
         self._report()
         return freed
 
+    def offload_model(self, model_id: str) -> tuple[ModelInfo, int]:
+        """Page a model's weights out to their pinned host copies and drop its plans and kernel
+        variants; it stays loaded, and its next request pages the weights back in (a wake).
+        Waits for a running request of the model to finish. Returns (info, bytes released)."""
+        loaded = self._get(model_id)
+        with loaded.lock:
+            self._still_loaded(loaded)
+            freed = loaded.drop_caches() + loaded.page_out()
+        self.device.synchronize()
+        self.device.arena.collect()
+        self._report()
+        return loaded.live_info(), freed
+
     def list_models(self) -> list[ModelInfo]:
         with self._lock:
-            return [m.info for m in self._models.values() if m is not None]
+            models = [m for m in self._models.values() if m is not None]
+        return [m.live_info() for m in models]
+
+    def _candidates(self) -> list[_Loaded]:
+        """The loaded models, for the reclaimer (it try-locks each one)."""
+        with self._lock:
+            return [m for m in self._models.values() if m is not None]
 
     def _get(self, model_id: str, family: str | None = None) -> _Loaded:
         self._started()
@@ -327,11 +428,13 @@ class WorkerRuntime:
                                 max_new_tokens=max_new_tokens):
             self._still_loaded(loaded)
             try:
-                for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
-                    yield [token]
-                    if cancelled() or token in loaded.eos_token_ids:
-                        return
+                with loaded.executor.resident():
+                    for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
+                        yield [token]
+                        if cancelled() or token in loaded.eos_token_ids:
+                            return
             finally:
+                loaded.last_used = time.monotonic()
                 self._report()
 
     def codec(self, model_id: str) -> TextCodec:
@@ -370,8 +473,10 @@ class WorkerRuntime:
                                 seq=len(sequences[0]) if sequences else 0):
             self._still_loaded(loaded)
             try:
-                return loaded.model.embed([[int(t) for t in s] for s in sequences])
+                with loaded.executor.resident():
+                    return loaded.model.embed([[int(t) for t in s] for s in sequences])
             finally:
+                loaded.last_used = time.monotonic()
                 self._report()
 
     # -- operations ------------------------------------------------------------------------------
@@ -435,7 +540,10 @@ class WorkerRuntime:
                         "evictions": w.get("evictions", 0), "hit_rate": w.get("hit_rate", 0.0),
                         "bytes_copied": w.get("bytes_copied", 0),
                         "resident_bytes": w.get("resident_bytes", 0),
-                        "budget_bytes": w.get("budget_bytes", 0) or 0},
+                        "budget_bytes": w.get("budget_bytes", 0) or 0,
+                        "host_bytes": w.get("host_bytes", 0),
+                        "host_budget_bytes": w.get("host_budget_bytes", 0) or 0},
+            "reclaim": self.reclaimer.stats() if self.reclaimer else {},
             "compile": dict(comp),
             "capture": {"captures": gate.captures,
                         "invalidations": device.capture_invalidations,

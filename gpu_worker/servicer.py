@@ -173,6 +173,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         _require(request.model_id, "model_id is empty: name the model to unload")
         return worker_pb2.UnloadModelResponse(freed_bytes=int(self.runtime.unload_model(request.model_id)))
 
+    def OffloadModel(self, request: worker_pb2.OffloadModelRequest, context: grpc.ServicerContext
+                     ) -> worker_pb2.OffloadModelResponse:
+        _require(request.model_id, "model_id is empty: name the model to offload")
+        _tag(model_id=request.model_id)
+        info, freed = self.runtime.offload_model(request.model_id)
+        return worker_pb2.OffloadModelResponse(model=model_info_message(info), freed_bytes=int(freed))
+
     def ListModels(self, request: worker_pb2.ListModelsRequest, context: grpc.ServicerContext
                    ) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(

@@ -9,6 +9,7 @@
     gpuplane stats [--json]
     gpuplane resources [--json]          (asks the governor)
     gpuplane models | unload | trim
+    gpuplane offload --model-id m1       (weights to pinned host; the next request wakes it)
 
 Each command opens a client, makes one call and prints it; `--json` prints the response message as
 JSON. A failed call prints the server's status and message and exits 1.
@@ -70,6 +71,17 @@ def cmd_unload(args: argparse.Namespace) -> None:
         print(f"unloaded {args.model_id}: freed {_mib(client.unload_model(args.model_id))}")
 
 
+def cmd_offload(args: argparse.Namespace) -> None:
+    from gpu_worker.client import WorkerClient
+
+    with WorkerClient(args.worker) as client:
+        reply = client.offload_model(args.model_id)
+    if args.json:
+        return _print_json(reply)
+    print(f"offloaded {args.model_id}: freed {_mib(reply.freed_bytes)}, state {reply.model.state}, "
+          f"resident {_mib(reply.model.resident_bytes)} of {_mib(reply.model.weight_bytes)}")
+
+
 def cmd_models(args: argparse.Namespace) -> None:
     with _worker(args) as client:
         models = client.list_models()
@@ -79,7 +91,7 @@ def cmd_models(args: argparse.Namespace) -> None:
         return
     for m in models:
         print(f"{m.model_id}\t{m.family}/{m.config}\tvocab {m.vocab_size}\tcontext {m.max_context}"
-              f"\tweights {_mib(m.weight_bytes)}")
+              f"\tweights {_mib(m.weight_bytes)}\t{m.state} {_mib(m.resident_bytes)}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -228,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("unload", cmd_unload, "unload a model and free its memory")
     p.add_argument("--model-id", required=True)
     add("models", cmd_models, "list the loaded models")
+    p = add("offload", cmd_offload, "page a model's weights out to pinned host and drop its caches")
+    p.add_argument("--model-id", required=True)
     p = add("generate", cmd_generate, "generate tokens from a prompt (streamed as produced)")
     p.add_argument("--model-id", required=True)
     p.add_argument("--tokens", type=_tokens, default=[], help="prompt token ids, e.g. 1,2,3")

@@ -14,8 +14,9 @@ def second_model_under_an_exact_budget(runtime: WorkerRuntime, probe: str) -> st
     """Load `small` decoder A and serve one request (its plans exist), leave exactly B's probe free
     (`probe`: "content" = the tensors' bytes, "granules" = the committed-byte probe), load B.
     Returns "refused" or "loaded", and asserts the invariant: A still generates the tokens it did
-    before, B (when it loaded) the reference's first token or a clean RESOURCE_EXHAUSTED; never a
-    fault. Run without a governor (the local budget is the one being squeezed)."""
+    before (paged back in if B's load paged it out), B (when it loaded) the reference's first token
+    or a clean RESOURCE_EXHAUSTED; never a fault.
+    Run without a governor (the local budget is the one being squeezed)."""
     cfg = get_config("small", "decoder")
     runtime.load_model("a", "decoder", "small", 1)
     before = [c[0] for c in runtime.generate("a", PROMPT, 4)]

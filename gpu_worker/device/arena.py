@@ -14,6 +14,10 @@ Hazards and what this module does about them:
   same address. A release that fails is quarantined: its VA is never handed out again.
 - The ledger is charged before the device is touched; a refusal or a driver failure unwinds every
   handle it created, so a failed allocation leaves nothing half-mapped and nothing booked.
+- A refusal is not final while something can be given back: `alloc` and `commit` hand it to the
+  `reclaimer` (the worker's one reclaim policy, gpu_worker/reclaim.py) and retry while it frees
+  bytes. It runs outside the arena lock (it frees through this arena and takes the weight slots'
+  lock), and never on a capturing thread.
 
 Lock order: capture-gate section first, then the arena lock (the release queue runs our release
 actions inside a gate section).
@@ -36,6 +40,7 @@ from gpu_worker.device.release_queue import ReleaseQueue
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 ALIGN = 256  # byte alignment of every carve (CUDA's cudaMalloc alignment)
+MAX_RECLAIM_ROUNDS = 8  # reclaim-and-retry rounds before a refusal reaches the caller
 POOL_ZONE = "scratch"  # retained handles are paid for by the device, so they are booked somewhere
 
 
@@ -100,6 +105,9 @@ class Arena:
         self._mapped_bytes = 0
         self._live_by_zone: dict[str, int] = {}  # bytes of mappings in state live, per zone
         self.on_quarantine: list[Callable[[int, int], None]] = []
+        # Called with (zone, the refusal, why) after a refusal; returns the bytes it freed, or a
+        # positive number when a retry is worth it (0: give up and let the refusal through).
+        self.reclaimer: Callable[[str, ResourceExhausted, str], int] | None = None
         self.counters = dict.fromkeys((
             "commits", "releases", "handles_created", "handles_reused", "resurrected", "peak_committed",
             "pooled_bytes", "quarantined", "quarantined_bytes", "fault_underflow", "allocs", "frees"), 0)
@@ -111,6 +119,9 @@ class Arena:
         check_zone(zone)
         if nbytes <= 0:
             raise InvalidArgument(f"arena: allocation size must be positive, got {nbytes}")
+        return self.retry_reclaiming(zone, lambda: self._alloc_once(nbytes, zone, role))
+
+    def _alloc_once(self, nbytes: int, zone: str, role: str) -> Allocation:
         self._queue.poll()
         with self._gate.shared(), self._lock:
             ptr = self._carve(nbytes, top=role not in ("weights", "kv"))
@@ -148,9 +159,27 @@ class Arena:
 
     def commit(self, ptr: int, nbytes: int, zone: str, role: str = "weights") -> None:
         check_zone(zone)
-        self._queue.poll()
-        with self._gate.shared(), self._lock:
-            self._commit(ptr, nbytes, zone, role)
+
+        def once() -> None:
+            self._queue.poll()
+            with self._gate.shared(), self._lock:
+                self._commit(ptr, nbytes, zone, role)
+        self.retry_reclaiming(zone, once)
+
+    def retry_reclaiming(self, zone: str, attempt: Callable[[], object], reason: str = "refusal"
+                         ) -> object:
+        """Run `attempt`; on ResourceExhausted ask the reclaimer and retry while it frees bytes.
+        Also for bookings outside the arena (a captured graph's memory, in `graphs`)."""
+        # Bounded: every round frees something, but other threads may take it again meanwhile.
+        for _ in range(MAX_RECLAIM_ROUNDS):
+            try:
+                return attempt()
+            except ResourceExhausted as exc:
+                if self.reclaimer is None or self._gate.is_capturing_thread():
+                    raise
+                if self.reclaimer(zone, exc, reason) <= 0:
+                    raise
+        return attempt()
 
     def decommit(self, ptr: int, nbytes: int, zone: str, fence_streams: list | None = None) -> None:
         with self._gate.shared(), self._lock:

@@ -15,11 +15,14 @@ Hazards and contract:
 - State per slot: idle (no pages), pending (copy in flight), resident, poisoned (a failed copy or
   release: never used until removed). A failed page-in leaves the slot idle or poisoned, never
   mapped to the wrong bytes.
-- Only an *evictable* slot is ever chosen as a victim. A slot whose owner never calls
-  ensure_resident again before launching kernels on it (the model executor today: it pages in
-  once, at load) must not lose its pages to make room for another slot: the owner's next launch
-  would read unmapped memory (illegal address, context lost). Such a page-in is refused with
-  ResourceExhausted instead.
+- Only an *evictable*, *unpinned* slot is ever chosen as a victim. A slot whose owner never calls
+  ensure_resident again before launching kernels on it must not lose its pages to make room for
+  another slot: the owner's next launch would read unmapped memory (illegal address, context
+  lost); such a page-in is refused with ResourceExhausted instead. An owner that does page back in
+  (the model executor: `pin` + ensure_resident at the start of every request) pins its slots while
+  it launches on them, so only an idle owner's pages can go.
+- Pinned host memory is a budget too (`host_budget_bytes`): a slot whose host copy would exceed it
+  is refused with ResourceExhausted before anything is allocated.
 
 Cost: a page-in is one cuMemCreate/Map/SetAccess per large handle plus the copy (~55 GB/s pinned
 on H200); a hit is a dict lookup.
@@ -49,6 +52,7 @@ class WeightSlot:
     nbytes: int
     host: np.ndarray = field(repr=False)
     evictable: bool = True  # False: the owner never pages it back, so it is never a victim
+    pins: int = 0           # > 0 while an owner launches on it: never a victim then
     state: str = "idle"  # idle | pending | resident | poisoned
     event: object = field(default=None, repr=False)
     error: str = ""
@@ -64,6 +68,7 @@ class WeightSlots:
         compute_stream: object,
         copy_stream: object,
         budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         self._backend = backend
         self._gate = gate
@@ -74,6 +79,8 @@ class WeightSlots:
         self._lock = threading.RLock()
         self._slots: dict[str, WeightSlot] = {}
         self.policy = ResidencyPolicy(budget_bytes)
+        self.host_budget_bytes = host_budget_bytes  # pinned host bytes all slots may hold (None: any)
+        self._host_bytes = 0
         self.counters = dict.fromkeys(
             ("page_ins", "hits", "misses", "evictions", "bytes_copied", "failed_page_ins"), 0)
         self.driver_seconds = 0.0
@@ -103,6 +110,14 @@ class WeightSlots:
         with self._gate.shared(), self._lock:
             if key in self._slots:
                 raise InvalidArgument(f"weight {key!r} already has a slot")
+            if self.host_budget_bytes is not None and \
+                    self._host_bytes + data.nbytes > self.host_budget_bytes:
+                free = max(0, self.host_budget_bytes - self._host_bytes)
+                raise ResourceExhausted(
+                    f"pinned host memory: weight {key!r} needs {data.nbytes} bytes, {free} free of "
+                    f"the {self.host_budget_bytes}-byte host pinned budget "
+                    "(--host-pinned-budget-bytes)", asked_bytes=data.nbytes, free_bytes=free,
+                    zone="")
             pinned = self._backend.alloc_pinned(data.nbytes)
             pinned[:] = data
             try:
@@ -112,6 +127,7 @@ class WeightSlots:
                 raise
             slot = WeightSlot(key, va, data.nbytes, pinned, evictable=evictable)
             self._slots[key] = slot
+            self._host_bytes += data.nbytes
             self.policy.window = max(1, len(self._slots))
             return slot
 
@@ -157,6 +173,40 @@ class WeightSlots:
             self.driver_seconds += drv + (self._arena.driver_seconds - d0)
             self.total_seconds += time.perf_counter() - t0
 
+    def pin(self, keys: list[str]) -> None:
+        """Keep `keys` from being chosen as victims until `unpin` (an owner launching on them)."""
+        with self._lock:
+            slots = [self.get(k) for k in keys]
+            for s in slots:
+                s.pins += 1
+
+    def unpin(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                s = self._slots.get(k)
+                if s is not None and s.pins > 0:
+                    s.pins -= 1
+
+    def page_out(self, keys: list[str]) -> int:
+        """Evict every mapped slot of `keys` (the host copies stay); returns the slot bytes that
+        were resident. Refused (FailedPrecondition, nothing changed) while any of them is pinned."""
+        with self._gate.shared(), self._lock:
+            slots = [self.get(k) for k in keys]
+            busy = [s.key for s in slots if s.pins]
+            if busy:
+                raise FailedPrecondition(f"weights {busy[:3]} are in use (pinned); not paged out")
+            freed = 0
+            for s in slots:
+                if s.state in ("pending", "resident"):
+                    freed += s.nbytes
+                    self._evict_if_mapped(s)
+            return freed
+
+    def resident_bytes(self, keys: list[str]) -> int:
+        with self._lock:
+            return sum(s.nbytes for k in keys if (s := self._slots.get(k)) is not None
+                       and s.state in ("resident", "pending"))
+
     def evict(self, key: str) -> None:
         """Unmap `key`'s pages (fenced); its address stays reserved for the next page-in."""
         with self._gate.shared(), self._lock:
@@ -173,6 +223,7 @@ class WeightSlots:
             if "quarantined" not in slot.error:  # a quarantined range is never reused
                 self._arena.uncarve(slot.va, slot.nbytes)
             pinned, event = slot.host, slot.event
+            self._host_bytes -= slot.nbytes
 
             def free_host() -> None:
                 self._backend.free_pinned(pinned)
@@ -196,6 +247,8 @@ class WeightSlots:
                                       if s.state in ("resident", "pending")),
                 "committed_bytes": self._arena.zone_live_bytes(ZONE),
                 "budget_bytes": self.policy.capacity_bytes,
+                "host_bytes": self._host_bytes,
+                "host_budget_bytes": self.host_budget_bytes,
                 "states": states,
                 "driver_seconds": self.driver_seconds,
                 "bookkeeping_seconds": max(0.0, self.total_seconds - self.driver_seconds),
@@ -215,7 +268,7 @@ class WeightSlots:
                 self._arena.commit(slot.va, slot.nbytes, ZONE, role="weights")
                 break
             except ResourceExhausted:
-                victim = self.policy.victim(exclude=need)  # the ledger refused: shrink and retry
+                victim = self.policy.victim(exclude=self._excluded(need))  # the ledger refused
                 if victim is None:
                     raise
                 self._evict(self._slots[victim])
@@ -248,14 +301,18 @@ class WeightSlots:
             live = self._arena.zone_live_bytes(ZONE)
             if live + cost <= budget:
                 return
-            victim = self.policy.victim(exclude=need)
+            victim = self.policy.victim(exclude=self._excluded(need))
             if victim is None:
                 raise ResourceExhausted(
                     f"weights: paging in {slot.key!r} needs {cost} committed bytes, "
                     f"{max(0, budget - live)} free of a {budget}-byte weight budget and every "
-                    "resident weight is needed by this call",
+                    "resident weight is needed by this call or pinned by a running request",
                     asked_bytes=cost, free_bytes=max(0, budget - live), zone=ZONE)
             self._evict(self._slots[victim])
+
+    def _excluded(self, need: set[str]) -> set[str]:
+        """Keys that cannot be victims now: those this call needs and every pinned slot."""
+        return need | {k for k, s in self._slots.items() if s.pins}
 
     def _evict(self, slot: WeightSlot, counted: bool = True) -> None:
         if slot.state not in ("pending", "resident"):  # e.g. poisoned by a failed release

@@ -8,9 +8,10 @@ for the eager-vs-graph benchmark and for debugging.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -98,8 +99,8 @@ class ShapePlan:
             if not capture:
                 self._launch_warm(self.resolve(), stream)
             else:
-                if self.graph_exec is None:
-                    self._capture(stream)
+                if self.graph_exec is None:  # its graph memory may be refused: reclaim, retry
+                    device.arena.retry_reclaiming("graphs", lambda: self._capture(stream))
                 device.replay(self.graph_exec, stream=stream)
                 self.replays += 1
                 self.executor.replay_count += 1
@@ -210,10 +211,9 @@ class ModelExecutor:
 
     # -- weights and state ------------------------------------------------------------------------
     def add_weight(self, key: str, host: np.ndarray) -> None:
-        # Not evictable: plans launch on these addresses without paging them back in (weights are
-        # made resident once, at load), so evicting one would fault the model's next request.
-        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host,
-                                                     evictable=False)
+        # Evictable: every request runs inside `resident()`, which pins the slots and pages back
+        # in whatever an idle spell lost, so only an idle model's pages are ever taken.
+        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
 
     def weight_ptr(self, key: str) -> int:
         return int(self._weights[key].va)
@@ -221,9 +221,31 @@ class ModelExecutor:
     def weight_keys(self) -> list[str]:
         return list(self._weights)
 
+    def _slot_keys(self) -> list[str]:
+        return [self.weight_namespace + k for k in self._weights]
+
     def ensure_resident(self) -> None:
-        self.device.weights.ensure_resident([self.weight_namespace + k for k in self._weights],
-                                            stream=self.device.stream)
+        self.device.weights.ensure_resident(self._slot_keys(), stream=self.device.stream)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Pin this model's weights and page in what is missing (a wake), for one request: no
+        other page-in may evict them while its kernels launch on them."""
+        keys = self._slot_keys()
+        self.device.weights.pin(keys)
+        try:
+            self.device.weights.ensure_resident(keys, stream=self.device.stream)
+            yield
+        finally:
+            self.device.weights.unpin(keys)
+
+    def page_out(self) -> int:
+        """Evict every weight slot (the pinned host copies stay); returns the bytes paged out.
+        The caller holds the model's request lock (no kernel of ours is being launched)."""
+        return self.device.weights.page_out(self._slot_keys())
+
+    def resident_bytes(self) -> int:
+        return self.device.weights.resident_bytes(self._slot_keys())
 
     def add_state(self, name: str, nbytes: int, zone: str) -> None:
         self._state[name] = self.device.arena.alloc(nbytes, zone, role=zone)

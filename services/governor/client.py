@@ -405,6 +405,16 @@ class GovernorClient:
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
             self.counters["reclaim_asks"] += 1
+            if self.on_reclaim:  # the owner shrinks the zones first, so this beat gives it back
+                for zone, nbytes in asks.items():
+                    with self._lock:  # idle lease bytes go back first: shrink only the rest
+                        short = nbytes - max(0, self._slack(zone))
+                    if short <= 0:
+                        continue
+                    try:
+                        self.on_reclaim(zone, short)
+                    except Exception:  # give back what is idle all the same
+                        log.exception("on_reclaim failed", extra={"zone": zone, "bytes": nbytes})
             self._give_back(asks)
 
     def _give_back(self, asks: dict[str, int]) -> None:
@@ -452,5 +462,3 @@ class GovernorClient:
                         with self._lock:
                             self._held[zone][lease_id] = before  # still ours: usable again
                         raise
-            if asks.get(zone) and self.on_reclaim:
-                self.on_reclaim(zone, asks[zone])

@@ -194,3 +194,42 @@ def test_a_capture_using_resident_slots_never_deadlocks_with_a_page_in_on_anothe
         t.join(10)
     assert not t.is_alive(), "deadlock between a capture and a page-in"
     assert not errors, f"page-in thread failed: {errors[:1]}"
+
+
+def test_a_pinned_slot_is_never_a_victim_and_is_one_again_once_unpinned():
+    """Issue 14: an owner launching on its slots pins them; another page-in needing room is
+    refused rather than evict them, and takes them once they are unpinned."""
+    d = make_device(weight_budget=2 * GRANULE)
+    try:
+        d.weights.add("running", _w(2 * GRANULE, 1))
+        d.weights.add("other", _w(2 * GRANULE, 2))
+        d.weights.pin(["running"])
+        d.weights.ensure_resident(["running"])
+        with pytest.raises(ResourceExhausted, match="pinned"):
+            d.weights.ensure_resident(["other"])
+        assert d.weights.get("running").state in ("resident", "pending")
+        with pytest.raises(FailedPrecondition, match="in use"):
+            d.weights.page_out(["running"])
+        d.weights.unpin(["running"])
+        d.weights.ensure_resident(["other"])
+        assert d.weights.get("running").state == "idle", "the unpinned slot was not the victim"
+        assert d.weights.resident_bytes(["running", "other"]) == 2 * GRANULE
+        with pytest.raises(NotFound):
+            d.weights.pin(["nope"])
+    finally:
+        d.close()
+
+
+def test_the_pinned_host_budget_refuses_a_slot_before_allocating_anything():
+    d = make_device()
+    try:
+        d.weights.host_budget_bytes = 3 * GRANULE
+        d.weights.add("a", _w(2 * GRANULE, 1))
+        calls = d.backend.calls["alloc_pinned"]
+        with pytest.raises(ResourceExhausted, match="pinned host"):
+            d.weights.add("b", _w(2 * GRANULE, 2))
+        assert d.backend.calls["alloc_pinned"] == calls and d.weights.stats()["host_bytes"] == 2 * GRANULE
+        d.weights.remove("a")
+        d.weights.add("b", _w(2 * GRANULE, 2))   # the budget came back with the removal
+    finally:
+        d.close()

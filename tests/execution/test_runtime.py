@@ -168,21 +168,25 @@ def test_two_models_of_one_config_keep_their_own_weights(runtime):
 
 
 @pytest.mark.parametrize("probe", ["content", "granules", "content-unprobed"])
-def test_a_load_never_evicts_weights_another_model_runs_on(runtime, probe, monkeypatch):
-    """DESIGN 2.3 + issue 11: under a budget with exactly the second model's probe free, the
-    second load is refused (RESOURCE_EXHAUSTED) or both models stay correct; never a fault.
-    "content-unprobed" skips the admission probe, so the weight slots' own refusal is what keeps
-    model a's pages mapped (the probe is advisory; the commit-time refusal is the guard)."""
+def test_a_second_model_loads_under_an_exact_budget_by_paging_out_the_idle_first(
+        runtime, probe, monkeypatch):
+    """Issue 14 (replacing issue 11's refusal): under a budget with only the second model's probe
+    free, the second load reclaims the idle first model's caches and weights instead of being
+    refused; each model's next request pages its weights back in and gives the reference tokens;
+    never a fault. "content-unprobed" skips the admission probe, so the commit-time refusals alone
+    drive the reclaim."""
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
-        monkeypatch.setattr(WorkerRuntime, "_admit", staticmethod(lambda device, cfg: None))
+        monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
     outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0])
-    if probe.startswith("content"):
-        assert outcome == "refused", "content bytes cannot hold the granule-rounded commits"
+    assert outcome == "loaded", "the idle first model could have been paged out"
+    reclaim = runtime.stats()["reclaim"]
+    if probe.startswith("content"):  # content bytes cannot hold the granule-rounded commits
+        assert reclaim["rounds"] > 0 and reclaim["idle_plans_bytes"] + reclaim["idle_weights_bytes"] > 0, \
+            f"the load fit without reclaiming anything: the test proves nothing ({reclaim})"
     cfg = CONFIGS["small"]
     assert [c[0] for c in runtime.generate("a", [5, 6, 7, 8, 9, 10], 4)] == \
         R.DecoderReference(cfg, W.load_host(cfg, 1)).generate([5, 6, 7, 8, 9, 10], 4)
-    assert runtime.device.weights.stats()["evictions"] == 0, "a load evicted a weight nothing pages back"
     assert runtime.stats()["arena"]["faults"] == 0
 
 

@@ -180,7 +180,8 @@ def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp
             except ResourceExhausted:
                 return False
         eventually(lender_got_it, what="the lender to acquire the bytes the borrower gave back")
-        assert asked and asked[0] == ("weights", idle), "the on_reclaim hook must see the ask"
+        assert borrower.counters["reclaim_asks"] > 0, "the borrower never saw the governor's ask"
+        assert asked == [], "idle lease bytes covered the ask: the owner must not shrink its zones"
         assert leased(ledger, "borrower") == held - idle, "the borrower must give back its idle"
         assert leased(ledger, "lender") >= want
     finally:

@@ -137,18 +137,19 @@ def test_gpu_decode_graph_replay_matches_eager_decode(device, compiler):
 
 @pytest.mark.parametrize("probe", ["granules", "content-unprobed"])
 def test_on_cuda_a_load_never_evicts_weights_another_model_runs_on(probe, monkeypatch, kernel_cache_dir):
-    """Issue 11's device fault, on the H200: the second model under an exact budget is refused
-    or both serve; model a never reads unmapped weights (illegal address, context lost)."""
+    """Issue 11's device fault, on the H200: under an exact budget the second model loads by
+    paging the idle first one out (issue 14), and the first pages back in and serves the same
+    tokens; never an illegal address."""
     from gpu_worker.runtime import WorkerConfig, WorkerRuntime
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
-        monkeypatch.setattr(WorkerRuntime, "_admit", staticmethod(lambda device, cfg: None))
+        monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernel_cache_dir)).start()
     try:
         outcome = second_model_under_an_exact_budget(rt, probe.split("-")[0])
-        if probe == "content-unprobed":
-            assert outcome == "refused"
-        assert rt.stats()["weights"]["evictions"] == 0
+        assert outcome == "loaded", "the idle first model could have been paged out"
+        if probe == "content-unprobed":   # b fit only by paging a out; a paged back in and served
+            assert rt.stats()["reclaim"]["rounds"] > 0
     finally:
         rt.close()
 

@@ -46,3 +46,26 @@ def test_cache_namespace_and_max_plan_bytes_reach_the_runtime_config(monkeypatch
     assert (config.cache_namespace, config.max_plan_bytes) == ("team-a", 1 << 20)
     assert worker_config(build_parser().parse_args(["serve", "--max-plan-bytes", "0"])).max_plan_bytes \
         is None, "0 must mean no byte bound"
+
+
+def test_memory_budget_flags_reach_the_runtime_config_and_zero_means_none(monkeypatch) -> None:
+    from gpu_worker.__main__ import worker_config
+    monkeypatch.setenv("GPUPLANE_WORKER_WEIGHT_BUDGET_BYTES", str(40 << 20))
+    args = build_parser().parse_args(["serve", "--host-pinned-budget-bytes", str(1 << 30),
+                                      "--lease-chunk-bytes", str(2 << 20)])
+    config = worker_config(args)
+    assert (config.weight_budget_bytes, config.host_pinned_budget_bytes,
+            config.lease_chunk_bytes) == (40 << 20, 1 << 30, 2 << 20)
+    monkeypatch.delenv("GPUPLANE_WORKER_WEIGHT_BUDGET_BYTES")
+    config = worker_config(build_parser().parse_args(["serve"]))
+    assert (config.weight_budget_bytes, config.host_pinned_budget_bytes) == (None, None), \
+        "0 must mean no budget"
+
+
+def test_a_negative_budget_or_empty_lease_chunk_is_refused_before_the_worker_starts() -> None:
+    from gpu_worker.__main__ import flag_problem
+    assert "weight-budget" in flag_problem(build_parser().parse_args(
+        ["serve", "--weight-budget-bytes", "-1"]))
+    assert "lease-chunk" in flag_problem(build_parser().parse_args(
+        ["serve", "--lease-chunk-bytes", "0"]))
+    assert flag_problem(build_parser().parse_args(["serve"])) == ""

@@ -329,3 +329,25 @@ def test_first_token_seconds_is_the_servers_time_to_the_first_token(worker: Work
         f"first_token_seconds={result.first_token_seconds:.3f} for a {slow_prefill}s prefill, {total:.3f}s total"
     assert result.first_token_seconds <= result.client_first_token_seconds, \
         "the server's first-token time exceeds what the client saw"
+
+
+def test_offload_pages_a_model_out_and_the_next_generate_wakes_it_with_the_same_tokens(
+        worker: WorkerClient) -> None:
+    prompt = [9, 8, 7, 6]
+    want = worker.generate(DECODER, prompt, 4).tokens
+    reply = worker.offload_model(DECODER)
+    assert reply.model.model_id == DECODER and reply.model.state == "offloaded"
+    assert reply.model.resident_bytes == 0 and reply.freed_bytes >= reply.model.weight_bytes
+    listed = {m.model_id: m for m in worker.list_models()}
+    assert listed[DECODER].state == "offloaded" and listed[ENCODER].state == "resident"
+    assert worker.generate(DECODER, prompt, 4).tokens == want, "the woken model differs"
+    woken = {m.model_id: m for m in worker.list_models()}[DECODER]
+    assert woken.state == "resident" and woken.resident_bytes == woken.weight_bytes
+
+
+def test_offload_of_an_unknown_or_unnamed_model_is_refused_and_changes_nothing(
+        worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.offload_model("no-such-model"),
+                    grpc.StatusCode.NOT_FOUND, "OffloadModel of an unknown model")
+    _assert_refused(worker, lambda: worker.offload_model(""),
+                    grpc.StatusCode.INVALID_ARGUMENT, "OffloadModel without a model id")

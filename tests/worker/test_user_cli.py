@@ -72,3 +72,15 @@ def test_resources_prints_the_governors_ledger_per_worker_and_zone(tmp_path, cap
         assert int(devices[0]["leased_bytes"]) == 64 << 20, "resources --json misreports the lease"
     finally:
         server.stop(grace=1.0)
+
+
+def test_offload_prints_the_new_state_and_models_shows_it(worker: WorkerClient, capsys) -> None:
+    code, out, _ = _run(worker, capsys, "offload", "--model-id", ENCODER)
+    assert code == 0 and "state offloaded" in out, f"offload output: {out!r}"
+    code, out, _ = _run(worker, capsys, "models")
+    line = next(x for x in out.splitlines() if x.startswith(ENCODER))
+    assert "offloaded" in line, f"models does not show the state: {line!r}"
+    worker.embed(ENCODER, [[1, 2]])                      # wakes it
+    code, out, _ = _run(worker, capsys, "models", "--json")
+    state = {m["model_id"]: m["state"] for m in json.loads(out)}
+    assert state[ENCODER] == "resident"

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "family", "config", "seed", "vocab_size", "max_context", "weight_bytes", "checkpoint", "architecture", "weight_format", "has_tokenizer")
+    __slots__ = ("model_id", "family", "config", "seed", "vocab_size", "max_context", "weight_bytes", "checkpoint", "architecture", "weight_format", "has_tokenizer", "resident_bytes", "state")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class ModelInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     family: str
     config: str
@@ -31,7 +33,9 @@ class ModelInfo(_message.Message):
     architecture: str
     weight_format: str
     has_tokenizer: bool
-    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., checkpoint: _Optional[str] = ..., architecture: _Optional[str] = ..., weight_format: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    resident_bytes: int
+    state: str
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., config: _Optional[str] = ..., seed: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., checkpoint: _Optional[str] = ..., architecture: _Optional[str] = ..., weight_format: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., resident_bytes: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model_id", "family", "config", "seed", "checkpoint", "weight_format")
@@ -72,6 +76,20 @@ class UnloadModelResponse(_message.Message):
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
     freed_bytes: int
     def __init__(self, freed_bytes: _Optional[int] = ...) -> None: ...
+
+class OffloadModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class OffloadModelResponse(_message.Message):
+    __slots__ = ("model", "freed_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    freed_bytes: int
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -174,7 +192,7 @@ class PlanStats(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., graph_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightStats(_message.Message):
-    __slots__ = ("page_ins", "hits", "evictions", "hit_rate", "bytes_copied", "resident_bytes", "budget_bytes")
+    __slots__ = ("page_ins", "hits", "evictions", "hit_rate", "bytes_copied", "resident_bytes", "budget_bytes", "host_bytes", "host_budget_bytes")
     PAGE_INS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +200,8 @@ class WeightStats(_message.Message):
     BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     page_ins: int
     hits: int
     evictions: int
@@ -189,7 +209,27 @@ class WeightStats(_message.Message):
     bytes_copied: int
     resident_bytes: int
     budget_bytes: int
-    def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+    host_bytes: int
+    host_budget_bytes: int
+    def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class ReclaimStats(_message.Message):
+    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    GOVERNOR_ASKS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_RELEASES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_PLANS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOLED_HANDLES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_WAITS_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    governor_asks: int
+    completed_releases_bytes: int
+    idle_plans_bytes: int
+    pooled_handles_bytes: int
+    idle_weights_bytes: int
+    peer_waits: int
+    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ...) -> None: ...
 
 class CompileStats(_message.Message):
     __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks", "claims_granted", "claim_waits", "claim_wait_hits", "claim_takeovers", "claim_wait_timeouts")
@@ -258,7 +298,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected")
+    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected", "reclaim")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +313,7 @@ class GetStatsResponse(_message.Message):
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device_name: str
     device_total_bytes: int
@@ -287,7 +328,8 @@ class GetStatsResponse(_message.Message):
     capture: CaptureStats
     arena: ArenaStats
     governor_connected: bool
-    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ...) -> None: ...
+    reclaim: ReclaimStats
+    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ..., reclaim: _Optional[_Union[ReclaimStats, _Mapping]] = ...) -> None: ...
 
 class TrimRequest(_message.Message):
     __slots__ = ("target_bytes",)

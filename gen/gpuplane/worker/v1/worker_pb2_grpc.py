@@ -44,6 +44,11 @@ class WorkerServiceStub:
                 request_serializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.OffloadModel = channel.unary_unary(
+                '/gpuplane.worker.v1.WorkerService/OffloadModel',
+                request_serializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelRequest.SerializeToString,
+                response_deserializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/gpuplane.worker.v1.WorkerService/ListModels',
                 request_serializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
@@ -81,6 +86,12 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OffloadModel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +139,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelRequest.FromString,
                     response_serializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'OffloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OffloadModel,
+                    request_deserializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelRequest.FromString,
+                    response_serializer=gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -209,6 +225,33 @@ class WorkerService:
             '/gpuplane.worker.v1.WorkerService/UnloadModel',
             gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelRequest.SerializeToString,
             gpuplane_dot_worker_dot_v1_dot_worker__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OffloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuplane.worker.v1.WorkerService/OffloadModel',
+            gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelRequest.SerializeToString,
+            gpuplane_dot_worker_dot_v1_dot_worker__pb2.OffloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
