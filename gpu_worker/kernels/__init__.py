@@ -68,7 +68,14 @@ from gpu_worker.kernels.flash_attention import (
     launch_flash_attention_decode_split,
     launch_flash_attention_prefill,
 )
-from gpu_worker.kernels.half import INT4_DEQUANT_F16, TO_F16, launch_int4_dequant_f16, launch_to_f16
+from gpu_worker.kernels.half import (
+    FROM_F16,
+    INT4_DEQUANT_F16,
+    TO_F16,
+    launch_from_f16,
+    launch_int4_dequant_f16,
+    launch_to_f16,
+)
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -87,7 +94,7 @@ from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
 ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL,
-    INT4_DEQUANT_F16, TO_F16, ROTARY,
+    INT4_DEQUANT_F16, TO_F16, FROM_F16, ROTARY,
     ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE, KV_APPEND,
     ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, ATTENTION_DECODE_SPLIT_KV16, KV_APPEND_KV16,
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
@@ -123,6 +130,7 @@ __all__ = [
     "FLASH_ATTENTION_COMBINE",
     "FLASH_ATTENTION_DECODE_SPLIT",
     "FLASH_ATTENTION_PREFILL",
+    "FROM_F16",
     "FUSED_MAX_ROWS",
     "GELU",
     "INT4_DEQUANT",
@@ -166,6 +174,7 @@ __all__ = [
     "launch_flash_attention_decode",
     "launch_flash_attention_decode_split",
     "launch_flash_attention_prefill",
+    "launch_from_f16",
     "launch_gelu",
     "launch_int4_dequant",
     "launch_int4_dequant_f16",

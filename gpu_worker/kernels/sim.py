@@ -279,3 +279,9 @@ def _int4_dequant_f16(mem, grid, block, args) -> None:
 def _to_f16(mem, grid, block, args) -> None:
     out, x, n = _vals(args)
     _arr(mem, out, n, np.float16)[:] = reference.to_f16(_arr(mem, x, n))
+
+
+@register_sim_kernel("gp_from_f16")
+def _from_f16(mem, grid, block, args) -> None:
+    out, x, n = _vals(args)
+    _arr(mem, out, n)[:] = reference.from_f16(_arr(mem, x, n, np.float16))

@@ -3,7 +3,8 @@
 float32 throughout, weights dequantized exactly as the int4 kernels dequantize them, except that a
 linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
 and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
-V rounded to fp16 (`fp16=False` turns both off). The
+V rounded to fp16, and at head_dim 64 or 128 (the tensor-core attention of the decoder) q and the
+attention output are rounded to fp16 too (`fp16=False` turns all of it off). The
 operations are spelled out one function each so a kernel's NumPy reference and this model agree
 on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
 h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.kernels.linear import int4_path
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
@@ -41,6 +43,11 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    """x rounded to fp16 (nearest even), back in f32."""
+    return x.astype(np.float16).astype(np.float32)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -116,6 +123,7 @@ class DecoderReference:
         def mm(x: np.ndarray, key: str) -> np.ndarray:
             return lin.mm(x, key, rows)
 
+        flash = self.lin.fp16 and cfg.head_dim in FLASH_HEAD_DIMS
         x = w["embed"][np.asarray(tokens)].astype(np.float32)
         for layer in range(cfg.layers):
             p = f"layers.{layer}."
@@ -125,10 +133,14 @@ class DecoderReference:
             v = mm(h, p + "wv").reshape(len(tokens), cfg.kv_heads, cfg.head_dim)
             q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
             if self.lin.fp16:   # the cache holds fp16: what attention reads back is rounded
-                k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+                k, v = f16(k), f16(v)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
+            if flash:   # the tensor-core attention reads q in fp16 and writes fp16
+                q = f16(q)
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
+            if flash:
+                a = f16(a)
             x = x + mm(a.reshape(len(tokens), cfg.hidden), p + "wo")
             h = rmsnorm(x, w[p + "mlp_norm.w"], cfg.eps)
             m = silu(mm(h, p + "w_gate")) * mm(h, p + "w_up")
