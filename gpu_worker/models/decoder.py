@@ -85,8 +85,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
           heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
         n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
           kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
-        attrs = dict(heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd,
-                     max_context=cfg.max_context)
+        attrs = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": hd,
+                 "max_context": cfg.max_context}
         q, a = p + "q", p + "a"
         if flash:
             # fp16 q in, fp16 out: the wo linear reads it as it is on tensor cores, or widened

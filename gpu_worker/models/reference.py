@@ -108,6 +108,8 @@ class DecoderReference:
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
         """`fp16=False`: every linear in f32 (not what the executor computes above 16 rows)."""
         self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
+        # the tensor-core attention reads q in fp16 and writes fp16 (decoder.uses_flash_attention)
+        self.fp16_attention = fp16 and cfg.head_dim in FLASH_HEAD_DIMS
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
 
@@ -123,7 +125,7 @@ class DecoderReference:
         def mm(x: np.ndarray, key: str) -> np.ndarray:
             return lin.mm(x, key, rows)
 
-        flash = self.lin.fp16 and cfg.head_dim in FLASH_HEAD_DIMS
+        flash = self.fp16_attention
         x = w["embed"][np.asarray(tokens)].astype(np.float32)
         for layer in range(cfg.layers):
             p = f"layers.{layer}."
@@ -136,7 +138,7 @@ class DecoderReference:
                 k, v = f16(k), f16(v)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
-            if flash:   # the tensor-core attention reads q in fp16 and writes fp16
+            if flash:
                 q = f16(q)
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
             if flash:
@@ -167,6 +169,8 @@ class EncoderReference:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
         self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
+        # the tensor-core attention reads q in fp16 and writes fp16 (decoder.uses_flash_attention)
+        self.fp16_attention = fp16 and cfg.head_dim in FLASH_HEAD_DIMS
 
     def embed(self, sequences: np.ndarray) -> np.ndarray:
         cfg, w, lin = self.cfg, self.w, self.lin

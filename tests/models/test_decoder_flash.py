@@ -2,6 +2,8 @@
 decode, fp16 q and output) on the sim backend against the NumPy reference."""
 from __future__ import annotations
 
+import numpy as np
+
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.kernels.flash_attention import flash_decode_splits, flash_decode_workspace_bytes
 from gpu_worker.models import reference as R
@@ -89,3 +91,17 @@ def test_flash_decode_workspace_is_booked_per_variant_and_fixed_by_max_context(d
     model.decode(2, 300)                                       # a longer cache: same variants
     again = ex.kernels.stats()
     assert (again["misses"], again["workspace_bytes"]) == (held["misses"], held["workspace_bytes"])
+
+
+def test_flash_decoder_logits_match_the_reference_that_rounds_q_and_output_to_fp16(device, compiler):
+    _, model = load(device, compiler)
+    host = W.load_host(HD64, 5)
+    for n in (3, 40):
+        prompt = [(i * 11) % 512 for i in range(n)]
+        got = model.logits(prompt)
+        want = R.DecoderReference(HD64, host).forward(prompt, 0)[-1]
+        plain = R.DecoderReference(HD64, host)
+        plain.fp16_attention = False                         # negative control: q, out in f32
+        plain = plain.forward(prompt, 0)[-1]
+        err, gap = float(np.max(np.abs(got - want))), float(np.max(np.abs(got - plain)))
+        assert err < 0.1 * gap, f"{n} tokens: off the rounding reference by {err} (unrounded {gap})"
