@@ -179,31 +179,16 @@ def _launch_gelu(c: LaunchContext) -> None:
                             stream=c.stream)
 
 
-def _launch_attention_prefill(c: LaunchContext) -> None:
-    a = c.node.attributes
-    tokens, width = c.shape(0)
-    kv_width = c.shape(1)[1]
-    attention.launch_attention_prefill(
-        c.device, c.fn("attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), 0, 0, 1, tokens,
-        int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width, tokens * kv_width,
-        causal=True, stream=c.stream)
-
-
-def _kv16(c: LaunchContext, cache: str) -> bool:
-    """Whether the node's KV cache tensor is fp16 (the _kv16 kernels) or f32."""
-    return c.graph.tensors[cache].dtype == "f16"
-
-
 def _launch_attention_prefill_cached(c: LaunchContext) -> None:
-    """A prefill chunk against the KV cache: query t sees cache rows [0, start + t], at most
-    start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len)."""
+    """A prefill chunk against the fp16 KV cache: query t sees cache rows [0, start + t], at
+    most start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len). f32 q and
+    out: the head dims the flash kernels do not take."""
     a = c.node.attributes
     tokens, width = c.shape(0)
     kv_width = int(a["kv_heads"]) * int(a["head_dim"])
-    kv16 = _kv16(c, c.node.inputs[1])
-    attention.launch_attention_prefill(
-        c.device, c.fn("attention_prefill_kv16" if kv16 else "attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(4),
-        c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
+    attention.launch_attention_prefill_kv16(
+        c.device, c.fn("attention_prefill_kv16"), c.out(), c.inp(0), c.inp(1), c.inp(2),
+        c.inp(4), c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
         kv_width, int(a["max_context"]) * kv_width, causal=True, stream=c.stream)
 
 
@@ -262,9 +247,8 @@ def _launch_attention_decode(c: LaunchContext) -> None:
     kv_width = int(a["kv_heads"]) * int(a["head_dim"])
     max_len = int(a["max_context"])
     # keys [0, start + 1): the length lives in device memory, so the graph does not depend on it
-    kv16 = _kv16(c, c.node.inputs[1])
-    attention.launch_attention_decode(
-        c.device, c.fn("attention_decode_kv16" if kv16 else "attention_decode"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
+    attention.launch_attention_decode_kv16(
+        c.device, c.fn("attention_decode_kv16"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
         int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width,
         max_len * kv_width, 1, max_len, stream=c.stream)
 
@@ -273,9 +257,8 @@ def _launch_kv_append(c: LaunchContext) -> None:
     a = c.node.attributes
     tokens, kv_width = c.shape(0)
     max_len = int(a["max_context"])
-    kv16 = _kv16(c, c.node.outputs[0])
-    attention.launch_kv_append(
-        c.device, c.fn("kv_append_kv16" if kv16 else "kv_append"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
+    attention.launch_kv_append_kv16(
+        c.device, c.fn("kv_append_kv16"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
         int(a["kv_heads"]), int(a["head_dim"]), kv_width, kv_width, max_len * kv_width, 0, max_len,
         stream=c.stream)
 
@@ -303,9 +286,7 @@ OPS: dict[str, OpBinding] = {
     "add": OpBinding((elementwise.ADD,), _launch_add),
     "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
-    "attention_prefill": OpBinding((attention.ATTENTION_PREFILL,), _launch_attention_prefill),
-    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL,
-                                           attention.ATTENTION_PREFILL_KV16),
+    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL_KV16,),
                                           _launch_attention_prefill_cached),
     "flash_attention_prefill_cached": OpBinding((flash_attention.FLASH_ATTENTION_PREFILL,),
                                                 _launch_flash_attention_prefill_cached),
@@ -315,9 +296,8 @@ OPS: dict[str, OpBinding] = {
                                         workspace=_flash_decode_workspace),
     "attention_bidirectional": OpBinding((attention.ATTENTION_PREFILL,),
                                          _launch_attention_bidirectional),
-    "attention_decode": OpBinding((attention.ATTENTION_DECODE, attention.ATTENTION_DECODE_KV16),
-                                  _launch_attention_decode),
-    "kv_append": OpBinding((attention.KV_APPEND, attention.KV_APPEND_KV16), _launch_kv_append),
+    "attention_decode": OpBinding((attention.ATTENTION_DECODE_KV16,), _launch_attention_decode),
+    "kv_append": OpBinding((attention.KV_APPEND_KV16,), _launch_kv_append),
     "argmax": OpBinding((reduce.ARGMAX,), _launch_argmax),
     "mean_pool": OpBinding((reduce.MEAN_POOL,), _launch_mean_pool),
 }
