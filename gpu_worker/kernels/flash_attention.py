@@ -617,7 +617,7 @@ def launch_flash_attention_decode_split(device, function, workspace: int, q: int
                                         kv_row_stride: int, kv_batch_stride: int, len_add: int,
                                         max_len: int, splits: int, scale: float | None = None,
                                         stream=None) -> None:
-    """launch_attention_decode_split's arguments over an fp16 q and KV cache."""
+    """Split s of `splits` of the fp16 decode: its partial state into `workspace`."""
     kernel = "flash_attention_decode_split"
     require_sizes(kernel, batch=batch, q_row_stride=q_row_stride, kv_row_stride=kv_row_stride,
                   max_len=max_len, splits=splits)
