@@ -5,8 +5,8 @@
    as a fraction of the copy bandwidth, and its speedup over the workspace path (dequant + matmul).
 3. The fused/workspace crossover over the row count (checks linear.FUSED_MAX_ROWS).
 4. matmul_nt (fp32 SIMT tiles) against torch.matmul fp32 and fp16 (cuBLAS), when torch is present.
-5. Attention: decode over KV lengths (KV bytes per second vs the copy), prefill over lengths
-   (against torch scaled_dot_product_attention fp32 when present).
+5. Attention: the f32-q prefill over lengths (against torch scaled_dot_product_attention fp32 when
+   present). Decode attention over the fp16 KV cache (flash split-K) is bench/attention_bench.py's.
 
 Same method on both sides: each timing (ours, and torch's cuBLAS / SDPA peers) captures `--reps`
 launches into one CUDA graph (ours through the device layer, torch through torch.cuda.CUDAGraph),
@@ -37,17 +37,12 @@ from bench.targets import Targets
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.kernels import (
-    ATTENTION_COMBINE,
-    ATTENTION_DECODE,
-    ATTENTION_DECODE_SPLIT,
     ATTENTION_PREFILL,
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
     INT4_MATMUL,
     MATMUL_NT,
     MATMUL_NT_LARGE,
-    decode_splits,
-    launch_attention_decode,
     launch_attention_prefill,
     launch_int4_dequant,
     launch_int4_matmul,
@@ -163,21 +158,6 @@ class Bench:
         return timed(dev, lambda s: launch(dev, f, y, x, w, 0, m, n, k, stream=s),
                      self.reps, self.samples)
 
-    def decode_time(self, length: int, heads: int, kv_heads: int, hd: int, splits: int = 1) -> float:
-        dev, f = self.dev, self.h.function(ATTENTION_DECODE)
-        ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=1, heads=heads, head_dim=hd, splits=splits)
-        extra = {} if splits == 1 else {
-            "splits": splits, "workspace": self.buf(ws_bytes),
-            "split_function": self.h.function(ATTENTION_DECODE_SPLIT),
-            "combine_function": self.h.function(ATTENTION_COMBINE)}
-        kc, vc = self.rand_f32(length, kv_heads * hd), self.rand_f32(length, kv_heads * hd)
-        q, out = self.rand_f32(heads * hd), self.buf(4 * heads * hd)
-        lens = self.h.put(np.array([length], np.int32))
-        w = kv_heads * hd
-        return timed(dev, lambda s: launch_attention_decode(
-            dev, f, out, q, kc, vc, lens, 1, heads, kv_heads, hd, heads * hd, w, length * w, 0,
-            length, stream=s, **extra), self.reps, self.samples)
-
     def prefill_time(self, tokens: int, heads: int, kv_heads: int, hd: int) -> float:
         dev, f = self.dev, self.h.function(ATTENTION_PREFILL)
         q, out = self.rand_f32(tokens, heads * hd), self.buf(4 * tokens * heads * hd)
@@ -269,18 +249,8 @@ def main() -> int:
                     f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
             print(row)
 
-        print("\n[5a] attention decode (32 heads, 8 KV heads, head_dim 128): single pass vs split-K")
-        print(f"{'kv len':>7} {'1 pass us':>9} {'KV GB/s':>8} {'splits':>6} {'split us':>8} "
-              f"{'KV GB/s':>8} {'of copy':>7} {'speedup':>7}")
-        for length in (512, 2048, 5502, 8192):
-            length = max(8, length // s)
-            kv = 2 * length * 8 * 128 * 4
-            t1 = b.decode_time(length, 32, 8, 128)
-            n = decode_splits(length, 1, 32)
-            tn = b.decode_time(length, 32, 8, 128, n)
-            print(f"{length:7d} {t1 * 1e6:9.1f} {kv / t1 / 1e9:8.0f} {n:6d} {tn * 1e6:8.1f} "
-                  f"{kv / tn / 1e9:8.0f} {kv / tn / copy:7.2f} {t1 / tn:6.1f}x")
-
+        # [5a] (f32-KV decode attention, single pass vs split-K) is gone with those kernels
+        # (issue 12 part C): decode attention over the fp16 cache is bench/attention_bench.py's.
         print("\n[5b] attention prefill, causal (32 heads, 8 KV heads, head_dim 128) vs torch SDPA fp32")
         print(f"{'tokens':>7} {'ours ms':>8} {'torch ms':>9} {'ours/torch':>10}")
         for tokens in (128, 512, 2048):

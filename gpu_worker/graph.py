@@ -114,15 +114,25 @@ class GraphBuilder:
                     in_dim: int) -> None:
         """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales.
 
-        Above FUSED_MAX_ROWS rows the linear runs on tensor cores, whose operands are fp16: a
-        `to_f16` node casts x into an fp16 activation `<name>.x16` first (the layout reuses its
-        bytes once the linear has read it)."""
+        Above FUSED_MAX_ROWS rows the linear runs on tensor cores, whose operands are fp16: an
+        f32 x is cast by a `to_f16` node into an fp16 activation `<name>.x16` first (the layout
+        reuses its bytes once the linear has read it); an fp16 x (flash attention's output) is
+        read as it is. The fused int4 GEMV reads f32: an fp16 x is widened by a `from_f16` node
+        into `<name>.x32` (exact)."""
         from gpu_worker.kernels.linear import int4_path  # the one place that picks the path
 
-        if int4_path(rows) == "tensor":
+        tensor_cores = int4_path(rows) == "tensor"
+        dtype = self.tensors[x].dtype
+        if tensor_cores and dtype == "f32":
             x16 = self.tensor(name + ".x16", (rows, in_dim), "f16")
             self.node(name + ".cast", "to_f16", (x,), (x16,))
             x = x16
+        elif not tensor_cores and dtype == "f16":
+            x32 = self.tensor(name + ".x32", (rows, in_dim))
+            self.node(name + ".cast", "from_f16", (x,), (x32,))
+            x = x32
+        elif dtype not in ("f32", "f16"):
+            raise GraphError(f"{name}: a linear reads f32 or f16 activations, not {dtype}")
         self.node(name, "linear_int4", (x,), (self.tensor(out, (rows, out_dim)),),
                   (self.weight(name + ".q", (out_dim, in_dim // 2), "u8"),
                    self.weight(name + ".s", (out_dim, in_dim // 32), "f16")))

@@ -17,7 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.graph import Graph, Node
-from gpu_worker.kernels import attention, elementwise, embedding, half, linear, norm, reduce, rotary
+from gpu_worker.kernels import (
+    attention,
+    elementwise,
+    embedding,
+    flash_attention,
+    half,
+    linear,
+    norm,
+    reduce,
+    rotary,
+)
 from services.common.config import env_int
 
 DEQUANT_TILE_BYTES = env_int("GPUPLANE_DEQUANT_TILE_BYTES", 32 << 20)
@@ -116,6 +126,11 @@ def _launch_to_f16(c: LaunchContext) -> None:
                        stream=c.stream)
 
 
+def _launch_from_f16(c: LaunchContext) -> None:
+    half.launch_from_f16(c.device, c.fn("from_f16"), c.out(), c.inp(0), _elements(c.shape(0)),
+                         stream=c.stream)
+
+
 def _launch_embedding(c: LaunchContext) -> None:
     vocab, hidden = c.graph.tensors[c.node.weights[0]].shape
     embedding.launch_embedding_gather(c.device, c.fn("embedding_gather"), c.out(), c.weight(0),
@@ -171,32 +186,57 @@ def _launch_gelu(c: LaunchContext) -> None:
                             stream=c.stream, exact=bool(c.node.attributes.get("exact", False)))
 
 
-def _launch_attention_prefill(c: LaunchContext) -> None:
-    a = c.node.attributes
-    tokens, width = c.shape(0)
-    kv_width = c.shape(1)[1]
-    attention.launch_attention_prefill(
-        c.device, c.fn("attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), 0, 0, 1, tokens,
-        int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width, tokens * kv_width,
-        causal=True, stream=c.stream)
-
-
-def _kv16(c: LaunchContext, cache: str) -> bool:
-    """Whether the node's KV cache tensor is fp16 (the _kv16 kernels) or f32."""
-    return c.graph.tensors[cache].dtype == "f16"
-
-
 def _launch_attention_prefill_cached(c: LaunchContext) -> None:
-    """A prefill chunk against the KV cache: query t sees cache rows [0, start + t], at most
-    start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len)."""
+    """A prefill chunk against the fp16 KV cache: query t sees cache rows [0, start + t], at
+    most start + chunk_len of them (inputs: q, k cache, v cache, start, chunk_len). f32 q and
+    out: the head dims the flash kernels do not take."""
     a = c.node.attributes
     tokens, width = c.shape(0)
     kv_width = int(a["kv_heads"]) * int(a["head_dim"])
-    kv16 = _kv16(c, c.node.inputs[1])
-    attention.launch_attention_prefill(
-        c.device, c.fn("attention_prefill_kv16" if kv16 else "attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(4),
-        c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
+    attention.launch_attention_prefill_kv16(
+        c.device, c.fn("attention_prefill_kv16"), c.out(), c.inp(0), c.inp(1), c.inp(2),
+        c.inp(4), c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width,
         kv_width, int(a["max_context"]) * kv_width, causal=True, stream=c.stream)
+
+
+def _launch_flash_attention_prefill_cached(c: LaunchContext) -> None:
+    """attention_prefill_cached on tensor cores: fp16 q (the to_f16 of the rotated q), the fp16
+    KV cache, fp16 out (same inputs: q, k cache, v cache, start, chunk_len)."""
+    a = c.node.attributes
+    tokens, width = c.shape(0)
+    kv_width = int(a["kv_heads"]) * int(a["head_dim"])
+    flash_attention.launch_flash_attention_prefill(
+        c.device, c.fn("flash_attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2),
+        c.inp(4), c.inp(3), 1, tokens, int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]),
+        width, kv_width, int(a["max_context"]) * kv_width, causal=True, stream=c.stream)
+
+
+def _flash_decode_splits(node: Node) -> int:
+    """Split count of the flash decode: a function of max_context alone, so the captured decode
+    graph (which bakes the grid and the workspace) stays valid as the cache grows."""
+    a = node.attributes
+    return flash_attention.flash_decode_splits(int(a["max_context"]), 1, int(a["heads"]),
+                                               int(a["kv_heads"]))
+
+
+def _flash_decode_workspace(node: Node, graph: Graph) -> dict[str, int]:
+    a = node.attributes
+    return {"splits": flash_attention.flash_decode_workspace_bytes(
+        batch=1, heads=int(a["heads"]), head_dim=int(a["head_dim"]),
+        splits=_flash_decode_splits(node))}
+
+
+def _launch_flash_attention_decode(c: LaunchContext) -> None:
+    a = c.node.attributes
+    width = c.shape(0)[1]
+    kv_width = int(a["kv_heads"]) * int(a["head_dim"])
+    max_len = int(a["max_context"])
+    # keys [0, start + 1): the length lives in device memory, so the graph does not depend on it
+    flash_attention.launch_flash_attention_decode(
+        c.device, c.fn("flash_attention_decode_split"), c.fn("flash_attention_combine"), c.out(),
+        c.variant.workspace_ptr("splits"), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
+        int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width,
+        max_len * kv_width, 1, max_len, _flash_decode_splits(c.node), stream=c.stream)
 
 
 def _launch_attention_bidirectional(c: LaunchContext) -> None:
@@ -214,9 +254,8 @@ def _launch_attention_decode(c: LaunchContext) -> None:
     kv_width = int(a["kv_heads"]) * int(a["head_dim"])
     max_len = int(a["max_context"])
     # keys [0, start + 1): the length lives in device memory, so the graph does not depend on it
-    kv16 = _kv16(c, c.node.inputs[1])
-    attention.launch_attention_decode(
-        c.device, c.fn("attention_decode_kv16" if kv16 else "attention_decode"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
+    attention.launch_attention_decode_kv16(
+        c.device, c.fn("attention_decode_kv16"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3), 1,
         int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]), width, kv_width,
         max_len * kv_width, 1, max_len, stream=c.stream)
 
@@ -225,9 +264,8 @@ def _launch_kv_append(c: LaunchContext) -> None:
     a = c.node.attributes
     tokens, kv_width = c.shape(0)
     max_len = int(a["max_context"])
-    kv16 = _kv16(c, c.node.outputs[0])
-    attention.launch_kv_append(
-        c.device, c.fn("kv_append_kv16" if kv16 else "kv_append"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
+    attention.launch_kv_append_kv16(
+        c.device, c.fn("kv_append_kv16"), c.out(0), c.out(1), c.inp(0), c.inp(1), c.inp(2), 1, tokens,
         int(a["kv_heads"]), int(a["head_dim"]), kv_width, kv_width, max_len * kv_width, 0, max_len,
         stream=c.stream)
 
@@ -247,6 +285,7 @@ OPS: dict[str, OpBinding] = {
     "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL), _launch_linear,
                              gemms=_linear_gemms),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
+    "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),
     "rmsnorm": OpBinding((norm.RMSNORM,), _launch_rmsnorm),
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),
@@ -255,15 +294,18 @@ OPS: dict[str, OpBinding] = {
     "bias_add": OpBinding((elementwise.BIAS_ADD,), _launch_bias_add),
     "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
-    "attention_prefill": OpBinding((attention.ATTENTION_PREFILL,), _launch_attention_prefill),
-    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL,
-                                           attention.ATTENTION_PREFILL_KV16),
+    "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL_KV16,),
                                           _launch_attention_prefill_cached),
+    "flash_attention_prefill_cached": OpBinding((flash_attention.FLASH_ATTENTION_PREFILL,),
+                                                _launch_flash_attention_prefill_cached),
+    "flash_attention_decode": OpBinding((flash_attention.FLASH_ATTENTION_DECODE_SPLIT,
+                                         flash_attention.FLASH_ATTENTION_COMBINE),
+                                        _launch_flash_attention_decode,
+                                        workspace=_flash_decode_workspace),
     "attention_bidirectional": OpBinding((attention.ATTENTION_PREFILL,),
                                          _launch_attention_bidirectional),
-    "attention_decode": OpBinding((attention.ATTENTION_DECODE, attention.ATTENTION_DECODE_KV16),
-                                  _launch_attention_decode),
-    "kv_append": OpBinding((attention.KV_APPEND, attention.KV_APPEND_KV16), _launch_kv_append),
+    "attention_decode": OpBinding((attention.ATTENTION_DECODE_KV16,), _launch_attention_decode),
+    "kv_append": OpBinding((attention.KV_APPEND_KV16,), _launch_kv_append),
     "argmax": OpBinding((reduce.ARGMAX,), _launch_argmax),
     "mean_pool": OpBinding((reduce.MEAN_POOL,), _launch_mean_pool),
 }

@@ -1,9 +1,13 @@
-"""Grouped-query attention (prefill and decode) and the KV cache append.
+"""Grouped-query attention with f32 q and output (prefill and decode) and the KV cache append.
 
-Every kernel over K/V has a `_kv16` twin (same launcher, same arguments) whose K/V (the cache, or
-what kv_append writes into it) are fp16: half the KV bytes per token of context and per decode
-step. q, out and all arithmetic (dot products, softmax, P.V) stay f32; a value enters the fp16
-cache rounded to nearest even.
+What models still run here: the encoder's bidirectional attention (`attention_prefill`, f32 K/V
+straight from its activations), the decoder's attention at head dims the tensor-core kernels of
+gpu_worker.kernels.flash_attention do not take (64 and 128 only; `tiny` has 16), whose `_kv16`
+kernels read the fp16 KV cache (`attention_prefill_kv16`, `attention_decode_kv16`), and every
+decoder's `kv_append_kv16`, which writes f32 K/V into the fp16 cache rounded to nearest even.
+q, out and all arithmetic (dot products, softmax, P.V) stay f32. The f32-KV decode, its split-K
+path and the f32-KV append had no model left once the KV cache went fp16 and decode attention at
+head_dim 64/128 moved to the flash split-K kernels: they were removed (issue 12).
 
 Layouts (f32 or fp16 K/V; strides in elements):
   q        row (b, t) at q + (b*tokens + t)*q_row_stride, head h at + h*head_dim
@@ -24,12 +28,6 @@ Lengths that change between replays of a captured graph are read from device int
   prefill  query t of sequence b sees keys [0, past_b + t] (causal) or [0, past_b + len_b)
            (not causal), past_b = (past ? past[b] : 0) + past_len, len_b = lens ? lens[b] : tokens
   decode   the single query of sequence b sees keys [0, min(lens[b] + len_add, max_len))
-
-Decode has a split-K path for long contexts (batch x heads blocks cannot fill 132 SMs): split s of
-`splits` covers keys [s*span, (s+1)*span), span = ceil(max_len / splits), and writes its partial
-softmax state (max, sum, unnormalised acc) to a workspace of decode_workspace_bytes(batch=,
-heads=, head_dim=, splits=) bytes; a combine kernel merges them. `splits` depends only on max_len
-(`decode_splits`), so a captured decode graph stays valid as the cache grows.
   append   writes token t of sequence b at row (pos ? pos[b] : 0) + pos_offset + t of the cache;
            rows at or past max_len are dropped instead of written out of bounds
 """
@@ -42,21 +40,17 @@ from gpu_worker.kernels import reference
 from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, require, require_sizes
 
 MAX_HEAD_DIM = 512
-MAX_SPLITS = 64        # split-K decode: most splits per (sequence, head)
-MIN_SPLIT_KEYS = 512   # split-K decode: fewest keys (of max_len) per split worth a block
 
 SOURCE = make_source("gp_attention", r"""
 #define GP_ATT_CHUNK 256
 #define GP_MAX_HEAD_DIM 512
 
 // One block: one query row against keys [0, nkeys). Must be called by every thread of the block.
-// With `partial`, writes the unnormalised state (max, sum, acc[head_dim]) there instead of out.
 // KV: float or gp_h (an fp16 KV cache); q, out and all arithmetic stay float.
 template <typename KV>
 __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__ q,
                               const KV* __restrict__ k, const KV* __restrict__ v, int nkeys,
-                              long long kv_row_stride, int head_dim, float scale,
-                              float* __restrict__ partial = nullptr) {
+                              long long kv_row_stride, int head_dim, float scale) {
     __shared__ float q_s[GP_MAX_HEAD_DIM];
     __shared__ float p_s[GP_ATT_CHUNK];
     __shared__ float scratch[33];
@@ -97,12 +91,6 @@ __device__ void gp_attend_row(float* __restrict__ out, const float* __restrict__
             for (int j = 0; j < n; ++j) acc1 = fmaf(p_s[j], gp_ld(vc + (long long)j * kv_row_stride + d1), acc1);
         m = m_new;
         __syncthreads();  // p_s is rewritten by the next chunk
-    }
-    if (partial) {
-        if (tid == 0) { partial[0] = m; partial[1] = l; }
-        if (d0 < head_dim) partial[2 + d0] = acc0;
-        if (d1 < head_dim) partial[2 + d1] = acc1;
-        return;
     }
     const float inv = l > 0.f ? 1.0f / l : 0.f;
     if (d0 < head_dim) out[d0] = acc0 * inv;
@@ -145,52 +133,6 @@ gp_attention_decode_t(float* out, const float* __restrict__ q, const KV* __restr
                   nkeys, kv_row_stride, head_dim, scale);
 }
 
-// Split-K decode ("flash decoding"): grid (heads, batch, splits); split s covers keys
-// [s*span, (s+1)*span) of the current length and writes its partial state to
-// ws[((b*heads + h)*splits + s)*(head_dim + 2)]. The span is fixed by max_len, not by the length,
-// so a captured graph stays valid as the cache grows.
-template <typename KV>
-__device__ __forceinline__ void
-gp_attention_decode_split_t(float* __restrict__ ws, const float* __restrict__ q,
-                            const KV* __restrict__ k, const KV* __restrict__ v,
-                            const int* __restrict__ lens, int batch, int heads, int kv_heads,
-                            int head_dim, int q_row_stride, int kv_row_stride,
-                            long long kv_batch_stride, int len_add, int max_len, int span,
-                            float scale) {
-    const int h = blockIdx.x, b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
-    const int hk = h / (heads / kv_heads);
-    const int nkeys = max(0, min(lens[b] + len_add, max_len));
-    const int j0 = min(sp * span, nkeys), j1 = min(j0 + span, nkeys);
-    const long long kv_off = (long long)b * kv_batch_stride + (long long)hk * head_dim
-                           + (long long)j0 * kv_row_stride;
-    gp_attend_row(nullptr, q + (long long)b * q_row_stride + (long long)h * head_dim, k + kv_off,
-                  v + kv_off, j1 - j0, kv_row_stride, head_dim, scale,
-                  ws + (((long long)b * heads + h) * splits + sp) * (head_dim + 2));
-}
-
-// grid (heads, batch): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s.
-extern "C" __global__ void __launch_bounds__(256)
-gp_attention_combine(float* __restrict__ out, const float* __restrict__ ws, int batch, int heads,
-                     int head_dim, int splits) {
-    const int h = blockIdx.x, b = blockIdx.y;
-    const float* part = ws + ((long long)b * heads + h) * splits * (head_dim + 2);
-    float mx = -INFINITY;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part[s * (head_dim + 2)]);
-    float* o = out + ((long long)b * heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float l = 0.f, acc = 0.f;
-        if (mx != -INFINITY) {  // every split empty (no keys): zeros, as the single-pass kernel
-            for (int s = 0; s < splits; ++s) {
-                const float* ps = part + s * (head_dim + 2);
-                const float w = ps[1] > 0.f ? expf(ps[0] - mx) : 0.f;
-                l = fmaf(ps[1], w, l);
-                acc = fmaf(ps[2 + d], w, acc);
-            }
-        }
-        o[d] = l > 0.f ? acc / l : 0.f;
-    }
-}
-
 template <typename KV>
 __device__ __forceinline__ void
 gp_kv_append_t(KV* k_cache, KV* v_cache, const float* __restrict__ k, const float* __restrict__ v,
@@ -211,7 +153,8 @@ gp_kv_append_t(KV* k_cache, KV* v_cache, const float* __restrict__ k, const floa
     }
 }
 
-// Entry points: <name> over a float KV, <name>_kv16 over an fp16 KV cache (q, out: float).
+// Entry points: gp_attention_prefill over a float KV, <name>_kv16 over an fp16 KV cache (q, out:
+// float).
 #define GP_PREFILL_ARGS(KV) float* out, const float* __restrict__ q, const KV* __restrict__ k, \
     const KV* __restrict__ v, const int* __restrict__ lens, const int* __restrict__ past, int batch, \
     int tokens, int heads, int kv_heads, int head_dim, int q_row_stride, int kv_row_stride, \
@@ -231,25 +174,8 @@ extern "C" __global__ void __launch_bounds__(256) gp_attention_prefill_kv16(GP_P
     int max_len, float scale
 #define GP_DECODE_PASS out, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, \
     kv_row_stride, kv_batch_stride, len_add, max_len, scale
-extern "C" __global__ void __launch_bounds__(256) gp_attention_decode(GP_DECODE_ARGS(float)) {
-    gp_attention_decode_t(GP_DECODE_PASS);
-}
 extern "C" __global__ void __launch_bounds__(256) gp_attention_decode_kv16(GP_DECODE_ARGS(gp_h)) {
     gp_attention_decode_t(GP_DECODE_PASS);
-}
-
-#define GP_SPLIT_ARGS(KV) float* __restrict__ ws, const float* __restrict__ q, \
-    const KV* __restrict__ k, const KV* __restrict__ v, const int* __restrict__ lens, int batch, \
-    int heads, int kv_heads, int head_dim, int q_row_stride, int kv_row_stride, \
-    long long kv_batch_stride, int len_add, int max_len, int span, float scale
-#define GP_SPLIT_PASS ws, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, \
-    kv_row_stride, kv_batch_stride, len_add, max_len, span, scale
-extern "C" __global__ void __launch_bounds__(256) gp_attention_decode_split(GP_SPLIT_ARGS(float)) {
-    gp_attention_decode_split_t(GP_SPLIT_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256)
-gp_attention_decode_split_kv16(GP_SPLIT_ARGS(gp_h)) {
-    gp_attention_decode_split_t(GP_SPLIT_PASS);
 }
 
 #define GP_APPEND_ARGS(KV) KV* k_cache, KV* v_cache, const float* __restrict__ k, \
@@ -258,7 +184,6 @@ gp_attention_decode_split_kv16(GP_SPLIT_ARGS(gp_h)) {
     int pos_offset, int max_len
 #define GP_APPEND_PASS k_cache, v_cache, k, v, pos, batch, tokens, kv_heads, head_dim, \
     src_row_stride, kv_row_stride, kv_batch_stride, pos_offset, max_len
-extern "C" __global__ void gp_kv_append(GP_APPEND_ARGS(float)) { gp_kv_append_t(GP_APPEND_PASS); }
 extern "C" __global__ void gp_kv_append_kv16(GP_APPEND_ARGS(gp_h)) { gp_kv_append_t(GP_APPEND_PASS); }
 """)
 
@@ -292,89 +217,24 @@ def launch_attention_prefill(device, function, out: int, q: int, k: int, v: int,
                    f32(_scale(head_dim, scale))], stream=stream)
 
 
-def decode_splits(max_len: int, batch: int = 1, heads: int = 32) -> int:
-    """A split count for attention_decode: enough blocks to fill an H200's 132 SMs at long
-    contexts, none at short ones. A function of max_len (not of the length) so graphs stay valid."""
-    per_split = max(1, max_len // MIN_SPLIT_KEYS)
-    want = max(1, -(-2 * 132 // max(1, batch * heads)))
-    return max(1, min(MAX_SPLITS, per_split, want))
-
-
-def decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, splits: int = 1,
-                           **_: int) -> int:
-    """Scratch of the split-K decode path: (max, sum, acc[head_dim]) per (sequence, head, split)."""
-    return 0 if splits <= 1 else 4 * batch * heads * splits * (head_dim + 2)
-
-
 def launch_attention_decode(device, function, out: int, q: int, k_cache: int, v_cache: int,
                             lens: int, batch: int, heads: int, kv_heads: int, head_dim: int,
                             q_row_stride: int, kv_row_stride: int, kv_batch_stride: int,
                             len_add: int, max_len: int, scale: float | None = None,
-                            stream=None, *, splits: int = 1, workspace: int = 0,
-                            split_function=None, combine_function=None) -> None:
-    """One query per sequence against its KV cache. With splits > 1, runs the split-K path:
-    `split_function` (ATTENTION_DECODE_SPLIT) then `combine_function` (ATTENTION_COMBINE) through
-    `workspace` (decode_workspace_bytes(...) bytes); `function` is then unused."""
+                            stream=None) -> None:
+    """One query per sequence against its (fp16) KV cache, one block per (head, sequence)."""
     require_sizes("attention_decode", batch=batch, q_row_stride=q_row_stride,
-                  kv_row_stride=kv_row_stride, max_len=max_len, splits=splits)
+                  kv_row_stride=kv_row_stride, max_len=max_len)
     _check_heads("attention_decode", heads, kv_heads, head_dim)
     require(lens != 0, "attention_decode: lens must point at a device int32 per sequence")
     require(batch < 65536, f"attention_decode: batch={batch} must be < 65536")
-    require(1 <= splits <= MAX_SPLITS, f"attention_decode: splits={splits} must be in 1..{MAX_SPLITS}")
-    if splits > 1:
-        require(workspace != 0 and split_function is not None and combine_function is not None,
-                "attention_decode: the split path needs workspace, split_function and "
-                "combine_function")
     if batch == 0:
-        return
-    sc = f32(_scale(head_dim, scale))
-    if splits == 1:
-        device.launch(function, (heads, batch, 1), BLOCK,
-                      [ptr(out), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
-                       i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
-                       i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len), sc],
-                      stream=stream)
-        return
-    span = -(-max_len // splits)
-    device.launch(split_function, (heads, batch, splits), BLOCK,
-                  [ptr(workspace), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
-                   i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
-                   i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len),
-                   i32(span), sc], stream=stream)
-    device.launch(combine_function, (heads, batch, 1), BLOCK,
-                  [ptr(out), ptr(workspace), i32(batch), i32(heads), i32(head_dim), i32(splits)],
-                  stream=stream)
-
-
-def launch_attention_decode_split(device, function, workspace: int, q: int, k_cache: int,
-                                  v_cache: int, lens: int, batch: int, heads: int, kv_heads: int,
-                                  head_dim: int, q_row_stride: int, kv_row_stride: int,
-                                  kv_batch_stride: int, len_add: int, max_len: int, splits: int,
-                                  scale: float | None = None, stream=None) -> None:
-    """The first half of the split-K decode path alone (launch_attention_decode runs both)."""
-    require_sizes("attention_decode_split", batch=batch, max_len=max_len, splits=splits)
-    _check_heads("attention_decode_split", heads, kv_heads, head_dim)
-    require(1 <= splits <= MAX_SPLITS and lens != 0 and workspace != 0,
-            "attention_decode_split: needs 1..MAX_SPLITS splits, lens and a workspace")
-    if batch == 0:
-        return
-    device.launch(function, (heads, batch, splits), BLOCK,
-                  [ptr(workspace), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
-                   i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
-                   i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len),
-                   i32(-(-max_len // splits)), f32(_scale(head_dim, scale))], stream=stream)
-
-
-def launch_attention_combine(device, function, out: int, workspace: int, batch: int, heads: int,
-                             head_dim: int, splits: int, stream=None) -> None:
-    """The second half of the split-K decode path: merge the per-split partial states."""
-    require_sizes("attention_combine", batch=batch, heads=heads, head_dim=head_dim, splits=splits)
-    require(batch < 65536 and splits >= 1, "attention_combine: batch < 65536 and splits >= 1")
-    if batch == 0 or heads == 0:
         return
     device.launch(function, (heads, batch, 1), BLOCK,
-                  [ptr(out), ptr(workspace), i32(batch), i32(heads), i32(head_dim), i32(splits)],
-                  stream=stream)
+                  [ptr(out), ptr(q), ptr(k_cache), ptr(v_cache), ptr(lens), i32(batch),
+                   i32(heads), i32(kv_heads), i32(head_dim), i32(q_row_stride),
+                   i32(kv_row_stride), i64(kv_batch_stride), i32(len_add), i32(max_len),
+                   f32(_scale(head_dim, scale))], stream=stream)
 
 
 def launch_kv_append(device, function, k_cache: int, v_cache: int, k: int, v: int, pos: int,
@@ -395,31 +255,18 @@ def launch_kv_append(device, function, k_cache: int, v_cache: int, k: int, v: in
 
 ATTENTION_PREFILL = KernelDef("attention_prefill", "gp_attention_prefill", SOURCE,
                               reference.attention, launch_attention_prefill)
-ATTENTION_DECODE = KernelDef("attention_decode", "gp_attention_decode", SOURCE,
-                             reference.attention, launch_attention_decode,
-                             workspace=decode_workspace_bytes)
-ATTENTION_DECODE_SPLIT = KernelDef("attention_decode_split", "gp_attention_decode_split", SOURCE,
-                                   reference.attention_partial, launch_attention_decode_split,
-                                   workspace=decode_workspace_bytes)
-ATTENTION_COMBINE = KernelDef("attention_combine", "gp_attention_combine", SOURCE,
-                              reference.attention_combine, launch_attention_combine)
-KV_APPEND = KernelDef("kv_append", "gp_kv_append", SOURCE, reference.kv_append, launch_kv_append)
+
 
 # The same kernels over an fp16 KV cache: the same arguments (pointers to fp16 K/V; strides in
-# elements), so the launchers are the f32 ones under their own names.
+# elements), so the launchers are shared.
 def launch_attention_prefill_kv16(*args, **kwargs) -> None:
     """launch_attention_prefill with k and v in an fp16 cache."""
     launch_attention_prefill(*args, **kwargs)
 
 
 def launch_attention_decode_kv16(*args, **kwargs) -> None:
-    """launch_attention_decode with an fp16 KV cache (split_function: the _kv16 split)."""
+    """launch_attention_decode with an fp16 KV cache."""
     launch_attention_decode(*args, **kwargs)
-
-
-def launch_attention_decode_split_kv16(*args, **kwargs) -> None:
-    """launch_attention_decode_split with an fp16 KV cache."""
-    launch_attention_decode_split(*args, **kwargs)
 
 
 def launch_kv_append_kv16(*args, **kwargs) -> None:
@@ -430,16 +277,8 @@ def launch_kv_append_kv16(*args, **kwargs) -> None:
 ATTENTION_PREFILL_KV16 = KernelDef("attention_prefill_kv16", "gp_attention_prefill_kv16", SOURCE,
                                    reference.attention, launch_attention_prefill_kv16)
 ATTENTION_DECODE_KV16 = KernelDef("attention_decode_kv16", "gp_attention_decode_kv16", SOURCE,
-                                  reference.attention, launch_attention_decode_kv16,
-                                  workspace=decode_workspace_bytes)
-ATTENTION_DECODE_SPLIT_KV16 = KernelDef("attention_decode_split_kv16",
-                                        "gp_attention_decode_split_kv16", SOURCE,
-                                        reference.attention_partial,
-                                        launch_attention_decode_split_kv16,
-                                        workspace=decode_workspace_bytes)
+                                  reference.attention, launch_attention_decode_kv16)
 KV_APPEND_KV16 = KernelDef("kv_append_kv16", "gp_kv_append_kv16", SOURCE, reference.kv_append,
                            launch_kv_append_kv16)
 
-KERNELS = [ATTENTION_PREFILL, ATTENTION_DECODE, ATTENTION_DECODE_SPLIT, ATTENTION_COMBINE,
-           KV_APPEND, ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, ATTENTION_DECODE_SPLIT_KV16,
-           KV_APPEND_KV16]
+KERNELS = [ATTENTION_PREFILL, ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, KV_APPEND_KV16]

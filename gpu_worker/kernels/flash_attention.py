@@ -10,8 +10,9 @@ read from device int32s, so a captured graph stays valid as they change:
            [0, past_b) come from the KV cache, the rest are this chunk's: chunked prefill.
   decode   the query of sequence b sees keys [0, min(lens[b] + len_add, max_len)); split s of
            `splits` covers keys [s*span, (s+1)*span), span = ceil(max_len / splits), and writes
-           (max, sum, unnormalised acc) in fp32 to the workspace layout of attention.py
-           (decode_workspace_bytes); the combine kernel merges the splits into fp16.
+           (max, sum, unnormalised acc) in fp32 to a workspace of flash_decode_workspace_bytes
+           (reference.attention_partial's state per split); the combine kernel merges the splits
+           into fp16.
 
 Prefill design (FlashAttention-2, Dao 2023). A block is 4 warps and owns 64 query rows of one
 (sequence, head); each warp owns 16 rows, so the softmax state of a row never leaves its warp (no
@@ -60,7 +61,7 @@ PREFILL_ROWS = 64          # query rows per prefill block (16 per warp)
 PREFILL_THREADS = 128
 DECODE_THREADS = 128
 DECODE_HEADS_PER_BLOCK = 4
-FLASH_MAX_SPLITS = 64      # as attention.MAX_SPLITS: same workspace layout and bound
+FLASH_MAX_SPLITS = 64      # most splits per (sequence, head): the combine gives each a thread
 SM_COUNT = 132             # H200
 MIN_SPLIT_KEYS = 128       # fewest keys per split worth a block (4 steps of 32 keys)
 
@@ -475,7 +476,7 @@ __device__ __forceinline__ void gp_fd_split_block(
 
 // grid (kv_heads * ceil(group / 4), batch, splits), 128 threads; group = heads / kv_heads.
 // Partial state of (b, h, split s) at ws[((b*heads + h)*splits + s)*(head_dim + 2)]: max score
-// (natural units, scaled), sum of e^(score - max), unnormalised acc: attention.py's layout.
+// (natural units, scaled), sum of e^(score - max), unnormalised acc (reference.attention_partial).
 extern "C" __global__ void __launch_bounds__(128, 4)
 gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restrict__ q,
                           const unsigned short* __restrict__ k,
@@ -606,7 +607,7 @@ def flash_decode_splits(max_len: int, batch: int = 1, heads: int = 32, kv_heads:
 
 def flash_decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, splits: int = 1,
                                  **_: int) -> int:
-    """fp32 (max, sum, acc[head_dim]) per (sequence, query head, split): attention.py's layout."""
+    """fp32 (max, sum, acc[head_dim]) per (sequence, query head, split)."""
     return 4 * batch * heads * splits * (head_dim + 2)
 
 
@@ -616,7 +617,7 @@ def launch_flash_attention_decode_split(device, function, workspace: int, q: int
                                         kv_row_stride: int, kv_batch_stride: int, len_add: int,
                                         max_len: int, splits: int, scale: float | None = None,
                                         stream=None) -> None:
-    """launch_attention_decode_split's arguments over an fp16 q and KV cache."""
+    """Split s of `splits` of the fp16 decode: its partial state into `workspace`."""
     kernel = "flash_attention_decode_split"
     require_sizes(kernel, batch=batch, q_row_stride=q_row_stride, kv_row_stride=kv_row_stride,
                   max_len=max_len, splits=splits)

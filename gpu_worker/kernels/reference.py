@@ -63,6 +63,11 @@ def to_f16(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, np.float32).astype(np.float16)
 
 
+def from_f16(x: np.ndarray) -> np.ndarray:
+    """fp16 -> f32: exact (every fp16 value, inf and NaN included, is an f32 value)."""
+    return np.asarray(x, np.float16).astype(np.float32)
+
+
 def gemm_nt_f16(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
     """y = x @ w.T from fp16 operands with f32 accumulation (the tensor-core linear), f32 out."""
     return matmul_nt(x16.astype(np.float32), w16.astype(np.float32))

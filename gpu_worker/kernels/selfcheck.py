@@ -18,14 +18,9 @@ import numpy as np
 
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.attention import (
-    ATTENTION_COMBINE,
-    ATTENTION_DECODE,
     ATTENTION_DECODE_KV16,
-    ATTENTION_DECODE_SPLIT,
-    ATTENTION_DECODE_SPLIT_KV16,
     ATTENTION_PREFILL,
     ATTENTION_PREFILL_KV16,
-    KV_APPEND,
     KV_APPEND_KV16,
     launch_attention_decode,
     launch_attention_prefill,
@@ -45,7 +40,14 @@ from gpu_worker.kernels.elementwise import (
     launch_silu_gate,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
-from gpu_worker.kernels.half import INT4_DEQUANT_F16, TO_F16, launch_int4_dequant_f16, launch_to_f16
+from gpu_worker.kernels.half import (
+    FROM_F16,
+    INT4_DEQUANT_F16,
+    TO_F16,
+    launch_from_f16,
+    launch_int4_dequant_f16,
+    launch_to_f16,
+)
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -248,6 +250,15 @@ def to_f16_case(h, rng, n) -> Outcome:
     return Outcome(h.get(out, (n,), np.uint16), ref.to_f16(x).view(np.uint16))   # bit-exact
 
 
+def from_f16_case(h, rng, n) -> Outcome:
+    x = (_f32(rng, n, scale=100.0)).astype(np.float16)
+    x[: min(n, 4)] = np.array([np.inf, -np.inf, 6e-8, 65504.0], np.float16)[: min(n, 4)]  # subnormal
+    out = h.put(np.full(n, np.nan, np.float32))
+    launch_from_f16(h.device, h.function(FROM_F16), out, h.put(x), n)
+    return Outcome(h.get(out, (n,), np.float32).view(np.uint32),
+                   ref.from_f16(x).view(np.uint32))   # bit-exact
+
+
 def tensor_linear_case(h, rng, m, n, k, tile_rows, accumulate=False) -> Outcome:
     """The prefill linear end to end: x -> fp16, W dequantized one tile of rows at a time, each
     tile multiplied by the device's BLAS into its columns of y (row stride n)."""
@@ -309,26 +320,18 @@ def prefill_case(h, rng, batch, tokens, heads, kv_heads, head_dim, causal=True, 
     return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
 
 
-def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, max_len=None,
-                splits=1, kv16=False) -> Outcome:
-    """splits > 1 runs the split-K path (decode_split + combine through a workspace)."""
+def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0,
+                max_len=None) -> Outcome:
+    """f32 q against an fp16 KV cache (attention_decode_kv16)."""
     lengths = np.asarray(lengths, np.int32)
     max_len = int(lengths.max()) + len_add + 2 if max_len is None else max_len
     q = _f32(rng, batch, heads * head_dim)
-    kc, vc = _kv(rng, kv16, batch, max_len, kv_heads, head_dim)
+    kc, vc = _kv(rng, True, batch, max_len, kv_heads, head_dim)
     out = h.put(np.zeros((batch, heads * head_dim), np.float32))
     kv_row = kv_heads * head_dim
-    decode, split = ((ATTENTION_DECODE_KV16, ATTENTION_DECODE_SPLIT_KV16) if kv16
-                     else (ATTENTION_DECODE, ATTENTION_DECODE_SPLIT))
-    ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=batch, heads=heads, head_dim=head_dim,
-                                                splits=splits)
-    ws = h.put(np.full(ws_bytes // 4, np.nan, np.float32)) if ws_bytes else 0
-    launch_attention_decode(h.device, h.function(decode), out, h.put(q), h.put(kc),
-                            h.put(vc), h.put(lengths), batch, heads, kv_heads, head_dim,
-                            heads * head_dim, kv_row, max_len * kv_row, len_add, max_len,
-                            splits=splits, workspace=ws,
-                            split_function=h.function(split) if ws else None,
-                            combine_function=h.function(ATTENTION_COMBINE) if ws else None)
+    launch_attention_decode(h.device, h.function(ATTENTION_DECODE_KV16), out, h.put(q),
+                            h.put(kc), h.put(vc), h.put(lengths), batch, heads, kv_heads,
+                            head_dim, heads * head_dim, kv_row, max_len * kv_row, len_add, max_len)
     want = np.zeros((batch, heads * head_dim), np.float32)
     for b in range(batch):
         n = max(0, min(int(lengths[b]) + len_add, max_len))
@@ -338,14 +341,15 @@ def decode_case(h, rng, batch, heads, kv_heads, head_dim, lengths, len_add=0, ma
     return Outcome(h.get(out, want.shape), want, 1e-4, 2e-5)
 
 
-def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0, max_len=16,
-                   kv16=False) -> Outcome:
+def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0,
+                   max_len=16) -> Outcome:
+    """f32 K/V rows into an fp16 cache (kv_append_kv16), bit-exact."""
     width = kv_heads * head_dim
     src_stride = 3 * width  # k and v inside a fused qkv-like row
     src = _f32(rng, batch * tokens, src_stride)
-    kc, vc = _kv(rng, kv16, batch, max_len, width)
+    kc, vc = _kv(rng, True, batch, max_len, width)
     kp, vp, sp = h.put(kc), h.put(vc), h.put(src)
-    launch_kv_append(h.device, h.function(KV_APPEND_KV16 if kv16 else KV_APPEND), kp, vp, sp + 4 * width, sp + 8 * width,
+    launch_kv_append(h.device, h.function(KV_APPEND_KV16), kp, vp, sp + 4 * width, sp + 8 * width,
                      h.put(np.asarray(pos, np.int32)), batch, tokens, kv_heads, head_dim,
                      src_stride, width, max_len * width, offset, max_len)
     wk, wv = kc.copy(), vc.copy()
@@ -355,9 +359,8 @@ def kv_append_case(h, rng, batch, tokens, kv_heads, head_dim, pos, offset=0, max
         wk[b] = ref.kv_append(kc[b], rows[:, width:2 * width].astype(kc.dtype), start)
         wv[b] = ref.kv_append(vc[b], rows[:, 2 * width:].astype(vc.dtype), start)
     got = np.stack([h.get(kp, kc.shape, kc.dtype), h.get(vp, vc.shape, vc.dtype)])
-    if kv16:   # bit-exact: rounded to nearest even on the way in
-        return Outcome(got.view(np.uint16), np.stack([wk, wv]).view(np.uint16))
-    return Outcome(got, np.stack([wk, wv]), 0, 0)
+    # bit-exact: rounded to nearest even on the way in
+    return Outcome(got.view(np.uint16), np.stack([wk, wv]).view(np.uint16))
 
 
 def silu_gate_case(h, rng, rows, cols) -> Outcome:
@@ -416,14 +419,14 @@ def mean_pool_case(h, rng, batch, seq, hidden, lens=None) -> Outcome:
     return Outcome(h.get(out, (batch, hidden)), want, 1e-5, 1e-6)
 
 
-def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=10000.0,
-                      splits=1) -> Outcome:
+def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim,
+                      theta=10000.0) -> Outcome:
     """One decode step captured once and replayed `steps` times: rotary at the device position,
     KV append at it, attention over position + 1 keys, position += 1. Every replay must see the
     position the previous one left, i.e. the graph must not bake the KV length."""
     max_len = start + steps + 2
     width, qw = kv_heads * head_dim, heads * head_dim
-    kc = np.zeros((max_len, kv_heads, head_dim), np.float32)
+    kc = np.zeros((max_len, kv_heads, head_dim), np.float16)   # the fp16 cache
     vc = np.zeros_like(kc)
     kc[:start], vc[:start] = _f32(rng, start, kv_heads, head_dim), _f32(rng, start, kv_heads, head_dim)
     kp, vp = h.put(kc), h.put(vc)
@@ -431,21 +434,16 @@ def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=100
     qp, knp, vnp = h.put(np.zeros(qw, np.float32)), h.put(np.zeros(width, np.float32)), \
         h.put(np.zeros(width, np.float32))
     out = h.put(np.zeros(qw, np.float32))
-    ws_bytes = ATTENTION_DECODE.workspace_bytes(batch=1, heads=heads, head_dim=head_dim,
-                                                splits=splits)
-    ws = h.put(np.zeros(ws_bytes // 4, np.float32)) if ws_bytes else 0
     dev, fn = h.device, h.function
-    split_fns = {"split_function": fn(ATTENTION_DECODE_SPLIT),
-                 "combine_function": fn(ATTENTION_COMBINE)} if ws else {}
     with dev.capture() as cap:
         launch_rotary(dev, fn(ROTARY), qp, pos, 1, 1, heads, head_dim, qw, 0, theta, stream=cap.stream)
         launch_rotary(dev, fn(ROTARY), knp, pos, 1, 1, kv_heads, head_dim, width, 0, theta,
                       stream=cap.stream)
-        launch_kv_append(dev, fn(KV_APPEND), kp, vp, knp, vnp, pos, 1, 1, kv_heads, head_dim, width,
+        launch_kv_append(dev, fn(KV_APPEND_KV16), kp, vp, knp, vnp, pos, 1, 1, kv_heads, head_dim, width,
                          width, max_len * width, 0, max_len, stream=cap.stream)
-        launch_attention_decode(dev, fn(ATTENTION_DECODE), out, qp, kp, vp, pos, 1, heads, kv_heads,
-                                head_dim, qw, width, max_len * width, 1, max_len, stream=cap.stream,
-                                splits=splits, workspace=ws, **split_fns)
+        launch_attention_decode(dev, fn(ATTENTION_DECODE_KV16), out, qp, kp, vp, pos, 1, heads,
+                                kv_heads, head_dim, qw, width, max_len * width, 1, max_len,
+                                stream=cap.stream)
         launch_add_i32(dev, fn(ADD_I32), pos, 1, 1, stream=cap.stream)
     got, want = [], []
     try:
@@ -459,7 +457,8 @@ def decode_graph_case(h, rng, steps, start, heads, kv_heads, head_dim, theta=100
             p = start + step
             at = np.array([p])
             kc[p], vc[p] = ref.rotary(kn, at, theta)[0], vn[0]
-            r = ref.attention(ref.rotary(q, at, theta), kc[:p + 1], vc[:p + 1], at, False)
+            r = ref.attention(ref.rotary(q, at, theta), kc[:p + 1].astype(np.float32),
+                              vc[:p + 1].astype(np.float32), at, False)
             want.append(r.reshape(-1))
         got.append(h.get(pos, (1,), np.int32).astype(np.float32))
         want.append(np.array([start + steps], np.float32))
@@ -477,8 +476,6 @@ def attention_case_sizes(tokens: int, heads: int, kv_heads: int, head_dim: int =
 def C(kernel: str, fn: Callable[..., Outcome], covers: tuple[str, ...] = (), **shapes) -> Case:
     return Case(kernel, fn, shapes, covers)
 
-
-SPLIT = ("attention_decode_split", "attention_combine")
 
 # Odd sizes on purpose: K not a multiple of the tile or of the quant block, seq 1 / 7 / 33,
 # lengths past one 256-key softmax chunk, head_dim past one thread per dimension.
@@ -506,6 +503,8 @@ CASES: list[Case] = [
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),
     C("to_f16", to_f16_case, n=1),
     C("to_f16", to_f16_case, n=70001),
+    C("from_f16", from_f16_case, n=1),
+    C("from_f16", from_f16_case, n=70001),
     C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,
       tile_rows=64),
     C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=17, n=70, k=256,
@@ -521,33 +520,25 @@ CASES: list[Case] = [
       causal=False, lens=[7, 4]),
     C("attention_prefill", prefill_case, batch=1, tokens=300, heads=2, kv_heads=1, head_dim=128),
     C("attention_prefill", prefill_case, batch=1, tokens=9, heads=2, kv_heads=2, head_dim=288),
-    C("attention_decode", decode_case, batch=1, heads=4, kv_heads=2, head_dim=64, lengths=[1]),
-    C("attention_decode", decode_case, batch=2, heads=8, kv_heads=2, head_dim=128,
+    C("attention_decode_kv16", decode_case, batch=1, heads=4, kv_heads=2, head_dim=64,
+      lengths=[1]),
+    C("attention_decode_kv16", decode_case, batch=2, heads=8, kv_heads=2, head_dim=128,
       lengths=[7, 600], len_add=1),
-    C("attention_decode", decode_case, batch=1, heads=2, kv_heads=1, head_dim=48, lengths=[40],
-      max_len=33),
-    C("decode_graph", decode_graph_case, steps=3, start=5, heads=4, kv_heads=2, head_dim=64),
+    C("attention_decode_kv16", decode_case, batch=1, heads=2, kv_heads=1, head_dim=48,
+      lengths=[40], max_len=33),
+    C("attention_decode_kv16", decode_case, batch=1, heads=4, kv_heads=4, head_dim=288,
+      lengths=[0], max_len=64),
+    C("decode_graph", decode_graph_case, steps=3, start=5, heads=4, kv_heads=2, head_dim=16),
     C("decode_graph", decode_graph_case, steps=2, start=300, heads=2, kv_heads=1, head_dim=128),
-    C("decode_graph", decode_graph_case, SPLIT, steps=3, start=250, heads=2, kv_heads=1,
-      head_dim=64, splits=5),
-    C("attention_decode", decode_case, SPLIT, batch=2, heads=2, kv_heads=1, head_dim=64,
-      lengths=[700, 3], len_add=1, max_len=1000, splits=4),
-    C("attention_decode", decode_case, SPLIT, batch=1, heads=4, kv_heads=4, head_dim=288,
-      lengths=[0], max_len=64, splits=3),
-    C("kv_append", kv_append_case, batch=1, tokens=7, kv_heads=2, head_dim=16, pos=[3]),
+    C("kv_append_kv16", kv_append_case, batch=1, tokens=7, kv_heads=2, head_dim=16, pos=[3]),
     C("kv_append_kv16", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
-      offset=1, max_len=16, kv16=True),
+      offset=1, max_len=16),
     C("attention_prefill_kv16", prefill_case, batch=1, tokens=7, heads=8, kv_heads=2, head_dim=40,
       past=5, past_arg=2, kv16=True),
     C("attention_prefill_kv16", prefill_case, batch=1, tokens=300, heads=2, kv_heads=1,
       head_dim=128, kv16=True),
-    C("attention_decode_kv16", decode_case, batch=2, heads=8, kv_heads=2, head_dim=128,
-      lengths=[7, 600], len_add=1, kv16=True),
-    C("attention_decode_kv16", decode_case, ("attention_decode_split_kv16", "attention_combine"),
-      batch=2, heads=2, kv_heads=1, head_dim=64, lengths=[700, 3], len_add=1, max_len=1000,
-      splits=4, kv16=True),
-    C("kv_append", kv_append_case, batch=2, tokens=5, kv_heads=1, head_dim=8, pos=[0, 13],
-      offset=1, max_len=16),
+    C("attention_prefill_kv16", prefill_case, batch=1, tokens=21, heads=4, kv_heads=2,
+      head_dim=16, past=40, kv16=True),
     C("silu_gate", silu_gate_case, rows=7, cols=33),
     C("gelu", gelu_case, n=1001),
     C("gelu", gelu_case, n=1001, exact=True),

@@ -159,38 +159,6 @@ def _attention_decode(mem, grid, block, args, kvt=np.float32) -> None:
         _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
 
 
-def _attention_decode_split(mem, grid, block, args, kvt=np.float32) -> None:
-    (ws, q, k, v, lens, batch, heads, kv_heads, head_dim, q_row_stride, kv_row_stride,
-     kv_batch_stride, len_add, max_len, span, scale) = _vals(args)
-    isz = np.dtype(kvt).itemsize
-    splits = grid[2]
-    width = head_dim + 2
-    for b in range(batch):
-        nkeys = max(0, min(_opt_i32(mem, lens, b) + len_add, max_len))
-        qb = _arr(mem, q + 4 * b * q_row_stride, heads * head_dim).reshape(heads, head_dim)
-        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
-                        (width, splits * width, 1))
-        for sp in range(splits):
-            j0 = min(sp * span, nkeys)
-            j1 = min(j0 + span, nkeys)
-            kv_shape, kv_strides = (j1 - j0, kv_heads, head_dim), (kv_row_stride, head_dim, 1)
-            off = isz * (b * kv_batch_stride + j0 * kv_row_stride)
-            part[sp] = reference.attention_partial(
-                qb, _kv_view(mem, k + off, kv_shape, kv_strides, kvt),
-                _kv_view(mem, v + off, kv_shape, kv_strides, kvt), scale)
-
-
-@register_sim_kernel("gp_attention_combine")
-def _attention_combine(mem, grid, block, args) -> None:
-    out, ws, batch, heads, head_dim, splits = _vals(args)
-    width = head_dim + 2
-    for b in range(batch):
-        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
-                        (width, splits * width, 1))
-        r = reference.attention_combine(np.array(part))
-        _arr(mem, out + 4 * b * heads * head_dim, heads * head_dim)[:] = r.reshape(-1)
-
-
 def _kv_append(mem, grid, block, args, kvt=np.float32) -> None:
     (k_cache, v_cache, k, v, pos, batch, tokens, kv_heads, head_dim, src_row_stride,
      kv_row_stride, kv_batch_stride, pos_offset, max_len) = _vals(args)
@@ -210,11 +178,10 @@ def _kv_append(mem, grid, block, args, kvt=np.float32) -> None:
                 d[:] = s.astype(kvt)    # round to nearest even, as cvt.rn.f16.f32
 
 
+register_sim_kernel("gp_attention_prefill")(_attention_prefill)   # f32 K/V: the encoder
 for _entry, _fn in (("gp_attention_prefill", _attention_prefill),
                     ("gp_attention_decode", _attention_decode),
-                    ("gp_attention_decode_split", _attention_decode_split),
                     ("gp_kv_append", _kv_append)):
-    register_sim_kernel(_entry)(_fn)
     register_sim_kernel(_entry + "_kv16")(
         lambda mem, grid, block, args, _fn=_fn: _fn(mem, grid, block, args, np.float16))
 
@@ -281,3 +248,9 @@ def _int4_dequant_f16(mem, grid, block, args) -> None:
 def _to_f16(mem, grid, block, args) -> None:
     out, x, n = _vals(args)
     _arr(mem, out, n, np.float16)[:] = reference.to_f16(_arr(mem, x, n))
+
+
+@register_sim_kernel("gp_from_f16")
+def _from_f16(mem, grid, block, args) -> None:
+    out, x, n = _vals(args)
+    _arr(mem, out, n)[:] = reference.from_f16(_arr(mem, x, n, np.float16))

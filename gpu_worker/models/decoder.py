@@ -12,6 +12,10 @@ Two graph shapes per model:
 - decode: one token whose position is read from device memory (`start`), so the captured
   graph does not depend on the KV length and replays for every step.
 The KV cache is fp16 (KV_DTYPE): half the bytes per token of context of the f32 activations.
+Attention at head_dim 64 or 128 (every config but `tiny`) runs the tensor-core kernels of
+gpu_worker.kernels.flash_attention: FlashAttention-style prefill per chunk, split-K decode; q is
+cast to fp16 first and the output stays fp16 (the prefill wo linear's tensor-core operand as it
+is; widened to f32 for decode's fused GEMV). Other head dims keep the f32-q `_kv16` kernels.
 Both end in greedy argmax, so a step returns one int32 to the host.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.graph import DTYPE_BYTES, Graph, GraphBuilder
+from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
 from services.common.config import env_int
@@ -35,6 +40,12 @@ def prefill_chunk_from_env() -> int:
     return env_int("GPUPLANE_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)
 
 
+def uses_flash_attention(cfg: ModelConfig) -> bool:
+    """Whether the decoder's attention runs the fp16 tensor-core kernels (head_dim 64 or 128)
+    or, for other head dims (the `tiny` config's 16), the f32-q kernels over the fp16 cache."""
+    return cfg.head_dim in FLASH_HEAD_DIMS
+
+
 def kv_state_names(layer: int) -> tuple[str, str]:
     return f"kv.{layer}.k", f"kv.{layer}.v"
 
@@ -44,6 +55,7 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     assert phase in ("prefill", "decode"), phase
     assert phase == "prefill" or seq == 1, "decode runs one token"
     h, hd, kvd = cfg.hidden, cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    flash = uses_flash_attention(cfg)
     g = GraphBuilder()
     t, n, w = g.tensor, g.node, g.weight
 
@@ -79,14 +91,24 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
           heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
         n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
           kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
+        attrs = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": hd,
+                 "max_context": cfg.max_context}
+        q, a = p + "q", p + "a"
+        if flash:
+            # fp16 q in, fp16 out: the wo linear reads it as it is on tensor cores, or widened
+            # by a from_f16 node for the fused GEMV (GraphBuilder.linear_int4)
+            q = t(p + "q16", (seq, h), "f16")
+            n(p + "q_cast", "to_f16", (p + "q",), (q,))
+            t(a, (seq, h), "f16")
+        else:
+            t(a, (seq, h))
         if phase == "prefill":
             # against the cache: earlier chunks' keys are there, this chunk's were just appended
-            n(p + "attn", "attention_prefill_cached", (p + "q", kc, vc, start, chunk_len),
-              (t(p + "a", (seq, h)),), heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd,
-              max_context=cfg.max_context)
+            n(p + "attn", ("flash_" if flash else "") + "attention_prefill_cached",
+              (q, kc, vc, start, chunk_len), (a,), **attrs)
         else:
-            n(p + "attn", "attention_decode", (p + "q", kc, vc, start), (t(p + "a", (seq, h)),),
-              heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
+            n(p + "attn", ("flash_" if flash else "") + "attention_decode", (q, kc, vc, start),
+              (a,), **attrs)
         linear(p + "wo", p + "a", p + "o", h, h)
         n(p + "res_attn", "add", (x, p + "o"), (t(p + "x1", (seq, h)),))
         n(p + "mlp_norm", "rmsnorm", (p + "x1",), (t(p + "h2", (seq, h)),),

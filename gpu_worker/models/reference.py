@@ -3,7 +3,8 @@
 float32 throughout, weights dequantized exactly as the int4 kernels dequantize them, except that a
 linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
 and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
-V rounded to fp16 (`fp16=False` turns both off). The
+V rounded to fp16, and at head_dim 64 or 128 (the tensor-core attention of the decoder) q and the
+attention output are rounded to fp16 too (`fp16=False` turns all of it off). The
 operations are spelled out one function each so a kernel's NumPy reference and this model agree
 on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
 h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.kernels.linear import int4_path
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
@@ -45,6 +47,11 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float,
     cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    """x rounded to fp16 (nearest even), back in f32."""
+    return x.astype(np.float16).astype(np.float32)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -108,6 +115,8 @@ class DecoderReference:
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
         """`fp16=False`: every linear in f32 (not what the executor computes above 16 rows)."""
         self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
+        # the tensor-core attention reads q in fp16 and writes fp16 (decoder.uses_flash_attention)
+        self.fp16_attention = fp16 and cfg.head_dim in FLASH_HEAD_DIMS
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
 
@@ -123,6 +132,7 @@ class DecoderReference:
         def mm(x: np.ndarray, key: str) -> np.ndarray:
             return lin.mm(x, key, rows)
 
+        flash = self.fp16_attention
         x = w["embed"][np.asarray(tokens)].astype(np.float32)
         for layer in range(cfg.layers):
             p = f"layers.{layer}."
@@ -137,10 +147,14 @@ class DecoderReference:
             table = w.get("rope.inv_freq")
             q, k = rope(q, pos, cfg.rope_theta, table), rope(k, pos, cfg.rope_theta, table)
             if self.lin.fp16:   # the cache holds fp16: what attention reads back is rounded
-                k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+                k, v = f16(k), f16(v)
             self.k[layer] = np.concatenate([self.k[layer], k])
             self.v[layer] = np.concatenate([self.v[layer], v])
+            if flash:
+                q = f16(q)
             a = attention(q, self.k[layer], self.v[layer], pos, causal=True)
+            if flash:
+                a = f16(a)
             x = x + mm(a.reshape(len(tokens), cfg.hidden), p + "wo")
             h = rmsnorm(x, w[p + "mlp_norm.w"], cfg.eps)
             m = silu(mm(h, p + "w_gate")) * mm(h, p + "w_up")
@@ -167,6 +181,8 @@ class EncoderReference:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
         self.cfg, self.w, self.lin = cfg, weights, _linears(cfg, weights, fp16)
+        # the tensor-core attention reads q in fp16 and writes fp16 (decoder.uses_flash_attention)
+        self.fp16_attention = fp16 and cfg.head_dim in FLASH_HEAD_DIMS
 
     def embed(self, sequences: np.ndarray) -> np.ndarray:
         cfg, w, lin = self.cfg, self.w, self.lin

@@ -64,3 +64,22 @@ def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(devic
     assert blas.stats()["calls"] - calls == 2 * per_run + per_run, \
         "warm-up + capture for (4, 9), capture only for the rebuilt (2, 20)"
     ex.close()
+
+
+def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
+    from gpu_worker.graph import GraphBuilder, GraphError
+
+    def build(rows, dtype):
+        g = GraphBuilder()
+        g.tensor("x", (rows, 64), dtype, "input")
+        g.linear_int4("lin", "x", "y", rows, 32, 64)
+        return [(nd.op, nd.inputs) for nd in g.nodes]
+
+    # f32 x on tensor cores: cast to fp16; fp16 x: read as it is
+    assert build(17, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
+    assert build(17, "f16") == [("linear_int4", ("x",))]
+    # the fused GEMV reads f32: fp16 x (flash attention's output in decode) is widened
+    assert build(1, "f32") == [("linear_int4", ("x",))]
+    assert build(1, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
+    with pytest.raises(GraphError, match="i32"):
+        build(17, "i32")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES, decode_splits
+from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
 from gpu_worker.kernels.selfcheck import (
     CASES,
     Case,
@@ -44,20 +44,10 @@ MODEL_CASES: list[Case] = [
     Case("matmul_nt", matmul_nt_case, {"m": 512, "n": 1000, "k": 4096}),
     Case("matmul_nt_large", matmul_nt_case, {"m": 515, "n": 1000, "k": 4100, "large": True}),
     Case("attention_prefill", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)),
-    Case("attention_decode", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
-                                           "head_dim": 128, "lengths": [5502], "len_add": 1}),
-    Case("attention_decode", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
-                                           "head_dim": 128, "lengths": [5502], "len_add": 1,
-                                           "max_len": 8192, "splits": decode_splits(8192)}),
     Case("attention_prefill_kv16", prefill_case, attention_case_sizes(tokens=1024, heads=8, kv_heads=2)
          | {"past": 512, "kv16": True}),
     Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
-                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
-                                                "kv16": True}),
-    Case("attention_decode_kv16", decode_case, {"batch": 1, "heads": 32, "kv_heads": 8,
-                                                "head_dim": 128, "lengths": [5502], "len_add": 1,
-                                                "max_len": 8192, "splits": decode_splits(8192),
-                                                "kv16": True}),
+                                                "head_dim": 128, "lengths": [5502], "len_add": 1}),
 ]
 
 

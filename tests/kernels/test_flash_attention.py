@@ -12,8 +12,6 @@ from gpu_worker.compile import KernelCompiler
 from gpu_worker.compile.nvrtc import compile_program
 from gpu_worker.device import open_device
 from gpu_worker.kernels import (
-    ATTENTION_DECODE,
-    decode_workspace_bytes,
     flash_decode_splits,
     flash_decode_workspace_bytes,
     launch_flash_attention_combine,
@@ -109,11 +107,10 @@ def test_sampled_rows_keep_both_mask_edges() -> None:
     assert np.array_equal(sample_rows(30, 64, np.random.default_rng(0)), np.arange(30))
 
 
-def test_decode_workspace_has_attention_py_layout() -> None:
-    for splits in (2, 9, 64):
+def test_decode_workspace_holds_max_sum_and_acc_per_sequence_head_and_split() -> None:
+    for splits in (1, 2, 9, 64):   # reference.attention_partial's (max, sum, acc[head_dim])
         assert flash_decode_workspace_bytes(batch=3, heads=32, head_dim=128, splits=splits) == \
-            decode_workspace_bytes(batch=3, heads=32, head_dim=128, splits=splits) == \
-            ATTENTION_DECODE.workspace_bytes(batch=3, heads=32, head_dim=128, splits=splits)
+            4 * 3 * 32 * splits * (128 + 2)
 
 
 def test_decode_splits_fill_the_h200_and_depend_on_max_len_only() -> None:

@@ -14,14 +14,13 @@ from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.kernels import (
     ALL_KERNELS,
-    ATTENTION_DECODE,
+    ATTENTION_DECODE_KV16,
+    FLASH_ATTENTION_DECODE_SPLIT,
     INT4_DEQUANT,
     INT4_MATMUL,
     MATMUL_NT,
-    MAX_SPLITS,
     RMSNORM,
     ROTARY,
-    decode_splits,
     launch_attention_decode,
     launch_int4_matmul,
     launch_rmsnorm,
@@ -70,17 +69,11 @@ def test_workspace_bytes_is_a_function_of_the_shapes() -> None:
     assert INT4_DEQUANT.workspace_bytes(n=7, k=33) == 4 * 7 * 33
     for k in (MATMUL_NT, INT4_MATMUL):
         assert k.workspace_bytes(m=5, n=7, k=9) == 0, f"{k.name} needs no workspace"
-    assert ATTENTION_DECODE.workspace_bytes(batch=2, heads=32, head_dim=128, splits=1) == 0, \
+    assert ATTENTION_DECODE_KV16.workspace_bytes(batch=2, heads=32, head_dim=128) == 0, \
         "single-pass decode needs no workspace"
-    assert ATTENTION_DECODE.workspace_bytes(batch=2, heads=32, head_dim=128, splits=8) == \
-        4 * 2 * 32 * 8 * 130, "split-K decode books (max, sum, acc) per sequence, head and split"
-
-
-def test_decode_splits_depend_on_max_len_only_and_stay_in_range() -> None:
-    assert decode_splits(256) == 1, "a short cache must not be split"
-    assert decode_splits(8192, batch=1, heads=32) == 9, "a long cache fills ~2 blocks per SM"
-    assert decode_splits(8192, batch=8, heads=32) == 2
-    assert all(1 <= decode_splits(n, b, 32) <= MAX_SPLITS for n in (1, 999, 10**6) for b in (1, 64))
+    assert FLASH_ATTENTION_DECODE_SPLIT.workspace_bytes(batch=2, heads=32, head_dim=128,
+                                                        splits=8) == 4 * 2 * 32 * 8 * 130, \
+        "split-K decode books (max, sum, acc) per sequence, head and split"
 
 
 def test_launchers_refuse_bad_shapes_before_anything_reaches_the_device(harness) -> None:
