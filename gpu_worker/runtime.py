@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gpu_worker.admission import admission_by_zone
 from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
@@ -38,6 +39,7 @@ from gpu_worker.models.configs import ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.reclaim import Reclaimer
+from gpu_worker.stats import worker_stats
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -150,28 +152,6 @@ class _Loaded:
         total = self.info.weight_bytes
         state = "resident" if resident >= total else "offloaded" if resident == 0 else "partial"
         return dataclasses.replace(self.info, resident_bytes=resident, state=state)
-
-
-def admission_bytes(cfg: ModelConfig, granule: int) -> int:
-    """Committed bytes a model's load asks for: its weights and KV cache, granule-rounded."""
-    return sum(admission_by_zone(cfg, granule).values())
-
-
-def admission_by_zone(cfg: ModelConfig, granule: int) -> dict[str, int]:
-    """Committed bytes a model's load asks for, per zone: weights in `weights`, KV in `kv`.
-
-    Per zone because the governor's zone budgets are: booking the KV cache in `weights` made a
-    `small` decoder (23.8 MiB of weights, 64 MiB of KV) ask a 40 MiB weights zone for 87.8 MiB."""
-    from gpu_worker.device.arena import ALIGN
-    from gpu_worker.models.weights import weight_sizes
-
-    def packed(sizes: list[int]) -> int:
-        content = sum(-(-n // ALIGN) * ALIGN for n in sizes)
-        return -(-content // granule) * granule + granule
-    kv: list[int] = []
-    if cfg.family == "decoder":
-        kv = [cfg.kv_bytes() // (2 * cfg.layers)] * (2 * cfg.layers)  # one K and one V per layer
-    return {"weights": packed(weight_sizes(cfg)), "kv": packed(kv) if kv else 0}
 
 
 class WorkerRuntime:
@@ -332,12 +312,8 @@ class WorkerRuntime:
         A probe commit per zone through the budget owner, released at once; a refused probe asks
         the reclaimer first (idle models' caches, then their weights), and is refused only when
         nothing more can go. A model whose weights alone exceed the weight budget is refused
-        outright: streaming layers through the slots is not built yet.
-
-        The probe counts what the load will commit, not the tensors' content bytes: every carve
-        is aligned (ALIGN) and commits round up to whole granules, plus one granule where a
-        packed run straddles a boundary. A probe of content bytes passes a model whose commits
-        then fail halfway through its load."""
+        outright: streaming layers through the slots is not built yet. What the probe counts:
+        gpu_worker/admission.py."""
         need = admission_by_zone(cfg, device.info.granule_bytes)
         budget = device.weights.budget_bytes
         if budget is not None and need["weights"] > budget:
@@ -506,54 +482,5 @@ class WorkerRuntime:
         device = self._started()
         with self._lock:
             models = [m for m in self._models.values() if m is not None]
-        kc = {"entries": 0, "hits": 0, "misses": 0, "evictions": 0, "max_variants_per_node": 0,
-              "workspace_bytes": 0, "variant_bound": self.config.variants_per_node}
-        plans = {"entries": 0, "evictions": 0, "hits": 0, "misses": 0, "graph_bytes": 0,
-                 "activation_bytes": 0}
-        replays = 0
-        for m in models:
-            for key, value in m.executor.kernels.stats().items():
-                if key == "max_variants_per_node":
-                    kc[key] = max(kc[key], value)
-                elif key in kc and key != "variant_bound":
-                    kc[key] += value
-            for key, value in m.executor.plans.stats().items():
-                plans[key] += value
-            replays += m.executor.replays()
-        used, _ = device.truth()
-        ledger = device.ledger.total_committed()
-        w = device.weights.stats()
-        a = device.arena.stats()
-        gate = device.gate.stats
-        comp = self.compiler.stats()
-        return {
-            "backend": device.backend.name,
-            "device_name": device.info.name,
-            "device_total_bytes": device.info.total_bytes,
-            "device_used_bytes": used,
-            "ledger_bytes": ledger,
-            "unaccounted_bytes": device.unaccounted_bytes(),
-            "zones": device.ledger.snapshot(),
-            "kernel_cache": kc,
-            "plans": plans,
-            "weights": {"page_ins": w.get("page_ins", 0), "hits": w.get("hits", 0),
-                        "evictions": w.get("evictions", 0), "hit_rate": w.get("hit_rate", 0.0),
-                        "bytes_copied": w.get("bytes_copied", 0),
-                        "resident_bytes": w.get("resident_bytes", 0),
-                        "budget_bytes": w.get("budget_bytes", 0) or 0,
-                        "host_bytes": w.get("host_bytes", 0),
-                        "host_budget_bytes": w.get("host_budget_bytes", 0) or 0},
-            "reclaim": self.reclaimer.stats() if self.reclaimer else {},
-            "compile": dict(comp),
-            "capture": {"captures": gate.captures,
-                        "invalidations": device.capture_invalidations,
-                        "gate_waits": gate.writer_waits, "replays": replays},
-            "arena": {"reserved_bytes": a.get("reserved", 0),
-                      "committed_bytes": a.get("committed", 0),
-                      "peak_committed_bytes": a.get("peak_committed", 0),
-                      "pooled_bytes": a.get("pooled_bytes", 0),
-                      "quarantined_bytes": a.get("quarantined_bytes", 0),
-                      "commits": a.get("commits", 0), "releases": a.get("releases", 0),
-                      "faults": device.bookkeeping_faults()},
-            "governor_connected": bool(self.budget.connected()) if self.budget else False,
-        }
+        return worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
+                            self.budget, self.config.variants_per_node)
