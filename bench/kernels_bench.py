@@ -192,6 +192,9 @@ def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int,
                        samples)
 
 
+FUSED_COPY_FRACTION = 0.75   # issue 12 part D: the 1-row GEMV streams W at >= 0.75 of copy
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", default="cuda")
@@ -199,6 +202,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=SAMPLES,
                     help="timed replays per figure (median)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    ap.add_argument("--linear-only", action="store_true",
+                    help="sections [1]-[3] only (copy bandwidth and the int4 linears)")
     args = ap.parse_args()
     targets = Targets("kernels_bench")
     s = 16 if args.small else 1  # shape divisor
@@ -219,6 +224,9 @@ def main() -> int:
             fused, two, wbytes = b.linear_times(1, n, k)
             print(f"{name:>10} {f'{n}x{k}':>14} {fused * 1e6:9.1f} {wbytes / fused / 1e9:6.0f} "
                   f"{wbytes / fused / copy:7.2f} {two * 1e6:10.1f} {two / fused:7.1f}x")
+            if not args.small:   # small shapes are launch-bound: no bandwidth claim
+                targets.check(f"fused int4 matmul {name}, 1 row: fraction of copy bandwidth",
+                              wbytes / fused / copy, ">=", FUSED_COPY_FRACTION)
 
         print(f"\n[3] fused vs workspace path by rows (n = k = {4096 // s}); "
               f"FUSED_MAX_ROWS = {FUSED_MAX_ROWS}")
@@ -232,34 +240,35 @@ def main() -> int:
         targets.check(f"fused/dequant time at rows <= FUSED_MAX_ROWS ({FUSED_MAX_ROWS}), worst",
                       worst, "<", 1.0)
 
-        print("\n[4] matmul_nt (64x64 tiles) and matmul_nt_large (128x128) fp32 vs torch (cuBLAS)")
-        print("    ratio = torch time / matmul_nt time (< 1: cuBLAS is faster)")
-        print(f"{'m x n x k':>18} {'64 TFLOP/s':>10} {'128 TFLOP/s':>11} {'torch fp32':>10} "
-              f"{'ratio':>6} {'torch fp16':>10} {'ratio':>6}")
-        for m, n, k in ((512, 4096, 4096), (2048, 14336, 4096), (5502, 4096, 4096)):
-            m, n, k = m // s, n // s, k // s
-            flops = 2.0 * m * n * k
-            ours = b.matmul_time(m, n, k)
-            large = b.matmul_time(m, n, k, large=True)
-            row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:10.1f} {flops / large / 1e12:11.1f}"
-            for dt in ("float32", "float16"):
-                t = (torch_matmul(m, n, k, dt, args.reps, args.samples)
-                     if args.backend == "cuda" else None)
-                row += f" {'-':>10} {'-':>6}" if t is None else \
-                    f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
-            print(row)
+        if not args.linear_only:
+            print("\n[4] matmul_nt (64x64 tiles) and matmul_nt_large (128x128) fp32 vs torch (cuBLAS)")
+            print("    ratio = torch time / matmul_nt time (< 1: cuBLAS is faster)")
+            print(f"{'m x n x k':>18} {'64 TFLOP/s':>10} {'128 TFLOP/s':>11} {'torch fp32':>10} "
+                  f"{'ratio':>6} {'torch fp16':>10} {'ratio':>6}")
+            for m, n, k in ((512, 4096, 4096), (2048, 14336, 4096), (5502, 4096, 4096)):
+                m, n, k = m // s, n // s, k // s
+                flops = 2.0 * m * n * k
+                ours = b.matmul_time(m, n, k)
+                large = b.matmul_time(m, n, k, large=True)
+                row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:10.1f} {flops / large / 1e12:11.1f}"
+                for dt in ("float32", "float16"):
+                    t = (torch_matmul(m, n, k, dt, args.reps, args.samples)
+                         if args.backend == "cuda" else None)
+                    row += f" {'-':>10} {'-':>6}" if t is None else \
+                        f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
+                print(row)
 
-        # [5a] (f32-KV decode attention, single pass vs split-K) is gone with those kernels
-        # (issue 12 part C): decode attention over the fp16 cache is bench/attention_bench.py's.
-        print("\n[5b] attention prefill, causal (32 heads, 8 KV heads, head_dim 128) vs torch SDPA fp32")
-        print(f"{'tokens':>7} {'ours ms':>8} {'torch ms':>9} {'ours/torch':>10}")
-        for tokens in (128, 512, 2048):
-            tokens = max(8, tokens // s)
-            t = b.prefill_time(tokens, 32, 8, 128)
-            tt = (torch_prefill(tokens, 32, 8, 128, max(1, args.reps // 4), args.samples)
-                  if args.backend == "cuda" else None)
-            print(f"{tokens:7d} {t * 1e3:8.2f} " +
-                  (f"{'-':>9} {'-':>10}" if tt is None else f"{tt * 1e3:9.2f} {t / tt:10.1f}"))
+            # [5a] (f32-KV decode attention, single pass vs split-K) is gone with those kernels
+            # (issue 12 part C): decode attention over the fp16 cache is bench/attention_bench.py's.
+            print("\n[5b] attention prefill, causal (32 heads, 8 KV heads, head_dim 128) vs torch SDPA fp32")
+            print(f"{'tokens':>7} {'ours ms':>8} {'torch ms':>9} {'ours/torch':>10}")
+            for tokens in (128, 512, 2048):
+                tokens = max(8, tokens // s)
+                t = b.prefill_time(tokens, 32, 8, 128)
+                tt = (torch_prefill(tokens, 32, 8, 128, max(1, args.reps // 4), args.samples)
+                      if args.backend == "cuda" else None)
+                print(f"{tokens:7d} {t * 1e3:8.2f} " +
+                      (f"{'-':>9} {'-':>10}" if tt is None else f"{tt * 1e3:9.2f} {t / tt:10.1f}"))
     dev.close()
     return targets.exit_code()
 

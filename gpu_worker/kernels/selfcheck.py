@@ -498,6 +498,10 @@ CASES: list[Case] = [
     C("int4_matmul", int4_matmul_case, m=1, n=257, k=1024, bias=True),
     C("int4_matmul", int4_matmul_case, m=7, n=65, k=1100, accumulate=True),
     C("int4_matmul", int4_matmul_case, m=33, n=9, k=64),
+    # several K chunks (2048 per chunk), K % 4 != 0 (scalar x staging), a partial last quant block,
+    # a column tail inside a warp, and a 1-row last block after a 4-row one (both kernel bodies)
+    C("int4_matmul", int4_matmul_case, m=5, n=70, k=4099, bias=True),
+    C("int4_matmul", int4_matmul_case, m=2, n=33, k=2080, accumulate=True),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

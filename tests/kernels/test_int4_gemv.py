@@ -1,0 +1,53 @@
+"""The fused int4 GEMV's host-side geometry agrees with its kernel source, and the source compiles
+(NVRTC, no GPU needed) in every variant the tuning sweep builds."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gpu_worker.kernels import linear
+from gpu_worker.kernels.linear import SOURCE
+
+
+def _macro(name: str) -> int:
+    m = re.search(rf"#define {name} (\d+)", SOURCE.source)
+    assert m, f"{name} has no default in gp_linear"
+    return int(m.group(1))
+
+
+def test_launch_geometry_matches_the_kernel_macros() -> None:
+    assert _macro("GP_I4_WARPS") == linear.FUSED_WARPS
+    assert _macro("GP_I4_NC") == linear.FUSED_WARP_COLS
+    assert _macro("GP_I4_ROWS") == linear.FUSED_ROWS
+    assert linear.FUSED_COLS == linear.FUSED_WARPS * linear.FUSED_WARP_COLS
+
+
+def test_launch_uses_the_kernels_block_and_column_tiling() -> None:
+    calls: list = []
+
+    class Recorder:
+        def launch(self, fn, grid, block, args, stream=None):
+            calls.append((grid, block))
+
+    linear.launch_int4_matmul(Recorder(), None, 0, 0, 0, 0, 0, 5, 4097, 64)
+    grid, block = calls[0]
+    assert block == (32 * linear.FUSED_WARPS, 1, 1)
+    assert grid == (-(-4097 // linear.FUSED_COLS), 2, 1), "every column and row covered once"
+
+
+def test_every_sweep_variant_compiles_without_spills() -> None:
+    nvrtc = pytest.importorskip("gpu_worker.compile.nvrtc")
+    try:
+        nvrtc.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001 - no NVRTC on this machine: nothing to compile with
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    from bench.int4_gemv_sweep import VARIANTS, variant_source
+
+    for v in VARIANTS:
+        src = variant_source(v)
+        out = nvrtc.compile_program(src.module_name, src.source, dict(src.headers), "sm_90",
+                                    [*src.options, "--ptxas-options=-v"])
+        log = out.log
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(s == "0" for s in spills), f"{v}: register spills\n{log}"
