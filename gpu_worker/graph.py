@@ -110,6 +110,29 @@ class GraphBuilder:
              **attrs: object) -> None:
         self.nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
 
+    def linear(self, name: str, x: str, out: str, rows: int, out_dim: int, in_dim: int,
+               weight_format: str = "int4") -> None:
+        """out (rows, out_dim) = x @ W^T for a weight stored as `weight_format` (ModelConfig)."""
+        if weight_format == "fp16":
+            self.linear_f16(name, x, out, rows, out_dim, in_dim)
+        else:
+            self.linear_int4(name, x, out, rows, out_dim, in_dim)
+
+    def linear_f16(self, name: str, x: str, out: str, rows: int, out_dim: int,
+                   in_dim: int) -> None:
+        """out (rows, out_dim) f32 = x @ W^T with W fp16 as stored (`<name>.h`), on cuBLAS for
+        every row count, decode's single row included: no dequantization, so no fused kernel to
+        prefer. An f32 x is cast by a `to_f16` node into `<name>.x16` first; fp16 x is read as is."""
+        dtype = self.tensors[x].dtype
+        if dtype == "f32":
+            x16 = self.tensor(name + ".x16", (rows, in_dim), "f16")
+            self.node(name + ".cast", "to_f16", (x,), (x16,))
+            x = x16
+        elif dtype != "f16":
+            raise GraphError(f"{name}: a linear reads f32 or f16 activations, not {dtype}")
+        self.node(name, "linear_f16", (x,), (self.tensor(out, (rows, out_dim)),),
+                  (self.weight(name + ".h", (out_dim, in_dim), "f16"),))
+
     def linear_int4(self, name: str, x: str, out: str, rows: int, out_dim: int,
                     in_dim: int) -> None:
         """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales.

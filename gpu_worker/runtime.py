@@ -35,7 +35,7 @@ from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
-from gpu_worker.models.configs import ModelConfig, get_config
+from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.reclaim import Reclaimer
@@ -250,14 +250,12 @@ class WorkerRuntime:
     def _load_checkpoint(self, model_id: str, checkpoint: str, weight_format: str) -> LoadResult:
         from gpu_worker.checkpoints import Checkpoint
         from gpu_worker.checkpoints.paths import resolve_checkpoint
-        if weight_format != "int4":
-            if weight_format == "fp16":
-                raise FailedPrecondition("weight_format 'fp16' is not supported yet (the fp16 "
-                                         "decoder is not on this worker): load with 'int4'")
-            raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (or '' for it)")
+        if weight_format not in WEIGHT_FORMATS:   # before the path: a bad request touches nothing
+            raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (or '' for it) "
+                                  "or 'fp16'")
         directory = resolve_checkpoint(self.config.model_root, checkpoint)
         codec = TextCodec.for_checkpoint(directory)
-        with Checkpoint.open(directory, self.config.checkpoint_context) as ckpt:
+        with Checkpoint.open(directory, self.config.checkpoint_context, weight_format) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
             return self._load(model_id, ckpt.cfg, ckpt.cfg.family, ckpt.cfg.name, 0, ckpt.weights,

@@ -19,6 +19,12 @@ Normalize, a WordPiece tokenizer.json, names without the `bert.` prefix, exact G
 `bert-st.npz` transformers' mean-pooled, normalized embeddings of token sequences and of texts.
 `llama-gptq/` is a Llama in GPTQ v1 layout (sym, 4-bit, group 128, no act-order, lm_head float),
 `llama-gptq.npz` transformers' outputs on its dequantized weights plus one dequantized linear.
+
+`--fp16-peer` (issue 15, `weight_format: fp16`): reads the checkpoints already in the directory
+(changes none of them) and writes `<name>-fp16.npz` for every float checkpoint: the peer in fp32 on
+the weights the fp16 load serves (every linear and the embedding tables rounded to fp16, the rest
+f32), same arrays as above (`embeddings` for bert-st).
+    /tmp/peer-venv/bin/python scripts/make_checkpoint_goldens.py --fp16-peer tests/checkpoints/golden
 """
 from __future__ import annotations
 
@@ -276,7 +282,54 @@ def build_gptq(root: pathlib.Path) -> None:
                         wq0=served["model.layers.0.self_attn.q_proj.weight"].numpy())
 
 
+def fp16_served(state: dict[str, torch.Tensor], tied_head: str | None) -> dict[str, torch.Tensor]:
+    """The state dict as `weight_format: fp16` serves it: linears and tables rounded to fp16."""
+    out = {}
+    for name, value in state.items():
+        v = value.float()
+        rounded = name.endswith(".weight") and "norm" not in name.lower() and v.dim() == 2
+        out[name] = v.half().float() if rounded else v
+    if tied_head:
+        out["lm_head.weight"] = out[tied_head].clone()
+    return out
+
+
+def build_fp16_peer(root: pathlib.Path) -> None:
+    """`<name>-fp16.npz`: the peer on the fp16-served weights of the committed checkpoints."""
+    for name, (cls, config) in models_to_build().items():
+        model = cls.from_pretrained(root / name, torch_dtype=torch.float32).eval()
+        tied = "model.embed_tokens.weight" if config.tie_word_embeddings else None
+        state = fp16_served({k: v for k, v in model.state_dict().items()
+                             if not (tied and k == "lm_head.weight")}, tied)
+        peer_cfg = cls.config_class.from_dict({**config.to_dict(), "tie_word_embeddings": False})
+        peer = cls(peer_cfg).eval()
+        peer.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            logits = np.stack([peer(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS])
+        np.savez_compressed(root / f"{name}-fp16.npz", prompts=np.array(PROMPTS, np.int32),
+                            logits=logits.astype(np.float32),
+                            greedy=np.array([greedy(peer, p) for p in PROMPTS], np.int32))
+    bert = BertModel.from_pretrained(root / "bert-st", torch_dtype=torch.float32,
+                                     add_pooling_layer=False).eval()
+    state = {k: v.float().clone() for k, v in bert.state_dict().items()}
+    types = state["embeddings.token_type_embeddings.weight"]
+    # token type 0 folded into the position table, as the loader does (then rounded to fp16)
+    state["embeddings.position_embeddings.weight"] += types[0]
+    state["embeddings.token_type_embeddings.weight"] = torch.zeros_like(types)
+    served = fp16_served(state, None)
+    peer = BertModel(bert.config, add_pooling_layer=False).eval()
+    peer.load_state_dict(served, strict=True)
+    sequences = np.load(root / "bert-st.npz")["sequences"]
+    with torch.no_grad():
+        h = peer(torch.tensor(sequences.tolist())).last_hidden_state.mean(dim=1)
+    np.savez_compressed(root / "bert-st-fp16.npz", sequences=sequences,
+                        embeddings=torch.nn.functional.normalize(h, dim=-1).numpy())
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--fp16-peer"]:
+        build_fp16_peer(pathlib.Path(sys.argv[2] if len(sys.argv) > 2 else "tests/checkpoints/golden"))
+        return
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "tests/checkpoints/golden")
     root.mkdir(parents=True, exist_ok=True)
     for name, (cls, config) in models_to_build().items():

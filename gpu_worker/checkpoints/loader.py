@@ -7,10 +7,14 @@ row chunks of `CHUNK_ROWS`), so the largest transient is one chunk of float32 pl
 of one tensor. Every tensor's name, shape and dtype are checked against config.json before any is
 converted (`Checkpoint.open` does it), so a bad checkpoint fails before the device is touched and
 names the file and the tensor. Cost: one pass over the files; the quantization is vectorized NumPy.
+`weight_format="fp16"` keeps every linear as stored: cast to one fp16 `<key>.h` matrix in the same
+row chunks (no quantization); a value beyond fp16's range (|x| > 65504) is refused, naming the
+tensor, rather than served as inf. GPTQ files are already 4-bit: they load as int4 only.
 The name mapping is in mapping.py, file lookup in shards.py, GPTQ's layout in gptq.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Iterator
@@ -24,15 +28,16 @@ from gpu_worker.checkpoints.hf_config import CheckpointSpec, read_spec
 from gpu_worker.checkpoints.mapping import Source, sources
 from gpu_worker.checkpoints.safetensors import CheckpointError
 from gpu_worker.checkpoints.shards import FLOAT_DTYPES, ShardSet
-from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
+from gpu_worker.models.configs import QUANT_BLOCK, WEIGHT_FORMATS, ModelConfig
 from gpu_worker.models.rope import inv_freq
 from gpu_worker.models.weights import quantize, weight_names
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument
 
 CHUNK_ROWS = 1024  # rows of a linear converted at once: 1024 x 14336 f32 is 59 MB
 # NumPy releases the GIL inside its loops, so row chunks quantize in parallel threads; the
 # transient host memory is QUANT_THREADS chunks of f32.
 QUANT_THREADS = max(1, min(8, os.cpu_count() or 1))
+F16_MAX = 65504.0   # the largest finite fp16
 
 
 def _check_float(shards: ShardSet, spec: CheckpointSpec, src: Source) -> None:
@@ -96,9 +101,19 @@ class Checkpoint:
         return self.spec.cfg
 
     @classmethod
-    def open(cls, directory: pathlib.Path, max_context: int) -> Checkpoint:
+    def open(cls, directory: pathlib.Path, max_context: int,
+             weight_format: str = "int4") -> Checkpoint:
+        """`weight_format`: "int4" (quantized on load; the default) or "fp16" (kept as stored)."""
         directory = pathlib.Path(directory)
+        if weight_format not in WEIGHT_FORMATS:
+            raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (the default) "
+                                  "or 'fp16'")
         spec = read_spec(directory, max_context)
+        if weight_format == "fp16" and spec.gptq_group:
+            raise InvalidArgument(f"{directory.name} is a GPTQ checkpoint (already 4-bit): load "
+                                  "it with weight_format 'int4'; 'fp16' serves float checkpoints")
+        spec = dataclasses.replace(spec, cfg=dataclasses.replace(spec.cfg,
+                                                                 weight_format=weight_format))
         shards = ShardSet(directory)
         try:
             srcs = _resolve(shards, spec)
@@ -110,7 +125,8 @@ class Checkpoint:
         return cls(directory, spec, shards, srcs)
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs."""
+        """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs
+        (or fp16 `.h` linears)."""
         cfg, shards = self.cfg, self._shards
         emitted = []
         for key, src in self._sources.items():
@@ -124,6 +140,10 @@ class Checkpoint:
             if src.kind == "vector":
                 emitted.append(key)
                 yield key, shards.float32(src.hf_name)
+                continue
+            if self.cfg.weight_format == "fp16":   # GPTQ is refused at open
+                emitted.append(key + ".h")
+                yield key + ".h", self._to_f16(src.hf_name, src.shape)
                 continue
             if src.kind == "gptq":
                 packed, scales = gptq.to_blocks(shards.raw(src.hf_name + ".qweight"),
@@ -139,6 +159,21 @@ class Checkpoint:
             yield "rope.inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta,
                                             cfg.rope_scaling).astype(np.float32)
         assert sorted(emitted) == sorted(weight_names(cfg)), "loader and weight_names disagree"
+
+    def _to_f16(self, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The linear as stored, cast to fp16 row chunk by row chunk (bf16 -> fp16 is exact for
+        every value in fp16's normal range; f32 rounds to nearest)."""
+        out_dim = shape[0]
+        out = np.empty(shape, np.float16)
+        for r in range(0, out_dim, CHUNK_ROWS):
+            rows = slice(r, min(r + CHUNK_ROWS, out_dim))
+            chunk = self._shards.float32(hf_name, rows)
+            if not (np.abs(chunk) <= F16_MAX).all():   # also catches inf and NaN
+                raise CheckpointError(f"{self._shards.file_name(hf_name)}, tensor {hf_name!r}: "
+                                      "values beyond fp16's range (|x| > 65504, inf or NaN): "
+                                      "load it with weight_format 'int4'", tensor=hf_name)
+            out[rows] = chunk
+        return out
 
     def _quantize(self, hf_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         out_dim, in_dim = shape

@@ -207,6 +207,7 @@ class ModelExecutor:
         # the first variant that needs it, outside capture, and fixed until trim/close (captured
         # graphs bake its address).
         self.tile: object | None = None
+        self._blas_held = False   # acquire_blas() taken: any GEMM node (the tile is int4's only)
         self.replay_count = 0
 
     # -- weights and state ------------------------------------------------------------------------
@@ -268,25 +269,31 @@ class ModelExecutor:
         return fn
 
     def _ensure_tile(self) -> None:
-        """The dequantization tile and the device's BLAS, held until trim/close."""
-        if self.tile is not None:
+        """The device's BLAS and, for int4 weights, the dequantization tile, held until
+        trim/close. A model of fp16 weights (linear_f16 only) takes no tile."""
+        if self._blas_held:
             return
         # an int4 weight is (n, 16 * ceil(k/32)) packed bytes: its fp16 rows take 4x that
         nbytes = tile_bytes_for([4 * int(slot.nbytes) for key, slot in self._weights.items()
                                  if key.endswith(".q")])
         self.device.acquire_blas()
         try:
-            self.tile = self.device.arena.alloc(max(1, nbytes), "workspace", role="workspace")
+            if nbytes:
+                self.tile = self.device.arena.alloc(nbytes, "workspace", role="workspace")
         except BaseException:
             self.device.release_blas()
             raise
+        self._blas_held = True
 
     def _free_tile(self) -> int:
-        if self.tile is None:
+        if not self._blas_held:
             return 0
-        freed = self.tile.size
-        self.device.arena.free(self.tile)   # fenced by the arena's deferred release
-        self.tile = None
+        freed = 0
+        if self.tile is not None:
+            freed = self.tile.size
+            self.device.arena.free(self.tile)   # fenced by the arena's deferred release
+            self.tile = None
+        self._blas_held = False
         self.device.release_blas()
         return freed
 

@@ -10,6 +10,12 @@ another on the model's stream, so one tile serves them all), and each tile is mu
 (gpu_worker.device.blas) with fp32 accumulation into its columns of y. The tile is
 `DEQUANT_TILE_BYTES` (default 32 MiB) at most, whatever the weight: a 14336 x 4096 MLP weight
 takes 4 tiles instead of 112 MiB of scratch (224 MiB per variant per node in f32 before).
+
+The fp16 linear (`weight_format: fp16`, GraphBuilder.linear_f16) is one cuBLAS GEMM for every row
+count, decode's single row included: x arrives as fp16 (a `to_f16` node), W is read from its
+weight slot as stored, y is f32. It owns no workspace beyond the device BLAS's own, and needs no
+dequantization tile. It uses only what was verified on the H200 (to_f16, cublasGemmEx under
+capture); the GPU run of tests/gpu/test_checkpoints_fp16.py is still owed.
 """
 from __future__ import annotations
 
@@ -119,6 +125,15 @@ def _launch_linear(c: LaunchContext) -> None:
         # columns [r0, r0 + part) of y: row stride n
         c.device.blas.gemm_nt(y + 4 * r0, c.inp(0), c.tile.ptr, m, part, k, ldy=n,
                               stream=c.stream)
+
+
+def _f16_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, int, int]]:
+    return [_linear_dims(node, graph)]
+
+
+def _launch_linear_f16(c: LaunchContext) -> None:
+    m, n, k = _linear_dims(c.node, c.graph)
+    c.device.blas.gemm_nt(c.out(), c.inp(0), c.weight(0), m, n, k, stream=c.stream)
 
 
 def _launch_to_f16(c: LaunchContext) -> None:
@@ -284,6 +299,7 @@ def _launch_mean_pool(c: LaunchContext) -> None:
 OPS: dict[str, OpBinding] = {
     "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL), _launch_linear,
                              gemms=_linear_gemms),
+    "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
     "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),

@@ -12,6 +12,9 @@ from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import InvalidArgument
 
 QUANT_BLOCK = 32  # int4 block size along the input dimension; fp16 scale per block
+# How linear weights live on the device: "int4" (block-quantized `.q` nibbles + `.s` scales, the
+# default) or "fp16" (checkpoints served unquantized: one `.h` fp16 matrix, 4x int4's bytes).
+WEIGHT_FORMATS = ("int4", "fp16")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ModelConfig:
     # BERT checkpoints: a bias on every encoder linear, and the exact (erf) GELU
     linear_bias: bool = False
     gelu_exact: bool = False
+    weight_format: str = "int4"   # WEIGHT_FORMATS
 
     @property
     def head_dim(self) -> int:
@@ -48,6 +52,18 @@ class ModelConfig:
             raise InvalidArgument(f"{self.name}: hidden and ffn must be multiples of {QUANT_BLOCK}")
         if self.head_dim % 2:
             raise InvalidArgument(f"{self.name}: rotary needs an even head_dim")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise InvalidArgument(f"weight_format {self.weight_format!r}: use one of {WEIGHT_FORMATS}")
+
+    def linear_keys(self, name: str) -> list[str]:
+        """The weight keys of linear `name`: `.q`/`.s` (int4) or `.h` (fp16)."""
+        return [name + ".h"] if self.weight_format == "fp16" else [name + ".q", name + ".s"]
+
+    def linear_sizes(self, out_dim: int, in_dim: int) -> list[int]:
+        """Bytes of each of `linear_keys`' tensors for an (out, in) linear."""
+        if self.weight_format == "fp16":
+            return [out_dim * in_dim * 2]
+        return [out_dim * in_dim // 2, out_dim * (in_dim // QUANT_BLOCK) * 2]
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of every int4 linear weight of one layer."""
@@ -59,21 +75,10 @@ class ModelConfig:
                 "w_up": (self.ffn, h), "w_down": (h, self.ffn)}
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as stored on the device (int4 + fp16 scales; f32 norms, f16 embed)."""
-        def q(o: int, i: int) -> int:
-            return o * i // 2 + o * (i // QUANT_BLOCK) * 2
-        norms = 2 if self.family == "decoder" else 4  # f32 vectors per layer
-        per_layer = sum(q(o, i) for o, i in self.linear_shapes().values()) + norms * 4 * self.hidden
-        total = self.layers * per_layer + self.vocab_size * self.hidden * 2
-        if self.family == "decoder":
-            total += q(self.vocab_size, self.hidden) + 4 * self.hidden
-            total += self.layers * 4 * (self.hidden + 2 * self.kv_heads * self.head_dim) * self.qkv_bias
-            total += 4 * (self.head_dim // 2) * (self.rope_scaling is not None)
-        elif self.linear_bias:
-            total += self.layers * 4 * sum(o for o, _ in self.linear_shapes().values())
-        else:
-            total += self.max_context * self.hidden * 2 + 2 * 4 * self.hidden
-        return total
+        """Bytes of the weights as stored on the device (int4 + fp16 scales or fp16 linears;
+        f32 norms, f16 embed)."""
+        from gpu_worker.models.weights import weight_sizes  # one account of every tensor
+        return sum(weight_sizes(self))
 
     def kv_bytes(self, context: int | None = None) -> int:
         """KV cache bytes (f32) for one sequence of `context` tokens."""

@@ -60,7 +60,7 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     t, n, w = g.tensor, g.node, g.weight
 
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
-        g.linear_int4(name, x, out, seq, out_dim, in_dim)
+        g.linear(name, x, out, seq, out_dim, in_dim, cfg.weight_format)
 
     tokens = t("tokens", (seq,), "i32", "input")
     start = t("start", (1,), "i32", "input")    # position of the first token, read on device
@@ -95,8 +95,9 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
                  "max_context": cfg.max_context}
         q, a = p + "q", p + "a"
         if flash:
-            # fp16 q in, fp16 out: the wo linear reads it as it is on tensor cores, or widened
-            # by a from_f16 node for the fused GEMV (GraphBuilder.linear_int4)
+            # fp16 q in, fp16 out: the wo linear reads it as it is on tensor cores (and every
+            # fp16-weight linear), or widened by a from_f16 node for the fused int4 GEMV
+            # (GraphBuilder.linear_int4)
             q = t(p + "q16", (seq, h), "f16")
             n(p + "q_cast", "to_f16", (p + "q",), (q,))
             t(a, (seq, h), "f16")
@@ -128,7 +129,7 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         last = "x.last"
     n("final_norm", "rmsnorm", (last,), (t("hf", (1, h)),), (w("final_norm.w", (h,), "f32"),),
       eps=cfg.eps)
-    g.linear_int4("lm_head", "hf", "logits", 1, cfg.vocab_size, h)
+    g.linear("lm_head", "hf", "logits", 1, cfg.vocab_size, h, cfg.weight_format)
     n("argmax", "argmax", ("logits",), (t("next_token", (1,), "i32"),))
     return g.build(outputs=("next_token", "logits"))
 

@@ -22,7 +22,7 @@ def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:
     t, n, w = g.tensor, g.node, g.weight
 
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
-        g.linear_int4(name, x, out, rows, out_dim, in_dim)
+        g.linear(name, x, out, rows, out_dim, in_dim, cfg.weight_format)
         if cfg.linear_bias:  # BERT checkpoints: added in place
             n(name + "_bias", "bias_add", (out,), (out,), (w(name + ".b", (out_dim,), "f32"),))
 

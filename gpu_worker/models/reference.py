@@ -4,7 +4,9 @@ float32 throughout, weights dequantized exactly as the int4 kernels dequantize t
 linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
 and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
 V rounded to fp16, and at head_dim 64 or 128 (the tensor-core attention of the decoder) q and the
-attention output are rounded to fp16 too (`fp16=False` turns all of it off). The
+attention output are rounded to fp16 too (`fp16=False` turns all of it off). With fp16 weights
+(`weight_format: fp16`) every linear, 1 row included, is cuBLAS's: x rounded to fp16, W as stored,
+f32 accumulation; `fp16=False` then multiplies the f32 x by the fp16 weights. The
 operations are spelled out one function each so a kernel's NumPy reference and this model agree
 on conventions: rotary pairs (i, i + d/2) ("rotate half"), GQA head h reads KV head
 h // (heads // kv_heads), softmax scale 1/sqrt(head_dim), tanh-approximated GELU, post-LN encoder.
@@ -82,15 +84,20 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, ca
 
 
 class Linears(dict):
-    """Dequantized weights by key; `mm(x, key, rows)` multiplies as the executor's path for a
-    graph of `rows` rows does (fp16 operands above FUSED_MAX_ROWS)."""
+    """Dequantized (or fp16) weights by key, in f32; `mm(x, key, rows)` multiplies as the
+    executor's path for a graph of `rows` rows does (fp16 operands above FUSED_MAX_ROWS, and at
+    every row count for fp16 weights)."""
 
-    def __init__(self, weights: dict[str, np.ndarray], fp16: bool = True) -> None:
+    def __init__(self, weights: dict[str, np.ndarray], fp16: bool = True,
+                 weight_format: str = "int4") -> None:
         super().__init__(weights)
         self.fp16 = fp16        # False: f32 everywhere (the math's own invariants, no rounding)
+        self.weight_format = weight_format
         self._f16: dict[str, np.ndarray] = {}
 
     def mm(self, x: np.ndarray, key: str, rows: int) -> np.ndarray:
+        if self.fp16 and self.weight_format == "fp16":   # W is fp16 already: round x only
+            return (f16(x) @ self[key].T).astype(np.float32)
         if not self.fp16 or int4_path(rows) != "tensor":
             return x @ self[key].T
         if key not in self._f16:
@@ -99,14 +106,13 @@ class Linears(dict):
 
 
 def _linears(cfg: ModelConfig, w: dict[str, np.ndarray], fp16: bool) -> Linears:
-    out = {}
-    for layer in range(cfg.layers):
-        for lin in cfg.linear_shapes():
-            key = f"layers.{layer}.{lin}"
-            out[key] = dequantize(w[key + ".q"], w[key + ".s"])
-    if cfg.family == "decoder":
-        out["lm_head"] = dequantize(w["lm_head.q"], w["lm_head.s"])
-    return Linears(out, fp16)
+    def weight(key: str) -> np.ndarray:
+        if cfg.weight_format == "fp16":
+            return w[key + ".h"].astype(np.float32)
+        return dequantize(w[key + ".q"], w[key + ".s"])
+    keys = [f"layers.{layer}.{lin}" for layer in range(cfg.layers) for lin in cfg.linear_shapes()]
+    keys += ["lm_head"] if cfg.family == "decoder" else []
+    return Linears({key: weight(key) for key in keys}, fp16, cfg.weight_format)
 
 
 class DecoderReference:
@@ -160,7 +166,7 @@ class DecoderReference:
             m = silu(mm(h, p + "w_gate")) * mm(h, p + "w_up")
             x = x + mm(m, p + "w_down")
         x = rmsnorm(x, w["final_norm.w"], cfg.eps)
-        return (x @ lin["lm_head"].T).astype(np.float32)
+        return lin.mm(x, "lm_head", 1).astype(np.float32)   # the graph's lm_head has 1 row
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         logits = self.forward(prompt, 0)[-1]

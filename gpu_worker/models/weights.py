@@ -96,13 +96,13 @@ def weight_names(cfg: ModelConfig) -> list[str]:
             ["attn_norm.w", "attn_norm.b", "mlp_norm.w", "mlp_norm.b"]
         names += [p + n for n in norms]
         for lin in cfg.linear_shapes():
-            names += [p + lin + ".q", p + lin + ".s"]
+            names += cfg.linear_keys(p + lin)
         if cfg.qkv_bias:
             names += [p + "wq.b", p + "wk.b", p + "wv.b"]
         if cfg.linear_bias:
             names += [p + lin + ".b" for lin in cfg.linear_shapes()]
     if cfg.family == "decoder":
-        names += ["final_norm.w", "lm_head.q", "lm_head.s"]
+        names += ["final_norm.w", *cfg.linear_keys("lm_head")]
         if cfg.rope_scaling is not None:
             names.append("rope.inv_freq")
     return names
@@ -117,7 +117,7 @@ def weight_sizes(cfg: ModelConfig) -> list[int]:
     norms = 2 if cfg.family == "decoder" else 4
     per_layer = [h * 4] * norms
     for o, i in cfg.linear_shapes().values():
-        per_layer += [o * i // 2, o * (i // QUANT_BLOCK) * 2]
+        per_layer += cfg.linear_sizes(o, i)
     if cfg.qkv_bias:
         kvd = cfg.kv_heads * cfg.head_dim
         per_layer += [h * 4, kvd * 4, kvd * 4]
@@ -125,7 +125,7 @@ def weight_sizes(cfg: ModelConfig) -> list[int]:
         per_layer += [o * 4 for o, _ in cfg.linear_shapes().values()]
     sizes += per_layer * cfg.layers
     if cfg.family == "decoder":
-        sizes += [h * 4, cfg.vocab_size * h // 2, cfg.vocab_size * (h // QUANT_BLOCK) * 2]
+        sizes += [h * 4, *cfg.linear_sizes(cfg.vocab_size, h)]
         if cfg.rope_scaling is not None:
             sizes.append(cfg.head_dim // 2 * 4)
     return sizes
@@ -134,7 +134,8 @@ def weight_sizes(cfg: ModelConfig) -> list[int]:
 def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (key, host array) for every weight, deterministically from `seed`.
 
-    Quantized linears yield two keys, `<name>.q` (packed uint8) and `<name>.s` (fp16 scales).
+    Quantized linears yield two keys, `<name>.q` (packed uint8) and `<name>.s` (fp16 scales);
+    with `cfg.weight_format == "fp16"` one, `<name>.h`: the same weight dequantized to fp16.
     """
     h = cfg.hidden
     yield "embed", random_table(seed, "embed", cfg.vocab_size, h)
@@ -150,9 +151,7 @@ def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
             if cfg.family == "encoder":
                 yield p + norm + ".b", random_vector(seed, p + norm + ".b", h, 0.0, 0.1)
         for lin, (o, i) in linears.items():
-            q = random_linear(seed, p + lin, o, i)
-            yield p + lin + ".q", q.packed
-            yield p + lin + ".s", q.scales
+            yield from _linear(cfg, p + lin, random_linear(seed, p + lin, o, i))
         if cfg.qkv_bias:
             for lin in ("wq", "wk", "wv"):
                 yield p + lin + ".b", random_vector(seed, p + lin + ".b", linears[lin][0], 0.0, 0.1)
@@ -161,11 +160,17 @@ def generate(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, np.ndarray]]:
                 yield p + lin + ".b", random_vector(seed, p + lin + ".b", o, 0.0, 0.1)
     if cfg.family == "decoder":
         yield "final_norm.w", random_vector(seed, "final_norm.w", h, 1.0, 0.1)
-        q = random_linear(seed, "lm_head", cfg.vocab_size, h)
-        yield "lm_head.q", q.packed
-        yield "lm_head.s", q.scales
+        yield from _linear(cfg, "lm_head", random_linear(seed, "lm_head", cfg.vocab_size, h))
         if cfg.rope_scaling is not None:
             yield "rope.inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float32)
+
+
+def _linear(cfg: ModelConfig, name: str, q: QuantizedLinear) -> Iterator[tuple[str, np.ndarray]]:
+    if cfg.weight_format == "fp16":
+        yield name + ".h", q.dequantize().astype(np.float16)
+    else:
+        yield name + ".q", q.packed
+        yield name + ".s", q.scales
 
 
 def load_host(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
