@@ -1,7 +1,7 @@
 """`gpuplane`: the command line for users of a running stack.
 
     gpuplane load --model-id m1 --family decoder --config tiny --seed 0
-    gpuplane load --model-id llama --checkpoint Llama-3.2-1B [--weight-format int4]
+    gpuplane load --model-id llama --checkpoint Llama-3.2-1B [--weight-format fp16]
     gpuplane generate --model-id m1 --tokens 1,2,3 --max-new-tokens 16
     gpuplane generate --model-id llama --prompt "Once upon a time" --max-new-tokens 32
     gpuplane embed --model-id e1 --tokens 1,2,3 --tokens 4,5,6
@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face checkpoint directory under the worker's --model-root "
                         "(instead of --family/--config/--seed)")
     p.add_argument("--weight-format", default="", choices=["", "int4", "fp16"],
-                   help="int4 (default: quantized on load); fp16 is refused until supported")
+                   help="int4 (default: quantized on load) or fp16 (kept as stored, ~3.6x the "
+                        "memory)")
     p = add("unload", cmd_unload, "unload a model and free its memory")
     p.add_argument("--model-id", required=True)
     add("models", cmd_models, "list the loaded models")

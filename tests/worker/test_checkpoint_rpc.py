@@ -21,7 +21,7 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "checkpoints" / "golden"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("models")
-    for name in ("llama-tied", "qwen2-untied", "bert-st"):
+    for name in ("llama-tied", "qwen2-untied", "bert-st", "llama-gptq"):
         shutil.copytree(GOLDEN / name, root / name)
     stop = shutil.copytree(GOLDEN / "llama-tied", root / "llama-eos")
     eos = int(np.load(GOLDEN / "llama-tied.npz")["greedy"][0][3])
@@ -95,7 +95,7 @@ def test_generation_stops_at_an_eos_token_from_the_list(worker):
     ({"checkpoint": "/etc"}, grpc.StatusCode.PERMISSION_DENIED),
     ({"checkpoint": "missing"}, grpc.StatusCode.NOT_FOUND),
     ({"checkpoint": "llama-bad"}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"checkpoint": "qwen2-untied", "weight_format": "fp16"}, grpc.StatusCode.FAILED_PRECONDITION),
+    ({"checkpoint": "llama-gptq", "weight_format": "fp16"}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"checkpoint": "qwen2-untied", "weight_format": "int8"}, grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_a_failed_checkpoint_load_changes_nothing(worker, fields, code):
@@ -106,6 +106,23 @@ def test_a_failed_checkpoint_load_changes_nothing(worker, fields, code):
     assert err.value.code() == code, err.value.details()
     assert sorted(m.model_id for m in worker.list_models()) == before_models
     assert worker.stats().ledger_bytes == before_ledger, "a failed load left bytes booked"
+
+
+def test_an_fp16_load_is_listed_as_fp16_and_generates_transformers_greedy_tokens(worker):
+    reply = worker.stub.LoadModel(worker_pb2.LoadModelRequest(
+        model_id="qwen16", checkpoint="qwen2-untied", weight_format="fp16"))
+    try:
+        int4 = {m.model_id: m for m in worker.list_models()}["llama"]
+        info = reply.model
+        assert (info.checkpoint, info.architecture, info.weight_format) == (
+            "qwen2-untied", "Qwen2ForCausalLM", "fp16")
+        assert info.weight_bytes > int4.weight_bytes, "fp16 linears take more than int4's"
+        g = np.load(GOLDEN / "qwen2-untied-fp16.npz")
+        out = _generate(worker, model_id="qwen16", prompt_tokens=list(g["prompts"][1]),
+                        max_new_tokens=16)
+        assert [t for r in out for t in r.tokens] == list(g["greedy"][1])
+    finally:
+        worker.unload_model("qwen16")
 
 
 def test_the_bad_checkpoint_error_names_file_and_tensor(worker):
