@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
@@ -87,6 +87,17 @@ def _resolve(shards: ShardSet, spec: CheckpointSpec) -> dict[str, Source]:
             name = "model.embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
             srcs["lm_head"] = Source(name, "int4", head.shape)
     return srcs
+
+
+def _by_row_chunks(rows: int, convert: Callable[[slice], None]) -> None:
+    """`convert` every CHUNK_ROWS rows, on QUANT_THREADS threads when there are several chunks."""
+    chunks = [slice(r, min(r + CHUNK_ROWS, rows)) for r in range(0, rows, CHUNK_ROWS)]
+    if QUANT_THREADS == 1 or len(chunks) == 1:
+        for c in chunks:
+            convert(c)
+    else:
+        with ThreadPoolExecutor(QUANT_THREADS) as pool:
+            list(pool.map(convert, chunks))   # list(): re-raise a chunk's exception here
 
 
 class Checkpoint:
@@ -163,16 +174,16 @@ class Checkpoint:
     def _to_f16(self, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The linear as stored, cast to fp16 row chunk by row chunk (bf16 -> fp16 is exact for
         every value in fp16's normal range; f32 rounds to nearest)."""
-        out_dim = shape[0]
         out = np.empty(shape, np.float16)
-        for r in range(0, out_dim, CHUNK_ROWS):
-            rows = slice(r, min(r + CHUNK_ROWS, out_dim))
-            chunk = self._shards.float32(hf_name, rows)
-            if not (np.abs(chunk) <= F16_MAX).all():   # also catches inf and NaN
+
+        def chunk(rows: slice) -> None:
+            values = self._shards.float32(hf_name, rows)
+            if not (np.abs(values) <= F16_MAX).all():   # also catches inf and NaN
                 raise CheckpointError(f"{self._shards.file_name(hf_name)}, tensor {hf_name!r}: "
                                       "values beyond fp16's range (|x| > 65504, inf or NaN): "
                                       "load it with weight_format 'int4'", tensor=hf_name)
-            out[rows] = chunk
+            out[rows] = values
+        _by_row_chunks(shape[0], chunk)
         return out
 
     def _quantize(self, hf_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -180,17 +191,10 @@ class Checkpoint:
         packed = np.empty((out_dim, in_dim // 2), np.uint8)
         scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
 
-        def chunk(r: int) -> None:
-            rows = slice(r, min(r + CHUNK_ROWS, out_dim))
+        def chunk(rows: slice) -> None:
             q = quantize(self._shards.float32(hf_name, rows))
             packed[rows], scales[rows] = q.packed, q.scales
-        starts = range(0, out_dim, CHUNK_ROWS)
-        if QUANT_THREADS == 1 or len(starts) == 1:
-            for r in starts:
-                chunk(r)
-        else:
-            with ThreadPoolExecutor(QUANT_THREADS) as pool:
-                list(pool.map(chunk, starts))   # list(): re-raise a chunk's exception here
+        _by_row_chunks(out_dim, chunk)
         return packed, scales
 
     def host_weights(self) -> dict[str, np.ndarray]:
