@@ -13,7 +13,8 @@ from services.common.errors import InvalidArgument
 
 QUANT_BLOCK = 32  # int4 block size along the input dimension; fp16 scale per block
 # How linear weights live on the device: "int4" (block-quantized `.q` nibbles + `.s` scales, the
-# default) or "fp16" (checkpoints served unquantized: one `.h` fp16 matrix: 2 bytes a weight against int4's 4.5 bits, 32/9 of its bytes).
+# default) or "fp16" (checkpoints served unquantized: one `.h` fp16 matrix, 2 bytes a weight
+# against int4's 4.5 bits: 32/9 of its bytes).
 WEIGHT_FORMATS = ("int4", "fp16")
 
 
