@@ -5,10 +5,11 @@ times that in host memory, and converting it one tensor at a time on one core ma
 several times slower than reading the files. Contract: `Checkpoint.weights()` yields (key, host
 array) in `weight_names` order, each converted straight from the mmap of its shard in row chunks
 (`_row_chunks`), and bit for bit what `models.weights.quantize` makes of the stored floats. It is a
-pipeline: while the caller takes tensor i, the next LOOKAHEAD tensors are read ahead
-(MADV_WILLNEED) and converted on QUANT_THREADS threads, so the host holds at most LOOKAHEAD + 1
-converted tensors plus one staged chunk per thread; `self.profile` says where the time went. No
-conversion outlives the mapping: `close()` (and the generator's end) cancel and drain the pool.
+pipeline: while the caller takes tensor i, the next tensors (at most MAX_LOOKAHEAD) are read
+ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, so the host holds at most
+MAX_LOOKAHEAD + 1 converted tensors plus one staged chunk per thread; `self.profile` says where
+the time went. No conversion outlives the mapping: `close()` (and the generator's end) cancel
+and drain the pool.
 Every tensor's name, shape and dtype are checked against config.json before any is converted
 (`Checkpoint.open` does it), so a bad checkpoint fails before the device is touched and names
 the file and the tensor. Cost: one pass over the files, the disk's speed when they are not cached.
@@ -49,7 +50,10 @@ CHUNK_ELEMS = 1 << 21   # and about this many elements (4 MB of bf16): a linear 
 # NumPy releases the GIL inside its loops, so tasks convert in parallel threads; each thread's
 # transient memory is one staged chunk plus the quantizer's cache-sized scratch.
 QUANT_THREADS = max(1, min(16, os.cpu_count() or 1))
-LOOKAHEAD = 3           # tensors read ahead and converting beyond the one the consumer takes
+# Tensors read ahead and converting beyond the one the consumer takes: enough that every thread
+# has a chunk queued (a k_proj is 2 chunks, a down_proj 28), at most MAX_LOOKAHEAD tensors.
+QUEUED_PER_THREAD = 4
+MAX_LOOKAHEAD = 8
 F16_MAX = 65504.0   # the largest finite fp16
 
 
@@ -189,9 +193,9 @@ class Checkpoint:
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs
-        (or fp16 `.h` linears). A pipeline: while the caller takes tensor i, tensors i+1..
-        i+LOOKAHEAD are read ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, in
-        row chunks; `self.profile` says where the time went."""
+        (or fp16 `.h` linears). A pipeline: while the caller takes tensor i, the following ones
+        are read ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, in row chunks;
+        `self.profile` says where the time went."""
         self._shutdown()
         self.profile = LoadProfile()
         pool = ThreadPoolExecutor(QUANT_THREADS, thread_name_prefix="checkpoint-load")
@@ -199,24 +203,30 @@ class Checkpoint:
         jobs = self._jobs()
         window: collections.deque[tuple[_Job, list[Future]]] = collections.deque()
 
-        def submit() -> None:
-            job = next(jobs, None)
-            if job is not None:
+        def top_up() -> None:
+            """Submit jobs until QUEUED_PER_THREAD chunks a thread are pending or MAX_LOOKAHEAD
+            tensors are in the window (one at least: MAX_LOOKAHEAD 0 converts one at a time)."""
+            pending = sum(not f.done() for _, fs in window for f in fs)
+            while not window or (pending < QUEUED_PER_THREAD * QUANT_THREADS
+                                 and len(window) < MAX_LOOKAHEAD):
+                job = next(jobs, None)
+                if job is None:
+                    return
                 for name in job.reads:
                     self._shards.will_need(name)
                 window.append((job, [pool.submit(t) for t in job.tasks]))
+                pending += len(job.tasks)
 
         emitted: list[str] = []
         try:
-            for _ in range(LOOKAHEAD + 1):
-                submit()
+            top_up()
             while window:
                 job, futures = window.popleft()
                 t0 = time.perf_counter()
                 for f in futures:
                     f.result()   # re-raises a chunk's error (the finally below drains the rest)
                 self.profile.wait_s += time.perf_counter() - t0
-                submit()
+                top_up()
                 for key, host in job.finish():
                     emitted.append(key)
                     yield key, host

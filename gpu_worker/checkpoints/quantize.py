@@ -1,16 +1,15 @@
-"""The loader's int4 quantizer: `models.weights.quantize`, bit for bit, in cache-sized pieces.
+"""The loader's int4 quantizer: `models.weights.quantize`, bit for bit, in pieces with reused scratch.
 
 Hazard: `gpu_worker/models/weights.py::quantize` defines our int4 block format; a checkpoint load
 quantizes 16 GB of bf16 with it, and the NumPy spelling there makes ~12 passes over fresh 4-byte
-temporaries per element (each temporary a new mmap'd allocation the kernel zero-fills on first
-touch), which on the H200 machine made the load 2x slower than reading the files.
+temporaries per element (each a new allocation the kernel zero-fills on first touch).
 Contract: `quantize_rows(raw, dtype, packed, scales)` writes into `packed`/`scales` exactly what
 `quantize(to_float32(raw, dtype))` returns, for every input including zeros, subnormal scales,
-values past fp16's range, inf and NaN (tests/checkpoints/test_fast_quantize.py); only the
-evaluation order differs: the same element-wise operations, each one over a piece of
-`PIECE_ELEMS` elements held in per-thread scratch buffers that stay in the core's cache and are
-reused (no allocation per piece). Cost: ~10 passes over an L2-resident piece per element (~5x quantize() on one core); NumPy
-releases the GIL in each, so the loader's threads quantize in parallel.
+values past fp16's range, inf and NaN (tests/checkpoints/test_fast_quantize.py): the same
+element-wise operations in the same order, each over a piece of `PIECE_ELEMS` elements in
+per-thread scratch buffers allocated once. Cost: ~20 NumPy calls a piece, ~10 passes over it;
+~5x quantize() on one core. NumPy releases the GIL inside each call, so the loader's threads
+quantize in parallel as long as pieces are large (below).
 """
 from __future__ import annotations
 
@@ -20,21 +19,31 @@ import numpy as np
 
 from gpu_worker.models.configs import QUANT_BLOCK
 
-PIECE_ELEMS = 1 << 16   # 256 KiB of float32: fits a core's L2 with the int8/uint16 scratch
+# 4 MiB of float32. Each NumPy call takes the GIL for its setup (under contention a futex
+# hand-off, microseconds); a piece is ~20 calls, so pieces must be big enough that 16 threads do
+# not queue on the GIL: with 64K-element pieces they did on the H200 machine (16 threads,
+# 458 thread-seconds to convert 16 GB, 0.6 GB/s). Bigger pieces leave the L2 (~13 MiB of scratch
+# a thread) but memory bandwidth is not the limit at this rate.
+PIECE_ELEMS = 1 << 20
 
 
 class _Scratch(threading.local):
     """One thread's reusable buffers (threading.local: each loader thread gets its own)."""
 
-    def __init__(self) -> None:
-        self.f32 = np.empty(PIECE_ELEMS, np.float32)
-        self.abs = np.empty(PIECE_ELEMS, np.float32)
-        self.half = np.empty(PIECE_ELEMS // 2, np.float32)      # the max tree's levels
-        self.quarter = np.empty(PIECE_ELEMS // 4, np.float32)
-        self.i8 = np.empty(PIECE_ELEMS, np.int8)
-        self.u16 = np.empty(PIECE_ELEMS // 2, np.uint16)
-        self.amax = np.empty(PIECE_ELEMS // QUANT_BLOCK, np.float32)
-        self.safe = np.empty(PIECE_ELEMS // QUANT_BLOCK, np.float32)
+    elems = 0
+
+    def ensure(self, elems: int) -> _Scratch:
+        if self.elems < elems:   # once per thread (or when PIECE_ELEMS grows)
+            self.f32 = np.empty(elems, np.float32)
+            self.abs = np.empty(elems, np.float32)
+            self.half = np.empty(elems // 2, np.float32)      # the max tree's levels
+            self.quarter = np.empty(elems // 4, np.float32)
+            self.i8 = np.empty(elems, np.int8)
+            self.u16 = np.empty(elems // 2, np.uint16)
+            self.amax = np.empty(elems // QUANT_BLOCK, np.float32)
+            self.safe = np.empty(elems // QUANT_BLOCK, np.float32)
+            self.elems = elems
+        return self
 
 
 _scratch = _Scratch()
@@ -51,14 +60,14 @@ def quantize_rows(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.nd
     rows, in_dim = raw.shape
     if in_dim % QUANT_BLOCK:
         raise ValueError(f"input dimension {in_dim} is not a multiple of {QUANT_BLOCK}")
-    if in_dim > PIECE_ELEMS:   # one row per piece would overflow the scratch: plain spelling
-        from gpu_worker.checkpoints.safetensors import to_float32
-        from gpu_worker.models.weights import quantize
-        q = quantize(to_float32(raw, dtype))
-        packed[...], scales[...] = q.packed, q.scales
-        return
-    step = piece_rows(in_dim)
     with np.errstate(all="ignore"):   # inf/NaN inputs quantize as in quantize(), silently
+        if in_dim > PIECE_ELEMS:   # one row would overflow a piece: the plain spelling
+            from gpu_worker.checkpoints.safetensors import to_float32
+            from gpu_worker.models.weights import quantize
+            q = quantize(to_float32(raw, dtype))
+            packed[...], scales[...] = q.packed, q.scales
+            return
+        step = piece_rows(in_dim)
         for r in range(0, rows, step):
             _piece(raw[r:r + step], dtype, packed[r:r + step], scales[r:r + step])
 
@@ -76,8 +85,8 @@ def _block_max(a: np.ndarray, s: _Scratch) -> np.ndarray:
 
 
 def _piece(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
-    s = _scratch
     n, in_dim = raw.shape
+    s = _scratch.ensure(n * in_dim)
     nb = in_dim // QUANT_BLOCK
     f = s.f32[:n * in_dim].reshape(n, in_dim)
     if dtype == "BF16":   # bf16 is the top half of an f32 (as to_float32 widens it)
@@ -97,7 +106,8 @@ def _piece(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) 
     np.add(safe, safe == 0, out=safe)
     np.divide(blocks.reshape(-1, QUANT_BLOCK), safe[:, None], out=blocks.reshape(-1, QUANT_BLOCK))
     np.rint(blocks, out=blocks)
-    np.clip(blocks, -8, 7, out=blocks)
+    np.maximum(blocks, -8, out=blocks)   # np.clip's value (NaN kept), without its Python wrapper
+    np.minimum(blocks, 7, out=blocks)
     # nibble = q + 8; byte j = nibble(2j) | nibble(2j+1) << 4: read the int8 pairs as little-endian
     # uint16 v = lo | hi << 8, so (v | v >> 4) has lo | hi << 4 in its low byte
     q8 = s.i8[:n * in_dim].reshape(n, in_dim)
