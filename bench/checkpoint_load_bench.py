@@ -32,7 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_worker.checkpoints import Checkpoint, SafetensorsFile
-from gpu_worker.checkpoints.loader import QUANT_THREADS
+from gpu_worker.checkpoints.loader import QUANT_THREADS, _row_chunks
+from gpu_worker.checkpoints.quantize import quantize_rows
 from gpu_worker.checkpoints.shards import INDEX
 from gpu_worker.device import open_device
 from gpu_worker.execution.executor import ModelExecutor
@@ -114,6 +115,14 @@ class Breakdown:
         return ", ".join(parts) + " s" + threads
 
 
+def _release(device, ex: ModelExecutor) -> None:
+    """Free this side's slots now, untimed: their deferred releases (unmapping, unpinning GBs of
+    host memory) would otherwise run inside the next side's timed region."""
+    ex.close()
+    device.synchronize()
+    device.queue.drain()
+
+
 def read_and_copy(device, compiler, root: pathlib.Path) -> Breakdown:
     ex = ModelExecutor(device, compiler)
     b = Breakdown()
@@ -132,7 +141,7 @@ def read_and_copy(device, compiler, root: pathlib.Path) -> Breakdown:
     device.synchronize()
     b.h2d = time.perf_counter() - t0
     b.total = time.perf_counter() - start
-    ex.close()
+    _release(device, ex)
     return b
 
 
@@ -152,8 +161,29 @@ def load(device, compiler, root: pathlib.Path) -> Breakdown:
     device.synchronize()
     b.h2d = time.perf_counter() - t0
     b.total = time.perf_counter() - start
-    ex.close()
+    _release(device, ex)
     return b
+
+
+def quantizer_scaling(threads: int) -> tuple[float, float]:
+    """GB/s of bf16 that quantize_rows converts on one thread and on `threads` threads (a
+    down_proj's shape, in the loader's row chunks): says whether the threads run in parallel
+    or queue (on the GIL, on memory bandwidth)."""
+    raw = _bf16(np.random.default_rng(1), (4096, 14336), 0.02)
+    packed = np.empty((4096, 14336 // 2), np.uint8)
+    scales = np.empty((4096, 14336 // 32), np.float16)
+    chunks = _row_chunks(4096, 14336)
+
+    def task(rows: slice) -> None:
+        quantize_rows(raw[rows], "BF16", packed[rows], scales[rows])
+    rates = []
+    for n in (1, threads):
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(task, chunks))   # warm: scratch buffers, page faults
+            start = time.perf_counter()
+            list(pool.map(task, chunks))
+            rates.append(raw.nbytes / GB / (time.perf_counter() - start))
+    return rates[0], rates[1]
 
 
 def main() -> int:
@@ -173,6 +203,9 @@ def main() -> int:
         size = write_checkpoint(root, args.layers, args.vocab)
         print(f"checkpoint: {args.layers} layers, vocab {args.vocab}, {size / GB:.2f} GB of bf16 "
               f"({device.backend.name})", flush=True)
+        one, many = quantizer_scaling(QUANT_THREADS)
+        print(f"quantizer: {one:.2f} GB/s of bf16 on 1 thread, {many:.2f} GB/s on {QUANT_THREADS} "
+              f"({many / one:.1f}x)", flush=True)
         base, ours = [], []
         for r in range(args.rounds):
             rc, ld = read_and_copy(device, compiler, root), load(device, compiler, root)
