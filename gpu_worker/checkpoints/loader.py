@@ -48,8 +48,9 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 CHUNK_ROWS = 1024       # at most this many rows of a tensor per task
 CHUNK_ELEMS = 1 << 21   # and about this many elements (4 MB of bf16): a linear is many tasks
 # NumPy releases the GIL inside its loops, so tasks convert in parallel threads; each thread's
-# transient memory is one staged chunk plus the quantizer's cache-sized scratch.
-QUANT_THREADS = max(1, min(16, os.cpu_count() or 1))
+# transient memory is one staged chunk plus the quantizer's scratch. One core is left to the
+# consumer (pinned copies): an oversubscribed machine makes every GIL hand-off wait for a core.
+QUANT_THREADS = max(1, min(16, (os.cpu_count() or 2) - 1))
 # Tensors read ahead and converting beyond the one the consumer takes: enough that every thread
 # has a chunk queued (a k_proj is 2 chunks, a down_proj 28), at most MAX_LOOKAHEAD tensors.
 QUEUED_PER_THREAD = 4
