@@ -7,6 +7,8 @@ Writes a bf16 safetensors checkpoint with Llama-3-8B's shapes (random weights; `
   load       our loader: the same files through `Checkpoint.weights()` (bf16 -> int4 quantization
              on the host) into the same kind of weight slots.
 Both sides go through one device and one weight store; the statistic is the best round of each.
+Each round also prints where each side's time went: the main thread's read / wait / pinned
+(add_weight) / h2d (ensure_resident) seconds, and the loader threads' read and convert seconds.
 Target: load <= 1.5 x read+copy; a miss prints MISSED and exits 1. The files are read from the
 page cache on both sides (the first round warms it; caches are not dropped on a shared machine).
 
@@ -16,18 +18,22 @@ page cache on both sides (the first round warms it; caches are not dropped on a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_worker.checkpoints import Checkpoint, SafetensorsFile
+from gpu_worker.checkpoints.loader import QUANT_THREADS, _row_chunks
+from gpu_worker.checkpoints.quantize import quantize_rows
 from gpu_worker.checkpoints.shards import INDEX
 from gpu_worker.device import open_device
 from gpu_worker.execution.executor import ModelExecutor
@@ -37,7 +43,13 @@ GB = 1e9
 
 
 def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
-    return ((rng.standard_normal(shape, dtype=np.float32) * scale).view(np.uint32) >> 16).astype("<u2")
+    """Random bf16 bits: random sign and 7-bit mantissa, exponent within 16x below `scale`
+    (the quantizer's cost does not depend on the values; random 16-bit integers are ~10x faster
+    to draw than normals, which made writing 16 GB take two minutes of device time)."""
+    top = int(np.floor(np.log2(scale))) + 127   # biased exponent of the largest magnitude
+    r = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    exponent = (top - ((r >> 7) & 3)).astype(np.uint16) << 7
+    return ((r & 0x807F) | exponent).astype("<u2")
 
 
 def write_checkpoint(root: pathlib.Path, layers: int, vocab: int) -> int:
@@ -49,7 +61,6 @@ def write_checkpoint(root: pathlib.Path, layers: int, vocab: int) -> int:
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "vocab_size": vocab, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "eos_token_id": 1}))
-    rng = np.random.default_rng(0)
     shards: dict[str, dict[str, tuple[tuple[int, ...], float]]] = {
         "embed": {"model.embed_tokens.weight": ((vocab, h), 1.0), "model.norm.weight": ((h,), 1.0),
                   "lm_head.weight": ((vocab, h), 0.02)}}
@@ -61,8 +72,10 @@ def write_checkpoint(root: pathlib.Path, layers: int, vocab: int) -> int:
             p + "self_attn.v_proj.weight": ((kvd, h), 0.02), p + "self_attn.o_proj.weight": ((h, h), 0.02),
             p + "mlp.gate_proj.weight": ((ffn, h), 0.02), p + "mlp.up_proj.weight": ((ffn, h), 0.02),
             p + "mlp.down_proj.weight": ((h, ffn), 0.02)}
-    weight_map, total = {}, 0
-    for shard, tensors in shards.items():
+    weight_map: dict[str, str] = {}
+
+    def write(index: int, shard: str) -> int:
+        tensors, rng = shards[shard], np.random.default_rng([0, index])
         header, offset = {}, 0
         for name, (shape, _) in tensors.items():
             n = int(np.prod(shape)) * 2
@@ -75,36 +88,102 @@ def write_checkpoint(root: pathlib.Path, layers: int, vocab: int) -> int:
             f.write(len(blob).to_bytes(8, "little") + blob)
             for shape, scale in tensors.values():
                 _bf16(rng, shape, scale).tofile(f)
-        total += offset
+        return offset
+    with ThreadPoolExecutor(8) as pool:   # NumPy's generators release the GIL: shards in parallel
+        total = sum(pool.map(write, range(len(shards)), list(shards)))
     (root / INDEX).write_text(json.dumps({"weight_map": weight_map}))
     return total
 
 
-def read_and_copy(device, compiler, root: pathlib.Path) -> float:
+@dataclasses.dataclass
+class Breakdown:
+    """Wall seconds of one side, by phase (the main thread's view), plus the loader's
+    thread-seconds (read and convert overlap each other and the main thread)."""
+    total: float = 0.0
+    read: float = 0.0      # main thread: bytes out of the mmap (read+copy side only)
+    wait: float = 0.0      # main thread: waiting for the loader's next tensor (load side only)
+    pinned: float = 0.0    # add_weight: pinned host allocation + copy into it
+    h2d: float = 0.0       # ensure_resident + synchronize: the page-in copies to the device
+    thread_read: float = 0.0
+    thread_convert: float = 0.0
+
+    def line(self) -> str:
+        parts = [f"{k} {getattr(self, k):.2f}" for k in ("read", "wait", "pinned", "h2d")
+                 if getattr(self, k)]
+        threads = (f"; loader threads ({QUANT_THREADS}): read {self.thread_read:.2f}, "
+                   f"convert {self.thread_convert:.2f} thread-s" if self.thread_convert else "")
+        return ", ".join(parts) + " s" + threads
+
+
+def _release(device, ex: ModelExecutor) -> None:
+    """Free this side's slots now, untimed: their deferred releases (unmapping, unpinning GBs of
+    host memory) would otherwise run inside the next side's timed region."""
+    ex.close()
+    device.synchronize()
+    device.queue.drain()
+
+
+def read_and_copy(device, compiler, root: pathlib.Path) -> Breakdown:
     ex = ModelExecutor(device, compiler)
+    b = Breakdown()
     start = time.perf_counter()
     for path in sorted(root.glob("*.safetensors")):
         with SafetensorsFile(path) as f:
             for name in f.names():
-                ex.add_weight(name, np.array(f.tensor(name)))
+                t0 = time.perf_counter()
+                host = np.array(f.tensor(name))
+                t1 = time.perf_counter()
+                ex.add_weight(name, host)
+                b.read += t1 - t0
+                b.pinned += time.perf_counter() - t1
+    t0 = time.perf_counter()
     ex.ensure_resident()
     device.synchronize()
-    seconds = time.perf_counter() - start
-    ex.close()
-    return seconds
+    b.h2d = time.perf_counter() - t0
+    b.total = time.perf_counter() - start
+    _release(device, ex)
+    return b
 
 
-def load(device, compiler, root: pathlib.Path) -> float:
+def load(device, compiler, root: pathlib.Path) -> Breakdown:
     ex = ModelExecutor(device, compiler)
+    b = Breakdown()
     start = time.perf_counter()
     with Checkpoint.open(root, 8192) as ckpt:
         for key, host in ckpt.weights():
+            t0 = time.perf_counter()
             ex.add_weight(key, host)
+            b.pinned += time.perf_counter() - t0
+        b.wait, b.thread_read, b.thread_convert = (ckpt.profile.wait_s, ckpt.profile.read_s,
+                                                   ckpt.profile.convert_s)
+    t0 = time.perf_counter()
     ex.ensure_resident()
     device.synchronize()
-    seconds = time.perf_counter() - start
-    ex.close()
-    return seconds
+    b.h2d = time.perf_counter() - t0
+    b.total = time.perf_counter() - start
+    _release(device, ex)
+    return b
+
+
+def quantizer_scaling(threads: int) -> tuple[float, float]:
+    """GB/s of bf16 that quantize_rows converts on one thread and on `threads` threads (a
+    down_proj's shape, in the loader's row chunks): says whether the threads run in parallel
+    or queue (on the GIL, on memory bandwidth)."""
+    raw = _bf16(np.random.default_rng(1), (4096, 14336), 0.02)
+    packed = np.empty((4096, 14336 // 2), np.uint8)
+    scales = np.empty((4096, 14336 // 32), np.float16)
+    chunks = _row_chunks(4096, 14336)
+
+    def task(rows: slice) -> None:
+        quantize_rows(raw[rows], "BF16", packed[rows], scales[rows])
+    rates = []
+    for n in (1, threads):
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(task, chunks))   # warm: scratch buffers, page faults
+            start = time.perf_counter()
+            list(pool.map(task, chunks))
+            rates.append(raw.nbytes / GB / (time.perf_counter() - start))
+    return rates[0], rates[1]
 
 
 def main() -> int:
@@ -124,12 +203,18 @@ def main() -> int:
         size = write_checkpoint(root, args.layers, args.vocab)
         print(f"checkpoint: {args.layers} layers, vocab {args.vocab}, {size / GB:.2f} GB of bf16 "
               f"({device.backend.name})", flush=True)
+        one, many = quantizer_scaling(QUANT_THREADS)
+        print(f"quantizer: {one:.2f} GB/s of bf16 on 1 thread, {many:.2f} GB/s on {QUANT_THREADS} "
+              f"({many / one:.1f}x)", flush=True)
         base, ours = [], []
         for r in range(args.rounds):
-            base.append(read_and_copy(device, compiler, root))
-            ours.append(load(device, compiler, root))
-            print(f"  round {r}: read+copy {base[-1]:.2f} s ({size / GB / base[-1]:.2f} GB/s), "
-                  f"load {ours[-1]:.2f} s ({size / GB / ours[-1]:.2f} GB/s)", flush=True)
+            rc, ld = read_and_copy(device, compiler, root), load(device, compiler, root)
+            base.append(rc.total)
+            ours.append(ld.total)
+            print(f"  round {r}: read+copy {rc.total:.2f} s ({size / GB / rc.total:.2f} GB/s), "
+                  f"load {ld.total:.2f} s ({size / GB / ld.total:.2f} GB/s)", flush=True)
+            print(f"    read+copy: {rc.line()}", flush=True)
+            print(f"    load:      {ld.line()}", flush=True)
     ratio = min(ours) / min(base)
     verdict = "met" if ratio <= TARGET else "MISSED"
     print(f"load / (read + copy) = {min(ours):.2f} s / {min(base):.2f} s = {ratio:.2f}x "

@@ -1,24 +1,35 @@
 """A Hugging Face checkpoint directory -> our weight keys, streamed one tensor at a time.
 
 Hazard: an 8B model is 16 GB of bf16; holding it as floats and then as int4 would need three
-times that in host memory. Contract: `Checkpoint.weights()` yields (key, host array) in
-`weight_names` order, each converted straight from the mmap of its shard (linears quantized in
-row chunks of `CHUNK_ROWS`), so the largest transient is one chunk of float32 plus the int4 result
-of one tensor. Every tensor's name, shape and dtype are checked against config.json before any is
-converted (`Checkpoint.open` does it), so a bad checkpoint fails before the device is touched and
-names the file and the tensor. Cost: one pass over the files; the quantization is vectorized NumPy.
+times that in host memory, and converting it one tensor at a time on one core makes the load
+several times slower than reading the files. Contract: `Checkpoint.weights()` yields (key, host
+array) in `weight_names` order, each converted straight from the mmap of its shard in row chunks
+(`_row_chunks`), and bit for bit what `models.weights.quantize` makes of the stored floats. It is a
+pipeline: while the caller takes tensor i, the next tensors (at most MAX_LOOKAHEAD) are read
+ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, so the host holds at most
+MAX_LOOKAHEAD + 1 converted tensors plus one staged chunk per thread; `self.profile` says where
+the time went. No conversion outlives the mapping: `close()` (and the generator's end) cancel
+and drain the pool.
+Every tensor's name, shape and dtype are checked against config.json before any is converted
+(`Checkpoint.open` does it), so a bad checkpoint fails before the device is touched and names
+the file and the tensor. Cost: one pass over the files, the disk's speed when they are not cached.
 `weight_format="fp16"` keeps every linear as stored: cast to one fp16 `<key>.h` matrix in the same
 row chunks (no quantization); a value beyond fp16's range (|x| > 65504) is refused, naming the
 tensor, rather than served as inf. GPTQ files are already 4-bit: they load as int4 only.
-The name mapping is in mapping.py, file lookup in shards.py, GPTQ's layout in gptq.py.
+The name mapping is in mapping.py, file lookup in shards.py, GPTQ's layout in gptq.py, the
+chunked quantizer in quantize.py.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import os
 import pathlib
+import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Self
 
 import numpy as np
@@ -26,18 +37,73 @@ import numpy as np
 from gpu_worker.checkpoints import gptq
 from gpu_worker.checkpoints.hf_config import CheckpointSpec, read_spec
 from gpu_worker.checkpoints.mapping import Source, sources
-from gpu_worker.checkpoints.safetensors import CheckpointError
+from gpu_worker.checkpoints.quantize import quantize_rows
+from gpu_worker.checkpoints.safetensors import CheckpointError, to_float32
 from gpu_worker.checkpoints.shards import FLOAT_DTYPES, ShardSet
 from gpu_worker.models.configs import QUANT_BLOCK, WEIGHT_FORMATS, ModelConfig
 from gpu_worker.models.rope import inv_freq
-from gpu_worker.models.weights import quantize, weight_names
+from gpu_worker.models.weights import weight_names
 from services.common.errors import FailedPrecondition, InvalidArgument
 
-CHUNK_ROWS = 1024  # rows of a linear converted at once: 1024 x 14336 f32 is 59 MB
-# NumPy releases the GIL inside its loops, so row chunks quantize in parallel threads; the
-# transient host memory is QUANT_THREADS chunks of f32.
-QUANT_THREADS = max(1, min(8, os.cpu_count() or 1))
+CHUNK_ROWS = 1024       # at most this many rows of a tensor per task
+CHUNK_ELEMS = 1 << 21   # and about this many elements (4 MB of bf16): a linear is many tasks
+# NumPy releases the GIL inside its loops, so tasks convert in parallel threads; each thread's
+# transient memory is one staged chunk plus the quantizer's scratch. One core is left to the
+# consumer (pinned copies): an oversubscribed machine makes every GIL hand-off wait for a core.
+QUANT_THREADS = max(1, min(16, (os.cpu_count() or 2) - 1))
+# Tensors read ahead and converting beyond the one the consumer takes: enough that every thread
+# has a chunk queued (a k_proj is 2 chunks, a down_proj 28), at most MAX_LOOKAHEAD tensors.
+QUEUED_PER_THREAD = 4
+MAX_LOOKAHEAD = 8
 F16_MAX = 65504.0   # the largest finite fp16
+
+
+@dataclasses.dataclass
+class LoadProfile:
+    """Where a `weights()` pass spent its time. read/convert are thread-seconds summed over the
+    QUANT_THREADS threads (they overlap each other and the consumer); wait is the consumer's time
+    blocked on the next tensor, i.e. what the pipeline failed to hide."""
+    read_s: float = 0.0      # copying stored bytes out of the mmap: page faults, page cache or disk
+    convert_s: float = 0.0   # quantizing to int4, casting to fp16/f32
+    wait_s: float = 0.0
+    bytes_read: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def add(self, read_s: float, convert_s: float, nbytes: int) -> None:
+        with self._lock:
+            self.read_s += read_s
+            self.convert_s += convert_s
+            self.bytes_read += nbytes
+
+
+class _Stage(threading.local):
+    """One thread's staging buffer: a chunk's stored bytes are copied here first, so the read
+    (page faults) is timed apart from the conversion and the quantizer reads RAM, not the map."""
+    buf = np.empty(0, np.uint8)
+
+
+_stage = _Stage()
+
+
+def _staged(view: np.ndarray) -> np.ndarray:
+    if _stage.buf.nbytes < view.nbytes:
+        _stage.buf = np.empty(view.nbytes, np.uint8)
+    out = _stage.buf[:view.nbytes].view(view.dtype).reshape(view.shape)
+    np.copyto(out, view)
+    return out
+
+
+def _row_chunks(rows: int, cols: int) -> list[slice]:
+    step = max(1, min(CHUNK_ROWS, CHUNK_ELEMS // max(1, cols)))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+@dataclasses.dataclass
+class _Job:
+    """One source tensor: `tasks` run on the pool, then `finish()` gives its (key, array)s."""
+    tasks: list[Callable[[], None]]
+    finish: Callable[[], list[tuple[str, np.ndarray]]]
+    reads: list[str]   # HF names to read ahead
 
 
 def _check_float(shards: ShardSet, spec: CheckpointSpec, src: Source) -> None:
@@ -89,23 +155,14 @@ def _resolve(shards: ShardSet, spec: CheckpointSpec) -> dict[str, Source]:
     return srcs
 
 
-def _by_row_chunks(rows: int, convert: Callable[[slice], None]) -> None:
-    """`convert` every CHUNK_ROWS rows, on QUANT_THREADS threads when there are several chunks."""
-    chunks = [slice(r, min(r + CHUNK_ROWS, rows)) for r in range(0, rows, CHUNK_ROWS)]
-    if QUANT_THREADS == 1 or len(chunks) == 1:
-        for c in chunks:
-            convert(c)
-    else:
-        with ThreadPoolExecutor(QUANT_THREADS) as pool:
-            list(pool.map(convert, chunks))   # list(): re-raise a chunk's exception here
-
-
 class Checkpoint:
     """An opened, fully validated checkpoint; `weights()` streams it. `close()` unmaps."""
 
     def __init__(self, directory: pathlib.Path, spec: CheckpointSpec, shards: ShardSet,
                  srcs: dict[str, Source]) -> None:
         self.directory, self.spec, self._shards, self._sources = directory, spec, shards, srcs
+        self.profile = LoadProfile()
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def cfg(self) -> ModelConfig:
@@ -137,71 +194,141 @@ class Checkpoint:
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs
-        (or fp16 `.h` linears)."""
-        cfg, shards = self.cfg, self._shards
-        emitted = []
+        (or fp16 `.h` linears). A pipeline: while the caller takes tensor i, the following ones
+        are read ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, in row chunks;
+        `self.profile` says where the time went."""
+        self._shutdown()
+        self.profile = LoadProfile()
+        pool = ThreadPoolExecutor(QUANT_THREADS, thread_name_prefix="checkpoint-load")
+        self._pool = pool
+        jobs = self._jobs()
+        window: collections.deque[tuple[_Job, list[Future]]] = collections.deque()
+
+        def top_up() -> None:
+            """Submit jobs until QUEUED_PER_THREAD chunks a thread are pending or MAX_LOOKAHEAD
+            tensors are in the window (one at least: MAX_LOOKAHEAD 0 converts one at a time)."""
+            pending = sum(not f.done() for _, fs in window for f in fs)
+            while not window or (pending < QUEUED_PER_THREAD * QUANT_THREADS
+                                 and len(window) < MAX_LOOKAHEAD):
+                job = next(jobs, None)
+                if job is None:
+                    return
+                for name in job.reads:
+                    self._shards.will_need(name)
+                window.append((job, [pool.submit(t) for t in job.tasks]))
+                pending += len(job.tasks)
+
+        emitted: list[str] = []
+        try:
+            top_up()
+            while window:
+                job, futures = window.popleft()
+                t0 = time.perf_counter()
+                for f in futures:
+                    f.result()   # re-raises a chunk's error (the finally below drains the rest)
+                self.profile.wait_s += time.perf_counter() - t0
+                top_up()
+                for key, host in job.finish():
+                    emitted.append(key)
+                    yield key, host
+            assert sorted(emitted) == sorted(weight_names(self.cfg)), \
+                "loader and weight_names disagree"
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Cancel queued chunks and wait for running ones: none may outlive the mapping."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _jobs(self) -> Iterator[_Job]:
+        """One job per source tensor, built lazily (its output is allocated when submitted)."""
         for key, src in self._sources.items():
             if src.kind == "table":
-                table = shards.float32(src.hf_name, slice(0, src.shape[0]))
-                if src.plus_row0:  # BERT: every position has token type 0
-                    table = table + shards.float32(src.plus_row0, slice(0, 1))
-                emitted.append(key)
-                yield key, table.astype(np.float16)
-                continue
-            if src.kind == "vector":
-                emitted.append(key)
-                yield key, shards.float32(src.hf_name)
-                continue
-            if self.cfg.weight_format == "fp16":   # GPTQ is refused at open
-                emitted.append(key + ".h")
-                yield key + ".h", self._to_f16(src.hf_name, src.shape)
-                continue
-            if src.kind == "gptq":
-                packed, scales = gptq.to_blocks(shards.raw(src.hf_name + ".qweight"),
-                                                shards.raw(src.hf_name + ".scales"),
-                                                self.spec.gptq_group)
+                yield self._table_job(key, src)
+            elif src.kind == "vector":
+                yield self._vector_job(key, src)
+            elif self.cfg.weight_format == "fp16":   # GPTQ is refused at open
+                yield self._f16_job(key + ".h", src.hf_name, src.shape)
+            elif src.kind == "gptq":
+                yield self._gptq_job(key, src.hf_name)
             else:
-                packed, scales = self._quantize(src.hf_name, src.shape)
-            emitted += [key + ".q", key + ".s"]
-            yield key + ".q", packed
-            yield key + ".s", scales
+                yield self._quantize_job(key, src.hf_name, src.shape)
+        cfg = self.cfg
         if cfg.rope_scaling is not None:
-            emitted.append("rope.inv_freq")
-            yield "rope.inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta,
-                                            cfg.rope_scaling).astype(np.float32)
-        assert sorted(emitted) == sorted(weight_names(cfg)), "loader and weight_names disagree"
+            table = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float32)
+            yield _Job([], lambda: [("rope.inv_freq", table)], [])
 
-    def _to_f16(self, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _chunk_tasks(self, hf_name: str, rows: int,
+                     convert: Callable[[np.ndarray, str, slice], None]) -> list[Callable[[], None]]:
+        """Tasks that stage rows of `hf_name` out of the map and `convert(staged, dtype, rows)`."""
+        view, dtype = self._shards.stored(hf_name)
+        cols = int(np.prod(view.shape[1:], dtype=np.int64))
+        profile = self.profile
+
+        def task(rows: slice) -> None:
+            t0 = time.perf_counter()
+            staged = _staged(view[rows])
+            t1 = time.perf_counter()
+            convert(staged, dtype, rows)
+            profile.add(t1 - t0, time.perf_counter() - t1, staged.nbytes)
+        return [functools.partial(task, c) for c in _row_chunks(rows, cols)]
+
+    def _table_job(self, key: str, src: Source) -> _Job:
+        """An embedding table in fp16 (BERT: plus token type 0's row)."""
+        out = np.empty((src.shape[0], *self._shards.shape(src.hf_name)[1:]), np.float16)
+        row0 = self._shards.float32(src.plus_row0, slice(0, 1)) if src.plus_row0 else None
+
+        def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
+            table = to_float32(raw, dtype)
+            out[rows] = table if row0 is None else table + row0
+        return _Job(self._chunk_tasks(src.hf_name, src.shape[0], convert), lambda: [(key, out)],
+                    [src.hf_name])
+
+    def _vector_job(self, key: str, src: Source) -> _Job:
+        held: list[np.ndarray] = []
+        return _Job([lambda: held.append(self._shards.float32(src.hf_name))],
+                    lambda: [(key, held[0])], [])
+
+    def _f16_job(self, key: str, hf_name: str, shape: tuple[int, ...]) -> _Job:
         """The linear as stored, cast to fp16 row chunk by row chunk (bf16 -> fp16 is exact for
         every value in fp16's normal range; f32 rounds to nearest)."""
         out = np.empty(shape, np.float16)
 
-        def chunk(rows: slice) -> None:
-            values = self._shards.float32(hf_name, rows)
+        def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
+            values = to_float32(raw, dtype)
             if not (np.abs(values) <= F16_MAX).all():   # also catches inf and NaN
                 raise CheckpointError(f"{self._shards.file_name(hf_name)}, tensor {hf_name!r}: "
                                       "values beyond fp16's range (|x| > 65504, inf or NaN): "
                                       "load it with weight_format 'int4'", tensor=hf_name)
             out[rows] = values
-        _by_row_chunks(shape[0], chunk)
-        return out
+        return _Job(self._chunk_tasks(hf_name, shape[0], convert), lambda: [(key, out)], [hf_name])
 
-    def _quantize(self, hf_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def _quantize_job(self, key: str, hf_name: str, shape: tuple[int, ...]) -> _Job:
         out_dim, in_dim = shape
         packed = np.empty((out_dim, in_dim // 2), np.uint8)
         scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
 
-        def chunk(rows: slice) -> None:
-            q = quantize(self._shards.float32(hf_name, rows))
-            packed[rows], scales[rows] = q.packed, q.scales
-        _by_row_chunks(out_dim, chunk)
-        return packed, scales
+        def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
+            quantize_rows(raw, dtype, packed[rows], scales[rows])
+        return _Job(self._chunk_tasks(hf_name, out_dim, convert),
+                    lambda: [(key + ".q", packed), (key + ".s", scales)], [hf_name])
+
+    def _gptq_job(self, key: str, hf_name: str) -> _Job:
+        held: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def task() -> None:
+            held.append(gptq.to_blocks(self._shards.raw(hf_name + ".qweight"),
+                                       self._shards.raw(hf_name + ".scales"), self.spec.gptq_group))
+        return _Job([task], lambda: [(key + ".q", held[0][0]), (key + ".s", held[0][1])], [])
 
     def host_weights(self) -> dict[str, np.ndarray]:
         """Every weight in host memory (tests and the NumPy reference; small models only)."""
         return dict(self.weights())
 
     def close(self) -> None:
+        self._shutdown()   # a weights() pass left suspended (its consumer failed) stops first
         self._shards.close()
 
     def __enter__(self) -> Self:

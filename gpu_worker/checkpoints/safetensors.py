@@ -122,6 +122,18 @@ class SafetensorsFile:
         return np.frombuffer(self._map, DTYPES[dtype], count=int(np.prod(shape)),
                              offset=self._data_start + begin).reshape(shape)
 
+    def will_need(self, name: str) -> None:
+        """Ask the kernel to start reading tensor `name`'s pages now (MADV_WILLNEED: asynchronous
+        readahead into the page cache), so a later first touch does not wait on the disk."""
+        _, _, begin, end = self.entries[name]
+        if self._map is None or end == begin:
+            return
+        start = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_WILLNEED, start, self._data_start + end - start)
+        except (OSError, ValueError):
+            pass  # only a hint: the first touch reads the pages anyway
+
     def float32(self, name: str) -> np.ndarray:
         """The tensor widened to float32 (F32, F16, BF16 only)."""
         dtype, _ = self.info(name)

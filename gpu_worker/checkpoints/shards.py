@@ -99,6 +99,15 @@ class ShardSet:
         view = f.tensor(stored)
         return to_float32(view if rows is None else view[rows], f.info(stored)[0])
 
+    def stored(self, name: str) -> tuple[np.ndarray, str]:
+        """(zero-copy view in the stored dtype, dtype name): valid until `close()`."""
+        f, stored = self.locate(name)
+        return f.tensor(stored), f.info(stored)[0]
+
+    def will_need(self, name: str) -> None:
+        f, stored = self.locate(name)
+        f.will_need(stored)
+
     def raw(self, name: str) -> np.ndarray:
         """A copy in the stored dtype (the mapping may close before the caller is done)."""
         f, stored = self.locate(name)

@@ -69,3 +69,14 @@ def test_a_header_that_is_not_json_is_refused(tmp_path):
 def test_a_missing_file_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="gone.safetensors: file is missing"):
         SafetensorsFile(tmp_path / "gone.safetensors")
+
+
+def test_will_need_accepts_every_tensor_of_a_file_whatever_its_offset(tmp_path):
+    """MADV_WILLNEED needs a page-aligned start: tensors at odd offsets and empty ones are fine."""
+    tensors = {"a": np.arange(3, dtype=np.uint8), "empty": np.zeros((0, 4), np.float32),
+               "b": np.arange(5000, dtype=np.float32), "c": np.ones((7, 3), np.float16)}
+    write_safetensors(tmp_path / "m.safetensors", tensors)
+    with SafetensorsFile(tmp_path / "m.safetensors") as f:
+        for name, want in tensors.items():
+            f.will_need(name)
+            np.testing.assert_array_equal(f.tensor(name), want)

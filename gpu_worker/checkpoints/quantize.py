@@ -1,0 +1,120 @@
+"""The loader's int4 quantizer: `models.weights.quantize`, bit for bit, in pieces with reused scratch.
+
+Hazard: `gpu_worker/models/weights.py::quantize` defines our int4 block format; a checkpoint load
+quantizes 16 GB of bf16 with it, and the NumPy spelling there makes ~12 passes over fresh 4-byte
+temporaries per element (each a new allocation the kernel zero-fills on first touch).
+Contract: `quantize_rows(raw, dtype, packed, scales)` writes into `packed`/`scales` exactly what
+`quantize(to_float32(raw, dtype))` returns, for every input including zeros, subnormal scales,
+values past fp16's range, inf and NaN (tests/checkpoints/test_fast_quantize.py): the same
+element-wise operations in the same order, each over a piece of `PIECE_ELEMS` elements in
+per-thread scratch buffers allocated once. Cost: ~20 NumPy calls a piece, ~10 passes over it;
+~5x quantize() on one core. NumPy releases the GIL inside each call, so the loader's threads
+quantize in parallel as long as pieces are large (below).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from gpu_worker.models.configs import QUANT_BLOCK
+
+# 4 MiB of float32. Each NumPy call takes the GIL for its setup (under contention a futex
+# hand-off, microseconds); a piece is ~20 calls, so pieces must be big enough that 16 threads do
+# not queue on the GIL: with 64K-element pieces they did on the H200 machine (16 threads,
+# 458 thread-seconds to convert 16 GB, 0.6 GB/s). Bigger pieces leave the L2 (~13 MiB of scratch
+# a thread) but memory bandwidth is not the limit at this rate.
+PIECE_ELEMS = 1 << 20
+
+
+class _Scratch(threading.local):
+    """One thread's reusable buffers (threading.local: each loader thread gets its own)."""
+
+    elems = 0
+
+    def ensure(self, elems: int) -> _Scratch:
+        if self.elems < elems:   # once per thread (or when PIECE_ELEMS grows)
+            self.f32 = np.empty(elems, np.float32)
+            self.abs = np.empty(elems, np.float32)
+            self.half = np.empty(elems // 2, np.float32)      # the max tree's levels
+            self.quarter = np.empty(elems // 4, np.float32)
+            self.i8 = np.empty(elems, np.int8)
+            self.u16 = np.empty(elems // 2, np.uint16)
+            self.amax = np.empty(elems // QUANT_BLOCK, np.float32)
+            self.safe = np.empty(elems // QUANT_BLOCK, np.float32)
+            self.elems = elems
+        return self
+
+
+_scratch = _Scratch()
+
+
+def piece_rows(in_dim: int) -> int:
+    """Rows per piece: as many as fit PIECE_ELEMS (at least one)."""
+    return max(1, PIECE_ELEMS // in_dim)
+
+
+def quantize_rows(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
+    """Quantize the rows `raw` (stored dtype: BF16 as uint16, F16 or F32) into `packed` (uint8,
+    rows x in/2) and `scales` (float16, rows x in/32)."""
+    rows, in_dim = raw.shape
+    if in_dim % QUANT_BLOCK:
+        raise ValueError(f"input dimension {in_dim} is not a multiple of {QUANT_BLOCK}")
+    with np.errstate(all="ignore"):   # inf/NaN inputs quantize as in quantize(), silently
+        if in_dim > PIECE_ELEMS:   # one row would overflow a piece: the plain spelling
+            from gpu_worker.checkpoints.safetensors import to_float32
+            from gpu_worker.models.weights import quantize
+            q = quantize(to_float32(raw, dtype))
+            packed[...], scales[...] = q.packed, q.scales
+            return
+        step = piece_rows(in_dim)
+        for r in range(0, rows, step):
+            _piece(raw[r:r + step], dtype, packed[r:r + step], scales[r:r + step])
+
+
+def _block_max(a: np.ndarray, s: _Scratch) -> np.ndarray:
+    """Max of every aligned run of 32 in `a`, as a pairwise tree over the flat array: five
+    stride-2 passes run ~3x faster than NumPy's reduction along a short last axis. Same value as
+    `max(axis=...)` (a NaN propagates; with several NaNs in a block its payload may differ)."""
+    n = a.size
+    m = np.maximum(a[0::2], a[1::2], out=s.half[:n // 2])
+    m = np.maximum(m[0::2], m[1::2], out=s.quarter[:n // 4])
+    m = np.maximum(m[0::2], m[1::2], out=s.half[:n // 8])
+    m = np.maximum(m[0::2], m[1::2], out=s.quarter[:n // 16])
+    return np.maximum(m[0::2], m[1::2], out=s.amax[:n // 32])
+
+
+def _piece(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
+    n, in_dim = raw.shape
+    s = _scratch.ensure(n * in_dim)
+    nb = in_dim // QUANT_BLOCK
+    f = s.f32[:n * in_dim].reshape(n, in_dim)
+    if dtype == "BF16":   # bf16 is the top half of an f32 (as to_float32 widens it)
+        np.left_shift(raw, 16, out=f.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(f, raw)
+    blocks = f.reshape(n, nb, QUANT_BLOCK)
+    # scales = (|blocks|.max / 7) rounded to fp16, as quantize() does
+    size = n * in_dim
+    a = np.abs(f.reshape(-1), out=s.abs[:size])
+    amax = _block_max(a, s)
+    np.divide(amax, np.float32(7.0), out=amax)
+    np.copyto(scales, amax.reshape(n, nb), casting="same_kind")
+    # safe = scales in f32 with 0 -> 1 (scales are >= 0 or NaN); q = clip(rint(blocks / safe), -8, 7)
+    safe = s.safe[:n * nb]
+    np.copyto(safe, scales.reshape(-1))
+    np.add(safe, safe == 0, out=safe)
+    np.divide(blocks.reshape(-1, QUANT_BLOCK), safe[:, None], out=blocks.reshape(-1, QUANT_BLOCK))
+    np.rint(blocks, out=blocks)
+    np.maximum(blocks, -8, out=blocks)   # np.clip's value (NaN kept), without its Python wrapper
+    np.minimum(blocks, 7, out=blocks)
+    # nibble = q + 8; byte j = nibble(2j) | nibble(2j+1) << 4: read the int8 pairs as little-endian
+    # uint16 v = lo | hi << 8, so (v | v >> 4) has lo | hi << 4 in its low byte
+    q8 = s.i8[:n * in_dim].reshape(n, in_dim)
+    np.copyto(q8, f, casting="unsafe")
+    np.add(q8, 8, out=q8)
+    v = q8.view(np.uint16)
+    w = s.u16[:n * in_dim // 2].reshape(n, in_dim // 2)
+    np.right_shift(v, 4, out=w)
+    np.bitwise_or(w, v, out=w)
+    np.copyto(packed, w, casting="unsafe")   # keeps the low byte
