@@ -14,8 +14,11 @@ Contract:
   with rows in that batch and to no other;
 - a caller that cancels leaves at once: its rows not yet taken leave the queue, the results of
   rows already running are dropped;
-- no thread of its own: the first waiting caller leads (gathers and runs batches, its own and
-  others') until its own rows are done or it cancels, then hands the lead to a waiting caller.
+- no thread of its own: a caller that finds nobody leading leads (gathers and runs batches, its
+  own and others') until its own rows are done or it cancels, then hands the lead to the oldest
+  waiting caller. Only the leader wakes on an arrival; a waiter wakes when its rows are done, the
+  lead is handed to it, or every `poll_s` to see whether its caller cancelled (no thundering herd
+  of handler threads on every arrival, which the GIL would serialize).
 Cost: at most `wait_s` of added latency for a lone request; the leading caller's thread runs
 others' batches before it returns (never beyond its own last batch).
 """
@@ -95,6 +98,8 @@ class _Request:
     done: int = 0         # rows with results
     error: BaseException | None = None
     left: bool = False    # cancelled: its results are dropped
+    promoted: bool = False   # the lead was handed to this request's caller
+    wake: threading.Event = field(default_factory=threading.Event)
 
     def pending(self) -> int:
         return len(self.sequences) - self.taken
@@ -102,10 +107,10 @@ class _Request:
 
 class EmbedBatcher:
     """Batches `submit` calls for one encoder; `run` embeds one batch of sequences (any lengths)
-    and `padded_tokens(lengths)` says how many tokens its plan for them runs."""
+    and `padded_tokens(count, longest)` says how many tokens its plan for them runs."""
 
     def __init__(self, run: Callable[[list[list[int]]], np.ndarray],
-                 padded_tokens: Callable[[list[int]], int], stats: EmbedBatchStats,
+                 padded_tokens: Callable[[int, int], int], stats: EmbedBatchStats,
                  wait_s: float, max_batch: int, max_tokens: int,
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05) -> None:
         if wait_s < 0 or max_batch < 1 or max_tokens < 1:
@@ -114,7 +119,8 @@ class EmbedBatcher:
         self._run, self._padded = run, padded_tokens
         self.stats, self.wait_s, self.max_batch, self.max_tokens = stats, wait_s, max_batch, max_tokens
         self._clock, self._poll_s = clock, poll_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._arrival = threading.Condition(self._lock)   # only the leader waits on it
         self._queue: deque[_Request] = deque()
         self._leading = False
 
@@ -124,24 +130,35 @@ class EmbedBatcher:
         batch holding one of its rows, or Cancelled when `cancelled()` turns true first."""
         req = _Request(sequences, self._clock(), cancelled)
         self.stats.count("requests")
-        with self._cond:
+        with self._lock:
             self._queue.append(req)
-            self._cond.notify_all()
-            while True:
-                if self._finished(req):
+            lead = not self._leading
+            self._leading = True
+            self._arrival.notify()
+        while not lead:
+            req.wake.wait(self._poll_s)
+            with self._lock:
+                req.wake.clear()
+                if req.promoted:          # before a cancel check: the lead must not be lost
+                    req.promoted, lead = False, True
+                elif self._finished(req):
                     return self._result(req)
-                if not self._leading:
-                    self._leading = True   # nobody leads: this caller does
-                    break
-                self._cond.wait(self._poll_s)
         try:
             return self._lead(req)
         finally:
-            with self._cond:
-                self._leading = False
-                self._cond.notify_all()
+            with self._lock:
+                self._hand_over()
 
-    # -- under self._cond -------------------------------------------------------------------
+    # -- under self._lock -------------------------------------------------------------------
+    def _hand_over(self) -> None:
+        """The leader is done: the oldest queued caller leads next (queued = still waiting)."""
+        if self._queue:
+            nxt = self._queue[0]
+            nxt.promoted = True
+            nxt.wake.set()
+        else:
+            self._leading = False
+
     def _finished(self, req: _Request) -> bool:
         """True when the caller can return (result, error or cancel); drops a cancelled one."""
         if req.error is not None or req.done == len(req.sequences):
@@ -163,16 +180,16 @@ class EmbedBatcher:
 
     def _fit(self) -> list[tuple[_Request, int]]:
         """The next batch, first come first served: (request, rows) slices, without taking."""
-        lengths: list[int] = []
+        count = longest = 0
         plan: list[tuple[_Request, int]] = []
         for req in self._queue:
             rows = 0
             for seq in req.sequences[req.taken:]:
-                if len(lengths) == self.max_batch or (
-                        lengths and self._padded(lengths + [len(seq)]) > self.max_tokens):
+                wider = max(longest, len(seq))
+                if count == self.max_batch or (
+                        count and self._padded(count + 1, wider) > self.max_tokens):
                     break
-                lengths.append(len(seq))
-                rows += 1
+                count, longest, rows = count + 1, wider, rows + 1
             if rows:
                 plan.append((req, rows))
             if rows < req.pending():
@@ -192,7 +209,7 @@ class EmbedBatcher:
             remaining = self._queue[0].arrived + self.wait_s - self._clock()
             if full or remaining <= 0:
                 break
-            self._cond.wait(min(remaining, self._poll_s))
+            self._arrival.wait(min(remaining, self._poll_s))
         batch = []
         for req, n in plan:
             batch.append((req, req.taken, req.taken + n))
@@ -204,28 +221,28 @@ class EmbedBatcher:
     # -- the leader -------------------------------------------------------------------------
     def _lead(self, own: _Request) -> np.ndarray:
         while True:
-            with self._cond:
+            with self._lock:
                 if self._finished(own):
                     return self._result(own)
                 batch = self._gather()
                 if not batch:   # own rows all taken: they finish in this thread, so unreachable
-                    self._cond.wait(self._poll_s)
+                    self._arrival.wait(self._poll_s)
                     continue
             sequences = [s for req, lo, hi in batch for s in req.sequences[lo:hi]]
             try:
                 vectors = self._run(sequences)
             except Exception as exc:  # noqa: BLE001 - handed to every caller of this batch
-                with self._cond:
+                with self._lock:
                     for req, _, _ in batch:
                         if req.error is None:
                             req.error = exc
                         if req in self._queue:   # its other rows have no caller left
                             self._queue.remove(req)
-                    self._cond.notify_all()
+                        req.wake.set()
                 continue
             lengths = [len(s) for s in sequences]
-            self.stats.record_batch(lengths, self._padded(lengths))
-            with self._cond:
+            self.stats.record_batch(lengths, self._padded(len(lengths), max(lengths)))
+            with self._lock:
                 row = 0
                 for req, lo, hi in batch:
                     if req.out is None:
@@ -233,4 +250,5 @@ class EmbedBatcher:
                     req.out[lo:hi] = vectors[row:row + hi - lo]
                     req.done += hi - lo
                     row += hi - lo
-                self._cond.notify_all()
+                    if req.done == len(req.sequences):
+                        req.wake.set()

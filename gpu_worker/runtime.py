@@ -464,8 +464,8 @@ class WorkerRuntime:
                     del self._embed_batchers[model_id]
             max_context = loaded.cfg.max_context
 
-            def padded_tokens(lengths: list[int]) -> int:
-                batch, seq = padded_shape(lengths, max_context)
+            def padded_tokens(count: int, longest: int) -> int:
+                batch, seq = padded_shape([longest] * count, max_context)
                 return batch * seq
 
             batcher = EmbedBatcher(lambda seqs: self._embed_batch(loaded, seqs), padded_tokens,

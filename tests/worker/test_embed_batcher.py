@@ -33,7 +33,7 @@ class FakeEncoder:
 
 
 def _batcher(run, wait_s=0.2, max_batch=64, max_tokens=10**6, padded=None) -> EmbedBatcher:
-    padded = padded or (lambda lengths: len(lengths) * max(lengths))
+    padded = padded or (lambda count, longest: count * longest)
     return EmbedBatcher(run, padded, EmbedBatchStats(), wait_s, max_batch, max_tokens)
 
 
