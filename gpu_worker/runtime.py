@@ -3,8 +3,10 @@
 This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
 itself (the governor and cache clients do, and are only created when configured). Requests for
 one model are serialized by that model's lock: a decoder has one KV cache, and a plan's captured
-graph bakes its activation pointers, so two requests cannot share a model at once. Different
-models run concurrently; the capture gate orders their captures against each other's syncs.
+graph bakes its activation pointers, so two requests cannot share a model at once. Embed requests
+for one encoder are first gathered into padded batches (gpu_worker/embed_batcher.py), each batch
+one run under the lock. Different models run concurrently; the capture gate orders their captures
+against each other's syncs.
 
 Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
 hands it every refusal, load admission asks it before refusing, and the governor client hands it
