@@ -231,7 +231,7 @@ class EmbedBatcher:
             sequences = [s for req, lo, hi in batch for s in req.sequences[lo:hi]]
             try:
                 vectors = self._run(sequences)
-            except Exception as exc:  # noqa: BLE001 - handed to every caller of this batch
+            except BaseException as exc:  # handed to every caller of this batch, none left waiting
                 with self._lock:
                     for req, _, _ in batch:
                         if req.error is None:
@@ -239,6 +239,8 @@ class EmbedBatcher:
                         if req in self._queue:   # its other rows have no caller left
                             self._queue.remove(req)
                         req.wake.set()
+                if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: go on up
+                    raise
                 continue
             lengths = [len(s) for s in sequences]
             self.stats.record_batch(lengths, self._padded(len(lengths), max(lengths)))
