@@ -180,8 +180,8 @@ class WorkerRuntime:
         self.reclaimer: Reclaimer | None = None
         self._models: dict[str, _Loaded] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
-        # Embed batching (gpu_worker/embed_batcher.py): one batcher per loaded encoder, keyed by
-        # the _Loaded itself so a reloaded id gets a fresh one; counters shared by all of them.
+        # Embed batching (gpu_worker/embed_batcher.py): one batcher per loaded encoder, by model
+        # id with the _Loaded it serves (a reloaded id gets a fresh one); counters shared by all.
         self._embed_batchers: dict[str, tuple[_Loaded, EmbedBatcher]] = {}
         self.embed_batch_stats = EmbedBatchStats()
 
