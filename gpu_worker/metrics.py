@@ -3,9 +3,9 @@
 Gauges for device truth, the ledger by zone (committed and content) and unaccounted bytes; the
 kernel cache, plans, weights, compile, capture and Embed batching counters as the stats report
 them, and the histogram of sequences per Embed batch. A scrape that cannot read the stats (the
-runtime closed, or stats() raised) yields none of these rather than failing the endpoint; the failure is logged and counted in
-gpuplane_worker_survived_errors_total{site="metrics_scrape"} (gpu_worker/survived.py), which the
-same endpoint serves.
+runtime closed, or stats() raised) yields none of these rather than failing the endpoint; the
+failure is logged and counted in gpuplane_worker_survived_errors_total{site="metrics_scrape"}
+(gpu_worker/survived.py), which the same endpoint serves.
 """
 from __future__ import annotations
 
