@@ -30,6 +30,7 @@ GPU = [
     ("prefill_bench.py", ["--reps", "3"]),
     ("replay_bench.py", []),
     ("encoder_bench.py", ["--requests", "60"]),
+    ("embed_batch_bench.py", ["--requests", "1024"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
 ]

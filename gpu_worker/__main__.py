@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_client_flags(serve, "WORKER", pair=False)
     env_flag(serve, "--model-root", "GPUPLANE_WORKER_MODEL_ROOT", "",
              "directory of Hugging Face checkpoints LoadModel may read; empty = synthetic models only")
+    env_flag(serve, "--embed-batch-wait-ms", "GPUPLANE_EMBED_BATCH_WAIT_MS", 2.0,
+             "how long an Embed request waits for others to share its encoder batch", type=float)
+    env_flag(serve, "--embed-max-batch", "GPUPLANE_EMBED_MAX_BATCH", 64,
+             "sequences per Embed batch (1: one at a time)", type=int)
+    env_flag(serve, "--embed-max-batch-tokens", "GPUPLANE_EMBED_MAX_BATCH_TOKENS", 32768,
+             "padded tokens per Embed batch (a single sequence always runs)", type=int)
     env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
              "tokens of context served from a checkpoint (at most its max_position_embeddings)",
              type=int)
@@ -109,6 +115,9 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         weight_budget_bytes=args.weight_budget_bytes or None,
         host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
         lease_chunk_bytes=args.lease_chunk_bytes,
+        embed_batch_wait_ms=args.embed_batch_wait_ms,
+        embed_max_batch=args.embed_max_batch,
+        embed_max_batch_tokens=args.embed_max_batch_tokens,
     )
 
 
@@ -120,6 +129,9 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)"
     if args.lease_chunk_bytes <= 0:
         return "--lease-chunk-bytes must be positive"
+    if args.embed_batch_wait_ms < 0 or args.embed_max_batch < 1 or args.embed_max_batch_tokens < 1:
+        return "--embed-batch-wait-ms must be >= 0, --embed-max-batch and " \
+               "--embed-max-batch-tokens at least 1"
     return ""
 
 

@@ -1,24 +1,25 @@
 """Prometheus view of the worker: read from `WorkerRuntime.stats()` on each scrape, never copied.
 
 Gauges for device truth, the ledger by zone (committed and content) and unaccounted bytes; the
-kernel cache, plans, weights, compile and capture counters as the stats report them. A scrape that
-cannot read the stats (the runtime closed, or stats() raised) yields none of these rather than
-failing the endpoint; the failure is logged and counted in
-gpuplane_worker_survived_errors_total{site="metrics_scrape"} (gpu_worker/survived.py), which the
-same endpoint serves.
+kernel cache, plans, weights, compile, capture and Embed batching counters as the stats report
+them, and the histogram of sequences per Embed batch. A scrape that cannot read the stats (the
+runtime closed, or stats() raised) yields none of these rather than failing the endpoint; the
+failure is logged and counted in gpuplane_worker_survived_errors_total{site="metrics_scrape"}
+(gpu_worker/survived.py), which the same endpoint serves.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gpu_worker.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
-SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim")
+SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim",
+            "embed_batch")
 
 
 class WorkerCollector(Collector):
@@ -51,3 +52,10 @@ class WorkerCollector(Collector):
                                           f"Worker {section}: {field}")
                 gauge.add_metric([], float(value))
                 yield gauge
+        batch_stats = getattr(self.runtime, "embed_batch_stats", None)
+        if batch_stats is not None:
+            buckets, total = batch_stats.histogram()
+            sizes = HistogramMetricFamily("gpuplane_worker_embed_batch_sequences",
+                                          "Sequences per Embed encoder batch")
+            sizes.add_metric([], buckets, float(total))
+            yield sizes

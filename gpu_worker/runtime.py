@@ -3,8 +3,10 @@
 This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
 itself (the governor and cache clients do, and are only created when configured). Requests for
 one model are serialized by that model's lock: a decoder has one KV cache, and a plan's captured
-graph bakes its activation pointers, so two requests cannot share a model at once. Different
-models run concurrently; the capture gate orders their captures against each other's syncs.
+graph bakes its activation pointers, so two requests cannot share a model at once. Embed requests
+for one encoder are first gathered into padded batches (gpu_worker/embed_batcher.py), each batch
+one run under the lock. Different models run concurrently; the capture gate orders their captures
+against each other's syncs.
 
 Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
 hands it every refusal, load admission asks it before refusing, and the governor client hands it
@@ -32,6 +34,7 @@ import numpy as np
 
 from gpu_worker.admission import admission_by_zone
 from gpu_worker.checkpoints.text import TextCodec
+from gpu_worker.embed_batcher import EmbedBatcher, EmbedBatchStats
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
@@ -92,6 +95,9 @@ class WorkerConfig:
     weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
     host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
     lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
+    embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
+    embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
+    embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,10 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         if config.variants_per_node < 1 or config.max_plans < 1:
             raise InvalidArgument("variants_per_node and max_plans must be at least 1")
+        if (config.embed_batch_wait_ms < 0 or config.embed_max_batch < 1
+                or config.embed_max_batch_tokens < 1):
+            raise InvalidArgument("embed_batch_wait_ms must be >= 0, embed_max_batch and "
+                                  "embed_max_batch_tokens at least 1")
         for name in ("weight_budget_bytes", "host_pinned_budget_bytes"):
             value = getattr(config, name)
             if value is not None and value <= 0:
@@ -170,6 +180,10 @@ class WorkerRuntime:
         self.reclaimer: Reclaimer | None = None
         self._models: dict[str, _Loaded] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
+        # Embed batching (gpu_worker/embed_batcher.py): one batcher per loaded encoder, by model
+        # id with the _Loaded it serves (a reloaded id gets a fresh one); counters shared by all.
+        self._embed_batchers: dict[str, tuple[_Loaded, EmbedBatcher]] = {}
+        self.embed_batch_stats = EmbedBatchStats()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
@@ -279,7 +293,7 @@ class WorkerRuntime:
             model = DecoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights)
         else:
             model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
-                                 normalize=normalize)
+                                 normalize=normalize, bucketed=True)
         try:
             with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
                        family=family, config=config):
@@ -422,33 +436,55 @@ class WorkerRuntime:
     def eos_token_ids(self, model_id: str) -> tuple[int, ...]:
         return self._get(model_id).eos_token_ids
 
-    def embed_texts(self, model_id: str, texts: list[str]) -> np.ndarray:
-        """Embeddings of `texts`, in order. The encoder has no padding mask, so texts are grouped
-        by token count and each group runs as one exact-length batch."""
+    def embed_texts(self, model_id: str, texts: list[str],
+                    cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """Embeddings of `texts`, in order: tokenized, then embedded as `embed` does."""
         codec = self.codec(model_id)
-        sequences = [codec.encode(t) for t in texts]
-        by_length: dict[int, list[int]] = {}
-        for i, s in enumerate(sequences):
-            by_length.setdefault(len(s), []).append(i)
-        out: np.ndarray | None = None
-        for indices in by_length.values():
-            vectors = self.embed(model_id, [sequences[i] for i in indices])
-            if out is None:
-                out = np.empty((len(texts), vectors.shape[1]), np.float32)
-            out[indices] = vectors
-        if out is None:
+        if not texts:
             raise InvalidArgument("texts is empty: send at least one text")
-        return out
+        return self.embed(model_id, [codec.encode(t) for t in texts], cancelled)
 
-    def embed(self, model_id: str, sequences: list[list[int]]) -> np.ndarray:
+    def embed(self, model_id: str, sequences: list[list[int]],
+              cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """(len(sequences), hidden) embeddings. Validated here, on the caller's thread, before
+        the sequences join the model's batcher: a bad request fails alone and changes nothing.
+        Sequences may differ in length (the encoder masks padding)."""
         loaded = self._get(model_id, "encoder")
+        sequences = [[int(t) for t in s] for s in sequences]
+        loaded.model.check(sequences)
+        return self._embed_batcher(loaded).submit(sequences, cancelled)
+
+    def _embed_batcher(self, loaded: _Loaded) -> EmbedBatcher:
+        from gpu_worker.models.encoder import padded_shape
+        cfg = self.config
+        with self._lock:
+            held = self._embed_batchers.get(loaded.model_id)
+            if held is not None and held[0] is loaded:
+                return held[1]
+            for model_id, (other, _) in list(self._embed_batchers.items()):
+                if other.closed:   # unloaded: its batcher goes with it (the counters stay)
+                    del self._embed_batchers[model_id]
+            max_context = loaded.cfg.max_context
+
+            def padded_tokens(count: int, longest: int) -> int:
+                batch, seq = padded_shape([longest] * count, max_context)
+                return batch * seq
+
+            batcher = EmbedBatcher(lambda seqs: self._embed_batch(loaded, seqs), padded_tokens,
+                                   self.embed_batch_stats, cfg.embed_batch_wait_ms / 1000.0,
+                                   cfg.embed_max_batch, cfg.embed_max_batch_tokens)
+            self._embed_batchers[loaded.model_id] = (loaded, batcher)
+            return batcher
+
+    def _embed_batch(self, loaded: _Loaded, sequences: list[list[int]]) -> np.ndarray:
+        """One batch through the encoder, under the model lock (validated sequences)."""
         with loaded.lock, _span(self.config.tracer_provider, "worker.embed",
-                                model=model_id, batch=len(sequences),
-                                seq=len(sequences[0]) if sequences else 0):
+                                model=loaded.model_id, batch=len(sequences),
+                                seq=max(len(s) for s in sequences)):
             self._still_loaded(loaded)
             try:
                 with loaded.executor.resident():
-                    return loaded.model.embed([[int(t) for t in s] for s in sequences])
+                    return loaded.model.embed(sequences)
             finally:
                 loaded.last_used = time.monotonic()
                 self._report()
@@ -480,5 +516,7 @@ class WorkerRuntime:
         device = self._started()
         with self._lock:
             models = [m for m in self._models.values() if m is not None]
-        return worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
-                            self.budget, self.config.variants_per_node)
+        stats = worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
+                             self.budget, self.config.variants_per_node)
+        stats["embed_batch"] = self.embed_batch_stats.snapshot()
+        return stats

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -256,7 +256,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     f"{len(request.texts)} texts exceed the batch limit of {MAX_EMBED_BATCH}")
             _tag(model_id=request.model_id, batch=len(request.texts))
             self._model(request.model_id)
-            vectors = self.runtime.embed_texts(request.model_id, list(request.texts))
+            vectors = self.runtime.embed_texts(request.model_id, list(request.texts),
+                                               cancelled=_gone(context))
             return worker_pb2.EmbedResponse(
                 embeddings=[worker_pb2.Embedding(values=[float(x) for x in row]) for row in vectors])
         sequences = [list(s.tokens) for s in request.sequences]
@@ -268,13 +269,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(sequences) > MAX_EMBED_BATCH:
             raise errors.InvalidArgument(
                 f"{len(sequences)} sequences exceed the batch limit of {MAX_EMBED_BATCH}")
-        if len({len(s) for s in sequences}) != 1:
-            raise errors.InvalidArgument(
-                "sequences have different lengths: pad them to one length per request",
-                lengths=sorted({len(s) for s in sequences}))
-        for seq in sequences:
+        for seq in sequences:   # lengths may differ: the encoder masks its padding
             _check_prompt(seq, info)
-        vectors = self.runtime.embed(request.model_id, sequences)
+        vectors = self.runtime.embed(request.model_id, sequences, cancelled=_gone(context))
         return worker_pb2.EmbedResponse(
             embeddings=[worker_pb2.Embedding(values=[float(x) for x in row]) for row in vectors])
 
@@ -297,6 +294,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 return info
         raise errors.NotFound(f"model {model_id!r} is not loaded on this worker (see ListModels)",
                               model_id=model_id)
+
+
+def _gone(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """True once the RPC is cancelled, disconnected or past its deadline (Embed's batcher polls
+    it while the request waits for a batch)."""
+    gone = threading.Event()
+    context.add_callback(gone.set)
+    return lambda: gone.is_set() or not context.is_active()
 
 
 def _tag(**attributes: str | int) -> None:

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("embed", cmd_embed, "embed token sequences (or texts) with an encoder model")
     p.add_argument("--model-id", required=True)
     p.add_argument("--tokens", type=_tokens, action="append", default=[],
-                   help="one sequence (repeat for a batch; all the same length)")
+                   help="one sequence (repeat for a batch; lengths may differ)")
     p.add_argument("--text", action="append", default=[],
                    help="one text (repeat for a batch; a model with a tokenizer)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")

@@ -255,11 +255,14 @@ def _launch_flash_attention_decode(c: LaunchContext) -> None:
 
 
 def _launch_attention_bidirectional(c: LaunchContext) -> None:
+    """Inputs q, k, v and optionally lengths (batch,) i32: row b's queries see keys
+    [0, lengths[b]) (the encoder's padding mask), else all `seq`."""
     a = c.node.attributes
     batch, seq, width = int(a["batch"]), int(a["seq"]), c.shape(0)[1]
+    lens = c.inp(3) if len(c.node.inputs) > 3 else 0
     attention.launch_attention_prefill(
-        c.device, c.fn("attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), 0, 0, batch, seq,
-        int(a["heads"]), int(a["heads"]), int(a["head_dim"]), width, width, seq * width,
+        c.device, c.fn("attention_prefill"), c.out(), c.inp(0), c.inp(1), c.inp(2), lens, 0, batch,
+        seq, int(a["heads"]), int(a["heads"]), int(a["head_dim"]), width, width, seq * width,
         causal=False, stream=c.stream)
 
 
@@ -291,8 +294,10 @@ def _launch_argmax(c: LaunchContext) -> None:
 
 
 def _launch_mean_pool(c: LaunchContext) -> None:
+    """Inputs x and optionally lengths (batch,) i32: the mean over row b's first lengths[b]."""
     a = c.node.attributes
-    reduce.launch_mean_pool(c.device, c.fn("mean_pool"), c.out(), c.inp(0), 0, int(a["batch"]),
+    lens = c.inp(1) if len(c.node.inputs) > 1 else 0
+    reduce.launch_mean_pool(c.device, c.fn("mean_pool"), c.out(), c.inp(0), lens, int(a["batch"]),
                             int(a["seq"]), c.shape(0)[1], stream=c.stream)
 
 

@@ -190,17 +190,21 @@ class EncoderReference:
         # the tensor-core attention reads q in fp16 and writes fp16 (decoder.uses_flash_attention)
         self.fp16_attention = fp16 and cfg.head_dim in FLASH_HEAD_DIMS
 
-    def embed(self, sequences: np.ndarray) -> np.ndarray:
+    def embed(self, sequences, rows: int | None = None) -> np.ndarray:
+        """One embedding per sequence, each computed alone (lengths may differ). `rows`: the
+        executor graph's row count, which picks its linear path (default batch * longest: an
+        exact-shape plan; a padded batch has more)."""
         cfg, w, lin = self.cfg, self.w, self.lin
-        seqs = np.asarray(sequences)
-        out = np.empty((seqs.shape[0], cfg.hidden), np.float32)
-        pos = np.arange(seqs.shape[1])
-        rows = seqs.shape[0] * seqs.shape[1]   # the encoder graph runs the whole batch at once
+        seqs = [np.asarray(s) for s in sequences]
+        out = np.empty((len(seqs), cfg.hidden), np.float32)
+        if rows is None:   # the encoder graph runs the whole batch at once
+            rows = len(seqs) * max((len(s) for s in seqs), default=0)
 
         def mm(x: np.ndarray, key: str) -> np.ndarray:
             return lin.mm(x, key, rows)
 
         for b, toks in enumerate(seqs):
+            pos = np.arange(len(toks))
             x = w["embed"][toks].astype(np.float32) + w["pos_embed"][pos].astype(np.float32)
             x = layernorm(x, w["embed_norm.w"], w["embed_norm.b"], cfg.eps)
             for layer in range(cfg.layers):

@@ -69,3 +69,23 @@ def test_a_negative_budget_or_empty_lease_chunk_is_refused_before_the_worker_sta
     assert "lease-chunk" in flag_problem(build_parser().parse_args(
         ["serve", "--lease-chunk-bytes", "0"]))
     assert flag_problem(build_parser().parse_args(["serve"])) == ""
+
+
+def test_embed_batching_flags_reach_the_runtime_config_from_flag_or_environment(monkeypatch) -> None:
+    from gpu_worker.__main__ import worker_config
+    monkeypatch.setenv("GPUPLANE_EMBED_MAX_BATCH", "8")
+    args = build_parser().parse_args(["serve", "--embed-batch-wait-ms", "0.5",
+                                      "--embed-max-batch-tokens", "4096"])
+    config = worker_config(args)
+    assert (config.embed_batch_wait_ms, config.embed_max_batch,
+            config.embed_max_batch_tokens) == (0.5, 8, 4096)
+    monkeypatch.delenv("GPUPLANE_EMBED_MAX_BATCH")
+    config = worker_config(build_parser().parse_args(["serve"]))
+    assert (config.embed_batch_wait_ms, config.embed_max_batch) == (2.0, 64), "the defaults"
+
+
+def test_a_negative_embed_wait_or_empty_embed_batch_is_refused_before_the_worker_starts() -> None:
+    from gpu_worker.__main__ import flag_problem
+    for flags in (["--embed-batch-wait-ms", "-1"], ["--embed-max-batch", "0"],
+                  ["--embed-max-batch-tokens", "0"]):
+        assert "embed" in flag_problem(build_parser().parse_args(["serve", *flags])), flags

@@ -50,3 +50,24 @@ def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_count
         "the failed scrape was not logged"
     served = generate_latest(REGISTRY).decode()  # the registry the worker's /metrics serves
     assert 'gpuplane_worker_survived_errors_total{site="metrics_scrape"}' in served
+
+
+def test_the_collector_exports_the_embed_batch_size_histogram(tmp_path: pathlib.Path) -> None:
+    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+
+    runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(runtime))
+    try:
+        runtime.load_model("enc", "encoder", "tiny", 1)
+        runtime.embed("enc", [[1, 2, 3], [4] * 40, [5]])   # one request: one batch of 3
+        runtime.embed("enc", [[6, 7]])                      # one batch of 1
+        text = generate_latest(registry).decode()
+    finally:
+        runtime.close()
+    values = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text)
+              for s in f.samples}
+    h = "gpuplane_worker_embed_batch_sequences"
+    assert values[(h + "_bucket", "1.0")] == 1 and values[(h + "_bucket", "4.0")] == 2
+    assert values[(h + "_count", None)] == 2 and values[(h + "_sum", None)] == 4
+    assert values[("gpuplane_worker_embed_batch_peak_batch_sequences", None)] == 3

@@ -13,6 +13,7 @@ from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from gpu_worker.client import WorkerClient
 from gpu_worker.models.configs import get_config
+from gpu_worker.models.encoder import padded_shape
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
 from gpu_worker.servicer import zone_name
@@ -146,15 +147,16 @@ def test_embed_returns_the_reference_embeddings_one_per_sequence(worker: WorkerC
     cfg = get_config("tiny", "encoder")
     sequences = [[1, 2, 3, 4, 5], [900, 800, 700, 600, 500], [7, 7, 7, 7, 7]]
     got = worker.embed(ENCODER, sequences)
-    want = EncoderReference(cfg, load_host(cfg, SEED)).embed(np.array(sequences))
+    batch, seq = padded_shape([5, 5, 5], cfg.max_context)   # the worker's padded plan
+    want = EncoderReference(cfg, load_host(cfg, SEED)).embed(sequences, rows=batch * seq)
     assert got.shape == (3, cfg.hidden), "one embedding per sequence of the model's width"
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4,
                                err_msg="served embeddings differ from the NumPy reference")
 
 
-def test_embed_of_ragged_or_empty_batches_is_invalid_argument(worker: WorkerClient) -> None:
-    _assert_refused(worker, lambda: worker.embed(ENCODER, [[1, 2, 3], [1, 2]]),
-                    grpc.StatusCode.INVALID_ARGUMENT, "sequences of different lengths")
+def test_embed_of_empty_batches_or_sequences_is_invalid_argument(worker: WorkerClient) -> None:
+    _assert_refused(worker, lambda: worker.embed(ENCODER, [[1, 2, 3], []]),
+                    grpc.StatusCode.INVALID_ARGUMENT, "an empty sequence")
     _assert_refused(worker, lambda: worker.embed(ENCODER, []),
                     grpc.StatusCode.INVALID_ARGUMENT, "an empty batch")
 
@@ -219,7 +221,9 @@ def test_many_concurrent_clients_each_get_their_own_correct_results(worker: Work
     enc = get_config("tiny", "encoder")
     batches = [rng.integers(1, enc.vocab_size, (2, int(n))).tolist() for n in (5, 9, 17, 33)]
     reference = EncoderReference(enc, load_host(enc, SEED))
-    want_embed = [reference.embed(np.array(b)) for b in batches]
+    # batched or not, every padded plan has more than 16 rows: the same (tensor-core) rounding
+    want_embed = [reference.embed(b, rows=int(np.prod(padded_shape([len(s) for s in b], 1024))))
+                  for b in batches]
     jobs = len(prompts) + len(batches) + 2
     start = threading.Barrier(jobs)
 

@@ -231,6 +231,24 @@ class ReclaimStats(_message.Message):
     peer_waits: int
     def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ...) -> None: ...
 
+class EmbedBatchStats(_message.Message):
+    __slots__ = ("batches", "requests", "sequences", "peak_batch_sequences", "cancelled_requests", "tokens", "padded_tokens")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    requests: int
+    sequences: int
+    peak_batch_sequences: int
+    cancelled_requests: int
+    tokens: int
+    padded_tokens: int
+    def __init__(self, batches: _Optional[int] = ..., requests: _Optional[int] = ..., sequences: _Optional[int] = ..., peak_batch_sequences: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., tokens: _Optional[int] = ..., padded_tokens: _Optional[int] = ...) -> None: ...
+
 class CompileStats(_message.Message):
     __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks", "claims_granted", "claim_waits", "claim_wait_hits", "claim_takeovers", "claim_wait_timeouts")
     COMPILED_FIELD_NUMBER: _ClassVar[int]
@@ -298,7 +316,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected", "reclaim")
+    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected", "reclaim", "embed_batch")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +332,7 @@ class GetStatsResponse(_message.Message):
     ARENA_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_FIELD_NUMBER: _ClassVar[int]
+    EMBED_BATCH_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device_name: str
     device_total_bytes: int
@@ -329,7 +348,8 @@ class GetStatsResponse(_message.Message):
     arena: ArenaStats
     governor_connected: bool
     reclaim: ReclaimStats
-    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ..., reclaim: _Optional[_Union[ReclaimStats, _Mapping]] = ...) -> None: ...
+    embed_batch: EmbedBatchStats
+    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ..., reclaim: _Optional[_Union[ReclaimStats, _Mapping]] = ..., embed_batch: _Optional[_Union[EmbedBatchStats, _Mapping]] = ...) -> None: ...
 
 class TrimRequest(_message.Message):
     __slots__ = ("target_bytes",)
