@@ -137,8 +137,9 @@ class WeightSlots:
             raise NotFound(f"no weight slot {key!r}")
         return slot
 
-    def ensure_resident(self, keys: list[str], stream: object = None) -> None:
-        """Make `keys` resident; `stream` (default: compute) waits for their page-in copies."""
+    def ensure_resident(self, keys: list[str], stream: object = None, wait: bool = True) -> None:
+        """Make `keys` resident; `stream` (default: compute) waits for their page-in copies.
+        `wait=False` only issues the page-ins (a prefetch): call `wait_resident` before use."""
         t0 = time.perf_counter()
         d0 = self._arena.driver_seconds
         stream = self._compute if stream is None else stream
@@ -160,7 +161,7 @@ class WeightSlots:
                         elif capturing:
                             raise FailedPrecondition(f"weight {s.key!r} is still paging in; "
                                                      "page in before capturing")
-                        else:
+                        elif wait:
                             self._backend.stream_wait_event(stream, s.event)
                     self.counters["hits"] += 1
                     self.policy.touch(s.key)
@@ -169,9 +170,24 @@ class WeightSlots:
                     raise FailedPrecondition(f"weight {s.key!r} is not resident: never map inside a "
                                              "capture; call ensure_resident before capturing")
                 self.counters["misses"] += 1
-                drv += self._page_in(s, need, stream)
+                drv += self._page_in(s, need, stream if wait else None)
             self.driver_seconds += drv + (self._arena.driver_seconds - d0)
             self.total_seconds += time.perf_counter() - t0
+
+    def wait_resident(self, keys: list[str], stream: object) -> None:
+        """`stream` waits for the page-in copies of `keys` that a prefetch issued; a hit is not
+        counted again. FailedPrecondition if one is not mapped (only a pinned key is safe here)."""
+        with self._lock:
+            for k in keys:
+                s = self.get(k)
+                if s.state == "pending":
+                    if self._backend.event_done(s.event):
+                        s.state = "resident"
+                    else:
+                        self._backend.stream_wait_event(stream, s.event)
+                elif s.state != "resident":
+                    raise FailedPrecondition(f"weight {k!r} is {s.state}, not resident: pin it "
+                                             "before its page-in and until its launches")
 
     def pin(self, keys: list[str]) -> None:
         """Keep `keys` from being chosen as victims until `unpin` (an owner launching on them)."""
@@ -261,7 +277,7 @@ class WeightSlots:
         if slot.state in ("pending", "resident"):
             self._evict(slot, counted)
 
-    def _page_in(self, slot: WeightSlot, need: set[str], stream: object) -> float:
+    def _page_in(self, slot: WeightSlot, need: set[str], stream: object | None) -> float:
         self._make_room(slot, need)
         while True:
             try:
@@ -278,7 +294,8 @@ class WeightSlots:
                 slot.event = self._backend.create_event()
             self._backend.copy_h2d_async(slot.va, slot.host, self._copy)
             self._backend.record_event(slot.event, self._copy)
-            self._backend.stream_wait_event(stream, slot.event)
+            if stream is not None:
+                self._backend.stream_wait_event(stream, slot.event)
         except BaseException as exc:
             slot.state = "poisoned"
             slot.error = f"page-in copy failed: {exc}"
