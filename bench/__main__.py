@@ -32,6 +32,7 @@ GPU = [
     ("encoder_bench.py", ["--requests", "60"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
+    ("pressure_bench.py", []),
 ]
 
 

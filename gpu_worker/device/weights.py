@@ -85,6 +85,7 @@ class WeightSlots:
             ("page_ins", "hits", "misses", "evictions", "bytes_copied", "failed_page_ins"), 0)
         self.driver_seconds = 0.0
         self.total_seconds = 0.0
+        self.peak_committed_bytes = 0   # the most committed weight bytes seen after a page-in
         arena.on_quarantine.append(self._on_quarantine)
 
     @property
@@ -262,6 +263,7 @@ class WeightSlots:
                 "resident_bytes": sum(s.nbytes for s in self._slots.values()
                                       if s.state in ("resident", "pending")),
                 "committed_bytes": self._arena.zone_live_bytes(ZONE),
+                "peak_committed_bytes": self.peak_committed_bytes,
                 "budget_bytes": self.policy.capacity_bytes,
                 "host_bytes": self._host_bytes,
                 "host_budget_bytes": self.host_budget_bytes,
@@ -288,6 +290,8 @@ class WeightSlots:
                 if victim is None:
                     raise
                 self._evict(self._slots[victim])
+        self.peak_committed_bytes = max(self.peak_committed_bytes,
+                                        self._arena.zone_live_bytes(ZONE))
         t0 = time.perf_counter()
         try:
             if slot.event is None:
