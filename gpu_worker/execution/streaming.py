@@ -218,8 +218,8 @@ class StreamedRun:
 
     def __init__(self, plan, schedule: Schedule) -> None:
         self.plan, self.schedule = plan, schedule
-        backend = plan.executor.device.backend
-        self._done = [backend.create_event() for _ in schedule.segments]
+        device = plan.executor.device
+        self._done = [device.create_event() for _ in schedule.segments]
         self.runs = 0
 
     @property
@@ -250,12 +250,11 @@ class StreamedRun:
                 nxt = None
                 if i + 1 < len(segs):
                     if i >= 1:   # at most one segment ahead: i-1 finished, its pages may go
-                        device.backend.synchronize_event(self._done[i - 1])
-                        device.arena.collect()
+                        device.wait_event(self._done[i - 1])   # and runs passed releases
                     nxt = pin(ns(segs[i + 1].keys))
                     slots.ensure_resident(nxt, stream=stream, wait=False)   # overlaps segment i
                 self._launch(seg, inputs, stream, capture)
-                device.backend.record_event(self._done[i], stream)
+                device.record_event(self._done[i], stream)
                 unpin(cur)       # its launches are enqueued; eviction is fenced on the streams
                 if nxt is not None:
                     slots.wait_resident(nxt, stream)   # segment i+1 reads them: wait the copy
@@ -295,7 +294,7 @@ class StreamedRun:
 
     def close(self) -> None:
         self.reset_graphs()
-        backend = self.plan.executor.device.backend
+        device = self.plan.executor.device
         for ev in self._done:
-            backend.destroy_event(ev)
+            device.destroy_event(ev)
         self._done = []

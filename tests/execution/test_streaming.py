@@ -73,6 +73,7 @@ def test_a_decoder_larger_than_its_budget_generates_the_unconstrained_tokens(
         stats = rt.stats()
         assert stats["weights"]["page_ins"] > 0 and stats["arena"]["faults"] == 0
         assert live and max(live) <= BUDGET, f"resident weights reached {max(live) / MIB} MiB"
+        assert 0 < rt.device.weights.stats()["peak_committed_bytes"] <= BUDGET
     finally:
         rt.close()
 
