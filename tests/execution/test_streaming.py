@@ -7,6 +7,7 @@ granules: 12 MiB, about half its weights (a third would not hold the embedding n
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gpu_worker.device.weights import WeightSlots
@@ -217,3 +218,18 @@ def test_schedule_pins_weights_read_across_layers_and_fits_every_neighbouring_pa
     assert schedule.peak_bytes(cost) <= 104
     with pytest.raises(ResourceExhausted, match="cannot stream"):
         plan_schedule(nodes, split=len(nodes) - 2, cost=cost, budget=63)
+
+
+def test_an_encoder_larger_than_its_budget_embeds_identically(kernel_cache_dir):
+    """Segments are cut from any graph's weight names, not the decoder's: the encoder streams."""
+    sequences = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    embeddings = []
+    for budget in (None, 10 * MIB):   # `small-encoder`: 16 MiB committed, streams through 10
+        rt = runtime(kernel_cache_dir, budget)
+        try:
+            rt.load_model("e", "encoder", "small-encoder", 1)
+            embeddings.append(rt.embed("e", sequences))
+            assert rt._get("e").executor.streams() == (budget is not None)
+        finally:
+            rt.close()
+    assert np.array_equal(embeddings[0], embeddings[1])
