@@ -9,6 +9,8 @@ Hazards and contract:
   on the compute and copy streams. A page-in that touches granules whose release is still queued
   resurrects them instead of racing the unmap.
 - Page-in copies on the copy stream; the compute stream waits on an event, the host never blocks.
+  A prefetch (`ensure_resident(wait=False)`, streaming) defers that wait to `wait_resident`,
+  which the owner calls before launching on the slots (pinned from before the prefetch).
 - Never map or unmap inside a capture (FailedPrecondition); a capture may only use resident slots.
 - Admission counts committed granule bytes (what the device pays), not tensor bytes; slots are
   packed, so a granule shared by neighbours is paid once.
