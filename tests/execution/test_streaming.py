@@ -232,3 +232,18 @@ def test_an_encoder_larger_than_its_budget_embeds_identically(kernel_cache_dir):
         finally:
             rt.close()
     assert np.array_equal(embeddings[0], embeddings[1])
+
+
+@pytest.mark.parametrize("config, budget", [("8b-int4", None), ("large", 24 << 30)])
+def test_admission_probes_a_streaming_model_at_its_budget_not_its_weights(config, budget):
+    """The issue's `large` (36.5 GiB) under 24 GiB, and `8b-int4` under a third of its weights:
+    both above their streaming floor, so the load probe asks the zone for the budget only."""
+    from gpu_worker.admission import admission_by_zone, streaming_floor_bytes, weights_to_probe
+    cfg, granule = CONFIGS[config], 2 * MIB
+    need = admission_by_zone(cfg, granule)["weights"]
+    budget = budget or need // 3
+    assert streaming_floor_bytes(cfg, granule) < budget < need
+    assert weights_to_probe(cfg, granule, budget, config, need) == budget
+    assert weights_to_probe(cfg, granule, None, config, need) == need
+    with pytest.raises(ResourceExhausted, match="at least"):
+        weights_to_probe(cfg, granule, streaming_floor_bytes(cfg, granule) - granule, config, need)
