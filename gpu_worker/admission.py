@@ -31,3 +31,27 @@ def admission_by_zone(cfg: ModelConfig, granule: int) -> dict[str, int]:
     if cfg.family == "decoder":
         kv = [cfg.kv_bytes() // (2 * cfg.layers)] * (2 * cfg.layers)  # one K and one V per layer
     return {"weights": packed(weight_sizes(cfg)), "kv": packed(kv) if kv else 0}
+
+
+def streaming_floor_bytes(cfg: ModelConfig, granule: int) -> int:
+    """The smallest weight budget this model can stream through (two neighbouring segments of
+    one layer each, or a layer next to the embedding or head), estimated before any weight has
+    an address: gpu_worker/execution/streaming.py."""
+    from gpu_worker.device.arena import ALIGN
+    from gpu_worker.execution.streaming import packed_cost, streaming_floor
+    from gpu_worker.models.weights import weight_names, weight_sizes
+
+    size = dict(zip(weight_names(cfg), weight_sizes(cfg)))
+    return streaming_floor(list(size), lambda keys: packed_cost((size[k] for k in keys), granule,
+                                                                ALIGN))
+
+
+def weights_to_probe(cfg: ModelConfig, granule: int, budget: int | None, what: str,
+                     need: int) -> int:
+    """Committed weight bytes the load probe asks for: all of them (`need`) when they fit the
+    weight budget, else the budget (the model streams); ResourceExhausted when it cannot stream."""
+    from gpu_worker.execution.streaming import refuse_unstreamable
+    if budget is None or need <= budget:
+        return need
+    refuse_unstreamable(what, streaming_floor_bytes(cfg, granule), budget)
+    return budget

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_worker.admission import admission_by_zone
+from gpu_worker.admission import admission_by_zone, weights_to_probe
 from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.embed_batcher import EmbedBatcher, EmbedBatchStats
 from gpu_worker.execution.executor import ModelExecutor
@@ -48,7 +48,6 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
 
 if TYPE_CHECKING:  # the runtime never imports grpc; the channels do, in the clients
@@ -323,17 +322,13 @@ class WorkerRuntime:
         would otherwise spend a minute and as much host memory only to be refused on the device.
         A probe commit per zone through the budget owner, released at once; a refused probe asks
         the reclaimer first (idle models' caches, then their weights), and is refused only when
-        nothing more can go. A model whose weights alone exceed the weight budget is refused
-        outright: streaming layers through the slots is not built yet. What the probe counts:
+        nothing more can go. A model whose weights exceed the weight budget streams (only the
+        budget is probed), refused only when it cannot. What the probe counts:
         gpu_worker/admission.py."""
         need = admission_by_zone(cfg, device.info.granule_bytes)
-        budget = device.weights.budget_bytes
-        if budget is not None and need["weights"] > budget:
-            raise ResourceExhausted(
-                f"model {model_id!r} needs {need['weights']} committed bytes of weights, more than "
-                f"the {budget}-byte weight budget (--weight-budget-bytes); a model larger than the "
-                "budget would need its layers streamed through the slots, which this worker does "
-                "not do yet", asked_bytes=need["weights"], free_bytes=budget, zone="weights")
+        need["weights"] = weights_to_probe(cfg, device.info.granule_bytes,  # larger: it streams
+                                           device.weights.budget_bytes, f"model {model_id!r}",
+                                           need["weights"])
         booked: list[tuple[str, int]] = []
         try:
             for zone, nbytes in need.items():

@@ -253,6 +253,22 @@ class Device:
             self.backend.synchronize_stream(self.stream if stream is None else stream)
         self.queue.poll()
 
+    def create_event(self) -> object:
+        return self.backend.create_event()
+
+    def destroy_event(self, event: object) -> None:
+        self.backend.destroy_event(event)
+
+    def record_event(self, event: object, stream: object = None) -> None:
+        self.backend.record_event(event, self.stream if stream is None else stream)
+
+    def wait_event(self, event: object) -> None:
+        """Block the host until `event` completed (gated like a stream sync), then run the
+        releases whose fences passed."""
+        with self.gate.shared():
+            self.backend.synchronize_event(event)
+        self.queue.poll()
+
     def synchronize_device(self) -> None:
         """Device-wide sync (gated: it would invalidate another thread's capture)."""
         with self.gate.shared():

@@ -9,6 +9,8 @@ Hazards and contract:
   on the compute and copy streams. A page-in that touches granules whose release is still queued
   resurrects them instead of racing the unmap.
 - Page-in copies on the copy stream; the compute stream waits on an event, the host never blocks.
+  A prefetch (`ensure_resident(wait=False)`, streaming) defers that wait to `wait_resident`,
+  which the owner calls before launching on the slots (pinned from before the prefetch).
 - Never map or unmap inside a capture (FailedPrecondition); a capture may only use resident slots.
 - Admission counts committed granule bytes (what the device pays), not tensor bytes; slots are
   packed, so a granule shared by neighbours is paid once.
@@ -85,6 +87,7 @@ class WeightSlots:
             ("page_ins", "hits", "misses", "evictions", "bytes_copied", "failed_page_ins"), 0)
         self.driver_seconds = 0.0
         self.total_seconds = 0.0
+        self.peak_committed_bytes = 0   # the most committed weight bytes seen after a page-in
         arena.on_quarantine.append(self._on_quarantine)
 
     @property
@@ -137,8 +140,9 @@ class WeightSlots:
             raise NotFound(f"no weight slot {key!r}")
         return slot
 
-    def ensure_resident(self, keys: list[str], stream: object = None) -> None:
-        """Make `keys` resident; `stream` (default: compute) waits for their page-in copies."""
+    def ensure_resident(self, keys: list[str], stream: object = None, wait: bool = True) -> None:
+        """Make `keys` resident; `stream` (default: compute) waits for their page-in copies.
+        `wait=False` only issues the page-ins (a prefetch): call `wait_resident` before use."""
         t0 = time.perf_counter()
         d0 = self._arena.driver_seconds
         stream = self._compute if stream is None else stream
@@ -160,7 +164,7 @@ class WeightSlots:
                         elif capturing:
                             raise FailedPrecondition(f"weight {s.key!r} is still paging in; "
                                                      "page in before capturing")
-                        else:
+                        elif wait:
                             self._backend.stream_wait_event(stream, s.event)
                     self.counters["hits"] += 1
                     self.policy.touch(s.key)
@@ -169,9 +173,24 @@ class WeightSlots:
                     raise FailedPrecondition(f"weight {s.key!r} is not resident: never map inside a "
                                              "capture; call ensure_resident before capturing")
                 self.counters["misses"] += 1
-                drv += self._page_in(s, need, stream)
+                drv += self._page_in(s, need, stream if wait else None)
             self.driver_seconds += drv + (self._arena.driver_seconds - d0)
             self.total_seconds += time.perf_counter() - t0
+
+    def wait_resident(self, keys: list[str], stream: object) -> None:
+        """`stream` waits for the page-in copies of `keys` that a prefetch issued; a hit is not
+        counted again. FailedPrecondition if one is not mapped (only a pinned key is safe here)."""
+        with self._lock:
+            for k in keys:
+                s = self.get(k)
+                if s.state == "pending":
+                    if self._backend.event_done(s.event):
+                        s.state = "resident"
+                    else:
+                        self._backend.stream_wait_event(stream, s.event)
+                elif s.state != "resident":
+                    raise FailedPrecondition(f"weight {k!r} is {s.state}, not resident: pin it "
+                                             "before its page-in and until its launches")
 
     def pin(self, keys: list[str]) -> None:
         """Keep `keys` from being chosen as victims until `unpin` (an owner launching on them)."""
@@ -246,6 +265,7 @@ class WeightSlots:
                 "resident_bytes": sum(s.nbytes for s in self._slots.values()
                                       if s.state in ("resident", "pending")),
                 "committed_bytes": self._arena.zone_live_bytes(ZONE),
+                "peak_committed_bytes": self.peak_committed_bytes,
                 "budget_bytes": self.policy.capacity_bytes,
                 "host_bytes": self._host_bytes,
                 "host_budget_bytes": self.host_budget_bytes,
@@ -261,7 +281,7 @@ class WeightSlots:
         if slot.state in ("pending", "resident"):
             self._evict(slot, counted)
 
-    def _page_in(self, slot: WeightSlot, need: set[str], stream: object) -> float:
+    def _page_in(self, slot: WeightSlot, need: set[str], stream: object | None) -> float:
         self._make_room(slot, need)
         while True:
             try:
@@ -272,13 +292,16 @@ class WeightSlots:
                 if victim is None:
                     raise
                 self._evict(self._slots[victim])
+        self.peak_committed_bytes = max(self.peak_committed_bytes,
+                                        self._arena.zone_live_bytes(ZONE))
         t0 = time.perf_counter()
         try:
             if slot.event is None:
                 slot.event = self._backend.create_event()
             self._backend.copy_h2d_async(slot.va, slot.host, self._copy)
             self._backend.record_event(slot.event, self._copy)
-            self._backend.stream_wait_event(stream, slot.event)
+            if stream is not None:
+                self._backend.stream_wait_event(stream, slot.event)
         except BaseException as exc:
             slot.state = "poisoned"
             slot.error = f"page-in copy failed: {exc}"

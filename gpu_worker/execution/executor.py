@@ -4,7 +4,9 @@ variants from the bounded kernel cache, per-shape plans with captured graphs fro
 A plan's first run resolves every node's variant (compiling/loading through the KernelCompiler),
 then captures the whole graph under the process-wide capture gate and replays it; later runs only
 write the inputs, replay and read the outputs. Eager mode (`capture=False`) launches node by node,
-for the eager-vs-graph benchmark and for debugging.
+for the eager-vs-graph benchmark and for debugging. A model whose weights exceed the weight budget
+runs every plan as segments instead (gpu_worker/execution/streaming.py): one graph per segment,
+its weights paged in ahead of it on the copy stream.
 """
 from __future__ import annotations
 
@@ -19,6 +21,13 @@ from gpu_worker.execution.kernel_cache import KernelCache, KernelVariant, Varian
 from gpu_worker.execution.layout import plan_layout
 from gpu_worker.execution.ops import OPS, LaunchContext, tile_bytes_for
 from gpu_worker.execution.plans import PlanCache
+from gpu_worker.execution.streaming import (
+    StreamedRun,
+    granule_cost,
+    plan_schedule,
+    refuse_unstreamable,
+    streaming_floor,
+)
 from gpu_worker.graph import Graph
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u8": np.uint8}
@@ -38,7 +47,7 @@ class ShapePlan:
         self.arena_alloc = device.arena.alloc(self.layout.nbytes, "activations", role="plan")
         self.activation_bytes = self.arena_alloc.size
         self.graph_exec: object | None = None
-        self.graph_bytes = 0
+        self.whole_graph_bytes = 0
         self.steps: list[tuple[object, KernelVariant]] | None = None
         # Nodes from the first `select_row` on run eagerly after the replay: the row they read
         # (the prompt's last token inside a padded bucket) is only known per call.
@@ -46,6 +55,7 @@ class ShapePlan:
                           len(graph.nodes))
         self._alias: dict[str, int] = {}
         self.replays = 0
+        self.streamed: StreamedRun | None = None   # the segments, while the model streams
         self._lock = threading.RLock()
 
     # -- pointers --------------------------------------------------------------------------------
@@ -96,15 +106,19 @@ class ShapePlan:
         stream = device.stream
         with self._lock:
             self._write_inputs(inputs, stream)
-            if not capture:
-                self._launch_warm(self.resolve(), stream)
+            if self.executor.streams():   # the budget cannot hold every weight: segments
+                self._streamed_run().run(inputs, stream, capture)
+                self.replays += capture
             else:
-                if self.graph_exec is None:  # its graph memory may be refused: reclaim, retry
-                    device.arena.retry_reclaiming("graphs", lambda: self._capture(stream))
-                device.replay(self.graph_exec, stream=stream)
-                self.replays += 1
-                self.executor.replay_count += 1
-            self._run_tail(inputs, stream)
+                if not capture:
+                    self._launch_warm(self.resolve(), stream)
+                else:
+                    if self.graph_exec is None:  # its graph memory may be refused: reclaim, retry
+                        device.arena.retry_reclaiming("graphs", lambda: self._capture(stream))
+                    device.replay(self.graph_exec, stream=stream)
+                    self.replays += 1
+                    self.executor.replay_count += 1
+                self._run_tail(inputs, stream)
             out = {}
             for name in outputs:
                 spec = self.graph.tensors[name]
@@ -142,8 +156,34 @@ class ShapePlan:
                 self._alias[nd.outputs[0]] = self.ptr(src) + row * row_bytes
         self.launch_all(self.resolve(kernels), stream)
 
+    @property
+    def graph_bytes(self) -> int:
+        """Captured graph memory: the whole graph's and, while streaming, the segments'."""
+        return self.whole_graph_bytes + (self.streamed.graph_bytes if self.streamed else 0)
+
+    def _streamed_run(self) -> StreamedRun:
+        """The plan's segments for the current budget (re-cut when the budget changed)."""
+        budget = self.executor.device.weights.budget_bytes
+        if self.streamed is not None and self.streamed.schedule.budget != budget:
+            self.executor.device.synchronize(self.executor.device.stream)
+            self.streamed.close()
+            self.streamed = None
+        if self.streamed is None:
+            schedule = plan_schedule(self.graph.nodes, self.split, self.executor.weight_cost,
+                                     budget, what=f"plan {self.key}")
+            self.streamed = StreamedRun(self, schedule)
+        return self.streamed
+
     def _capture(self, stream: object) -> None:
-        steps = self.resolve()      # may evict variants (and reset other plans' graphs) first
+        steps = self.resolve()
+        self.graph_exec, self.whole_graph_bytes = self.capture_steps(steps, stream)
+        self.steps = steps
+
+    def capture_steps(self, steps: list[tuple[object, KernelVariant]],
+                      stream: object) -> tuple[object, int]:
+        """Capture `steps` (resolved: resolving may evict variants and reset graphs) into a graph
+        exec; returns it and its measured bytes (booked in `graphs` by the device). The plan holds
+        every variant it baked."""
         device = self.executor.device
         # Every GEMM shape runs once eagerly before any capture records it; the eager run writes
         # what the replay below writes again (no node reads what a later node of the graph wrote
@@ -153,27 +193,32 @@ class ShapePlan:
             self._launch_warm(steps, stream)
         with device.capture(stream=stream) as cap:
             self.launch_all(steps, stream)
-        self.graph_exec, self.steps = cap.graph_exec, steps
-        self.graph_bytes = int(cap.graph_bytes)   # measured and booked in `graphs` by the device
         for _, variant in steps:
             self.executor.kernels.hold(variant, self)
+        return cap.graph_exec, int(cap.graph_bytes)
 
     def reset_graph(self) -> None:
         """Destroy the graph exec (it bakes workspace and activation pointers); rebuilt on demand."""
         with self._lock:
-            if self.graph_exec is None:
+            if self.graph_exec is None and not (self.streamed and self.streamed.captured()):
                 return
             device = self.executor.device
             # The graph may still be running on the stream; destroy it only once it finished.
             device.synchronize(device.stream)
-            device.destroy_graph_exec(self.graph_exec)    # also unbooks its `graphs` bytes
-            self.graph_exec, self.graph_bytes, self.steps = None, 0, None
+            if self.graph_exec is not None:
+                device.destroy_graph_exec(self.graph_exec)    # also unbooks its `graphs` bytes
+            if self.streamed is not None:
+                self.streamed.reset_graphs()
+            self.graph_exec, self.whole_graph_bytes, self.steps = None, 0, None
             self.executor.kernels.forget_holder(self)
 
     def release(self) -> int:
         with self._lock:
             freed = self.graph_bytes + self.activation_bytes
             self.reset_graph()
+            if self.streamed is not None:
+                self.streamed.close()
+                self.streamed = None
             if self.arena_alloc is not None:
                 self.executor.device.arena.free(self.arena_alloc)
                 self.arena_alloc = None
@@ -199,6 +244,7 @@ class ModelExecutor:
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream))
         self._weights: dict[str, object] = {}        # key -> WeightSlot
+        self._all_weights_cost: int | None = None    # committed bytes of every weight resident
         self._state: dict[str, object] = {}          # name -> Allocation
         self._functions: dict[tuple[str, str], object] = {}
         self._modules: dict[object, object] = {}     # KernelSource -> loaded module
@@ -215,6 +261,7 @@ class ModelExecutor:
         # Evictable: every request runs inside `resident()`, which pins the slots and pages back
         # in whatever an idle spell lost, so only an idle model's pages are ever taken.
         self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
+        self._all_weights_cost = None
 
     def weight_ptr(self, key: str) -> int:
         return int(self._weights[key].va)
@@ -225,13 +272,45 @@ class ModelExecutor:
     def _slot_keys(self) -> list[str]:
         return [self.weight_namespace + k for k in self._weights]
 
+    def slot_keys(self, keys: list[str]) -> list[str]:
+        """The weight slots' keys of graph weight keys."""
+        return [self.weight_namespace + k for k in keys]
+
+    def weight_cost(self, keys) -> int:
+        """Committed bytes the slots of `keys` occupy when resident (whole granules, shared ones
+        once)."""
+        arena = self.device.arena
+        return granule_cost(((int(self._weights[k].va), int(self._weights[k].nbytes))
+                             for k in keys), arena.base, arena.granule)
+
+    def streams(self) -> bool:
+        """Whether this model's weights exceed the weight budget: its plans then run as segments
+        (gpu_worker/execution/streaming.py) and a request pins only the segments in flight."""
+        budget = self.device.weights.budget_bytes
+        if budget is None:
+            return False
+        if self._all_weights_cost is None:   # addresses are stable: computed once per load
+            self._all_weights_cost = self.weight_cost(self._weights)
+        return self._all_weights_cost > budget
+
     def ensure_resident(self) -> None:
+        """Page every weight in (load); a streaming model pages in nothing here, and is refused
+        (ResourceExhausted) when even two neighbouring one-layer segments cannot fit."""
+        if self.streams():
+            refuse_unstreamable(f"model {self.weight_namespace.rstrip('/')!r}",
+                                streaming_floor(list(self._weights), self.weight_cost),
+                                self.device.weights.budget_bytes)
+            return
         self.device.weights.ensure_resident(self._slot_keys(), stream=self.device.stream)
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Pin this model's weights and page in what is missing (a wake), for one request: no
-        other page-in may evict them while its kernels launch on them."""
+        other page-in may evict them while its kernels launch on them. A streaming model pins
+        nothing here: each run pins and pages in only the segments in flight."""
+        if self.streams():
+            yield
+            return
         keys = self._slot_keys()
         self.device.weights.pin(keys)
         try:
@@ -338,6 +417,7 @@ class ModelExecutor:
             freed += int(slot.nbytes)
             self.device.weights.remove(self.weight_namespace + key)
         self._weights.clear()
+        self._all_weights_cost = None
         for module in self._modules.values():
             unload = getattr(self.device, "unload_module", None)
             if unload is not None:

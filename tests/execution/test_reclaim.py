@@ -144,7 +144,7 @@ def test_a_failed_page_in_leaves_nothing_mapped_to_wrong_bytes(runtime):
     assert runtime.device.ledger.snapshot()["weights"] == (0, 0)
 
 
-def test_a_model_larger_than_the_weight_budget_is_refused_clearly_and_changes_nothing(
+def test_a_model_too_large_to_stream_through_the_weight_budget_is_refused_and_changes_nothing(
         kernel_cache_dir):
     rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
                                     weight_budget_bytes=2 << 20)).start()
