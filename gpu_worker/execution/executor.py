@@ -176,26 +176,27 @@ class ShapePlan:
 
     def _capture(self, stream: object) -> None:
         steps = self.resolve()
-        self.graph_exec, self.whole_graph_bytes = self.capture_steps(steps, stream)
+        self.graph_exec, self.whole_graph_bytes, _ = self.capture_steps(steps, stream)
         self.steps = steps
 
     def capture_steps(self, steps: list[tuple[object, KernelVariant]],
-                      stream: object) -> tuple[object, int]:
+                      stream: object) -> tuple[object, int, bool]:
         """Capture `steps` (resolved: resolving may evict variants and reset graphs) into a graph
-        exec; returns it and its measured bytes (booked in `graphs` by the device). The plan holds
-        every variant it baked."""
+        exec; returns it, its measured bytes (booked in `graphs` by the device) and whether the
+        BLAS warm-up launched the steps eagerly first. The plan holds every variant it baked."""
         device = self.executor.device
         # Every GEMM shape runs once eagerly before any capture records it; the eager run writes
         # what the replay below writes again (no node reads what a later node of the graph wrote
         # in a previous run), so it changes no result.
         shapes = self._gemm_shapes(steps)
-        if shapes and not all(device.blas.is_warm(s) for s in shapes):
+        warmed = bool(shapes) and not all(device.blas.is_warm(s) for s in shapes)
+        if warmed:
             self._launch_warm(steps, stream)
         with device.capture(stream=stream) as cap:
             self.launch_all(steps, stream)
         for _, variant in steps:
             self.executor.kernels.hold(variant, self)
-        return cap.graph_exec, int(cap.graph_bytes)
+        return cap.graph_exec, int(cap.graph_bytes), warmed
 
     def reset_graph(self) -> None:
         """Destroy the graph exec (it bakes workspace and activation pointers); rebuilt on demand."""

@@ -273,10 +273,20 @@ class StreamedRun:
             plan._launch_warm(plan.resolve(seg.nodes), stream)
             return
         if seg.graph_exec is None:
+            warmed = False
+
             def capture_segment() -> None:
-                seg.graph_exec, seg.graph_bytes = plan.capture_steps(plan.resolve(seg.nodes),
-                                                                     stream)
+                nonlocal warmed   # a retried capture finds the shapes warm: keep the first's
+                seg.graph_exec, seg.graph_bytes, ran = plan.capture_steps(
+                    plan.resolve(seg.nodes), stream)
+                warmed = warmed or ran
             plan.executor.device.arena.retry_reclaiming("graphs", capture_segment)
+            # A segment runs exactly once per run, unlike a whole graph: its inputs are
+            # activations of earlier segments, and the plan layout lets a later node of the same
+            # segment reuse their bytes once they are read, so a second launch reads clobbered
+            # inputs. The BLAS warm-up already ran it eagerly: no replay this time.
+            if warmed:
+                return
         plan.executor.device.replay(seg.graph_exec, stream=stream)
         plan.executor.replay_count += 1
 
