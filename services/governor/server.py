@@ -10,9 +10,9 @@ import threading
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
-from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.telemetry import tracer_provider as default_tracer_provider
 from services.governor.access import ACCESS
 from services.governor.ledger import Ledger
