@@ -141,10 +141,13 @@ async def _start(listen: str, services: list[ServiceRegistration], tracer_provid
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server)
-    if security.tls is not None:
-        port = server.add_secure_port(listen, server_credentials(security.tls))
-    else:
-        port = server.add_insecure_port(listen)
+    try:  # grpc.aio raises RuntimeError where the sync server returns port 0
+        if security.tls is not None:
+            port = server.add_secure_port(listen, server_credentials(security.tls))
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise OSError(f"could not bind {listen!r}: is the port already in use?")
     health_only, health_port = None, 0
@@ -152,7 +155,10 @@ async def _start(listen: str, services: list[ServiceRegistration], tracer_provid
         # Plaintext and health only: Kubernetes' gRPC probe cannot speak TLS (see server.py).
         health_only = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(health, health_only)
-        health_port = health_only.add_insecure_port(security.health_listen)
+        try:
+            health_port = health_only.add_insecure_port(security.health_listen)
+        except RuntimeError:
+            health_port = 0
         if health_port == 0:
             raise OSError(f"could not bind the health port {security.health_listen!r}: "
                           "is it already in use?")
