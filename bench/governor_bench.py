@@ -15,7 +15,7 @@ processes so that the client side's GIL is not what is measured. Printed side by
 - GovernorClient.reserve/release of 1 MiB (served from chunks) vs one RPC per allocation.
 With `--base REV`, the top level instead runs on REV's governor (exported with git archive) and on
 this checkout's, alternating for `--rounds`, the same clients against both; it prints the medians
-and tree/base ratios. Targets (issue 16, bench/targets.py): open-loop Acquire p99 < 2 ms at the top
+and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side. Targets (issue 16, bench/targets.py): open-loop Acquire p99 < 2 ms at the top
 level, and with --base closed-loop calls/s >= 2x the base's; a miss prints MISSED, exit status 1.
 """
 from __future__ import annotations
@@ -221,6 +221,17 @@ def start_server(tree: pathlib.Path, target: str, db: str) -> subprocess.Popen:
     return governor
 
 
+def start_echo(target: str) -> subprocess.Popen:
+    """bench/governor_echo.py: GovernorService on grpc.aio with no ledger (the ceiling)."""
+    echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "governor_echo.py"), target],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if "listening" not in echo.stdout.readline():
+        echo.kill()
+        raise SystemExit("the echo governor did not start")
+    return echo
+
+
 def _print_header() -> None:
     print(f"{'clients':>7} {'pairs':>7} {'calls/s':>9} {'acq p50':>8} {'acq p99':>8} "
           f"{'rel p50':>8} {'rel p99':>8} {'p99 vs 1':>8} {'srv us/call':>11} {'cli us/call':>11}")
@@ -279,7 +290,8 @@ def against_base(args: argparse.Namespace, targets: Targets) -> dict:
     from bench.compare import export
 
     clients = int(args.levels.split(",")[-1])
-    runs: dict[str, list[dict]] = {"base": [], "tree": []}
+    sides = ["base", "tree", *(["ceiling"] if args.ceiling else [])]
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as d:
         base_tree = pathlib.Path(d) / "base"
         base_tree.mkdir()
@@ -289,10 +301,11 @@ def against_base(args: argparse.Namespace, targets: Targets) -> dict:
               f"then open loop {args.rate:g} pairs/s per client {args.open_seconds:g} s")
         _print_header()
         for i in range(args.rounds):
-            for side in (("base", "tree") if i % 2 == 0 else ("tree", "base")):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
                 target = _free_target()
                 db = f"{d}/{side}-{i}.sqlite"
-                governor = start_server(base_tree if side == "base" else ROOT, target, db)
+                governor = start_echo(target) if side == "ceiling" else \
+                    start_server(base_tree if side == "base" else ROOT, target, db)
                 try:
                     closed = run_level(target, clients, args.processes, args.seconds, 0.0,
                                        governor.pid)
@@ -315,12 +328,22 @@ def against_base(args: argparse.Namespace, targets: Targets) -> dict:
     keys = [("closed", "calls_per_s"), ("closed", "acquire_p99_ms"),
             ("closed", "server_cpu_us_per_call"), ("closed", "clients_cpu_us_per_call"),
             ("open", "acquire_p50_ms"), ("open", "acquire_p99_ms")]
-    print(f"medians over {args.rounds} rounds    {'base':>9} {'tree':>9} {'tree/base':>9}")
+    ceiling = args.ceiling
+    print(f"medians over {args.rounds} rounds    {'base':>9} {'tree':>9} {'tree/base':>9}"
+          + (f" {'ceiling':>9} {'ceil/base':>9}" if ceiling else ""))
     figures: dict = {}
     for mode, key in keys:
         b, t = med("base", mode, key), med("tree", mode, key)
         figures[f"{mode}_{key}"] = {"base": b, "tree": t, "ratio": t / b}
-        print(f"{mode + ' ' + key:<29} {b:>9.2f} {t:>9.2f} {t / b:>8.2f}x")
+        line = f"{mode + ' ' + key:<29} {b:>9.2f} {t:>9.2f} {t / b:>8.2f}x"
+        if ceiling:
+            c = med("ceiling", mode, key)
+            figures[f"{mode}_{key}"].update(ceiling=c, ceiling_ratio=c / b)
+            line += f" {c:>9.2f} {c / b:>8.2f}x"
+        print(line)
+    if ceiling:
+        print("ceiling = GovernorService on grpc.aio with no ledger, SQLite or interceptors "
+              "(bench/governor_echo.py): what Python gRPC alone allows these clients")
     ratios = sorted(t["closed"]["calls_per_s"] / b["closed"]["calls_per_s"]
                     for t, b in zip(runs["tree"], runs["base"], strict=True))
     print(f"closed-loop calls/s ratio per round: {', '.join(f'{r:.2f}x' for r in ratios)}")
@@ -349,7 +372,12 @@ def main() -> int:
                         help="also serve the governor of git revision REV and run the top level "
                              "on both, alternating; prints tree/base ratios")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per side with --base")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="with --base, also run bench/governor_echo.py (no ledger, no SQLite, "
+                             "no interceptors): the most any governor change could give")
     args = parser.parse_args()
+    if args.ceiling and not args.base:
+        parser.error("--ceiling compares against a base: give --base REV too")
     targets = Targets("governor_bench")
     figures = against_base(args, targets) if args.base else one_tree(args, targets)
     if args.json:
