@@ -1,30 +1,45 @@
 """Governor latency and throughput: Acquire/Release over loopback with 1, 8 and 32 clients.
 
     .venv/bin/python bench/governor_bench.py [--levels 1,8,32] [--seconds 3] [--processes 4]
+    .venv/bin/python bench/governor_bench.py --base main [--rounds 2] [--levels 32]
 
 The governor runs as its own process (`python -m services.governor serve`), as in production,
 with a real SQLite file (WAL). Each client is a worker with its own channel that loops
 Acquire(64 MiB) + Release as fast as it can (closed loop: saturation, where latency is bounded by
 Little's law, clients / throughput), then at a fixed rate per client (open loop: real workers call
-once per 64 MiB chunk of growth, a few times a second at most). Clients are spread over several processes so that the client side's
-GIL is not what is measured. Printed side by side in one run:
-- per level: p50/p99 of Acquire and Release, calls per second, and p99 relative to one client;
+once per 64 MiB chunk of growth, a few times a second at most). Clients are spread over several
+processes so that the client side's GIL is not what is measured. Printed side by side in one run:
+- per level: p50/p99 of Acquire and Release, calls per second, p99 relative to one client, and
+  the CPU per call of the governor process and of the client processes (where the cores go);
 - the domain core alone (Ledger.acquire + release in process, no gRPC): where the time goes;
 - GovernorClient.reserve/release of 1 MiB (served from chunks) vs one RPC per allocation.
+With `--base REV`, the top level instead runs on REV's governor (exported with git archive) and on
+this checkout's, alternating for `--rounds`, the same clients against both; it prints the medians
+and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side.
+Targets (issue 16, bench/targets.py): open-loop Acquire p99 < 2 ms at the top level, and with
+--base closed-loop calls/s >= 2x the base's; a miss prints MISSED, exit status 1.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import pathlib
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.targets import Targets
+
+P99_TARGET_MS = 2.0  # issue 16: Acquire p99 with 32 open-loop clients on 2 cores
+THROUGHPUT_TARGET = 2.0  # issue 16: closed-loop throughput against the base
 MIB = 1 << 20
 DEVICE_UUID = "GPU-bench"
 
@@ -88,8 +103,21 @@ def _client_process(target: str, first: int, count: int, start_at: float, stop_a
     out.put((acquire_s, release_s))
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _sleep_until(t: float) -> None:
+    while (left := t - time.time()) > 0:
+        time.sleep(min(left, 0.05))
+
+
 def run_level(target: str, clients: int, processes: int, seconds: float,
-              rate: float = 0.0) -> dict[str, float]:
+              rate: float = 0.0, server_pid: int = 0) -> dict[str, float]:
+    """One level; with `server_pid`, also the CPU the server and the clients spent per call
+    inside the measured window (where the two cores go)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = min(processes, clients)
@@ -103,6 +131,13 @@ def run_level(target: str, clients: int, processes: int, seconds: float,
         first += count
     for w in workers:
         w.start()
+    cpu: dict[str, float] = {}
+    if server_pid:
+        _sleep_until(start_at)
+        server0, clients0 = _cpu_s(server_pid), sum(_cpu_s(w.pid) for w in workers)
+        _sleep_until(stop_at)
+        cpu = {"server": _cpu_s(server_pid) - server0,
+               "clients": sum(_cpu_s(w.pid) for w in workers) - clients0}
     acquire, release = [], []
     for _ in workers:
         a, r = out.get(timeout=seconds + 60)
@@ -110,8 +145,10 @@ def run_level(target: str, clients: int, processes: int, seconds: float,
         release += r
     for w in workers:
         w.join()
-    return {"clients": clients, "samples": len(acquire),
-            "calls_per_s": (len(acquire) + len(release)) / seconds,
+    calls = len(acquire) + len(release)
+    per_call = {f"{k}_cpu_us_per_call": v / calls * 1e6 if calls else float("nan")
+                for k, v in cpu.items()}
+    return {"clients": clients, "samples": len(acquire), "calls_per_s": calls / seconds, **per_call,
             "acquire_p50_ms": _pct(acquire, 0.5) * 1e3, "acquire_p99_ms": _pct(acquire, 0.99) * 1e3,
             "release_p50_ms": _pct(release, 0.5) * 1e3, "release_p99_ms": _pct(release, 0.99) * 1e3}
 
@@ -166,7 +203,160 @@ def chunked_vs_per_call(target: str, n: int = 2000) -> tuple[float, float]:
     return chunked, per_call
 
 
-def main() -> None:
+def _free_target() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_server(tree: pathlib.Path, target: str, db: str) -> subprocess.Popen:
+    """`python -m services.governor serve` from `tree` (this checkout, or a base exported for
+    --base), as in production; returns once it listens."""
+    governor = subprocess.Popen(
+        [sys.executable, "-m", "services.governor", "serve", "--listen", target, "--db", db],
+        cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONPATH": str(tree), "GPUPLANE_LOG_LEVEL": "WARNING"})
+    if "listening" not in governor.stdout.readline():
+        governor.kill()
+        raise SystemExit(f"the governor from {tree} did not start")
+    return governor
+
+
+def start_echo(target: str) -> subprocess.Popen:
+    """bench/governor_echo.py: GovernorService on grpc.aio with no ledger (the ceiling)."""
+    echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "governor_echo.py"), target],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if "listening" not in echo.stdout.readline():
+        echo.kill()
+        raise SystemExit("the echo governor did not start")
+    return echo
+
+
+def _print_header() -> None:
+    print(f"{'clients':>7} {'pairs':>7} {'calls/s':>9} {'acq p50':>8} {'acq p99':>8} "
+          f"{'rel p50':>8} {'rel p99':>8} {'p99 vs 1':>8} {'srv us/call':>11} {'cli us/call':>11}")
+
+
+def _print_row(r: dict, base_p99: float) -> None:
+    print(f"{r['clients']:>7} {r['samples']:>7} {r['calls_per_s']:>9.0f} {r['acquire_p50_ms']:>7.2f}m "
+          f"{r['acquire_p99_ms']:>7.2f}m {r['release_p50_ms']:>7.2f}m {r['release_p99_ms']:>7.2f}m "
+          f"{r['acquire_p99_ms'] / base_p99:>7.1f}x {r.get('server_cpu_us_per_call', float('nan')):>11.0f} "
+          f"{r.get('clients_cpu_us_per_call', float('nan')):>11.0f}", flush=True)
+
+
+def one_tree(args: argparse.Namespace, targets: Targets) -> dict:
+    """Every level on this checkout's governor; the open-loop p99 target at the top level."""
+    figures: dict = {}
+    target = _free_target()
+    levels = [int(x) for x in args.levels.split(",")]
+    with tempfile.TemporaryDirectory() as d:
+        governor = start_server(ROOT, target, ":memory:" if args.memory_db else f"{d}/gov.sqlite")
+        try:
+            print(f"governor bench: {os.cpu_count()} cores, {args.seconds:.0f} s per level, "
+                  f"closed loop Acquire(64 MiB)+Release, clients over {args.processes} processes; "
+                  "us/call = CPU per call of the governor process and of all client processes")
+            modes = [("closed loop", 0.0, args.seconds)]
+            if args.rate:
+                modes.append((f"open loop, {args.rate:g} pairs/s per client", args.rate,
+                              args.open_seconds))
+            for mode, rate, seconds in modes:
+                print(f"{mode}:")
+                _print_header()
+                base = None
+                for clients in levels:
+                    r = run_level(target, clients, args.processes, seconds, rate, governor.pid)
+                    figures[f"{'open' if rate else 'closed'}_{clients}"] = {
+                        k: v for k, v in r.items() if isinstance(v, (int, float))}
+                    base = base or r["acquire_p99_ms"]
+                    _print_row(r, base)
+            core = domain_core()
+            print(f"domain core alone (Ledger acquire+release, SQLite WAL): {core:.0f} us/pair")
+            chunked, per_call = chunked_vs_per_call(target)
+            print(f"1 MiB reserve+release: GovernorClient {chunked:.1f} us vs one RPC each "
+                  f"{per_call:.0f} us ({per_call / chunked:.0f}x)")
+            figures["domain_core_us"] = core
+        finally:
+            governor.kill()
+            governor.wait()
+    if args.rate:
+        top = figures[f"open_{levels[-1]}"]
+        targets.check(f"open-loop Acquire p99 ms, {levels[-1]} clients x {args.rate:g} pairs/s",
+                      top["acquire_p99_ms"], "<", P99_TARGET_MS)
+    return figures
+
+
+def against_base(args: argparse.Namespace, targets: Targets) -> dict:
+    """The top level on the base's governor and on this checkout's, alternating, same clients."""
+    from bench.compare import export
+
+    clients = int(args.levels.split(",")[-1])
+    sides = ["base", "tree", *(["ceiling"] if args.ceiling else [])]
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as d:
+        base_tree = pathlib.Path(d) / "base"
+        base_tree.mkdir()
+        sha = export(args.base, base_tree)
+        print(f"governor bench against base {args.base} ({sha[:12]}): {os.cpu_count()} cores, "
+              f"{clients} clients, {args.rounds} rounds alternating, closed loop {args.seconds:g} s "
+              f"then open loop {args.rate:g} pairs/s per client {args.open_seconds:g} s")
+        _print_header()
+        for i in range(args.rounds):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                target = _free_target()
+                db = f"{d}/{side}-{i}.sqlite"
+                governor = start_echo(target) if side == "ceiling" else \
+                    start_server(base_tree if side == "base" else ROOT, target, db)
+                try:
+                    closed = run_level(target, clients, args.processes, args.seconds, 0.0,
+                                       governor.pid)
+                    opened = run_level(target, clients, args.processes, args.open_seconds,
+                                       args.rate, governor.pid) if args.rate else {}
+                finally:
+                    governor.kill()
+                    governor.wait()
+                runs[side].append({"closed": closed, "open": opened})
+                print(f"round {i + 1} {side}: closed", end="")
+                _print_row(closed, closed["acquire_p99_ms"])
+                if opened:
+                    print(f"round {i + 1} {side}: open  ", end="")
+                    _print_row(opened, opened["acquire_p99_ms"])
+
+    def med(side: str, mode: str, key: str) -> float:
+        values = [r[mode][key] for r in runs[side] if r[mode]]
+        return statistics.median(values) if values else float("nan")
+
+    keys = [("closed", "calls_per_s"), ("closed", "acquire_p99_ms"),
+            ("closed", "server_cpu_us_per_call"), ("closed", "clients_cpu_us_per_call"),
+            ("open", "acquire_p50_ms"), ("open", "acquire_p99_ms")]
+    ceiling = args.ceiling
+    print(f"medians over {args.rounds} rounds    {'base':>9} {'tree':>9} {'tree/base':>9}"
+          + (f" {'ceiling':>9} {'ceil/base':>9}" if ceiling else ""))
+    figures: dict = {}
+    for mode, key in keys:
+        b, t = med("base", mode, key), med("tree", mode, key)
+        figures[f"{mode}_{key}"] = {"base": b, "tree": t, "ratio": t / b}
+        line = f"{mode + ' ' + key:<29} {b:>9.2f} {t:>9.2f} {t / b:>8.2f}x"
+        if ceiling:
+            c = med("ceiling", mode, key)
+            figures[f"{mode}_{key}"].update(ceiling=c, ceiling_ratio=c / b)
+            line += f" {c:>9.2f} {c / b:>8.2f}x"
+        print(line)
+    if ceiling:
+        print("ceiling = GovernorService on grpc.aio with no ledger, SQLite or interceptors "
+              "(bench/governor_echo.py): what Python gRPC alone allows these clients")
+    ratios = sorted(t["closed"]["calls_per_s"] / b["closed"]["calls_per_s"]
+                    for t, b in zip(runs["tree"], runs["base"], strict=True))
+    print(f"closed-loop calls/s ratio per round: {', '.join(f'{r:.2f}x' for r in ratios)}")
+    targets.check(f"closed-loop calls/s at {clients} clients, tree / base",
+                  figures["closed_calls_per_s"]["ratio"], ">=", THROUGHPUT_TARGET)
+    if args.rate:
+        targets.check(f"open-loop Acquire p99 ms, {clients} clients x {args.rate:g} pairs/s",
+                      figures["open_acquire_p99_ms"]["tree"], "<", P99_TARGET_MS)
+    return figures
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -179,53 +369,22 @@ def main() -> None:
     parser.add_argument("--memory-db", action="store_true",
                         help="serve from an in-memory SQLite database (no durable writes at all): "
                              "the ceiling of any commit optimisation, never a deployment")
+    parser.add_argument("--base", metavar="REV",
+                        help="also serve the governor of git revision REV and run the top level "
+                             "on both, alternating; prints tree/base ratios")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per side with --base")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="with --base, also run bench/governor_echo.py (no ledger, no SQLite, "
+                             "no interceptors): the most any governor change could give")
     args = parser.parse_args()
-    figures: dict = {}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    target = f"127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as d:
-        governor = subprocess.Popen(
-            [sys.executable, "-m", "services.governor", "serve", "--listen", target, "--db",
-             ":memory:" if args.memory_db else f"{d}/gov.sqlite"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env={**os.environ, "GPUPLANE_LOG_LEVEL": "WARNING"})
-        try:
-            assert "listening" in governor.stdout.readline(), "the governor did not start"
-            print(f"governor bench: {os.cpu_count()} cores, {args.seconds:.0f} s per level, "
-                  f"closed loop Acquire(64 MiB)+Release, clients over {args.processes} processes")
-            modes = [("closed loop", 0.0, args.seconds)]
-            if args.rate:
-                modes.append((f"open loop, {args.rate:g} pairs/s per client", args.rate,
-                              args.open_seconds))
-            for mode, rate, seconds in modes:
-                print(f"{mode}:")
-                print(f"{'clients':>7} {'pairs':>7} {'calls/s':>9} {'acq p50':>8} {'acq p99':>8} "
-                      f"{'rel p50':>8} {'rel p99':>8} {'p99 vs 1':>8}")
-                base = None
-                for clients in [int(x) for x in args.levels.split(",")]:
-                    r = run_level(target, clients, args.processes, seconds, rate)
-                    figures[f"{'open' if rate else 'closed'}_{clients}"] = {
-                        k: v for k, v in r.items() if isinstance(v, (int, float))}
-                    base = base or r["acquire_p99_ms"]
-                    print(f"{clients:>7} {r['samples']:>7} {r['calls_per_s']:>9.0f} {r['acquire_p50_ms']:>7.2f}m "
-                          f"{r['acquire_p99_ms']:>7.2f}m {r['release_p50_ms']:>7.2f}m "
-                          f"{r['release_p99_ms']:>7.2f}m {r['acquire_p99_ms'] / base:>7.1f}x",
-                          flush=True)
-            core = domain_core()
-            print(f"domain core alone (Ledger acquire+release, SQLite WAL): {core:.0f} us/pair")
-            chunked, per_call = chunked_vs_per_call(target)
-            print(f"1 MiB reserve+release: GovernorClient {chunked:.1f} us vs one RPC each "
-                  f"{per_call:.0f} us ({per_call / chunked:.0f}x)")
-            figures["domain_core_us"] = core
-            if args.json:
-                import json
-
-                args.json.write_text(json.dumps(figures, indent=2))
-        finally:
-            governor.kill()
-            governor.wait()
+    if args.ceiling and not args.base:
+        parser.error("--ceiling compares against a base: give --base REV too")
+    targets = Targets("governor_bench")
+    figures = against_base(args, targets) if args.base else one_tree(args, targets)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return targets.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

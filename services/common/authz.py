@@ -36,7 +36,7 @@ from services.common.identity import (
 audit = logging.getLogger("gpuplane.audit")
 
 # A handler's own refusals (the ledger: a lease that is not the caller's) are audited as well.
-_REFUSALS = (PermissionDenied, Unauthenticated)
+AUDITED_REFUSALS = (PermissionDenied, Unauthenticated)
 PUBLIC_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                    "grpc.reflection.v1.ServerReflection")
 
@@ -101,7 +101,7 @@ class Policy:
                                        f"{target!r}", worker_id=target)
 
 
-def _audit(decision: str, method: str, who: Principal | None, context: grpc.ServicerContext,
+def audit_call(decision: str, method: str, who: Principal | None, context: grpc.ServicerContext,
            exc: GpuplaneError | None = None) -> None:
     audit.info("rpc %s", "refused" if exc else "allowed", extra={
         "audit": decision, "method": method, "identity": who.name if who else "unknown",
@@ -137,19 +137,21 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
             self._principals[key] = who
         return who
 
-    def _check(self, method: str, rule: Rule | None, request: Any,
-               context: grpc.ServicerContext) -> Principal:
+    def check(self, method: str, rule: Rule | None, request: Any,
+              context: grpc.ServicerContext) -> Principal:
+        """Raise (and audit) unless the caller of `context` may call `method` with `request`;
+        returns the caller. Shared with the asyncio flavour (services.common.aio_server)."""
         who = None
         try:
             who = self._principal(context)
             self.policy.authorize(method, rule, who, request)
         except GpuplaneError as exc:
-            _audit("deny", method, who, context, exc)
+            audit_call("deny", method, who, context, exc)
             raise
         # Admin calls leave a line too: admin RPCs, and an admin acting on another worker's id.
         if rule is not None and (rule.level >= Level.ADMIN or (
                 rule.owner_field and getattr(request, rule.owner_field) not in who.subjects)):
-            _audit("allow", method, who, context)
+            audit_call("allow", method, who, context)
         return who
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
@@ -166,7 +168,7 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
 
     def _wrap(self, method: str, handler: Any) -> Any:
         rule = self.rules.get(method)
-        check = self._check
+        check = self.check
         if handler.unary_unary:
             inner = handler.unary_unary
 
@@ -174,8 +176,8 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
                 who = check(method, rule, request, context)
                 try:
                     return inner(request, context)
-                except _REFUSALS as exc:  # the domain's own refusals are audited too
-                    _audit("deny", method, who, context, exc)
+                except AUDITED_REFUSALS as exc:  # the domain's own refusals are audited too
+                    audit_call("deny", method, who, context, exc)
                     raise
 
             return grpc.unary_unary_rpc_method_handler(
@@ -187,8 +189,8 @@ class AuthorizationInterceptor(grpc.ServerInterceptor):
                 who = check(method, rule, request, context)
                 try:
                     yield from inner_stream(request, context)
-                except _REFUSALS as exc:
-                    _audit("deny", method, who, context, exc)
+                except AUDITED_REFUSALS as exc:
+                    audit_call("deny", method, who, context, exc)
                     raise
 
             return grpc.unary_stream_rpc_method_handler(

@@ -14,7 +14,12 @@ from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
-from opentelemetry.instrumentation.grpc import client_interceptor, grpcext, server_interceptor
+from opentelemetry.instrumentation.grpc import (
+    aio_server_interceptor,
+    client_interceptor,
+    grpcext,
+    server_interceptor,
+)
 from opentelemetry.instrumentation.grpc.filters import any_of, health_check, negate, service_prefix
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -70,6 +75,10 @@ def _not_noise() -> Any:
 
 def server_tracing_interceptor(provider: TracerProvider) -> grpc.ServerInterceptor:
     return server_interceptor(tracer_provider=provider, filter_=_not_noise())
+
+
+def aio_server_tracing_interceptor(provider: TracerProvider) -> grpc.aio.ServerInterceptor:
+    return aio_server_interceptor(tracer_provider=provider, filter_=_not_noise())
 
 
 def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> grpc.Channel:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -53,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, gRPC, protobuf descriptors, the loaded ledger: ~50k)
+    out of the cycle collector's reach. They live as long as the process, yet a full collection
+    walks them all: 50-90 ms with every call on the event loop stalled (2-core VM, 2026-12-01,
+    docs/governor.md). Frozen, a full collection walks only what calls left behind."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(args: argparse.Namespace) -> int:
     from prometheus_client import REGISTRY
 
@@ -81,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     REGISTRY.register(LedgerCollector(ledger))
     start_metrics_endpoint(args.metrics_port)
+    freeze_startup_heap()
     print(f"governor listening on port {server.port}", flush=True)
     server.serve_until_signalled()
     return 0

@@ -1,4 +1,8 @@
-"""Assemble a running governor: store, ledger, servicer, expiry sweeper, optional metrics."""
+"""Assemble a running governor: store, ledger, servicer, expiry sweeper, optional metrics.
+
+The governor is served by the asyncio flavour of the common server (services.common.aio_server):
+its calls are short and all go through one lock, so a thread pool only adds hand-offs.
+"""
 from __future__ import annotations
 
 import pathlib
@@ -6,9 +10,9 @@ import threading
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
-from services.common.server import RunningServer, create_server
 from services.common.telemetry import tracer_provider as default_tracer_provider
 from services.governor.access import ACCESS
 from services.governor.ledger import Ledger
@@ -20,14 +24,19 @@ from services.governor.store import Store
 def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = None,
                    tracer_provider: TracerProvider | None = None,
                    durable: bool = False,
-                   security: ServerSecurity | None = None) -> tuple[RunningServer, Ledger]:
+                   security: ServerSecurity | None = None) -> tuple[AioRunningServer, Ledger]:
     """Open the store, load the ledger, serve on `listen`; stop() also ends the sweeper."""
     policy = policy or Policy()
     store = Store(db, durable=durable)
     ledger = Ledger(store, policy)
-    server = create_server(listen, [registration(ledger)],
-                           tracer_provider or default_tracer_provider("governor"),
-                           security=security, access=table(SERVICE_NAME, ACCESS))
+    service = registration(ledger)
+    try:
+        server = create_aio_server(listen, [service],
+                                   tracer_provider or default_tracer_provider("governor"),
+                                   security=security, access=table(SERVICE_NAME, ACCESS))
+    except BaseException:
+        store.close()
+        raise
     stop = threading.Event()
 
     def sweep() -> None:
@@ -40,5 +49,6 @@ def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = 
     sweeper.start()
     server.on_stop.append(stop.set)
     server.on_stop.append(lambda: sweeper.join(timeout=5))
+    server.on_stop.append(service.servicer.close)
     server.on_stop.append(store.close)
     return server, ledger

@@ -1,10 +1,16 @@
-"""GovernorService: validate and convert messages, call the Ledger, convert back. Nothing else."""
+"""GovernorService: validate and convert messages, call the Ledger, convert back. Nothing else.
+
+Served on a grpc.aio loop (services.common.aio_server): the handlers are coroutines that call the
+Ledger inline, because a Ledger call is tens of microseconds (its lock is never held across a
+wait) and a thread hop would cost more than the call. Only WatchResources, which waits for
+changes, waits in a thread.
+"""
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent import futures
 
-import grpc
 from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 from opentelemetry import trace
 
@@ -72,8 +78,14 @@ def device_pb(d: DeviceReport) -> governor_pb2.DeviceResources:
 class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
+        # Watchers block in Ledger.wait_for_change (up to the keepalive) off the event loop; their
+        # own pool, so they never queue behind the loop's default executor.
+        self._waits = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="watch")
 
-    def RegisterWorker(self, request, context):
+    def close(self) -> None:
+        self._waits.shutdown(wait=False, cancel_futures=True)
+
+    async def RegisterWorker(self, request, context):
         d = request.device
         reg = self.ledger.register(
             request.worker_id,
@@ -83,28 +95,28 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             lease_ttl_ms=int(reg.lease_ttl_s * 1000), device_budget_bytes=reg.device_budget_bytes,
             leases=[lease_pb(lease) for lease in reg.leases])
 
-    def DeregisterWorker(self, request, context):
+    async def DeregisterWorker(self, request, context):
         return governor_pb2.DeregisterWorkerResponse(
             released_bytes=self.ledger.deregister(request.worker_id))
 
-    def Acquire(self, request, context):
+    async def Acquire(self, request, context):
         _tag(worker_id=request.worker_id, zone=ZONES[request.zone - 1] if 0 < request.zone
              <= len(ZONES) else "unspecified", bytes=request.bytes)
         lease = self.ledger.acquire(request.worker_id, request.device_uuid,
                                     zone_name(request.zone), request.bytes)
         return governor_pb2.AcquireResponse(lease=lease_pb(lease))
 
-    def Resize(self, request, context):
+    async def Resize(self, request, context):
         _tag(worker_id=request.worker_id, lease_id=request.lease_id, bytes=request.bytes)
         lease = self.ledger.resize(request.worker_id, request.lease_id, request.bytes)
         return governor_pb2.ResizeResponse(lease=lease_pb(lease))
 
-    def Release(self, request, context):
+    async def Release(self, request, context):
         _tag(worker_id=request.worker_id, lease_id=request.lease_id)
         return governor_pb2.ReleaseResponse(
             released_bytes=self.ledger.release(request.worker_id, request.lease_id))
 
-    def Heartbeat(self, request, context):
+    async def Heartbeat(self, request, context):
         _tag(worker_id=request.worker_id)
         zones = {zone_name(z.zone): (z.committed_bytes, z.content_bytes) for z in request.zones}
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
@@ -114,25 +126,20 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             reclaim=[governor_pb2.Reclaim(zone=zone_value(z), bytes=b)
                      for z, b in sorted(result.reclaim.items())])
 
-    def GetResources(self, request, context):
+    async def GetResources(self, request, context):
         return governor_pb2.GetResourcesResponse(
             devices=[device_pb(d) for d in self.ledger.resources(request.device_uuid)])
 
-    def WatchResources(self, request, context) -> Iterator[governor_pb2.GetResourcesResponse]:
+    async def WatchResources(self, request, context) -> AsyncIterator[governor_pb2.GetResourcesResponse]:
+        # A cancelled or finished call cancels this generator at its next await.
+        loop = asyncio.get_running_loop()
         version = -1
-        while context.is_active():
-            version = self.ledger.wait_for_change(version, WATCH_KEEPALIVE_S)
-            if not context.is_active():
-                return
-            yield self.GetResources(request, context)
-            self._pause(context)
-
-    @staticmethod
-    def _pause(context: grpc.ServicerContext) -> None:
-        # Coalesce bursts: changes during the pause are covered by the next snapshot.
-        deadline = time.monotonic() + WATCH_MIN_INTERVAL_S
-        while context.is_active() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while True:
+            version = await loop.run_in_executor(self._waits, self.ledger.wait_for_change, version,
+                                                 WATCH_KEEPALIVE_S)
+            yield await self.GetResources(request, context)
+            # Coalesce bursts: changes during the pause are covered by the next snapshot.
+            await asyncio.sleep(WATCH_MIN_INTERVAL_S)
 
 
 def registration(ledger: Ledger) -> ServiceRegistration:

@@ -182,3 +182,20 @@ def test_acquire_spans_carry_the_worker_and_zone(tmp_path):
     finally:
         channel.close()
         server.stop(grace=0)
+
+
+def test_the_serving_process_freezes_its_startup_heap_out_of_full_collections():
+    import gc
+
+    from services.governor.__main__ import freeze_startup_heap
+
+    survivor = [object() for _ in range(1000)]  # stands for the modules and the loaded ledger
+    assert id(survivor) in {id(o) for o in gc.get_objects()}, "negative control: tracked before"
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() >= len(survivor), "startup objects must be frozen"
+        tracked = {id(o) for o in gc.get_objects()}
+        assert id(survivor) not in tracked, \
+            "a full collection must not walk objects that were alive when serving began"
+    finally:
+        gc.unfreeze()
