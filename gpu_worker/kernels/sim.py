@@ -100,6 +100,7 @@ def _matmul_nt(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
+@register_sim_kernel("gp_int4_mma")
 @register_sim_kernel("gp_int4_matmul")
 def _int4_matmul(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
