@@ -36,7 +36,7 @@ def test_every_linear_shares_one_bounded_tile_and_results_match_the_reference(de
     model = EncoderModel(ex, cfg, 1)
     model.load()
     ref = R.EncoderReference(cfg, W.load_host(cfg, 1))
-    for batch, seq in ((2, 20), (3, 33)):
+    for batch, seq in ((2, 40), (3, 33)):     # > 64 rows: the tensor-core path
         got = model.embed(seqs(batch, seq))
         assert np.allclose(got, ref.embed(np.array(seqs(batch, seq))), atol=ATOL), (batch, seq)
         assert ex.tile.size == 256 << 10, "the tile is bounded by the limit, not by the weight"
@@ -50,19 +50,19 @@ def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(devic
     ex = ModelExecutor(device, compiler, max_plans=1)
     model = EncoderModel(ex, cfg, 1)
     model.load()
-    model.embed(seqs(2, 20))
+    model.embed(seqs(2, 40))
     blas = device.blas
     warm, calls = blas.stats()["warm_shapes"], blas.stats()["calls"]
     assert warm > 0, "the first plan's GEMM shapes were warmed up"
-    model.embed(seqs(4, 9))           # another plan; rows 36: new shapes, warmed, then captured
-    model.embed(seqs(2, 20))          # the first shape again (plan rebuilt): nothing to warm
+    model.embed(seqs(4, 17))           # another plan; rows 68: new shapes, warmed, then captured
+    model.embed(seqs(2, 40))          # the first shape again (plan rebuilt): nothing to warm
     assert blas.stats()["warm_shapes"] > warm
     per_run = sum(len(ops.OPS[n.op].gemms(n, p.graph, ex.tile.size))
-                  for p in [ex.plans.get(("encode", 2, 20))] for n in p.graph.nodes)
-    # (2, 20) rebuilt: its capture records GEMMs but runs no eager warm-up; a replay runs on the
+                  for p in [ex.plans.get(("encode", 2, 40))] for n in p.graph.nodes)
+    # (2, 40) rebuilt: its capture records GEMMs but runs no eager warm-up; a replay runs on the
     # device without calling the library from the host
     assert blas.stats()["calls"] - calls == 2 * per_run + per_run, \
-        "warm-up + capture for (4, 9), capture only for the rebuilt (2, 20)"
+        "warm-up + capture for (4, 17), capture only for the rebuilt (2, 40)"
     ex.close()
 
 
