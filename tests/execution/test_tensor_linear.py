@@ -75,11 +75,13 @@ def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
         g.linear_int4("lin", "x", "y", rows, 32, 64)
         return [(nd.op, nd.inputs) for nd in g.nodes]
 
-    # f32 x on tensor cores: cast to fp16; fp16 x: read as it is
-    assert build(17, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
-    assert build(17, "f16") == [("linear_int4", ("x",))]
-    # the fused GEMV reads f32: fp16 x (flash attention's output in decode) is widened
-    assert build(1, "f32") == [("linear_int4", ("x",))]
-    assert build(1, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
+    # f32 x on tensor cores (> 64 rows): cast to fp16; fp16 x: read as it is
+    assert build(65, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
+    assert build(65, "f16") == [("linear_int4", ("x",))]
+    # the GEMV (1 row) and the batched int4_mma (2..64 rows) read f32: fp16 x (flash attention's
+    # output in decode) is widened
+    for rows in (1, 17, 64):
+        assert build(rows, "f32") == [("linear_int4", ("x",))]
+        assert build(rows, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
     with pytest.raises(GraphError, match="i32"):
-        build(17, "i32")
+        build(65, "i32")
