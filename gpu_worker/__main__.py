@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
              "tokens of context served from a checkpoint (at most its max_position_embeddings)",
              type=int)
+    # continuous batching (docs/scheduler.md)
+    env_flag(serve, "--max-batch-size", "GPUPLANE_MAX_BATCH_SIZE", 64,
+             "running sequences per decoder model (the decode batch)", type=int)
+    env_flag(serve, "--max-step-tokens", "GPUPLANE_MAX_STEP_TOKENS", 2048,
+             "tokens per engine step: decode rows plus prefill chunks", type=int)
+    env_flag(serve, "--max-queued", "GPUPLANE_MAX_QUEUED", 1024,
+             "waiting Generate requests per model; beyond it RESOURCE_EXHAUSTED", type=int)
+    env_flag(serve, "--kv-block-tokens", "GPUPLANE_KV_BLOCK_TOKENS", 16,
+             "tokens per paged KV block (a power of two in 16..256)", type=int)
+    env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
+             "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
+             "sequences at full context", type=int)
     return parser
 
 
@@ -109,6 +121,11 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         weight_budget_bytes=args.weight_budget_bytes or None,
         host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
         lease_chunk_bytes=args.lease_chunk_bytes,
+        max_batch_size=args.max_batch_size,
+        max_step_tokens=args.max_step_tokens,
+        max_queued=args.max_queued,
+        kv_block_tokens=args.kv_block_tokens,
+        kv_pool_bytes=args.kv_pool_bytes,
     )
 
 
@@ -120,6 +137,10 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--weight-budget-bytes and --host-pinned-budget-bytes must be >= 0 (0 = none)"
     if args.lease_chunk_bytes <= 0:
         return "--lease-chunk-bytes must be positive"
+    if min(args.max_batch_size, args.max_step_tokens, args.max_queued) < 1:
+        return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
+    if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
+        return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
     return ""
 
 

@@ -1,10 +1,13 @@
 """The worker runtime: one device, its budget owner, the kernel compiler and the loaded models.
 
 This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
-itself (the governor and cache clients do, and are only created when configured). Requests for
-one model are serialized by that model's lock: a decoder has one KV cache, and a plan's captured
-graph bakes its activation pointers, so two requests cannot share a model at once. Different
-models run concurrently; the capture gate orders their captures against each other's syncs.
+itself (the governor and cache clients do, and are only created when configured). A decoder's
+Generate requests go to its continuous-batching scheduler (gpu_worker/scheduler): one engine
+thread per model runs iteration-level steps over a paged KV pool, taking the model's lock per
+step (a plan's captured graph bakes its activation pointers, so steps of one model never
+overlap) and keeping the weights pinned while it has sequences. Encoder requests are serialized
+by the model's lock. Different models run concurrently; the capture gate orders their captures
+against each other's syncs.
 
 Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
 hands it every refusal, load admission asks it before refusing, and the governor client hands it
@@ -36,9 +39,12 @@ from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
-from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
+from gpu_worker.models.paged import PagedDecoderModel
 from gpu_worker.reclaim import Reclaimer
+from gpu_worker.scheduler.histogram import Histogram
+from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.scheduler.scheduler import Scheduler, Sequence
 from gpu_worker.stats import worker_stats
 from services.common.errors import (
     AlreadyExists,
@@ -92,6 +98,12 @@ class WorkerConfig:
     weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
     host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
     lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
+    # continuous batching (docs/scheduler.md)
+    max_batch_size: int = 64            # running sequences per decoder
+    max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
+    max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
+    kv_block_tokens: int = 16           # tokens per paged KV block
+    kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
 
 
 @dataclass(frozen=True)
@@ -125,8 +137,9 @@ class _Loaded:
     info: ModelInfo
     cfg: ModelConfig
     executor: ModelExecutor
-    model: DecoderModel | EncoderModel
+    model: PagedDecoderModel | EncoderModel
     lock: threading.Lock = field(default_factory=threading.Lock)
+    scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
     eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
     last_used: float = field(default_factory=time.monotonic)
@@ -136,13 +149,20 @@ class _Loaded:
     def model_id(self) -> str:
         return self.info.model_id
 
+    def busy(self) -> bool:
+        """A decoder with running or waiting sequences: its weights are pinned between steps
+        (the reclaimer may hold the request lock then, but must take nothing)."""
+        return self.scheduler is not None and self.scheduler.busy()
+
     def drop_caches(self) -> int:
-        return self.executor.trim()
+        return 0 if self.busy() else self.executor.trim()
 
     def page_out(self) -> int:
-        return self.executor.page_out()
+        return 0 if self.busy() else self.executor.page_out()
 
     def reclaimable_bytes(self) -> int:
+        if self.busy():
+            return 0
         plans = self.executor.plans.stats()
         return (self.executor.resident_bytes() + plans["activation_bytes"] + plans["graph_bytes"]
                 + self.executor.kernels.stats()["workspace_bytes"])
@@ -275,8 +295,11 @@ class WorkerRuntime:
         executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
                                  self.config.max_plans, self.config.max_plan_bytes,
                                  weight_namespace=f"{model_id}/")
+        c = self.config
         if family == "decoder":
-            model = DecoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights)
+            model = PagedDecoderModel(executor, cfg, seed, block_tokens=c.kv_block_tokens,
+                                      pool_bytes=c.kv_pool_bytes, max_batch_size=c.max_batch_size,
+                                      capture=c.capture, weights=weights)
         else:
             model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
                                  normalize=normalize)
@@ -290,6 +313,8 @@ class WorkerRuntime:
                 model.load()
         except BaseException:
             executor.close()
+            if isinstance(model, PagedDecoderModel):
+                model.close()
             with self._lock:
                 del self._models[model_id]
             raise
@@ -298,9 +323,15 @@ class WorkerRuntime:
         from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
         info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
                          cfg.weight_bytes(), **(source or {}))
+        loaded = _Loaded(info, cfg, executor, model, codec=codec, eos_token_ids=eos)
+        if isinstance(model, PagedDecoderModel):
+            assert model.pool is not None
+            loaded.scheduler = Scheduler(
+                model, model.pool, max_batch_size=c.max_batch_size,
+                max_step_tokens=c.max_step_tokens, max_queued=c.max_queued, eos_token_ids=eos,
+                model_lock=loaded.lock, pin=executor.resident, name=model_id)
         with self._lock:
-            self._models[model_id] = _Loaded(info, cfg, executor, model, codec=codec,
-                                             eos_token_ids=eos)
+            self._models[model_id] = loaded
         self._report()
         return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
 
@@ -331,6 +362,8 @@ class WorkerRuntime:
 
     def unload_model(self, model_id: str) -> int:
         loaded = self._get(model_id)
+        if loaded.scheduler is not None:   # streams fail FAILED_PRECONDITION, the pool goes
+            loaded.scheduler.close(f"model {model_id!r} was unloaded")
         with loaded.lock:
             with self._lock:
                 if self._models.get(model_id) is not loaded:
@@ -349,6 +382,9 @@ class WorkerRuntime:
         loaded = self._get(model_id)
         with loaded.lock:
             self._still_loaded(loaded)
+            if loaded.busy():
+                raise FailedPrecondition(f"model {model_id!r} is serving streams; offload it "
+                                         "once they end", model_id=model_id)
             freed = loaded.drop_caches() + loaded.page_out()
         self.device.synchronize()
         self.device.arena.collect()
@@ -388,28 +424,28 @@ class WorkerRuntime:
 
     # -- inference -------------------------------------------------------------------------------
     def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
-        """Validate now (errors raise here, before streaming), then stream one token per item."""
+                 cancelled: Callable[[], bool] = lambda: False,
+                 sampling: SamplingParams = GREEDY) -> TokenStream:
+        """Validate and queue now (errors raise here, before streaming: a full queue is
+        RESOURCE_EXHAUSTED), then stream one token per item from the model's scheduler."""
         loaded = self._get(model_id, "decoder")
         prompt = [int(t) for t in prompt_tokens]
         loaded.model.check(prompt, int(max_new_tokens))
-        return self._stream(loaded, prompt, int(max_new_tokens), cancelled)
+        sampling.check(loaded.cfg.vocab_size)
+        assert loaded.scheduler is not None
+        seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled)
+        return TokenStream(self, loaded, seq)
 
-    def _stream(self, loaded: _Loaded, prompt: list[int], max_new_tokens: int,
-                cancelled: Callable[[], bool]) -> Iterator[list[int]]:
-        with loaded.lock, _span(self.config.tracer_provider, "worker.generate",
-                                model=loaded.info.model_id, prompt_tokens=len(prompt),
-                                max_new_tokens=max_new_tokens):
-            self._still_loaded(loaded)
-            try:
-                with loaded.executor.resident():
-                    for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
-                        yield [token]
-                        if cancelled() or token in loaded.eos_token_ids:
-                            return
-            finally:
-                loaded.last_used = time.monotonic()
-                self._report()
+    def scheduler_histograms(self) -> dict[str, Histogram]:
+        """Time to first token, time per output token and queue time, over the decoders."""
+        out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(),
+               "queue_seconds": Histogram()}
+        for m in self._candidates():
+            if m.scheduler is not None:
+                out["ttft_seconds"].merge(m.scheduler.ttft)
+                out["tpot_seconds"].merge(m.scheduler.tpot)
+                out["queue_seconds"].merge(m.scheduler.queue_time)
+        return out
 
     def codec(self, model_id: str) -> TextCodec:
         """The model's tokenizer; FAILED_PRECONDITION for a model without one."""
@@ -480,5 +516,69 @@ class WorkerRuntime:
         device = self._started()
         with self._lock:
             models = [m for m in self._models.values() if m is not None]
-        return worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
-                            self.budget, self.config.variants_per_node)
+        stats = worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
+                             self.budget, self.config.variants_per_node)
+        stats["scheduler"] = scheduler_stats([m.scheduler for m in models if m.scheduler])
+        return stats
+
+
+SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptions",
+                    "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
+                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
+
+
+def scheduler_stats(schedulers: list[Scheduler]) -> dict[str, int]:
+    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing)."""
+    out = dict.fromkeys(SCHEDULER_FIELDS, 0)
+    for sched in schedulers:
+        for key, value in sched.stats().items():
+            if key in SCHEDULER_MAXED:
+                out[key] = max(out[key], int(value))
+            elif key in out:
+                out[key] += int(value)
+    return out
+
+
+class TokenStream:
+    """One Generate stream: `[token]` items from the scheduler, then `finish_reason`. Closing it
+    early (the client went away) cancels the sequence; its KV is freed within one step."""
+
+    def __init__(self, runtime: WorkerRuntime, loaded: _Loaded, seq: Sequence) -> None:
+        self._runtime, self._loaded, self.seq = runtime, loaded, seq
+        self._gen = self._run()
+
+    def _run(self) -> Iterator[list[int]]:
+        loaded = self._loaded
+        with _span(self._runtime.config.tracer_provider, "worker.generate",
+                   model=loaded.info.model_id, prompt_tokens=len(self.seq.prompt),
+                   max_new_tokens=self.seq.max_new_tokens):
+            try:
+                for token in self.seq.stream():
+                    yield [token]
+            finally:
+                if self.seq.state != "finished":
+                    self.seq.cancel()
+                    assert loaded.scheduler is not None
+                    loaded.scheduler.wake()
+                loaded.last_used = time.monotonic()
+                self._runtime._report()
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        if self.seq.state != "finished":   # closed before its first item: never started
+            self.seq.cancel()
+            assert self._loaded.scheduler is not None
+            self._loaded.scheduler.wake()
+
+    @property
+    def finish_reason(self) -> str:
+        """"length", "stop" or "cancelled" once the stream ended ("" before)."""
+        reason = self.seq.finish_reason
+        return reason if reason in ("length", "stop", "cancelled") else ""
