@@ -12,20 +12,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gpu_worker.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
-SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim")
+SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim",
+            "scheduler")
+# Latency histograms of the decoders' schedulers (gpuplane_worker_scheduler_<name>).
+HISTOGRAMS = {"ttft_seconds": "Time from Generate to its first token",
+              "tpot_seconds": "Time between consecutive output tokens of a stream",
+              "queue_seconds": "Time a Generate request waited before its first step"}
 
 
 class WorkerCollector(Collector):
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         try:
             stats = self.runtime.stats()
         except Exception as exc:  # noqa: BLE001 - a closed runtime must not break the scrape
@@ -51,3 +56,10 @@ class WorkerCollector(Collector):
                                           f"Worker {section}: {field}")
                 gauge.add_metric([], float(value))
                 yield gauge
+        histograms = getattr(self.runtime, "scheduler_histograms", None)
+        if histograms is None:
+            return
+        for name, hist in histograms().items():
+            buckets, total = hist.snapshot()
+            yield HistogramMetricFamily(f"gpuplane_worker_scheduler_{name}", HISTOGRAMS[name],
+                                        buckets=buckets, sum_value=total)
