@@ -160,6 +160,13 @@ class _Loaded:
     def page_out(self) -> int:
         return 0 if self.busy() else self.executor.page_out()
 
+    def preempt_kv(self) -> bool:
+        """Reclaim's last step (lock held): the newest running sequence goes back to waiting."""
+        return self.scheduler is not None and self.scheduler.preempt_newest()
+
+    def kv_bytes(self) -> int:
+        return self.scheduler.pool.committed if self.scheduler is not None else 0
+
     def reclaimable_bytes(self) -> int:
         if self.busy():
             return 0

@@ -389,13 +389,14 @@ class Scheduler:
             self._idle()
 
     # -- reclaim, stats, close -----------------------------------------------------------------
-    def preempt_newest(self) -> int:
-        """Issue 14's last reclaim step: preempt the newest running sequence and shrink the pool;
-        the bytes released. Called with the model lock held."""
-        if not self._running:
-            return self.pool.shrink()
-        self._preempt(self._running[-1])
-        return self.pool.shrink()
+    def preempt_newest(self) -> bool:
+        """Issue 14's last reclaim step, called with the model lock held: preempt the newest
+        running sequence and shrink the pool; False when nothing was running."""
+        victim = self._running[-1] if self._running else None
+        if victim is not None:
+            self._preempt(victim)
+        self.pool.shrink()
+        return victim is not None
 
     def stats(self) -> dict[str, int]:
         with self._cond:

@@ -232,7 +232,7 @@ class WeightStats(_message.Message):
     def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ReclaimStats(_message.Message):
-    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits")
+    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits", "kv_preemption_bytes")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_ASKS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_RELEASES_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class ReclaimStats(_message.Message):
     POOLED_HANDLES_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_WAITS_FIELD_NUMBER: _ClassVar[int]
+    KV_PREEMPTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     governor_asks: int
     completed_releases_bytes: int
@@ -247,7 +248,8 @@ class ReclaimStats(_message.Message):
     pooled_handles_bytes: int
     idle_weights_bytes: int
     peer_waits: int
-    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ...) -> None: ...
+    kv_preemption_bytes: int
+    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ..., kv_preemption_bytes: _Optional[int] = ...) -> None: ...
 
 class CompileStats(_message.Message):
     __slots__ = ("compiled", "compile_seconds", "memo_hits", "local_hits", "remote_hits", "remote_errors", "remote_timeouts", "load_fallbacks", "claims_granted", "claim_waits", "claim_wait_hits", "claim_takeovers", "claim_wait_timeouts")
