@@ -39,6 +39,7 @@ from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
+from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.models.paged import PagedDecoderModel
 from gpu_worker.reclaim import Reclaimer
@@ -104,6 +105,9 @@ class WorkerConfig:
     max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
     kv_block_tokens: int = 16           # tokens per paged KV block
     kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
+    # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
+    # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
+    batching: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ class _Loaded:
     info: ModelInfo
     cfg: ModelConfig
     executor: ModelExecutor
-    model: PagedDecoderModel | EncoderModel
+    model: PagedDecoderModel | DecoderModel | EncoderModel
     lock: threading.Lock = field(default_factory=threading.Lock)
     scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
@@ -303,7 +307,10 @@ class WorkerRuntime:
                                  self.config.max_plans, self.config.max_plan_bytes,
                                  weight_namespace=f"{model_id}/")
         c = self.config
-        if family == "decoder":
+        model: PagedDecoderModel | DecoderModel | EncoderModel
+        if family == "decoder" and not c.batching:
+            model = DecoderModel(executor, cfg, seed, capture=c.capture, weights=weights)
+        elif family == "decoder":
             model = PagedDecoderModel(executor, cfg, seed, block_tokens=c.kv_block_tokens,
                                       pool_bytes=c.kv_pool_bytes, max_batch_size=c.max_batch_size,
                                       capture=c.capture, weights=weights)
@@ -439,9 +446,31 @@ class WorkerRuntime:
         prompt = [int(t) for t in prompt_tokens]
         loaded.model.check(prompt, int(max_new_tokens))
         sampling.check(loaded.cfg.vocab_size)
-        assert loaded.scheduler is not None
+        if loaded.scheduler is None:     # batching off: one request at a time, greedy
+            if not sampling.greedy:
+                raise InvalidArgument("sampling needs the batching engine (this worker runs "
+                                      "with batching off): send greedy requests")
+            seq = Sequence(prompt, int(max_new_tokens), sampling, None, cancelled)  # type: ignore[arg-type]
+            return TokenStream(self, loaded, seq, self._serial(loaded, seq))
         seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled)
         return TokenStream(self, loaded, seq)
+
+    def _serial(self, loaded: _Loaded, seq: Sequence) -> Iterator[int]:
+        """The single-sequence path: the model lock for the whole stream."""
+        with loaded.lock:
+            self._still_loaded(loaded)
+            with loaded.executor.resident():
+                for token in loaded.model.generate(seq.prompt, seq.max_new_tokens,
+                                                   seq.is_cancelled):
+                    seq.generated.append(token)
+                    yield token
+                    if seq.is_cancelled():
+                        seq.state, seq.finish_reason = "finished", "cancelled"
+                        return
+                    if token in loaded.eos_token_ids or token in seq.sampling.stop_token_ids:
+                        seq.state, seq.finish_reason = "finished", "stop"
+                        return
+        seq.state, seq.finish_reason = "finished", "length"
 
     def scheduler_histograms(self) -> dict[str, Histogram]:
         """Time to first token, time per output token and queue time, over the decoders."""
@@ -551,8 +580,10 @@ class TokenStream:
     """One Generate stream: `[token]` items from the scheduler, then `finish_reason`. Closing it
     early (the client went away) cancels the sequence; its KV is freed within one step."""
 
-    def __init__(self, runtime: WorkerRuntime, loaded: _Loaded, seq: Sequence) -> None:
+    def __init__(self, runtime: WorkerRuntime, loaded: _Loaded, seq: Sequence,
+                 tokens: Iterator[int] | None = None) -> None:
         self._runtime, self._loaded, self.seq = runtime, loaded, seq
+        self._tokens = seq.stream() if tokens is None else tokens
         self._gen = self._run()
 
     def _run(self) -> Iterator[list[int]]:
@@ -561,13 +592,10 @@ class TokenStream:
                    model=loaded.info.model_id, prompt_tokens=len(self.seq.prompt),
                    max_new_tokens=self.seq.max_new_tokens):
             try:
-                for token in self.seq.stream():
+                for token in self._tokens:
                     yield [token]
             finally:
-                if self.seq.state != "finished":
-                    self.seq.cancel()
-                    assert loaded.scheduler is not None
-                    loaded.scheduler.wake()
+                self._cancel()
                 loaded.last_used = time.monotonic()
                 self._runtime._report()
 
@@ -579,10 +607,13 @@ class TokenStream:
 
     def close(self) -> None:
         self._gen.close()
-        if self.seq.state != "finished":   # closed before its first item: never started
+        self._cancel()      # closed before its first item: the generator never started
+
+    def _cancel(self) -> None:
+        if self.seq.state != "finished":
             self.seq.cancel()
-            assert self._loaded.scheduler is not None
-            self._loaded.scheduler.wake()
+            if self._loaded.scheduler is not None:
+                self._loaded.scheduler.wake()
 
     @property
     def finish_reason(self) -> str:
