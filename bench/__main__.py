@@ -31,6 +31,7 @@ GPU = [
     ("replay_bench.py", []),
     ("encoder_bench.py", ["--requests", "60"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
+    ("batching_bench.py", []),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
 ]
 
