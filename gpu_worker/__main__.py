@@ -139,6 +139,8 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--lease-chunk-bytes must be positive"
     if min(args.max_batch_size, args.max_step_tokens, args.max_queued) < 1:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
+    if args.max_step_tokens < args.max_batch_size:
+        return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
     if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
         return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
     return ""

@@ -135,6 +135,10 @@ class Scheduler:
                             ("max_queued", max_queued)):
             if value < 1:
                 raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+        if max_step_tokens < max_batch_size:
+            # a full batch of decodes would leave no budget for a prefilling member: it starves
+            raise InvalidArgument(f"max_step_tokens ({max_step_tokens}) must be at least "
+                                  f"max_batch_size ({max_batch_size})")
         self.runner, self.pool = runner, pool
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
         self.max_queued = max_queued
@@ -266,20 +270,23 @@ class Scheduler:
             if self._reserve(seq, seq.computed + n):
                 prefills.append((seq, n))
                 budget -= n
-        while self._waiting and len(self._running) < self.max_batch_size and budget > 0:
-            seq = self._waiting[0]
+        while len(self._running) < self.max_batch_size and budget > 0:
+            with self._cond:          # submit appends from request threads
+                if not self._waiting:
+                    break
+                seq = self._waiting[0]
             n = min(self.runner.prefill_chunk, seq.prefill_target, budget)
             got = self.pool.allocate(seq.table.blocks_needed(n))
             if got is None:
                 if not self._running:   # nothing will ever free a block for it
-                    self._waiting.popleft()
+                    self._pop_waiting()
                     self._finish(seq, "", error=ResourceExhausted(
                         "no KV blocks can be committed for this request (the kv zone is full)",
                         asked_bytes=seq.table.blocks_needed(n) * self.pool.block_bytes,
                         free_bytes=0, zone="kv"))
                     continue
                 break
-            self._waiting.popleft()
+            self._pop_waiting()
             seq.table.blocks += got
             seq.state = "running"
             if seq.admitted_step < 0:
@@ -315,7 +322,17 @@ class Scheduler:
         seq.state = "waiting"
         seq.preemptions += 1
         self.counters["preemptions"] += 1
-        self._waiting.appendleft(seq)
+        with self._cond:
+            self._waiting.appendleft(seq)
+
+    def _pop_waiting(self) -> Sequence:
+        with self._cond:
+            return self._waiting.popleft()
+
+    def _all(self) -> list[Sequence]:
+        """Running then waiting (a snapshot: request threads append to the queue)."""
+        with self._cond:
+            return [*self._running, *self._waiting]
 
     def _run_prefill(self, seq: Sequence, n: int, step: int) -> int:
         start = seq.computed
@@ -354,7 +371,7 @@ class Scheduler:
             self._finish(seq, "length")
 
     def _reap(self) -> None:
-        for seq in [*self._running, *self._waiting]:
+        for seq in self._all():
             if seq.is_cancelled():
                 self._finish(seq, "cancelled")
 
@@ -384,7 +401,7 @@ class Scheduler:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._model_lock:
-            for seq in [*self._running, *self._waiting]:
+            for seq in self._all():
                 self._finish(seq, "", error=exc)
             self._idle()
 
@@ -411,7 +428,7 @@ class Scheduler:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
         with self._model_lock:
-            for seq in [*self._running, *self._waiting]:
+            for seq in self._all():
                 self._finish(seq, "", error=FailedPrecondition(reason))
             self._idle()
             self.pool.close()

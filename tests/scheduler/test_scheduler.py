@@ -238,3 +238,12 @@ def test_unloading_fails_waiting_streams_with_failed_precondition(dev):
     sched.close()
     with pytest.raises(FailedPrecondition):
         list(seq.stream())
+
+
+def test_a_step_budget_below_the_batch_size_is_refused(dev):
+    # a full batch of decodes would leave a prefilling member no tokens: it would starve
+    pool = KVBlockPool(dev.arena, GEO, 16)
+    with pytest.raises(InvalidArgument):
+        Scheduler(TokenPoolRunner(GEO, 16, 16), pool, max_batch_size=8, max_step_tokens=4,
+                  thread=False)
+    pool.close()
