@@ -31,8 +31,10 @@ from gpu_worker.kernels import (
     half,
     linear,
     norm,
+    paged_attention,
     reduce,
     rotary,
+    sampling,
 )
 from services.common.config import env_int
 
@@ -296,6 +298,69 @@ def _launch_mean_pool(c: LaunchContext) -> None:
                             int(a["seq"]), c.shape(0)[1], stream=c.stream)
 
 
+def _launch_rotary_rows(c: LaunchContext) -> None:
+    a = c.node.attributes
+    rows, width = c.shape(0)
+    rotary.launch_rotary_rows(c.device, c.fn("rotary_rows"), c.inp(0), c.inp(1), rows,
+                              int(a["heads"]), int(a["head_dim"]), width, float(a["theta"]),
+                              stream=c.stream, inv_freq=c.weight(0) if c.node.weights else 0)
+
+
+def _paged(a) -> dict[str, int]:
+    """The paged kernels' pool geometry from a node's attrs (the i13 contract's names)."""
+    return {k: int(a[k]) for k in ("layer", "layers", "block_tokens", "kv_heads", "head_dim",
+                                   "max_blocks")}
+
+
+def _launch_kv_append_paged(c: LaunchContext) -> None:
+    g = _paged(c.node.attributes)
+    rows = c.shape(0)[0]
+    paged_attention.launch_kv_append_paged(
+        c.device, c.fn("kv_append_paged"), c.out(0), c.inp(0), c.inp(1), c.inp(2), c.inp(3), rows,
+        c.shape(3)[0], g["layer"], g["layers"], g["block_tokens"], g["kv_heads"], g["head_dim"],
+        g["max_blocks"], stream=c.stream)
+
+
+def _paged_decode_splits(node: Node, graph: Graph) -> int:
+    """A function of the graph's shapes only (batch, max_blocks), so captured graphs stay valid."""
+    a = node.attributes
+    return paged_attention.paged_decode_splits(int(a["max_blocks"]), int(a["block_tokens"]),
+                                               graph.tensors[node.inputs[0]].shape[0],
+                                               int(a["heads"]), int(a["kv_heads"]))
+
+
+def _paged_decode_workspace(node: Node, graph: Graph) -> dict[str, int]:
+    a = node.attributes
+    return {"splits": paged_attention.paged_decode_workspace_bytes(
+        batch=graph.tensors[node.inputs[0]].shape[0], heads=int(a["heads"]),
+        head_dim=int(a["head_dim"]), splits=_paged_decode_splits(node, graph))}
+
+
+def _launch_flash_decode_paged(c: LaunchContext) -> None:
+    g = _paged(c.node.attributes)
+    batch = c.shape(0)[0]
+    paged_attention.launch_flash_decode_paged(
+        c.device, c.fn("flash_decode_split_paged"), c.fn("flash_attention_combine"), c.out(),
+        c.variant.workspace_ptr("splits"), c.inp(0), c.inp(1), c.inp(2), c.inp(3), batch,
+        int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"], g["layer"], g["layers"],
+        g["block_tokens"], g["max_blocks"], _paged_decode_splits(c.node, c.graph),
+        stream=c.stream)
+
+
+def _launch_flash_prefill_paged(c: LaunchContext) -> None:
+    g = _paged(c.node.attributes)
+    paged_attention.launch_flash_prefill_paged(
+        c.device, c.fn("flash_prefill_paged"), c.out(), c.inp(0), c.inp(1), c.inp(2), c.inp(3),
+        c.inp(4), c.shape(0)[0], int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"],
+        g["layer"], g["layers"], g["block_tokens"], g["max_blocks"], stream=c.stream)
+
+
+def _launch_sample(c: LaunchContext) -> None:
+    rows, vocab = c.shape(0)
+    sampling.launch_sample(c.device, c.fn("sample"), c.out(), c.inp(0), c.inp(1), c.inp(2),
+                           c.inp(3), c.inp(4), c.inp(5), rows, vocab, stream=c.stream)
+
+
 OPS: dict[str, OpBinding] = {
     "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL), _launch_linear,
                              gemms=_linear_gemms),
@@ -324,4 +389,14 @@ OPS: dict[str, OpBinding] = {
     "kv_append": OpBinding((attention.KV_APPEND_KV16,), _launch_kv_append),
     "argmax": OpBinding((reduce.ARGMAX,), _launch_argmax),
     "mean_pool": OpBinding((reduce.MEAN_POOL,), _launch_mean_pool),
+    # continuous batching over the paged KV pool (the issue-13 contract)
+    "rotary_rows": OpBinding((rotary.ROTARY_ROWS,), _launch_rotary_rows),
+    "kv_append_paged": OpBinding((paged_attention.KV_APPEND_PAGED,), _launch_kv_append_paged),
+    "flash_attention_decode_paged": OpBinding((paged_attention.FLASH_DECODE_SPLIT_PAGED,
+                                               flash_attention.FLASH_ATTENTION_COMBINE),
+                                              _launch_flash_decode_paged,
+                                              workspace=_paged_decode_workspace),
+    "flash_attention_prefill_paged": OpBinding((paged_attention.FLASH_PREFILL_PAGED,),
+                                               _launch_flash_prefill_paged),
+    "sample": OpBinding((sampling.SAMPLE,), _launch_sample),
 }

@@ -78,8 +78,19 @@ from gpu_worker.kernels.linear import (
     launch_matmul_nt_large,
 )
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
+from gpu_worker.kernels.paged_attention import (
+    FLASH_DECODE_SPLIT_PAGED,
+    FLASH_PREFILL_PAGED,
+    KV_APPEND_PAGED,
+    launch_flash_decode_paged,
+    launch_flash_decode_split_paged,
+    launch_flash_prefill_paged,
+    launch_kv_append_paged,
+    paged_decode_splits,
+)
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
-from gpu_worker.kernels.rotary import ROTARY, launch_rotary
+from gpu_worker.kernels.rotary import ROTARY, ROTARY_ROWS, launch_rotary, launch_rotary_rows
+from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 
 ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL,
@@ -88,6 +99,7 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
+    ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_PREFILL_PAGED, SAMPLE,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -96,6 +108,7 @@ ALL_SOURCES: list[KernelSource] = list({id(k.source): k.source for k in ALL_KERN
 
 # Registers the sim backend's NumPy kernels (entry name -> implementation) as a side effect.
 from gpu_worker.kernels import flash_sim as _flash_sim  # noqa: F401
+from gpu_worker.kernels import paged_sim as _paged_sim  # noqa: F401
 from gpu_worker.kernels import sim as _sim  # noqa: F401
 
 __all__ = [
@@ -114,6 +127,8 @@ __all__ = [
     "FLASH_ATTENTION_COMBINE",
     "FLASH_ATTENTION_DECODE_SPLIT",
     "FLASH_ATTENTION_PREFILL",
+    "FLASH_DECODE_SPLIT_PAGED",
+    "FLASH_PREFILL_PAGED",
     "FROM_F16",
     "FUSED_MAX_ROWS",
     "GELU",
@@ -122,6 +137,7 @@ __all__ = [
     "INT4_MATMUL",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
+    "KV_APPEND_PAGED",
     "LAYERNORM",
     "MATMUL_NT",
     "MATMUL_NT_LARGE",
@@ -130,6 +146,8 @@ __all__ = [
     "NVRTC_OPTIONS",
     "RMSNORM",
     "ROTARY",
+    "ROTARY_ROWS",
+    "SAMPLE",
     "SILU_GATE",
     "THREADS",
     "TO_F16",
@@ -151,6 +169,9 @@ __all__ = [
     "launch_flash_attention_decode",
     "launch_flash_attention_decode_split",
     "launch_flash_attention_prefill",
+    "launch_flash_decode_paged",
+    "launch_flash_decode_split_paged",
+    "launch_flash_prefill_paged",
     "launch_from_f16",
     "launch_gelu",
     "launch_int4_dequant",
@@ -158,12 +179,16 @@ __all__ = [
     "launch_int4_matmul",
     "launch_kv_append",
     "launch_kv_append_kv16",
+    "launch_kv_append_paged",
     "launch_layernorm",
     "launch_matmul_nt",
     "launch_matmul_nt_large",
     "launch_mean_pool",
     "launch_rmsnorm",
     "launch_rotary",
+    "launch_rotary_rows",
+    "launch_sample",
     "launch_silu_gate",
     "launch_to_f16",
+    "paged_decode_splits",
 ]

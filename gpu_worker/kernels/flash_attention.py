@@ -65,7 +65,9 @@ FLASH_MAX_SPLITS = 64      # most splits per (sequence, head): the combine gives
 SM_COUNT = 132             # H200
 MIN_SPLIT_KEYS = 128       # fewest keys per split worth a block (4 steps of 32 keys)
 
-SOURCE = make_source("gp_flash_attention", r"""
+# Device helpers and templates, shared with the paged kernels (gpu_worker.kernels.paged_attention),
+# which compile them into their own module with their own entry points.
+FLASH_DEVICE = r"""
 #define GP_FA_BM 64
 #define GP_FA_BN 64
 #define GP_FA_MINB 3  // blocks per SM the registers must allow: 3 x 4 warps at <= 168 registers
@@ -74,6 +76,9 @@ SOURCE = make_source("gp_flash_attention", r"""
 #define GP_FD_HPB 4
 #define GP_FD_UNROLL 4
 #define GP_FD_THREADS 128
+// the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
+// largest at head_dim 16 (64 groups)
+#define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
 
 __device__ __forceinline__ unsigned gp_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -131,17 +136,36 @@ __device__ __forceinline__ unsigned gp_ld32(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
+// Where key j of one KV head lives: rows of a contiguous cache (row j at base + j * stride)...
+struct gp_kv_rows {
+    const unsigned short* base;
+    long long stride;
+    __device__ __forceinline__ const unsigned short* row(int j) const {
+        return base + (long long)j * stride;
+    }
+};
+
+// ...or slots of a paged pool: key j in block table[j >> shift], slot j & mask; `base` already
+// points at the (layer, K or V, KV head) of block 0 (paged_attention.py has the layout).
+struct gp_kv_paged {
+    const unsigned short* base;
+    const int* __restrict__ table;
+    long long block_stride;
+    int shift, mask, slot_stride;
+    __device__ __forceinline__ const unsigned short* row(int j) const {
+        return base + (long long)table[j >> shift] * block_stride + (j & mask) * slot_stride;
+    }
+};
+
 // Stage keys [n0, n0 + BN) of one KV head into a padded shared tile; rows at or past `kend`
 // are zero-filled (their P is 0, and 0 * stale bits could be NaN).
-template <int D, int BN>
-__device__ __forceinline__ void gp_fa_stage(unsigned short* tile, const unsigned short* base,
-                                            int n0, int kend, long long row_stride) {
+template <int D, int BN, class KV>
+__device__ __forceinline__ void gp_fa_stage(unsigned short* tile, const KV& kv, int n0, int kend) {
     constexpr int LD = D + GP_FA_PAD, CHUNKS = D / 8;
     for (int c = threadIdx.x; c < BN * CHUNKS; c += blockDim.x) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8, j = n0 + r;
         const bool in = j < kend;
-        gp_cp_async16(gp_smem(tile + r * LD + col), base + (in ? (long long)j * row_stride + col : 0),
-                      in ? 16 : 0);
+        gp_cp_async16(gp_smem(tile + r * LD + col), in ? kv.row(j) + col : kv.base, in ? 16 : 0);
     }
 }
 
@@ -263,12 +287,12 @@ __device__ __forceinline__ void gp_fa_pv(float (&o)[D / 8][4], const unsigned (&
 
 // One block: 64 query rows [t0, t0 + 64) of one (sequence, head), 4 warps of 16 rows; 64-key
 // tiles, one K and one V buffer: V(n) lands during QK(n), K(n+1) during softmax and PV(n).
-template <int D>
+// Rows at or past `rows_valid` are written zero (a paged prefill chunk's padding rows).
+template <int D, class KV>
 __device__ __forceinline__ void gp_fa_prefill_block(
-        unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
-        const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-        unsigned short* k_s, unsigned short* v_s, int tokens, int t0, int p, int valid, int causal,
-        long long q_row_stride, long long out_row_stride, long long kv_row_stride,
+        unsigned short* __restrict__ out, const unsigned short* __restrict__ q, const KV& k,
+        const KV& v, unsigned short* k_s, unsigned short* v_s, int tokens, int rows_valid, int t0,
+        int p, int valid, int causal, long long q_row_stride, long long out_row_stride,
         float scale_log2) {
     constexpr int KC = D / 16, DT = D / 8, BN = GP_FA_BN, NT = BN / 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -278,7 +302,7 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     const int lim_hi = max(0, causal ? min(p + row_hi + 1, valid) : valid);
     const int kend = max(0, causal ? min(p + t0 + GP_FA_BM, valid) : valid);
     const int kmin = max(0, causal ? min(p + t0 + 1, valid) : valid);  // the block's first row
-    const int ntiles = (kend + BN - 1) / BN;
+    const int ntiles = t0 < rows_valid ? (kend + BN - 1) / BN : 0;
 
     unsigned qf[KC][4];
     {
@@ -299,10 +323,10 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
     const unsigned ks = gp_smem(k_s), vs = gp_smem(v_s);
 
-    if (ntiles > 0) { gp_fa_stage<D, BN>(k_s, k, 0, kend, kv_row_stride); gp_cp_async_commit(); }
+    if (ntiles > 0) { gp_fa_stage<D, BN>(k_s, k, 0, kend); gp_cp_async_commit(); }
     for (int tile = 0; tile < ntiles; ++tile) {
         const int n0 = tile * BN;
-        gp_fa_stage<D, BN>(v_s, v, n0, kend, kv_row_stride);
+        gp_fa_stage<D, BN>(v_s, v, n0, kend);
         gp_cp_async_commit();
         gp_cp_async_wait<1>();  // K(tile) landed (V(tile) may still be in flight)
         __syncthreads();
@@ -312,7 +336,7 @@ __device__ __forceinline__ void gp_fa_prefill_block(
         gp_fa_qk<D, NT>(s, qf, ks, lm, lr);
         __syncthreads();  // every warp is done with k_s
         const bool more = tile + 1 < ntiles;
-        if (more) { gp_fa_stage<D, BN>(k_s, k, n0 + BN, kend, kv_row_stride); gp_cp_async_commit(); }
+        if (more) { gp_fa_stage<D, BN>(k_s, k, n0 + BN, kend); gp_cp_async_commit(); }
         gp_fa_softmax<NT>(s, pf, m_lo, m_hi, l_lo, l_hi, corr_lo, corr_hi, n0 + BN > kmin, n0, tq,
                           lim_lo, lim_hi, scale_log2);
         if (more) gp_cp_async_wait<1>(); else gp_cp_async_wait<0>();  // V(tile) landed
@@ -324,7 +348,8 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+    const float inv_lo = l_lo > 0.f && row_lo < rows_valid ? 1.f / l_lo : 0.f;
+    const float inv_hi = l_hi > 0.f && row_hi < rows_valid ? 1.f / l_hi : 0.f;
     unsigned short* o_lo = out + (long long)row_lo * out_row_stride + 2 * tq;
     unsigned short* o_hi = out + (long long)row_hi * out_row_stride + 2 * tq;
 #pragma unroll
@@ -336,45 +361,19 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     }
 }
 
-// grid (ceil(tokens / 64), heads, batch), 128 threads. Row block ceil-1 first: with a causal
-// mask it is the longest, so the short ones fill the tail of the grid.
-extern "C" __global__ void __launch_bounds__(128, GP_FA_MINB)
-gp_flash_prefill_f16(unsigned short* out, const unsigned short* __restrict__ q,
-                     const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-                     const int* __restrict__ lens, const int* __restrict__ past, int batch,
-                     int tokens, int heads, int kv_heads, int head_dim, int q_row_stride,
-                     int kv_row_stride, long long kv_batch_stride, int past_len, int causal,
-                     float scale) {
-    __shared__ __align__(16) unsigned short k_s[GP_FA_BN * (128 + GP_FA_PAD)];
-    __shared__ __align__(16) unsigned short v_s[GP_FA_BN * (128 + GP_FA_PAD)];
-    const int t0 = (gridDim.x - 1 - blockIdx.x) * GP_FA_BM, h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / (heads / kv_heads);
-    const int p = (past ? past[b] : 0) + past_len;
-    const int valid = (lens ? lens[b] : tokens) + p;
-    const long long row0 = (long long)b * tokens;
-    const long long kv_off = (long long)b * kv_batch_stride + (long long)hk * head_dim;
-    unsigned short* o = out + row0 * heads * head_dim + (long long)h * head_dim;
-    const unsigned short* qq = q + row0 * q_row_stride + (long long)h * head_dim;
-    const float sl = scale * GP_FA_LOG2E;
-    if (head_dim == 128)
-        gp_fa_prefill_block<128>(o, qq, k + kv_off, v + kv_off, k_s, v_s, tokens, t0, p, valid,
-                                 causal, q_row_stride, (long long)heads * head_dim, kv_row_stride, sl);
-    else
-        gp_fa_prefill_block<64>(o, qq, k + kv_off, v + kv_off, k_s, v_s, tokens, t0, p, valid,
-                                causal, q_row_stride, (long long)heads * head_dim, kv_row_stride, sl);
-}
-
 // One split of one KV head for up to GP_FD_HPB of its query heads. A lane group of D/8 lanes
 // owns a key (a lane: 8 dims, one 16-byte load of K and of V per key).
-template <int D>
+template <int D, class KV>
 __device__ __forceinline__ void gp_fd_split_block(
-        float* __restrict__ ws, const unsigned short* __restrict__ q,
-        const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, int nh,
-        int j0, int j1, long long kv_row_stride, float scale_log2, int ws_stride_head) {
+        float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
+        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem) {
     constexpr int LPK = D / 8, KPW = 32 / LPK, NGRP = GP_FD_THREADS / LPK;
     constexpr int STEP = (GP_FD_THREADS / 32) * KPW * GP_FD_UNROLL;
-    __shared__ float sm_m[NGRP][GP_FD_HPB], sm_l[NGRP][GP_FD_HPB];
-    __shared__ float sm_acc[NGRP][GP_FD_HPB][D];
+    // smem: GP_FD_SMEM floats, carved per head_dim (one buffer for every instantiation: static
+    // __shared__ arrays in a template would be allocated once per instantiation)
+    float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
+    float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NGRP * GP_FD_HPB);
+    float (*sm_acc)[GP_FD_HPB][D] = reinterpret_cast<float (*)[GP_FD_HPB][D]>(smem + 2 * NGRP * GP_FD_HPB);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int sub = lane % LPK, gw = lane / LPK, grp = tid / LPK;
     float qv[GP_FD_HPB][8], acc[GP_FD_HPB][8], m[GP_FD_HPB], l[GP_FD_HPB];
@@ -401,9 +400,8 @@ __device__ __forceinline__ void gp_fd_split_block(
         for (int u = 0; u < GP_FD_UNROLL; ++u) {
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
             if (jb + u < j1) {
-                const long long off = (long long)(jb + u) * kv_row_stride + sub * 8;
-                kr[u] = *reinterpret_cast<const uint4*>(k + off);
-                vr[u] = *reinterpret_cast<const uint4*>(v + off);
+                kr[u] = *reinterpret_cast<const uint4*>(k.row(jb + u) + sub * 8);
+                vr[u] = *reinterpret_cast<const uint4*>(v.row(jb + u) + sub * 8);
             }
         }
         float sc[GP_FD_HPB][GP_FD_UNROLL];  // scores, then their weights e^(s - m)
@@ -474,6 +472,38 @@ __device__ __forceinline__ void gp_fd_split_block(
     }
 }
 
+"""
+
+SOURCE = make_source("gp_flash_attention", FLASH_DEVICE + r"""
+// grid (ceil(tokens / 64), heads, batch), 128 threads. Row block ceil-1 first: with a causal
+// mask it is the longest, so the short ones fill the tail of the grid.
+extern "C" __global__ void __launch_bounds__(128, GP_FA_MINB)
+gp_flash_prefill_f16(unsigned short* out, const unsigned short* __restrict__ q,
+                     const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
+                     const int* __restrict__ lens, const int* __restrict__ past, int batch,
+                     int tokens, int heads, int kv_heads, int head_dim, int q_row_stride,
+                     int kv_row_stride, long long kv_batch_stride, int past_len, int causal,
+                     float scale) {
+    __shared__ __align__(16) unsigned short k_s[GP_FA_BN * (128 + GP_FA_PAD)];
+    __shared__ __align__(16) unsigned short v_s[GP_FA_BN * (128 + GP_FA_PAD)];
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * GP_FA_BM, h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (heads / kv_heads);
+    const int p = (past ? past[b] : 0) + past_len;
+    const int valid = (lens ? lens[b] : tokens) + p;
+    const long long row0 = (long long)b * tokens;
+    const long long kv_off = (long long)b * kv_batch_stride + (long long)hk * head_dim;
+    unsigned short* o = out + row0 * heads * head_dim + (long long)h * head_dim;
+    const unsigned short* qq = q + row0 * q_row_stride + (long long)h * head_dim;
+    const float sl = scale * GP_FA_LOG2E;
+    const gp_kv_rows kr{k + kv_off, kv_row_stride}, vr{v + kv_off, kv_row_stride};
+    if (head_dim == 128)
+        gp_fa_prefill_block<128>(o, qq, kr, vr, k_s, v_s, tokens, tokens, t0, p, valid, causal,
+                                 q_row_stride, (long long)heads * head_dim, sl);
+    else
+        gp_fa_prefill_block<64>(o, qq, kr, vr, k_s, v_s, tokens, tokens, t0, p, valid, causal,
+                                q_row_stride, (long long)heads * head_dim, sl);
+}
+
 // grid (kv_heads * ceil(group / 4), batch, splits), 128 threads; group = heads / kv_heads.
 // Partial state of (b, h, split s) at ws[((b*heads + h)*splits + s)*(head_dim + 2)]: max score
 // (natural units, scaled), sum of e^(score - max), unnormalised acc (reference.attention_partial).
@@ -495,10 +525,12 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
     float* part = ws + (((long long)b * heads + h0) * splits + sp) * (head_dim + 2);
     const int stride = splits * (head_dim + 2);
     const float sl = scale * GP_FA_LOG2E;
+    const gp_kv_rows kr{k + kv_off, kv_row_stride}, vr{v + kv_off, kv_row_stride};
+    __shared__ float smem[GP_FD_SMEM];
     if (head_dim == 128)
-        gp_fd_split_block<128>(part, qq, k + kv_off, v + kv_off, nh, j0, j1, kv_row_stride, sl, stride);
+        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
     else
-        gp_fd_split_block<64>(part, qq, k + kv_off, v + kv_off, nh, j0, j1, kv_row_stride, sl, stride);
+        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
 }
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.

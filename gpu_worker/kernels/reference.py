@@ -127,6 +127,18 @@ def rotary(x: np.ndarray, positions: np.ndarray, theta: float,
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
 
 
+def rotary_rows(x: np.ndarray, positions: np.ndarray, theta: float,
+                inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """x (rows, heads, head_dim), row r rotated at positions[r]; a row at a negative position
+    (padding) becomes zeros."""
+    positions = np.asarray(positions)
+    out = np.zeros(x.shape, np.float32)
+    live = positions >= 0
+    if live.any():
+        out[live] = rotary(x[live], positions[live], theta, inv_freq)
+    return out
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, causal: bool,
               n_valid: int | None = None, scale: float | None = None) -> np.ndarray:
     """q (S, H, d), k/v (T, KV, d). Query i sees key j when j < n_valid and (not causal or

@@ -42,6 +42,32 @@ extern "C" __global__ void gp_rotary(float* x, const int* __restrict__ pos, int 
         row[j + half] = x2 * c + x1 * s;
     }
 }
+
+// Row r of x rotates at positions[r] (a decode batch: one sequence per row, each at its own
+// position); a row whose position is negative (padding) is zeroed, all heads.
+extern "C" __global__ void gp_rotary_rows(float* x, const int* __restrict__ positions, int rows,
+                                          int heads, int head_dim, int row_stride, float theta,
+                                          const float* __restrict__ inv_freq) {
+    const int half = head_dim >> 1;
+    const long long total = (long long)rows * heads * half;
+    GP_GRID_STRIDE(i, total) {
+        const int j = (int)(i % half);
+        const long long rest = i / half;
+        const int h = (int)(rest % heads), r = (int)(rest / heads);
+        const int p = positions[r];
+        float* row = x + (size_t)r * row_stride + (size_t)h * head_dim;
+        if (p < 0) { row[j] = 0.f; row[j + half] = 0.f; continue; }
+        // double angles, as gp_rotary (and the references)
+        const double inv = inv_freq ? (double)inv_freq[j]
+                                    : pow((double)theta, -((double)(2 * j) / (double)head_dim));
+        double sd, cd;
+        sincos((double)p * inv, &sd, &cd);
+        const float s = (float)sd, c = (float)cd;
+        const float x1 = row[j], x2 = row[j + half];
+        row[j] = x1 * c - x2 * s;
+        row[j + half] = x2 * c + x1 * s;
+    }
+}
 """)
 
 
@@ -61,6 +87,26 @@ def launch_rotary(device, function, x: int, pos: int, batch: int, tokens: int, h
                    i32(row_stride), i32(pos_offset), f32(theta), ptr(inv_freq)], stream=stream)
 
 
-ROTARY = KernelDef("rotary", "gp_rotary", SOURCE, reference.rotary, launch_rotary)
+def launch_rotary_rows(device, function, x: int, positions: int, rows: int, heads: int,
+                       head_dim: int, row_stride: int, theta: float, stream=None,
+                       inv_freq: int = 0) -> None:
+    """Row r of x (rows, row_stride floats) rotated in place at positions[r]; -1 rows zeroed."""
+    require_sizes("rotary_rows", rows=rows, heads=heads, head_dim=head_dim, row_stride=row_stride,
+                  items=rows * max(row_stride, heads * head_dim))
+    require(head_dim % 2 == 0, f"rotary_rows: head_dim={head_dim} must be even")
+    require(row_stride >= heads * head_dim,
+            f"rotary_rows: row_stride={row_stride} < heads*head_dim={heads * head_dim}")
+    require(positions != 0, "rotary_rows: needs positions (a device int32 per row)")
+    total = rows * heads * (head_dim // 2)
+    if total == 0:
+        return
+    device.launch(function, grid_1d(total), BLOCK,
+                  [ptr(x), ptr(positions), i32(rows), i32(heads), i32(head_dim), i32(row_stride),
+                   f32(theta), ptr(inv_freq)], stream=stream)
 
-KERNELS = [ROTARY]
+
+ROTARY = KernelDef("rotary", "gp_rotary", SOURCE, reference.rotary, launch_rotary)
+ROTARY_ROWS = KernelDef("rotary_rows", "gp_rotary_rows", SOURCE, reference.rotary_rows,
+                        launch_rotary_rows)
+
+KERNELS = [ROTARY, ROTARY_ROWS]

@@ -1,0 +1,220 @@
+"""Device cases for the batched-decode kernels (paged_attention.py, rotary_rows, sampling.py), run
+by the CPU tests on the sim backend and by the GPU tests on the cuda backend, as selfcheck.CASES.
+
+Block tables are random (blocks scattered over the pool, shared between sequences), so a kernel
+that ignores the table or mixes up layer / K-V / slot offsets reads the wrong bytes and fails.
+Attention tolerances are flash_selfcheck's (fp16 P before P.V); sampling compares token ids
+exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.kernels import reference as ref
+from gpu_worker.kernels.flash_attention import FLASH_ATTENTION_COMBINE
+from gpu_worker.kernels.flash_selfcheck import ATOL, RTOL, sample_rows
+from gpu_worker.kernels.paged_attention import (
+    FLASH_DECODE_SPLIT_PAGED,
+    FLASH_PREFILL_PAGED,
+    KV_APPEND_PAGED,
+    flash_decode_paged,
+    flash_prefill_paged,
+    kv_append_paged,
+    launch_flash_decode_paged,
+    launch_flash_prefill_paged,
+    launch_kv_append_paged,
+    paged_decode_splits,
+    paged_decode_workspace_bytes,
+)
+from gpu_worker.kernels.rotary import ROTARY_ROWS, launch_rotary_rows
+from gpu_worker.kernels.sampling import SAMPLE, launch_sample, sample
+from gpu_worker.kernels.selfcheck import Case, KernelHarness, Outcome
+
+H = np.float16
+
+
+def _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim) -> np.ndarray:
+    shape = (capacity, layers, 2, block_tokens, kv_heads, head_dim)
+    return rng.standard_normal(shape, dtype=np.float32).astype(H)
+
+
+def _tables(rng, rows, max_blocks, capacity) -> np.ndarray:
+    return rng.integers(0, capacity, (rows, max_blocks)).astype(np.int32)
+
+
+def kv_append_paged_case(h: KernelHarness, rng, positions, table_rows, layers=2, layer=1,
+                         block_tokens=16, kv_heads=2, head_dim=16, max_blocks=4) -> Outcome:
+    """Rows at `positions` (-1: padding, no write) into a pool; every byte of the pool compared,
+    so a write to a wrong slot, layer, block or a padding row's write fails."""
+    positions = np.asarray(positions, np.int32)
+    rows, width = positions.size, kv_heads * head_dim
+    capacity = table_rows * max_blocks + 2
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    # distinct blocks per (row, block index) so two rows never write the same slot
+    table = rng.permutation(capacity)[:table_rows * max_blocks].reshape(table_rows, max_blocks)
+    table = table.astype(np.int32)
+    k = rng.standard_normal((rows, width), dtype=np.float32)
+    v = rng.standard_normal((rows, width), dtype=np.float32)
+    pp = h.put(pool)
+    launch_kv_append_paged(h.device, h.function(KV_APPEND_PAGED), pp, h.put(k), h.put(v),
+                           h.put(positions), h.put(table), rows, table_rows, layer, layers,
+                           block_tokens, kv_heads, head_dim, max_blocks)
+    want = kv_append_paged(pool, k, v, positions, table, layer)
+    return Outcome(h.get(pp, pool.shape, H).astype(np.float32), want.astype(np.float32), 0, 0)
+
+
+def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
+                      block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
+                      splits=None, replay_positions=None) -> Outcome:
+    """Split-K paged decode (split kernel + combine) for a batch at per-row positions (-1 rows
+    must come out zero). With `replay_positions`, the launches are captured once and replayed
+    after each change of the device positions (the graph must not bake them)."""
+    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
+    batch = steps[0].size
+    need = max(int(s.max()) for s in steps) + 1
+    max_blocks = max_blocks or -(-need // block_tokens) + 1
+    capacity = capacity or max(4, min(batch * max_blocks, 4096))
+    splits = splits or paged_decode_splits(max_blocks, block_tokens, batch, heads, kv_heads)
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = _tables(rng, batch, max_blocks, capacity)
+    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
+    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
+    ws_bytes = paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
+    ws = h.put(np.full(ws_bytes // 4, np.nan, np.float32))
+    pos = h.put(steps[0])
+    qp, pp, tp = h.put(q), h.put(pool), h.put(table)
+    dev = h.device
+
+    def launch(stream=None) -> None:
+        launch_flash_decode_paged(dev, h.function(FLASH_DECODE_SPLIT_PAGED),
+                                  h.function(FLASH_ATTENTION_COMBINE), out, ws, qp, pp, pos, tp,
+                                  batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
+                                  max_blocks, splits, stream=stream)
+
+    def want(step) -> np.ndarray:
+        return flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+
+    if replay_positions is None:
+        launch()
+        return Outcome(h.get(out, (batch, heads * head_dim), H).astype(np.float32), want(steps[0]),
+                       RTOL, ATOL)
+    with dev.capture() as cap:
+        launch(cap.stream)
+    got, wanted = [], []
+    try:
+        for step in steps:
+            dev.to_device(pos, step)
+            dev.replay(cap.graph_exec)
+            got.append(h.get(out, (batch, heads * head_dim), H).astype(np.float32))
+            wanted.append(want(step))
+    finally:
+        dev.synchronize()
+        dev.destroy_graph_exec(cap.graph_exec)
+    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
+
+
+def paged_prefill_case(h: KernelHarness, rng, tokens, heads, kv_heads, head_dim, start,
+                       chunk_len, block_tokens=16, layers=2, layer=1, max_blocks=None,
+                       rows=None) -> Outcome:
+    """One prefill chunk: `tokens` rows of q, the first chunk_len at positions start.. against
+    the paged pool (which already holds the chunk's own K/V); rows >= chunk_len must be zero.
+    With `rows`, only that many query rows are compared (the reference is O(rows x keys))."""
+    need = max(start, 0) + max(chunk_len, 0)
+    max_blocks = max_blocks or -(-max(need, 1) // block_tokens) + 1
+    capacity = max_blocks + 3
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = rng.permutation(capacity)[:max_blocks].astype(np.int32).reshape(1, max_blocks)
+    q = rng.standard_normal((tokens, heads * head_dim), dtype=np.float32).astype(H)
+    out = h.put(np.full((tokens, heads * head_dim), np.nan, H))
+    launch_flash_prefill_paged(h.device, h.function(FLASH_PREFILL_PAGED), out, h.put(q),
+                               h.put(pool), h.put(np.array([start], np.int32)),
+                               h.put(np.array([chunk_len], np.int32)), h.put(table), tokens,
+                               heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
+    got = h.get(out, (tokens, heads * head_dim), H)
+    picked = sample_rows(tokens, rows, rng)
+    if rows is not None and 0 < chunk_len < tokens:  # keep a padding row in the sample
+        picked = np.unique(np.concatenate([picked, [chunk_len]]))
+    n = min(max(chunk_len, 0), tokens) if start >= 0 else 0
+    live = picked[picked < n]
+    want = np.zeros((picked.size, heads * head_dim), H)
+    if live.size:
+        full = flash_prefill_paged(q[:live.max() + 1], pool, start, int(live.max()) + 1,
+                                   table[0], layer, heads)
+        want[:live.size] = full[live]
+    return Outcome(got[picked].astype(np.float32), want.astype(np.float32), RTOL, ATOL)
+
+
+def rotary_rows_case(h: KernelHarness, rng, positions, heads, head_dim, extra=0,
+                     table=False) -> Outcome:
+    """Rows of x (row stride heads*head_dim + extra) at per-row positions; -1 rows become 0."""
+    positions = np.asarray(positions, np.int32)
+    rows, stride = positions.size, heads * head_dim + extra
+    x = rng.standard_normal((rows, stride), dtype=np.float32)
+    inv = (rng.random(head_dim // 2) * 0.5).astype(np.float32) if table else None
+    xp = h.put(x)
+    launch_rotary_rows(h.device, h.function(ROTARY_ROWS), xp, h.put(positions), rows, heads,
+                       head_dim, stride, 500000.0, inv_freq=h.put(inv) if table else 0)
+    want = x.copy()
+    want[:, :heads * head_dim] = ref.rotary_rows(
+        x[:, :heads * head_dim].reshape(rows, heads, head_dim), positions, np.float32(500000.0),
+        inv).reshape(rows, -1)
+    return Outcome(h.get(xp, (rows, stride)), want, 1e-5, 1e-5)
+
+
+def sample_case(h: KernelHarness, rng, vocab, params, scale=3.0) -> Outcome:
+    """Rows of logits each with its (position, temperature, top_p, top_k, seed); token ids are
+    compared exactly with the reference."""
+    rows = len(params)
+    logits = (rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(scale))
+    cols = [np.array([p[i] for p in params], dt)
+            for i, dt in enumerate((np.int32, np.float32, np.float32, np.int32, np.int32))]
+    out = h.put(np.full(rows, -7, np.int32))
+    launch_sample(h.device, h.function(SAMPLE), out, h.put(logits), *(h.put(c) for c in cols),
+                  rows, vocab)
+    return Outcome(h.get(out, (rows,), np.int32), sample(logits, *cols), 0, 0)
+
+
+def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
+    return Case(kernel, fn, shapes, covers)
+
+
+APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
+COMBINE = ("flash_attention_combine",)
+
+# (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
+# a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
+SAMPLE_PARAMS = [(0, 0.0, 1.0, 0, 1), (5, 0.8, 1.0, 0, 7), (9, 1.0, 1.0, 40, 3),
+                 (17, 0.7, 0.9, 0, 11), (3, 1.3, 0.8, 50, 5), (-1, 1.0, 1.0, 0, 2),
+                 (100, 1.0, 1.0, 1, 9), (4, 1.0, 1e-6, 0, 4)]
+
+# Small shapes for the sim and the GPU alike: head dims 16/64/128, block sizes 16..256, GQA,
+# padding rows, positions straddling block edges, layer offsets, a captured-then-replayed decode.
+PAGED_CASES: list[Case] = [
+    _c(APPEND, kv_append_paged_case, positions=[0, 15, 16, 63], table_rows=4),
+    _c(APPEND, kv_append_paged_case, positions=[5, -1, 6, 7, 40], table_rows=1, head_dim=64,
+       kv_heads=1, block_tokens=32, max_blocks=2),
+    _c(APPEND, kv_append_paged_case, positions=[130, -1], table_rows=2, head_dim=128,
+       block_tokens=128, layers=3, layer=0, max_blocks=2),
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16, positions=[0, 17, -1, 40]),
+    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=2, head_dim=64, positions=[100, 3],
+       block_tokens=32, splits=3),
+    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=1, head_dim=128, positions=[300, -1, 64],
+       block_tokens=64, splits=4),
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=4, head_dim=64, positions=[255],
+       block_tokens=256, layers=1, layer=0),
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
+       splits=2, replay_positions=[[21, -1], [90, 6]]),
+    _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
+    _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
+    _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,
+       chunk_len=70, block_tokens=32),
+    _c(PREFILL, paged_prefill_case, tokens=130, heads=4, kv_heads=1, head_dim=128, start=200,
+       chunk_len=100, block_tokens=64),
+    _c(PREFILL, paged_prefill_case, tokens=16, heads=2, kv_heads=2, head_dim=16, start=-1,
+       chunk_len=16),
+    _c("rotary_rows", rotary_rows_case, positions=[0, 7, -1, 1000], heads=2, head_dim=16),
+    _c("rotary_rows", rotary_rows_case, positions=[8191, 3, -1], heads=4, head_dim=128, extra=64,
+       table=True),
+    _c("sample", sample_case, vocab=1000, params=SAMPLE_PARAMS),
+    _c("sample", sample_case, vocab=77, params=SAMPLE_PARAMS[:5], scale=0.5),
+]

@@ -1,0 +1,122 @@
+"""The sim backend's kernels for batched decoding: paged KV (paged_attention.py), rotary per row
+(rotary.py) and sampling (sampling.py), with the CUDA kernels' exact argument lists.
+
+Test double, not product (see gpu_worker.kernels.sim): each views only the bytes its CUDA kernel
+touches (the pool one block at a time, through the table entries below the row's length), reads
+positions, lengths and tables from simulated device memory at run time (so replayed sim graphs see
+the current values) and computes with the NumPy references.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.device.sim_kernels import register_sim_kernel
+from gpu_worker.kernels import paged_attention as pa
+from gpu_worker.kernels import reference, sampling
+from gpu_worker.kernels.sim import _arr, _strided, _vals
+
+H = np.float16
+HB = 2
+
+
+class _Pool:
+    """The pool's blocks as (layers, 2, block_tokens, kv_heads, head_dim) fp16 views."""
+
+    def __init__(self, mem, base: int, layers: int, block_tokens: int, kv_heads: int,
+                 head_dim: int) -> None:
+        self.mem, self.base = mem, base
+        self.shape = (layers, 2, block_tokens, kv_heads, head_dim)
+        self.halves = layers * 2 * block_tokens * kv_heads * head_dim
+
+    def block(self, b: int) -> np.ndarray:
+        return _arr(self.mem, self.base + HB * b * self.halves, self.halves, H).reshape(self.shape)
+
+    def gather(self, table_row: np.ndarray, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V (n, kv_heads, head_dim) of positions [0, n)."""
+        bt = self.shape[2]
+        k = np.empty((n, *self.shape[3:]), H)
+        v = np.empty_like(k)
+        for i in range(-(-n // bt)):
+            blk = self.block(int(table_row[i]))
+            m = min(bt, n - i * bt)
+            k[i * bt:i * bt + m] = blk[layer, 0, :m]
+            v[i * bt:i * bt + m] = blk[layer, 1, :m]
+        return k, v
+
+
+@register_sim_kernel("gp_kv_append_paged")
+def _kv_append_paged(mem, grid, block, args) -> None:
+    (pool, k, v, positions, table, rows, table_rows, layer, layers, block_tokens, kv_heads,
+     head_dim, max_blocks) = _vals(args)
+    width = kv_heads * head_dim
+    pos = _arr(mem, positions, rows, np.int32)
+    tab = _arr(mem, table, table_rows * max_blocks, np.int32).reshape(table_rows, max_blocks)
+    kv = _arr(mem, k, rows * width).reshape(rows, width), _arr(mem, v, rows * width).reshape(rows, width)
+    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    for r in range(rows):
+        position = int(pos[r])
+        if position < 0 or position >= max_blocks * block_tokens:
+            continue
+        blk = p.block(int(tab[r if table_rows == rows else 0, position // block_tokens]))
+        with np.errstate(over="ignore"):
+            for i, src in enumerate(kv):
+                blk[layer, i, position % block_tokens] = src[r].reshape(kv_heads, head_dim).astype(H)
+
+
+@register_sim_kernel("gp_flash_decode_split_paged")
+def _flash_decode_split_paged(mem, grid, block, args) -> None:
+    (ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+     block_tokens, max_blocks, span, scale) = _vals(args)
+    splits, width = grid[2], head_dim + 2
+    pos = _arr(mem, positions, batch, np.int32)
+    tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
+    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    for b in range(batch):
+        nkeys = max(0, min(int(pos[b]) + 1, max_blocks * block_tokens))
+        kb, vb = p.gather(tab[b], layer, nkeys)
+        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
+                        (width, splits * width, 1))
+        for sp in range(splits):
+            j0 = min(sp * span, nkeys)
+            j1 = min(j0 + span, nkeys)
+            part[sp] = pa.attention_partial_f16(qb, kb[j0:j1], vb[j0:j1], scale)
+
+
+@register_sim_kernel("gp_flash_prefill_paged")
+def _flash_prefill_paged(mem, grid, block, args) -> None:
+    (out, q, pool, start, chunk_len, table, tokens, heads, kv_heads, head_dim, layer, layers,
+     block_tokens, max_blocks, scale) = _vals(args)
+    s0 = int(_arr(mem, start, 1, np.int32)[0])
+    n = int(_arr(mem, chunk_len, 1, np.int32)[0])
+    rows = 0 if s0 < 0 else max(0, min(n, tokens))
+    width = heads * head_dim
+    o = _arr(mem, out, tokens * width, H).reshape(tokens, width)
+    o[:] = 0
+    valid = min(max(s0, 0) + rows, max_blocks * block_tokens)
+    if rows == 0:
+        return
+    tab = _arr(mem, table, max_blocks, np.int32)
+    kb, vb = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim).gather(tab, layer, valid)
+    qq = _arr(mem, q, tokens * width, H).reshape(tokens, heads, head_dim)[:rows]
+    o[:rows] = pa.attention_f16(qq, kb, vb, s0 + np.arange(rows), True, n_valid=valid,
+                                scale=scale).reshape(rows, width)
+
+
+@register_sim_kernel("gp_rotary_rows")
+def _rotary_rows(mem, grid, block, args) -> None:
+    x, positions, rows, heads, head_dim, row_stride, theta, inv_freq = _vals(args)
+    table = _arr(mem, inv_freq, head_dim // 2) if inv_freq else None
+    pos = _arr(mem, positions, rows, np.int32)
+    xv = _strided(mem, x, (rows, heads, head_dim), (row_stride, head_dim, 1))
+    xv[:] = reference.rotary_rows(np.array(xv), np.array(pos), np.float32(theta), table)
+
+
+@register_sim_kernel("gp_sample")
+def _sample(mem, grid, block, args) -> None:
+    out, logits, positions, temperature, top_p, top_k, seed, rows, vocab = _vals(args)
+    r = sampling.sample(_arr(mem, logits, rows * vocab).reshape(rows, vocab),
+                        _arr(mem, positions, rows, np.int32), _arr(mem, temperature, rows),
+                        _arr(mem, top_p, rows), _arr(mem, top_k, rows, np.int32),
+                        _arr(mem, seed, rows, np.int32))
+    _arr(mem, out, rows, np.int32)[:] = r

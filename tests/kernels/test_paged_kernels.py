@@ -1,0 +1,145 @@
+"""The batched-decode kernels (paged KV append / decode / prefill, rotary per row, sampling)
+without a GPU: real NVRTC for sm_90 (no spills, the flash kernels' register budgets), the sim
+backend against the NumPy references over the shared cases, the launchers' refusals, and the
+sampler's distribution and reproducibility."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from gpu_worker.compile import KernelCompiler
+from gpu_worker.compile.nvrtc import compile_program
+from gpu_worker.device import open_device
+from gpu_worker.kernels import paged_attention as pa
+from gpu_worker.kernels import sampling
+from gpu_worker.kernels.paged_selfcheck import PAGED_CASES, paged_decode_case, paged_prefill_case
+from gpu_worker.kernels.selfcheck import KernelHarness
+from services.common.errors import InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    device = open_device("sim")
+    compiler = KernelCompiler(device.info.arch, cache_dir=tmp_path_factory.mktemp("kernels"))
+    h = KernelHarness(device, compiler)
+    yield h
+    h.close()
+    device.close()
+
+
+def _log(source) -> str:
+    c = compile_program(source.module_name, source.source, source.headers, "sm_90",
+                        source.options + ("--ptxas-options=-v",))
+    return c.log if isinstance(c.log, str) else c.log.decode()
+
+
+@pytest.fixture(scope="module")
+def paged_log() -> str:
+    return _log(pa.SOURCE)
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[c.id for c in PAGED_CASES])
+def test_sim_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
+    failure = case.run(harness, np.random.default_rng(sum(map(ord, case.id)))).failure()
+    assert failure is None, f"{case.id}: sim result differs from the reference: {failure}"
+
+
+def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(paged_log) -> None:
+    """Prefill <= 168 registers (3 blocks of 4 warps per SM), decode <= 128 (4 blocks): the
+    paged addresser must not cost the flash kernels their occupancy."""
+    for entry, budget in (("gp_flash_prefill_paged", 168), ("gp_flash_decode_split_paged", 128),
+                          ("gp_kv_append_paged", 255)):
+        section = paged_log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
+        assert "0 bytes spill stores, 0 bytes spill loads" in section, f"{entry} spills:\n{section}"
+        used = int(re.search(r"Used (\d+) registers", section).group(1))
+        assert used <= budget, f"{entry} uses {used} registers > {budget}"
+
+
+def test_sampler_compiles_without_spills() -> None:
+    log = _log(sampling.SOURCE)
+    section = log.split("Compiling entry function 'gp_sample'")[1].split("Compile time")[0]
+    assert "0 bytes spill stores, 0 bytes spill loads" in section, section
+
+
+def test_an_off_by_one_in_the_decode_length_fails_the_tolerance(harness, monkeypatch) -> None:
+    """Negative control: the reference shifted by one position is caught by the comparison."""
+    real = pa.flash_decode_paged
+
+    def shifted(q, pool, positions, table, layer, heads):
+        return real(q, pool, np.where(positions >= 0, positions - 1, positions), table, layer, heads)
+
+    monkeypatch.setattr("gpu_worker.kernels.paged_selfcheck.flash_decode_paged", shifted)
+    out = paged_decode_case(harness, np.random.default_rng(3), 4, 2, 64, [40, 9])
+    assert out.failure() is not None, "a one-position shift must not pass the tolerance"
+
+
+def test_prefill_padding_rows_are_zero_not_attended(harness, monkeypatch) -> None:
+    """Negative control: a reference that computes rows past chunk_len too is caught."""
+    real = pa.flash_prefill_paged
+    monkeypatch.setattr("gpu_worker.kernels.paged_selfcheck.flash_prefill_paged",
+                        lambda q, pool, start, n, table, layer, heads:
+                        real(q, pool, start, n, table, layer, heads) + np.float16(0.5))
+    out = paged_prefill_case(harness, np.random.default_rng(4), 20, 2, 1, 16, 3, 10)
+    assert out.failure() is not None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"head_dim": 32}, "head_dim"),
+    ({"block_tokens": 24}, "block_tokens"),
+    ({"layer": 2}, "layer"),
+    ({"heads": 6, "kv_heads": 4}, "multiple"),
+    ({"splits": 65}, "splits"),
+])
+def test_paged_decode_launcher_refuses_bad_shapes_before_the_device(harness, kwargs, match) -> None:
+    args = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 64, "layer": 0, "layers": 2,
+            "block_tokens": 16, "max_blocks": 4, "splits": 1, **kwargs}
+    with pytest.raises(InvalidArgument, match=match):
+        pa.launch_flash_decode_split_paged(harness.device, None, 256, 256, 256, 256, 256, **args)
+
+
+def test_kv_append_launcher_refuses_a_table_of_the_wrong_row_count(harness) -> None:
+    with pytest.raises(InvalidArgument, match="table_rows"):
+        pa.launch_kv_append_paged(harness.device, None, 256, 256, 256, 256, 256, 4, 2, 0, 1, 16,
+                                  2, 16, 4)
+
+
+def test_sampling_hash_is_a_function_of_seed_position_and_token_only() -> None:
+    u = sampling.uniform(7, 12, np.arange(1000))
+    assert np.all((u > 0) & (u < 1))
+    assert np.array_equal(u[500:], sampling.uniform(7, 12, np.arange(500, 1000)))
+    assert not np.array_equal(u, sampling.uniform(8, 12, np.arange(1000)))
+    assert not np.array_equal(u, sampling.uniform(7, 13, np.arange(1000)))
+
+
+def test_seeded_sampling_draws_from_the_softmax_of_the_kept_tokens() -> None:
+    """Over 4000 seeds the Gumbel-max choice follows softmax(z / T); top-k and top-p never pick
+    outside their sets (frequencies within 4 sigma of the probabilities)."""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    n = 4000
+
+    def freq(**kw):
+        picks = [sampling.sample_row(logits, 3, kw.get("t", 1.0), kw.get("p", 1.0),
+                                     kw.get("k", 0), s) for s in range(n)]
+        return np.bincount(picks, minlength=logits.size) / n
+
+    p = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    f = freq(t=0.7)
+    assert np.all(np.abs(f - p) <= 4 * np.sqrt(p * (1 - p) / n) + 1e-9), (f, p)
+    assert np.all(freq(k=2)[2:] == 0), "top_k = 2 keeps two tokens"
+    pt = np.exp(logits) / np.exp(logits).sum()      # 0.56, 0.21, 0.12, ...: top_p 0.75 keeps 2
+    assert pt[0] < 0.75 <= pt[0] + pt[1]
+    fp = freq(p=0.75)
+    assert np.all(fp[2:] == 0) and fp[1] > 0.2, fp
+
+
+def test_sampling_a_row_does_not_depend_on_the_rest_of_the_batch() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 500), dtype=np.float32) * 2
+    args = [np.arange(6, dtype=np.int32), np.full(6, 0.9, np.float32), np.full(6, 0.95, np.float32),
+            np.full(6, 50, np.int32), np.arange(6, dtype=np.int32) + 100]
+    whole = sampling.sample(logits, *args)
+    for r in range(6):
+        alone = sampling.sample(logits[r:r + 1], *(a[r:r + 1] for a in args))
+        assert alone[0] == whole[r]
