@@ -38,6 +38,7 @@ from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
+from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
@@ -75,6 +76,9 @@ def _span(provider: object, name: str, **attributes: object) -> Iterator[None]:
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+OFFLOAD_WAIT_S = 60.0   # how long OffloadModel waits for a decoder's batch to drain
 
 
 @dataclass
@@ -308,7 +312,9 @@ class WorkerRuntime:
                                  weight_namespace=f"{model_id}/")
         c = self.config
         model: PagedDecoderModel | DecoderModel | EncoderModel
-        if family == "decoder" and not c.batching:
+        # the paged kernels support head_dim 16, 64 and 128 (i13 contract); another head dim (the
+        # tiny test checkpoints' 8) runs the single-sequence decoder
+        if family == "decoder" and (not c.batching or cfg.head_dim not in PAGED_HEAD_DIMS):
             model = DecoderModel(executor, cfg, seed, capture=c.capture, weights=weights)
         elif family == "decoder":
             model = PagedDecoderModel(executor, cfg, seed, block_tokens=c.kv_block_tokens,
@@ -392,14 +398,23 @@ class WorkerRuntime:
     def offload_model(self, model_id: str) -> tuple[ModelInfo, int]:
         """Page a model's weights out to their pinned host copies and drop its plans and kernel
         variants; it stays loaded, and its next request pages the weights back in (a wake).
-        Waits for a running request of the model to finish. Returns (info, bytes released)."""
+        Waits for a running request (a decoder: its whole batch) to finish, FAILED_PRECONDITION
+        after OFFLOAD_WAIT_S of uninterrupted streams. Returns (info, bytes released)."""
         loaded = self._get(model_id)
-        with loaded.lock:
-            self._still_loaded(loaded)
-            if loaded.busy():
-                raise FailedPrecondition(f"model {model_id!r} is serving streams; offload it "
-                                         "once they end", model_id=model_id)
-            freed = loaded.drop_caches() + loaded.page_out()
+        deadline = time.monotonic() + OFFLOAD_WAIT_S
+        while True:
+            with loaded.lock:
+                self._still_loaded(loaded)
+                if not loaded.busy():
+                    freed = loaded.drop_caches() + loaded.page_out()
+                    break
+            # a decoder serving streams: wait for its batch to drain, as for a running request
+            left = deadline - time.monotonic()
+            if left <= 0 or not loaded.scheduler.wait_idle(min(left, 1.0)) and \
+                    time.monotonic() >= deadline:
+                raise FailedPrecondition(f"model {model_id!r} kept serving streams for "
+                                         f"{OFFLOAD_WAIT_S:.0f} s; offload it once they end",
+                                         model_id=model_id)
         self.device.synchronize()
         self.device.arena.collect()
         self._report()

@@ -201,6 +201,11 @@ class Scheduler:
         with self._cond:
             return bool(self._running or self._waiting)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until the model has no sequences (or `timeout`); whether it is idle."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not (self._running or self._waiting), timeout)
+
     # -- the engine ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -398,6 +403,8 @@ class Scheduler:
             self._pinned.close()
             self._pinned = None
         self.pool.shrink()
+        with self._cond:
+            self._cond.notify_all()     # wait_idle
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._model_lock:

@@ -178,7 +178,8 @@ def test_a_second_model_loads_under_an_exact_budget_by_paging_out_the_idle_first
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
         monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
-    outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0])
+    outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0],
+                                                 kv_at_load=probe != "content-unprobed")
     assert outcome == "loaded", "the idle first model could have been paged out"
     reclaim = runtime.stats()["reclaim"]
     if probe.startswith("content"):  # content bytes cannot hold the granule-rounded commits
