@@ -171,6 +171,11 @@ def cmd_stats(args: argparse.Namespace) -> None:
           f"{c.claim_takeovers} takeovers, {c.claim_wait_timeouts} timed out)")
     print(f"capture: {s.capture.captures} captures, {s.capture.replays} replays, "
           f"{s.capture.invalidations} invalidations, {s.capture.gate_waits} gate waits")
+    b = s.scheduler
+    print(f"scheduler: {b.running} running, {b.waiting} waiting (peak batch {b.peak_batch_size}), "
+          f"{b.steps} steps, {b.prefill_tokens} prefill + {b.decode_tokens} decode tokens, "
+          f"{b.preemptions} preemptions, {b.cancelled} cancelled, {b.rejected} rejected; kv "
+          f"blocks {b.kv_blocks_used}/{b.kv_blocks_total} of {b.kv_block_tokens} tokens")
 
 
 def cmd_trim(args: argparse.Namespace) -> None:
