@@ -41,6 +41,10 @@ from typing import Protocol
 from services.common.errors import ResourceExhausted
 
 PEER_POLLS = 6  # retries spread over one peer wait
+# A busy decoder's engine holds its lock for each step and takes it again at once, so a try-lock
+# would almost never win: kv_preemption waits this long for the gap between two steps. Bounded,
+# so two engines refused at once (each waiting on the other's lock) cannot deadlock.
+KV_PREEMPT_LOCK_WAIT_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ class IdleCandidate(Protocol):
     def reclaimable_bytes(self) -> int: ...  # what the two above would release now
     # Optional, decoders with a scheduler: preempt the newest running sequence and shrink the KV
     # pool (called with the lock held; False when nothing ran), and the KV bytes that could go.
-    # preempt_kv(self) -> bool; kv_bytes(self) -> int
+    # preempt_kv(self) -> bool; kv_bytes(self) -> int; engine_is_current(self) -> bool
 
 
 @dataclass(frozen=True)
@@ -228,14 +232,15 @@ class Reclaimer:
 
     def _preempt_kv(self, need: int, zone: str | None) -> StepResult:
         """Preempt the newest sequences of the most recently used decoders, one at a time, until
-        `need` is freed. A model whose lock its own engine holds (the refusal may be its own pool
-        growing) is skipped: its sequences are not preempted to make room for themselves here
-        (the scheduler preempts within its own batch)."""
+        `need` is freed. A model whose engine is the calling thread (the refusal may be its own
+        pool growing) is skipped: the scheduler preempts within its own batch."""
         freed, took = 0, []
         for m in sorted((m for m in self._models() if not m.closed), key=lambda m: m.last_used,
                         reverse=True):
             preempt = getattr(m, "preempt_kv", None)
-            if preempt is None or freed >= need or not m.lock.acquire(blocking=False):
+            if preempt is None or freed >= need or m.engine_is_current():
+                continue
+            if not m.lock.acquire(timeout=KV_PREEMPT_LOCK_WAIT_S):
                 continue
             try:
                 while freed < need and not m.closed:

@@ -172,6 +172,9 @@ class _Loaded:
         """Reclaim's last step (lock held): the newest running sequence goes back to waiting."""
         return self.scheduler is not None and self.scheduler.preempt_newest()
 
+    def engine_is_current(self) -> bool:
+        return self.scheduler is not None and self.scheduler.is_engine_thread()
+
     def kv_bytes(self) -> int:
         return self.scheduler.pool.committed if self.scheduler is not None else 0
 

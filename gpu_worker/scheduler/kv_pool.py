@@ -149,6 +149,9 @@ class KVBlockPool:
         # one decommit per granule, matching the per-granule commits
         for off in range(keep, keep + released, self.granule):
             self.arena.decommit(self.base + off, self.granule, "kv")
+        # run the releases whose fences passed (the engine read its last step back: they have),
+        # so an idle pool leaves no release pending in the arena's queue
+        self.arena.collect()
         self.shrinks += 1
         return released
 

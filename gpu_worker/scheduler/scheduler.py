@@ -149,6 +149,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
+        self._ended: list[tuple[Sequence, BaseException | None]] = []
         self._closed = False
         self.counters = dict.fromkeys(("steps", "preemptions", "prefill_tokens", "decode_tokens",
                                        "peak_batch_size", "finished", "cancelled", "rejected",
@@ -201,6 +202,9 @@ class Scheduler:
         with self._cond:
             return bool(self._running or self._waiting)
 
+    def is_engine_thread(self) -> bool:
+        return self._thread is threading.current_thread()
+
     def wait_idle(self, timeout: float) -> bool:
         """Block until the model has no sequences (or `timeout`); whether it is idle."""
         with self._cond:
@@ -224,39 +228,48 @@ class Scheduler:
             time.sleep(0)
 
     def step(self) -> int:
-        """One iteration; returns the number of tokens it processed (prefill + decode)."""
+        """One iteration; returns the number of tokens it processed (prefill + decode).
+
+        Streams that ended in the step see their end only after it, once their blocks are back
+        and an idle pool has shrunk: a client that saw its stream end sees the memory settled."""
         with self._model_lock:
-            if self._closed:
-                return 0
-            self._reap()
+            try:
+                return self._step()
+            finally:
+                self._flush_ended()
+
+    def _step(self) -> int:
+        if self._closed:
+            return 0
+        self._reap()
+        if not (self._running or self._waiting):
+            self._idle()
+            return 0
+        if self._pin is not None and self._pinned is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._pin())
+            self._pinned = stack
+        step = self.counters["steps"]
+        prefills, decodes = self._plan(step)
+        if not prefills and not decodes:
+            self._idle()
+            return 0
+        self.counters["steps"] += 1
+        done = 0
+        try:
+            for seq, n in prefills:
+                done += self._run_prefill(seq, n, step)
+            for i in range(0, len(decodes), MAX_DECODE_ROWS):
+                done += self._run_decode(decodes[i:i + MAX_DECODE_ROWS], step)
+        except Exception as exc:
+            for seq in [s for s, _ in prefills] + decodes:
+                if seq.state == "running":
+                    self._finish(seq, "", error=exc)
+            raise
+        finally:
             if not (self._running or self._waiting):
                 self._idle()
-                return 0
-            if self._pin is not None and self._pinned is None:
-                stack = contextlib.ExitStack()
-                stack.enter_context(self._pin())
-                self._pinned = stack
-            step = self.counters["steps"]
-            prefills, decodes = self._plan(step)
-            if not prefills and not decodes:
-                self._idle()
-                return 0
-            self.counters["steps"] += 1
-            done = 0
-            try:
-                for seq, n in prefills:
-                    done += self._run_prefill(seq, n, step)
-                for i in range(0, len(decodes), MAX_DECODE_ROWS):
-                    done += self._run_decode(decodes[i:i + MAX_DECODE_ROWS], step)
-            except Exception as exc:
-                for seq in [s for s, _ in prefills] + decodes:
-                    if seq.state == "running":
-                        self._finish(seq, "", error=exc)
-                raise
-            finally:
-                if not (self._running or self._waiting):
-                    self._idle()
-            return done
+        return done
 
     def _plan(self, step: int) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         prefills: list[tuple[Sequence, int]] = []
@@ -393,9 +406,15 @@ class Scheduler:
         seq.state, seq.finish_reason = "finished", reason or "error"
         key = {"cancelled": "cancelled", "": "failed"}.get(reason, "finished")
         self.counters[key] += 1
-        if error is not None:
-            seq._events.put(error)
-        seq._events.put(_END)
+        self._ended.append((seq, error))
+
+    def _flush_ended(self) -> None:
+        """End the streams that finished (after the step's frees and shrink)."""
+        ended, self._ended = self._ended, []
+        for seq, error in ended:
+            if error is not None:
+                seq._events.put(error)
+            seq._events.put(_END)
 
     def _idle(self) -> None:
         """No work: unpin the weights (the model is reclaimable again), shrink the pool."""
@@ -411,6 +430,7 @@ class Scheduler:
             for seq in self._all():
                 self._finish(seq, "", error=exc)
             self._idle()
+            self._flush_ended()
 
     # -- reclaim, stats, close -----------------------------------------------------------------
     def preempt_newest(self) -> bool:
@@ -438,4 +458,5 @@ class Scheduler:
             for seq in self._all():
                 self._finish(seq, "", error=FailedPrecondition(reason))
             self._idle()
+            self._flush_ended()
             self.pool.close()

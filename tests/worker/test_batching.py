@@ -70,6 +70,7 @@ def test_sixteen_concurrent_streams_each_get_the_tokens_of_their_solo_run(worker
     s = client.stats().scheduler
     assert s.peak_batch_size > 1, "the streams never shared a decode step"
     assert s.kv_blocks_used == 0 and s.running == 0 and s.waiting == 0
+    assert client.stats().arena.faults == 0, "the ledger left the device's truth (or underflowed)"
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(worker):
