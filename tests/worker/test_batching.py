@@ -40,8 +40,14 @@ def start_worker(tmp_path, **config):
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    runtime, server, client = start_worker(tmp_path_factory.mktemp("kernels"), max_plans=8)
+def kernels(tmp_path_factory):
+    """One NVRTC disk cache for the module's workers: the second and third compile nothing."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def worker(kernels):
+    runtime, server, client = start_worker(kernels, max_plans=8)
     yield runtime, client
     client.close()
     server.stop(grace=5.0)
@@ -141,8 +147,8 @@ def test_scheduler_gauges_and_latency_histograms_are_exported(worker):
         assert name in text, f"{name} is not exported"
 
 
-def test_queue_overflow_is_resource_exhausted_at_once_and_the_accepted_streams_complete(tmp_path):
-    runtime, server, client = start_worker(tmp_path, max_queued=2)
+def test_queue_overflow_is_resource_exhausted_at_once_and_the_accepted_streams_complete(kernels):
+    runtime, server, client = start_worker(kernels, max_queued=2)
     try:
         loaded = runtime._get(MODEL)
         prompts = [prompt_of(i, 5) for i in range(2)]
@@ -173,9 +179,9 @@ def test_queue_overflow_is_resource_exhausted_at_once_and_the_accepted_streams_c
         server.stop(grace=5.0)
 
 
-def test_preemption_under_a_tiny_kv_pool_keeps_every_stream_identical(tmp_path):
+def test_preemption_under_a_tiny_kv_pool_keeps_every_stream_identical(kernels):
     # tiny: a 16-token block is 4 KiB; 10 blocks for 4 streams needing 4-5 blocks each
-    _, server, client = start_worker(tmp_path, kv_pool_bytes=10 * 4096, max_plans=8)
+    _, server, client = start_worker(kernels, kv_pool_bytes=10 * 4096, max_plans=8)
     try:
         prompts = [prompt_of(i, 20 + 3 * i) for i in range(4)]
         results = concurrently([lambda p=p: client.generate(MODEL, p, 36) for p in prompts])
