@@ -352,7 +352,8 @@ class WorkerRuntime:
             loaded.scheduler = Scheduler(
                 model, model.pool, max_batch_size=c.max_batch_size,
                 max_step_tokens=c.max_step_tokens, max_queued=c.max_queued, eos_token_ids=eos,
-                model_lock=loaded.lock, pin=executor.resident, name=model_id)
+                model_lock=loaded.lock, pin=executor.resident, settle=model.settle,
+                name=model_id)
         with self._lock:
             self._models[model_id] = loaded
         self._report()

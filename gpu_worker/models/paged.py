@@ -165,6 +165,14 @@ class PagedDecoderModel:
         if self.pool is not None:
             self.pool.close()
 
+    def settle(self) -> None:
+        """The engine went idle: wait for this model's stream (a stream sync, never a device-wide
+        one) so the releases fenced on it (the pool's top granules, evicted plans) complete now,
+        and an idle worker holds no pending release."""
+        device = self.executor.device
+        device.synchronize(device.stream)
+        device.queue.drain()      # per-event waits (a release may be fenced on the copy stream)
+
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         cfg = self.cfg
         if not prompt:

@@ -130,6 +130,7 @@ class Scheduler:
                  eos_token_ids: tuple[int, ...] = (),
                  model_lock: contextlib.AbstractContextManager | None = None,
                  pin: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 settle: Callable[[], None] | None = None,
                  thread: bool = True, name: str = "model") -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
                             ("max_queued", max_queued)):
@@ -145,6 +146,7 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
+        self._settle = settle       # at idle: let the model's fenced releases complete
         self._pinned: contextlib.ExitStack | None = None
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -422,6 +424,8 @@ class Scheduler:
             self._pinned.close()
             self._pinned = None
         self.pool.shrink()
+        if self._settle is not None:
+            self._settle()
         with self._cond:
             self._cond.notify_all()     # wait_idle
 
