@@ -1,6 +1,8 @@
 """WorkerRuntime (interface 6) on the sim backend: models, generate/embed, stats, trim, errors."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -128,10 +130,16 @@ def test_runtime_books_through_a_real_governor_when_one_is_configured(kernel_cac
                                         worker_id="w-exec-test")).start()
         try:
             rt.load_model("dec", "decoder", "tiny", 1)
-            list(rt.generate("dec", [1, 2, 3], 3))
+            stream = rt.generate("dec", [1, 2, 3], 300)
+            next(stream)                 # the sequence runs: its KV blocks are committed
             stats = rt.stats()
             assert stats["governor_connected"], "the runtime should hold leases from the governor"
             assert rt.budget.used().get("kv", 0) > 0, "KV bytes must be reserved through the governor"
+            stream.close()
+            deadline = time.monotonic() + 10
+            while rt.budget.used().get("kv", 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert rt.budget.used().get("kv", 0) == 0, "the idle pool gave its KV back"
         finally:
             rt.close()
     finally:
