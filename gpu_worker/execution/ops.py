@@ -2,8 +2,9 @@
 for the node's shapes, and how to launch it.
 
 The int4 linear has two paths, fixed by the graph (GraphBuilder.linear_int4 via
-`linear.int4_path`): few rows (decode) read the packed weight directly in the fused int4 kernel,
-no workspace; many rows (prefill) arrive as fp16 (a `to_f16` node) and run on tensor cores: the
+`linear.int4_path`): up to 64 rows (decode, a decode batch, a short chunk) read the packed weight
+directly, no workspace: one row in the fused int4 GEMV, 2..64 rows (K a multiple of 128) in the
+tensor-core int4_mma that streams the weight once for all rows (gpu_worker.kernels.int4_batched); many rows (prefill) arrive as fp16 (a `to_f16` node) and run on tensor cores: the
 weight is dequantized to fp16 one bounded tile of rows at a time into the model's dequantization
 tile (`ModelExecutor.dequant_tile`, booked in `workspace`, one per model: nodes run one after
 another on the model's stream, so one tile serves them all), and each tile is multiplied by cuBLAS
@@ -29,6 +30,7 @@ from gpu_worker.kernels import (
     embedding,
     flash_attention,
     half,
+    int4_batched,
     linear,
     norm,
     paged_attention,
@@ -114,6 +116,10 @@ def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, 
 def _launch_linear(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
     if not _on_tensor_cores(c.node, c.graph):
+        if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
+            int4_batched.launch_int4_mma(c.device, c.fn("int4_mma"), c.out(), c.inp(0),
+                                         c.weight(0), c.weight(1), 0, m, n, k, stream=c.stream)
+            return
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
                                   c.weight(1), 0, m, n, k, stream=c.stream)
         return
@@ -362,7 +368,8 @@ def _launch_sample(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL), _launch_linear,
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA),
+                             _launch_linear,
                              gemms=_linear_gemms),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),

@@ -65,6 +65,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
+from gpu_worker.kernels.int4_batched import INT4_MMA, MMA_MAX_ROWS, launch_int4_mma
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -99,7 +100,7 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
-    ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_PREFILL_PAGED, SAMPLE,
+    INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_PREFILL_PAGED, SAMPLE,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -135,6 +136,7 @@ __all__ = [
     "INT4_DEQUANT",
     "INT4_DEQUANT_F16",
     "INT4_MATMUL",
+    "INT4_MMA",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
     "KV_APPEND_PAGED",
@@ -143,6 +145,7 @@ __all__ = [
     "MATMUL_NT_LARGE",
     "MAX_HEAD_DIM",
     "MEAN_POOL",
+    "MMA_MAX_ROWS",
     "NVRTC_OPTIONS",
     "RMSNORM",
     "ROTARY",
@@ -177,6 +180,7 @@ __all__ = [
     "launch_int4_dequant",
     "launch_int4_dequant_f16",
     "launch_int4_matmul",
+    "launch_int4_mma",
     "launch_kv_append",
     "launch_kv_append_kv16",
     "launch_kv_append_paged",

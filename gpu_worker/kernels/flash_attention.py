@@ -161,8 +161,12 @@ struct gp_kv_paged {
 // are zero-filled (their P is 0, and 0 * stale bits could be NaN).
 template <int D, int BN, class KV>
 __device__ __forceinline__ void gp_fa_stage(unsigned short* tile, const KV& kv, int n0, int kend) {
-    constexpr int LD = D + GP_FA_PAD, CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < BN * CHUNKS; c += blockDim.x) {
+    constexpr int LD = D + GP_FA_PAD, CHUNKS = D / 8, THREADS = 128;  // the prefill block
+    // a compile-time stride, two chunks per step: a paged row's table loads overlap (a full
+    // unroll spills the prefill's registers)
+#pragma unroll 2
+    for (int i = 0; i < BN * CHUNKS / THREADS; ++i) {
+        const int c = threadIdx.x + i * THREADS;
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8, j = n0 + r;
         const bool in = j < kend;
         gp_cp_async16(gp_smem(tile + r * LD + col), in ? kv.row(j) + col : kv.base, in ? 16 : 0);

@@ -372,11 +372,15 @@ gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __res
 
 
 def int4_path(m: int) -> str:
-    """Which linear path serves `m` rows in a model graph: "fused" (int4_matmul, decode) or
-    "tensor" (int4_dequant_f16 into a bounded tile, then cuBLAS fp16 GEMM: gpu_worker.kernels.half
-    and gpu_worker.device.blas). The f32 dequant + matmul_nt path stays in the library as the
-    measured baseline (bench/kernels_bench.py, docs/kernels.md)."""
-    return "fused" if m <= FUSED_MAX_ROWS else "tensor"
+    """Which linear path serves `m` rows in a model graph: "fused" (f32 x read with the packed
+    weight: the int4_matmul GEMV for one row, the tensor-core int4_mma for 2..64 rows, both exact
+    up to f32 summation order; ops.py picks) or "tensor" (int4_dequant_f16 into a bounded tile,
+    then cuBLAS fp16 GEMM: gpu_worker.kernels.half and gpu_worker.device.blas). The f32 dequant +
+    matmul_nt path stays in the library as the measured baseline (bench/kernels_bench.py,
+    docs/kernels.md). FUSED_MAX_ROWS stays the GEMV's own crossover (kernels_bench [3])."""
+    from gpu_worker.kernels.int4_batched import MMA_MAX_ROWS
+
+    return "fused" if m <= max(FUSED_MAX_ROWS, MMA_MAX_ROWS) else "tensor"
 
 
 def launch_int4_dequant(device, function, workspace: int, packed: int, scales: int, n: int, k: int,

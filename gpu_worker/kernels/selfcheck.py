@@ -48,6 +48,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
+from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -219,6 +220,20 @@ def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
                        h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
+
+
+def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
+    """The batched tensor-core int4 linear (int4_batched.py): same contract and tolerance as the
+    GEMV (exact weights, x as fp16 hi + lo, f32 sums). `scale` sizes x (hi/lo split coverage)."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k, scale=scale)
+    b = _f32(rng, n) if bias else None
+    y0 = _f32(rng, m, n)
+    y = h.put(y0)
+    launch_int4_mma(h.device, h.function(INT4_MMA), y, h.put(x), h.put(packed), h.put(scales),
+                    h.put(b) if bias else 0, m, n, k, accumulate)
+    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
 
 def int4_linear_case(h, rng, m, n, k) -> Outcome:
@@ -502,6 +517,14 @@ CASES: list[Case] = [
     # a column tail inside a warp, and a 1-row last block after a 4-row one (both kernel bodies)
     C("int4_matmul", int4_matmul_case, m=5, n=70, k=4099, bias=True),
     C("int4_matmul", int4_matmul_case, m=2, n=33, k=2080, accumulate=True),
+    # the batched tensor-core linear: every n-tile count (rows 2..64), ragged n, K slices that
+    # leave warps idle (k = 128: one group for 8 warps), bias, accumulate, large |x|
+    C("int4_mma", int4_mma_case, m=2, n=48, k=128),
+    C("int4_mma", int4_mma_case, m=16, n=100, k=1024, bias=True, accumulate=True),
+    C("int4_mma", int4_mma_case, m=9, n=17, k=384, scale=300.0),
+    C("int4_mma", int4_mma_case, m=32, n=64, k=2048, bias=True),
+    C("int4_mma", int4_mma_case, m=64, n=40, k=1152, accumulate=True),
+    C("int4_mma", int4_mma_case, m=45, n=16, k=256),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

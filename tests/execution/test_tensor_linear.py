@@ -36,7 +36,7 @@ def test_every_linear_shares_one_bounded_tile_and_results_match_the_reference(de
     model = EncoderModel(ex, cfg, 1)
     model.load()
     ref = R.EncoderReference(cfg, W.load_host(cfg, 1))
-    for batch, seq in ((2, 20), (3, 33)):
+    for batch, seq in ((2, 40), (3, 33)):     # > 64 rows: the tensor-core path
         got = model.embed(seqs(batch, seq))
         assert np.allclose(got, ref.embed(np.array(seqs(batch, seq))), atol=ATOL), (batch, seq)
         assert ex.tile.size == 256 << 10, "the tile is bounded by the limit, not by the weight"
@@ -50,19 +50,19 @@ def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(devic
     ex = ModelExecutor(device, compiler, max_plans=1)
     model = EncoderModel(ex, cfg, 1)
     model.load()
-    model.embed(seqs(2, 20))
+    model.embed(seqs(2, 40))
     blas = device.blas
     warm, calls = blas.stats()["warm_shapes"], blas.stats()["calls"]
     assert warm > 0, "the first plan's GEMM shapes were warmed up"
-    model.embed(seqs(4, 9))           # another plan; rows 36: new shapes, warmed, then captured
-    model.embed(seqs(2, 20))          # the first shape again (plan rebuilt): nothing to warm
+    model.embed(seqs(4, 17))           # another plan; rows 68: new shapes, warmed, then captured
+    model.embed(seqs(2, 40))          # the first shape again (plan rebuilt): nothing to warm
     assert blas.stats()["warm_shapes"] > warm
     per_run = sum(len(ops.OPS[n.op].gemms(n, p.graph, ex.tile.size))
-                  for p in [ex.plans.get(("encode", 2, 20))] for n in p.graph.nodes)
-    # (2, 20) rebuilt: its capture records GEMMs but runs no eager warm-up; a replay runs on the
+                  for p in [ex.plans.get(("encode", 2, 40))] for n in p.graph.nodes)
+    # (2, 40) rebuilt: its capture records GEMMs but runs no eager warm-up; a replay runs on the
     # device without calling the library from the host
     assert blas.stats()["calls"] - calls == 2 * per_run + per_run, \
-        "warm-up + capture for (4, 9), capture only for the rebuilt (2, 20)"
+        "warm-up + capture for (4, 17), capture only for the rebuilt (2, 40)"
     ex.close()
 
 
@@ -75,11 +75,13 @@ def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
         g.linear_int4("lin", "x", "y", rows, 32, 64)
         return [(nd.op, nd.inputs) for nd in g.nodes]
 
-    # f32 x on tensor cores: cast to fp16; fp16 x: read as it is
-    assert build(17, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
-    assert build(17, "f16") == [("linear_int4", ("x",))]
-    # the fused GEMV reads f32: fp16 x (flash attention's output in decode) is widened
-    assert build(1, "f32") == [("linear_int4", ("x",))]
-    assert build(1, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
+    # f32 x on tensor cores (> 64 rows): cast to fp16; fp16 x: read as it is
+    assert build(65, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
+    assert build(65, "f16") == [("linear_int4", ("x",))]
+    # the GEMV (1 row) and the batched int4_mma (2..64 rows) read f32: fp16 x (flash attention's
+    # output in decode) is widened
+    for rows in (1, 17, 64):
+        assert build(rows, "f32") == [("linear_int4", ("x",))]
+        assert build(rows, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
     with pytest.raises(GraphError, match="i32"):
-        build(17, "i32")
+        build(65, "i32")

@@ -51,3 +51,18 @@ def test_every_sweep_variant_compiles_without_spills() -> None:
         log = out.log
         spills = re.findall(r"(\d+) bytes spill stores", log)
         assert spills and all(s == "0" for s in spills), f"{v}: register spills\n{log}"
+
+
+def test_int4_mma_tiles_give_every_sm_a_block_and_stay_in_registers() -> None:
+    from gpu_worker.kernels.int4_batched import SM_COUNT, mma_tiles
+
+    assert mma_tiles(16, 128256) == (2, 4), "lm_head: 64 rows per block, 2004 blocks"
+    assert mma_tiles(16, 14336) == (2, 4)
+    assert mma_tiles(16, 4096) == (2, 2), "wq: 128 blocks of 32 rows, not 64 blocks"
+    assert mma_tiles(8, 1024) == (1, 1)
+    assert mma_tiles(64, 128256) == (8, 1), "64 rows: one tile per warp (registers)"
+    assert mma_tiles(32, 14336)[1] == 2
+    for m in (2, 9, 17, 33):
+        for n in (1024, 4096, 14336):
+            mt = mma_tiles(m, n)[1]
+            assert mt == 1 or -(-n // (16 * mt)) * 10 >= SM_COUNT * 9

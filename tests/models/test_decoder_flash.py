@@ -39,7 +39,7 @@ def test_attention_runs_on_the_flash_kernels_at_head_dims_64_and_128_only():
 
 
 def test_flash_attention_output_feeds_the_linear_in_the_dtype_its_path_reads():
-    prefill = build_decoder_graph(HD64, 64, "prefill")
+    prefill = build_decoder_graph(HD64, 128, "prefill")   # > 64 rows: the tensor-core path
     decode = build_decoder_graph(HD64, 1, "decode")
     assert prefill.tensors["layers.0.a"].dtype == "f16"
     wo = {nd.name: nd for nd in prefill.nodes}["layers.0.wo"]

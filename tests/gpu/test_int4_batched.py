@@ -1,0 +1,50 @@
+"""The batched tensor-core int4 linear (gpu_worker.kernels.int4_batched) on a real device against
+reference.int4_matmul at 8b-int4 shapes (wq 4096x4096, w_gate 14336x4096, w_down 4096x14336, a
+slice of lm_head) and batch 2..64, plus the small shared cases (selfcheck.CASES' int4_mma).
+
+Run on the GPU machine:
+    python3 -m pytest -m gpu tests/gpu/test_int4_batched.py -v
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.kernels.selfcheck import CASES, Case, KernelHarness, int4_mma_case
+
+pytestmark = pytest.mark.gpu
+
+SHARED = [c for c in CASES if c.kernel == "int4_mma"]
+MODEL: list[Case] = [
+    Case("int4_mma", int4_mma_case, {"m": m, "n": n, "k": k, **extra})
+    for m, n, k, extra in ((2, 4096, 4096, {}), (16, 14336, 4096, {"bias": True}),
+                           (16, 4096, 14336, {"accumulate": True}), (8, 4096, 4096, {}),
+                           (32, 4096, 14336, {}), (64, 16032, 4096, {}), (64, 4096, 4096, {}),
+                           (5, 1024, 4096, {}))
+]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    from gpu_worker.compile import KernelCompiler
+    from gpu_worker.device import open_device
+
+    device = open_device("cuda")
+    compiler = KernelCompiler(device.info.arch, cache_dir=tmp_path_factory.mktemp("kernels"))
+    h = KernelHarness(device, compiler)
+    yield h
+    h.close()
+    device.close()
+
+
+@pytest.mark.parametrize("case", SHARED + MODEL, ids=[c.id for c in SHARED + MODEL])
+def test_cuda_int4_mma_matches_the_f32_reference(harness, case) -> None:
+    failure = case.run(harness, np.random.default_rng(sum(map(ord, case.id)))).failure()
+    harness.close()
+    assert failure is None, f"{case.id}: device result differs from the reference: {failure}"
+
+
+def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
+    """The split-K sum is in warp order (no atomics): two runs give identical bits."""
+    outs = [int4_mma_case(harness, np.random.default_rng(1), 16, 4096, 4096).got for _ in range(2)]
+    assert np.array_equal(outs[0], outs[1])

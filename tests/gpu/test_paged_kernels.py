@@ -1,0 +1,123 @@
+"""The batched-decode kernels on a real device: the shared cases (gpu_worker.kernels.paged_selfcheck)
+plus production shapes (8b: 32 heads, 8 KV heads, head_dim 128; contexts to 8192; batch 1..64;
+prefill chunks of 2048; vocab 128256), and the sampler's batch independence on the device.
+
+Run on the GPU machine:
+    python3 -m pytest -m gpu tests/gpu/test_paged_kernels.py -v
+    compute-sanitizer --tool memcheck python3 -m pytest -m gpu tests/gpu/test_paged_kernels.py -q \
+        -k "not model_shapes"
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.kernels.paged_selfcheck import (
+    APPEND,
+    COMBINE,
+    DECODE,
+    PAGED_CASES,
+    PREFILL,
+    kv_append_paged_case,
+    paged_decode_case,
+    paged_prefill_case,
+    sample_case,
+)
+from gpu_worker.kernels.sampling import SAMPLE, launch_sample
+from gpu_worker.kernels.selfcheck import Case, KernelHarness
+
+pytestmark = pytest.mark.gpu
+
+LLAMA = {"heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 1, "layer": 0}
+_rng = np.random.default_rng(2026)
+_B32 = [int(x) for x in _rng.integers(0, 8192, 32)]
+_B32[5] = _B32[17] = -1
+_B64 = [int(x) for x in _rng.integers(0, 2048, 64)]
+_B64[63] = -1
+_SAMPLE64 = [(int(_rng.integers(0, 8000)), float(t), float(p), int(k), int(s))
+             for t, p, k, s in zip(_rng.choice([0.0, 0.6, 1.0], 64), _rng.choice([1.0, 0.9, 0.5], 64),
+                                   _rng.choice([0, 1, 50, 1000], 64), _rng.integers(0, 2**31 - 1, 64))]
+
+MODEL_CASES: list[Case] = [
+    Case(APPEND, kv_append_paged_case, {"positions": [p % 128 if p >= 0 else p for p in _B64],
+                                        "table_rows": 64, "kv_heads": 8,
+                                        "head_dim": 128, "block_tokens": 16, "max_blocks": 8,
+                                        "layers": 2, "layer": 1}),
+    Case(APPEND, kv_append_paged_case, {"positions": list(range(100, 2148)), "table_rows": 1,
+                                        "kv_heads": 8, "head_dim": 128, "block_tokens": 64,
+                                        "max_blocks": 40, "layers": 1, "layer": 0}),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191], "block_tokens": 16}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B32, "block_tokens": 64,
+                                     "max_blocks": 128, "capacity": 512}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64, "block_tokens": 16,
+                                     "max_blocks": 128, "capacity": 1024}, COMBINE),
+    Case(DECODE, paged_decode_case, {"heads": 32, "kv_heads": 8, "head_dim": 64, "layers": 1,
+                                     "layer": 0, "positions": [0, 999, 4000, 8191],
+                                     "block_tokens": 128}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [1023, 7], "block_tokens": 32,
+                                     "max_blocks": 256, "replay_positions": [[4095, -1], [8191, 8]]},
+         COMBINE),
+    Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 0, "chunk_len": 2048,
+                                       "block_tokens": 16, "rows": 64}),
+    Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 512, "start": 1536, "chunk_len": 512,
+                                       "block_tokens": 128, "rows": 64}),
+    Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 6144, "chunk_len": 2000,
+                                       "block_tokens": 64, "rows": 64}),
+    Case(PREFILL, paged_prefill_case, {"heads": 32, "kv_heads": 8, "head_dim": 64, "layers": 2,
+                                       "layer": 1, "tokens": 2048, "start": 100,
+                                       "chunk_len": 2048, "block_tokens": 32, "rows": 64}),
+    Case("sample", sample_case, {"vocab": 128256, "params": _SAMPLE64}),
+]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    from gpu_worker.compile import KernelCompiler
+    from gpu_worker.device import open_device
+
+    device = open_device("cuda")
+    compiler = KernelCompiler(device.info.arch, cache_dir=tmp_path_factory.mktemp("kernels"))
+    h = KernelHarness(device, compiler)
+    yield h
+    h.close()
+    device.close()
+
+
+def _check(harness, case) -> None:
+    failure = case.run(harness, np.random.default_rng(sum(map(ord, case.id)))).failure()
+    assert failure is None, f"{case.id[:120]}: device result differs from the reference: {failure}"
+
+
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[c.id for c in PAGED_CASES])
+def test_cuda_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
+    _check(harness, case)
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=[c.id[:100] for c in MODEL_CASES])
+def test_cuda_paged_kernel_at_model_shapes_matches_its_numpy_reference(harness, case) -> None:
+    _check(harness, case)
+
+
+def test_a_rows_sampled_token_does_not_depend_on_the_batch_it_shares(harness) -> None:
+    """Row (logits, seed, position) sampled alone, then inside two different batches at other
+    indices: the same token every time."""
+    rng = np.random.default_rng(9)
+    vocab = 128256
+    row = rng.standard_normal(vocab, dtype=np.float32) * 2
+    params = (41, 0.8, 0.9, 100, 1234)
+
+    def run(index: int, batch: int) -> int:
+        logits = rng.standard_normal((batch, vocab), dtype=np.float32) * 3
+        logits[index] = row
+        cols = [rng.integers(0, 5000, batch).astype(np.int32), np.full(batch, 1.0, np.float32),
+                np.full(batch, 0.95, np.float32), np.full(batch, 40, np.int32),
+                rng.integers(0, 1000, batch).astype(np.int32)]
+        for c, v in zip(cols, params):
+            c[index] = v
+        out = harness.put(np.full(batch, -7, np.int32))
+        launch_sample(harness.device, harness.function(SAMPLE), out, harness.put(logits),
+                      *(harness.put(c) for c in cols), batch, vocab)
+        return int(harness.get(out, (batch,), np.int32)[index])
+
+    alone = run(0, 1)
+    assert run(5, 16) == alone and run(40, 64) == alone
