@@ -193,3 +193,30 @@ def test_preemption_under_a_tiny_kv_pool_keeps_every_stream_identical(kernels):
     finally:
         client.close()
         server.stop(grace=5.0)
+
+
+def test_a_fuzz_of_concurrent_starts_and_cancels_never_leaks_a_block(worker):
+    import random
+    _, client = worker
+
+    def one(i):
+        r = random.Random(i)
+        call = client.generate_stream(MODEL, prompt_of(i, r.randint(1, 40)), r.randint(1, 40))
+        stop_after = r.randint(0, 12)
+        got = 0
+        for message in call:
+            got += len(message.tokens)
+            if got >= stop_after and r.random() < 0.5:
+                call.cancel()
+                break
+        return got
+    concurrently([lambda i=i: one(i) for i in range(20)])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = client.stats().scheduler
+        if s.kv_blocks_used == 0 and s.running == 0 and s.waiting == 0:
+            break
+        time.sleep(0.02)
+    s = client.stats().scheduler
+    assert (s.kv_blocks_used, s.running, s.waiting) == (0, 0, 0), "a block or a sequence leaked"
+    assert client.stats().arena.faults == 0
