@@ -34,6 +34,7 @@ GPU = [
     ("encoder_bench.py", ["--requests", "60"]),
     ("embed_batch_bench.py", ["--requests", "1024"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
+    ("batching_bench.py", []),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
     ("pressure_bench.py", []),
 ]

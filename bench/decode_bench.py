@@ -31,7 +31,7 @@ MODES = ("graph", "eager")
 
 
 def ours(args: argparse.Namespace) -> dict[str, float]:
-    rt = WorkerRuntime(WorkerConfig(backend=args.backend)).start()
+    rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False)).start()
     try:
         rt.load_model("m", "decoder", args.config, 1)
         loaded = rt._get("m")

@@ -226,7 +226,7 @@ def main() -> int:
     from gpu_worker.servicer import serve_worker
 
     cfg = CONFIGS[args.config]
-    rt = WorkerRuntime(WorkerConfig(backend=args.backend)).start()
+    rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False)).start()
     print(f"device: {rt.device.info.name}; config {cfg.name}; lengths {lengths}; reps {args.reps}",
           flush=True)
     if "linears" not in skip:

@@ -50,7 +50,7 @@ def nvidia_smi_used(ordinal: int) -> int | None:
 
 
 def run_bound(args: argparse.Namespace, bound: int) -> dict:
-    rt = WorkerRuntime(WorkerConfig(backend=args.backend, variants_per_node=bound,
+    rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False, variants_per_node=bound,
                                     max_plans=args.max_plans)).start()
     try:
         t0 = time.perf_counter()

@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
              "tokens of context served from a checkpoint (at most its max_position_embeddings)",
              type=int)
+    # continuous batching (docs/scheduler.md)
+    env_flag(serve, "--max-batch-size", "GPUPLANE_MAX_BATCH_SIZE", 64,
+             "running sequences per decoder model (the decode batch)", type=int)
+    env_flag(serve, "--max-step-tokens", "GPUPLANE_MAX_STEP_TOKENS", 2048,
+             "tokens per engine step: decode rows plus prefill chunks", type=int)
+    env_flag(serve, "--max-queued", "GPUPLANE_MAX_QUEUED", 1024,
+             "waiting Generate requests per model; beyond it RESOURCE_EXHAUSTED", type=int)
+    env_flag(serve, "--kv-block-tokens", "GPUPLANE_KV_BLOCK_TOKENS", 16,
+             "tokens per paged KV block (a power of two in 16..256)", type=int)
+    env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
+             "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
+             "sequences at full context", type=int)
     return parser
 
 
@@ -118,6 +130,11 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         embed_batch_wait_ms=args.embed_batch_wait_ms,
         embed_max_batch=args.embed_max_batch,
         embed_max_batch_tokens=args.embed_max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        max_step_tokens=args.max_step_tokens,
+        max_queued=args.max_queued,
+        kv_block_tokens=args.kv_block_tokens,
+        kv_pool_bytes=args.kv_pool_bytes,
     )
 
 
@@ -132,6 +149,12 @@ def flag_problem(args: argparse.Namespace) -> str:
     if args.embed_batch_wait_ms < 0 or args.embed_max_batch < 1 or args.embed_max_batch_tokens < 1:
         return "--embed-batch-wait-ms must be >= 0, --embed-max-batch and " \
                "--embed-max-batch-tokens at least 1"
+    if min(args.max_batch_size, args.max_step_tokens, args.max_queued) < 1:
+        return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
+    if args.max_step_tokens < args.max_batch_size:
+        return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
+    if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
+        return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
     return ""
 
 

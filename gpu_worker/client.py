@@ -31,6 +31,7 @@ class GenerateResult:
     first_token_seconds: float = 0.0  # measured by the server, from request to first token
     client_first_token_seconds: float = 0.0  # measured here, includes the network
     latency_seconds: float = 0.0
+    finish_reason: str = ""           # "length", "stop" or "cancelled" (from the done message)
 
 
 class WorkerClient:
@@ -68,20 +69,25 @@ class WorkerClient:
         return list(self.stub.ListModels(worker_pb2.ListModelsRequest(), timeout=self.deadline_s).models)
 
     def generate_stream(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
-                        timeout: float | None = None, prompt: str = ""
-                        ) -> Iterator[worker_pb2.GenerateResponse]:
+                        timeout: float | None = None, prompt: str = "",
+                        sampling: dict | None = None) -> Iterator[worker_pb2.GenerateResponse]:
         """The raw response stream; cancel it with `.cancel()` on the returned call object.
-        `prompt` (text) replaces `prompt_tokens` for a model with a tokenizer."""
+        `prompt` (text) replaces `prompt_tokens` for a model with a tokenizer; `sampling` holds
+        SamplingParams fields (None: greedy)."""
         request = worker_pb2.GenerateRequest(model_id=model_id, prompt_tokens=prompt_tokens,
                                              max_new_tokens=max_new_tokens, prompt=prompt)
+        if sampling is not None:
+            request.sampling.CopyFrom(worker_pb2.SamplingParams(**sampling))
         return self.stub.Generate(request, timeout=timeout or self.deadline_s)
 
     def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
-                 timeout: float | None = None) -> GenerateResult:
+                 timeout: float | None = None, sampling: dict | None = None) -> GenerateResult:
         """Run one Generate to completion and collect its tokens and timings."""
         started = time.perf_counter()
         result = GenerateResult(prompt_tokens=len(prompt_tokens))
-        for message in self.generate_stream(model_id, prompt_tokens, max_new_tokens, timeout):
+        for message in self.generate_stream(model_id, prompt_tokens, max_new_tokens, timeout,
+                                            sampling=sampling):
+            result.finish_reason = message.finish_reason or result.finish_reason
             if message.tokens and not result.tokens:
                 result.client_first_token_seconds = time.perf_counter() - started
             if message.first_token_seconds:

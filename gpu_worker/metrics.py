@@ -19,14 +19,18 @@ from gpu_worker.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
 SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim",
-            "embed_batch")
+            "embed_batch", "scheduler")
+# Latency histograms of the decoders' schedulers (gpuplane_worker_scheduler_<name>).
+HISTOGRAMS = {"ttft_seconds": "Time from Generate to its first token",
+              "tpot_seconds": "Time between consecutive output tokens of a stream",
+              "queue_seconds": "Time a Generate request waited before its first step"}
 
 
 class WorkerCollector(Collector):
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         try:
             stats = self.runtime.stats()
         except Exception as exc:  # noqa: BLE001 - a closed runtime must not break the scrape
@@ -59,3 +63,10 @@ class WorkerCollector(Collector):
                                           "Sequences per Embed encoder batch")
             sizes.add_metric([], buckets, float(total))
             yield sizes
+        histograms = getattr(self.runtime, "scheduler_histograms", None)
+        if histograms is None:
+            return
+        for name, hist in histograms().items():
+            buckets, total = hist.snapshot()
+            yield HistogramMetricFamily(f"gpuplane_worker_scheduler_{name}", HISTOGRAMS[name],
+                                        buckets=buckets, sum_value=total)

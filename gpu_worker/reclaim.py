@@ -7,8 +7,9 @@ Hazards and contract:
   refusal only once nothing in the order below frees anything.
 - The order is fixed (DESIGN 5.3), cheapest to rebuild first: completed releases, plans and kernel
   variants of idle models, pooled handles, idle models' weights (paged out to their pinned host
-  copies through the slots; the next request pages them back in). Preemption of KV comes after
-  these once batching exists.
+  copies through the slots; the next request pages them back in), then the newest sequences' KV
+  by preemption (gpu_worker/scheduler: their blocks freed, their pool's free top granules
+  decommitted; they recompute by prefill later and stream the same tokens).
 - A busy model is never stripped: a model is idle exactly when its request lock can be taken
   without waiting (`acquire(blocking=False)`), and it is held while its caches or weights go. The
   model asking (whose lock its own thread holds) is therefore never a candidate, and a try-lock
@@ -40,16 +41,22 @@ from typing import Protocol
 from services.common.errors import ResourceExhausted
 
 PEER_POLLS = 6  # retries spread over one peer wait
+# A busy decoder's engine holds its lock for each step and takes it again at once, so a try-lock
+# would almost never win: kv_preemption waits this long for the gap between two steps. Bounded,
+# so two engines refused at once (each waiting on the other's lock) cannot deadlock.
+KV_PREEMPT_LOCK_WAIT_S = 0.5
 
 log = logging.getLogger(__name__)
 
-STEPS: tuple[str, ...] = ("completed_releases", "idle_plans", "pooled_handles", "idle_weights")
+STEPS: tuple[str, ...] = ("completed_releases", "idle_plans", "pooled_handles", "idle_weights",
+                          "kv_preemption")
 # The zones each step can shrink; an ask for one zone (the governor's) skips steps that cannot.
 STEP_ZONES: dict[str, frozenset[str] | None] = {
     "completed_releases": None,  # any zone
     "idle_plans": frozenset({"activations", "graphs", "workspace"}),
     "pooled_handles": frozenset({"scratch"}),
     "idle_weights": frozenset({"weights"}),
+    "kv_preemption": frozenset({"kv"}),
 }
 
 
@@ -64,6 +71,9 @@ class IdleCandidate(Protocol):
     def drop_caches(self) -> int: ...   # plans and kernel variants; returns bytes released
     def page_out(self) -> int: ...      # weights to pinned host; returns bytes released
     def reclaimable_bytes(self) -> int: ...  # what the two above would release now
+    # Optional, decoders with a scheduler: preempt the newest running sequence and shrink the KV
+    # pool (called with the lock held; False when nothing ran), and the KV bytes that could go.
+    # preempt_kv(self) -> bool; kv_bytes(self) -> int; engine_is_current(self) -> bool
 
 
 @dataclass(frozen=True)
@@ -138,8 +148,9 @@ class Reclaimer:
     def reclaimable_bytes(self) -> int:
         """What the order could free now: idle models' caches and weights, pooled handles and
         queued releases (an upper bound; a model that turns busy meanwhile keeps its own)."""
-        idle = sum(m.reclaimable_bytes() for m in self._models()
-                   if not m.closed and not m.lock.locked())
+        models = [m for m in self._models() if not m.closed and not m.lock.locked()]
+        idle = sum(m.reclaimable_bytes() for m in models)
+        idle += sum(m.kv_bytes() for m in models if hasattr(m, "kv_bytes"))
         pooled = self._device.arena.stats()["pooled_bytes"]
         # Queued releases free an unknown amount: enough to be worth one round.
         queued = 1 << 62 if self._device.queue.pending() else 0
@@ -172,6 +183,8 @@ class Reclaimer:
             left = need_bytes - report.freed_bytes
             if step in ("idle_plans", "idle_weights"):
                 result = self._per_idle_model(step, left, zone)
+            elif step == "kv_preemption":
+                result = self._preempt_kv(left, zone)
             else:
                 result = self._measured(step, zone, self._step_action(step))
             report.steps.append(result)
@@ -216,6 +229,34 @@ class Reclaimer:
             if released:  # granules shared with a neighbour stay committed: 0 freed is possible
                 took.append(m.model_id)
         return StepResult(step, freed, tuple(took))
+
+    def _preempt_kv(self, need: int, zone: str | None) -> StepResult:
+        """Preempt the newest sequences of the most recently used decoders, one at a time, until
+        `need` is freed. A model whose engine is the calling thread (the refusal may be its own
+        pool growing) is skipped: the scheduler preempts within its own batch."""
+        freed, took = 0, []
+        for m in sorted((m for m in self._models() if not m.closed), key=lambda m: m.last_used,
+                        reverse=True):
+            preempt = getattr(m, "preempt_kv", None)
+            if preempt is None or freed >= need or m.engine_is_current():
+                continue
+            if not m.lock.acquire(timeout=KV_PREEMPT_LOCK_WAIT_S):
+                continue
+            try:
+                while freed < need and not m.closed:
+                    ran = False
+
+                    def run(preempt=preempt) -> None:
+                        nonlocal ran
+                        ran = preempt()
+                    freed += self._measured("kv_preemption", zone, run).freed_bytes
+                    if not ran:
+                        break
+                    if m.model_id not in took:
+                        took.append(m.model_id)
+            finally:
+                m.lock.release()
+        return StepResult("kv_preemption", freed, tuple(took))
 
     def _measured(self, step: str, zone: str | None, action: Callable[[], object]) -> StepResult:
         before = self._committed(zone)

@@ -1,11 +1,13 @@
 """The worker runtime: one device, its budget owner, the kernel compiler and the loaded models.
 
 This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
-itself (the governor and cache clients do, and are only created when configured). Requests for
-one model are serialized by that model's lock: a decoder has one KV cache, and a plan's captured
-graph bakes its activation pointers, so two requests cannot share a model at once. Embed requests
-for one encoder are first gathered into padded batches (gpu_worker/embed_batcher.py), each batch
-one run under the lock. Different models run concurrently; the capture gate orders their captures
+itself (the governor and cache clients do, and are only created when configured). A decoder's
+Generate requests go to its continuous-batching scheduler (gpu_worker/scheduler): one engine
+thread per model runs iteration-level steps over a paged KV pool, taking the model's lock per
+step (a plan's captured graph bakes its activation pointers, so steps of one model never
+overlap) and keeping the weights pinned while it has sequences. Embed requests for one encoder
+are first gathered into padded batches (gpu_worker/embed_batcher.py), each batch one run under
+the model's lock. Different models run concurrently; the capture gate orders their captures
 against each other's syncs.
 
 Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
@@ -38,10 +40,15 @@ from gpu_worker.embed_batcher import EmbedBatcher, EmbedBatchStats
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
+from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
+from gpu_worker.models.paged import PagedDecoderModel
 from gpu_worker.reclaim import Reclaimer
+from gpu_worker.scheduler.histogram import Histogram
+from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.scheduler.scheduler import Scheduler, Sequence
 from gpu_worker.stats import worker_stats
 from services.common.errors import (
     AlreadyExists,
@@ -72,6 +79,9 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+OFFLOAD_WAIT_S = 60.0   # how long OffloadModel waits for a decoder's batch to drain
+
+
 @dataclass
 class WorkerConfig:
     backend: str = "auto"
@@ -97,6 +107,15 @@ class WorkerConfig:
     embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
     embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
     embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)
+    # continuous batching (docs/scheduler.md)
+    max_batch_size: int = 64            # running sequences per decoder
+    max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
+    max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
+    kv_block_tokens: int = 16           # tokens per paged KV block
+    kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
+    # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
+    # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
+    batching: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,8 +149,9 @@ class _Loaded:
     info: ModelInfo
     cfg: ModelConfig
     executor: ModelExecutor
-    model: DecoderModel | EncoderModel
+    model: PagedDecoderModel | DecoderModel | EncoderModel
     lock: threading.Lock = field(default_factory=threading.Lock)
+    scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
     eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
     last_used: float = field(default_factory=time.monotonic)
@@ -141,13 +161,30 @@ class _Loaded:
     def model_id(self) -> str:
         return self.info.model_id
 
+    def busy(self) -> bool:
+        """A decoder with running or waiting sequences: its weights are pinned between steps
+        (the reclaimer may hold the request lock then, but must take nothing)."""
+        return self.scheduler is not None and self.scheduler.busy()
+
     def drop_caches(self) -> int:
-        return self.executor.trim()
+        return 0 if self.busy() else self.executor.trim()
 
     def page_out(self) -> int:
-        return self.executor.page_out()
+        return 0 if self.busy() else self.executor.page_out()
+
+    def preempt_kv(self) -> bool:
+        """Reclaim's last step (lock held): the newest running sequence goes back to waiting."""
+        return self.scheduler is not None and self.scheduler.preempt_newest()
+
+    def engine_is_current(self) -> bool:
+        return self.scheduler is not None and self.scheduler.is_engine_thread()
+
+    def kv_bytes(self) -> int:
+        return self.scheduler.pool.committed if self.scheduler is not None else 0
 
     def reclaimable_bytes(self) -> int:
+        if self.busy():
+            return 0
         plans = self.executor.plans.stats()
         return (self.executor.resident_bytes() + plans["activation_bytes"] + plans["graph_bytes"]
                 + self.executor.kernels.stats()["workspace_bytes"])
@@ -288,8 +325,16 @@ class WorkerRuntime:
         executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
                                  self.config.max_plans, self.config.max_plan_bytes,
                                  weight_namespace=f"{model_id}/")
-        if family == "decoder":
-            model = DecoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights)
+        c = self.config
+        model: PagedDecoderModel | DecoderModel | EncoderModel
+        # the paged kernels support head_dim 16, 64 and 128 (i13 contract); another head dim (the
+        # tiny test checkpoints' 8) runs the single-sequence decoder
+        if family == "decoder" and (not c.batching or cfg.head_dim not in PAGED_HEAD_DIMS):
+            model = DecoderModel(executor, cfg, seed, capture=c.capture, weights=weights)
+        elif family == "decoder":
+            model = PagedDecoderModel(executor, cfg, seed, block_tokens=c.kv_block_tokens,
+                                      pool_bytes=c.kv_pool_bytes, max_batch_size=c.max_batch_size,
+                                      capture=c.capture, weights=weights)
         else:
             model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
                                  normalize=normalize, bucketed=True)
@@ -303,6 +348,8 @@ class WorkerRuntime:
                 model.load()
         except BaseException:
             executor.close()
+            if isinstance(model, PagedDecoderModel):
+                model.close()
             with self._lock:
                 del self._models[model_id]
             raise
@@ -311,9 +358,16 @@ class WorkerRuntime:
         from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
         info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
                          cfg.weight_bytes(), **(source or {}))
+        loaded = _Loaded(info, cfg, executor, model, codec=codec, eos_token_ids=eos)
+        if isinstance(model, PagedDecoderModel):
+            assert model.pool is not None
+            loaded.scheduler = Scheduler(
+                model, model.pool, max_batch_size=c.max_batch_size,
+                max_step_tokens=c.max_step_tokens, max_queued=c.max_queued, eos_token_ids=eos,
+                model_lock=loaded.lock, pin=executor.resident, settle=model.settle,
+                name=model_id)
         with self._lock:
-            self._models[model_id] = _Loaded(info, cfg, executor, model, codec=codec,
-                                             eos_token_ids=eos)
+            self._models[model_id] = loaded
         self._report()
         return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
 
@@ -340,6 +394,8 @@ class WorkerRuntime:
 
     def unload_model(self, model_id: str) -> int:
         loaded = self._get(model_id)
+        if loaded.scheduler is not None:   # streams fail FAILED_PRECONDITION, the pool goes
+            loaded.scheduler.close(f"model {model_id!r} was unloaded")
         with loaded.lock:
             with self._lock:
                 if self._models.get(model_id) is not loaded:
@@ -354,11 +410,23 @@ class WorkerRuntime:
     def offload_model(self, model_id: str) -> tuple[ModelInfo, int]:
         """Page a model's weights out to their pinned host copies and drop its plans and kernel
         variants; it stays loaded, and its next request pages the weights back in (a wake).
-        Waits for a running request of the model to finish. Returns (info, bytes released)."""
+        Waits for a running request (a decoder: its whole batch) to finish, FAILED_PRECONDITION
+        after OFFLOAD_WAIT_S of uninterrupted streams. Returns (info, bytes released)."""
         loaded = self._get(model_id)
-        with loaded.lock:
-            self._still_loaded(loaded)
-            freed = loaded.drop_caches() + loaded.page_out()
+        deadline = time.monotonic() + OFFLOAD_WAIT_S
+        while True:
+            with loaded.lock:
+                self._still_loaded(loaded)
+                if not loaded.busy():
+                    freed = loaded.drop_caches() + loaded.page_out()
+                    break
+            # a decoder serving streams: wait for its batch to drain, as for a running request
+            left = deadline - time.monotonic()
+            if left <= 0 or not loaded.scheduler.wait_idle(min(left, 1.0)) and \
+                    time.monotonic() >= deadline:
+                raise FailedPrecondition(f"model {model_id!r} kept serving streams for "
+                                         f"{OFFLOAD_WAIT_S:.0f} s; offload it once they end",
+                                         model_id=model_id)
         self.device.synchronize()
         self.device.arena.collect()
         self._report()
@@ -397,28 +465,50 @@ class WorkerRuntime:
 
     # -- inference -------------------------------------------------------------------------------
     def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
-        """Validate now (errors raise here, before streaming), then stream one token per item."""
+                 cancelled: Callable[[], bool] = lambda: False,
+                 sampling: SamplingParams = GREEDY) -> TokenStream:
+        """Validate and queue now (errors raise here, before streaming: a full queue is
+        RESOURCE_EXHAUSTED), then stream one token per item from the model's scheduler."""
         loaded = self._get(model_id, "decoder")
         prompt = [int(t) for t in prompt_tokens]
         loaded.model.check(prompt, int(max_new_tokens))
-        return self._stream(loaded, prompt, int(max_new_tokens), cancelled)
+        sampling.check(loaded.cfg.vocab_size)
+        if loaded.scheduler is None:     # batching off: one request at a time, greedy
+            if not sampling.greedy:
+                raise InvalidArgument("sampling needs the batching engine (this worker runs "
+                                      "with batching off): send greedy requests")
+            seq = Sequence(prompt, int(max_new_tokens), sampling, None, cancelled)  # type: ignore[arg-type]
+            return TokenStream(self, loaded, seq, self._serial(loaded, seq))
+        seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled)
+        return TokenStream(self, loaded, seq)
 
-    def _stream(self, loaded: _Loaded, prompt: list[int], max_new_tokens: int,
-                cancelled: Callable[[], bool]) -> Iterator[list[int]]:
-        with loaded.lock, _span(self.config.tracer_provider, "worker.generate",
-                                model=loaded.info.model_id, prompt_tokens=len(prompt),
-                                max_new_tokens=max_new_tokens):
+    def _serial(self, loaded: _Loaded, seq: Sequence) -> Iterator[int]:
+        """The single-sequence path: the model lock for the whole stream."""
+        with loaded.lock:
             self._still_loaded(loaded)
-            try:
-                with loaded.executor.resident():
-                    for token in loaded.model.generate(prompt, max_new_tokens, cancelled):
-                        yield [token]
-                        if cancelled() or token in loaded.eos_token_ids:
-                            return
-            finally:
-                loaded.last_used = time.monotonic()
-                self._report()
+            with loaded.executor.resident():
+                for token in loaded.model.generate(seq.prompt, seq.max_new_tokens,
+                                                   seq.is_cancelled):
+                    seq.generated.append(token)
+                    yield token
+                    if seq.is_cancelled():
+                        seq.state, seq.finish_reason = "finished", "cancelled"
+                        return
+                    if token in loaded.eos_token_ids or token in seq.sampling.stop_token_ids:
+                        seq.state, seq.finish_reason = "finished", "stop"
+                        return
+        seq.state, seq.finish_reason = "finished", "length"
+
+    def scheduler_histograms(self) -> dict[str, Histogram]:
+        """Time to first token, time per output token and queue time, over the decoders."""
+        out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(),
+               "queue_seconds": Histogram()}
+        for m in self._candidates():
+            if m.scheduler is not None:
+                out["ttft_seconds"].merge(m.scheduler.ttft)
+                out["tpot_seconds"].merge(m.scheduler.tpot)
+                out["queue_seconds"].merge(m.scheduler.queue_time)
+        return out
 
     def codec(self, model_id: str) -> TextCodec:
         """The model's tokenizer; FAILED_PRECONDITION for a model without one."""
@@ -514,4 +604,69 @@ class WorkerRuntime:
         stats = worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
                              self.budget, self.config.variants_per_node)
         stats["embed_batch"] = self.embed_batch_stats.snapshot()
+        stats["scheduler"] = scheduler_stats([m.scheduler for m in models if m.scheduler])
         return stats
+
+
+SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptions",
+                    "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
+                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
+
+
+def scheduler_stats(schedulers: list[Scheduler]) -> dict[str, int]:
+    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing)."""
+    out = dict.fromkeys(SCHEDULER_FIELDS, 0)
+    for sched in schedulers:
+        for key, value in sched.stats().items():
+            if key in SCHEDULER_MAXED:
+                out[key] = max(out[key], int(value))
+            elif key in out:
+                out[key] += int(value)
+    return out
+
+
+class TokenStream:
+    """One Generate stream: `[token]` items from the scheduler, then `finish_reason`. Closing it
+    early (the client went away) cancels the sequence; its KV is freed within one step."""
+
+    def __init__(self, runtime: WorkerRuntime, loaded: _Loaded, seq: Sequence,
+                 tokens: Iterator[int] | None = None) -> None:
+        self._runtime, self._loaded, self.seq = runtime, loaded, seq
+        self._tokens = seq.stream() if tokens is None else tokens
+        self._gen = self._run()
+
+    def _run(self) -> Iterator[list[int]]:
+        loaded = self._loaded
+        with _span(self._runtime.config.tracer_provider, "worker.generate",
+                   model=loaded.info.model_id, prompt_tokens=len(self.seq.prompt),
+                   max_new_tokens=self.seq.max_new_tokens):
+            try:
+                for token in self._tokens:
+                    yield [token]
+            finally:
+                self._cancel()
+                loaded.last_used = time.monotonic()
+                self._runtime._report()
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+        self._cancel()      # closed before its first item: the generator never started
+
+    def _cancel(self) -> None:
+        if self.seq.state != "finished":
+            self.seq.cancel()
+            if self._loaded.scheduler is not None:
+                self._loaded.scheduler.wake()
+
+    @property
+    def finish_reason(self) -> str:
+        """"length", "stop" or "cancelled" once the stream ended ("" before)."""
+        reason = self.seq.finish_reason
+        return reason if reason in ("length", "stop", "cancelled") else ""

@@ -27,6 +27,8 @@ from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 from opentelemetry import trace
 
 from gpu_worker.access import ACCESS
+from gpu_worker.scheduler.sampling import GREEDY
+from gpu_worker.scheduler.sampling import from_message as sampling_from_message
 from services.common import errors
 from services.common.authz import table
 from services.common.security import ServerSecurity
@@ -216,8 +218,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         gone = threading.Event()
         context.add_callback(gone.set)
         started = time.perf_counter()
+        sampling = GREEDY
+        if request.HasField("sampling"):
+            sp = request.sampling
+            sampling = sampling_from_message(sp.temperature, sp.top_p, sp.top_k, sp.seed,
+                                             list(sp.stop_token_ids))
         tokens = self.runtime.generate(request.model_id, prompt, int(request.max_new_tokens),
-                                       cancelled=lambda: gone.is_set() or not context.is_active())
+                                       cancelled=lambda: gone.is_set() or not context.is_active(),
+                                       sampling=sampling)
         first = True
         last = None
         try:
@@ -242,6 +250,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not gone.is_set():
             done = worker_pb2.GenerateResponse(done=True, prompt_tokens=len(prompt))
             done.stopped_at_eos = last in eos
+            done.finish_reason = getattr(tokens, "finish_reason", "") or (
+                "stop" if last in eos else "length")
             if text is not None:
                 done.text = text.finish()
             yield done

@@ -105,8 +105,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         text: list[str] = []
         first = 0.0
         prompt_tokens = len(prompt)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                    "seed": args.sampling_seed, "stop_token_ids": args.stop_tokens}
+        finish = ""
         for message in client.generate_stream(args.model_id, [] if args.prompt else prompt,
-                                              args.max_new_tokens, prompt=args.prompt):
+                                              args.max_new_tokens, prompt=args.prompt,
+                                              sampling=sampling):
+            finish = message.finish_reason or finish
             if message.first_token_seconds:
                 first = message.first_token_seconds
             prompt_tokens = message.prompt_tokens or prompt_tokens
@@ -117,12 +122,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
             elif not args.json and message.tokens:
                 print(" ".join(map(str, message.tokens)), end=" ", flush=True)
     if args.json:
-        out = {"prompt_tokens": prompt_tokens, "tokens": produced, "first_token_seconds": first}
+        out = {"prompt_tokens": prompt_tokens, "tokens": produced, "first_token_seconds": first,
+               "finish_reason": finish}
         if args.prompt:
             out["text"] = "".join(text)
         print(json.dumps(out))
     else:
-        print(f"\n({len(produced)} tokens; first token after {first * 1000:.1f} ms)")
+        print(f"\n({len(produced)} tokens, finish {finish or '?'}; first token after "
+              f"{first * 1000:.1f} ms)")
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
@@ -164,6 +171,11 @@ def cmd_stats(args: argparse.Namespace) -> None:
           f"{c.claim_takeovers} takeovers, {c.claim_wait_timeouts} timed out)")
     print(f"capture: {s.capture.captures} captures, {s.capture.replays} replays, "
           f"{s.capture.invalidations} invalidations, {s.capture.gate_waits} gate waits")
+    b = s.scheduler
+    print(f"scheduler: {b.running} running, {b.waiting} waiting (peak batch {b.peak_batch_size}), "
+          f"{b.steps} steps, {b.prefill_tokens} prefill + {b.decode_tokens} decode tokens, "
+          f"{b.preemptions} preemptions, {b.cancelled} cancelled, {b.rejected} rejected; kv "
+          f"blocks {b.kv_blocks_used}/{b.kv_blocks_total} of {b.kv_block_tokens} tokens")
 
 
 def cmd_trim(args: argparse.Namespace) -> None:
@@ -252,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=1024, help="vocabulary for --random")
     p.add_argument("--seed", type=int, default=0, help="seed for --random")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all")
+    p.add_argument("--sampling-seed", type=int, default=0,
+                   help="seed of the sampler (same seed, same tokens)")
+    p.add_argument("--stop-tokens", type=_tokens, default=[],
+                   help="token ids that end the stream, e.g. 2,13")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     p = add("embed", cmd_embed, "embed token sequences (or texts) with an encoder model")
     p.add_argument("--model-id", required=True)

@@ -11,19 +11,23 @@ from services.common.errors import ResourceExhausted
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
-def second_model_under_an_exact_budget(runtime: WorkerRuntime, probe: str) -> str:
+def second_model_under_an_exact_budget(runtime: WorkerRuntime, probe: str,
+                                       kv_at_load: bool = True) -> str:
     """Load `small` decoder A and serve one request (its plans exist), leave exactly B's probe free
     (`probe`: "content" = the tensors' bytes, "granules" = the committed-byte probe), load B.
     Returns "refused" or "loaded", and asserts the invariant: A still generates the tokens it did
     before (paged back in if B's load paged it out), B (when it loaded) the reference's first token
     or a clean RESOURCE_EXHAUSTED; never a fault.
-    Run without a governor (the local budget is the one being squeezed)."""
+    Run without a governor (the local budget is the one being squeezed). `kv_at_load=False`: the
+    "content" budget leaves B's weights only, since nothing but the admission probe books KV at
+    load (a paged decoder commits its pool as sequences grow): without the probe, B's own
+    commits must be what overflows."""
     cfg = get_config("small", "decoder")
     runtime.load_model("a", "decoder", "small", 1)
     before = [c[0] for c in runtime.generate("a", PROMPT, 4)]
     reference_b = R.DecoderReference(cfg, W.load_host(cfg, 2)).generate(PROMPT, 1)
     budget = runtime.device.ledger.budget
-    need = (cfg.weight_bytes() + cfg.kv_bytes() if probe == "content"
+    need = (cfg.weight_bytes() + (cfg.kv_bytes() if kv_at_load else 0) if probe == "content"
             else admission_bytes(cfg, runtime.device.info.granule_bytes))
     budget.budget_bytes = sum(budget.used().values()) + need
     try:

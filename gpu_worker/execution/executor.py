@@ -247,6 +247,7 @@ class ModelExecutor:
         self._weights: dict[str, object] = {}        # key -> WeightSlot
         self._all_weights_cost: int | None = None    # committed bytes of every weight resident
         self._state: dict[str, object] = {}          # name -> Allocation
+        self._bound: dict[str, int] = {}             # name -> address owned elsewhere (KV pool)
         self._functions: dict[tuple[str, str], object] = {}
         self._modules: dict[object, object] = {}     # KernelSource -> loaded module
         self.module_tiers: Counter[str] = Counter()  # where each loaded module came from
@@ -331,7 +332,14 @@ class ModelExecutor:
     def add_state(self, name: str, nbytes: int, zone: str) -> None:
         self._state[name] = self.device.arena.alloc(nbytes, zone, role=zone)
 
+    def bind_state(self, name: str, ptr: int) -> None:
+        """A state tensor whose memory another owner holds at a fixed address (the paged KV
+        pool, gpu_worker/scheduler/kv_pool.py): graphs bake it, so it must never move."""
+        self._bound[name] = int(ptr)
+
     def state_ptr(self, name: str) -> int:
+        if name in self._bound:
+            return self._bound[name]
         return int(self._state[name].ptr)
 
     # -- kernels ---------------------------------------------------------------------------------

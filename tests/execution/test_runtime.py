@@ -1,6 +1,8 @@
 """WorkerRuntime (interface 6) on the sim backend: models, generate/embed, stats, trim, errors."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -128,10 +130,16 @@ def test_runtime_books_through_a_real_governor_when_one_is_configured(kernel_cac
                                         worker_id="w-exec-test")).start()
         try:
             rt.load_model("dec", "decoder", "tiny", 1)
-            list(rt.generate("dec", [1, 2, 3], 3))
+            stream = rt.generate("dec", [1, 2, 3], 300)
+            next(stream)                 # the sequence runs: its KV blocks are committed
             stats = rt.stats()
             assert stats["governor_connected"], "the runtime should hold leases from the governor"
             assert rt.budget.used().get("kv", 0) > 0, "KV bytes must be reserved through the governor"
+            stream.close()
+            deadline = time.monotonic() + 10
+            while rt.budget.used().get("kv", 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert rt.budget.used().get("kv", 0) == 0, "the idle pool gave its KV back"
         finally:
             rt.close()
     finally:
@@ -178,7 +186,8 @@ def test_a_second_model_loads_under_an_exact_budget_by_paging_out_the_idle_first
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
         monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
-    outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0])
+    outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0],
+                                                 kv_at_load=probe != "content-unprobed")
     assert outcome == "loaded", "the idle first model could have been paged out"
     reclaim = runtime.stats()["reclaim"]
     if probe.startswith("content"):  # content bytes cannot hold the granule-rounded commits

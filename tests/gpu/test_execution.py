@@ -146,7 +146,8 @@ def test_on_cuda_a_load_never_evicts_weights_another_model_runs_on(probe, monkey
         monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernel_cache_dir)).start()
     try:
-        outcome = second_model_under_an_exact_budget(rt, probe.split("-")[0])
+        outcome = second_model_under_an_exact_budget(rt, probe.split("-")[0],
+                                                 kv_at_load=probe != "content-unprobed")
         assert outcome == "loaded", "the idle first model could have been paged out"
         if probe == "content-unprobed":   # b fit only by paging a out; a paged back in and served
             assert rt.stats()["reclaim"]["rounds"] > 0

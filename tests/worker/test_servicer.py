@@ -318,13 +318,13 @@ def test_first_token_seconds_is_the_servers_time_to_the_first_token(worker: Work
                                                                     monkeypatch) -> None:
     """GenerateResponse.first_token_seconds: request to first token, measured on the server
     (a slow prefill shows in it; the decode steps after the first token do not)."""
-    from gpu_worker.models.decoder import DecoderModel
-    slow_prefill, real_prefill = 0.3, DecoderModel.prefill
+    from gpu_worker.models.paged import PagedDecoderModel
+    slow_prefill, real_prefill = 0.3, PagedDecoderModel.prefill
 
-    def prefill(self, prompt):
+    def prefill(self, *args, **kwargs):   # the prompt is one chunk: one slow call
         time.sleep(slow_prefill)
-        return real_prefill(self, prompt)
-    monkeypatch.setattr(DecoderModel, "prefill", prefill)
+        return real_prefill(self, *args, **kwargs)
+    monkeypatch.setattr(PagedDecoderModel, "prefill", prefill)
     started = time.perf_counter()
     result = worker.generate(DECODER, [3, 1, 4, 1, 5], 8)
     total = time.perf_counter() - started

@@ -102,32 +102,50 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "prompt_tokens", "max_new_tokens", "prompt")
+    __slots__ = ("model_id", "prompt_tokens", "max_new_tokens", "prompt", "sampling")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     prompt: str
-    def __init__(self, model_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., prompt: _Optional[str] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, model_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "stop_token_ids")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "done", "first_token_seconds", "prompt_tokens", "text", "stopped_at_eos")
+    __slots__ = ("tokens", "done", "first_token_seconds", "prompt_tokens", "text", "stopped_at_eos", "finish_reason")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     done: bool
     first_token_seconds: float
     prompt_tokens: int
     text: str
     stopped_at_eos: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., first_token_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., stopped_at_eos: _Optional[bool] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., first_token_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., text: _Optional[str] = ..., stopped_at_eos: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("tokens",)
@@ -214,7 +232,7 @@ class WeightStats(_message.Message):
     def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ReclaimStats(_message.Message):
-    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits")
+    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits", "kv_preemption_bytes")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_ASKS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_RELEASES_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +240,7 @@ class ReclaimStats(_message.Message):
     POOLED_HANDLES_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_WAITS_FIELD_NUMBER: _ClassVar[int]
+    KV_PREEMPTION_BYTES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     governor_asks: int
     completed_releases_bytes: int
@@ -229,7 +248,8 @@ class ReclaimStats(_message.Message):
     pooled_handles_bytes: int
     idle_weights_bytes: int
     peer_waits: int
-    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ...) -> None: ...
+    kv_preemption_bytes: int
+    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ..., kv_preemption_bytes: _Optional[int] = ...) -> None: ...
 
 class EmbedBatchStats(_message.Message):
     __slots__ = ("batches", "requests", "sequences", "peak_batch_sequences", "cancelled_requests", "tokens", "padded_tokens")
@@ -311,12 +331,44 @@ class ArenaStats(_message.Message):
     faults: int
     def __init__(self, reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., peak_committed_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., commits: _Optional[int] = ..., releases: _Optional[int] = ..., faults: _Optional[int] = ...) -> None: ...
 
+class SchedulerStats(_message.Message):
+    __slots__ = ("running", "waiting", "peak_batch_size", "steps", "preemptions", "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens", "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    peak_batch_size: int
+    steps: int
+    preemptions: int
+    kv_block_tokens: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_committed_bytes: int
+    finished: int
+    cancelled: int
+    rejected: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., peak_batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., kv_committed_bytes: _Optional[int] = ..., finished: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected", "reclaim", "embed_batch")
+    __slots__ = ("backend", "device_name", "device_total_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "zones", "kernel_cache", "plans", "weights", "compile", "capture", "arena", "governor_connected", "reclaim", "embed_batch", "scheduler")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +385,7 @@ class GetStatsResponse(_message.Message):
     GOVERNOR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_FIELD_NUMBER: _ClassVar[int]
     EMBED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device_name: str
     device_total_bytes: int
@@ -349,7 +402,8 @@ class GetStatsResponse(_message.Message):
     governor_connected: bool
     reclaim: ReclaimStats
     embed_batch: EmbedBatchStats
-    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ..., reclaim: _Optional[_Union[ReclaimStats, _Mapping]] = ..., embed_batch: _Optional[_Union[EmbedBatchStats, _Mapping]] = ...) -> None: ...
+    scheduler: SchedulerStats
+    def __init__(self, backend: _Optional[str] = ..., device_name: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., device_used_bytes: _Optional[int] = ..., ledger_bytes: _Optional[int] = ..., unaccounted_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[_governor_pb2.ZoneUsage, _Mapping]]] = ..., kernel_cache: _Optional[_Union[KernelCacheStats, _Mapping]] = ..., plans: _Optional[_Union[PlanStats, _Mapping]] = ..., weights: _Optional[_Union[WeightStats, _Mapping]] = ..., compile: _Optional[_Union[CompileStats, _Mapping]] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., arena: _Optional[_Union[ArenaStats, _Mapping]] = ..., governor_connected: _Optional[bool] = ..., reclaim: _Optional[_Union[ReclaimStats, _Mapping]] = ..., embed_batch: _Optional[_Union[EmbedBatchStats, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ...) -> None: ...
 
 class TrimRequest(_message.Message):
     __slots__ = ("target_bytes",)
