@@ -25,7 +25,12 @@ from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
 from services.common.errors import InvalidArgument
 
-ENCODER_MIN_SEQ = 32   # > linear.FUSED_MAX_ROWS: one linear path for every bucketed shape
+ENCODER_MIN_SEQ = 32
+# A bucketed plan has more rows than the int4 linear's fused crossover (linear.int4_path: up to
+# 64 rows read f32 x with the packed weight, more run on tensor cores in fp16), so every bucketed
+# shape takes the tensor-core path and padding changes no real row's rounding. A short lone
+# request pads to a few more rows (batch 4 x 32 tokens): one launch-bound plan either way.
+ENCODER_MIN_ROWS = 128
 
 
 def batch_bucket(n: int) -> int:
@@ -40,7 +45,8 @@ def padded_shape(lengths: list[int], max_context: int, bucketed: bool = True) ->
     longest = max(lengths)
     if not bucketed:
         return len(lengths), longest
-    return batch_bucket(len(lengths)), min(seq_bucket(max(longest, ENCODER_MIN_SEQ)), max_context)
+    seq = min(seq_bucket(max(longest, ENCODER_MIN_SEQ)), max_context)
+    return max(batch_bucket(len(lengths)), batch_bucket(-(-ENCODER_MIN_ROWS // seq))), seq
 
 
 def build_encoder_graph(cfg: ModelConfig, batch: int, seq: int) -> Graph:

@@ -67,7 +67,7 @@ def test_a_decoder_larger_than_its_budget_generates_the_unconstrained_tokens(
         assert generate(rt, "m") == reference, "a second request (replays) differs"
         executor = rt._get("m").executor
         assert executor.streams()
-        decode = executor.plans.get(("decode", 1, 1))
+        decode = executor.plans.get(("paged_decode", 1))
         segments = decode.streamed.schedule.segments
         assert len(segments) >= 4 and decode.graph_exec is None, "not run as segments"
         assert all((s.graph_exec is not None) == capture for s in segments)
@@ -128,7 +128,7 @@ def test_the_next_segment_pages_in_before_the_current_one_launches(kernel_cache_
         monkeypatch.setattr(backend, "launch_graph",
                             lambda g, stream: (events.append(("replay", g)), replay(g, stream)))
         assert generate(rt, "m") == reference
-        segments = rt._get("m").executor.plans.get(("decode", 1, 1)).streamed.schedule.segments
+        segments = rt._get("m").executor.plans.get(("paged_decode", 1)).streamed.schedule.segments
         replays = [i for i, (kind, _) in enumerate(events) if kind == "replay"]
         step = replays[-len(segments):]      # the last decode step: one replay per segment
         order = {seg.graph_exec: n for n, seg in enumerate(segments)}
@@ -151,7 +151,7 @@ def test_a_decoder_that_fits_its_budget_captures_one_graph(kernel_cache_dir, ref
         rt.load_model("m", "decoder", "small", SEED)
         assert generate(rt, "m") == reference
         executor = rt._get("m").executor
-        decode = executor.plans.get(("decode", 1, 1))
+        decode = executor.plans.get(("paged_decode", 1))
         assert not executor.streams() and decode.streamed is None
         assert decode.graph_exec is not None
     finally:

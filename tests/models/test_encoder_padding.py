@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.kernels.linear import int4_path
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
@@ -63,12 +64,20 @@ def test_padding_values_do_not_reach_real_rows(model) -> None:
 
 def test_shapes_sit_on_the_ladder_so_plans_stay_few() -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
-    assert padded_shape([1], 1024) == (1, ENCODER_MIN_SEQ)
+    assert padded_shape([1], 1024) == (4, ENCODER_MIN_SEQ)   # at least ENCODER_MIN_ROWS rows
     assert padded_shape([100, 3, 3], 1024) == (4, 128)
     assert padded_shape([1000], 1024) == (1, 1024)
     assert padded_shape([100, 3, 3], 1024, bucketed=False) == (3, 100)
     shapes = {padded_shape([n] * b, CFG.max_context) for b in range(1, 65) for n in range(1, 1025)}
-    assert len(shapes) == 7 * 6, "64 batch sizes x 1024 lengths land on 7 x 6 plan shapes"
+    assert len(shapes) == 5 + 6 + 7 * 4, "64 batch sizes x 1024 lengths land on 39 plan shapes"
+
+
+def test_every_bucketed_shape_runs_its_linears_on_one_path() -> None:
+    """Padding changes no real row only if a lone request and the batch it could join round
+    alike: no bucketed plan may fall under the int4 linear's fused crossover (64 rows)."""
+    paths = {int4_path(int(np.prod(padded_shape([n] * batch, CFG.max_context))))
+             for batch in range(1, 65) for n in (1, 31, 33, 64, 65, 1024)}
+    assert paths == {"tensor"}
 
 
 def test_graph_masks_attention_and_pooling_with_the_lengths_input() -> None:
