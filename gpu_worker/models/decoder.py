@@ -134,6 +134,21 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     return g.build(outputs=("next_token", "logits"))
 
 
+def check_prompt(cfg: ModelConfig, prompt: list[int], max_new_tokens: int) -> None:
+    """INVALID_ARGUMENT unless the prompt is non-empty, in the vocabulary, and fits the context
+    with max_new_tokens >= 1 more (every decoder path, single-sequence or paged)."""
+    if not prompt:
+        raise InvalidArgument("the prompt is empty: send at least one token")
+    bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise InvalidArgument(f"token {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
+                              token=int(bad[0]))
+    if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:
+        raise InvalidArgument(
+            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
+            f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
+
+
 class DecoderModel:
     """A loaded decoder: weights in VMM slots, one sequence's KV cache in the `kv` zone, greedy
     generation through the executor's plans (prefill bucketed, decode from one captured graph).
@@ -178,17 +193,7 @@ class DecoderModel:
         self.executor.ensure_resident()
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        cfg = self.cfg
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: send at least one token")
-        bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
-                                  token=int(bad[0]))
-        if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:
-            raise InvalidArgument(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
-                f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
+        check_prompt(self.cfg, prompt, max_new_tokens)
 
     def prefill(self, prompt: list[int]) -> int:
         """Run the prompt into the KV cache, chunk by chunk; the first generated token."""

@@ -22,7 +22,7 @@ import numpy as np
 from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
-from gpu_worker.models.decoder import prefill_chunk_from_env
+from gpu_worker.models.decoder import check_prompt, prefill_chunk_from_env
 from gpu_worker.models.weights import generate
 from gpu_worker.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
@@ -174,17 +174,7 @@ class PagedDecoderModel:
         device.queue.drain()      # per-event waits (a release may be fenced on the copy stream)
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        cfg = self.cfg
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: send at least one token")
-        bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"token {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
-                                  token=int(bad[0]))
-        if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:
-            raise InvalidArgument(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
-                f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
+        check_prompt(self.cfg, prompt, max_new_tokens)
 
     # -- StepRunner --------------------------------------------------------------------------------
     def _graph(self, rows: int, phase: str) -> Callable[[], Graph]:
