@@ -35,6 +35,7 @@ GPU = [
     ("embed_batch_bench.py", ["--requests", "1024"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
     ("batching_bench.py", []),
+    ("serving_bench.py", []),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
     ("pressure_bench.py", []),
 ]
