@@ -152,8 +152,9 @@ class Reclaimer:
         idle = sum(m.reclaimable_bytes() for m in models)
         idle += sum(m.kv_bytes() for m in models if hasattr(m, "kv_bytes"))
         pooled = self._device.arena.stats()["pooled_bytes"]
-        # Queued releases free an unknown amount: enough to be worth one round.
-        queued = 1 << 62 if self._device.queue.pending() else 0
+        # Queued releases give back exactly the arena's mappings on their way out (counting
+        # any pending release as unbounded made an incurable refusal strip idle models).
+        queued = self._device.arena.releasing_bytes()
         return idle + pooled + queued
 
     def commit(self, zone: str, nbytes: int) -> None:

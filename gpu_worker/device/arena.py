@@ -209,6 +209,12 @@ class Arena:
     def _live_add(self, m: _Mapping, sign: int) -> None:
         self._live_by_zone[m.zone] = self._live_by_zone.get(m.zone, 0) + sign * m.nbytes
 
+    def releasing_bytes(self) -> int:
+        """Mapped bytes whose release is queued (fenced on a stream): what running the release
+        queue would give back to the device."""
+        with self._lock:
+            return self._mapped_bytes - sum(self._live_by_zone.values())
+
     def collect(self) -> int:
         """Run the releases whose fences have passed."""
         return self._queue.poll()

@@ -36,6 +36,25 @@ def test_a_granule_stays_committed_while_any_allocation_touches_it(dev):
     dev.arena.free(b)
 
 
+def test_releasing_bytes_are_the_mappings_whose_fenced_release_is_queued(dev):
+    """The reclaimer counts queued releases by these bytes (not as unbounded): they must be
+    exactly the mappings on their way out, and zero once the queue ran."""
+    fn = dev.get_function(dev.load_module(IMAGE), "wait_then_copy")
+    src = dev.arena.alloc(4 * GRANULE, "activations")
+    dst = dev.arena.alloc(4 * GRANULE, "activations")
+    GATES[8] = threading.Event()
+    dev.launch(fn, (1,), (1,), [ptr(src.ptr), ptr(dst.ptr), i64(4 * GRANULE), i64(8)])
+    assert dev.arena.releasing_bytes() == 0
+    dev.arena.free(src)
+    dev.arena.collect()
+    assert dev.arena.releasing_bytes() == 4 * GRANULE, "the fenced release is not counted"
+    GATES[8].set()
+    _settle(dev)
+    eventually(lambda: dev.arena.collect() >= 0 and dev.arena.releasing_bytes() == 0,
+               timeout=5.0, what="the release to run and stop counting")
+    dev.arena.free(dst)
+
+
 def bytes_of(n: int):
     import numpy as np
 
