@@ -403,7 +403,12 @@ class WorkerRuntime:
                 del self._models[model_id]
             loaded.closed = True
             freed = loaded.executor.close()
+        # The model's releases are fenced on both streams (weights page in on the copy stream): a
+        # sync of the compute stream alone leaves some pending, and a caller who reads the ledger
+        # after the reply would see the unloaded model's bytes still booked. Drain waits per event
+        # (never device-wide, so another model's capture is not invalidated).
         self.device.synchronize()
+        self.device.queue.drain()
         self._report()
         return freed
 

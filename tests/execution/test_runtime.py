@@ -94,6 +94,22 @@ def test_unload_and_trim_give_the_memory_back(runtime):
         assert after[zone][1] == baseline[zone][1], f"{zone} content left after unload"
 
 
+def test_unload_answers_only_after_every_byte_of_the_model_is_released(runtime):
+    """A release fenced on the copy stream must not outlive the unload's reply (it did in CI: a
+    loaded 2-core machine let the copy stream lag the compute stream's sync)."""
+    def held() -> int:     # booked bytes less the arena's pool of reusable handles
+        return runtime.device.ledger.total_committed() - runtime.device.arena.stats()["pooled_bytes"]
+
+    before = held()
+    runtime.load_model("dec", "decoder", "tiny", 3)
+    list(runtime.generate("dec", [1, 2, 3], 4))
+    # keep the copy stream busy past the compute stream's sync, as a loaded host does
+    runtime.device.copy_stream.submit("work", lambda: time.sleep(0.3))
+    runtime.unload_model("dec")
+    assert runtime.device.queue.pending() == 0, "a release of the unloaded model is still queued"
+    assert held() == before
+
+
 def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtime):
     import threading
     runtime.load_model("dec", "decoder", "tiny", 5)

@@ -140,8 +140,14 @@ def test_text_to_a_model_without_tokenizer_is_failed_precondition(worker):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _held(worker) -> int:
+    """Booked bytes less the arena's pool of reusable handles (worker-wide, kept across unloads)."""
+    s = worker.stats()
+    return s.ledger_bytes - s.arena.pooled_bytes
+
+
 def test_an_absolute_path_inside_the_root_loads_qwen2_which_stops_at_its_eos(worker, root):
-    before = worker.stats().ledger_bytes
+    before = _held(worker)
     worker.stub.LoadModel(worker_pb2.LoadModelRequest(model_id="qwen",
                                                       checkpoint=str(root / "qwen2-untied")))
     g = np.load(GOLDEN / "qwen2-untied.npz")
@@ -151,7 +157,7 @@ def test_an_absolute_path_inside_the_root_loads_qwen2_which_stops_at_its_eos(wor
     assert [t for r in out for t in r.tokens] == want
     assert out[-1].stopped_at_eos == (want[-1] == 2)
     worker.unload_model("qwen")
-    assert worker.stats().ledger_bytes == before, "unload must return every byte of the load"
+    assert _held(worker) == before, "unload must return every byte of the load"
 
 
 def test_the_cli_loads_a_checkpoint_and_streams_text(worker, capsys):
