@@ -13,8 +13,14 @@ Contract:
 - victims are released only after the stream is synchronized (their graphs may still be running),
   and the plan just executed is never the victim; on a miss at the bound the LRU plan is released
   before the new one is built, so two plans' arenas never coexist beyond the bound;
-- prefill lengths are bucketed onto a small ladder, so a model holds few distinct shapes.
-Cost: an eviction costs one stream synchronize, paid only when the bound is exceeded.
+- prefill lengths are bucketed onto a small ladder, so a model holds few distinct shapes;
+- a plan class with a finite shape set of its own (the batched decoder's graphs, one per rung of
+  its batch ladder: `bound_class("paged_decode", 7)`) is counted against its own bound, not
+  `max_plans`: a continuous-batching step alternates a decode graph with prefill chunks, and with
+  all of them under one bound of 2 every change of batch rung or chunk shape evicted the graph
+  the next step needed and captured it again. The class's shapes are finite, so its number and
+  memory stay bounded (and booked like every plan); the byte bound still covers every class.
+Cost: an eviction costs one stream synchronize, paid only when a bound is exceeded.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ DEFAULT_MAX_PLANS = 2
 SEQ_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 T = TypeVar("T")
+_ANY_CLASS = object()     # _evict_lru's "victims of any class"
 
 
 def max_plans_from_env() -> int:
@@ -67,8 +74,28 @@ class PlanCache:
         self.max_bytes = max_bytes
         self._synchronize = synchronize
         self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._class_bounds: dict[Hashable, int] = {}
         self._lock = threading.RLock()
         self.hits = self.misses = self.evictions = 0
+
+    def bound_class(self, kind: Hashable, max_plans: int) -> None:
+        """Count plans whose key is a tuple starting with `kind` against `max_plans` of their own
+        (a finite shape set, e.g. one graph per rung of a batch ladder) instead of the cache's."""
+        if max_plans < 1:
+            raise ValueError(f"a plan class bound must be >= 1, got {max_plans}")
+        with self._lock:
+            self._class_bounds[kind] = max_plans
+
+    def _class_of(self, key: Hashable) -> Hashable:
+        if isinstance(key, tuple) and key and key[0] in self._class_bounds:
+            return key[0]
+        return None          # the cache's own bound
+
+    def _bound(self, cls: Hashable) -> int:
+        return self.max_plans if cls is None else self._class_bounds[cls]
+
+    def _count(self, cls: Hashable) -> int:
+        return sum(1 for k in self._plans if self._class_of(k) == cls)
 
     def run(self, key: Hashable, build: Callable[[], Plan], execute: Callable[[Plan], T]) -> T:
         """Run `execute` on the plan for `key` (built on a miss), then enforce the bound."""
@@ -77,7 +104,9 @@ class PlanCache:
             if plan is None:
                 self.misses += 1
                 # Make room first, so a new plan's arena never coexists with the victim's.
-                self._evict_lru(lambda: len(self._plans) >= self.max_plans, protect=key)
+                cls = self._class_of(key)
+                self._evict_lru(lambda: self._count(cls) >= self._bound(cls), protect=key,
+                                within=cls)
                 plan = build()
                 self._plans[key] = plan       # insert...
             else:
@@ -90,17 +119,20 @@ class PlanCache:
                     self._plans.move_to_end(key)   # touch again after, even when it threw
                 self._enforce(protect=key)
 
-    def _over(self) -> bool:
-        if len(self._plans) > self.max_plans:
-            return True
+    def _over_bytes(self) -> bool:
         return self.max_bytes is not None and self.total_bytes() > self.max_bytes
 
     def _enforce(self, protect: Hashable) -> None:
-        self._evict_lru(self._over, protect)
+        for cls in {self._class_of(k) for k in self._plans}:
+            self._evict_lru(lambda c=cls: self._count(c) > self._bound(c), protect, within=cls)
+        self._evict_lru(self._over_bytes, protect)
 
-    def _evict_lru(self, over: Callable[[], bool], protect: Hashable) -> None:
+    def _evict_lru(self, over: Callable[[], bool], protect: Hashable,
+                   within: Hashable = _ANY_CLASS) -> None:
+        """Pop least recently used plans (of class `within`, or of any class) while `over()`."""
         victims = []
-        order = [k for k in self._plans if k != protect]   # LRU first, never the protected plan
+        order = [k for k in self._plans if k != protect and    # LRU first, never the protected
+                 (within is _ANY_CLASS or self._class_of(k) == within)]
         while over() and order:
             key = order.pop(0)
             victims.append((key, self._plans.pop(key)))

@@ -151,6 +151,11 @@ class PagedDecoderModel:
         self.capacity_blocks = (max(1, pool_bytes // self.geometry.block_bytes) if pool_bytes
                                 else full)
         self.pool: KVBlockPool | None = None
+        # One decode graph per ladder rung a batch can reach, bounded by the rungs, not by
+        # --max-plans: otherwise a step's prefill chunk evicts the decode graph the next step
+        # replays (gpu_worker/execution/plans.py, the plan-class bound).
+        rungs = DECODE_LADDER.index(decode_bucket(min(max_batch_size, DECODE_LADDER[-1]))) + 1
+        executor.plans.bound_class("paged_decode", rungs)
 
     # -- load ------------------------------------------------------------------------------------
     def load(self) -> None:

@@ -108,3 +108,21 @@ def test_a_new_plan_is_built_only_after_the_lru_victim_was_released():
     cache.run("b", lambda: build("b"), lambda p: None)
     assert log.index(("release", "a")) < log.index(("build", "b")), \
         "the new plan's memory was allocated while the victim still held its own"
+
+
+def test_a_bounded_plan_class_is_counted_apart_from_max_plans():
+    cache, run, _, built = make_cache(1)
+    cache.bound_class("ladder", 2)
+    for key in (("ladder", 1), "p", ("ladder", 2), "q", ("ladder", 1), ("ladder", 4)):
+        run(key)
+    keys = cache.keys()
+    assert sorted(k for k in keys if isinstance(k, tuple)) == [("ladder", 1), ("ladder", 4)], keys
+    assert [k for k in keys if not isinstance(k, tuple)] == ["q"], "other plans keep max_plans"
+    assert built[("ladder", 2)].released and built["p"].released
+    assert not built[("ladder", 1)].released, "a class's LRU victim comes from its own class"
+
+
+def test_a_plan_class_bound_is_at_least_one():
+    cache, *_ = make_cache(2)
+    with pytest.raises(ValueError):
+        cache.bound_class("ladder", 0)

@@ -324,3 +324,20 @@ def test_the_worker_stores_kernels_under_its_cache_namespace(tmp_path):
         assert namespaces.get("", 0) == 0, f"worker stores escaped its namespace: {namespaces}"
     finally:
         cache.stop()
+
+
+def test_the_decode_graph_survives_prefill_shapes_under_the_default_plan_bound(runtime, monkeypatch):
+    """Under the default --max-plans 2, a prompt prefilled in two chunk shapes (a full chunk, then
+    the bucketed remainder) evicted the decode graph before every stream's decode: it was captured
+    again for every request. The decode ladder is a plan class bounded by its rungs instead."""
+    monkeypatch.setenv("GPUPLANE_PREFILL_CHUNK", "32")
+    runtime.load_model("dec", "decoder", "tiny", 4)
+    plans = runtime._get("dec").executor.plans
+    assert plans.max_plans == 2
+    list(runtime.generate("dec", [7] * 40, 4))          # chunks of 32 and 8 (bucket 16), decode(1)
+    misses = plans.stats()["misses"]
+    for _ in range(3):
+        list(runtime.generate("dec", [8] * 40, 4))
+        assert ("paged_decode", 1) in plans.keys(), plans.keys()
+    assert plans.stats()["misses"] == misses, "a warm shape was evicted and rebuilt"
+    assert sum(1 for k in plans.keys() if k[0] != "paged_decode") <= plans.max_plans
