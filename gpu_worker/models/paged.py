@@ -121,6 +121,35 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
     return g.build(outputs=("next_token", "logits"))
 
 
+def prefill_inputs(tokens: list[int], start: int, table, rows: int,
+                   sampling: SamplingParams) -> dict[str, np.ndarray]:
+    """A prefill chunk's graph inputs: `tokens` at positions start.. padded to `rows` (padding
+    rows at position -1), the sequence's block table row."""
+    n = len(tokens)
+    tok = np.zeros(rows, np.int32)
+    tok[:n] = tokens
+    pos = np.full(rows, -1, np.int32)
+    pos[:n] = np.arange(start, start + n, dtype=np.int32)
+    return {"tokens": tok, "positions": pos, "block_table": np.array([table], np.int32),
+            "start": np.array([start], np.int32), "chunk_len": np.array([n], np.int32),
+            "last_index": np.array([n - 1], np.int32),
+            "last_position": np.array([start + n - 1], np.int32), **_knobs([sampling])}
+
+
+def decode_inputs(rows: list[DecodeRow], max_blocks: int) -> tuple[int, dict[str, np.ndarray]]:
+    """A decode step's ladder size and graph inputs: one row per sequence, padded to the ladder
+    with position -1 rows. Built once per step on the host, so its cost is paid by every step."""
+    b = len(rows)
+    size = decode_bucket(b)
+    pad = size - b
+    inputs = {
+        "tokens": np.array([r.token for r in rows] + [0] * pad, np.int32),
+        "positions": np.array([r.position for r in rows] + [-1] * pad, np.int32),
+        "block_table": np.array([r.table for r in rows] + [[0] * max_blocks] * pad, np.int32),
+        **_knobs([r.sampling for r in rows] + [GREEDY] * pad)}
+    return size, inputs
+
+
 def _knobs(params: list[SamplingParams]) -> dict[str, np.ndarray]:
     return {"temperature": np.array([p.temperature for p in params], np.float32),
             "top_p": np.array([p.top_p for p in params], np.float32),
@@ -191,36 +220,19 @@ class PagedDecoderModel:
     def prefill(self, tokens: list[int], start: int, table: list[int],
                 sampling: SamplingParams = GREEDY, sample: bool = True,
                 output: str = "next_token") -> int | np.ndarray | None:
-        n = len(tokens)
-        rows = self._prefill_rows(n)
-        tok = np.zeros(rows, np.int32)
-        tok[:n] = tokens
-        pos = np.full(rows, -1, np.int32)
-        pos[:n] = np.arange(start, start + n, dtype=np.int32)
-        out = self.executor.run(
-            ("paged_prefill", rows), self._graph(rows, "prefill"),
-            {"tokens": tok, "positions": pos, "block_table": np.array([table], np.int32),
-             "start": np.array([start], np.int32), "chunk_len": np.array([n], np.int32),
-             "last_index": np.array([n - 1], np.int32),
-             "last_position": np.array([start + n - 1], np.int32), **_knobs([sampling])},
-            (output,) if sample else (), capture=self.capture)
+        rows = self._prefill_rows(len(tokens))
+        out = self.executor.run(("paged_prefill", rows), self._graph(rows, "prefill"),
+                                prefill_inputs(tokens, start, table, rows, sampling),
+                                (output,) if sample else (), capture=self.capture)
         if not sample:
             return None
         return int(out[output][0]) if output == "next_token" else out[output][0]
 
     def decode(self, rows: list[DecodeRow]) -> list[int]:
-        b = len(rows)
-        size = decode_bucket(b)
-        pad = size - b
-        mb = self.geometry.max_blocks
-        inputs = {
-            "tokens": np.array([r.token for r in rows] + [0] * pad, np.int32),
-            "positions": np.array([r.position for r in rows] + [-1] * pad, np.int32),
-            "block_table": np.array([r.table for r in rows] + [[0] * mb] * pad, np.int32),
-            **_knobs([r.sampling for r in rows] + [GREEDY] * pad)}
+        size, inputs = decode_inputs(rows, self.geometry.max_blocks)
         out = self.executor.run(("paged_decode", size), self._graph(size, "decode"), inputs,
                                 ("next_token",), capture=self.capture)
-        return [int(t) for t in out["next_token"][:b]]
+        return [int(t) for t in out["next_token"][:len(rows)]]
 
     # -- single-sequence helpers (checkpoint goldens, CLI checks) ---------------------------------
     def logits(self, prompt: list[int]) -> np.ndarray:
