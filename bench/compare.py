@@ -30,6 +30,7 @@ BENCHES = [
     ("cache_service_bench.py", ["--quick"]),
     ("governor_bench.py", ["--seconds", "2", "--open-seconds", "4"]),
     ("compile_bench.py", ["--rounds", "3"]),
+    ("scheduler_host_bench.py", []),
 ]
 _SKIP = ("loadavg", "date", "quick", "clients")  # context, not figures
 

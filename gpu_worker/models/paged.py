@@ -142,10 +142,13 @@ def decode_inputs(rows: list[DecodeRow], max_blocks: int) -> tuple[int, dict[str
     b = len(rows)
     size = decode_bucket(b)
     pad = size - b
+    table = np.zeros((size, max_blocks), np.int32)   # padding rows: all zeros, never read
+    for i, r in enumerate(rows):
+        table[i] = r.table
     inputs = {
         "tokens": np.array([r.token for r in rows] + [0] * pad, np.int32),
         "positions": np.array([r.position for r in rows] + [-1] * pad, np.int32),
-        "block_table": np.array([r.table for r in rows] + [[0] * max_blocks] * pad, np.int32),
+        "block_table": table,
         **_knobs([r.sampling for r in rows] + [GREEDY] * pad)}
     return size, inputs
 

@@ -18,6 +18,8 @@ import heapq
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 KV_BYTES_PER_ELEMENT = 2    # fp16
@@ -176,16 +178,34 @@ class KVBlockPool:
 
 
 class BlockTable:
-    """One sequence's blocks in position order: token p lives in blocks[p // block_tokens]."""
+    """One sequence's blocks in position order: token p lives in blocks[p // block_tokens].
+
+    The device's table row is kept next to the list as it changes (`extend`, `clear`), so a
+    decode step copies each row instead of converting max_blocks Python ints per sequence (at
+    8b-int4's 512-entry rows and 64 sequences that conversion was most of the step's host work:
+    bench/scheduler_host_bench.py)."""
 
     def __init__(self, geometry: KVGeometry) -> None:
         self.geometry = geometry
         self.blocks: list[int] = []
+        self._row = np.zeros(geometry.max_blocks, np.int32)
 
     def blocks_needed(self, tokens: int) -> int:
         """More blocks needed to hold `tokens` positions in total."""
         return max(0, self.geometry.blocks_for(tokens) - len(self.blocks))
 
-    def row(self) -> list[int]:
-        """The int32 table row: blocks then zeros up to max_blocks (unused entries never read)."""
-        return self.blocks + [0] * (self.geometry.max_blocks - len(self.blocks))
+    def extend(self, blocks: list[int]) -> None:
+        n = len(self.blocks)
+        self.blocks += blocks
+        self._row[n:n + len(blocks)] = blocks
+
+    def clear(self) -> list[int]:
+        """Forget every block; returns them (for the pool to free)."""
+        blocks, self.blocks = self.blocks, []
+        self._row[:len(blocks)] = 0
+        return blocks
+
+    def row(self) -> np.ndarray:
+        """The int32 table row: blocks then zeros up to max_blocks (unused entries never read).
+        The live array, not a copy: read it within the step, never write it."""
+        return self._row

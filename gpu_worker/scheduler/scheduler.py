@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from gpu_worker.scheduler.histogram import Histogram
 from gpu_worker.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
 from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
@@ -42,7 +44,7 @@ _END = object()
 class DecodeRow:
     token: int           # the sequence's last token, whose KV this step appends
     position: int        # its position
-    table: list[int]     # the sequence's block table row (max_blocks entries)
+    table: np.ndarray    # the sequence's block table row (max_blocks int32), valid for the call
     sampling: SamplingParams
 
 
@@ -86,6 +88,10 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
 
     @property
     def prefill_target(self) -> int:
@@ -307,7 +313,7 @@ class Scheduler:
                     continue
                 break
             self._pop_waiting()
-            seq.table.blocks += got
+            seq.table.extend(got)
             seq.state = "running"
             if seq.admitted_step < 0:
                 seq.admitted_step = step
@@ -327,7 +333,7 @@ class Scheduler:
                 return True
             got = self.pool.allocate(need)
             if got is not None:
-                seq.table.blocks += got
+                seq.table.extend(got)
                 return True
             victim = self._running[-1]
             self._preempt(victim)
@@ -336,8 +342,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
-        self.pool.free(seq.table.blocks)
-        seq.table.blocks = []
+        self.pool.free(seq.table.clear())
         seq.computed = 0
         seq.state = "waiting"
         seq.preemptions += 1
@@ -367,7 +372,7 @@ class Scheduler:
         return n
 
     def _run_decode(self, batch: list[Sequence], step: int) -> int:
-        rows = [DecodeRow(s.tokens[-1], s.computed, s.table.row(), s.sampling) for s in batch]
+        rows = [DecodeRow(s.last_token, s.computed, s.table.row(), s.sampling) for s in batch]
         tokens = self.runner.decode(rows)
         self.counters["decode_tokens"] += len(batch)
         for seq, token in zip(batch, tokens, strict=True):
@@ -403,8 +408,7 @@ class Scheduler:
             if seq in self._waiting:
                 self._waiting.remove(seq)
         if seq.table.blocks:
-            self.pool.free(seq.table.blocks)
-            seq.table.blocks = []
+            self.pool.free(seq.table.clear())
         seq.state, seq.finish_reason = "finished", reason or "error"
         key = {"cancelled": "cancelled", "": "failed"}.get(reason, "finished")
         self.counters[key] += 1

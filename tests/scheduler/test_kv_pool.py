@@ -1,6 +1,7 @@
 """The paged KV pool on a real sim device: stable base, granule growth and shrink, ledger."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gpu_worker.device.ledger import local_budget
@@ -117,6 +118,18 @@ def test_block_tokens_must_be_a_power_of_two_in_range():
 def test_a_block_table_row_is_padded_with_zeros_to_max_blocks():
     t = BlockTable(GEO)
     assert t.blocks_needed(17) == 2
-    t.blocks = [5, 3]
-    assert t.row() == [5, 3] + [0] * (GEO.max_blocks - 2)
+    t.extend([5, 3])
+    assert t.row().dtype == np.int32
+    assert list(t.row()) == [5, 3] + [0] * (GEO.max_blocks - 2)
     assert t.blocks_needed(32) == 0 and t.blocks_needed(33) == 1
+
+
+def test_a_block_table_row_follows_its_blocks_through_extend_and_clear():
+    t = BlockTable(GEO)
+    t.extend([7])
+    t.extend([2, 9])
+    assert list(t.row()[:4]) == [7, 2, 9, 0] and t.blocks == [7, 2, 9]
+    assert t.clear() == [7, 2, 9]
+    assert t.blocks == [] and not t.row().any(), "a cleared table must not keep stale blocks"
+    t.extend([4])
+    assert list(t.row()[:2]) == [4, 0]
