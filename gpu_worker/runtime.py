@@ -21,8 +21,6 @@ nothing could be reclaimed: the partial load is unwound, so the ledger is as bef
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import pathlib
 import socket
@@ -41,6 +39,7 @@ from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
 from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
+from gpu_worker.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
@@ -49,7 +48,9 @@ from gpu_worker.reclaim import Reclaimer
 from gpu_worker.scheduler.histogram import Histogram
 from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.scheduler.scheduler import Scheduler, Sequence
-from gpu_worker.stats import worker_stats
+from gpu_worker.spans import span
+from gpu_worker.stats import scheduler_stats, worker_stats
+from gpu_worker.token_stream import TokenStream
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -59,20 +60,6 @@ from services.common.errors import (
 
 if TYPE_CHECKING:  # the runtime never imports grpc; the channels do, in the clients
     from services.common.tls import ChannelTLS
-
-
-@contextlib.contextmanager
-def _span(provider: object, name: str, **attributes: object) -> Iterator[None]:
-    """A span with domain attributes (model, shape) when OpenTelemetry is importable."""
-    try:
-        from opentelemetry import trace
-    except ImportError:      # the GPU machine may lack the wheels: tracing is optional there
-        yield
-        return
-    tracer = (provider or trace.get_tracer_provider()).get_tracer("gpu_worker.runtime")
-    with tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items()
-                                                        if v is not None}):
-        yield
 
 
 def default_worker_id() -> str:
@@ -118,84 +105,6 @@ class WorkerConfig:
     batching: bool = True
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model_id: str
-    family: str
-    config: str
-    seed: int
-    vocab_size: int
-    max_context: int
-    weight_bytes: int
-    checkpoint: str = ""
-    architecture: str = ""
-    weight_format: str = ""
-    has_tokenizer: bool = False
-    resident_bytes: int = 0   # weight bytes mapped on the device now
-    state: str = "resident"   # resident | partial | offloaded (weights on pinned host only)
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    info: ModelInfo
-    load_seconds: float
-    kernels_compiled: int
-    kernels_from_cache: int
-
-
-@dataclass(eq=False)
-class _Loaded:
-    """A loaded model; also what the reclaimer sees of it (gpu_worker.reclaim.IdleCandidate)."""
-    info: ModelInfo
-    cfg: ModelConfig
-    executor: ModelExecutor
-    model: PagedDecoderModel | DecoderModel | EncoderModel
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
-    codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
-    eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
-    last_used: float = field(default_factory=time.monotonic)
-    closed: bool = False
-
-    @property
-    def model_id(self) -> str:
-        return self.info.model_id
-
-    def busy(self) -> bool:
-        """A decoder with running or waiting sequences: its weights are pinned between steps
-        (the reclaimer may hold the request lock then, but must take nothing)."""
-        return self.scheduler is not None and self.scheduler.busy()
-
-    def drop_caches(self) -> int:
-        return 0 if self.busy() else self.executor.trim()
-
-    def page_out(self) -> int:
-        return 0 if self.busy() else self.executor.page_out()
-
-    def preempt_kv(self) -> bool:
-        """Reclaim's last step (lock held): the newest running sequence goes back to waiting."""
-        return self.scheduler is not None and self.scheduler.preempt_newest()
-
-    def engine_is_current(self) -> bool:
-        return self.scheduler is not None and self.scheduler.is_engine_thread()
-
-    def kv_bytes(self) -> int:
-        return self.scheduler.pool.committed if self.scheduler is not None else 0
-
-    def reclaimable_bytes(self) -> int:
-        if self.busy():
-            return 0
-        plans = self.executor.plans.stats()
-        return (self.executor.resident_bytes() + plans["activation_bytes"] + plans["graph_bytes"]
-                + self.executor.kernels.stats()["workspace_bytes"])
-
-    def live_info(self) -> ModelInfo:
-        resident = self.executor.resident_bytes()
-        total = self.info.weight_bytes
-        state = "resident" if resident >= total else "offloaded" if resident == 0 else "partial"
-        return dataclasses.replace(self.info, resident_bytes=resident, state=state)
-
-
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
         if config.variants_per_node < 1 or config.max_plans < 1:
@@ -214,11 +123,11 @@ class WorkerRuntime:
         self.cache_client = None
         self.compiler = None
         self.reclaimer: Reclaimer | None = None
-        self._models: dict[str, _Loaded] = {}
+        self._models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
         # Embed batching (gpu_worker/embed_batcher.py): one batcher per loaded encoder, by model
-        # id with the _Loaded it serves (a reloaded id gets a fresh one); counters shared by all.
-        self._embed_batchers: dict[str, tuple[_Loaded, EmbedBatcher]] = {}
+        # id with the LoadedModel it serves (a reloaded id gets a fresh one); counters shared by all.
+        self._embed_batchers: dict[str, tuple[LoadedModel, EmbedBatcher]] = {}
         self.embed_batch_stats = EmbedBatchStats()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -339,7 +248,7 @@ class WorkerRuntime:
             model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
                                  normalize=normalize, bucketed=True)
         try:
-            with _span(self.config.tracer_provider, "worker.load_model", model=model_id,
+            with span(self.config.tracer_provider, "worker.load_model", model=model_id,
                        family=family, config=config):
                 self._admit(device, cfg, model_id)
                 self.compiler.prefetch(ALL_SOURCES)
@@ -358,7 +267,7 @@ class WorkerRuntime:
         from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
         info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
                          cfg.weight_bytes(), **(source or {}))
-        loaded = _Loaded(info, cfg, executor, model, codec=codec, eos_token_ids=eos)
+        loaded = LoadedModel(info, cfg, executor, model, codec=codec, eos_token_ids=eos)
         if isinstance(model, PagedDecoderModel):
             assert model.pool is not None
             loaded.scheduler = Scheduler(
@@ -442,12 +351,12 @@ class WorkerRuntime:
             models = [m for m in self._models.values() if m is not None]
         return [m.live_info() for m in models]
 
-    def _candidates(self) -> list[_Loaded]:
+    def _candidates(self) -> list[LoadedModel]:
         """The loaded models, for the reclaimer (it try-locks each one)."""
         with self._lock:
             return [m for m in self._models.values() if m is not None]
 
-    def _get(self, model_id: str, family: str | None = None) -> _Loaded:
+    def _get(self, model_id: str, family: str | None = None) -> LoadedModel:
         self._started()
         with self._lock:
             loaded = self._models.get(model_id)
@@ -462,7 +371,7 @@ class WorkerRuntime:
         if self.device is not None:
             self.device.report()
 
-    def _still_loaded(self, loaded: _Loaded) -> None:
+    def _still_loaded(self, loaded: LoadedModel) -> None:
         """Called under the model lock: an unload that won the lock first closed the executor."""
         with self._lock:
             if self._models.get(loaded.info.model_id) is not loaded:
@@ -483,11 +392,12 @@ class WorkerRuntime:
                 raise InvalidArgument("sampling needs the batching engine (this worker runs "
                                       "with batching off): send greedy requests")
             seq = Sequence(prompt, int(max_new_tokens), sampling, None, cancelled)  # type: ignore[arg-type]
-            return TokenStream(self, loaded, seq, self._serial(loaded, seq))
+            return TokenStream(loaded, seq, self.config.tracer_provider, self._report,
+                               self._serial(loaded, seq))
         seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled)
-        return TokenStream(self, loaded, seq)
+        return TokenStream(loaded, seq, self.config.tracer_provider, self._report)
 
-    def _serial(self, loaded: _Loaded, seq: Sequence) -> Iterator[int]:
+    def _serial(self, loaded: LoadedModel, seq: Sequence) -> Iterator[int]:
         """The single-sequence path: the model lock for the whole stream."""
         with loaded.lock:
             self._still_loaded(loaded)
@@ -544,7 +454,7 @@ class WorkerRuntime:
         loaded.model.check(sequences)
         return self._embed_batcher(loaded).submit(sequences, cancelled)
 
-    def _embed_batcher(self, loaded: _Loaded) -> EmbedBatcher:
+    def _embed_batcher(self, loaded: LoadedModel) -> EmbedBatcher:
         from gpu_worker.models.encoder import padded_shape
         cfg = self.config
         with self._lock:
@@ -566,9 +476,9 @@ class WorkerRuntime:
             self._embed_batchers[loaded.model_id] = (loaded, batcher)
             return batcher
 
-    def _embed_batch(self, loaded: _Loaded, sequences: list[list[int]]) -> np.ndarray:
+    def _embed_batch(self, loaded: LoadedModel, sequences: list[list[int]]) -> np.ndarray:
         """One batch through the encoder, under the model lock (validated sequences)."""
-        with loaded.lock, _span(self.config.tracer_provider, "worker.embed",
+        with loaded.lock, span(self.config.tracer_provider, "worker.embed",
                                 model=loaded.model_id, batch=len(sequences),
                                 seq=max(len(s) for s in sequences)):
             self._still_loaded(loaded)
@@ -611,67 +521,3 @@ class WorkerRuntime:
         stats["embed_batch"] = self.embed_batch_stats.snapshot()
         stats["scheduler"] = scheduler_stats([m.scheduler for m in models if m.scheduler])
         return stats
-
-
-SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptions",
-                    "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
-                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
-SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
-
-
-def scheduler_stats(schedulers: list[Scheduler]) -> dict[str, int]:
-    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing)."""
-    out = dict.fromkeys(SCHEDULER_FIELDS, 0)
-    for sched in schedulers:
-        for key, value in sched.stats().items():
-            if key in SCHEDULER_MAXED:
-                out[key] = max(out[key], int(value))
-            elif key in out:
-                out[key] += int(value)
-    return out
-
-
-class TokenStream:
-    """One Generate stream: `[token]` items from the scheduler, then `finish_reason`. Closing it
-    early (the client went away) cancels the sequence; its KV is freed within one step."""
-
-    def __init__(self, runtime: WorkerRuntime, loaded: _Loaded, seq: Sequence,
-                 tokens: Iterator[int] | None = None) -> None:
-        self._runtime, self._loaded, self.seq = runtime, loaded, seq
-        self._tokens = seq.stream() if tokens is None else tokens
-        self._gen = self._run()
-
-    def _run(self) -> Iterator[list[int]]:
-        loaded = self._loaded
-        with _span(self._runtime.config.tracer_provider, "worker.generate",
-                   model=loaded.info.model_id, prompt_tokens=len(self.seq.prompt),
-                   max_new_tokens=self.seq.max_new_tokens):
-            try:
-                for token in self._tokens:
-                    yield [token]
-            finally:
-                self._cancel()
-                loaded.last_used = time.monotonic()
-                self._runtime._report()
-
-    def __iter__(self) -> TokenStream:
-        return self
-
-    def __next__(self) -> list[int]:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self._gen.close()
-        self._cancel()      # closed before its first item: the generator never started
-
-    def _cancel(self) -> None:
-        if self.seq.state != "finished":
-            self.seq.cancel()
-            if self._loaded.scheduler is not None:
-                self._loaded.scheduler.wake()
-
-    @property
-    def finish_reason(self) -> str:
-        """"length", "stop" or "cancelled" once the stream ended ("" before)."""
-        reason = self.seq.finish_reason
-        return reason if reason in ("length", "stop", "cancelled") else ""

@@ -59,3 +59,21 @@ def worker_stats(device, executors: list, compiler, reclaimer, budget, variant_b
                   "faults": device.bookkeeping_faults()},
         "governor_connected": bool(budget.connected()) if budget else False,
     }
+
+
+SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptions",
+                    "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
+                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
+
+
+def scheduler_stats(schedulers: list) -> dict[str, int]:
+    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing)."""
+    out = dict.fromkeys(SCHEDULER_FIELDS, 0)
+    for sched in schedulers:
+        for key, value in sched.stats().items():
+            if key in SCHEDULER_MAXED:
+                out[key] = max(out[key], int(value))
+            elif key in out:
+                out[key] += int(value)
+    return out
