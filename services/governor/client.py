@@ -12,7 +12,11 @@ worker that stops when the governor is down turns a control-plane blip into an o
   with ResourceExhausted, heartbeats retry with exponential backoff, and on reconnection the client
   re-registers, adopts leases it did not know it had (a lost Acquire reply) and re-acquires the ones
   the governor lost;
-- every RPC has a deadline.
+- every RPC has a deadline;
+- the device's hard zone caps (a zone budget with lending off) come with the registration and
+  every heartbeat reply; `on_caps` hears of a change from the heartbeat thread, never while the
+  client's lock is held (a request thread waiting in `reserve` may hold the weight slots' lock,
+  which the owner of the caps takes to apply them).
 Cost: one RPC per chunk of growth plus one heartbeat per `heartbeat_s`.
 """
 from __future__ import annotations
@@ -149,12 +153,17 @@ class GovernorClient:
     def __init__(self, target: str, worker_id: str, device: DeviceDescription,
                  chunk_bytes: int = 64 << 20, heartbeat_s: float = 2.0, tracer_provider=None,
                  on_reclaim: Callable[[str, int], None] | None = None,
-                 tls: ChannelTLS | None = None, token: str | None = None) -> None:
+                 tls: ChannelTLS | None = None, token: str | None = None,
+                 on_caps: Callable[[dict[str, int]], None] | None = None) -> None:
         if chunk_bytes <= 0 or heartbeat_s <= 0:
             raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
         self.worker_id, self.device = worker_id, device
         self.chunk_bytes, self.heartbeat_s = chunk_bytes, heartbeat_s
         self.on_reclaim = on_reclaim
+        self.on_caps = on_caps
+        self.zone_caps: dict[str, int] = {}   # the governor's hard caps, zone -> bytes
+        self._caps_lock = threading.Lock()    # serializes deliveries (never the client's lock)
+        self._delivered: dict[str, int] | None = None  # the caps on_caps last heard
         self._channel = open_channel(target, SERVICE_NAME,
                                      ["RegisterWorker", "Heartbeat", "GetResources"],
                                      tracer_provider, tls=tls, metadata_token=token)
@@ -230,6 +239,18 @@ class GovernorClient:
 
     def connected(self) -> bool:
         return self._connected
+
+    def deliver_caps(self) -> None:
+        """Hand the current zone caps to `on_caps` if it has not heard them yet. Called by the
+        heartbeat thread after every beat, and by the owner once it has set `on_caps`."""
+        with self._caps_lock:
+            with self._lock:
+                caps = dict(self.zone_caps)
+            if self.on_caps is None or caps == self._delivered:
+                return
+            log.info("governor zone caps", extra={"worker_id": self.worker_id, "caps": caps})
+            self.on_caps(caps)
+            self._delivered = caps
 
     def close(self) -> None:
         """Stop heartbeating and hand every lease back (deregister), best effort."""
@@ -335,6 +356,7 @@ class GovernorClient:
             timeout=CALL_DEADLINE_S)
         self.ttl_s = reply.lease_ttl_ms / 1000
         self.budget_bytes = reply.device_budget_bytes
+        self._set_caps(reply.zone_caps)
         known = {lease.lease_id: (zone_name(lease.zone), lease.bytes) for lease in reply.leases}
         with self._lock:
             mine = {i: z for z, h in self._held.items() for i in h}
@@ -350,6 +372,11 @@ class GovernorClient:
             self.counters["registrations"] += 1
             self._up()
             self._reacquire_unbacked()
+
+    def _set_caps(self, caps) -> None:
+        """Record the caps of a reply; delivered later, outside the lock (`deliver_caps`)."""
+        with self._lock:
+            self.zone_caps = {zone_name(c.zone): c.bytes for c in caps}
 
     def _reacquire_unbacked(self) -> None:
         """Back with new leases the bytes whose leases the governor lost; retried each beat."""
@@ -379,6 +406,7 @@ class GovernorClient:
                 if not self._registered:
                     self._register()
                 self._heartbeat()
+                self.deliver_caps()
                 self._give_back({})
             except grpc.RpcError as err:
                 self.counters["heartbeat_failures"] += 1
@@ -402,6 +430,8 @@ class GovernorClient:
         if reply.reregister:
             self._registered = False
             self._register()
+        else:
+            self._set_caps(reply.zone_caps)
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
             self.counters["reclaim_asks"] += 1
@@ -418,7 +448,8 @@ class GovernorClient:
             self._give_back(asks)
 
     def _give_back(self, asks: dict[str, int]) -> None:
-        """Return idle leases: beyond one chunk of slack, or as much of `asks` as is idle.
+        """Return idle leases: beyond one chunk of slack, as much of `asks` as is idle, and
+        what is idle above a zone's cap (one that shrank while we held more).
 
         Whole leases go first (smallest first); what remains is cut from one larger lease by
         Resize, in whole chunks unless the governor asked for exact bytes.
@@ -430,6 +461,9 @@ class GovernorClient:
                 unit = self.chunk_bytes
                 if asks.get(zone):
                     excess, unit = max(excess, min(asks[zone], slack)), 1
+                over_cap = sum(self._held[zone].values()) - self.zone_caps.get(zone, 1 << 62)
+                if over_cap > 0 and slack > 0:  # the cap shrank: what is idle above it goes
+                    excess, unit = max(excess, min(over_cap, slack)), 1
                 plan: list[tuple[str, int, int]] = []  # lease id, bytes before, bytes after
                 for lease_id, nbytes in sorted(self._held[zone].items(), key=lambda kv: kv[1]):
                     if nbytes <= excess:
