@@ -4,7 +4,8 @@ Hazard: a worker that calls the governor per allocation stalls its allocator on 
 worker that stops when the governor is down turns a control-plane blip into an outage. Contract:
 - `reserve` is served from leases already held whenever they cover it; only growth beyond them
   costs an Acquire, of a whole chunk (64 MiB by default), or of the exact remainder when the
-  chunk does not fit but the remainder does;
+  chunk does not fit but the remainder does; in a zone with a cap, never more than the cap less
+  what is held, and growth beyond the cap is refused here without an RPC;
 - `release` never blocks on the network: whole unused chunks go back from a background thread, and
   only when more than two chunks sit idle, down to one (hysteresis, so a reserve/release cycle at a
   chunk boundary does not become an Acquire/Release cycle);
@@ -182,7 +183,7 @@ class GovernorClient:
         self.budget_bytes = 0
         self.counters = dict.fromkeys(
             ["acquires", "refusals", "gave_back", "heartbeats", "heartbeat_failures",
-             "registrations", "adopted", "reacquired", "reclaim_asks"], 0)
+             "registrations", "adopted", "reacquired", "reclaim_asks", "cap_refusals"], 0)
         self._wake = threading.Event()
         self._closing = threading.Event()
         try:
@@ -298,6 +299,13 @@ class GovernorClient:
         if time.monotonic() < self._retry_at:
             self._refuse_unreachable(zone, need)
         chunk = -(-need // self.chunk_bytes) * self.chunk_bytes
+        cap = self.zone_caps.get(zone)
+        if cap is not None:  # never ask a capped zone for more than it can grant
+            room = cap - sum(self._held[zone].values())
+            if need > room:
+                self._refuse_over_cap(zone, need, cap, room)
+            if chunk > room:  # the exact need, not all the room: others may share the zone
+                chunk = need
         sizes = [chunk, need] if chunk != need else [need]
         for attempt in range(2):
             try:
@@ -325,6 +333,17 @@ class GovernorClient:
                     continue
                 self._down(err)
                 self._refuse_unreachable(zone, need)
+
+    def _refuse_over_cap(self, zone: str, need: int, cap: int, room: int) -> None:
+        """Refused here, without an RPC: our own leases already leave the zone's cap no room."""
+        self.counters["refusals"] += 1
+        self.counters["cap_refusals"] += 1
+        raise ResourceExhausted(
+            f"zone {zone} cannot grow by {need} bytes: this worker holds {cap - room} of its "
+            f"{cap}-byte cap (a zone budget with lending off)", asked_bytes=need,
+            free_bytes=max(0, room), zone=zone,
+            violations=[QuotaViolation(f"device:{self.device.uuid}/zone:{zone}",
+                                       "the zone's cap is held by this worker")])
 
     def _refuse_unreachable(self, zone: str, need: int) -> None:
         raise ResourceExhausted(
