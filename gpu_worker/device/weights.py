@@ -27,7 +27,8 @@ Hazards and contract:
   is refused with ResourceExhausted before anything is allocated.
 - The budget has sources (`--weight-budget-bytes`, the governor's weights zone cap) and is the
   smallest of them, set through `set_budget` only. A budget that shrinks pages idle (unpinned)
-  weights out at once; pinned ones stay until their owner's next page-in makes room.
+  weights out at once; pinned ones stay mapped (kernels are being launched on them) until their
+  owner unpins them and calls `trim`.
 
 Cost: a page-in is one cuMemCreate/Map/SetAccess per large handle plus the copy (~55 GB/s pinned
 on H200); a hit is a dict lookup.
@@ -122,7 +123,7 @@ class WeightSlots:
         """Set one source's committed-byte limit on resident weights (None: none from it);
         returns the effective budget, the least of all sources' limits. A shrink pages idle
         weights out down to the new budget at once and waits for their fenced releases (a pinned
-        slot stays until its owner's next page-in: it is being launched on)."""
+        slot stays until its owner unpins it and calls `trim`: it is being launched on)."""
         if source not in BUDGET_SOURCES:
             raise InvalidArgument(f"weight budget source {source!r} is not one of "
                                   f"{', '.join(BUDGET_SOURCES)}")
