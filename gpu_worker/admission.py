@@ -47,11 +47,12 @@ def streaming_floor_bytes(cfg: ModelConfig, granule: int) -> int:
 
 
 def weights_to_probe(cfg: ModelConfig, granule: int, budget: int | None, what: str,
-                     need: int) -> int:
+                     need: int, source: str = "--weight-budget-bytes") -> int:
     """Committed weight bytes the load probe asks for: all of them (`need`) when they fit the
-    weight budget, else the budget (the model streams); ResourceExhausted when it cannot stream."""
+    effective weight budget (the least of the flag and the governor's weights zone cap), else the
+    budget (the model streams); ResourceExhausted naming `source` when it cannot stream."""
     from gpu_worker.execution.streaming import refuse_unstreamable
     if budget is None or need <= budget:
         return need
-    refuse_unstreamable(what, streaming_floor_bytes(cfg, granule), budget)
+    refuse_unstreamable(what, streaming_floor_bytes(cfg, granule), budget, source)
     return budget

@@ -154,6 +154,11 @@ class WorkerRuntime:
             self.device.arena.reclaimer = self.reclaimer.on_refusal
             if self.budget is not None:  # a reclaim ask is answered before the leases go back
                 self.budget.on_reclaim = self.reclaimer.on_governor_ask
+                # The weight budget is the smaller of the flag and the weights zone's cap.
+                weights = self.device.weights
+                self.budget.on_caps = lambda caps: weights.set_budget(caps.get("weights"),
+                                                                      "governor")
+                self.budget.deliver_caps()   # the registration's; later ones come by heartbeat
             if cfg.cache:
                 from cache_service.client import KernelCacheClient
                 self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
@@ -174,7 +179,7 @@ class WorkerRuntime:
         for model_id in list(self._models):
             self.unload_model(model_id)
         if self.budget is not None:
-            self.budget.on_reclaim = None
+            self.budget.on_reclaim = self.budget.on_caps = None
         if self.device is not None:
             self.device.arena.reclaimer = None
             self.device.close()
@@ -291,7 +296,7 @@ class WorkerRuntime:
         need = admission_by_zone(cfg, device.info.granule_bytes)
         need["weights"] = weights_to_probe(cfg, device.info.granule_bytes,  # larger: it streams
                                            device.weights.budget_bytes, f"model {model_id!r}",
-                                           need["weights"])
+                                           need["weights"], device.weights.budget_source)
         booked: list[tuple[str, int]] = []
         try:
             for zone, nbytes in need.items():

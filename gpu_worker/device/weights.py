@@ -25,6 +25,10 @@ Hazards and contract:
   it launches on them, so only an idle owner's pages can go.
 - Pinned host memory is a budget too (`host_budget_bytes`): a slot whose host copy would exceed it
   is refused with ResourceExhausted before anything is allocated.
+- The budget has sources (`--weight-budget-bytes`, the governor's weights zone cap) and is the
+  smallest of them, set through `set_budget` only. A budget that shrinks pages idle (unpinned)
+  weights out at once; pinned ones stay mapped (kernels are being launched on them) until their
+  owner unpins them and calls `trim`.
 
 Cost: a page-in is one cuMemCreate/Map/SetAccess per large handle plus the copy (~55 GB/s pinned
 on H200); a hit is a dict lookup.
@@ -45,6 +49,11 @@ from gpu_worker.device.residency import ResidencyPolicy
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 ZONE = "weights"
+# Where a limit on resident weights comes from, as error messages name it.
+BUDGET_SOURCES: dict[str, str] = {
+    "flag": "--weight-budget-bytes",
+    "governor": "the governor's weights zone cap",
+}
 
 
 @dataclass(eq=False)
@@ -80,6 +89,9 @@ class WeightSlots:
         self._copy = copy_stream
         self._lock = threading.RLock()
         self._slots: dict[str, WeightSlot] = {}
+        # Each source's limit on resident weights (None: none from it); the budget is the least.
+        self._limits: dict[str, int | None] = dict.fromkeys(BUDGET_SOURCES)
+        self._limits["flag"] = budget_bytes
         self.policy = ResidencyPolicy(budget_bytes)
         self.host_budget_bytes = host_budget_bytes  # pinned host bytes all slots may hold (None: any)
         self._host_bytes = 0
@@ -92,12 +104,60 @@ class WeightSlots:
 
     @property
     def budget_bytes(self) -> int | None:
+        """The effective budget: the least of the sources' limits (None: only the ledger's)."""
         return self.policy.capacity_bytes
 
-    def set_budget(self, budget_bytes: int | None) -> None:
-        """Committed-byte budget for resident weights (None: only the ledger's budget)."""
+    @property
+    def budget_source(self) -> str:
+        """Where the effective budget comes from, for error messages."""
         with self._lock:
-            self.policy.capacity_bytes = budget_bytes
+            budget = self.policy.capacity_bytes
+            return next((BUDGET_SOURCES[s] for s, b in self._limits.items() if b == budget),
+                        "no weight budget")
+
+    def limits(self) -> dict[str, int | None]:
+        with self._lock:
+            return dict(self._limits)
+
+    def set_budget(self, budget_bytes: int | None, source: str = "flag") -> int | None:
+        """Set one source's committed-byte limit on resident weights (None: none from it);
+        returns the effective budget, the least of all sources' limits. A shrink pages idle
+        weights out down to the new budget at once and waits for their fenced releases (a pinned
+        slot stays until its owner unpins it and calls `trim`: it is being launched on)."""
+        if source not in BUDGET_SOURCES:
+            raise InvalidArgument(f"weight budget source {source!r} is not one of "
+                                  f"{', '.join(BUDGET_SOURCES)}")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise InvalidArgument(f"weight budget {budget_bytes} must be positive (or None)")
+        with self._lock:
+            self._limits[source] = budget_bytes
+            limits = [b for b in self._limits.values() if b is not None]
+            budget = min(limits) if limits else None
+            self.policy.capacity_bytes = budget
+        self.trim()
+        return budget
+
+    def trim(self) -> int:
+        """Page idle (unpinned) weights out until resident weights fit the budget; returns the
+        slots evicted. Over budget only after a shrink while slots were pinned: the owner calls
+        this once it unpins them (the end of a request)."""
+        budget = self.policy.capacity_bytes
+        if budget is None or self._arena.zone_live_bytes(ZONE) <= budget:
+            return 0   # the common case, without the gate
+        if self._gate.is_capturing_thread():
+            raise FailedPrecondition("never page weights out inside a capture (it unmaps)")
+        evicted = 0
+        with self._gate.shared(), self._lock:
+            while (budget := self.policy.capacity_bytes) is not None and \
+                    self._arena.zone_live_bytes(ZONE) > budget:
+                victim = self.policy.victim(exclude=self._excluded(set()))
+                if victim is None:
+                    break
+                self._evict(self._slots[victim])
+                evicted += 1
+        if evicted:  # run the fenced releases now (per-event waits): the ledger, and with it
+            self._queue.drain()  # the governor's lease, drops at once, not at the next commit
+        return evicted
 
     # -- slots ---------------------------------------------------------------------------------
     def add(self, key: str, host: np.ndarray, evictable: bool = True) -> WeightSlot:
@@ -266,7 +326,8 @@ class WeightSlots:
                                       if s.state in ("resident", "pending")),
                 "committed_bytes": self._arena.zone_live_bytes(ZONE),
                 "peak_committed_bytes": self.peak_committed_bytes,
-                "budget_bytes": self.policy.capacity_bytes,
+                "budget_bytes": self.policy.capacity_bytes,      # effective: the least limit
+                "budget_limits": dict(self._limits),
                 "host_bytes": self._host_bytes,
                 "host_budget_bytes": self.host_budget_bytes,
                 "states": states,

@@ -163,14 +163,17 @@ class ShapePlan:
 
     def _streamed_run(self) -> StreamedRun:
         """The plan's segments for the current budget (re-cut when the budget changed)."""
-        budget = self.executor.device.weights.budget_bytes
+        # None: the budget was lifted while a request that chose streaming runs; every weight
+        # fits now, so the segments may hold them all.
+        budget = self.executor.device.weights.budget_bytes or self.executor.all_weights_cost()
         if self.streamed is not None and self.streamed.schedule.budget != budget:
             self.executor.device.synchronize(self.executor.device.stream)
             self.streamed.close()
             self.streamed = None
         if self.streamed is None:
             schedule = plan_schedule(self.graph.nodes, self.split, self.executor.weight_cost,
-                                     budget, what=f"plan {self.key}")
+                                     budget, what=f"plan {self.key}",
+                                     source=self.executor.device.weights.budget_source)
             self.streamed = StreamedRun(self, schedule)
         return self.streamed
 
@@ -257,6 +260,13 @@ class ModelExecutor:
         self.tile: object | None = None
         self._blas_held = False   # acquire_blas() taken: any GEMM node (the tile is int4's only)
         self.replay_count = 0
+        # The mode (streaming or whole) `resident()` chose, held while any of its contexts is
+        # open: the budget may change meanwhile (the governor's cap, from its heartbeat thread),
+        # and a request that pinned nothing must never replay a whole graph, nor one that pinned
+        # every weight be cut into segments mid-request.
+        self._mode_lock = threading.Lock()
+        self._mode_holds = 0
+        self._held_streaming = False
 
     # -- weights and state ------------------------------------------------------------------------
     def add_weight(self, key: str, host: np.ndarray) -> None:
@@ -286,22 +296,33 @@ class ModelExecutor:
                              for k in keys), arena.base, arena.granule)
 
     def streams(self) -> bool:
-        """Whether this model's weights exceed the weight budget: its plans then run as segments
-        (gpu_worker/execution/streaming.py) and a request pins only the segments in flight."""
-        budget = self.device.weights.budget_bytes
-        if budget is None:
-            return False
+        """Whether this model's weights exceed the effective weight budget (the least of
+        --weight-budget-bytes and the governor's weights zone cap): its plans then run as segments
+        (gpu_worker/execution/streaming.py) and a request pins only the segments in flight. While
+        a `resident()` context is open, the mode it chose."""
+        with self._mode_lock:
+            if self._mode_holds:
+                return self._held_streaming
+        return self._over_budget()
+
+    def all_weights_cost(self) -> int:
+        """Committed bytes of every weight of the model resident at once."""
         if self._all_weights_cost is None:   # addresses are stable: computed once per load
             self._all_weights_cost = self.weight_cost(self._weights)
-        return self._all_weights_cost > budget
+        return self._all_weights_cost
+
+    def _over_budget(self) -> bool:
+        budget = self.device.weights.budget_bytes
+        return budget is not None and self.all_weights_cost() > budget
 
     def ensure_resident(self) -> None:
         """Page every weight in (load); a streaming model pages in nothing here, and is refused
         (ResourceExhausted) when even two neighbouring one-layer segments cannot fit."""
         if self.streams():
+            weights = self.device.weights
             refuse_unstreamable(f"model {self.weight_namespace.rstrip('/')!r}",
                                 streaming_floor(list(self._weights), self.weight_cost),
-                                self.device.weights.budget_bytes)
+                                weights.budget_bytes, weights.budget_source)
             return
         self.device.weights.ensure_resident(self._slot_keys(), stream=self.device.stream)
 
@@ -309,17 +330,28 @@ class ModelExecutor:
     def resident(self) -> Iterator[None]:
         """Pin this model's weights and page in what is missing (a wake), for one request: no
         other page-in may evict them while its kernels launch on them. A streaming model pins
-        nothing here: each run pins and pages in only the segments in flight."""
-        if self.streams():
-            yield
-            return
-        keys = self._slot_keys()
-        self.device.weights.pin(keys)
+        nothing here: each run pins and pages in only the segments in flight. The mode chosen
+        here holds until the context ends, whatever the budget does meanwhile."""
+        with self._mode_lock:
+            if not self._mode_holds:
+                self._held_streaming = self._over_budget()
+            self._mode_holds += 1
+            streaming = self._held_streaming
         try:
-            self.device.weights.ensure_resident(keys, stream=self.device.stream)
-            yield
+            if streaming:
+                yield
+                return
+            keys = self._slot_keys()
+            self.device.weights.pin(keys)
+            try:
+                self.device.weights.ensure_resident(keys, stream=self.device.stream)
+                yield
+            finally:
+                self.device.weights.unpin(keys)
+                self.device.weights.trim()  # the budget shrank while they were pinned
         finally:
-            self.device.weights.unpin(keys)
+            with self._mode_lock:
+                self._mode_holds -= 1
 
     def page_out(self) -> int:
         """Evict every weight slot (the pinned host copies stay); returns the bytes paged out.

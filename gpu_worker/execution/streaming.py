@@ -123,7 +123,7 @@ def _label(unit_tags: list[object], keys: list[str]) -> str:
 
 
 def plan_schedule(nodes: Sequence, split: int, cost: Cost, budget: int,
-                  what: str = "model") -> Schedule:
+                  what: str = "model", source: str = "--weight-budget-bytes") -> Schedule:
     """Cut `nodes` (the first `split` captured, the rest the eager tail) into segments whose every
     neighbouring pair fits `budget` with the shared weights; ResourceExhausted if none can."""
     shared = _shared_keys(nodes)
@@ -166,8 +166,8 @@ def plan_schedule(nodes: Sequence, split: int, cost: Cost, budget: int,
         raise ResourceExhausted(
             f"weights: {what} cannot stream through a {budget}-byte weight budget: its segments "
             f"need {need} committed bytes resident at once (two neighbouring segments, one layer "
-            f"each at the least, plus {s_cost} bytes of shared weights); raise "
-            "--weight-budget-bytes to at least that", asked_bytes=need, free_bytes=budget,
+            f"each at the least, plus {s_cost} bytes of shared weights); raise {source} to at "
+            "least that", asked_bytes=need, free_bytes=budget,
             zone="weights")
     return schedule
 
@@ -189,12 +189,14 @@ def streaming_floor(keys_in_order: Sequence[str], cost: Cost) -> int:
     return max(cost(a + b) for (_, a), (_, b) in itertools.pairwise(units))
 
 
-def refuse_unstreamable(what: str, floor: int, budget: int) -> None:
+def refuse_unstreamable(what: str, floor: int, budget: int,
+                        source: str = "--weight-budget-bytes") -> None:
+    """ResourceExhausted naming the floor, the budget and where the budget comes from."""
     if floor > budget:
         raise ResourceExhausted(
             f"weights: {what} needs at least {floor} committed bytes of weight budget to stream "
             f"its layers through the slots (two neighbouring segments, one layer each), more "
-            f"than the {budget}-byte weight budget (--weight-budget-bytes)",
+            f"than the {budget}-byte weight budget ({source})",
             asked_bytes=floor, free_bytes=budget, zone="weights")
 
 

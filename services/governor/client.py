@@ -4,7 +4,8 @@ Hazard: a worker that calls the governor per allocation stalls its allocator on 
 worker that stops when the governor is down turns a control-plane blip into an outage. Contract:
 - `reserve` is served from leases already held whenever they cover it; only growth beyond them
   costs an Acquire, of a whole chunk (64 MiB by default), or of the exact remainder when the
-  chunk does not fit but the remainder does;
+  chunk does not fit but the remainder does; in a zone with a cap, never more than the cap less
+  what is held, and growth beyond the cap is refused here without an RPC;
 - `release` never blocks on the network: whole unused chunks go back from a background thread, and
   only when more than two chunks sit idle, down to one (hysteresis, so a reserve/release cycle at a
   chunk boundary does not become an Acquire/Release cycle);
@@ -12,7 +13,11 @@ worker that stops when the governor is down turns a control-plane blip into an o
   with ResourceExhausted, heartbeats retry with exponential backoff, and on reconnection the client
   re-registers, adopts leases it did not know it had (a lost Acquire reply) and re-acquires the ones
   the governor lost;
-- every RPC has a deadline.
+- every RPC has a deadline;
+- the device's hard zone caps (a zone budget with lending off) come with the registration and
+  every heartbeat reply; `on_caps` hears of a change from the heartbeat thread, never while the
+  client's lock is held (a request thread waiting in `reserve` may hold the weight slots' lock,
+  which the owner of the caps takes to apply them).
 Cost: one RPC per chunk of growth plus one heartbeat per `heartbeat_s`.
 """
 from __future__ import annotations
@@ -149,12 +154,17 @@ class GovernorClient:
     def __init__(self, target: str, worker_id: str, device: DeviceDescription,
                  chunk_bytes: int = 64 << 20, heartbeat_s: float = 2.0, tracer_provider=None,
                  on_reclaim: Callable[[str, int], None] | None = None,
-                 tls: ChannelTLS | None = None, token: str | None = None) -> None:
+                 tls: ChannelTLS | None = None, token: str | None = None,
+                 on_caps: Callable[[dict[str, int]], None] | None = None) -> None:
         if chunk_bytes <= 0 or heartbeat_s <= 0:
             raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
         self.worker_id, self.device = worker_id, device
         self.chunk_bytes, self.heartbeat_s = chunk_bytes, heartbeat_s
         self.on_reclaim = on_reclaim
+        self.on_caps = on_caps
+        self.zone_caps: dict[str, int] = {}   # the governor's hard caps, zone -> bytes
+        self._caps_lock = threading.Lock()    # serializes deliveries (never the client's lock)
+        self._delivered: dict[str, int] | None = None  # the caps on_caps last heard
         self._channel = open_channel(target, SERVICE_NAME,
                                      ["RegisterWorker", "Heartbeat", "GetResources"],
                                      tracer_provider, tls=tls, metadata_token=token)
@@ -173,7 +183,7 @@ class GovernorClient:
         self.budget_bytes = 0
         self.counters = dict.fromkeys(
             ["acquires", "refusals", "gave_back", "heartbeats", "heartbeat_failures",
-             "registrations", "adopted", "reacquired", "reclaim_asks"], 0)
+             "registrations", "adopted", "reacquired", "reclaim_asks", "cap_refusals"], 0)
         self._wake = threading.Event()
         self._closing = threading.Event()
         try:
@@ -231,6 +241,18 @@ class GovernorClient:
     def connected(self) -> bool:
         return self._connected
 
+    def deliver_caps(self) -> None:
+        """Hand the current zone caps to `on_caps` if it has not heard them yet. Called by the
+        heartbeat thread after every beat, and by the owner once it has set `on_caps`."""
+        with self._caps_lock:
+            with self._lock:
+                caps = dict(self.zone_caps)
+            if self.on_caps is None or caps == self._delivered:
+                return
+            log.info("governor zone caps", extra={"worker_id": self.worker_id, "caps": caps})
+            self.on_caps(caps)
+            self._delivered = caps
+
     def close(self) -> None:
         """Stop heartbeating and hand every lease back (deregister), best effort."""
         if self._closing.is_set():
@@ -277,6 +299,13 @@ class GovernorClient:
         if time.monotonic() < self._retry_at:
             self._refuse_unreachable(zone, need)
         chunk = -(-need // self.chunk_bytes) * self.chunk_bytes
+        cap = self.zone_caps.get(zone)
+        if cap is not None:  # never ask a capped zone for more than it can grant
+            room = cap - sum(self._held[zone].values())
+            if need > room:
+                self._refuse_over_cap(zone, need, cap, room)
+            if chunk > room:  # the exact need, not all the room: others may share the zone
+                chunk = need
         sizes = [chunk, need] if chunk != need else [need]
         for attempt in range(2):
             try:
@@ -304,6 +333,17 @@ class GovernorClient:
                     continue
                 self._down(err)
                 self._refuse_unreachable(zone, need)
+
+    def _refuse_over_cap(self, zone: str, need: int, cap: int, room: int) -> None:
+        """Refused here, without an RPC: our own leases already leave the zone's cap no room."""
+        self.counters["refusals"] += 1
+        self.counters["cap_refusals"] += 1
+        raise ResourceExhausted(
+            f"zone {zone} cannot grow by {need} bytes: this worker holds {cap - room} of its "
+            f"{cap}-byte cap (a zone budget with lending off)", asked_bytes=need,
+            free_bytes=max(0, room), zone=zone,
+            violations=[QuotaViolation(f"device:{self.device.uuid}/zone:{zone}",
+                                       "the zone's cap is held by this worker")])
 
     def _refuse_unreachable(self, zone: str, need: int) -> None:
         raise ResourceExhausted(
@@ -335,6 +375,7 @@ class GovernorClient:
             timeout=CALL_DEADLINE_S)
         self.ttl_s = reply.lease_ttl_ms / 1000
         self.budget_bytes = reply.device_budget_bytes
+        self._set_caps(reply.zone_caps)
         known = {lease.lease_id: (zone_name(lease.zone), lease.bytes) for lease in reply.leases}
         with self._lock:
             mine = {i: z for z, h in self._held.items() for i in h}
@@ -350,6 +391,11 @@ class GovernorClient:
             self.counters["registrations"] += 1
             self._up()
             self._reacquire_unbacked()
+
+    def _set_caps(self, caps) -> None:
+        """Record the caps of a reply; delivered later, outside the lock (`deliver_caps`)."""
+        with self._lock:
+            self.zone_caps = {zone_name(c.zone): c.bytes for c in caps}
 
     def _reacquire_unbacked(self) -> None:
         """Back with new leases the bytes whose leases the governor lost; retried each beat."""
@@ -379,6 +425,7 @@ class GovernorClient:
                 if not self._registered:
                     self._register()
                 self._heartbeat()
+                self.deliver_caps()
                 self._give_back({})
             except grpc.RpcError as err:
                 self.counters["heartbeat_failures"] += 1
@@ -402,6 +449,8 @@ class GovernorClient:
         if reply.reregister:
             self._registered = False
             self._register()
+        else:
+            self._set_caps(reply.zone_caps)
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
             self.counters["reclaim_asks"] += 1
@@ -418,7 +467,8 @@ class GovernorClient:
             self._give_back(asks)
 
     def _give_back(self, asks: dict[str, int]) -> None:
-        """Return idle leases: beyond one chunk of slack, or as much of `asks` as is idle.
+        """Return idle leases: beyond one chunk of slack, as much of `asks` as is idle, and
+        what is idle above a zone's cap (one that shrank while we held more).
 
         Whole leases go first (smallest first); what remains is cut from one larger lease by
         Resize, in whole chunks unless the governor asked for exact bytes.
@@ -430,6 +480,9 @@ class GovernorClient:
                 unit = self.chunk_bytes
                 if asks.get(zone):
                     excess, unit = max(excess, min(asks[zone], slack)), 1
+                over_cap = sum(self._held[zone].values()) - self.zone_caps.get(zone, 1 << 62)
+                if over_cap > 0 and slack > 0:  # the cap shrank: what is idle above it goes
+                    excess, unit = max(excess, min(over_cap, slack)), 1
                 plan: list[tuple[str, int, int]] = []  # lease id, bytes before, bytes after
                 for lease_id, nbytes in sorted(self._held[zone].items(), key=lambda kv: kv[1]):
                     if nbytes <= excess:

@@ -67,6 +67,7 @@ class Registration:
     lease_ttl_s: float
     device_budget_bytes: int
     leases: list[Lease]
+    zone_caps: dict[str, int] = field(default_factory=dict)  # hard zone caps (Policy.zone_caps)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class HeartbeatResult:
     lease_ttl_s: float
     reregister: bool
     reclaim: dict[str, int] = field(default_factory=dict)
+    zone_caps: dict[str, int] = field(default_factory=dict)  # hard zone caps (Policy.zone_caps)
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ class Ledger:
                 known.row, known.last_seen = wrow, now
             self._bump()
             return Registration(self.policy.lease_ttl_s, self._devices[device.uuid].row.budget_bytes,
-                                self._worker_leases(worker_id))
+                                self._worker_leases(worker_id), self.policy.zone_caps())
 
     def deregister(self, worker_id: str) -> int:
         """Forget `worker_id` and release everything it holds; returns the bytes released."""
@@ -298,7 +300,8 @@ class Ledger:
                 self._sample_unaccounted(device, now)
             reclaim = self._reclaim_for(device, worker_id)
             self._bump()
-            return HeartbeatResult(self.policy.lease_ttl_s, reregister=False, reclaim=reclaim)
+            return HeartbeatResult(self.policy.lease_ttl_s, reregister=False, reclaim=reclaim,
+                                   zone_caps=self.policy.zone_caps())
 
     def expire(self) -> list[str]:
         """Drop every worker silent for longer than the TTL; returns their ids."""

@@ -69,3 +69,9 @@ class Policy:
             raise InvalidArgument("transient headroom cannot be negative")
         if self.lease_ttl_s <= 0:
             raise InvalidArgument("lease TTL must be positive")
+
+    def zone_caps(self) -> dict[str, int]:
+        """Zones whose leases together may never exceed their share: every zone budget while
+        lending is off, none while it is on (a share is then a floor the zone can reclaim, and
+        a zone may borrow beyond it)."""
+        return {} if self.lending else dict(self.zone_budgets)

@@ -58,6 +58,10 @@ def _zone_pb(z: ZoneReport) -> governor_pb2.ZoneUsage:
         leased_bytes=z.leased_bytes, budget_bytes=z.budget_bytes, borrowed_bytes=z.borrowed_bytes)
 
 
+def _caps_pb(caps: dict[str, int]) -> list[governor_pb2.ZoneCap]:
+    return [governor_pb2.ZoneCap(zone=zone_value(z), bytes=b) for z, b in sorted(caps.items())]
+
+
 def device_pb(d: DeviceReport) -> governor_pb2.DeviceResources:
     return governor_pb2.DeviceResources(
         uuid=d.uuid, name=d.name, total_bytes=d.total_bytes, budget_bytes=d.budget_bytes,
@@ -93,7 +97,7 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             request.host)
         return governor_pb2.RegisterWorkerResponse(
             lease_ttl_ms=int(reg.lease_ttl_s * 1000), device_budget_bytes=reg.device_budget_bytes,
-            leases=[lease_pb(lease) for lease in reg.leases])
+            leases=[lease_pb(lease) for lease in reg.leases], zone_caps=_caps_pb(reg.zone_caps))
 
     async def DeregisterWorker(self, request, context):
         return governor_pb2.DeregisterWorkerResponse(
@@ -124,7 +128,8 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
         return governor_pb2.HeartbeatResponse(
             lease_ttl_ms=int(result.lease_ttl_s * 1000), reregister=result.reregister,
             reclaim=[governor_pb2.Reclaim(zone=zone_value(z), bytes=b)
-                     for z, b in sorted(result.reclaim.items())])
+                     for z, b in sorted(result.reclaim.items())],
+            zone_caps=_caps_pb(result.zone_caps))
 
     async def GetResources(self, request, context):
         return governor_pb2.GetResourcesResponse(

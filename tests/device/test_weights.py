@@ -233,3 +233,47 @@ def test_the_pinned_host_budget_refuses_a_slot_before_allocating_anything():
         d.weights.add("b", _w(2 * GRANULE, 2))   # the budget came back with the removal
     finally:
         d.close()
+
+
+def test_the_budget_is_the_least_of_its_sources_and_a_shrink_pages_idle_weights_out():
+    """Issue 14: `set_budget` per source (the flag, the governor's weights zone cap); the
+    effective budget is the smaller. A shrink pages unpinned weights out at once and runs their
+    releases (the ledger drops now); a pinned slot stays until `trim` after its unpin."""
+    d = make_device(weight_budget=6 * GRANULE)
+    try:
+        for i in range(4):
+            d.weights.add(f"w{i}", _w(GRANULE, i))
+        d.weights.ensure_resident([f"w{i}" for i in range(4)])
+        d.weights.pin(["w3"])
+        assert d.weights.set_budget(8 * GRANULE, "governor") == 6 * GRANULE  # the flag is less
+        assert d.weights.budget_source == "--weight-budget-bytes"
+        assert d.arena.zone_live_bytes("weights") == 4 * GRANULE
+        assert d.weights.set_budget(GRANULE, "governor") == GRANULE          # now the grant is
+        assert d.weights.budget_source == "the governor's weights zone cap"
+        states = [d.weights.get(f"w{i}").state for i in range(4)]
+        assert states[:3] == ["idle"] * 3 and states[3] in ("pending", "resident"), states
+        assert d.ledger.snapshot()["weights"][0] == GRANULE, "the releases did not run"
+        d.weights.set_budget(None, "governor")
+        assert d.weights.budget_bytes == 6 * GRANULE and d.weights.stats()["budget_bytes"] == \
+            6 * GRANULE
+        d.weights.ensure_resident(["w0", "w1"])
+        d.weights.set_budget(GRANULE, "flag")      # shrinks under the pinned w3 again
+        assert d.arena.zone_live_bytes("weights") == GRANULE
+        d.weights.unpin(["w3"])
+        assert d.weights.trim() == 0, "w3 is the only slot and fits the budget"
+        d.weights.set_budget(None, "flag")
+        assert d.weights.budget_bytes is None and d.weights.trim() == 0
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("args", [(0, "flag"), (-1, "governor"), (GRANULE, "nonsense")])
+def test_a_bad_budget_is_rejected_and_changes_nothing(args):
+    d = make_device(weight_budget=4 * GRANULE)
+    try:
+        with pytest.raises(InvalidArgument):
+            d.weights.set_budget(*args)
+        assert d.weights.budget_bytes == 4 * GRANULE
+        assert d.weights.limits() == {"flag": 4 * GRANULE, "governor": None}
+    finally:
+        d.close()

@@ -227,3 +227,70 @@ def test_local_budget_adopts_already_spent_bytes_even_beyond_its_budget():
     assert budget.used()["context"] == 2 * MIB
     with pytest.raises(ResourceExhausted):
         budget.reserve("kv", 1)
+
+
+@pytest.mark.parametrize("lending", [False, True])
+def test_zone_caps_reach_the_client_at_registration_and_on_every_beat_only_with_lending_off(
+        tmp_path, lending):
+    """A zone budget is a hard cap only with lending off; `on_caps` hears each change once."""
+    server, _ = serve(tmp_path, zone_budgets={"weights": 40 * MIB, "kv": 64 * MIB},
+                      lending=lending)
+    heard: list[dict[str, int]] = []
+    c = client(server)
+    try:
+        want = {} if lending else {"weights": 40 * MIB, "kv": 64 * MIB}
+        assert c.zone_caps == want, "the registration reply did not carry the caps"
+        c.on_caps = heard.append
+        c.deliver_caps()
+        beats = c.counters["heartbeats"]
+        eventually(lambda: c.counters["heartbeats"] >= beats + 3, what="three heartbeats")
+        assert heard == [want], "on_caps must hear the caps once, not on every beat"
+    finally:
+        c.close()
+        server.stop(grace=0)
+
+
+def test_a_cap_that_shrinks_below_the_held_lease_gets_the_idle_bytes_above_it_back(tmp_path):
+    """The governor restarts with a smaller weights cap: the beat that brings it delivers it and
+    gives back the idle lease bytes above it (in exact bytes, not chunks); bytes in use stay."""
+    server, ledger = serve(tmp_path, zone_budgets={"weights": 40 * MIB}, lending=False)
+    port = int(server.address.rsplit(":", 1)[1])
+    heard: list[dict[str, int]] = []
+    c = client(server, on_caps=heard.append, chunk_bytes=64 * MIB)
+    try:
+        c.reserve("weights", 30 * MIB)      # the chunk does not fit the cap: exactly 30 MiB
+        c.release("weights", 20 * MIB)      # 20 MiB idle, under the 2-chunk hysteresis
+        time.sleep(0.2)
+        assert leased(ledger) == 30 * MIB
+        server.stop(grace=0)
+        server, ledger = serve(tmp_path, port=port, zone_budgets={"weights": 16 * MIB},
+                               lending=False)
+        eventually(lambda: heard and heard[-1] == {"weights": 16 * MIB}, what="the new cap")
+        eventually(lambda: leased(ledger) == 16 * MIB, what="the bytes above the cap to go back")
+        assert c.used() == {"weights": 10 * MIB}
+    finally:
+        c.close()
+        server.stop(grace=0)
+
+
+def test_a_lease_request_never_asks_a_capped_zone_for_more_than_it_can_grant(tmp_path):
+    """Under a 40 MiB weights cap and 64 MiB chunks: growth asks for the exact need when a chunk
+    would not fit the cap (no refused whole-chunk Acquire first), and growth beyond the cap is
+    refused by the client with the numbers, without an RPC."""
+    server, ledger = serve(tmp_path, zone_budgets={"weights": 40 * MIB}, lending=False)
+    c = client(server, chunk_bytes=64 * MIB)
+    try:
+        c.reserve("weights", 30 * MIB)
+        assert leased(ledger) == 30 * MIB, "the exact need, not all the room the cap leaves"
+        assert ledger.counters["refused"] == 0, "a whole chunk was asked and refused first"
+        c.reserve("weights", 10 * MIB)
+        assert leased(ledger) == 40 * MIB and c.counters["acquires"] == 2
+        with pytest.raises(ResourceExhausted, match="41943040-byte cap") as e:
+            c.reserve("weights", 1)
+        assert (e.value.asked_bytes, e.value.free_bytes, e.value.zone) == (1, 0, "weights")
+        assert ledger.counters["refused"] == 0, "the refusal cost an RPC"
+        assert c.counters["cap_refusals"] == 1 and c.used() == {"weights": 40 * MIB}
+        c.reserve("kv", 1)                        # another zone has no cap
+    finally:
+        c.close()
+        server.stop(grace=0)

@@ -24,9 +24,10 @@ def kernel_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("nvrtc-cache-gpu-streaming")
 
 
-def run(cache_dir, budget: int | None, capture: bool) -> tuple[list[int], dict]:
+def run(cache_dir, budget: int | None, capture: bool, governor: str | None = None
+        ) -> tuple[list[int], dict]:
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=cache_dir, capture=capture,
-                                    weight_budget_bytes=budget)).start()
+                                    weight_budget_bytes=budget, governor=governor)).start()
     try:
         rt.load_model("m", "decoder", "small", 2)
         tokens = [c[0] for c in rt.generate("m", PROMPT, NEW_TOKENS)]
@@ -52,5 +53,26 @@ def test_a_decoder_larger_than_its_budget_matches_the_unconstrained_run_on_cuda(
     got, stats = run(kernel_cache_dir, BUDGET, capture)
     assert stats["streams"] and stats["weights"]["evictions"] > 0
     assert got == want
+    assert 0 < stats["weights"]["peak_committed_bytes"] <= BUDGET
+    assert stats["faults"] == 0 and stats["unaccounted"] <= stats["tolerance"]
+
+
+def test_a_decoder_larger_than_the_governors_weights_cap_matches_the_unconstrained_run_on_cuda(
+        kernel_cache_dir, tmp_path):
+    """The same, with the budget coming from a governor's weights zone cap (lending off) and no
+    flag: on the device the lease also bounds releases in flight, so page-ins wait for fences."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from services.governor.policy import Policy
+    from services.governor.server import start_governor
+    want, _ = run(kernel_cache_dir, None, capture=True)
+    server, _ = start_governor("127.0.0.1:0", tmp_path / "gov.sqlite",
+                               Policy(zone_budgets={"weights": BUDGET}, lending=False),
+                               tracer_provider=TracerProvider())
+    try:
+        got, stats = run(kernel_cache_dir, None, True, governor=server.address)
+    finally:
+        server.stop(grace=0)
+    assert stats["streams"] and got == want
     assert 0 < stats["weights"]["peak_committed_bytes"] <= BUDGET
     assert stats["faults"] == 0 and stats["unaccounted"] <= stats["tolerance"]

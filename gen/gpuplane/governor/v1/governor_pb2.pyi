@@ -84,6 +84,14 @@ class Reclaim(_message.Message):
     bytes: int
     def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class ZoneCap(_message.Message):
+    __slots__ = ("zone", "bytes")
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    zone: Zone
+    bytes: int
+    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "device", "host")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -95,14 +103,16 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "device_budget_bytes", "leases")
+    __slots__ = ("lease_ttl_ms", "device_budget_bytes", "leases", "zone_caps")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    ZONE_CAPS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     device_budget_bytes: int
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., device_budget_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
+    zone_caps: _containers.RepeatedCompositeFieldContainer[ZoneCap]
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., device_budget_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., zone_caps: _Optional[_Iterable[_Union[ZoneCap, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("worker_id", "device_uuid", "zone", "bytes")
@@ -167,14 +177,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "reregister", "reclaim")
+    __slots__ = ("lease_ttl_ms", "reregister", "reclaim", "zone_caps")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_FIELD_NUMBER: _ClassVar[int]
+    ZONE_CAPS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     reregister: bool
     reclaim: _containers.RepeatedCompositeFieldContainer[Reclaim]
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., reregister: _Optional[bool] = ..., reclaim: _Optional[_Iterable[_Union[Reclaim, _Mapping]]] = ...) -> None: ...
+    zone_caps: _containers.RepeatedCompositeFieldContainer[ZoneCap]
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., reregister: _Optional[bool] = ..., reclaim: _Optional[_Iterable[_Union[Reclaim, _Mapping]]] = ..., zone_caps: _Optional[_Iterable[_Union[ZoneCap, _Mapping]]] = ...) -> None: ...
 
 class WorkerResources(_message.Message):
     __slots__ = ("worker_id", "host", "leased_bytes", "committed_bytes", "content_bytes", "last_heartbeat_unix_ms", "zones", "process_used_bytes", "leases")
