@@ -80,7 +80,8 @@ def test_a_lone_request_waits_at_most_the_wait_then_runs() -> None:
     started = time.monotonic()
     b.submit([[1, 2, 3]])
     elapsed = time.monotonic() - started
-    assert 0.15 <= elapsed < 0.15 + 0.05 + 0.1, f"lone request took {elapsed:.3f}s"
+    # slack for a loaded 2-core CI machine; a batcher that waited for company would never return
+    assert 0.15 <= elapsed < 0.15 + 0.05 + 0.4, f"lone request took {elapsed:.3f}s"
 
 
 def test_a_request_arriving_during_a_batch_waits_at_most_that_batch_plus_its_own() -> None:
@@ -93,7 +94,8 @@ def test_a_request_arriving_during_a_batch_waits_at_most_that_batch_plus_its_own
     b.submit([[2]])
     elapsed = time.monotonic() - started
     first.join()
-    assert elapsed < 0.3 + 0.3 + 0.1, f"held {elapsed:.3f}s: more than the running batch + its own"
+    # slack below one more batch (0.3 s), so holding it behind another batch still fails
+    assert elapsed < 0.3 + 0.3 + 0.25, f"held {elapsed:.3f}s: more than the running batch + its own"
     assert len(run.batches) == 2
 
 
