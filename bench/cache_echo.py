@@ -62,16 +62,17 @@ def start(listen: str) -> tuple[grpc.Server, int]:
 
     keep_large_blocks_in_heap()  # as start_cache_server does: a process setting, not the service
     replies = _Replies()
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Bytes": grpc.unary_unary_rpc_method_handler(replies.bytes),
-        "Empty": grpc.unary_unary_rpc_method_handler(replies.empty),
-    })
+    handlers = {"Bytes": grpc.unary_unary_rpc_method_handler(replies.bytes),
+                "Empty": grpc.unary_unary_rpc_method_handler(replies.empty)}
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
-        handlers=[handler],
         options=[("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                  ("grpc.max_send_message_length", MAX_REPLY_BYTES),
                  ("grpc.so_reuseport", 0)])
+    # Registered the way generated code registers a servicer (generic and registered handlers),
+    # so that the call is matched to its handler on the same path as the cache's Lookup.
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
     port = server.add_insecure_port(listen)
     server.start()
     return server, port
