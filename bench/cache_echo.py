@@ -57,10 +57,6 @@ class _Replies:
 
 def start(listen: str) -> tuple[grpc.Server, int]:
     """Serve `Bytes` and `Empty` on `listen` (port 0 = any free port); returns (server, port)."""
-    # Lazy: importing cache_service pulls in the generated protos only to run mallopt.
-    from cache_service.malloc import keep_large_blocks_in_heap
-
-    keep_large_blocks_in_heap()  # as start_cache_server does: a process setting, not the service
     replies = _Replies()
     handlers = {"Bytes": grpc.unary_unary_rpc_method_handler(replies.bytes),
                 "Empty": grpc.unary_unary_rpc_method_handler(replies.empty)}
@@ -79,6 +75,9 @@ def start(listen: str) -> tuple[grpc.Server, int]:
 
 
 if __name__ == "__main__":
+    from cache_service.malloc import keep_large_blocks_in_heap
+
+    keep_large_blocks_in_heap()  # as start_cache_server does: a process setting, not the service
     _server, _port = start(sys.argv[1])
     print(f"cache echo listening on port {_port}", flush=True)
     _server.wait_for_termination()
