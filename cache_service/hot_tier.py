@@ -12,7 +12,9 @@ quarter of it is never kept (one blob must not flush the tier). Nothing here sur
 after kill -9 the tier is empty and refills from SQLite, so it cannot disagree with it.
 An entry may also keep one encoding of its artifact (the serialized hit response, made by
 `encoded` from the held artifact itself, never from anything else), dropped with the entry and
-counted in the budget, so a served entry counts about twice its size.
+counted in the budget. Encodings live in what the artifacts leave of the budget: over it, the
+oldest encodings go first, so an encoding never pushes an artifact out (which artifacts are held
+is exactly what it would be without them).
 Cost: a hit is a dict lookup and a move-to-end under one lock (~1 us); the bytes are shared with
 the caller (immutable), never copied.
 """
@@ -49,6 +51,7 @@ class HotTier:
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._entries: OrderedDict[EntryId, _Held] = OrderedDict()
+        self._encodings: OrderedDict[EntryId, None] = OrderedDict()  # entries with one, LRU first
         self._bytes = 0
         self.hits = 0
 
@@ -72,6 +75,7 @@ class HotTier:
             if held is None or held.artifact is not artifact:
                 return None
             if held.encoded is not None:
+                self._encodings.move_to_end(entry)
                 return held.encoded
         made = encode(artifact)  # outside the lock: tens of microseconds for 256 KiB
         with self._lock:
@@ -80,6 +84,7 @@ class HotTier:
                 return made
             if held.encoded is None:
                 held.encoded = made
+                self._encodings[entry] = None
                 self._bytes += len(made)
                 self._evict_to_budget()
             return made
@@ -89,25 +94,33 @@ class HotTier:
         if artifact.size * 4 > self.budget_bytes:
             return
         with self._lock:
-            old = self._entries.pop(entry, None)
-            if old is not None:
-                self._bytes -= old.size
+            self._pop(entry)
             self._entries[entry] = _Held(artifact)
             self._bytes += artifact.size
             self._evict_to_budget()
 
     def _evict_to_budget(self) -> None:
-        """Drop LRU entries until the held bytes fit (the caller holds the lock); the newest
-        entry fits alone (at most a quarter of the budget, twice that encoded)."""
+        """Drop the oldest encodings, then LRU entries, until the held bytes fit (the caller
+        holds the lock); the newest entry fits alone (at most a quarter of the budget)."""
+        while self._bytes > self.budget_bytes and self._encodings:
+            entry, _ = self._encodings.popitem(last=False)
+            held = self._entries[entry]
+            self._bytes -= len(held.encoded or b"")
+            held.encoded = None
         while self._bytes > self.budget_bytes:
-            _, victim = self._entries.popitem(last=False)
-            self._bytes -= victim.size
+            entry, _ = next(iter(self._entries.items()))
+            self._pop(entry)
+
+    def _pop(self, entry: EntryId) -> None:
+        """Forget `entry` and its encoding (the caller holds the lock)."""
+        old = self._entries.pop(entry, None)
+        if old is not None:
+            self._bytes -= old.size
+            self._encodings.pop(entry, None)
 
     def drop(self, entry: EntryId) -> None:
         with self._lock:
-            old = self._entries.pop(entry, None)
-            if old is not None:
-                self._bytes -= old.size
+            self._pop(entry)
 
     def snapshot(self) -> dict[EntryId, str]:
         """entry -> digest of everything held (for consistency checks)."""

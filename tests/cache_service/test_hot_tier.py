@@ -209,14 +209,26 @@ def test_an_encoded_hit_is_made_once_kept_with_its_entry_and_counted_in_the_budg
     tier.put(("default", "k"), other)
     assert tier.encoded(("default", "k"), held, encode) is None, "an encoding of replaced bytes"
     assert tier.bytes == other.size
-    for i in range(3, 8):  # encoded entries evict the LRU ones to stay within the budget
-        b = art(20 * KiB, i)
-        tier.put(("default", f"k{i}"), b)
-        tier.encoded(("default", f"k{i}"), b, encode)
+    tier.drop(("default", "k"))
+    assert tier.encoded(("default", "k"), other, encode) is None and tier.bytes == 0
+
+
+def test_encodings_give_way_to_artifacts_and_never_push_one_out_of_the_tier() -> None:
+    tier = HotTier(budget_bytes=100 * KiB)
+    arts = [art(20 * KiB, i) for i in range(5)]
+    for i, a in enumerate(arts[:3]):
+        tier.put(("default", f"k{i}"), a)
+        tier.encoded(("default", f"k{i}"), a, found_response_bytes)
         assert tier.bytes <= 100 * KiB, f"{tier.bytes} bytes held on a 100 KiB budget"
-    assert ("default", "k7") in tier.snapshot() and ("default", "k") not in tier.snapshot()
-    tier.drop(("default", "k7"))
-    assert tier.encoded(("default", "k7"), b, encode) is None, "a dropped entry kept its encoding"
+    assert tier.bytes > 60 * KiB + 20 * KiB, "no encoding was kept though they fit"
+    for i, a in enumerate(arts[3:], start=3):  # the artifacts now fill the budget alone
+        tier.put(("default", f"k{i}"), a)
+        tier.encoded(("default", f"k{i}"), a, found_response_bytes)
+        assert tier.bytes <= 100 * KiB, f"{tier.bytes} bytes held on a 100 KiB budget"
+    assert len(tier.snapshot()) == 5, "an encoding pushed an artifact out of the tier"
+    assert tier.bytes == 100 * KiB, "encodings kept where only the artifacts fit"
+    tier.put(("default", "k5"), art(20 * KiB, 5))  # one more artifact: the LRU one goes
+    assert ("default", "k0") not in tier.snapshot() and len(tier.snapshot()) == 5
 
 
 def test_an_encoded_lookup_sends_the_current_bytes_and_nothing_after_prune_or_quarantine(
