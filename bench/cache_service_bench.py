@@ -13,9 +13,19 @@ measured side by side in one run and printed as ratios:
   store ratio = remote Store p50 / local file publish (temp file + rename) p50
 A target MISSED makes the exit status 1 (bench/targets.py).
 
+With --ceiling, the same client processes also call bench/cache_echo.py (a bare gRPC server: no
+protobuf, no interceptors, no store), alternated with the hits in the same rounds, once for as
+many bytes as a hit's response and once for nothing. Printed as information (no targets):
+  latency = hit p50 / bare-bytes p50 (1 client): what the cache service and its client add
+            (also against bare-bytes p50 + the SHA-256 of the bytes, which every hit must pay)
+  rate    = hits/s / bare-bytes calls/s (16 clients): the same for throughput
+  bytes   = bare-bytes / bare-empty (p50 at 1 client, calls/s at 16): what moving the bytes costs
+            Python gRPC itself, before any cache code runs
+
 The local-file baseline reads the same bytes from a file and checks their SHA-256, as every tier
 must before loading code. Single-client hits, file reads and empty RPCs are alternated in rounds
-in this process, so a shared machine's changing load hits all three alike. Run: python bench/cache_service_bench.py [--quick] [--json OUT]
+in this process, so a shared machine's changing load hits all three alike.
+Run: python bench/cache_service_bench.py [--quick] [--ceiling] [--json OUT]
 """
 from __future__ import annotations
 
@@ -41,6 +51,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.cache_echo import BYTES_METHOD, EMPTY_METHOD
 from bench.targets import Targets
 from cache_service.artifact import Artifact
 from cache_service.client import KernelCacheClient
@@ -68,16 +79,29 @@ _client: KernelCacheClient | None = None
 _stub = None
 _health = None
 _barrier = None
+_bare: dict = {}  # "bytes" / "empty" -> unary callable on the bare server (with --ceiling)
 
 
-def _init_worker(target: str, barrier) -> None:
-    global _client, _stub, _health, _barrier
+def _bare_methods(channel: grpc.Channel) -> dict:
+    """The bare server's two methods: raw bytes in and out, no protobuf."""
+    return {"bytes": channel.unary_unary(BYTES_METHOD), "empty": channel.unary_unary(EMPTY_METHOD)}
+
+
+def _bare_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+
+
+def _init_worker(target: str, barrier, bare_target: str = "") -> None:
+    global _client, _stub, _health, _barrier, _bare
     _client = KernelCacheClient(target, deadline_s=30.0)
     channel = grpc.insecure_channel(target, options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     _stub = pb_grpc.KernelCacheServiceStub(channel)
     _health = health_pb2_grpc.HealthStub(channel)
     _barrier = barrier
+    if bare_target:
+        _bare = _bare_methods(_bare_channel(bare_target))
 
 
 def _lookups(args: tuple[list[str], int]) -> tuple[float, float, list[float], int]:
@@ -95,6 +119,13 @@ def _lookups(args: tuple[list[str], int]) -> tuple[float, float, list[float], in
 def _empty_rpcs(count: int) -> tuple[float, float, list[float], int]:
     request = health_pb2.HealthCheckRequest()
     return _timed(lambda: _health.Check(request, timeout=30), count)
+
+
+def _bare_calls(args: tuple[str, int, int]) -> tuple[float, float, list[float], int]:
+    which, size, count = args
+    request = str(size).encode()
+    method = _bare[which]
+    return _timed(lambda: method(request, timeout=30), count)
 
 
 def _timed(call, count: int) -> tuple[float, float, list[float], int]:
@@ -128,14 +159,21 @@ def _stores(args: tuple[int, int, str]) -> tuple[float, float, list[float], int]
     return start, time.monotonic(), lat, failed
 
 
-def alternated_rates(pool, keys: list[str], per_client: int, clients: int,
-                     rounds: int = 3) -> tuple[dict, dict]:
-    """Hits and empty RPCs from the same client processes, alternated in rounds (same load)."""
-    hits, rpcs = [], []
-    for _ in range(rounds):
-        rpcs.append(run_parallel(pool, _empty_rpcs, [max(5, per_client // rounds)] * clients))
-        hits.append(run_parallel(pool, _lookups, [(keys, max(5, per_client // rounds))] * clients))
-    return merge(hits), merge(rpcs)
+def alternated_rates(pool, keys: list[str], per_client: int, clients: int, rounds: int = 3,
+                     bare_bytes: int = 0) -> dict[str, dict]:
+    """Hits and empty RPCs from the same client processes, alternated in rounds (same load);
+    with `bare_bytes`, also the bare server's Bytes(bare_bytes) and Empty in the same rounds."""
+    each = max(5, per_client // rounds)
+    sides: dict[str, tuple] = {"rpc_n": (_empty_rpcs, each), "hit_n": (_lookups, (keys, each))}
+    if bare_bytes:
+        sides["bare_bytes_n"] = (_bare_calls, ("bytes", bare_bytes, each))
+        sides["bare_empty_n"] = (_bare_calls, ("empty", 0, each))
+    rows: dict[str, list[dict]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            func, task = sides[name]
+            rows[name].append(run_parallel(pool, func, [task] * clients))
+    return {name: merge(rows[name]) for name in sides}
 
 
 def merge(rows: list[dict]) -> dict:
@@ -170,13 +208,20 @@ def file_publishes(folder: pathlib.Path, size: int, count: int) -> dict:
 
 
 def interleaved_hits(target: str, client: KernelCacheClient, keys: list[str],
-                     paths: list[pathlib.Path], count: int, rounds: int = 20) -> dict:
-    """One client: empty RPC, file read+verify and cache hit, alternated in small rounds.
+                     paths: list[pathlib.Path], count: int, rounds: int = 20,
+                     bare: dict | None = None, bare_bytes: int = 0) -> dict:
+    """One client: empty RPC, file read+verify and cache hit, alternated in small rounds; with
+    `bare` (the bare server's methods), also its Bytes(bare_bytes) and Empty in the same rounds.
 
-    The machine is shared, so load changes during a run; alternating puts all three under
+    The machine is shared, so load changes during a run; alternating puts all of them under
     the same load and keeps the ratio honest.
     """
-    lat: dict[str, list[float]] = {"rpc": [], "read": [], "file": [], "hit": []}
+    bare = bare or {}
+    lat: dict[str, list[float]] = {"rpc": [], "read": [], "file": [], "verify": [], "hit": [],
+                                   **{f"bare_{which}": [] for which in bare}}
+    bare_requests = {"bytes": str(bare_bytes).encode(), "empty": b""}
+    for which, method in bare.items():
+        method(bare_requests[which], timeout=10)  # warm the channel
     with grpc.insecure_channel(target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
@@ -184,6 +229,11 @@ def interleaved_hits(target: str, client: KernelCacheClient, keys: list[str],
         client.lookup(keys[0])
         per_round = max(1, count // rounds)
         for _ in range(rounds):
+            for which, method in bare.items():
+                for i in range(per_round):
+                    t = time.perf_counter()
+                    method(bare_requests[which], timeout=10)
+                    lat[f"bare_{which}"].append(time.perf_counter() - t)
             for i in range(per_round):
                 t = time.perf_counter()
                 health.Check(request, timeout=10)
@@ -191,9 +241,12 @@ def interleaved_hits(target: str, client: KernelCacheClient, keys: list[str],
             for i in range(per_round):
                 t = time.perf_counter()
                 data = paths[i % len(paths)].read_bytes()
-                lat["read"].append(time.perf_counter() - t)
+                t_read = time.perf_counter()
                 hashlib.sha256(data).hexdigest()
-                lat["file"].append(time.perf_counter() - t)
+                t_end = time.perf_counter()
+                lat["read"].append(t_read - t)
+                lat["verify"].append(t_end - t_read)
+                lat["file"].append(t_end - t)
             for i in range(per_round):
                 t = time.perf_counter()
                 assert client.lookup(keys[i % len(keys)]) is not None, "a seeded key missed"
@@ -201,10 +254,12 @@ def interleaved_hits(target: str, client: KernelCacheClient, keys: list[str],
     ms = {k: (pct(v, 0.5) * 1e3, pct(v, 0.99) * 1e3) for k, v in lat.items()}
     return {
         "empty_rpc": {"p50_ms": ms["rpc"][0], "p99_ms": ms["rpc"][1]},
-        "file_read": {"read_p50_ms": ms["read"][0], "p50_ms": ms["file"][0],
-                      "p99_ms": ms["file"][1]},
+        "file_read": {"read_p50_ms": ms["read"][0], "verify_p50_ms": ms["verify"][0],
+                      "p50_ms": ms["file"][0], "p99_ms": ms["file"][1]},
         "hit_1": {"p50_ms": ms["hit"][0], "p99_ms": ms["hit"][1], "ops": len(lat["hit"]),
                   "ops_per_s": len(lat["hit"]) / sum(lat["hit"]), "failed": 0},
+        **{f"bare_{which}_1": {"p50_ms": ms[f"bare_{which}"][0], "p99_ms": ms[f"bare_{which}"][1]}
+           for which in bare},
     }
 
 
@@ -222,11 +277,52 @@ def start_server(db: pathlib.Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("cache server did not start")
 
 
+def start_echo() -> tuple[subprocess.Popen, str]:
+    """bench/cache_echo.py in its own process (as the cache server runs): the transport ceiling."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "cache_echo.py"), "127.0.0.1:0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    match = re.search(r"listening on port (\d+)", proc.stdout.readline())
+    if match is None:
+        proc.kill()
+        raise SystemExit("the bare echo server did not start")
+    return proc, f"127.0.0.1:{match.group(1)}"
+
+
+def hit_response_bytes(a: Artifact) -> int:
+    """The size of a hit's serialized LookupResponse: what the bare server returns instead."""
+    response = pb.LookupResponse(found=True)
+    artifact_to_pb(a, into=response.artifact)
+    return response.ByteSize()
+
+
+def ceiling_ratios(row: dict) -> None:
+    """What the cache adds over the bare server, and what the bytes cost the bare server itself."""
+    row["ceiling"] = {
+        "hit_over_bare_p50": row["hit_1"]["p50_ms"] / row["bare_bytes_1"]["p50_ms"],
+        # The same with the client's digest check added to the bare call: every hit must pay it.
+        "hit_over_bare_verified_p50": row["hit_1"]["p50_ms"]
+        / (row["bare_bytes_1"]["p50_ms"] + row["file_read"]["verify_p50_ms"]),
+        "hits_over_bare_rate": row["hit_n"]["ops_per_s"] / row["bare_bytes_n"]["ops_per_s"],
+        "bare_bytes_over_empty_p50": row["bare_bytes_1"]["p50_ms"] / row["bare_empty_1"]["p50_ms"],
+        "bare_bytes_over_empty_rate":
+            row["bare_bytes_n"]["ops_per_s"] / row["bare_empty_n"]["ops_per_s"],
+        # The issue's two ratios with the bare server in place of the cache: the most any cache
+        # code could reach on these clients (its hit also pays the digest check, as the file does).
+        "bare_hit_ratio": (row["bare_bytes_1"]["p50_ms"] + row["file_read"]["verify_p50_ms"])
+        / (row["file_read"]["p50_ms"] + row["empty_rpc"]["p50_ms"]),
+        "bare_rate_ratio": row["bare_bytes_n"]["ops_per_s"] / row["rpc_n"]["ops_per_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (~1 min)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--json", type=pathlib.Path, help="also write the figures here")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time bench/cache_echo.py (bare gRPC, same bytes, and empty) "
+                             "from the same clients, alternated with the hits")
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
     lookups = {"16KiB": 3000, "256KiB": 2000, "4MiB": 200}
@@ -235,14 +331,17 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="cache-bench-"))
     proc, target = start_server(tmp / "cache.sqlite")
+    echo, bare_target = start_echo() if args.ceiling else (None, "")
+    bare_channel = _bare_channel(bare_target) if bare_target else None
+    bare = _bare_methods(bare_channel) if bare_channel else {}
     ctx = multiprocessing.get_context("spawn")
     barrier1, barrierN = ctx.Barrier(1), ctx.Barrier(args.clients)
     pool1 = ctx.Pool(1, _init_worker, (target, barrier1))
-    poolN = ctx.Pool(args.clients, _init_worker, (target, barrierN))
+    poolN = ctx.Pool(args.clients, _init_worker, (target, barrierN, bare_target))
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                      "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.processor()}",
                      "python": platform.python_version(), "clients": args.clients,
-                     "quick": args.quick, "sizes": {},
+                     "quick": args.quick, "ceiling": args.ceiling, "sizes": {},
                      "loadavg_start": os.getloadavg()}
     try:
         seed = KernelCacheClient(target, write_token=TOKEN, deadline_s=30)
@@ -257,10 +356,12 @@ def main(argv: list[str] | None = None) -> int:
                 (folder / key).write_bytes(a.data)
                 paths.append(folder / key)
             assert seed.flush(60), "seeding the cache failed"
-            row = interleaved_hits(target, seed, keys, paths, n(lookups[label]))
+            reply_bytes = hit_response_bytes(a) if bare else 0
+            row = interleaved_hits(target, seed, keys, paths, n(lookups[label]), bare=bare,
+                                   bare_bytes=reply_bytes)
             row["file_publish"] = file_publishes(folder, size, n(stores[label]))
-            row["hit_n"], row["rpc_n"] = alternated_rates(
-                poolN, keys, n(lookups[label], args.clients), args.clients)
+            row.update(alternated_rates(poolN, keys, n(lookups[label], args.clients), args.clients,
+                                        bare_bytes=reply_bytes))
             row["store_1"] = run_parallel(pool1, _stores, [(size, n(stores[label]), f"s1-{label}")])
             row["store_n"] = run_parallel(poolN, _stores, [
                 (size, n(stores[label], args.clients), f"sN-{label}-{c}")
@@ -269,13 +370,20 @@ def main(argv: list[str] | None = None) -> int:
             row["hit_ratio"] = row["hit_1"]["p50_ms"] / base
             row["rate_ratio"] = row["hit_n"]["ops_per_s"] / row["rpc_n"]["ops_per_s"]
             row["store_ratio"] = row["store_1"]["p50_ms"] / row["file_publish"]["p50_ms"]
+            if bare:
+                row["bare_reply_bytes"] = reply_bytes
+                ceiling_ratios(row)
             results["sizes"][label] = row
         seed.close()
     finally:
         pool1.terminate()
         poolN.terminate()
-        proc.terminate()
-        proc.wait(10)
+        if bare_channel is not None:
+            bare_channel.close()
+        for server in (proc, echo):
+            if server is not None:
+                server.terminate()
+                server.wait(10)
     results["loadavg_end"] = os.getloadavg()
     for row in results["sizes"].values():
         for m in row.values():
@@ -301,8 +409,14 @@ def report(r: dict, targets: Targets) -> None:
                           ("file publish", "file_publish"),
                           ("hit, 1 client", "hit_1"), (f"empty RPC, {c} clients", "rpc_n"),
                           (f"hit, {c} clients", "hit_n"),
-                          ("store, 1 client", "store_1"), (f"store, {c} clients", "store_n")):
-            m = row[key]
+                          ("store, 1 client", "store_1"), (f"store, {c} clients", "store_n"),
+                          ("bare bytes, 1 client", "bare_bytes_1"),
+                          ("bare empty, 1 client", "bare_empty_1"),
+                          (f"bare bytes, {c} clients", "bare_bytes_n"),
+                          (f"bare empty, {c} clients", "bare_empty_n")):
+            m = row.get(key)
+            if m is None:
+                continue
             rate = f"{m['ops_per_s']:9.0f}" if "ops_per_s" in m else f"{'':>9}"
             print(f"{label:>7} {name:<22} {m['p50_ms']:9.3f} {m['p99_ms']:9.3f} {rate}")
     print("ratios (same run):")
@@ -311,10 +425,34 @@ def report(r: dict, targets: Targets) -> None:
               f"hits/s / empty RPCs/s with {c} clients = {row['hit_n']['ops_per_s']:.0f} / "
               f"{row['rpc_n']['ops_per_s']:.0f} = {row['rate_ratio']:.2f};  "
               f"store p50 / file publish = {row['store_ratio']:.2f}")
+    if r.get("ceiling"):
+        report_ceiling(r)
     row = r["sizes"].get("256KiB")
     if row is not None:
         targets.check("256 KiB hit p50 / (file read+verify + empty RPC)", row["hit_ratio"], "<=", 1.5)
         targets.check(f"256 KiB hits/s / empty RPCs/s, {c} clients", row["rate_ratio"], ">=", 0.5)
+
+
+def report_ceiling(r: dict) -> None:
+    """The ceiling rows: information next to the targets, never a target themselves."""
+    c = r["clients"]
+    print("against the transport ceiling (bench/cache_echo.py: bare gRPC, no protobuf, no "
+          "interceptors, no store; same clients, same rounds):")
+    for label, row in r["sizes"].items():
+        x = row["ceiling"]
+        print(f"  {label:>7}: cache over bare bytes ({row['bare_reply_bytes']} B): latency hit p50 "
+              f"/ bare p50 = {row['hit_1']['p50_ms']:.3f} / {row['bare_bytes_1']['p50_ms']:.3f} = "
+              f"{x['hit_over_bare_p50']:.2f}, rate hits/s / bare calls/s ({c} clients) = "
+              f"{row['hit_n']['ops_per_s']:.0f} / {row['bare_bytes_n']['ops_per_s']:.0f} = "
+              f"{x['hits_over_bare_rate']:.2f}; hit p50 / (bare p50 + sha256 p50 "
+              f"{row['file_read']['verify_p50_ms']:.3f}) = {x['hit_over_bare_verified_p50']:.2f}")
+        print(f"  {'':>7}  transport's cost of the bytes: bare bytes / bare empty p50 = "
+              f"{x['bare_bytes_over_empty_p50']:.2f}, calls/s ({c} clients) = "
+              f"{x['bare_bytes_over_empty_rate']:.2f}")
+        print(f"  {'':>7}  the issue's ratios with the bare server as the cache (the most any "
+              f"cache code reaches here): (bare p50 + sha256 p50) / (file read+verify + empty RPC)"
+              f" = {x['bare_hit_ratio']:.2f}; bare calls/s / empty RPCs/s = "
+              f"{x['bare_rate_ratio']:.2f}")
 
 
 if __name__ == "__main__":

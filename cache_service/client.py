@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.artifact import Artifact, sha256_hex
 from cache_service.breaker import CircuitBreaker
 from cache_service.convert import artifact_from_pb, artifact_to_pb
-from services.common.channels import open_channel
+from services.common.channels import open_lean_channel
 from services.common.tls import ChannelTLS
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,13 @@ class KernelCacheClient:
         self.target = target
         self.deadline_s = deadline_s
         self.store_deadline_s = store_deadline_s
-        self._channel = open_channel(target, SERVICE_NAME,
-                                     idempotent_methods=("Lookup", "BatchLookup", "GetStats"),
-                                     tracer_provider=tracer_provider, tls=tls,
-                                     metadata_token=write_token)  # every call: it names us
+        # Lean: the token (every call: it names us) and the trace context go in each call's
+        # metadata rather than through a Python channel interceptor per call.
+        self._lean = open_lean_channel(target, SERVICE_NAME,
+                                       idempotent_methods=("Lookup", "BatchLookup", "GetStats"),
+                                       tracer_provider=tracer_provider, tls=tls,
+                                       metadata_token=write_token)
+        self._channel = self._lean.channel
         self._stub = pb_grpc.KernelCacheServiceStub(self._channel)
         # Connect now, in the background: a cold worker's first BatchLookup comes during model
         # load, and the TCP + HTTP/2 handshake should not be part of that stall. A health check
@@ -208,7 +211,8 @@ class KernelCacheClient:
             self._count("short_circuits")
             return None
         try:
-            response = method(request, timeout=timeout, metadata=metadata or None)
+            response = method(request, timeout=timeout,
+                              metadata=self._lean.metadata(metadata) or None)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

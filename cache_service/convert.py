@@ -28,6 +28,14 @@ def artifact_to_pb(artifact: Artifact, into: pb.Artifact | None = None) -> pb.Ar
     return message
 
 
+def found_response_bytes(artifact: Artifact) -> bytes:
+    """A hit's LookupResponse, serialized: what the hot tier keeps next to a served artifact, so
+    that a repeated hit is sent as it is (no conversion, no serialization, no copy)."""
+    response = pb.LookupResponse(found=True)
+    artifact_to_pb(artifact, into=response.artifact)
+    return response.SerializeToString()
+
+
 def artifact_from_pb(message: pb.Artifact) -> tuple[Artifact, str]:
     """The artifact and the digest the sender claimed (verified by the caller, not here)."""
     kind = _PB_TO_KIND.get(message.kind)

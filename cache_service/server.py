@@ -5,7 +5,6 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -15,7 +14,7 @@ from cache_service.claims import ClaimTable
 from cache_service.config import ServerConfig
 from cache_service.malloc import keep_large_blocks_in_heap
 from cache_service.metrics import CacheMetrics
-from cache_service.servicer import SERVICE_NAME, KernelCacheServicer
+from cache_service.servicer import SERVICE_NAME, KernelCacheServicer, add_to_server
 from cache_service.store import ArtifactStore
 from services.common.authz import table
 from services.common.metrics import start_metrics_endpoint
@@ -72,8 +71,7 @@ def start_cache_server(config: ServerConfig, tracer_provider: TracerProvider | N
     try:
         running = create_server(
             config.listen,
-            [ServiceRegistration(SERVICE_NAME, servicer,
-                                 pb_grpc.add_KernelCacheServiceServicer_to_server)],
+            [ServiceRegistration(SERVICE_NAME, servicer, add_to_server)],
             tracer_provider or default_tracer_provider("kernel-cache"),
             extra_interceptors=[metrics.interceptor()],
             security=with_write_token(config.security, config.write_token),

@@ -1,12 +1,14 @@
 """KernelCacheService over gRPC: validate, convert, call the ArtifactStore, convert back."""
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as pb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
 from cache_service.claims import ClaimStats, ClaimTable, Outcome
-from cache_service.convert import artifact_from_pb, artifact_to_pb
+from cache_service.convert import artifact_from_pb, artifact_to_pb, found_response_bytes
 from cache_service.store import (
     OMITTED,
     ArtifactStore,
@@ -24,6 +26,7 @@ MAX_BATCH_KEYS = 4096
 BATCH_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 2
 
 
+_MISS = pb.LookupResponse(found=False)
 _OUTCOME_TO_PB = {Outcome.GRANTED: pb.CLAIM_OUTCOME_GRANTED, Outcome.FOUND: pb.CLAIM_OUTCOME_FOUND,
                   Outcome.HELD: pb.CLAIM_OUTCOME_HELD}
 
@@ -61,13 +64,12 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
         return pb.StoreResponse(stored=outcome.stored, digest_conflict=outcome.digest_conflict,
                                 evicted_entries=outcome.evicted_entries)
 
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        artifact = self.store.lookup(request.key, request.namespace)
-        if artifact is None:
-            return pb.LookupResponse(found=False)
-        response = pb.LookupResponse(found=True)
-        artifact_to_pb(artifact, into=response.artifact)
-        return response
+    def Lookup(self, request: pb.LookupRequest,
+               context: grpc.ServicerContext) -> pb.LookupResponse | bytes:
+        """A hit is answered with its serialized response (kept in the hot tier once made); see
+        `add_to_server`, which lets those bytes through Lookup's serializer unchanged."""
+        encoded = self.store.lookup_encoded(request.key, request.namespace, found_response_bytes)
+        return _MISS if encoded is None else encoded
 
     def BatchLookup(self, request: pb.BatchLookupRequest,
                     context: grpc.ServicerContext) -> pb.BatchLookupResponse:
@@ -117,3 +119,34 @@ class KernelCacheServicer(pb_grpc.KernelCacheServiceServicer):
                      context: grpc.ServicerContext) -> pb.ReleaseClaimResponse:
         entry = (normalize_namespace(request.namespace), validate_key(request.key))
         return pb.ReleaseClaimResponse(released=self.claims.release(entry, request.holder))
+
+
+def _message_or_encoded(response: Any) -> bytes:
+    """Lookup's serializer: a message is serialized, bytes (an encoded hit) are sent as they are."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+class _LookupSendsEncoded:
+    """Stands in for the server while the generated code registers the servicer: the method
+    table it passes is registered as given, except that Lookup's serializer also takes bytes.
+    (The generated code registers one table twice, as a generic handler and as registered
+    methods; both are made here from the second call, so nothing is registered twice.)"""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # made below from the same method table
+
+    def add_registered_method_handlers(self, service: str, method_handlers: dict) -> None:
+        table = dict(method_handlers)
+        lookup = table["Lookup"]
+        table["Lookup"] = grpc.unary_unary_rpc_method_handler(
+            lookup.unary_unary, lookup.request_deserializer, _message_or_encoded)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, table),))
+        self._server.add_registered_method_handlers(service, table)
+
+
+def add_to_server(servicer: KernelCacheServicer, server: grpc.Server) -> None:
+    """`add_KernelCacheServiceServicer_to_server`, with Lookup able to answer pre-serialized."""
+    pb_grpc.add_KernelCacheServiceServicer_to_server(servicer, _LookupSendsEncoded(server))

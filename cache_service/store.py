@@ -267,6 +267,18 @@ class ArtifactStore:
         entry = (normalize_namespace(namespace), validate_key(key))
         return self._read(entry, self._clock())
 
+    def lookup_encoded(self, key: str, namespace: str,
+                       encode: Callable[[Artifact], bytes]) -> bytes | None:
+        """Like `lookup`, answered as `encode(artifact)` (a serialized hit response), or None for
+        a miss. The encoding of a hot artifact is made once and kept with it in the hot tier, so
+        a repeated hit neither converts nor copies the bytes again."""
+        entry = (normalize_namespace(namespace), validate_key(key))
+        artifact = self._read(entry, self._clock())
+        if artifact is None:
+            return None
+        kept = self._hot.encoded(entry, artifact, encode)
+        return kept if kept is not None else encode(artifact)
+
     def lookup_present(self, key: str, namespace: str = "") -> Artifact | None:
         """Like `lookup`, but an absent key is not counted as a miss (a claim's check, not a read)."""
         entry = (normalize_namespace(namespace), validate_key(key))

@@ -94,16 +94,22 @@ def traced_channel(channel: grpc.Channel, provider: TracerProvider | None) -> gr
     return grpcext.intercept_channel(channel, interceptor)
 
 
+def trace_context_metadata() -> tuple[tuple[str, str], ...]:
+    """The current trace context (W3C traceparent) as call metadata; empty outside any trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
+
+
 class _PropagateContext(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Injects the current trace context (W3C traceparent) into outgoing metadata; no spans."""
 
     @staticmethod
     def _with_context(details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        if not carrier:
+        context = trace_context_metadata()
+        if not context:
             return details
-        metadata = list(details.metadata or []) + list(carrier.items())
+        metadata = list(details.metadata or []) + list(context)
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             details.wait_for_ready, details.compression)
 

@@ -141,3 +141,46 @@ def test_bytes_that_fail_their_digest_are_a_counted_miss_never_returned():
     finally:
         client.close()
         server.stop(0)
+
+
+class _Recorder(pb_grpc.KernelCacheServiceServicer):
+    """Keeps the metadata of every Lookup it answers."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[tuple[str, str]]] = []
+
+    def Lookup(self, request, context):
+        self.seen.append([(k, v) for k, v in context.invocation_metadata()
+                          if k in ("authorization", "traceparent")])
+        return pb.LookupResponse(found=False)
+
+
+def test_every_call_carries_the_token_and_exactly_one_trace_context_without_interceptors():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from services.common import telemetry
+
+    recorder = _Recorder()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_KernelCacheServiceServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    silent, recording = telemetry.tracer_provider("probe-silent-cache-client"), TracerProvider()
+    caller = TracerProvider()
+    try:
+        for provider in (silent, recording):
+            client = KernelCacheClient(f"127.0.0.1:{port}", write_token=TOKEN,
+                                       tracer_provider=provider)
+            client.lookup("outside")
+            with caller.get_tracer("test").start_as_current_span("load") as span:
+                client.lookup("inside")
+                trace_id = format(span.get_span_context().trace_id, "032x")
+            client.close()
+            outside, inside = recorder.seen[-2:]
+            assert ("authorization", f"Bearer {TOKEN}") in outside, "the token was not sent"
+            assert sorted(k for k, _ in inside) == ["authorization", "traceparent"], inside
+            assert trace_id in dict(inside)["traceparent"], "the caller's trace context was dropped"
+            if not telemetry.is_recording(provider):  # no span to make: no Python interceptor
+                assert type(client._channel).__module__ != "grpc._interceptor"
+    finally:
+        server.stop(0)

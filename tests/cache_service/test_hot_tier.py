@@ -16,7 +16,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 
 from cache_service.artifact import Artifact
 from cache_service.client import KernelCacheClient
-from cache_service.convert import artifact_to_pb
+from cache_service.convert import artifact_from_pb, artifact_to_pb, found_response_bytes
 from cache_service.hot_tier import HotTier
 from cache_service.store import ArtifactStore, StoreConfig
 from services.common.errors import InvalidArgument
@@ -137,7 +137,23 @@ def test_evicted_and_pruned_entries_leave_memory_and_a_re_store_never_serves_old
         assert store.lookup("k0").data == fresh.data
 
 
-def test_memory_stays_in_step_with_sqlite_under_concurrent_stores_reads_and_evictions(db) -> None:
+def _decoded(encoded: bytes | None) -> Artifact | None:
+    if encoded is None:
+        return None
+    response = pb.LookupResponse.FromString(encoded)
+    assert response.found, "an encoded hit said not found"
+    artifact, claimed = artifact_from_pb(response.artifact)
+    assert claimed == artifact.sha256, "an encoded hit carries a digest that is not its bytes'"
+    return artifact
+
+
+_READS = {"artifact": lambda store, key: store.lookup(key),
+          "encoded": lambda store, key: _decoded(store.lookup_encoded(key, "", found_response_bytes))}
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+def test_memory_stays_in_step_with_sqlite_under_concurrent_stores_reads_and_evictions(
+        db, read: str) -> None:
     config = StoreConfig(budget_bytes=96 * KiB, low_watermark=0.6, hot_bytes=48 * KiB)
     # Two artifacts per key: after an eviction the key may come back with the other one.
     variants = {f"k{i}": [art(s * KiB, i * 10 + v) for v, s in enumerate((2 + i % 3, 6 + i % 5))]
@@ -151,7 +167,7 @@ def test_memory_stays_in_step_with_sqlite_under_concurrent_stores_reads_and_evic
             rng = random.Random(seed)
             while not stop.is_set():
                 key = f"k{rng.randrange(30)}"
-                got = store.lookup(key)
+                got = _READS[read](store, key)
                 if got is not None and got.sha256 not in digests[key]:
                     bad.append(key)
 
@@ -172,6 +188,72 @@ def test_memory_stays_in_step_with_sqlite_under_concurrent_stores_reads_and_evic
         s = store.stats()
         assert s.hot_bytes <= 48 * KiB and s.evictions > 0 and s.hot_hits > 0, s
         assert_in_step(store, db)
+
+
+def test_an_encoded_hit_is_made_once_kept_with_its_entry_and_counted_in_the_budget() -> None:
+    tier = HotTier(budget_bytes=100 * KiB)
+    a, made = art(20 * KiB, 1), []
+
+    def encode(x: Artifact) -> bytes:
+        made.append(x)
+        return found_response_bytes(x)
+
+    tier.put(("default", "k"), a)
+    held = tier.get(("default", "k"), a.sha256)
+    first = tier.encoded(("default", "k"), held, encode)
+    again = tier.encoded(("default", "k"), held, encode)
+    assert first is again and len(made) == 1, "the encoding was made more than once"
+    assert _decoded(first).data == a.data, "the encoding is not the held artifact's response"
+    assert tier.bytes == a.size + len(first), "the kept encoding is not counted in the budget"
+    other = art(20 * KiB, 2)  # the key re-stored with other bytes: the old encoding goes with it
+    tier.put(("default", "k"), other)
+    assert tier.encoded(("default", "k"), held, encode) is None, "an encoding of replaced bytes"
+    assert tier.bytes == other.size
+    tier.drop(("default", "k"))
+    assert tier.encoded(("default", "k"), other, encode) is None and tier.bytes == 0
+
+
+def test_encodings_give_way_to_artifacts_and_never_push_one_out_of_the_tier() -> None:
+    tier = HotTier(budget_bytes=100 * KiB)
+    arts = [art(20 * KiB, i) for i in range(5)]
+    for i, a in enumerate(arts[:3]):
+        tier.put(("default", f"k{i}"), a)
+        tier.encoded(("default", f"k{i}"), a, found_response_bytes)
+        assert tier.bytes <= 100 * KiB, f"{tier.bytes} bytes held on a 100 KiB budget"
+    assert tier.bytes > 60 * KiB + 20 * KiB, "no encoding was kept though they fit"
+    for i, a in enumerate(arts[3:], start=3):  # the artifacts now fill the budget alone
+        tier.put(("default", f"k{i}"), a)
+        tier.encoded(("default", f"k{i}"), a, found_response_bytes)
+        assert tier.bytes <= 100 * KiB, f"{tier.bytes} bytes held on a 100 KiB budget"
+    assert len(tier.snapshot()) == 5, "an encoding pushed an artifact out of the tier"
+    assert tier.bytes == 100 * KiB, "encodings kept where only the artifacts fit"
+    tier.put(("default", "k5"), art(20 * KiB, 5))  # one more artifact: the LRU one goes
+    assert ("default", "k0") not in tier.snapshot() and len(tier.snapshot()) == 5
+
+
+def test_an_encoded_lookup_sends_the_current_bytes_and_nothing_after_prune_or_quarantine(
+        db) -> None:
+    with ArtifactStore(db, StoreConfig(hot_bytes=1 << 20)) as store:
+        a, b = art(8 * KiB, 1), art(8 * KiB, 2)
+        store.store("k", a)
+        assert store.lookup_encoded("nope", "", found_response_bytes) is None, "a miss encoded"
+        for _ in range(2):
+            assert store.lookup_encoded("k", "", found_response_bytes) == found_response_bytes(a)
+        s = store.stats()
+        assert s.hits == 2 and s.hot_hits == 2 and s.hot_bytes > 2 * a.size, s
+        store.prune(1)  # down to 1 byte: everything goes
+        assert store.lookup_encoded("k", "", found_response_bytes) is None, "a pruned entry sent"
+        assert store.hot_snapshot() == {}
+        store.store("k", b)  # back with other bytes: the kept encoding of `a` must be gone
+        for _ in range(2):
+            assert _decoded(store.lookup_encoded("k", "", found_response_bytes)).data == b.data
+    good = art(8 * KiB, 7)
+    with ArtifactStore(db) as store:
+        store.store("c", good)
+    _flip_byte_of(db, good.data[1000:1100])
+    with ArtifactStore(db) as store:
+        assert store.lookup_encoded("c", "", found_response_bytes) is None, "corrupt bytes sent"
+        assert store.hot_snapshot() == {} and store.stats().quarantined == 1
 
 
 def test_after_kill_9_the_restarted_server_serves_exactly_what_sqlite_holds(tmp_path) -> None:

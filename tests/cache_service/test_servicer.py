@@ -85,6 +85,23 @@ def test_lookup_of_a_bad_key_or_too_many_keys_is_invalid_argument(stub):
         grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_repeated_hits_send_the_kept_encoding_byte_for_byte_and_a_miss_a_message(server, stub):
+    request = store_request(key="enc", size=300_000, seed=5)
+    stub.Store(request, timeout=5, metadata=AUTH)
+    with grpc.insecure_channel(server.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        raw = channel.unary_unary("/gpuplane.kernelcache.v1.KernelCacheService/Lookup",
+                                  request_serializer=pb.LookupRequest.SerializeToString)
+        sent = [raw(pb.LookupRequest(key="enc"), timeout=5) for _ in range(3)]
+        missed = pb.LookupResponse.FromString(raw(pb.LookupRequest(key="absent"), timeout=5))
+    expected = pb.LookupResponse(found=True, artifact=request.artifact).SerializeToString()
+    assert sent == [expected] * 3, "a hit's bytes on the wire differ from its LookupResponse"
+    assert not missed.found and not missed.HasField("artifact")
+    stats = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    assert stats.hot_hits == 3 and stats.hot_bytes >= 2 * 300_000, \
+        "the encoding was not kept with the hot entry (or not counted in its budget)"
+
+
 def test_store_lookup_round_trip_keeps_every_field_and_repeat_store_is_idempotent(stub):
     request = store_request(key="abc", size=10000, seed=3, namespace="prod")
     first = stub.Store(request, timeout=5, metadata=AUTH)
