@@ -37,6 +37,8 @@ def zone_name(value: int) -> str:
 def _tag(**attributes: str | int) -> None:
     """Domain attributes on the server span the tracing interceptor opened for this call."""
     span = trace.get_current_span()
+    if not span.is_recording():  # no exporter: no span, so no attribute names to format
+        return
     for key, value in attributes.items():
         span.set_attribute(f"gpuplane.{key}", value)
 
