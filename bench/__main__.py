@@ -21,6 +21,7 @@ CPU = [
     ("compile_bench.py", ["--rounds", "3"]),
     ("tls_bench.py", ["--calls", "1000", "--rounds", "5"]),
     ("fleet_bench.py", ["--hosts", "8"]),
+    ("scheduler_host_bench.py", []),
 ]
 GPU = [
     ("device_bench.py", []),

@@ -17,10 +17,8 @@ A missed target prints MISSED and the process exits 1.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,8 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker.compile import KernelCompiler
-from gpu_worker.device import open_device
+from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from gpu_worker.kernels import (
     FLASH_ATTENTION_COMBINE,
     FLASH_ATTENTION_DECODE_SPLIT,
@@ -138,17 +135,10 @@ class Bench:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    ap = kernel_bench_parser(__doc__)
     args = ap.parse_args()
     s = 16 if args.small else 1  # shape divisor
-    dev = open_device(args.backend)
-    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
-    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, "
-          f"reps {args.reps}, trials {args.trials} (median)")
+    dev, compiler = open_bench_device(args)
     missed: list[str] = []
     with KernelHarness(dev, compiler) as h:
         b = Bench(h, args.reps, args.trials)

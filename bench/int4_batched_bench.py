@@ -17,20 +17,17 @@ the median replay / reps (bench/attention_bench.median_replay).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
 from bench.targets import Targets
-from gpu_worker.compile import KernelCompiler
-from gpu_worker.device import open_device
 from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
 from gpu_worker.kernels.selfcheck import KernelHarness
@@ -81,17 +78,10 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    ap = kernel_bench_parser(__doc__)
     args = ap.parse_args()
     div = 64 if args.small else 1
-    dev = open_device(args.backend)
-    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
-    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, "
-          f"reps {args.reps}, trials {args.trials} (median)", flush=True)
+    dev, compiler = open_bench_device(args)
     targets = Targets("int4_batched_bench")
     rng = np.random.default_rng(0)
     step = {b: 0.0 for b in BATCHES}

@@ -21,10 +21,8 @@ faster than the dequant-workspace path (the crossover the threshold claims).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.targets import Targets
-from gpu_worker.compile import KernelCompiler
-from gpu_worker.device import open_device
 from gpu_worker.kernels import (
     ATTENTION_PREFILL,
     FUSED_MAX_ROWS,
@@ -196,20 +193,15 @@ FUSED_COPY_FRACTION = 0.75   # issue 12 part D: the 1-row GEMV streams W at >= 0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--reps", type=int, default=20)
+    ap = kernel_bench_parser(__doc__, trials=False)
     ap.add_argument("--samples", type=int, default=SAMPLES,
                     help="timed replays per figure (median)")
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
     ap.add_argument("--linear-only", action="store_true",
                     help="sections [1]-[3] only (copy bandwidth and the int4 linears)")
     args = ap.parse_args()
     targets = Targets("kernels_bench")
     s = 16 if args.small else 1  # shape divisor
-    dev = open_device(args.backend)
-    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
-    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, reps {args.reps}")
+    dev, compiler = open_bench_device(args)
     with KernelHarness(dev, compiler) as h:
         b = Bench(h, args.reps, args.samples)
         copy = b.copy_bandwidth(GiB // s)

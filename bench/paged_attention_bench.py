@@ -20,19 +20,16 @@ replays / reps. A missed target prints MISSED and the process exits 1.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import ours
 from bench.targets import Targets
-from gpu_worker.compile import KernelCompiler
-from gpu_worker.device import open_device
 from gpu_worker.kernels import (
     FLASH_ATTENTION_COMBINE,
     FLASH_ATTENTION_DECODE_SPLIT,
@@ -145,17 +142,10 @@ class Bench:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    ap = kernel_bench_parser(__doc__)
     args = ap.parse_args()
     s = 16 if args.small else 1
-    dev = open_device(args.backend)
-    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
-    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, "
-          f"reps {args.reps}, trials {args.trials} (median)", flush=True)
+    dev, compiler = open_bench_device(args)
     targets = Targets("paged_attention_bench")
     batch = max(2, 32 // s)
     with KernelHarness(dev, compiler) as h:

@@ -1,6 +1,11 @@
-"""services.common: one server bootstrap, error mapping, health, reflection, tracing, drain."""
+"""services.common: one server contract (error mapping, health, reflection, tracing, drain) kept by
+both bootstraps, the thread-pool server (`create_server`) and the grpc.aio one
+(`create_aio_server`, async handlers): every contract test runs on both (`served` is
+parametrized). TLS, the health-only port and authorization on the aio server are proven on the
+governor, which is served that way (test_tls.py, test_authz.py)."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,7 +20,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common import errors
+from services.common.aio_server import create_aio_server
 from services.common.server import ServiceRegistration, create_server
+from tests.polling import eventually
 
 SERVICE = "gpuplane.test.v1.Probe"
 _raw = lambda b: b
@@ -65,7 +72,35 @@ class Probe:
         raise ZeroDivisionError("secret internals")
 
 
-def _registration(probe: Probe) -> ServiceRegistration:
+class AsyncProbe:
+    """The async twin of Probe, for the grpc.aio server."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    async def unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if request in ERRORS:
+            raise ERRORS[request][0]
+        if request == b"crash":
+            raise ZeroDivisionError("secret internals")
+        if request == b"slow":
+            await asyncio.to_thread(self.release.wait, 5)
+        if request == b"abort":
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "handler aborted itself")
+        return request
+
+    async def stream(self, request: bytes, context: grpc.aio.ServicerContext):
+        yield b"first"
+        if request in ERRORS:
+            raise ERRORS[request][0]
+        raise ZeroDivisionError("secret internals")
+
+
+# kind -> (bootstrap, probe type)
+SERVERS = {"sync": (create_server, Probe), "aio": (create_aio_server, AsyncProbe)}
+
+
+def _registration(probe: Probe | AsyncProbe) -> ServiceRegistration:
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -76,18 +111,28 @@ def _registration(probe: Probe) -> ServiceRegistration:
     return ServiceRegistration(SERVICE, probe, lambda _s, server: server.add_generic_rpc_handlers((handler,)))
 
 
-@pytest.fixture
-def served():
+def _serve(kind: str):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    probe = Probe()
-    running = create_server("127.0.0.1:0", [_registration(probe)], provider)
+    create, probe_type = SERVERS[kind]
+    probe = probe_type()
+    running = create("127.0.0.1:0", [_registration(probe)], provider)
     channel = grpc.insecure_channel(running.address)
     yield running, channel, probe, exporter
     probe.release.set()
     channel.close()
     running.stop(grace=0)
+
+
+@pytest.fixture(params=list(SERVERS))
+def served(request):
+    yield from _serve(request.param)
+
+
+@pytest.fixture
+def served_aio():
+    yield from _serve("aio")
 
 
 def _unary(channel: grpc.Channel):
@@ -186,6 +231,8 @@ def test_stop_flips_health_to_not_serving_before_in_flight_calls_finish(served):
         probe.release.set()
         stopper.join(10)
     assert slow.result() == b"slow", "the in-flight call must complete during the grace period"
+    if hasattr(running, "thread"):      # the aio server's event loop
+        assert not running.thread.is_alive(), "stop() must end the event loop's thread"
 
 
 def test_server_spans_carry_rpc_attributes_and_status_and_health_is_not_traced(served):
@@ -194,6 +241,10 @@ def test_server_spans_carry_rpc_attributes_and_status_and_health_is_not_traced(s
     _unary(channel)(b"ok", timeout=5)
     with pytest.raises(grpc.RpcError):
         _unary(channel)(b"missing", timeout=5)
+    # On the aio server a failed call's span ends as its handler unwinds, which may be after the
+    # client saw the status: wait for it rather than race it.
+    eventually(lambda: len([s for s in exporter.get_finished_spans()
+                            if s.name == f"/{SERVICE}/Unary"]) >= 2, 5, "both calls' spans")
     spans = exporter.get_finished_spans()
     names = [s.name for s in spans]
     assert all("Health" not in n for n in names), f"health checks must not be traced: {names}"
@@ -207,8 +258,18 @@ def test_server_spans_carry_rpc_attributes_and_status_and_health_is_not_traced(s
 
 def test_binding_a_busy_port_fails_with_a_clear_error(served):
     running, _, probe, _ = served
+    create = SERVERS["aio" if isinstance(probe, AsyncProbe) else "sync"][0]
     with pytest.raises(Exception, match="bind|address|port"):
-        create_server(f"127.0.0.1:{running.port}", [_registration(probe)], TracerProvider())
+        create(f"127.0.0.1:{running.port}", [_registration(probe)], TracerProvider())
+
+
+def test_a_failed_aio_start_leaves_no_event_loop_running(served_aio):
+    running, _, probe, _ = served_aio
+    loops = sum(t.name == "grpc-aio" for t in threading.enumerate())
+    with pytest.raises(OSError, match="bind"):
+        create_aio_server(f"127.0.0.1:{running.port}", [_registration(probe)], TracerProvider())
+    assert sum(t.name == "grpc-aio" for t in threading.enumerate()) == loops, \
+        "a failed start must stop the loop thread it started"
 
 
 def test_servers_skip_tracing_when_no_exporter_is_configured(monkeypatch):

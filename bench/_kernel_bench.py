@@ -1,0 +1,32 @@
+"""What the kernel microbenchmarks share (attention, int4_batched, paged_attention, kernels): the
+command line that picks the backend, the launches per timed graph and the smoke-size shapes, and
+the device and NVRTC compiler they time on (a fresh disk cache: a benchmark compiles its own)."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from gpu_worker.compile import KernelCompiler
+from gpu_worker.device import open_device
+
+
+def kernel_bench_parser(doc: str, trials: bool = True) -> argparse.ArgumentParser:
+    """--backend, --reps, --small, and --trials unless the benchmark counts its samples itself."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--reps", type=int, default=20)
+    if trials:
+        ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    return ap
+
+
+def open_bench_device(args: argparse.Namespace) -> tuple[object, KernelCompiler]:
+    """The device `args.backend` names and a compiler for its arch; prints what the run is."""
+    dev = open_device(args.backend)
+    compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
+    trials = f", trials {args.trials} (median)" if hasattr(args, "trials") else ""
+    print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, "
+          f"reps {args.reps}{trials}", flush=True)
+    return dev, compiler
