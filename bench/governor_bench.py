@@ -15,7 +15,8 @@ processes so that the client side's GIL is not what is measured. Printed side by
 - GovernorClient.reserve/release of 1 MiB (served from chunks) vs one RPC per allocation.
 With `--base REV`, the top level instead runs on REV's governor (exported with git archive) and on
 this checkout's, alternating for `--rounds`, the same clients against both; it prints the medians
-and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side.
+and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side and
+prints tree/ceiling calls/s and open-loop p50 (information: docs/governor.md's proposed bounds).
 Targets (issue 16, bench/targets.py): open-loop Acquire p99 < 2 ms at the top level, and with
 --base closed-loop calls/s >= 2x the base's; a miss prints MISSED, exit status 1.
 """
