@@ -15,7 +15,8 @@ processes so that the client side's GIL is not what is measured. Printed side by
 - GovernorClient.reserve/release of 1 MiB (served from chunks) vs one RPC per allocation.
 With `--base REV`, the top level instead runs on REV's governor (exported with git archive) and on
 this checkout's, alternating for `--rounds`, the same clients against both; it prints the medians
-and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side.
+and tree/base ratios; `--ceiling` adds bench/governor_echo.py (no ledger) as a third side and
+prints tree/ceiling calls/s and open-loop p50 (information: docs/governor.md's proposed bounds).
 Targets (issue 16, bench/targets.py): open-loop Acquire p99 < 2 ms at the top level, and with
 --base closed-loop calls/s >= 2x the base's; a miss prints MISSED, exit status 1.
 """
@@ -40,6 +41,9 @@ from bench.targets import Targets
 
 P99_TARGET_MS = 2.0  # issue 16: Acquire p99 with 32 open-loop clients on 2 cores
 THROUGHPUT_TARGET = 2.0  # issue 16: closed-loop throughput against the base
+# docs/governor.md's proposed targets against the do-nothing server measured in the same run
+CEILING_SHARE = 0.75  # closed-loop calls/s, tree / ceiling
+CEILING_P50 = 1.25  # open-loop Acquire p50, tree / ceiling
 MIB = 1 << 20
 DEVICE_UUID = "GPU-bench"
 
@@ -348,12 +352,33 @@ def against_base(args: argparse.Namespace, targets: Targets) -> dict:
     ratios = sorted(t["closed"]["calls_per_s"] / b["closed"]["calls_per_s"]
                     for t, b in zip(runs["tree"], runs["base"], strict=True))
     print(f"closed-loop calls/s ratio per round: {', '.join(f'{r:.2f}x' for r in ratios)}")
+    if ceiling:
+        _print_ceiling_ratios(runs, figures, bool(args.rate))
     targets.check(f"closed-loop calls/s at {clients} clients, tree / base",
                   figures["closed_calls_per_s"]["ratio"], ">=", THROUGHPUT_TARGET)
     if args.rate:
         targets.check(f"open-loop Acquire p99 ms, {clients} clients x {args.rate:g} pairs/s",
                       figures["open_acquire_p99_ms"]["tree"], "<", P99_TARGET_MS)
     return figures
+
+
+def _print_ceiling_ratios(runs: dict[str, list[dict]], figures: dict, opened: bool) -> None:
+    """The governor against the do-nothing server of the same run (information, not a target of
+    the issue: docs/governor.md proposes >= 0.75x its calls/s and <= 1.25x its open-loop p50)."""
+    per_round = sorted(t["closed"]["calls_per_s"] / c["closed"]["calls_per_s"]
+                       for t, c in zip(runs["tree"], runs["ceiling"], strict=True))
+    closed = figures["closed_calls_per_s"]
+    ratio = closed["tree"] / closed["ceiling"]
+    figures["tree_over_ceiling"] = {"closed_calls_per_s": ratio}
+    print(f"tree / ceiling closed-loop calls/s: {ratio:.2f}x (per round "
+          f"{', '.join(f'{r:.2f}x' for r in per_round)}; proposed >= {CEILING_SHARE:.2f}x: "
+          f"{'met' if ratio >= CEILING_SHARE else 'not met'}; information)")
+    if opened:
+        p50 = figures["open_acquire_p50_ms"]
+        ratio = p50["tree"] / p50["ceiling"]
+        figures["tree_over_ceiling"]["open_acquire_p50_ms"] = ratio
+        print(f"tree / ceiling open-loop Acquire p50: {ratio:.2f}x (proposed <= "
+              f"{CEILING_P50:.2f}x: {'met' if ratio <= CEILING_P50 else 'not met'}; information)")
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -86,6 +86,49 @@ class AioRunningServer(RunningServer):
         self._ended.wait()
 
 
+class _WrappingRegistrar:
+    """What the generated `add_*_to_server` functions register on: the server, with every method
+    handler passed through `wrappers` (innermost first) on its way in."""
+
+    def __init__(self, server: grpc.aio.Server, wrappers: list[Callable[[str, Any], Any]]) -> None:
+        self._server = server
+        self._wrappers = wrappers
+
+    def _wrap(self, method: str, handler: Any) -> Any:
+        for wrap in self._wrappers:
+            handler = wrap(method, handler)
+        return handler
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self._server.add_registered_method_handlers(
+            service, {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()})
+
+    def add_generic_rpc_handlers(self, generic_handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(
+            tuple(_WrappedGeneric(g, self._wrap) for g in generic_handlers))
+
+
+class _WrappedGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose answers are wrapped, once per method (gRPC asks on every call
+    that no registered handler serves)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, wrap: Callable[[str, Any], Any]) -> None:
+        self._inner = inner
+        self._wrap = wrap
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (inner's handler, ours)
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        handler = self._inner.service(details)
+        if handler is None:
+            return None
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(details.method, handler)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+
 def _loop_thread() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -125,22 +168,25 @@ def create_aio_server(
 async def _start(listen: str, services: list[ServiceRegistration], tracer_provider: TracerProvider,
                  security: ServerSecurity, access: Mapping[str, Rule],
                  loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> AioRunningServer:
-    # Same order as create_server: tracing outermost, then errors, then authorization.
-    interceptors: list[grpc.aio.ServerInterceptor] = []
-    if is_recording(tracer_provider):
-        interceptors.append(aio_server_tracing_interceptor(tracer_provider))
-    interceptors.append(AioErrorInterceptor())
+    # Same order as create_server: tracing outermost, then errors, then authorization. Tracing
+    # stays an interceptor (OpenTelemetry's, only when spans are recorded); errors and
+    # authorization wrap each handler once as it is registered (aio_interceptors says why).
+    interceptors = [aio_server_tracing_interceptor(tracer_provider)] \
+        if is_recording(tracer_provider) else []
+    wrappers: list[Callable[[str, Any], Any]] = []
     if security.policy.enforcing:
-        interceptors.append(AioAuthorizationInterceptor(security.policy, access))
+        wrappers.append(AioAuthorizationInterceptor(security.policy, access).wrap)
+    wrappers.append(AioErrorInterceptor.wrap)
     server = grpc.aio.server(interceptors=interceptors, options=_OPTIONS)
+    registrar = _WrappingRegistrar(server, wrappers)
     health = AioHealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, registrar)
     names = [s.full_name for s in services]
     for s in services:
-        s.add(s.servicer, server)
+        s.add(s.servicer, registrar)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server)
+        registrar)
     try:  # grpc.aio raises RuntimeError where the sync server returns port 0
         if security.tls is not None:
             port = server.add_secure_port(listen, server_credentials(security.tls))

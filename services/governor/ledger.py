@@ -156,6 +156,7 @@ class Ledger:
         self.clock = clock
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._watchers = 0  # threads in wait_for_change: a change with none notifies nobody
         self.version = 0
         self.counters = {"acquired": 0, "refused": 0, "released": 0, "expired_workers": 0,
                          "unaccounted_alerts": 0}
@@ -164,6 +165,10 @@ class Ledger:
         # A restart gives every known worker a fresh TTL: holding memory a little longer is safe,
         # granting it twice is not.
         self._workers = {w.worker_id: _Worker(w, now) for w in store.workers()}
+        # No worker can be silent for the TTL before this instant (the oldest last_seen plus the
+        # TTL, lowered by every _touch), so an expiry check before it needs no scan: admission
+        # stays O(1) in the number of workers. -inf: the first check scans.
+        self._quiet_until = float("-inf")
         self._leases = {lease.lease_id: lease for lease in store.leases()}
         self._leased: dict[tuple[str, str], int] = {}  # (device, zone) -> bytes
         self._by_worker: dict[str, set[str]] = {w: set() for w in self._workers}
@@ -203,10 +208,11 @@ class Ledger:
                 self.store.put_worker(wrow)
             now = self.clock()
             if known is None:
-                self._workers[worker_id] = _Worker(wrow, now)
+                known = self._workers[worker_id] = _Worker(wrow, now)
                 self._by_worker[worker_id] = set()
             else:
-                known.row, known.last_seen = wrow, now
+                known.row = wrow
+            self._touch(known, now)
             self._bump()
             return Registration(self.policy.lease_ttl_s, self._devices[device.uuid].row.budget_bytes,
                                 self._worker_leases(worker_id), self.policy.zone_caps())
@@ -231,7 +237,7 @@ class Ledger:
                 raise FailedPrecondition(
                     f"worker {worker_id!r} is registered on device {worker.row.device_uuid}, not "
                     f"{device_uuid}; register on that device first")
-            worker.last_seen = self.clock()
+            self._touch(worker, self.clock())
             self._admit(self._devices[device_uuid], zone, nbytes, worker_id)
             row = LeaseRow(f"l-{secrets.token_hex(8)}", worker_id, device_uuid, zone, nbytes)
             self.store.put_lease(row)
@@ -256,7 +262,7 @@ class Ledger:
             self._index(row, -1)
             self._leases[lease_id] = new
             self._index(new, +1)
-            self._workers[worker_id].last_seen = self.clock()
+            self._touch(self._workers[worker_id], self.clock())
             self._bump()
             return self._lease(new)
 
@@ -266,7 +272,7 @@ class Ledger:
             self.store.delete_lease(lease_id)
             self._index(row, -1)
             del self._leases[lease_id]
-            self._workers[worker_id].last_seen = self.clock()
+            self._touch(self._workers[worker_id], self.clock())
             self.counters["released"] += 1
             self._bump()
             return row.bytes
@@ -291,7 +297,8 @@ class Ledger:
                     f"worker {worker_id!r} is registered on device {worker.row.device_uuid}, "
                     f"not {device_uuid}")
             now = self.clock()
-            worker.last_seen = worker.last_heartbeat = now
+            worker.last_heartbeat = now
+            self._touch(worker, now)
             worker.reported = dict(zones)
             worker.process_used_bytes = process_used_bytes
             device = self._devices[worker.row.device_uuid]
@@ -320,7 +327,11 @@ class Ledger:
     def wait_for_change(self, since: int, timeout: float) -> int:
         """Block until the version moves past `since` or `timeout` passes; returns the version."""
         with self._changed:
-            self._changed.wait_for(lambda: self.version != since, timeout)
+            self._watchers += 1
+            try:
+                self._changed.wait_for(lambda: self.version != since, timeout)
+            finally:
+                self._watchers -= 1
             return self.version
 
     def leases_of(self, worker_id: str) -> list[Lease]:
@@ -332,7 +343,13 @@ class Ledger:
 
     def _bump(self) -> None:
         self.version += 1
-        self._changed.notify_all()
+        if self._watchers:
+            self._changed.notify_all()
+
+    def _touch(self, worker: _Worker, now: float) -> None:
+        """Every write of last_seen after loading: keeps _quiet_until at or below its expiry."""
+        worker.last_seen = now
+        self._quiet_until = min(self._quiet_until, now + self.policy.lease_ttl_s)
 
     def _index(self, row: LeaseRow, sign: int) -> None:
         key = (row.device_uuid, row.zone)
@@ -488,8 +505,13 @@ class Ledger:
         return freed
 
     def _expire_locked(self) -> list[str]:
-        deadline = self.clock() - self.policy.lease_ttl_s
+        now = self.clock()
+        if now < self._quiet_until:
+            return []
+        deadline = now - self.policy.lease_ttl_s
         dead = [w for w, s in self._workers.items() if s.last_seen < deadline]
+        alive = [s.last_seen for w, s in self._workers.items() if s.last_seen >= deadline]
+        self._quiet_until = min(alive, default=float("inf")) + self.policy.lease_ttl_s
         for worker_id in dead:
             freed = self._drop_worker(worker_id)
             self.counters["expired_workers"] += 1

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
+from services.common.telemetry import is_recording
 from services.common.telemetry import tracer_provider as default_tracer_provider
 from services.governor.access import ACCESS
 from services.governor.ledger import Ledger
@@ -29,10 +30,10 @@ def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = 
     policy = policy or Policy()
     store = Store(db, durable=durable)
     ledger = Ledger(store, policy)
-    service = registration(ledger)
+    provider = tracer_provider or default_tracer_provider("governor")
+    service = registration(ledger, traced=is_recording(provider))
     try:
-        server = create_aio_server(listen, [service],
-                                   tracer_provider or default_tracer_provider("governor"),
+        server = create_aio_server(listen, [service], provider,
                                    security=security, access=table(SERVICE_NAME, ACCESS))
     except BaseException:
         store.close()

@@ -37,6 +37,8 @@ def zone_name(value: int) -> str:
 def _tag(**attributes: str | int) -> None:
     """Domain attributes on the server span the tracing interceptor opened for this call."""
     span = trace.get_current_span()
+    if not span.is_recording():  # no exporter: no span, so no attribute names to format
+        return
     for key, value in attributes.items():
         span.set_attribute(f"gpuplane.{key}", value)
 
@@ -80,8 +82,11 @@ def device_pb(d: DeviceReport) -> governor_pb2.DeviceResources:
 
 
 class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, traced: bool = True) -> None:
         self.ledger = ledger
+        # False when the server records no spans: then the domain attributes are not even
+        # looked up (a context lookup and a kwargs dict per call, for a span nobody keeps).
+        self._traced = traced
         # Watchers block in Ledger.wait_for_change (up to the keepalive) off the event loop; their
         # own pool, so they never queue behind the loop's default executor.
         self._waits = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="watch")
@@ -104,24 +109,28 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             released_bytes=self.ledger.deregister(request.worker_id))
 
     async def Acquire(self, request, context):
-        _tag(worker_id=request.worker_id, zone=ZONES[request.zone - 1] if 0 < request.zone
-             <= len(ZONES) else "unspecified", bytes=request.bytes)
+        if self._traced:
+            _tag(worker_id=request.worker_id, zone=ZONES[request.zone - 1] if 0 < request.zone
+                 <= len(ZONES) else "unspecified", bytes=request.bytes)
         lease = self.ledger.acquire(request.worker_id, request.device_uuid,
                                     zone_name(request.zone), request.bytes)
         return governor_pb2.AcquireResponse(lease=lease_pb(lease))
 
     async def Resize(self, request, context):
-        _tag(worker_id=request.worker_id, lease_id=request.lease_id, bytes=request.bytes)
+        if self._traced:
+            _tag(worker_id=request.worker_id, lease_id=request.lease_id, bytes=request.bytes)
         lease = self.ledger.resize(request.worker_id, request.lease_id, request.bytes)
         return governor_pb2.ResizeResponse(lease=lease_pb(lease))
 
     async def Release(self, request, context):
-        _tag(worker_id=request.worker_id, lease_id=request.lease_id)
+        if self._traced:
+            _tag(worker_id=request.worker_id, lease_id=request.lease_id)
         return governor_pb2.ReleaseResponse(
             released_bytes=self.ledger.release(request.worker_id, request.lease_id))
 
     async def Heartbeat(self, request, context):
-        _tag(worker_id=request.worker_id)
+        if self._traced:
+            _tag(worker_id=request.worker_id)
         zones = {zone_name(z.zone): (z.committed_bytes, z.content_bytes) for z in request.zones}
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
                                        request.device_used_bytes, request.process_used_bytes, zones)
@@ -147,6 +156,7 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
             await asyncio.sleep(WATCH_MIN_INTERVAL_S)
 
 
-def registration(ledger: Ledger) -> ServiceRegistration:
-    return ServiceRegistration(SERVICE_NAME, GovernorServicer(ledger),
+def registration(ledger: Ledger, traced: bool = True) -> ServiceRegistration:
+    """`traced`: whether the server records spans (`telemetry.is_recording` of its provider)."""
+    return ServiceRegistration(SERVICE_NAME, GovernorServicer(ledger, traced),
                                governor_pb2_grpc.add_GovernorServiceServicer_to_server)

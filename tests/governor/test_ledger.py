@@ -175,6 +175,30 @@ def test_a_silent_worker_loses_its_leases_after_the_ttl_and_a_heartbeat_keeps_th
     ledger.acquire("alive", "", "weights", 700 * MIB)
 
 
+def test_expiry_without_a_scan_drops_exactly_the_workers_a_full_scan_would(tmp_path, clock):
+    """Admission skips the scan of every worker until the oldest one could have expired; the
+    skip must never keep a silent worker, even when the clock steps back (NTP) between calls."""
+    import random
+
+    rng = random.Random(16)
+    ledger = make(tmp_path, clock, lease_ttl_s=10)
+    seen: dict[str, float] = {}  # the reference: last time each live worker was heard from
+    for step in range(400):
+        clock.now += rng.choice([-7.0, 0.5, 1.0, 3.0, 6.0, 11.0])
+        deadline = clock.now - 10
+        expected = sorted(w for w, t in seen.items() if t < deadline)
+        assert sorted(ledger.expire()) == expected, f"step {step}"
+        for w in expected:
+            del seen[w]
+        worker = f"w{rng.randrange(6)}"
+        if worker in seen:
+            ledger.heartbeat(worker, "", 0, 0, {})
+        else:
+            ledger.register(worker, GPU)
+        seen[worker] = clock.now
+    assert sorted(w.worker_id for w in ledger.resources()[0].workers) == sorted(seen)
+
+
 def test_leases_survive_a_reopen_and_are_never_granted_twice(tmp_path, clock):
     ledger = make(tmp_path, clock)
     ledger.register("w1", GPU)

@@ -76,3 +76,61 @@ def test_every_acknowledged_lease_survives_sigkill_of_the_writer(tmp_path):
         store.close()
     missing = [i for i in acknowledged if i not in stored]
     assert not missing, f"acknowledged leases lost by kill -9: {missing[:5]}"
+
+
+def _old_layout(db) -> None:
+    """A database as the store made it before the WITHOUT ROWID leases table."""
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE leases (lease_id TEXT PRIMARY KEY, worker_id TEXT, "
+                     "device_uuid TEXT, zone TEXT, bytes INTEGER)")
+        conn.execute("CREATE INDEX idx_leases_worker_id ON leases (worker_id)")
+        conn.executemany("INSERT INTO leases VALUES (?, ?, ?, ?, ?)",
+                         [(f"l-{i}", f"w{i % 3}", "GPU-0", "kv", i << 20) for i in range(50)])
+    conn.close()
+
+
+def test_a_lease_change_touches_one_btree(tmp_path):
+    store = Store(tmp_path / "gov.sqlite")
+    try:
+        tables = store._conn.execute(
+            "SELECT name FROM sqlite_master WHERE tbl_name = 'leases'").fetchall()
+        sql = store._conn.execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'leases'").fetchone()[0]
+    finally:
+        store.close()
+    assert tables == [("leases",)], f"no index beside the table's own b-tree: {tables}"
+    assert "WITHOUT ROWID" in sql
+
+
+def test_an_old_layout_database_keeps_every_lease_when_moved_to_one_btree(tmp_path):
+    db = tmp_path / "gov.sqlite"
+    _old_layout(db)
+    store = Store(db)
+    try:
+        leases = sorted(store.leases(), key=lambda r: int(r.lease_id[2:]))
+        store.delete_worker("w1")  # the worker filter still works without its index
+        left = {r.worker_id for r in store.leases()}
+    finally:
+        store.close()
+    assert leases == [LeaseRow(f"l-{i}", f"w{i % 3}", "GPU-0", "kv", i << 20) for i in range(50)]
+    assert left == {"w0", "w2"}
+    reopened = Store(db)  # a second open finds the new layout and leaves it alone
+    try:
+        assert len(reopened.leases()) == 50 - 17
+    finally:
+        reopened.close()
+
+
+def test_a_failed_move_to_one_btree_changes_nothing(tmp_path, monkeypatch):
+    db = tmp_path / "gov.sqlite"
+    _old_layout(db)
+    monkeypatch.setattr("services.governor.store._LEASES_TABLE",
+                        "CREATE TABLE {if_not_exists} {name} (lease_id TEXT PRIMARY KEY, "
+                        "bytes INTEGER NOT NULL) WITHOUT ROWID")
+    with pytest.raises(sqlite3.OperationalError):
+        Store(db)
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT count(*) FROM leases").fetchone()[0]
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    assert rows == 50 and "leases_new" not in names and "idx_leases_worker_id" in names
