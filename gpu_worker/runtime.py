@@ -264,6 +264,7 @@ class WorkerRuntime:
             executor.close()
             if isinstance(model, PagedDecoderModel):
                 model.close()
+            self._settle_releases()      # a failed load leaves nothing booked when it answers
             with self._lock:
                 del self._models[model_id]
             raise
@@ -317,14 +318,17 @@ class WorkerRuntime:
                 del self._models[model_id]
             loaded.closed = True
             freed = loaded.executor.close()
-        # The model's releases are fenced on both streams (weights page in on the copy stream): a
-        # sync of the compute stream alone leaves some pending, and a caller who reads the ledger
-        # after the reply would see the unloaded model's bytes still booked. Drain waits per event
-        # (never device-wide, so another model's capture is not invalidated).
-        self.device.synchronize()
-        self.device.queue.drain()
+        self._settle_releases()
         self._report()
         return freed
+
+    def _settle_releases(self) -> None:
+        """Run the releases a closed model left queued. They are fenced on both streams (weights
+        page in on the copy stream): a sync of the compute stream alone leaves some pending, and
+        a caller who reads the ledger after the reply would still see the model's bytes booked.
+        The drain waits per event, never device-wide (another model's capture stays valid)."""
+        self.device.synchronize()
+        self.device.queue.drain()
 
     def offload_model(self, model_id: str) -> tuple[ModelInfo, int]:
         """Page a model's weights out to their pinned host copies and drop its plans and kernel

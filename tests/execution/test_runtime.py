@@ -110,6 +110,26 @@ def test_unload_answers_only_after_every_byte_of_the_model_is_released(runtime):
     assert held() == before
 
 
+def test_a_failed_load_answers_only_after_every_byte_it_booked_is_released(runtime, monkeypatch):
+    """Like unload: a load that fails after its weights paged in (on the copy stream) must not
+    leave their releases queued behind its error."""
+    from gpu_worker.models.paged import PagedDecoderModel
+    real_load = PagedDecoderModel.load
+
+    def load_then_fail(model):
+        real_load(model)
+        runtime.device.copy_stream.submit("work", lambda: time.sleep(0.3))   # a lagging copy stream
+        raise RuntimeError("the load failed after its page-ins")
+
+    monkeypatch.setattr(PagedDecoderModel, "load", load_then_fail)
+    before = runtime.device.ledger.total_committed() - runtime.device.arena.stats()["pooled_bytes"]
+    with pytest.raises(RuntimeError):
+        runtime.load_model("dec", "decoder", "tiny", 3)
+    assert runtime.device.queue.pending() == 0, "a release of the failed load is still queued"
+    held = runtime.device.ledger.total_committed() - runtime.device.arena.stats()["pooled_bytes"]
+    assert held == before and runtime.list_models() == []
+
+
 def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtime):
     import threading
     runtime.load_model("dec", "decoder", "tiny", 5)
