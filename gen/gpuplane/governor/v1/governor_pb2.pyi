@@ -93,38 +93,44 @@ class ZoneCap(_message.Message):
     def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "device", "host")
+    __slots__ = ("worker_id", "device", "host", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: Device
     host: str
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., host: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., host: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("lease_ttl_ms", "device_budget_bytes", "leases", "zone_caps")
+    __slots__ = ("lease_ttl_ms", "device_budget_bytes", "leases", "zone_caps", "incarnation")
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     ZONE_CAPS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_ms: int
     device_budget_bytes: int
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
     zone_caps: _containers.RepeatedCompositeFieldContainer[ZoneCap]
-    def __init__(self, lease_ttl_ms: _Optional[int] = ..., device_budget_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., zone_caps: _Optional[_Iterable[_Union[ZoneCap, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, lease_ttl_ms: _Optional[int] = ..., device_budget_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., zone_caps: _Optional[_Iterable[_Union[ZoneCap, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("worker_id", "device_uuid", "zone", "bytes")
+    __slots__ = ("worker_id", "device_uuid", "zone", "bytes", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     ZONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device_uuid: str
     zone: Zone
     bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease",)
@@ -133,14 +139,16 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class ResizeRequest(_message.Message):
-    __slots__ = ("worker_id", "lease_id", "bytes")
+    __slots__ = ("worker_id", "lease_id", "bytes", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_id: str
     bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., bytes: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ResizeResponse(_message.Message):
     __slots__ = ("lease",)
@@ -149,12 +157,14 @@ class ResizeResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("worker_id", "lease_id")
+    __slots__ = ("worker_id", "lease_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released_bytes",)
@@ -163,18 +173,20 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "device_uuid", "device_used_bytes", "process_used_bytes", "zones")
+    __slots__ = ("worker_id", "device_uuid", "device_used_bytes", "process_used_bytes", "zones", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ZONES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device_uuid: str
     device_used_bytes: int
     process_used_bytes: int
     zones: _containers.RepeatedCompositeFieldContainer[ZoneUsage]
-    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "reregister", "reclaim", "zone_caps")
@@ -261,10 +273,12 @@ class WatchResourcesRequest(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
     __slots__ = ("released_bytes",)
