@@ -37,10 +37,10 @@ setup-cuda: setup
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,cuda]'
 
 run: setup
-	$(BIN)/python -m gpu_worker.demo
+	$(BIN)/python -m gpu_worker.stack.demo
 
 serve: setup
-	$(BIN)/python -m gpu_worker.demo --serve
+	$(BIN)/python -m gpu_worker.stack.demo --serve
 
 test: setup
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests

@@ -28,10 +28,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.targets import Targets
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
-from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-from gpu_worker.servicer import serve_worker
+from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker.edge.servicer import serve_worker
 
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 1.0, 64: 1.0}
 

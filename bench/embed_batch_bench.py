@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.targets import Targets
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import CONFIGS, ModelConfig
-from gpu_worker.stack import Stack
+from gpu_worker.stack.processes import Stack
 
 
 def workload(cfg: ModelConfig, n: int, lo: int, hi: int, seed: int = 11) -> list[list[int]]:
@@ -140,7 +140,7 @@ def device_side(args, cfg: ModelConfig, batch: int, pool: list[list[int]],
     """Ours (runtime.embed of one padded batch, in process) vs the PyTorch peer, same batches."""
     import torch
 
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
     batches = [pool[i:i + batch] for i in range(0, len(pool) - batch + 1, batch)][:args.reps]
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernels, max_plans=args.max_plans,
                                     embed_batch_wait_ms=0.0, embed_max_batch=batch)).start()

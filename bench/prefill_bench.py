@@ -220,10 +220,10 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     from opentelemetry.sdk.trace import TracerProvider
 
-    from gpu_worker.client import WorkerClient
+    from gpu_worker.edge.client import WorkerClient
     from gpu_worker.models.configs import CONFIGS
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     cfg = CONFIGS[args.config]
     rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False)).start()

@@ -36,8 +36,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.targets import Targets
-from gpu_worker.admission import streaming_floor_bytes
-from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker.core.admission import streaming_floor_bytes
+from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 
 MiB = 1 << 20
 MODES = ("captured", "eager")

@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.batching_bench import torch_peer
 from bench.pressure_bench import ledger_error
 from bench.targets import Targets
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
-from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-from gpu_worker.servicer import serve_worker
+from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker.edge.servicer import serve_worker
 
 TARGET_RATIO = {8: 2.0, 32: 1.0, 64: 1.0}
 TTFT_STREAMS = 32

@@ -46,7 +46,7 @@ def _first_token(runtime: object, prompt: list[int], new_tokens: int) -> list[in
 
 def child(args: argparse.Namespace) -> None:
     t_process = time.perf_counter()
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 
     start = time.perf_counter()
     runtime = WorkerRuntime(
@@ -112,9 +112,9 @@ def main() -> int:
         child(args)
         return 0
     try:
-        import gpu_worker.runtime  # noqa: F401
+        import gpu_worker.core.runtime  # noqa: F401
     except ImportError as exc:
-        sys.exit(f"gpu_worker.runtime (interface 6) is not importable yet: {exc}")
+        sys.exit(f"gpu_worker.core.runtime (interface 6) is not importable yet: {exc}")
     script = str(pathlib.Path(__file__).resolve())
     common = [
         "--backend",

@@ -22,7 +22,7 @@ from services.common.metrics import start_metrics_endpoint
 from services.common.telemetry import tracer_provider
 
 if TYPE_CHECKING:
-    from gpu_worker.runtime import WorkerConfig
+    from gpu_worker.core.runtime import WorkerConfig
 
 log = logging.getLogger("gpu_worker")
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def worker_config(args: argparse.Namespace, provider: object = None,
                   tls: object = None) -> WorkerConfig:
     """The runtime's configuration from parsed `serve` flags."""
-    from gpu_worker.runtime import WorkerConfig
+    from gpu_worker.core.runtime import WorkerConfig
 
     return WorkerConfig(
         backend=args.backend,
@@ -159,8 +159,8 @@ def flag_problem(args: argparse.Namespace) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gpu_worker.runtime import WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     configure_logging("gpu-worker")
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: how to see a stuck request.
@@ -195,7 +195,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from prometheus_client import REGISTRY
 
-        from gpu_worker.metrics import WorkerCollector
+        from gpu_worker.edge.metrics import WorkerCollector
 
         REGISTRY.register(WorkerCollector(runtime))
         start_metrics_endpoint(args.metrics_port)

@@ -15,7 +15,7 @@ Hazards and what this module does about them:
 - The ledger is charged before the device is touched; a refusal or a driver failure unwinds every
   handle it created, so a failed allocation leaves nothing half-mapped and nothing booked.
 - A refusal is not final while something can be given back: `alloc` and `commit` hand it to the
-  `reclaimer` (the worker's one reclaim policy, gpu_worker/reclaim.py) and retry while it frees
+  `reclaimer` (the worker's one reclaim policy, gpu_worker/core/reclaim.py) and retry while it frees
   bytes. It runs outside the arena lock (it frees through this arena and takes the weight slots'
   lock), and never on a capturing thread.
 

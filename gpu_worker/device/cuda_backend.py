@@ -141,7 +141,7 @@ class CudaBackend(Backend):
             return {p.pid: int(p.usedGpuMemory or 0)
                     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml)}
         except Exception as exc:  # noqa: BLE001 - NVML is best effort (containers often hide pids)
-            from gpu_worker.survived import survived  # lazy: only on the fallback path
+            from gpu_worker.telemetry.survived import survived  # lazy: only on the fallback path
 
             survived("nvml_query", exc, _NVML_FALLBACK, device_uuid=self.info.uuid)
             return {}
@@ -361,7 +361,7 @@ def _nvml_handle(uuid: str) -> Any:
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetHandleByUUID(uuid)
     except Exception as exc:  # noqa: BLE001 - NVML is optional (pynvml missing, no permission)
-        from gpu_worker.survived import survived
+        from gpu_worker.telemetry.survived import survived
 
         survived("nvml_unavailable", exc, _NVML_FALLBACK, device_uuid=uuid)
         return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.device import Device
-from gpu_worker.survived import survived
+from gpu_worker.telemetry.survived import survived
 
 
 class _Owner:

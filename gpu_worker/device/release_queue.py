@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.device.backend import Backend
 from gpu_worker.device.gate import CaptureGate
-from gpu_worker.survived import survived
+from gpu_worker.telemetry.survived import survived
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from gpu_worker.execution.streaming import (
     refuse_unstreamable,
     streaming_floor,
 )
-from gpu_worker.graph import Graph
+from gpu_worker.models.graph import Graph
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u8": np.uint8}
 
@@ -366,7 +366,7 @@ class ModelExecutor:
 
     def bind_state(self, name: str, ptr: int) -> None:
         """A state tensor whose memory another owner holds at a fixed address (the paged KV
-        pool, gpu_worker/scheduler/kv_pool.py): graphs bake it, so it must never move."""
+        pool, gpu_worker/engines/scheduler/kv_pool.py): graphs bake it, so it must never move."""
         self._bound[name] = int(ptr)
 
     def state_ptr(self, name: str) -> int:

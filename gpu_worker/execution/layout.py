@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.graph import Graph
+from gpu_worker.models.graph import Graph
 
 ALIGN = 256
 

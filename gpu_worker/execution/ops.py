@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpu_worker.graph import Graph, Node
+from gpu_worker.models.graph import Graph, Node
 from gpu_worker.kernels import (
     attention,
     elementwise,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.graph import DTYPE_BYTES, Graph, GraphBuilder
+from gpu_worker.models.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate

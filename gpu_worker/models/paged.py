@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.graph import Graph, GraphBuilder
+from gpu_worker.models.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import check_prompt, prefill_chunk_from_env
 from gpu_worker.models.weights import generate
-from gpu_worker.scheduler.kv_pool import KVBlockPool, KVGeometry
-from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.scheduler.scheduler import DecodeRow
+from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.engines.scheduler.scheduler import DecodeRow
 from services.common.errors import InvalidArgument
 
 DECODE_LADDER = (1, 2, 4, 8, 16, 32, 64)

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_worker import survived as survived_mod
+from gpu_worker.telemetry import survived as survived_mod
 from gpu_worker.device import cuda_backend, cupy_allocator
-from gpu_worker.survived import count
+from gpu_worker.telemetry.survived import count
 from tests.device.conftest import GRANULE
 
 
@@ -39,7 +39,7 @@ def test_every_quarantined_unmap_is_logged_with_its_range_and_counted(dev, caplo
     before = count("release_quarantined")
     a = dev.arena.alloc(2 * GRANULE, "scratch", role="kv")
     b = dev.arena.alloc(2 * GRANULE, "scratch", role="kv")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         for x in (a, b):
             dev.backend.fail_next("unmap")
             dev.arena.free(x)
@@ -57,7 +57,7 @@ def test_a_quarantined_pinned_free_is_logged_and_counted(dev, caplog):
     before = count("release_quarantined")
     dev.weights.add("w", np.ones(GRANULE, np.uint8))
     dev.backend.fail_next("free_pinned")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         dev.weights.remove("w")
         _settle(dev)
     assert count("release_quarantined") == before + 1
@@ -79,7 +79,7 @@ def test_a_failed_cupy_free_is_logged_and_counted_not_raised(monkeypatch, caplog
     device = SimpleNamespace(_streams=[], arena=SimpleNamespace(free=refuse))
     owner = cupy_allocator._Owner(device, SimpleNamespace(ptr=0x7000, size=4096))
     before = count("cupy_free")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         owner.__del__()  # what CuPy's last reference drop runs; must not raise
     assert count("cupy_free") == before + 1, "a failed CuPy free was not counted"
     [rec] = _records(caplog, "cupy_free")
@@ -106,7 +106,7 @@ def test_nvml_unavailable_falls_back_once_logged_with_what_the_baseline_now_mean
                                                                                      caplog):
     _fake_pynvml(monkeypatch, nvmlInit=_raise("NVML_ERROR_NO_PERMISSION"))
     before = count("nvml_unavailable")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         assert cuda_backend._nvml_handle("GPU-x") is None, "the fallback (no NVML) must be kept"
         assert cuda_backend._nvml_handle("GPU-x") is None
     assert count("nvml_unavailable") == before + 2, "every fallback must be counted"
@@ -120,7 +120,7 @@ def test_a_failed_nvml_query_reports_no_usage_and_is_logged_once_and_counted(mon
                  nvmlDeviceGetComputeRunningProcesses=_raise("NVML_ERROR_GPU_IS_LOST"))
     backend = SimpleNamespace(_nvml="handle", info=SimpleNamespace(uuid="GPU-y"))
     before = count("nvml_query")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         for _ in range(3):
             assert cuda_backend.CudaBackend._nvml_usage(backend) == {}
     assert count("nvml_query") == before + 3

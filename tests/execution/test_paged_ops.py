@@ -9,7 +9,7 @@ import pytest
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.execution.ops import OPS, LaunchContext
-from gpu_worker.graph import GraphBuilder
+from gpu_worker.models.graph import GraphBuilder
 from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels import sampling

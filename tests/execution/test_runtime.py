@@ -9,7 +9,7 @@ import pytest
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 
 # Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
@@ -77,7 +77,7 @@ def test_runtime_stats_use_the_worker_proto_field_names(runtime):
     assert stats["plans"]["entries"] == 2 and stats["kernel_cache"]["variant_bound"] == 4
     assert stats["capture"]["replays"] >= 3 and len(stats["zones"]) == 8
     assert stats["arena"]["faults"] == 0, "arena/ledger bookkeeping faults must stay zero"
-    from gpu_worker.servicer import stats_message
+    from gpu_worker.edge.servicer import stats_message
     msg = stats_message(stats)
     assert msg.kernel_cache.entries == stats["kernel_cache"]["entries"] and len(msg.zones) == 8
 

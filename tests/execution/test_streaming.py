@@ -12,11 +12,11 @@ import pytest
 
 from gpu_worker.device.weights import WeightSlots
 from gpu_worker.execution.streaming import StreamedRun, plan_schedule
-from gpu_worker.graph import Node
+from gpu_worker.models.graph import Node
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 from services.common.errors import ResourceExhausted
 
 MIB = 1 << 20
@@ -238,7 +238,7 @@ def test_an_encoder_larger_than_its_budget_embeds_identically(kernel_cache_dir):
 def test_admission_probes_a_streaming_model_at_its_budget_not_its_weights(config, budget):
     """The issue's `large` (36.5 GiB) under 24 GiB, and `8b-int4` under a third of its weights:
     both above their streaming floor, so the load probe asks the zone for the budget only."""
-    from gpu_worker.admission import admission_by_zone, streaming_floor_bytes, weights_to_probe
+    from gpu_worker.core.admission import admission_by_zone, streaming_floor_bytes, weights_to_probe
     cfg, granule = CONFIGS[config], 2 * MIB
     need = admission_by_zone(cfg, granule)["weights"]
     budget = budget or need // 3

@@ -67,7 +67,7 @@ def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(devic
 
 
 def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
-    from gpu_worker.graph import GraphBuilder, GraphError
+    from gpu_worker.models.graph import GraphBuilder, GraphError
 
     def build(rows, dtype):
         g = GraphBuilder()

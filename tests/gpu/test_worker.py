@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
-from gpu_worker.stack import Stack
+from gpu_worker.stack.processes import Stack
 
 pytestmark = pytest.mark.gpu
 TOKEN = "gpu-stack-token"

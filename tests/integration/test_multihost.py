@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpu_worker.client import WorkerClient
-from gpu_worker.stack import Stack
+from gpu_worker.edge.client import WorkerClient
+from gpu_worker.stack.processes import Stack
 
 from .test_process_stack import cache_entries
 

@@ -8,11 +8,11 @@ import pytest
 from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 from gpuplane.kernelcache.v1 import kernel_cache_pb2, kernel_cache_pb2_grpc
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference
 from gpu_worker.models.weights import load_host
-from gpu_worker.stack import Stack
+from gpu_worker.stack.processes import Stack
 from tests.polling import wait_until as _wait_until
 
 TOKEN = "process-stack-token"

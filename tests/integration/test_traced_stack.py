@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from services.common.authz import Policy
 from services.common.identity import RoleMap
 from services.common.security import ServerSecurity
@@ -65,8 +65,8 @@ def security(request, tmp_path: pathlib.Path) -> Security:
 def stack(tmp_path: pathlib.Path, security: Security) -> Iterator[tuple[Traced, WorkerClient]]:
     from cache_service.config import ServerConfig
     from cache_service.server import start_cache_server
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
     from services.governor.server import start_governor
 
     traced = Traced()

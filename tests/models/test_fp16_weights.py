@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gpu_worker.admission import admission_by_zone
+from gpu_worker.core.admission import admission_by_zone
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
@@ -99,7 +99,7 @@ def test_fp16_decoder_on_the_sim_backend_matches_the_reference_that_rounds_x(cfg
 def test_a_one_row_fp16_linear_is_the_gemm_of_x_rounded_to_fp16(device, compiler, capture):
     """x = 1 + 2^-12 is 1 in fp16: the one-row linear (decode's) must compute with the rounded x,
     as cuBLAS does, not with the f32 x of the int4 GEMV; the two differ by 64 * 2^-12."""
-    from gpu_worker.graph import GraphBuilder
+    from gpu_worker.models.graph import GraphBuilder
     ex = ModelExecutor(device, compiler)
     w = np.random.default_rng(0).uniform(0.5, 1.5, (32, 64)).astype(np.float16)
     ex.add_weight("lin.h", w)

@@ -13,9 +13,9 @@ import hashlib
 
 import numpy as np
 
-from gpu_worker.scheduler.kv_pool import KVGeometry
-from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.scheduler.scheduler import DecodeRow
+from gpu_worker.engines.scheduler.kv_pool import KVGeometry
+from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.engines.scheduler.scheduler import DecodeRow
 
 VOCAB = 1000
 

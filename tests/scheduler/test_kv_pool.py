@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.device.ledger import local_budget
-from gpu_worker.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
 from services.common.errors import InvalidArgument
 from tests.device.conftest import GRANULE, make_device
 

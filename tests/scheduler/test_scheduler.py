@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from gpu_worker.scheduler.kv_pool import KVBlockPool, KVGeometry
-from gpu_worker.scheduler.sampling import SamplingParams
-from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.sampling import SamplingParams
+from gpu_worker.engines.scheduler.scheduler import Scheduler
 from services.common.errors import InvalidArgument, ResourceExhausted
 from tests.device.conftest import make_device
 from tests.scheduler.runners import TokenPoolRunner, solo

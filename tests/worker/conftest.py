@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 
 DECODER = "tiny-dec"
 ENCODER = "tiny-enc"
@@ -17,8 +17,8 @@ SEED = 7
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
     """A sim worker with the tiny decoder and encoder loaded; shared by a module's tests."""
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=cache_dir, worker_id="test-worker"))

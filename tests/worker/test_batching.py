@@ -10,8 +10,8 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpu_worker.client import WorkerClient
-from gpu_worker.metrics import WorkerCollector
+from gpu_worker.edge.client import WorkerClient
+from gpu_worker.edge.metrics import WorkerCollector
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.reference import DecoderReference
 from gpu_worker.models.weights import load_host
@@ -30,8 +30,8 @@ def prompt_of(i: int, n: int) -> list[int]:
 
 
 def start_worker(tmp_path, **config):
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path, **config)).start()
     server = serve_worker(runtime, "127.0.0.1:0", TracerProvider(), max_workers=48)
     client = WorkerClient(server.address, deadline_s=120.0)

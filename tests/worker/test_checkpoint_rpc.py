@@ -13,7 +13,7 @@ from gpuplane.worker.v1 import worker_pb2
 from opentelemetry.sdk.trace import TracerProvider
 
 from gpu_worker.checkpoints.text import TextCodec
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "checkpoints" / "golden"
 
@@ -36,8 +36,8 @@ def root(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def worker(root, tmp_path_factory) -> Iterator[WorkerClient]:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path_factory.mktemp("k"),
                                          worker_id="ckpt-worker", model_root=root))
     runtime.start()
@@ -161,7 +161,7 @@ def test_an_absolute_path_inside_the_root_loads_qwen2_which_stops_at_its_eos(wor
 
 
 def test_the_cli_loads_a_checkpoint_and_streams_text(worker, capsys):
-    from gpu_worker.user_cli import main
+    from gpu_worker.edge.user_cli import main
     assert main(["--worker", worker.target, "load", "--model-id", "cli", "--checkpoint",
                  "qwen2-untied"]) == 0
     assert "qwen2-untied (Qwen2ForCausalLM, int4)" in capsys.readouterr().out
@@ -198,7 +198,7 @@ def test_embed_texts_of_different_lengths_match_transformers_in_order(worker, ca
                                 for t in texts])
         np.testing.assert_allclose(got, want, atol=5e-4, err_msg="served != reference, same rounding")
         np.testing.assert_allclose(got, g["text_embeddings"], atol=1e-3)
-        from gpu_worker.user_cli import main
+        from gpu_worker.edge.user_cli import main
         assert main(["--worker", worker.target, "embed", "--model-id", "bert", "--json",
                      *(a for t in texts for a in ("--text", t))]) == 0
         np.testing.assert_allclose(json.loads(capsys.readouterr().out), got, atol=1e-6)

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from gpu_worker.demo import INCIDENT_LENGTHS, main, prompt_lengths
+from gpu_worker.stack.demo import INCIDENT_LENGTHS, main, prompt_lengths
 
 pytestmark = pytest.mark.slow
 

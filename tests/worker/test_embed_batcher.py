@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from gpu_worker.embed_batcher import Cancelled, EmbedBatcher, EmbedBatchStats
+from gpu_worker.engines.embed_batcher import Cancelled, EmbedBatcher, EmbedBatchStats
 from services.common.errors import ResourceExhausted
 
 

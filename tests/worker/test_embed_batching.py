@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from tests.polling import wait_until
 
 ENCODER = "enc"
@@ -23,8 +23,8 @@ ATOL = 2e-5       # padded vs solo plans: different GEMM shapes, same math
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=cache_dir, worker_id="batching",

@@ -7,13 +7,13 @@ import pathlib
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_worker import survived
-from gpu_worker.metrics import WorkerCollector
+from gpu_worker.telemetry import survived
+from gpu_worker.edge.metrics import WorkerCollector
 
 
 def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_closed_runtime(
         tmp_path: pathlib.Path) -> None:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
     registry = CollectorRegistry()
@@ -34,7 +34,7 @@ def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_clos
 
 def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_counts_the_failure(
         tmp_path: pathlib.Path, caplog, monkeypatch) -> None:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 
     monkeypatch.setattr(survived, "_logged", set())
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
@@ -42,7 +42,7 @@ def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_count
     registry.register(WorkerCollector(runtime))
     runtime.close()
     before = survived.count("metrics_scrape")
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.survived"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.telemetry.survived"):
         text = generate_latest(registry).decode()  # must not raise: the endpoint stays up
     assert "gpuplane_worker_ledger_bytes" not in text, "a closed runtime exported stale gauges"
     assert survived.count("metrics_scrape") == before + 1, "the failed scrape was not counted"
@@ -53,7 +53,7 @@ def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_count
 
 
 def test_the_collector_exports_the_embed_batch_size_histogram(tmp_path: pathlib.Path) -> None:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
 
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
     registry = CollectorRegistry()

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 
-from gpu_worker.client import WorkerClient
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.encoder import padded_shape
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
-from gpu_worker.servicer import zone_name
+from gpu_worker.edge.servicer import zone_name
 
 from .conftest import DECODER, ENCODER, SEED
 
@@ -297,7 +297,7 @@ def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> 
 def test_stats_mapping_accepts_every_zone_spelling_and_ignores_unknown_keys() -> None:
     from gpuplane.governor.v1 import governor_pb2
 
-    from gpu_worker.servicer import stats_message
+    from gpu_worker.edge.servicer import stats_message
 
     as_tuples = stats_message({"backend": "sim", "ledger_bytes": np.int64(7), "future_field": 1,
                                "zones": {"kv": (4, 3), "weights": (2, 1)},

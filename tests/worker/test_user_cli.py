@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from gpu_worker.client import WorkerClient
-from gpu_worker.user_cli import main
+from gpu_worker.edge.client import WorkerClient
+from gpu_worker.edge.user_cli import main
 
 from .conftest import DECODER, ENCODER
 

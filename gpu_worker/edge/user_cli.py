@@ -72,7 +72,7 @@ def cmd_unload(args: argparse.Namespace) -> None:
 
 
 def cmd_offload(args: argparse.Namespace) -> None:
-    from gpu_worker.client import WorkerClient
+    from gpu_worker.edge.client import WorkerClient
 
     with WorkerClient(args.worker) as client:
         reply = client.offload_model(args.model_id)
@@ -147,7 +147,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from gpu_worker.servicer import zone_name
+    from gpu_worker.edge.servicer import zone_name
 
     with _worker(args) as client:
         s = client.stats()
@@ -187,7 +187,7 @@ def cmd_trim(args: argparse.Namespace) -> None:
 def cmd_resources(args: argparse.Namespace) -> None:
     from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 
-    from gpu_worker.servicer import zone_name
+    from gpu_worker.edge.servicer import zone_name
 
     channel = open_channel(args.governor, "gpuplane.governor.v1.GovernorService",
                            ["GetResources"], tls=security.channel_tls_from_args(args),
@@ -213,7 +213,7 @@ def cmd_resources(args: argparse.Namespace) -> None:
 
 
 def _worker(args: argparse.Namespace, **kwargs: Any) -> Any:
-    from gpu_worker.client import WorkerClient
+    from gpu_worker.edge.client import WorkerClient
 
     return WorkerClient(args.worker, tls=security.channel_tls_from_args(args),
                         token=args.token or None, **kwargs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from gpu_worker.loaded_model import LoadedModel
-from gpu_worker.scheduler.scheduler import Sequence
-from gpu_worker.spans import span
+from gpu_worker.core.loaded_model import LoadedModel
+from gpu_worker.engines.scheduler.scheduler import Sequence
+from gpu_worker.telemetry.spans import span
 
 
 class TokenStream:

@@ -13,7 +13,7 @@ def span(provider: object, name: str, **attributes: object) -> Iterator[None]:
     except ImportError:      # the GPU machine may lack the wheels: tracing is optional there
         yield
         return
-    tracer = (provider or trace.get_tracer_provider()).get_tracer("gpu_worker.runtime")
+    tracer = (provider or trace.get_tracer_provider()).get_tracer("gpu_worker.core.runtime")
     with tracer.start_as_current_span(name, attributes={k: v for k, v in attributes.items()
                                                         if v is not None}):
         yield

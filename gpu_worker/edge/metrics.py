@@ -5,7 +5,7 @@ kernel cache, plans, weights, compile, capture and Embed batching counters as th
 them, and the histogram of sequences per Embed batch. A scrape that cannot read the stats (the
 runtime closed, or stats() raised) yields none of these rather than failing the endpoint; the
 failure is logged and counted in gpuplane_worker_survived_errors_total{site="metrics_scrape"}
-(gpu_worker/survived.py), which the same endpoint serves.
+(gpu_worker/telemetry/survived.py), which the same endpoint serves.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from gpu_worker.survived import survived
+from gpu_worker.telemetry.survived import survived
 
 # Sections of the stats dict exported as gpuplane_worker_<section>_<field>.
 SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "reclaim",

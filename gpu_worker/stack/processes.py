@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Self
 
-from gpu_worker.client import wait_for_health
+from gpu_worker.edge.client import wait_for_health
 
 STOP_GRACE_S = 20.0
 

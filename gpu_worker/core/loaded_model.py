@@ -1,6 +1,6 @@
 """What the runtime keeps of a loaded model: its public description (`ModelInfo`), the result of
 a load, and `LoadedModel`, which is also what the reclaimer sees of a model
-(gpu_worker.reclaim.IdleCandidate): busy or idle, what it can drop, its live residency."""
+(gpu_worker.core.reclaim.IdleCandidate): busy or idle, what it can drop, its live residency."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.models.paged import PagedDecoderModel
-from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.engines.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LoadResult:
 
 @dataclass(eq=False)
 class LoadedModel:
-    """A loaded model; also what the reclaimer sees of it (gpu_worker.reclaim.IdleCandidate)."""
+    """A loaded model; also what the reclaimer sees of it (gpu_worker.core.reclaim.IdleCandidate)."""
     info: ModelInfo
     cfg: ModelConfig
     executor: ModelExecutor

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gpu_worker.scheduler.histogram import Histogram
-from gpu_worker.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
-from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.engines.scheduler.histogram import Histogram
+from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 MAX_DECODE_ROWS = 64     # the top of the decode ladder; larger batches run as several decodes

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.client import WorkerClient
-from gpu_worker.progress import step
-from gpu_worker.stack import Stack
+from gpu_worker.edge.client import WorkerClient
+from gpu_worker.stack.progress import step
+from gpu_worker.stack.processes import Stack
 from services.common.config import VAR_DIR, env_flag
 
 MiB = 1 << 20
@@ -290,7 +290,7 @@ def serve_until_interrupted(stack: Stack, worker: str, governor: str, args: argp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker.stack.demo", description=__doc__.splitlines()[0])
     env_flag(parser, "--backend", "GPUPLANE_WORKER_BACKEND", "auto", "worker backend: auto|cuda|sim")
     env_flag(parser, "--config", "GPUPLANE_DEMO_CONFIG", "tiny", "decoder config to load")
     env_flag(parser, "--seed", "GPUPLANE_DEMO_SEED", 0, "model and prompt seed", type=int)

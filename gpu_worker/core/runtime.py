@@ -1,16 +1,16 @@
 """The worker runtime: one device, its budget owner, the kernel compiler and the loaded models.
 
-This is the domain core behind WorkerService (gpu_worker/servicer.py); it never imports grpc
+This is the domain core behind WorkerService (gpu_worker/edge/servicer.py); it never imports grpc
 itself (the governor and cache clients do, and are only created when configured). A decoder's
 Generate requests go to its continuous-batching scheduler (gpu_worker/scheduler): one engine
 thread per model runs iteration-level steps over a paged KV pool, taking the model's lock per
 step (a plan's captured graph bakes its activation pointers, so steps of one model never
 overlap) and keeping the weights pinned while it has sequences. Embed requests for one encoder
-are first gathered into padded batches (gpu_worker/embed_batcher.py), each batch one run under
+are first gathered into padded batches (gpu_worker/engines/embed_batcher.py), each batch one run under
 the model's lock. Different models run concurrently; the capture gate orders their captures
 against each other's syncs.
 
-Memory pressure is answered by one policy object (gpu_worker/reclaim.py), wired here: the arena
+Memory pressure is answered by one policy object (gpu_worker/core/reclaim.py), wired here: the arena
 hands it every refusal, load admission asks it before refusing, and the governor client hands it
 every reclaim ask. A model's weights may be paged out only while it is idle; every request pins
 them and pages back in what is missing (`ModelExecutor.resident`) before it launches anything.
@@ -32,25 +32,25 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_worker.admission import admission_by_zone, weights_to_probe
+from gpu_worker.core.admission import admission_by_zone, weights_to_probe
 from gpu_worker.checkpoints.text import TextCodec
-from gpu_worker.embed_batcher import EmbedBatcher, EmbedBatchStats
+from gpu_worker.engines.embed_batcher import EmbedBatcher, EmbedBatchStats
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.execution.kernel_cache import variants_per_node_from_env
 from gpu_worker.execution.plans import max_plans_from_env
 from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
-from gpu_worker.loaded_model import LoadedModel, LoadResult, ModelInfo
+from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.models.paged import PagedDecoderModel
-from gpu_worker.reclaim import Reclaimer
-from gpu_worker.scheduler.histogram import Histogram
-from gpu_worker.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.scheduler.scheduler import Scheduler, Sequence
-from gpu_worker.spans import span
-from gpu_worker.stats import scheduler_stats, worker_stats
-from gpu_worker.token_stream import TokenStream
+from gpu_worker.core.reclaim import Reclaimer
+from gpu_worker.engines.scheduler.histogram import Histogram
+from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
+from gpu_worker.engines.scheduler.scheduler import Scheduler, Sequence
+from gpu_worker.telemetry.spans import span
+from gpu_worker.core.stats import scheduler_stats, worker_stats
+from gpu_worker.core.token_stream import TokenStream
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -125,7 +125,7 @@ class WorkerRuntime:
         self.reclaimer: Reclaimer | None = None
         self._models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
-        # Embed batching (gpu_worker/embed_batcher.py): one batcher per loaded encoder, by model
+        # Embed batching (gpu_worker/engines/embed_batcher.py): one batcher per loaded encoder, by model
         # id with the LoadedModel it serves (a reloaded id gets a fresh one); counters shared by all.
         self._embed_batchers: dict[str, tuple[LoadedModel, EmbedBatcher]] = {}
         self.embed_batch_stats = EmbedBatchStats()
@@ -293,7 +293,7 @@ class WorkerRuntime:
         the reclaimer first (idle models' caches, then their weights), and is refused only when
         nothing more can go. A model whose weights exceed the weight budget streams (only the
         budget is probed), refused only when it cannot. What the probe counts:
-        gpu_worker/admission.py."""
+        gpu_worker/core/admission.py."""
         need = admission_by_zone(cfg, device.info.granule_bytes)
         need["weights"] = weights_to_probe(cfg, device.info.granule_bytes,  # larger: it streams
                                            device.weights.budget_bytes, f"model {model_id!r}",

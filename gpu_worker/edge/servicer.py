@@ -1,4 +1,4 @@
-"""WorkerService over gRPC: a thin layer over `gpu_worker.runtime.WorkerRuntime`.
+"""WorkerService over gRPC: a thin layer over `gpu_worker.core.runtime.WorkerRuntime`.
 
 Each handler validates what the wire can get wrong, converts, calls the runtime and converts
 back. Errors travel as `services.common.errors` exceptions, mapped to status codes by the common
@@ -26,9 +26,9 @@ from gpuplane.governor.v1 import governor_pb2
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 from opentelemetry import trace
 
-from gpu_worker.access import ACCESS
-from gpu_worker.scheduler.sampling import GREEDY
-from gpu_worker.scheduler.sampling import from_message as sampling_from_message
+from gpu_worker.edge.access import ACCESS
+from gpu_worker.engines.scheduler.sampling import GREEDY
+from gpu_worker.engines.scheduler.sampling import from_message as sampling_from_message
 from services.common import errors
 from services.common.authz import table
 from services.common.security import ServerSecurity

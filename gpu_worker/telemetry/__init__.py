@@ -1,0 +1,1 @@
+"""Process-wide observability helpers every layer may use: survived-error counters and domain spans."""
