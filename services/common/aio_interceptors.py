@@ -29,6 +29,7 @@ from services.common.authz import (
     Policy,
     Rule,
     audit_call,
+    audit_unaudited,
 )
 from services.common.interceptors import status_for
 
@@ -42,6 +43,7 @@ def _already_aborted(context: grpc.aio.ServicerContext) -> bool:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.GpuplaneError):
+        audit_unaudited(exc, method, context)
         log.info("request refused", extra={"method": method, "code": exc.code, "reason": exc.message})
         status = rpc_status.to_status(status_for(exc))
         # As in the sync flavour: tracing records the status from these, not from the abort.

@@ -41,7 +41,10 @@ from services.common.tls import server_credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+
+
+def _options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0)]
 
@@ -76,6 +79,12 @@ class AioRunningServer(RunningServer):
         self._ended.set()
         log.info("server stopped", extra={"port": self.port})
 
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
     async def _drain(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
@@ -84,6 +93,11 @@ class AioRunningServer(RunningServer):
 
     def wait(self) -> None:
         self._ended.wait()
+
+    def set_serving(self, serving: bool) -> None:
+        if self._stopped.is_set():
+            return
+        self.run(self._set_serving(serving), timeout=5)
 
 
 class _WrappingRegistrar:
@@ -151,14 +165,18 @@ def create_aio_server(
     tracer_provider: TracerProvider,
     security: ServerSecurity | None = None,
     access: Mapping[str, Rule] | None = None,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> AioRunningServer:
-    """`create_server` for async servicers: bind `listen`, register, serve on a loop thread."""
+    """`create_server` for async servicers: bind `listen`, register, serve on a loop thread.
+
+    `max_receive_bytes`: gRPC refuses a larger request (RESOURCE_EXHAUSTED from gRPC itself,
+    before any handler or interceptor, so without rich details) without parsing it."""
     security = security or ServerSecurity()
     loop, thread = _loop_thread()
     try:
         return asyncio.run_coroutine_threadsafe(
-            _start(listen, services, tracer_provider, security, access or {}, loop, thread),
-            loop).result()
+            _start(listen, services, tracer_provider, security, access or {}, loop, thread,
+                   max_receive_bytes), loop).result()
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
@@ -167,7 +185,8 @@ def create_aio_server(
 
 async def _start(listen: str, services: list[ServiceRegistration], tracer_provider: TracerProvider,
                  security: ServerSecurity, access: Mapping[str, Rule],
-                 loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> AioRunningServer:
+                 loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> AioRunningServer:
     # Same order as create_server: tracing outermost, then errors, then authorization. Tracing
     # stays an interceptor (OpenTelemetry's, only when spans are recorded); errors and
     # authorization wrap each handler once as it is registered (aio_interceptors says why).
@@ -177,7 +196,7 @@ async def _start(listen: str, services: list[ServiceRegistration], tracer_provid
     if security.policy.enforcing:
         wrappers.append(AioAuthorizationInterceptor(security.policy, access).wrap)
     wrappers.append(AioErrorInterceptor.wrap)
-    server = grpc.aio.server(interceptors=interceptors, options=_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors, options=_options(max_receive_bytes))
     registrar = _WrappingRegistrar(server, wrappers)
     health = AioHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, registrar)

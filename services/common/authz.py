@@ -107,6 +107,16 @@ def audit_call(decision: str, method: str, who: Principal | None, context: grpc.
         "audit": decision, "method": method, "identity": who.name if who else "unknown",
         "roles": sorted(who.roles) if who else [], "peer": context.peer(),
         "code": exc.code if exc else "OK", "reason": exc.message if exc else ""})
+    if exc is not None:
+        exc.audited = True  # type: ignore[attr-defined]  # so the error mapping adds no second line
+
+
+def audit_unaudited(exc: GpuplaneError, method: str, context: grpc.ServicerContext) -> None:
+    """The audit line of a refusal of who the caller is that no authorization check wrote: a
+    handler's own UNAUTHENTICATED / PERMISSION_DENIED on a server without roles or tokens (the
+    error interceptors call this, so every refusal leaves exactly one line with the peer)."""
+    if isinstance(exc, AUDITED_REFUSALS) and not getattr(exc, "audited", False):
+        audit_call("deny", method, None, context, exc)
 
 
 class AuthorizationInterceptor(grpc.ServerInterceptor):

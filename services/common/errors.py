@@ -80,9 +80,15 @@ class ReclaimHint:
     bytes: int
 
 
+# How long a refused caller waits before trying again when the refusing code names no better
+# figure: long enough for a reclaim ask or a queue to move, short next to any client deadline.
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
 @dataclass
 class ResourceExhausted(GpuplaneError):
-    """Admission refused. Carries numbers so a caller can decide what to evict."""
+    """Admission refused. Carries numbers so a caller can decide what to evict, and when to try
+    again (`retry_after_s`, sent as google.rpc.RetryInfo)."""
 
     message: str
     asked_bytes: int = 0
@@ -90,11 +96,14 @@ class ResourceExhausted(GpuplaneError):
     zone: str = ""
     violations: list[QuotaViolation] = field(default_factory=list)
     reclaimable: list[ReclaimHint] = field(default_factory=list)
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
 
     code = "RESOURCE_EXHAUSTED"
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)
+        if not 0 <= self.retry_after_s <= 3600:  # also false for nan
+            raise ValueError(f"retry_after_s={self.retry_after_s} is not in [0, 3600] seconds")
         self.details = {"asked_bytes": self.asked_bytes, "free_bytes": self.free_bytes, "zone": self.zone}
 
     def __str__(self) -> str:

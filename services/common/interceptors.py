@@ -1,8 +1,13 @@
 """The one place where domain errors become gRPC status codes.
 
 Handlers raise `services.common.errors` exceptions; this interceptor aborts the call with the
-matching code. `ResourceExhausted` carries rich details (google.rpc.Status with QuotaFailure and
-ErrorInfo) so a caller can see what was asked, what is free and what could be reclaimed.
+matching code. Every domain error carries google.rpc.ErrorInfo in the rich status;
+`ResourceExhausted` also carries RetryInfo (when to try again) and, when a quota applies (it names
+violations or reclaimable memory), QuotaFailure, so a caller can see what was asked, what is free
+and what could be reclaimed.
+A refusal of who the caller is (UNAUTHENTICATED, PERMISSION_DENIED) leaves one line with the peer
+address on the `gpuplane.audit` logger, whether the authorization interceptor or a handler refused
+(`authz.audit_unaudited`).
 Anything unexpected is logged with its traceback and returned as INTERNAL with a short reference
 id: never UNKNOWN, never a stack trace to the client.
 """
@@ -14,11 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from services.common import errors
+from services.common.authz import audit_unaudited
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,12 @@ def status_for(exc: errors.GpuplaneError) -> status_pb2.Status:
     detail.Pack(info)
     status.details.append(detail)
     if isinstance(exc, errors.ResourceExhausted):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+        retry = any_pb2.Any()
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        status.details.append(retry)
+    if isinstance(exc, errors.ResourceExhausted) and (exc.violations or exc.reclaimable):
         quota = error_details_pb2.QuotaFailure()
         for v in exc.violations:
             quota.violations.add(subject=v.subject, description=v.description)
@@ -51,6 +63,7 @@ def status_for(exc: errors.GpuplaneError) -> status_pb2.Status:
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.GpuplaneError):
+        audit_unaudited(exc, method, context)
         log.info("request refused", extra={"method": method, "code": exc.code, "reason": exc.message})
         status = rpc_status.to_status(status_for(exc))
         # Set code and details first: tracing wrappers record the status on the span from these

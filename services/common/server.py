@@ -77,6 +77,17 @@ class RunningServer:
     def wait(self) -> None:
         self.server.wait_for_termination()
 
+    def set_serving(self, serving: bool) -> None:
+        """Health SERVING or NOT_SERVING, overall and per service, from any thread: for a
+        server that is up but cannot take work (a worker refused its governor registration).
+        After stop() it does nothing (draining stays NOT_SERVING)."""
+        if self._stopped.is_set():
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            self.health.set(name, status)
+
     def serve_until_signalled(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
         """Block until SIGTERM or SIGINT, then drain. Call from the main thread."""
         done = threading.Event()

@@ -10,17 +10,26 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.common import cli, security
-from services.common.config import VAR_DIR, env_flag, parse_bytes
+from services.common.config import VAR_DIR, bounded_number, env_flag, parse_bytes
 from services.common.logs import configure_logging
+from services.governor.policy import MAX_DEVICE_BYTES, MAX_DEVICE_TTL_S, MAX_LEASE_TTL_S
 
 MIB = 1 << 20
+
+
+def _device_bytes(text: str) -> int:
+    """parse_bytes, bounded like every byte figure of the governor (1 PiB)."""
+    value = parse_bytes(text)
+    if value > MAX_DEVICE_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} exceeds the bound of 1 PiB (2^50 bytes)")
+    return value
 
 
 def _zone_budget(text: str) -> tuple[str, int]:
     zone, sep, size = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"zone budget {text!r} is not ZONE=BYTES (try kv=8GiB)")
-    return zone.strip().lower(), parse_bytes(size)
+    return zone.strip().lower(), _device_bytes(size)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,19 +39,25 @@ def _parser() -> argparse.ArgumentParser:
     env_flag(serve, "--listen", "GPUPLANE_GOVERNOR_LISTEN", "127.0.0.1:50061", "HOST:PORT to serve")
     env_flag(serve, "--db", "GPUPLANE_GOVERNOR_DB", f"{VAR_DIR}/governor.sqlite", "SQLite file")
     env_flag(serve, "--lease-ttl-seconds", "GPUPLANE_GOVERNOR_LEASE_TTL_SECONDS", 30.0,
-             "a worker silent this long loses its leases", type=float)
+             f"a worker silent this long loses its leases and its id, in (0, {MAX_LEASE_TTL_S:g}]",
+             type=bounded_number(0, MAX_LEASE_TTL_S, "--lease-ttl-seconds"))
+    env_flag(serve, "--device-ttl-seconds", "GPUPLANE_GOVERNOR_DEVICE_TTL_SECONDS", 600.0,
+             f"a device with no worker is forgotten after this long, in (0, {MAX_DEVICE_TTL_S:g}]",
+             type=bounded_number(0, MAX_DEVICE_TTL_S, "--device-ttl-seconds"))
     env_flag(serve, "--budget-fraction", "GPUPLANE_GOVERNOR_BUDGET_FRACTION", 0.9,
-             "device budget as a fraction of free memory at registration", type=float)
+             "device budget as a fraction of free memory at registration, in (0, 1]",
+             type=bounded_number(0, 1, "--budget-fraction"))
     serve.add_argument("--zone-budget", action="append", type=_zone_budget, default=[],
                        metavar="ZONE=BYTES", help="a zone's share of the device budget (repeat)")
     env_flag(serve, "--transient-headroom", "GPUPLANE_GOVERNOR_TRANSIENT_HEADROOM", 0,
-             "bytes kept free for the transient zone", type=parse_bytes)
+             "bytes kept free for the transient zone", type=_device_bytes)
     serve.add_argument("--no-lending", action="store_true",
                        help="zone budgets are hard caps (default: unused budget is lent)")
     env_flag(serve, "--unaccounted-alert", "GPUPLANE_GOVERNOR_UNACCOUNTED_ALERT", 256 * MIB,
-             "growth of unaccounted bytes that raises the alert", type=parse_bytes)
+             "growth of unaccounted bytes that raises the alert", type=_device_bytes)
     env_flag(serve, "--metrics-port", "GPUPLANE_GOVERNOR_METRICS_PORT", 0,
-             "Prometheus port (0 = off)", type=int)
+             "Prometheus port (0 = off)",
+             type=bounded_number(0, 65535, "--metrics-port", low_open=False, integer=True))
     serve.add_argument("--durable", action="store_true",
                        help="fsync every change (synchronous=FULL): survives power loss too")
     security.add_server_flags(serve, "GOVERNOR")
@@ -78,7 +93,8 @@ def serve(args: argparse.Namespace) -> int:
                         lending=not args.no_lending,
                         transient_headroom_bytes=args.transient_headroom,
                         lease_ttl_s=args.lease_ttl_seconds,
-                        unaccounted_alert_bytes=args.unaccounted_alert)
+                        unaccounted_alert_bytes=args.unaccounted_alert,
+                        device_ttl_s=args.device_ttl_seconds)
         server_security = security.server_security_from_args(args)
     except GpuplaneError as err:
         print(f"error: {err.message}", file=sys.stderr)

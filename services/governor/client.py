@@ -17,7 +17,11 @@ worker that stops when the governor is down turns a control-plane blip into an o
 - the device's hard zone caps (a zone budget with lending off) come with the registration and
   every heartbeat reply; `on_caps` hears of a change from the heartbeat thread, never while the
   client's lock is held (a request thread waiting in `reserve` may hold the weight slots' lock,
-  which the owner of the caps takes to apply them).
+  which the owner of the caps takes to apply them);
+- the registration's incarnation travels on every later call; while the governor refuses the
+  worker id (ALREADY_EXISTS: another live process holds it) the client is not `serving()`, says
+  why in `refusal`, retries registration with backoff, and `on_standing` hears False (and True
+  once a registration succeeds), from the heartbeat thread like `on_caps`.
 Cost: one RPC per chunk of growth plus one heartbeat per `heartbeat_s`.
 """
 from __future__ import annotations
@@ -131,9 +135,13 @@ def exhausted_from(err: grpc.RpcError) -> ResourceExhausted:
     asked = free = 0
     zone = ""
     violations, hints = [], []
+    retry_after_s = None
     for detail in status.details if status else []:
         info, quota = error_details_pb2.ErrorInfo(), error_details_pb2.QuotaFailure()
-        if detail.Unpack(info):
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(retry):
+            retry_after_s = min(3600.0, max(0.0, retry.retry_delay.ToNanoseconds() / 1e9))
+        elif detail.Unpack(info):
             asked = int(info.metadata.get("asked_bytes", 0))
             free = int(info.metadata.get("free_bytes", 0))
             zone = info.metadata.get("zone", "")
@@ -144,8 +152,10 @@ def exhausted_from(err: grpc.RpcError) -> ResourceExhausted:
                     hints.append(ReclaimHint(worker, hint_zone, int(v.description.split()[0])))
                 else:
                     violations.append(QuotaViolation(v.subject, v.description))
+    extra = {} if retry_after_s is None else {"retry_after_s": retry_after_s}
     return ResourceExhausted(err.details() or "admission refused", asked_bytes=asked,
-                             free_bytes=free, zone=zone, violations=violations, reclaimable=hints)
+                             free_bytes=free, zone=zone, violations=violations, reclaimable=hints,
+                             **extra)
 
 
 class GovernorClient:
@@ -155,7 +165,8 @@ class GovernorClient:
                  chunk_bytes: int = 64 << 20, heartbeat_s: float = 2.0, tracer_provider=None,
                  on_reclaim: Callable[[str, int], None] | None = None,
                  tls: ChannelTLS | None = None, token: str | None = None,
-                 on_caps: Callable[[dict[str, int]], None] | None = None) -> None:
+                 on_caps: Callable[[dict[str, int]], None] | None = None,
+                 on_standing: Callable[[bool], None] | None = None) -> None:
         if chunk_bytes <= 0 or heartbeat_s <= 0:
             raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
         self.worker_id, self.device = worker_id, device
@@ -177,6 +188,10 @@ class GovernorClient:
         self._report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
         self._registered = False
         self._connected = False
+        self.incarnation = ""  # the governor's proof of this registration, sent on every call
+        self.refusal = ""      # why the governor refuses our worker id; "" while it does not
+        self.on_standing = on_standing
+        self._standing_delivered: bool | None = None  # what on_standing last heard
         self._retry_at = 0.0  # no growth RPC before this (monotonic) while the governor is down
         self._backoff = 0.0
         self.ttl_s = 30.0
@@ -241,6 +256,21 @@ class GovernorClient:
     def connected(self) -> bool:
         return self._connected
 
+    def serving(self) -> bool:
+        """False while the governor refuses this worker's id to us (another live process holds
+        it): such a worker must not take work, whatever it still believes it holds."""
+        return not self.refusal
+
+    def deliver_standing(self) -> None:
+        """Tell `on_standing` whether we may serve, if it has not heard it yet. Called by the
+        heartbeat thread after every attempt, and by the owner once it has set `on_standing`."""
+        with self._caps_lock:
+            serving = self.serving()
+            if self.on_standing is None or serving == self._standing_delivered:
+                return
+            self.on_standing(serving)
+            self._standing_delivered = serving
+
     def deliver_caps(self) -> None:
         """Hand the current zone caps to `on_caps` if it has not heard them yet. Called by the
         heartbeat thread after every beat, and by the owner once it has set `on_caps`."""
@@ -261,9 +291,10 @@ class GovernorClient:
         self._wake.set()
         self._thread.join(timeout=CALL_DEADLINE_S + 1)
         try:
-            self._stub.DeregisterWorker(
-                governor_pb2.DeregisterWorkerRequest(worker_id=self.worker_id),
-                timeout=CALL_DEADLINE_S)
+            if not self.refusal:  # a refused client holds nothing, and must not free the holder
+                self._stub.DeregisterWorker(governor_pb2.DeregisterWorkerRequest(
+                    worker_id=self.worker_id, incarnation=self.incarnation),
+                    timeout=CALL_DEADLINE_S)
         except grpc.RpcError as err:
             log.info("deregister failed; the leases expire after the TTL",
                      extra={"worker_id": self.worker_id, "code": str(err.code())})
@@ -315,7 +346,8 @@ class GovernorClient:
                     try:
                         lease = self._stub.Acquire(governor_pb2.AcquireRequest(
                             worker_id=self.worker_id, device_uuid=self.device.uuid,
-                            zone=zone_value(zone), bytes=size), timeout=CALL_DEADLINE_S).lease
+                            zone=zone_value(zone), bytes=size, incarnation=self.incarnation),
+                            timeout=CALL_DEADLINE_S).lease
                     except grpc.RpcError as err:
                         if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                             raise
@@ -346,6 +378,12 @@ class GovernorClient:
                                        "the zone's cap is held by this worker")])
 
     def _refuse_unreachable(self, zone: str, need: int) -> None:
+        if self.refusal:
+            raise ResourceExhausted(
+                f"zone {zone} cannot grow by {need} bytes: the governor refuses this worker id "
+                f"({self.refusal})", asked_bytes=need, free_bytes=0, zone=zone,
+                violations=[QuotaViolation(f"governor:{self.worker_id}",
+                                           "worker id held by another live process")])
         raise ResourceExhausted(
             f"governor unreachable: zone {zone} cannot grow by {need} bytes beyond the leases "
             "held; retrying in the background", asked_bytes=need, free_bytes=0, zone=zone,
@@ -355,7 +393,12 @@ class GovernorClient:
         self._connected, self._backoff, self._retry_at = True, 0.0, 0.0
 
     def _down(self, err: grpc.RpcError) -> None:
-        if self._connected:
+        if err.code() == grpc.StatusCode.ALREADY_EXISTS:  # refused our worker id: not serving
+            if not self.refusal:
+                log.warning("the governor refuses this worker id: not serving until it frees",
+                            extra={"worker_id": self.worker_id, "reason": err.details()})
+            self.refusal = err.details() or "worker id held by another live process"
+        elif self._connected:
             log.warning("governor unreachable; working inside held leases",
                         extra={"worker_id": self.worker_id, "code": str(err.code())})
         self._connected = False
@@ -369,10 +412,14 @@ class GovernorClient:
     def _register(self) -> None:
         d = self.device
         reply = self._stub.RegisterWorker(governor_pb2.RegisterWorkerRequest(
-            worker_id=self.worker_id, host=socket.gethostname(),
+            worker_id=self.worker_id, host=socket.gethostname(), incarnation=self.incarnation,
             device=governor_pb2.Device(uuid=d.uuid, name=d.name, total_bytes=d.total_bytes,
                                        free_bytes=d.free_bytes, granule_bytes=d.granule_bytes)),
             timeout=CALL_DEADLINE_S)
+        if self.refusal:
+            log.info("the governor accepts this worker id again",
+                     extra={"worker_id": self.worker_id})
+        self.incarnation, self.refusal = reply.incarnation, ""
         self.ttl_s = reply.lease_ttl_ms / 1000
         self.budget_bytes = reply.device_budget_bytes
         self._set_caps(reply.zone_caps)
@@ -404,7 +451,8 @@ class GovernorClient:
                 try:
                     lease = self._stub.Acquire(governor_pb2.AcquireRequest(
                         worker_id=self.worker_id, device_uuid=self.device.uuid,
-                        zone=zone_value(zone), bytes=held[local_id]), timeout=CALL_DEADLINE_S).lease
+                        zone=zone_value(zone), bytes=held[local_id],
+                        incarnation=self.incarnation), timeout=CALL_DEADLINE_S).lease
                 except grpc.RpcError as err:
                     log.warning("could not re-acquire a lost lease; still in use, retrying",
                                 extra={"worker_id": self.worker_id, "zone": zone,
@@ -432,6 +480,10 @@ class GovernorClient:
                 self._down(err)
             except Exception:
                 log.exception("governor heartbeat failed", extra={"worker_id": self.worker_id})
+            try:
+                self.deliver_standing()
+            except Exception:
+                log.exception("on_standing failed", extra={"worker_id": self.worker_id})
 
     def _heartbeat(self) -> None:
         with self._lock:
@@ -441,6 +493,7 @@ class GovernorClient:
         reply = self._stub.Heartbeat(governor_pb2.HeartbeatRequest(
             worker_id=self.worker_id, device_uuid=self.device.uuid,
             device_used_bytes=device_used, process_used_bytes=process_used,
+            incarnation=self.incarnation,
             zones=[governor_pb2.ZoneUsage(zone=zone_value(z), committed_bytes=c, content_bytes=ct)
                    for z, (c, ct) in sorted(zones.items())]), timeout=CALL_DEADLINE_S)
         self.counters["heartbeats"] += 1
@@ -504,11 +557,12 @@ class GovernorClient:
                 try:
                     if after:
                         self._stub.Resize(governor_pb2.ResizeRequest(
-                            worker_id=self.worker_id, lease_id=lease_id, bytes=after),
-                            timeout=CALL_DEADLINE_S)
+                            worker_id=self.worker_id, lease_id=lease_id, bytes=after,
+                            incarnation=self.incarnation), timeout=CALL_DEADLINE_S)
                     else:
                         self._stub.Release(governor_pb2.ReleaseRequest(
-                            worker_id=self.worker_id, lease_id=lease_id), timeout=CALL_DEADLINE_S)
+                            worker_id=self.worker_id, lease_id=lease_id,
+                            incarnation=self.incarnation), timeout=CALL_DEADLINE_S)
                     self.counters["gave_back"] += 1
                 except grpc.RpcError as err:
                     if err.code() != grpc.StatusCode.NOT_FOUND:

@@ -8,7 +8,16 @@ that sees only some zones reports a healthy device while it fills. Contract:
 - a lease exists until its worker releases it, deregisters, or stays silent for the TTL; it is
   committed to the store before the call returns, so a restart never grants it twice;
 - `unaccounted = device_used - ledger`, the ledger being the committed bytes the workers report
-  (context included); a sustained rise of the floor of that figure raises an alert.
+  (context included); a sustained rise of the floor of that figure raises an alert. The device
+  truth is forgotten when a worker of the device goes (its memory went with it), so a dead
+  worker's last figure never shows as unaccounted memory;
+- one live incarnation holds a worker id: a registration while the id's holder is live (heard
+  from within the TTL) is refused ALREADY_EXISTS unless it carries the holder's incarnation (the
+  token its registration returned), and a call carrying a stale incarnation changes nothing;
+  deregistration or expiry frees the id;
+- every figure a worker reports is bounded by its device's total, so one reporter that lies can
+  skew its own device's figures but never make a report fail; a device no worker is registered
+  on is forgotten after `Policy.device_ttl_s`.
 Cost: one lock, O(zones x workers of the device) per admission, one SQLite transaction per change.
 Nothing here imports grpc; the servicer converts messages to these calls.
 """
@@ -23,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from services.common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -31,7 +41,15 @@ from services.common.errors import (
     ReclaimHint,
     ResourceExhausted,
 )
-from services.governor.policy import EVICTABLE_ZONES, ZONES, Policy, check_zone
+from services.governor.policy import (
+    EVICTABLE_ZONES,
+    MAX_DEVICE_BYTES,
+    MAX_ID_CHARS,
+    MAX_TEXT_CHARS,
+    ZONES,
+    Policy,
+    check_zone,
+)
 from services.governor.store import DeviceRow, LeaseRow, Store, WorkerRow
 
 log = logging.getLogger(__name__)
@@ -41,6 +59,28 @@ MIB = 1 << 20
 # truth ahead of that worker's report) does not raise the alert on its own.
 _RECENT_SAMPLES = 3
 _MAX_HINTS = 16
+# Quotas on how much state callers can make the governor keep (each refused RESOURCE_EXHAUSTED
+# with a QuotaFailure): they bound the memory of the ledger and the size of a GetResources reply.
+MAX_DEVICES = 1024
+MAX_WORKERS = 4096
+MAX_LEASES_PER_WORKER = 4096  # 4096 chunks of 64 MiB: 256 GiB, past any one device
+# A refused Acquire's RetryInfo: one worker heartbeat (2 s by default), by which a reclaim ask
+# has reached the borrowers and their give-back has come in.
+ADMISSION_RETRY_S = 2.0
+
+
+def check_text(what: str, value: str, limit: int) -> None:
+    """InvalidArgument naming the bound when `value` is longer than `limit` characters."""
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters long; the bound is {limit}",
+                              field=what, bound=limit)
+
+
+def check_size(what: str, value: int, limit: int = MAX_DEVICE_BYTES) -> None:
+    """InvalidArgument naming the bound unless 0 <= value <= limit."""
+    if not 0 <= value <= limit:
+        raise InvalidArgument(f"{what}={value} is not in [0, {limit}] bytes", field=what,
+                              bound=limit)
 
 
 @dataclass(frozen=True)
@@ -68,6 +108,7 @@ class Registration:
     device_budget_bytes: int
     leases: list[Lease]
     zone_caps: dict[str, int] = field(default_factory=dict)  # hard zone caps (Policy.zone_caps)
+    incarnation: str = ""  # proof of this incarnation, for its later calls
 
 
 @dataclass(frozen=True)
@@ -131,6 +172,9 @@ class _Device:
     # Bytes the governor wants back per zone: a zone inside its own share was refused because
     # others borrowed it. Handed out once through heartbeats, so a worker is not asked twice.
     reclaim_wanted: dict[str, int] = field(default_factory=dict)
+    # When the device's last worker went (None while one is registered): the row is forgotten
+    # Policy.device_ttl_s later, so rows of departed or made-up devices do not pile up.
+    empty_since: float | None = None
 
 
 @dataclass
@@ -174,26 +218,56 @@ class Ledger:
         self._by_worker: dict[str, set[str]] = {w: set() for w in self._workers}
         for lease in self._leases.values():
             self._index(lease, +1)
+        # Devices loaded with no worker (left over from before the restart) expire like any other.
+        self._device_check_at = float("inf")  # no device can expire before this instant
+        for uuid in self._devices:
+            self._settle_device(uuid, now)
 
     # ---- registration -------------------------------------------------------------------------
 
-    def register(self, worker_id: str, device: DeviceSpec, host: str = "") -> Registration:
+    def register(self, worker_id: str, device: DeviceSpec, host: str = "",
+                 incarnation: str = "") -> Registration:
+        """Register (or re-register) `worker_id` on `device`.
+
+        While the id's holder is live, only a registration carrying its `incarnation` succeeds
+        (AlreadyExists otherwise); a free id gets a new incarnation, returned for later calls."""
         if not worker_id:
             raise InvalidArgument("worker_id is required")
         if not device.uuid:
             raise InvalidArgument("device.uuid is required")
+        check_text("worker_id", worker_id, MAX_ID_CHARS)
+        check_text("incarnation", incarnation, MAX_ID_CHARS)
+        check_text("device.uuid", device.uuid, MAX_ID_CHARS)
+        check_text("device.name", device.name, MAX_TEXT_CHARS)
+        check_text("host", host, MAX_TEXT_CHARS)
+        check_size("device.total_bytes", device.total_bytes)
         if device.total_bytes <= 0 or not 0 < device.free_bytes <= device.total_bytes:
             raise InvalidArgument(
                 f"device sizes are inconsistent: total {device.total_bytes}, free {device.free_bytes}"
                 " (free must be in (0, total])")
         if device.granule_bytes < 0:
             raise InvalidArgument("granule_bytes cannot be negative")
+        check_size("device.granule_bytes", device.granule_bytes, device.total_bytes)
         with self._lock:
+            self._expire_locked()  # a holder silent for the TTL frees the id first
             known = self._workers.get(worker_id)
+            if known and known.row.incarnation and incarnation != known.row.incarnation:
+                age = max(0.0, self.clock() - known.last_seen)
+                raise AlreadyExists(
+                    f"worker id {worker_id!r} is held by a live incarnation on host "
+                    f"{known.row.host or '(unnamed)'!r} (device {known.row.device_uuid}, heard "
+                    f"from {age:.1f} s ago); it frees when that worker deregisters or stays "
+                    f"silent for the {self.policy.lease_ttl_s:g} s lease TTL. Give each worker "
+                    "its own --worker-id", worker_id=worker_id, holder_host=known.row.host)
             if known and known.row.device_uuid != device.uuid and self._by_worker[worker_id]:
                 raise FailedPrecondition(
                     f"worker {worker_id!r} holds leases on device {known.row.device_uuid}; "
                     "release them or deregister before registering on another device")
+            if known is None and len(self._workers) >= MAX_WORKERS:
+                raise self._quota_refusal("governor:workers", MAX_WORKERS,
+                                          "registered workers")
+            if device.uuid not in self._devices and len(self._devices) >= MAX_DEVICES:
+                raise self._quota_refusal("governor:devices", MAX_DEVICES, "known devices")
             if device.uuid not in self._devices:
                 budget = int(device.free_bytes * self.policy.budget_fraction)
                 if device.granule_bytes:
@@ -203,35 +277,47 @@ class Ledger:
                 self.store.put_device(row)
                 self._devices[device.uuid] = _Device(row)
                 log.info("device registered", extra={"device": device.uuid, "budget_bytes": budget})
-            wrow = WorkerRow(worker_id, device.uuid, host)
+            token = known.row.incarnation if known and known.row.incarnation \
+                else secrets.token_hex(16)
+            wrow = WorkerRow(worker_id, device.uuid, host, token)
             if known is None or known.row != wrow:
                 self.store.put_worker(wrow)
             now = self.clock()
+            moved_from = known.row.device_uuid if known else None
             if known is None:
                 known = self._workers[worker_id] = _Worker(wrow, now)
                 self._by_worker[worker_id] = set()
             else:
                 known.row = wrow
+            self._devices[device.uuid].empty_since = None
+            if moved_from is not None and moved_from != device.uuid:
+                self._settle_device(moved_from, now)
             self._touch(known, now)
             self._bump()
             return Registration(self.policy.lease_ttl_s, self._devices[device.uuid].row.budget_bytes,
-                                self._worker_leases(worker_id), self.policy.zone_caps())
+                                self._worker_leases(worker_id), self.policy.zone_caps(), token)
 
-    def deregister(self, worker_id: str) -> int:
-        """Forget `worker_id` and release everything it holds; returns the bytes released."""
+    def deregister(self, worker_id: str, incarnation: str = "") -> int:
+        """Forget `worker_id` and release everything it holds; returns the bytes released.
+        An empty `incarnation` is an operator's (or a pre-incarnation client's) deregistration."""
         with self._lock:
-            self._known(worker_id)
+            self._same_incarnation(self._known(worker_id), incarnation)
             return self._drop_worker(worker_id)
 
     # ---- leases -------------------------------------------------------------------------------
 
-    def acquire(self, worker_id: str, device_uuid: str, zone: str, nbytes: int) -> Lease:
+    def acquire(self, worker_id: str, device_uuid: str, zone: str, nbytes: int,
+                incarnation: str = "") -> Lease:
         check_zone(zone)
         if nbytes <= 0:
             raise InvalidArgument(f"bytes must be positive, got {nbytes}")
+        check_size("bytes", nbytes)
         with self._lock:
             self._expire_locked()
-            worker = self._known(worker_id)
+            worker = self._same_incarnation(self._known(worker_id), incarnation)
+            if len(self._by_worker[worker_id]) >= MAX_LEASES_PER_WORKER:
+                raise self._quota_refusal(f"worker:{worker_id}/leases", MAX_LEASES_PER_WORKER,
+                                          "leases of one worker (resize one instead)")
             device_uuid = device_uuid or worker.row.device_uuid
             if device_uuid != worker.row.device_uuid:
                 raise FailedPrecondition(
@@ -247,13 +333,14 @@ class Ledger:
             self._bump()
             return self._lease(row)
 
-    def resize(self, worker_id: str, lease_id: str, nbytes: int) -> Lease:
+    def resize(self, worker_id: str, lease_id: str, nbytes: int, incarnation: str = "") -> Lease:
         """Grow (admitted like acquire) or shrink (always succeeds) a lease to `nbytes`."""
         if nbytes <= 0:
             raise InvalidArgument(f"bytes must be positive, got {nbytes} (use Release to drop a lease)")
+        check_size("bytes", nbytes)
         with self._lock:
             self._expire_locked()
-            row = self._owned(worker_id, lease_id)
+            row = self._owned(worker_id, lease_id, incarnation)
             grow = nbytes - row.bytes
             if grow > 0:
                 self._admit(self._devices[row.device_uuid], row.zone, grow, worker_id)
@@ -266,9 +353,9 @@ class Ledger:
             self._bump()
             return self._lease(new)
 
-    def release(self, worker_id: str, lease_id: str) -> int:
+    def release(self, worker_id: str, lease_id: str, incarnation: str = "") -> int:
         with self._lock:
-            row = self._owned(worker_id, lease_id)
+            row = self._owned(worker_id, lease_id, incarnation)
             self.store.delete_lease(lease_id)
             self._index(row, -1)
             del self._leases[lease_id]
@@ -280,7 +367,11 @@ class Ledger:
     # ---- liveness and reconciliation ---------------------------------------------------------
 
     def heartbeat(self, worker_id: str, device_uuid: str, device_used_bytes: int,
-                  process_used_bytes: int, zones: dict[str, tuple[int, int]]) -> HeartbeatResult:
+                  process_used_bytes: int, zones: dict[str, tuple[int, int]],
+                  incarnation: str = "") -> HeartbeatResult:
+        """Record a worker's figures (each bounded by its device's total: InvalidArgument and
+        nothing recorded otherwise). An unknown worker, or a stale `incarnation` of a known one,
+        is answered `reregister` and nothing is recorded."""
         if device_used_bytes < 0 or process_used_bytes < 0:
             raise InvalidArgument("used bytes cannot be negative")
         for zone, (committed, content) in zones.items():
@@ -290,12 +381,15 @@ class Ledger:
         with self._lock:
             self._expire_locked()
             worker = self._workers.get(worker_id)
-            if worker is None:
+            if worker is None or (incarnation and worker.row.incarnation
+                                  and incarnation != worker.row.incarnation):
                 return HeartbeatResult(self.policy.lease_ttl_s, reregister=True)
             if device_uuid and device_uuid != worker.row.device_uuid:
                 raise FailedPrecondition(
                     f"worker {worker_id!r} is registered on device {worker.row.device_uuid}, "
                     f"not {device_uuid}")
+            self._check_figures(self._devices[worker.row.device_uuid].row, device_used_bytes,
+                                process_used_bytes, zones)
             now = self.clock()
             worker.last_heartbeat = now
             self._touch(worker, now)
@@ -360,6 +454,74 @@ class Ledger:
         else:
             owned.discard(row.lease_id)
 
+    def _check_figures(self, device: DeviceRow, device_used: int, process_used: int,
+                       zones: dict[str, tuple[int, int]]) -> None:
+        """InvalidArgument unless every figure of a heartbeat fits the device it is about."""
+        total = device.total_bytes
+        where = f"device {device.uuid} has {total} bytes in all"
+        if device_used > total or process_used > total:
+            raise InvalidArgument(
+                f"device_used_bytes={device_used} / process_used_bytes={process_used}: "
+                f"{where}; a figure beyond the device total is refused", bound=total)
+        for zone, (committed, content) in zones.items():
+            if committed > total or content > total:
+                raise InvalidArgument(
+                    f"zone {zone}: committed {committed} / content {content} bytes: {where}",
+                    zone=zone, bound=total)
+        committed_sum = sum(c for c, _ in zones.values())
+        if committed_sum > total:
+            raise InvalidArgument(f"the zones' committed bytes sum to {committed_sum}: {where}",
+                                  bound=total)
+
+    def _same_incarnation(self, worker: _Worker, incarnation: str) -> _Worker:
+        """`worker`, unless `incarnation` is given and is not the live one (FailedPrecondition:
+        that process lost the id, to expiry and another registration)."""
+        if incarnation and worker.row.incarnation and incarnation != worker.row.incarnation:
+            raise FailedPrecondition(
+                f"worker id {worker.row.worker_id!r} is now held by another incarnation (host "
+                f"{worker.row.host or '(unnamed)'!r}); this one lost it and must register again",
+                worker_id=worker.row.worker_id)
+        return worker
+
+    def _quota_refusal(self, subject: str, bound: int, what: str) -> ResourceExhausted:
+        self.counters["refused"] += 1
+        return ResourceExhausted(
+            f"the governor keeps at most {bound} {what}; free some (deregister, release) or let "
+            "silent workers expire", zone="",
+            violations=[QuotaViolation(subject, f"at most {bound} {what}")],
+            retry_after_s=min(self.policy.lease_ttl_s, 60.0))
+
+    def _settle_device(self, uuid: str, now: float) -> None:
+        """After a worker of `uuid` went: its last device truth is stale (the worker's memory
+        went with it), and with no worker left the device starts its expiry clock."""
+        device = self._devices.get(uuid)
+        if device is None:
+            return
+        device.device_used_bytes = 0  # unknown until the next beat that carries the truth
+        if any(w.row.device_uuid == uuid for w in self._workers.values()):
+            return
+        if device.empty_since is None:
+            device.empty_since = now
+        self._device_check_at = min(self._device_check_at, now + self.policy.device_ttl_s)
+
+    def _expire_devices(self, now: float) -> None:
+        if now < self._device_check_at:
+            return
+        next_check = float("inf")
+        for uuid, device in list(self._devices.items()):
+            if device.empty_since is None:
+                continue
+            if device.empty_since + self.policy.device_ttl_s > now \
+                    or any(self._leased_on(uuid).values()):
+                next_check = min(next_check, device.empty_since + self.policy.device_ttl_s)
+                continue
+            self.store.delete_device(uuid)
+            del self._devices[uuid]
+            log.info("device forgotten: no worker for the device TTL",
+                     extra={"device": uuid, "device_ttl_s": self.policy.device_ttl_s})
+            self._bump()
+        self._device_check_at = next_check
+
     def _known(self, worker_id: str) -> _Worker:
         worker = self._workers.get(worker_id)
         if worker is None:
@@ -367,8 +529,8 @@ class Ledger:
                            "call RegisterWorker first", worker_id=worker_id)
         return worker
 
-    def _owned(self, worker_id: str, lease_id: str) -> LeaseRow:
-        self._known(worker_id)
+    def _owned(self, worker_id: str, lease_id: str, incarnation: str = "") -> LeaseRow:
+        self._same_incarnation(self._known(worker_id), incarnation)
         row = self._leases.get(lease_id)
         if row is None:
             raise NotFound(f"no lease {lease_id!r} (released, expired or never granted)",
@@ -450,7 +612,7 @@ class Ledger:
             f"admission refused: asked {_mib(extra)} in zone {zone} on device {device.row.uuid}, "
             f"{_mib(max(free, 0))} free; give back memory from the reclaimable zones listed",
             asked_bytes=extra, free_bytes=max(free, 0), zone=zone, violations=violations,
-            reclaimable=self._hints(device, leased, borrowed))
+            reclaimable=self._hints(device, leased, borrowed), retry_after_s=ADMISSION_RETRY_S)
 
     def _hints(self, device: _Device, leased: dict[str, int],
                borrowed: dict[str, int]) -> list[ReclaimHint]:
@@ -500,12 +662,14 @@ class Ledger:
             self._index(row, -1)
             freed += row.bytes
         self._by_worker.pop(worker_id, None)
-        del self._workers[worker_id]
+        gone = self._workers.pop(worker_id)
+        self._settle_device(gone.row.device_uuid, self.clock())
         self._bump()
         return freed
 
     def _expire_locked(self) -> list[str]:
         now = self.clock()
+        self._expire_devices(now)
         if now < self._quiet_until:
             return []
         deadline = now - self.policy.lease_ttl_s

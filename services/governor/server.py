@@ -18,7 +18,7 @@ from services.common.telemetry import tracer_provider as default_tracer_provider
 from services.governor.access import ACCESS
 from services.governor.ledger import Ledger
 from services.governor.policy import Policy
-from services.governor.servicer import SERVICE_NAME, registration
+from services.governor.servicer import MAX_REQUEST_BYTES, SERVICE_NAME, registration
 from services.governor.store import Store
 
 
@@ -34,7 +34,8 @@ def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = 
     service = registration(ledger, traced=is_recording(provider))
     try:
         server = create_aio_server(listen, [service], provider,
-                                   security=security, access=table(SERVICE_NAME, ACCESS))
+                                   security=security, access=table(SERVICE_NAME, ACCESS),
+                                   max_receive_bytes=MAX_REQUEST_BYTES)
     except BaseException:
         store.close()
         raise
@@ -42,7 +43,8 @@ def start_governor(listen: str, db: str | pathlib.Path, policy: Policy | None = 
 
     def sweep() -> None:
         # Expiry also runs before every admission; the sweeper returns a dead worker's memory to
-        # the pool even when nobody asks, within a quarter of the TTL.
+        # the pool even when nobody asks, within a quarter of the TTL (and forgets devices left
+        # without a worker for the device TTL).
         while not stop.wait(max(0.05, policy.lease_ttl_s / 4)):
             ledger.expire()
 

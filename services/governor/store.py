@@ -44,6 +44,9 @@ class WorkerRow:
     worker_id: str
     device_uuid: str
     host: str
+    # The live incarnation's proof (services.governor.ledger): kept across a governor restart, so
+    # the worker that holds the id keeps it and no other process can take it over meanwhile.
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,14 @@ class Store:
             pk="uuid", if_not_exists=True,
         )
         self.db["workers"].create(
-            {"worker_id": str, "device_uuid": str, "host": str}, pk="worker_id", if_not_exists=True,
+            {"worker_id": str, "device_uuid": str, "host": str, "incarnation": str},
+            pk="worker_id", if_not_exists=True,
         )
+        if "incarnation" not in self.db["workers"].columns_dict:
+            # A database from before incarnations: its rows prove nothing, so the first
+            # registration of each id (with any incarnation) claims it.
+            self._conn.execute(
+                "ALTER TABLE workers ADD COLUMN incarnation TEXT NOT NULL DEFAULT ''")
         # Every Acquire and Release writes this table, and a commit appends one WAL frame (a 4 KiB
         # page) per b-tree it touches. Keyed by lease_id WITHOUT ROWID, a lease lives in one
         # b-tree; the rowid layout also kept an index on lease_id and one on worker_id: three
@@ -142,8 +151,13 @@ class Store:
 
     def put_worker(self, w: WorkerRow) -> None:
         self._write([(
-            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?)", (w.worker_id, w.device_uuid, w.host),
+            "INSERT OR REPLACE INTO workers (worker_id, device_uuid, host, incarnation) "
+            "VALUES (?, ?, ?, ?)", (w.worker_id, w.device_uuid, w.host, w.incarnation),
         )])
+
+    def delete_device(self, uuid: str) -> None:
+        """Forget a device no worker is registered on (the ledger checks that first)."""
+        self._write([("DELETE FROM devices WHERE uuid = ?", (uuid,))])
 
     def delete_worker(self, worker_id: str) -> None:
         """Forget a worker and every lease it held, in one transaction."""
@@ -165,7 +179,8 @@ class Store:
         return [DeviceRow(**r) for r in self.db["devices"].rows]
 
     def workers(self) -> list[WorkerRow]:
-        return [WorkerRow(**r) for r in self.db["workers"].rows]
+        return [WorkerRow(r["worker_id"], r["device_uuid"], r["host"], r["incarnation"] or "")
+                for r in self.db["workers"].rows]
 
     def leases(self) -> list[LeaseRow]:
         return [LeaseRow(*r) for r in self._conn.execute(

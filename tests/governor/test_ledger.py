@@ -201,7 +201,7 @@ def test_expiry_without_a_scan_drops_exactly_the_workers_a_full_scan_would(tmp_p
 
 def test_leases_survive_a_reopen_and_are_never_granted_twice(tmp_path, clock):
     ledger = make(tmp_path, clock)
-    ledger.register("w1", GPU)
+    first = ledger.register("w1", GPU)
     kept = ledger.acquire("w1", "", "weights", 600 * MIB)
     gone = ledger.acquire("w1", "", "kv", 100 * MIB)
     ledger.release("w1", gone.lease_id)
@@ -210,7 +210,8 @@ def test_leases_survive_a_reopen_and_are_never_granted_twice(tmp_path, clock):
     assert [lease.lease_id for lease in reopened.leases_of("w1")] == [kept.lease_id]
     with pytest.raises(ResourceExhausted):
         reopened.acquire("w1", "", "kv", 401 * MIB)
-    reg = reopened.register("w1", GPU)
+    reg = reopened.register("w1", GPU, incarnation=first.incarnation)
+    assert reg.incarnation == first.incarnation, "the incarnation must survive the restart"
     assert [lease.lease_id for lease in reg.leases] == [kept.lease_id], \
         "re-registration must keep the worker's leases"
     assert reg.device_budget_bytes == 1000 * MIB, "the device budget must survive the restart"
@@ -219,10 +220,10 @@ def test_leases_survive_a_reopen_and_are_never_granted_twice(tmp_path, clock):
 def test_registering_on_another_device_while_holding_leases_is_a_failed_precondition(
         tmp_path, clock):
     ledger = make(tmp_path, clock)
-    ledger.register("w1", GPU)
+    token = ledger.register("w1", GPU).incarnation
     ledger.acquire("w1", "", "kv", MIB)
     with pytest.raises(FailedPrecondition):
-        ledger.register("w1", DeviceSpec("GPU-2", 100 * MIB, 100 * MIB))
+        ledger.register("w1", DeviceSpec("GPU-2", 100 * MIB, 100 * MIB), incarnation=token)
     with pytest.raises(InvalidArgument):
         ledger.register("w1", DeviceSpec("GPU-3", 100 * MIB, 200 * MIB))
 
