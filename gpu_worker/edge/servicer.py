@@ -355,4 +355,8 @@ def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: i
     server = create_server(listen, [registration], tracer_provider, max_workers=max_workers,
                            security=security, access=table(registration.full_name, ACCESS))
     server.on_stop.append(runtime.close)
+    budget = getattr(runtime, "budget", None)
+    if hasattr(budget, "deliver_standing"):  # NOT_SERVING while the governor refuses our id
+        budget.on_standing = server.set_serving
+        budget.deliver_standing()
     return server
