@@ -15,10 +15,14 @@ FAILED_PRECONDITION, since the checkpoint itself is fine.
 """
 from __future__ import annotations
 
-import json
-import pathlib
 from dataclasses import dataclass
 
+from gpu_worker.checkpoints.paths import CheckpointError, CheckpointFiles
+from gpu_worker.checkpoints.schema import (MAX_CONFIG_BYTES, MAX_EOS_IDS, MAX_FFN, MAX_HEADS,
+                                           MAX_HIDDEN, MAX_LAYERS, MAX_MODULES, MAX_POSITIONS,
+                                           MAX_ROPE_FACTOR, MAX_ROPE_THETA, MAX_TOKEN_ID, MAX_VOCAB,
+                                           Fields,
+                                           parse_json, quote)
 from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
 from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -31,6 +35,7 @@ SUPPORTED_TEXT = ("supported: LlamaForCausalLM, MistralForCausalLM and Qwen2ForC
                   f"or symmetric 4-bit GPTQ without act-order, group size a multiple of {QUANT_BLOCK}")
 # transformers' activation names: "gelu" is the erf form; these two are the tanh approximation
 _GELU = {"gelu": True, "gelu_new": False, "gelu_pytorch_tanh": False}
+_EPS_MAX = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,171 +51,185 @@ class CheckpointSpec:
     normalize: bool = False     # encoders: sentence-transformers' Normalize module is present
 
 
-def _read_json(path: pathlib.Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidArgument(f"{path.name} is missing from the checkpoint directory",
-                              file=str(path)) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path.name} is not valid JSON ({exc})", file=str(path)) from None
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"{path.name} is not a JSON object", file=str(path))
-    return data
+def _read_json(files: CheckpointFiles, rel: str) -> object:
+    """A small JSON file of the checkpoint (config.json and its kin), through the sandbox."""
+    name = files.name(rel)
+    if not files.exists(rel):
+        raise CheckpointError(f"{name} is missing from the checkpoint directory", file=name)
+    return parse_json(files.read_bytes(rel, MAX_CONFIG_BYTES, "config file"), name)
 
 
-def _eos(value: object) -> tuple[int, ...]:
+def _read_fields(files: CheckpointFiles, rel: str) -> Fields:
+    return Fields(_read_json(files, rel), files.name(rel))
+
+
+def _eos(f: Fields) -> tuple[int, ...]:
+    """eos_token_id: a token id or a list of them (an id the vocab lacks is never generated, so
+    it is harmless; a list may name ids of a larger tokenizer)."""
+    value = f.raw.get("eos_token_id")
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
-    raise InvalidArgument(f"eos_token_id must be an integer or a list of integers, got {value!r}")
+    ids = value if isinstance(value, list) else [value]
+    if len(ids) > MAX_EOS_IDS or not all(isinstance(v, int) and not isinstance(v, bool)
+                                         and 0 <= v <= MAX_TOKEN_ID for v in ids):
+        raise f.fail("eos_token_id", f"must be a token id (0 to {MAX_TOKEN_ID}) or a list of at "
+                     f"most {MAX_EOS_IDS} of them, found {quote(value)}")
+    return tuple(ids)
 
 
-def _rope(raw: dict) -> tuple[float, Llama3Scaling | None]:
+def _rope(f: Fields) -> tuple[float, Llama3Scaling | None]:
     # transformers v5 moves theta and the scaling into `rope_parameters`; accept both spellings.
-    params = raw.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or (params if "rope_type" in params or "type" in params else None)
-    if not scaling:
+    params = f.obj("rope_parameters")
+    theta = (params if params is not None and params.has("rope_theta") else f).number(
+        "rope_theta", 0.0, MAX_ROPE_THETA, 10000.0, above=True)
+    scaling = f.obj("rope_scaling")
+    if scaling is None and params is not None and (params.has("rope_type") or params.has("type")):
+        scaling = params
+    if scaling is None:
         return theta, None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    kind = scaling.str("rope_type", None) if scaling.has("rope_type") else scaling.str("type", "default")
+    if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise FailedPrecondition(f"rope_scaling of type {kind!r} is not supported (only 'llama3')")
-    try:
-        return theta, Llama3Scaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                    float(scaling["high_freq_factor"]),
-                                    int(scaling["original_max_position_embeddings"]))
-    except (KeyError, TypeError, ValueError):
-        raise InvalidArgument(f"rope_scaling {scaling!r} lacks a llama3 field") from None
+        raise FailedPrecondition(f"{scaling.where}: rope scaling of type {quote(kind)} is not "
+                                 "supported (only 'llama3')")
+    low = scaling.number("low_freq_factor", 0.0, MAX_ROPE_FACTOR, above=True)
+    high = scaling.number("high_freq_factor", low, MAX_ROPE_FACTOR, above=True)
+    return theta, Llama3Scaling(scaling.number("factor", 0.0, MAX_ROPE_FACTOR, above=True), low,
+                                high, scaling.int("original_max_position_embeddings", 1,
+                                                  MAX_POSITIONS))
 
 
-def read_spec(directory: pathlib.Path, max_context: int) -> CheckpointSpec:
-    """Parse `directory/config.json`; serve min(max_position_embeddings, max_context) tokens."""
-    raw = _read_json(directory / "config.json")
-    archs = raw.get("architectures") or []
+def _architecture(f: Fields) -> str:
+    archs = f.str_list("architectures", 16)
     arch = archs[0] if len(archs) == 1 else None
     if arch not in SUPPORTED:
-        raise InvalidArgument(f"config.json: architecture {archs or raw.get('model_type')!r} is not "
-                              f"supported; {SUPPORTED_TEXT}", architecture=str(archs))
+        found = archs or (f.raw.get("model_type") if isinstance(f.raw.get("model_type"), str) else None)
+        raise InvalidArgument(f"{f.where}: architecture {quote(found)} is not supported; "
+                              f"{SUPPORTED_TEXT}", architecture=quote(archs))
+    return arch
+
+
+def _shape(f: Fields, positions_default: int) -> tuple[int, int, int, int, int, int]:
+    """(hidden, heads, layers, ffn, vocab, positions), each a positive integer within its bound."""
+    return (f.int("hidden_size", 1, MAX_HIDDEN), f.int("num_attention_heads", 1, MAX_HEADS),
+            f.int("num_hidden_layers", 1, MAX_LAYERS), f.int("intermediate_size", 1, MAX_FFN),
+            f.int("vocab_size", 1, MAX_VOCAB),
+            f.int("max_position_embeddings", 1, MAX_POSITIONS, positions_default))
+
+
+def read_spec(directory, max_context: int, files: CheckpointFiles | None = None) -> CheckpointSpec:
+    """Parse config.json (through `files`, the checkpoint's sandbox; by default the directory is
+    its own root); serve min(max_position_embeddings, max_context) tokens. Every field is checked
+    for type and range before any is used (schema.py's bounds)."""
+    files = files or CheckpointFiles(directory)
+    f = _read_fields(files, "config.json")
+    arch = _architecture(f)
     if arch in ENCODERS:
-        return _bert_spec(directory, raw, arch, max_context)
-    gptq_group, gptq_v2 = _gptq(directory, raw)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise InvalidArgument(f"config.json: hidden_act {raw['hidden_act']!r}; {arch} is served "
-                              "with SiLU only")
-    if raw.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and raw.get("attention_bias")):
-        raise FailedPrecondition("config.json: mlp_bias / attention_bias are not supported")
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        layers, ffn, vocab = (int(raw["num_hidden_layers"]), int(raw["intermediate_size"]),
-                              int(raw["vocab_size"]))
-        positions = int(raw.get("max_position_embeddings", max_context))
-        eps = float(raw.get("rms_norm_eps", 1e-6))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"config.json: field {exc} is missing or not a number") from None
-    if raw.get("head_dim") not in (None, hidden // heads):
-        raise FailedPrecondition(f"config.json: head_dim {raw['head_dim']} != hidden_size / "
+        return _bert_spec(files, f, arch, max_context)
+    gptq_group, gptq_v2 = _gptq(files, f)
+    act = f.str("hidden_act", "silu")
+    if act != "silu":
+        raise InvalidArgument(f"{f.where}: hidden_act {quote(act)}; {arch} is served with SiLU only")
+    if f.bool("mlp_bias", False) or (arch != "Qwen2ForCausalLM" and f.bool("attention_bias", False)):
+        raise FailedPrecondition(f"{f.where}: mlp_bias / attention_bias are not supported")
+    hidden, heads, layers, ffn, vocab, positions = _shape(f, max_context)
+    kv_heads = f.int("num_key_value_heads", 1, heads, heads)
+    eps = f.number("rms_norm_eps", 0.0, _EPS_MAX, 1e-6, above=True)
+    head_dim = f.int("head_dim", 1, MAX_HIDDEN, hidden // heads)
+    if head_dim != hidden // heads:
+        raise FailedPrecondition(f"{f.where}: head_dim {head_dim} != hidden_size / "
                                  f"num_attention_heads ({hidden // heads}) is not supported")
     served = min(positions, max_context)
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window is not None and uses_window and int(window) < served:
+    window = f.int("sliding_window", 1, MAX_POSITIONS, 0) or None
+    uses_window = f.bool("use_sliding_window", arch == "MistralForCausalLM")
+    if window is not None and uses_window and window < served:
         raise FailedPrecondition(
-            f"config.json: sliding_window {window} is shorter than the served context of {served} "
+            f"{f.where}: sliding_window {window} is shorter than the served context of {served} "
             "tokens; sliding-window attention is not supported (lower the worker's "
-            "--checkpoint-context to at most the window)", sliding_window=int(window))
-    theta, scaling = _rope(raw)
-    tied = bool(raw.get("tie_word_embeddings", False))  # LlamaConfig and Qwen2Config default
-    eos = _eos(raw.get("eos_token_id"))
-    gen = directory / "generation_config.json"
-    if gen.exists():
-        eos = _eos(_read_json(gen).get("eos_token_id")) or eos
-    cfg = ModelConfig(directory.name or "checkpoint", "decoder", vocab_size=vocab, hidden=hidden,
+            "--checkpoint-context to at most the window)", sliding_window=window)
+    theta, scaling = _rope(f)
+    tied = f.bool("tie_word_embeddings", False)  # LlamaConfig and Qwen2Config default
+    eos = _eos(f)
+    if files.exists("generation_config.json"):
+        eos = _eos(_read_fields(files, "generation_config.json")) or eos
+    cfg = ModelConfig(files.path.name or "checkpoint", "decoder", vocab_size=vocab, hidden=hidden,
                       layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn, max_context=served,
                       eps=eps, rope_theta=theta, qkv_bias=arch == "Qwen2ForCausalLM",
                       rope_scaling=scaling)
     return CheckpointSpec(cfg, arch, tied, eos, gptq_group=gptq_group, gptq_v2=gptq_v2)
 
 
-def _gptq(directory: pathlib.Path, raw: dict) -> tuple[int, bool]:
+def _gptq(files: CheckpointFiles, f: Fields) -> tuple[int, bool]:
     """(group size, v2 zeros) of a pre-quantized GPTQ checkpoint; (0, False) when unquantized.
     Symmetric 4-bit GPTQ without act-order maps exactly onto our blocks of 32 (each group's scale
     repeated, nibble q standing for q - 8), so it loads without requantizing; anything else is
     refused."""
-    quant = raw.get("quantization_config")
-    separate = directory / "quantize_config.json"
-    if not quant and separate.exists():
-        quant = {"quant_method": "gptq", **_read_json(separate)}
-    if not quant:
+    quant = f.obj("quantization_config")
+    if (quant is None or not quant.raw) and files.exists("quantize_config.json"):
+        separate = _read_fields(files, "quantize_config.json")
+        quant = Fields({"quant_method": "gptq", **separate.raw}, separate.where)
+    if quant is None or not quant.raw:
         return 0, False
-    method = quant.get("quant_method", "?")
-    supported = SUPPORTED_TEXT
-    if method != "gptq" or quant.get("bits") != 4 or not quant.get("sym", True):
-        raise InvalidArgument(f"config.json: quantization {method!r} (bits {quant.get('bits')}, "
-                              f"sym {quant.get('sym', True)}) is not supported; {supported}",
-                              quant_method=str(method))
-    group = int(quant.get("group_size", 128))
-    fmt = quant.get("checkpoint_format", "gptq")
-    if quant.get("desc_act") or (group != -1 and (group <= 0 or group % QUANT_BLOCK)) \
+    method = quant.str("quant_method", "?")
+    bits = quant.int("bits", 1, 64, 0)
+    sym = quant.bool("sym", True)
+    if method != "gptq" or bits != 4 or not sym:
+        raise InvalidArgument(f"{quant.where}: quantization {quote(method)} (bits {bits}, sym "
+                              f"{sym}) is not supported; {SUPPORTED_TEXT}", quant_method=quote(method))
+    group = quant.int("group_size", -1, MAX_HIDDEN * 4, 128)
+    fmt = quant.str("checkpoint_format", "gptq")
+    desc_act = quant.bool("desc_act", False)
+    if desc_act or (group != -1 and (group <= 0 or group % QUANT_BLOCK)) \
             or fmt not in ("gptq", "gptq_v2"):
-        raise FailedPrecondition(f"GPTQ with desc_act {quant.get('desc_act')}, group_size {group}, "
-                                 f"checkpoint_format {fmt!r} is not supported; {supported}")
+        raise FailedPrecondition(f"GPTQ with desc_act {desc_act}, group_size {group}, "
+                                 f"checkpoint_format {quote(fmt)} is not supported; {SUPPORTED_TEXT}")
     return group, fmt == "gptq_v2"
 
 
-
-def _bert_spec(directory: pathlib.Path, raw: dict, arch: str, max_context: int) -> CheckpointSpec:
-    if raw.get("position_embedding_type", "absolute") != "absolute":
-        raise FailedPrecondition(f"config.json: position_embedding_type "
-                                 f"{raw['position_embedding_type']!r}; only 'absolute' is supported")
-    act = raw.get("hidden_act", "gelu")
+def _bert_spec(files: CheckpointFiles, f: Fields, arch: str, max_context: int) -> CheckpointSpec:
+    position_type = f.str("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise FailedPrecondition(f"{f.where}: position_embedding_type {quote(position_type)}; "
+                                 "only 'absolute' is supported")
+    act = f.str("hidden_act", "gelu")
     if act not in _GELU:
-        raise InvalidArgument(f"config.json: hidden_act {act!r}; BERT is served with {sorted(_GELU)}")
-    if raw.get("quantization_config"):
-        raise InvalidArgument(f"config.json: quantized BERT checkpoints are not supported; {SUPPORTED_TEXT}")
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        layers, ffn, vocab = (int(raw["num_hidden_layers"]), int(raw["intermediate_size"]),
-                              int(raw["vocab_size"]))
-        positions = int(raw.get("max_position_embeddings", 512))
-        eps = float(raw.get("layer_norm_eps", 1e-12))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"config.json: field {exc} is missing or not a number") from None
-    normalize = False
-    modules = directory / "modules.json"
-    if modules.exists():
-        for module in _read_json_list(modules):
-            kind = str(module.get("type", ""))
-            if kind.endswith("Normalize"):
-                normalize = True
-            elif kind.endswith("Pooling"):
-                pooling = _read_json(directory / str(module.get("path", "")) / "config.json")
-                other = [k for k, v in pooling.items()
-                         if k.startswith("pooling_mode_") and v and k != "pooling_mode_mean_tokens"]
-                if other or not pooling.get("pooling_mode_mean_tokens", False):
-                    raise FailedPrecondition(f"{module.get('path')}/config.json: pooling {other} is "
-                                             "not supported; only mean pooling")
-            elif not kind.endswith("Transformer"):
-                raise FailedPrecondition(f"modules.json: module {kind!r} is not supported "
-                                         "(Transformer, mean Pooling and Normalize are)")
-    cfg = ModelConfig(directory.name or "checkpoint", "encoder", vocab_size=vocab, hidden=hidden,
+        raise InvalidArgument(f"{f.where}: hidden_act {quote(act)}; BERT is served with {sorted(_GELU)}")
+    if f.raw.get("quantization_config"):
+        raise InvalidArgument(f"{f.where}: quantized BERT checkpoints are not supported; {SUPPORTED_TEXT}")
+    hidden, heads, layers, ffn, vocab, positions = _shape(f, 512)
+    eps = f.number("layer_norm_eps", 0.0, _EPS_MAX, 1e-12, above=True)
+    normalize = files.exists("modules.json") and _modules(files)
+    cfg = ModelConfig(files.path.name or "checkpoint", "encoder", vocab_size=vocab, hidden=hidden,
                       layers=layers, heads=heads, kv_heads=heads, ffn=ffn,
                       max_context=min(positions, max_context), eps=eps, linear_bias=True,
                       gelu_exact=_GELU[act])
     return CheckpointSpec(cfg, arch, False, (), positions=positions, normalize=normalize)
 
 
-def _read_json_list(path: pathlib.Path) -> list[dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path.name} is not valid JSON ({exc})", file=str(path)) from None
-    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
-        raise InvalidArgument(f"{path.name} is not a list of modules", file=str(path))
-    return data
+def _modules(files: CheckpointFiles) -> bool:
+    """Check a sentence-transformers modules.json (Transformer, mean Pooling, Normalize); True
+    when it lists Normalize. Each module's `path` is a hostile name: read through the sandbox."""
+    name = files.name("modules.json")
+    modules = _read_json(files, "modules.json")
+    if not isinstance(modules, list) or len(modules) > MAX_MODULES:
+        raise CheckpointError(f"{name} is not a list of at most {MAX_MODULES} modules", file=name)
+    normalize = False
+    for i, raw in enumerate(modules):
+        module = Fields(raw, f"{name}[{i}]")
+        kind = module.str("type", "")
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            path = module.str("path", "")
+            rel = f"{path.rstrip('/')}/config.json" if path else "config.json"
+            pooling = _read_fields(files, rel)
+            modes = {k: pooling.bool(k, False) for k in pooling.raw if k.startswith("pooling_mode_")}
+            other = [k for k, on in modes.items() if on and k != "pooling_mode_mean_tokens"]
+            if other or not modes.get("pooling_mode_mean_tokens", False):
+                raise FailedPrecondition(f"{pooling.where}: pooling {other} is not supported; "
+                                         "only mean pooling")
+        elif not kind.endswith("Transformer"):
+            raise FailedPrecondition(f"{name}: module {quote(kind)} is not supported "
+                                     "(Transformer, mean Pooling and Normalize are)")
+    return normalize

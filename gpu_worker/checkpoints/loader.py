@@ -10,9 +10,11 @@ ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, so the host holds 
 MAX_LOOKAHEAD + 1 converted tensors plus one staged chunk per thread; `self.profile` says where
 the time went. No conversion outlives the mapping: `close()` (and the generator's end) cancel
 and drain the pool.
-Every tensor's name, shape and dtype are checked against config.json before any is converted
-(`Checkpoint.open` does it), so a bad checkpoint fails before the device is touched and names
-the file and the tensor. Cost: one pass over the files, the disk's speed when they are not cached.
+Every file is read through the checkpoint's `CheckpointFiles` (paths.py: under the model root,
+regular files only). `Checkpoint.open` checks, in order and before anything is converted: the
+config as a schema (hf_config.py, schema.py's bounds), every tensor's name, shape and dtype
+against config.json (headers only), then that the host can hold the load (budget.py); so a bad
+checkpoint fails before the device is touched and names the file and the tensor. Cost: one pass over the files, the disk's speed when they are not cached.
 `weight_format="fp16"` keeps every linear as stored: cast to one fp16 `<key>.h` matrix in the same
 row chunks (no quantization); a value beyond fp16's range (|x| > 65504) is refused, naming the
 tensor, rather than served as inf. GPTQ files are already 4-bit: they load as int4 only.
@@ -34,9 +36,10 @@ from typing import Self
 
 import numpy as np
 
-from gpu_worker.checkpoints import gptq
+from gpu_worker.checkpoints import budget, gptq
 from gpu_worker.checkpoints.hf_config import CheckpointSpec, read_spec
 from gpu_worker.checkpoints.mapping import Source, sources
+from gpu_worker.checkpoints.paths import CheckpointFiles
 from gpu_worker.checkpoints.quantize import quantize_rows
 from gpu_worker.checkpoints.safetensors import CheckpointError, to_float32
 from gpu_worker.checkpoints.shards import FLOAT_DTYPES, ShardSet
@@ -169,24 +172,30 @@ class Checkpoint:
         return self.spec.cfg
 
     @classmethod
-    def open(cls, directory: pathlib.Path, max_context: int,
-             weight_format: str = "int4") -> Checkpoint:
-        """`weight_format`: "int4" (quantized on load; the default) or "fp16" (kept as stored)."""
+    def open(cls, directory: pathlib.Path, max_context: int, weight_format: str = "int4",
+             root: pathlib.Path | None = None, host_memory_limit: int | None = None) -> Checkpoint:
+        """`weight_format`: "int4" (quantized on load; the default) or "fp16" (kept as stored).
+        `root`: the model root, the sandbox of every file read (by default the directory is its
+        own). `host_memory_limit`: bytes of host memory the load may take (by default the
+        machine's or its cgroup's, budget.host_memory_limit)."""
         directory = pathlib.Path(directory)
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (the default) "
                                   "or 'fp16'")
-        spec = read_spec(directory, max_context)
+        files = CheckpointFiles(directory, root)
+        spec = read_spec(directory, max_context, files)
         if weight_format == "fp16" and spec.gptq_group:
             raise InvalidArgument(f"{directory.name} is a GPTQ checkpoint (already 4-bit): load "
                                   "it with weight_format 'int4'; 'fp16' serves float checkpoints")
         spec = dataclasses.replace(spec, cfg=dataclasses.replace(spec.cfg,
                                                                  weight_format=weight_format))
-        shards = ShardSet(directory)
+        shards = ShardSet(files)
         try:
             srcs = _resolve(shards, spec)
-            for src in srcs.values():
+            for src in srcs.values():   # headers only: nothing is read but the GPTQ zeros
                 (_check_gptq if src.kind == "gptq" else _check_float)(shards, spec, src)
+            budget.check_host(spec.cfg, budget.host_bytes(spec.cfg, QUANT_THREADS, MAX_LOOKAHEAD,
+                                                          CHUNK_ELEMS), host_memory_limit)
         except BaseException:
             shards.close()
             raise

@@ -1,19 +1,25 @@
 """The safetensors files of one checkpoint directory: which file holds which tensor.
 
 One `model.safetensors`, or shards named by `model.safetensors.index.json` (only the shards its
-`weight_map` names are opened, each at most once, lazily). Tensor lookups accept the old BERT
-spelling of LayerNorm parameters (gamma/beta). `close()` unmaps every opened file.
+`weight_map` names are opened, each at most once, lazily). Every name the index gives is a
+hostile path: all of them are resolved when the set is built, through the checkpoint's
+`CheckpointFiles` (under the model root, a regular file), before any is opened, so an index
+naming `../../elsewhere` or `/etc/passwd` is refused without that file being read. Tensor lookups
+accept the old BERT spelling of LayerNorm parameters (gamma/beta). `close()` unmaps every opened
+file.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
+from gpu_worker.checkpoints.paths import CheckpointFiles
 from gpu_worker.checkpoints.safetensors import CheckpointError, SafetensorsFile, to_float32
+from gpu_worker.checkpoints.schema import MAX_INDEX_BYTES, parse_json, quote
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
@@ -22,37 +28,47 @@ def _alias(name: str) -> str:
     return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
 
 
-def _shard_map(directory: pathlib.Path) -> dict[str, pathlib.Path]:
-    """HF tensor name -> its shard file; {} when everything is in model.safetensors."""
-    index = directory / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return {str(k): directory / str(v) for k, v in weight_map.items()}
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{INDEX} is not a valid index ({exc!r})", file=str(index)) from None
-    if not (directory / "model.safetensors").exists():
-        raise CheckpointError(f"{directory.name}: neither model.safetensors nor {INDEX} is present "
+def _shard_map(files: CheckpointFiles) -> dict[str, str]:
+    """HF tensor name -> the file name of its shard, as the index writes it; {} when everything
+    is in model.safetensors."""
+    if files.exists(INDEX):
+        index = parse_json(files.read_bytes(INDEX, MAX_INDEX_BYTES, "safetensors index"),
+                           files.name(INDEX))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map \
+                or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{files.name(INDEX)} is not a valid index: it needs a "
+                                  "non-empty weight_map of tensor name -> file name",
+                                  file=files.name(INDEX))
+        return dict(weight_map)
+    if not files.exists(SINGLE):
+        raise CheckpointError(f"{files.name(SINGLE)}: neither {SINGLE} nor {INDEX} is present "
                               "(only safetensors checkpoints are supported)",
-                              file=str(directory / "model.safetensors"))
+                              file=files.name(SINGLE))
     return {}
 
 
 class ShardSet:
-    def __init__(self, directory: pathlib.Path) -> None:
-        self.directory = directory
-        self._shard_of = _shard_map(directory)
-        self._single = directory / "model.safetensors"
-        self._files: dict[pathlib.Path, SafetensorsFile] = {}
+    def __init__(self, files: CheckpointFiles | pathlib.Path) -> None:
+        """`files`: the checkpoint's sandbox (a bare directory is its own root)."""
+        files = files if isinstance(files, CheckpointFiles) else CheckpointFiles(files)
+        self.files = files
+        self.directory = files.path
+        self._shard_of = _shard_map(files)
+        # every file name resolved (and so refused if it leaves the root) before any is opened
+        self._real = {rel: files.resolve(rel) for rel in set(self._shard_of.values()) or {SINGLE}}
+        self._files: dict[str, SafetensorsFile] = {}
         self._found: dict[str, tuple[SafetensorsFile, str]] = {}
 
     def _file(self, name: str) -> SafetensorsFile | None:
-        path = self._shard_of.get(name) if self._shard_of else self._single
-        if path is None:
+        rel = self._shard_of.get(name) if self._shard_of else SINGLE
+        if rel is None:
             return None
-        if path not in self._files:
-            self._files[path] = SafetensorsFile(path)
-        return self._files[path]
+        real = self._real[rel]
+        if real not in self._files:   # two spellings of one file open it once
+            self._files[real] = SafetensorsFile(pathlib.Path(real), self.files.open(rel),
+                                                self.files.name(rel))
+        return self._files[real]
 
     def present(self, name: str) -> bool:
         f = self._file(name)
@@ -71,8 +87,8 @@ class ShardSet:
                 return f, candidate
             fallback = fallback or f
         if fallback is None:
-            raise CheckpointError(f"{INDEX}: tensor {name!r} is not in the weight_map",
-                                  file=str(self.directory / INDEX), tensor=name)
+            raise CheckpointError(f"{self.files.name(INDEX)}: tensor {quote(name)} is not in "
+                                  "the weight_map", file=self.files.name(INDEX), tensor=name)
         fallback.info(name)  # raises "tensor is missing", naming the file
         raise AssertionError("unreachable: info() refuses a missing tensor")
 
@@ -83,12 +99,13 @@ class ShardSet:
         dtype, got = f.info(stored)
         if dtype not in dtypes or (shape is not None and tuple(got) != tuple(shape)):
             want = f" of shape {list(shape)}" if shape is not None else ""
-            raise CheckpointError(f"{f.path.name}, tensor {stored!r}: {dtype}{list(got)} disagrees "
-                                  f"with config.json, which implies {what}{want}",
-                                  file=str(f.path), tensor=stored)
+            raise CheckpointError(f"{f.name}, tensor {quote(stored)}: {dtype}{list(got)} "
+                                  f"disagrees with config.json, which implies {what}{want}",
+                                  file=f.name, tensor=stored)
 
     def file_name(self, name: str) -> str:
-        return self.locate(name)[0].path.name
+        """The file holding `name`, relative to the model root (for error messages)."""
+        return self.locate(name)[0].name
 
     def shape(self, name: str) -> tuple[int, ...]:
         f, stored = self.locate(name)

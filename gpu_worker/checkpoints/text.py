@@ -12,26 +12,37 @@ from __future__ import annotations
 
 import pathlib
 
+from gpu_worker.checkpoints.paths import CheckpointFiles
 from services.common.errors import InvalidArgument
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 64 << 20   # Llama 3's is 9 MiB, Gemma's 33 MiB
 
 
 class TextCodec:
     """A checkpoint's tokenizer: `encode` text to ids, `decode` ids to text."""
 
-    def __init__(self, path: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, files: CheckpointFiles | None = None) -> None:
+        """The tokenizer at `path` (relative to the directory of `files`, the checkpoint's
+        sandbox; without `files`, a sandbox of the file's own directory), at most
+        MAX_TOKENIZER_BYTES."""
         from tokenizers import Tokenizer
+        path = pathlib.Path(path)
+        files, rel = (CheckpointFiles(path.parent), path.name) if files is None else (files, str(path))
+        data = files.read_bytes(rel, MAX_TOKENIZER_BYTES, "tokenizer")
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = Tokenizer.from_buffer(data)
         except Exception as exc:  # noqa: BLE001  (the Rust library raises a bare Exception)
-            raise InvalidArgument(f"{path.name} could not be read as a tokenizer ({exc})",
-                                  file=str(path)) from None
+            raise InvalidArgument(f"{files.name(rel)} could not be read as a tokenizer "
+                                  f"({str(exc)[:200]})", file=files.name(rel)) from None
 
     @classmethod
-    def for_checkpoint(cls, directory: pathlib.Path) -> TextCodec | None:
-        path = directory / TOKENIZER_FILE
-        return cls(path) if path.exists() else None
+    def for_checkpoint(cls, directory: pathlib.Path,
+                       root: pathlib.Path | None = None) -> TextCodec | None:
+        """The checkpoint's tokenizer.json, or None when it has none. `root`: the model root
+        (the sandbox); by default the directory is its own."""
+        files = CheckpointFiles(directory, root)
+        return cls(pathlib.Path(TOKENIZER_FILE), files) if files.exists(TOKENIZER_FILE) else None
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, with the special tokens (BOS) the tokenizer's post-processor adds."""

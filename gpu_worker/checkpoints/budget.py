@@ -1,0 +1,62 @@
+"""Can this host hold what a load pins? Checked after every tensor is validated, before the first
+byte is converted.
+
+Hazard: a real checkpoint larger than the host's memory is found by the allocator, as a worker
+killed minutes into the load (the weight slots keep a pinned host copy of every weight).
+Contract: `check_host` refuses, with RESOURCE_EXHAUSTED (zone "host"), a load whose `host_bytes`
+(every weight's pinned copy plus the loader's pipeline, from the validated config) exceeds the
+limit: by default the machine's physical memory, or its cgroup's memory limit where lower.
+Memory already taken by other models is not subtracted: this refuses what can never fit, not
+what does not fit now. A config.json that merely claims large shapes never gets here: its tensors
+are checked against the files first (loader.py), and schema.py bounds every dimension.
+Cost: arithmetic over the weight list (at most MAX_LAYERS x ~20 entries).
+"""
+from __future__ import annotations
+
+import os
+
+from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.weights import weight_sizes
+from services.common.errors import ResourceExhausted
+
+SCRATCH_BYTES = 16 << 20   # the quantizer's per-thread scratch (~13 MiB), rounded up
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_bytes(cfg: ModelConfig, threads: int, lookahead: int, chunk_elems: int) -> int:
+    """Peak host memory of loading `cfg`: every weight's pinned copy, plus the loader's window
+    (`lookahead` + 1 converted tensors, taken as the heaviest run of twice as many consecutive
+    entries of the load order, an int4 linear being two), plus per thread one staged chunk of
+    `chunk_elems` (at most 4 bytes each) and the quantizer's scratch."""
+    sizes = weight_sizes(cfg)
+    span = 2 * (lookahead + 1)
+    window = run = sum(sizes[:span])
+    for i in range(span, len(sizes)):
+        run += sizes[i] - sizes[i - span]
+        window = max(window, run)
+    return sum(sizes) + window + threads * (4 * chunk_elems + SCRATCH_BYTES)
+
+
+def host_memory_limit() -> int:
+    """The machine's physical memory, or its cgroup's memory limit where lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():   # "max": no limit
+            limit = min(limit, int(text))
+    return limit
+
+
+def check_host(cfg: ModelConfig, need: int, limit: int | None = None) -> None:
+    """Refuse a load whose `need` (host_bytes) exceeds `limit` (default: host_memory_limit())."""
+    limit = host_memory_limit() if limit is None else limit
+    if need > limit:
+        raise ResourceExhausted(
+            f"loading {cfg.name} ({cfg.weight_format}) needs about {need / 2**30:.1f} GiB of host "
+            f"memory (the pinned weights and the loader's pipeline), more than this host's "
+            f"{limit / 2**30:.1f} GiB: use a larger host, or weight_format 'int4' if this was "
+            "'fp16'", asked_bytes=need, free_bytes=limit, zone="host")
