@@ -218,8 +218,10 @@ class WorkerRuntime:
             raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (or '' for it) "
                                   "or 'fp16'")
         directory = resolve_checkpoint(self.config.model_root, checkpoint)
-        codec = TextCodec.for_checkpoint(directory)
-        with Checkpoint.open(directory, self.config.checkpoint_context, weight_format) as ckpt:
+        # the model root sandboxes every file the checkpoint reads, not only its directory
+        codec = TextCodec.for_checkpoint(directory, self.config.model_root)
+        with Checkpoint.open(directory, self.config.checkpoint_context, weight_format,
+                             root=self.config.model_root) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
             return self._load(model_id, ckpt.cfg, ckpt.cfg.family, ckpt.cfg.name, 0, ckpt.weights,
