@@ -4,7 +4,8 @@ CPU benchmarks always run (quick settings); GPU benchmarks run when a CUDA devic
 Each benchmark is also a script with its own flags (`python bench/<name>.py --help`); the
 figures quoted in docs/ name the exact command they came from. A benchmark that misses a target it
 prints exits non-zero (bench/targets.py); every benchmark still runs, and then this exits 1 naming
-the ones that failed.
+the ones that failed. `--record [DIR]` passes `--record DIR` to every benchmark: one JSON line per
+figure in DIR/<device>.jsonl (bench/record.py; `python -m bench.report` makes docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import argparse
 import pathlib
 import subprocess
 import sys
+
+from bench.record import RESULTS
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -24,6 +27,7 @@ CPU = [
     ("scheduler_host_bench.py", []),
 ]
 GPU = [
+    ("limits.py", []),
     ("device_bench.py", []),
     ("kernels_bench.py", ["--reps", "10"]),
     ("attention_bench.py", ["--reps", "10", "--trials", "5"]),
@@ -52,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", action="append", help="run only these scripts (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="DIR",
+                        help="every benchmark appends its figures to DIR/<device>.jsonl "
+                             "(default DIR: bench/results)")
     args = parser.parse_args(argv)
     gpu = _cuda_present()
     plan = CPU + (GPU if gpu else [])
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not gpu:
         print("no CUDA device: running the CPU benchmarks only", flush=True)
-    failed = run_all([(HERE / name, flags) for name, flags in plan
+    extra = ["--record", str(pathlib.Path(args.record).resolve())] if args.record else []
+    failed = run_all([(HERE / name, [*flags, *extra]) for name, flags in plan
                       if not args.only or name in args.only])
     if failed:
         print(f"\nfailed (a target MISSED or an error): {', '.join(failed)}")

@@ -52,6 +52,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cache_echo import BYTES_METHOD, EMPTY_METHOD
+from bench.record import add_record_flag
 from bench.targets import Targets
 from cache_service.artifact import Artifact
 from cache_service.client import KernelCacheClient
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling", action="store_true",
                         help="also time bench/cache_echo.py (bare gRPC, same bytes, and empty) "
                              "from the same clients, alternated with the hits")
+    add_record_flag(parser)
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
     lookups = {"16KiB": 3000, "256KiB": 2000, "4MiB": 200}
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in row.values():
             if isinstance(m, dict):
                 m.pop("lat", None)
-    targets = Targets("cache_service_bench")
+    targets = Targets("cache_service_bench", args=args)
     report(results, targets)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

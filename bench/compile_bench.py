@@ -19,7 +19,11 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _cold_start import WRITE_TOKEN, report, seed_and_run_tiers, start_service
+
+from bench.record import add_record_flag
+from bench.targets import Targets
 
 
 def child(args: argparse.Namespace) -> None:
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--remote", default="", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=pathlib.Path, help="also write the medians here")
+    add_record_flag(parser)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -94,9 +99,13 @@ def main() -> None:
             ["compiled", "local_hits", "remote_hits", "prefetched"],
         )
     )
-    if args.json:
-        import statistics
+    import statistics
 
+    targets = Targets("compile_bench", args=args)
+    for tier, runs in results.items():
+        targets.figure(f"compile phase of every kernel module, {tier} tier",
+                       statistics.median(r["seconds"] for r in runs), "s")
+    if args.json:
         args.json.write_text(json.dumps({tier: {
             "median_s": statistics.median(r["seconds"] for r in runs),
             "compiled": runs[-1]["compiled"]} for tier, runs in results.items()}, indent=2))

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.device import Device
 from gpu_worker.device.cuda_backend import CudaBackend, _drv, check
@@ -188,8 +189,9 @@ def main() -> int:
     ap.add_argument("--sweeps", type=int, default=6)
     ap.add_argument("--pagein-mib", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5, help="page-in and H2D samples (median of each)")
+    add_record_flag(ap)
     args = ap.parse_args()
-    targets = Targets("device_bench")
+    targets = Targets("device_bench", args=args)
     dev = Device(CudaBackend(0))
     print(f"device: {dev.info.name} ({dev.info.arch}), granule {dev.info.granule_bytes // MiB} MiB")
     r = bench_page_in(dev, args.pagein_mib * MiB, reps=args.reps)

@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import CONFIGS, ModelConfig
@@ -193,9 +194,10 @@ def main() -> int:
     p.add_argument("--max-plans", type=int, default=16,
                    help="both servers: the batch x seq ladder of this traffic fits")
     p.add_argument("--reps", type=int, default=30, help="device-side timed batches per side")
+    add_record_flag(p)
     args = p.parse_args()
     cfg = CONFIGS[args.config]
-    t = Targets("embed_batch")
+    t = Targets("embed_batch", args=args)
     requests = workload(cfg, args.requests, args.min_len, args.max_len)
     print(f"== {args.clients} clients, {args.requests} Embed calls of one sequence "
           f"({args.min_len}..{args.max_len} tokens), {args.config}, backend {args.backend}",

@@ -33,6 +33,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.record import add_record_flag  # noqa: E402
+from bench.targets import Targets  # noqa: E402
+
 TOKEN = "fleet-bench-token"
 
 
@@ -138,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="claim wait budget per module with single flight (a fleet of "
                              "processes on 2 cores compiles slowly)")
     parser.add_argument("--json", type=pathlib.Path)
+    add_record_flag(parser)
     args = parser.parse_args(argv)
+    targets = Targets("fleet_bench", args=args)
     runs = []
     for wait_s in (args.wait_s, 0.0):
         with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
@@ -160,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiles: {on['compiled']} with single flight vs {off['compiled']} without "
           f"({off['compiled'] / max(1, on['compiled']):.1f}x fewer); time until every host has "
           f"its kernels {on['all_done_s']:.2f} s vs {off['all_done_s']:.2f} s")
-    ok = on["compiled"] == on["modules"]
-    print(f"target each module compiled once across {args.hosts} hosts: {on['compiled']} "
-          f"compiles for {on['modules']} modules {'met' if ok else 'MISSED'}")
+    targets.figure(f"{args.hosts} hosts: time until every host has its kernels, single flight",
+                   on["all_done_s"], "s", peer=off["all_done_s"])
+    targets.require(f"each module compiled once across {args.hosts} hosts",
+                    on["compiled"] == on["modules"],
+                    f"{on['compiled']} compiles for {on['modules']} modules")
     if args.json:
         args.json.write_text(json.dumps({"date": stamp, "runs": runs}, indent=2))
-    return 0 if ok else 1
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

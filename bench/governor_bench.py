@@ -37,6 +37,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 
 P99_TARGET_MS = 2.0  # issue 16: Acquire p99 with 32 open-loop clients on 2 cores
@@ -401,10 +402,11 @@ def main() -> int:
     parser.add_argument("--ceiling", action="store_true",
                         help="with --base, also run bench/governor_echo.py (no ledger, no SQLite, "
                              "no interceptors): the most any governor change could give")
+    add_record_flag(parser)
     args = parser.parse_args()
     if args.ceiling and not args.base:
         parser.error("--ceiling compares against a base: give --base REV too")
-    targets = Targets("governor_bench")
+    targets = Targets("governor_bench", args=args)
     figures = against_base(args, targets) if args.base else one_tree(args, targets)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
@@ -79,10 +80,11 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 def main() -> int:
     ap = kernel_bench_parser(__doc__)
+    add_record_flag(ap)
     args = ap.parse_args()
     div = 64 if args.small else 1
     dev, compiler = open_bench_device(args)
-    targets = Targets("int4_batched_bench")
+    targets = Targets("int4_batched_bench", args=args)
     rng = np.random.default_rng(0)
     step = {b: 0.0 for b in BATCHES}
     step_torch = {b: 0.0 for b in BATCHES}

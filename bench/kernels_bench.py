@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.kernels import (
     ATTENTION_PREFILL,
@@ -198,8 +199,9 @@ def main() -> int:
                     help="timed replays per figure (median)")
     ap.add_argument("--linear-only", action="store_true",
                     help="sections [1]-[3] only (copy bandwidth and the int4 linears)")
+    add_record_flag(ap)
     args = ap.parse_args()
-    targets = Targets("kernels_bench")
+    targets = Targets("kernels_bench", args=args)
     s = 16 if args.small else 1  # shape divisor
     dev, compiler = open_bench_device(args)
     with KernelHarness(dev, compiler) as h:

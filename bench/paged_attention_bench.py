@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import ours
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.kernels import (
     FLASH_ATTENTION_COMBINE,
@@ -143,10 +144,11 @@ class Bench:
 
 def main() -> int:
     ap = kernel_bench_parser(__doc__)
+    add_record_flag(ap)
     args = ap.parse_args()
     s = 16 if args.small else 1
     dev, compiler = open_bench_device(args)
-    targets = Targets("paged_attention_bench")
+    targets = Targets("paged_attention_bench", args=args)
     batch = max(2, 32 // s)
     with KernelHarness(dev, compiler) as h:
         b = Bench(h, args.reps, args.trials)

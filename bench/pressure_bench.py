@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.core.admission import streaming_floor_bytes
 from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
@@ -161,8 +162,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="pinned H2D and wake samples")
     ap.add_argument("--h2d-mib", type=int, default=1024)
+    add_record_flag(ap)
     args = ap.parse_args()
-    targets = Targets("pressure_bench")
+    targets = Targets("pressure_bench", args=args)
     # batching=False: the decode below drives one sequence's prefill/decode calls directly, the
     # path the streaming measurement is about (the scheduler adds nothing to a lone stream)
     rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False)).start()

@@ -28,6 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.device.backend import DeviceError
 from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
@@ -126,6 +127,7 @@ def main() -> int:
     p.add_argument("--prefill-chunk", type=int, default=8192,
                    help="GPUPLANE_PREFILL_CHUNK for the run; 8192 (above every length) keeps one "
                         "prefill shape per length, the traffic DESIGN 1.1 describes")
+    add_record_flag(p)
     args = p.parse_args()
     os.environ["GPUPLANE_PREFILL_CHUNK"] = str(args.prefill_chunk)
     results = [run_bound(args, int(b)) for b in args.bounds.split(",")]
@@ -136,7 +138,7 @@ def main() -> int:
               f"of bound {base['bound']}), OOMs {r['ooms']}, peak/steady {r['peak'] / r['steady']:.3f}, "
               f"desc/asc {r['desc_peak'] / r['asc_peak']:.3f}, growth {r['growth']:.3f}, ledger err {r['ledger_err']:.4f}",
               flush=True)
-    targets = Targets("replay_bench")
+    targets = Targets("replay_bench", args=args)
     b = f"bound {base['bound']}"
     targets.check(f"{b} OOMs", base["ooms"], "<=", 0, fmt="d")
     targets.check(f"{b} peak/steady", base["peak"] / base["steady"], "<=", 1.10, fmt=".3f")

@@ -27,6 +27,10 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.record import add_record_flag
+from bench.targets import Targets
 from gpu_worker.device import Device
 from gpu_worker.device.sim_backend import SimBackend
 from gpu_worker.models.configs import get_config
@@ -79,7 +83,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--json", default="")
+    add_record_flag(ap)
     args = ap.parse_args()
+    targets = Targets("scheduler_host_bench", args=args)
     cfg = get_config("8b-int4", "decoder")
     geometry = KVGeometry(layers=1, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                           block_tokens=16, max_context=cfg.max_context)
@@ -94,12 +100,13 @@ def main() -> int:
             us = decode_step_us(dev, geometry, batch, args.prompt, args.steps)
             figures[f"batch_{batch}"] = {"step_us": us, "row_us": us / batch}
             print(f"{batch:>6} {us:>9.1f} {us / batch:>8.2f}", flush=True)
+            targets.figure(f"host work per decode step, batch {batch}", us, "us")
     finally:
         dev.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"loadavg": os.getloadavg()[0], **figures}, f, indent=1)
-    return 0
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

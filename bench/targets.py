@@ -1,8 +1,9 @@
 """The targets a benchmark prints, and the exit status they imply.
 
 Contract: a bench makes one `Targets`, calls `check` (a measured figure against a bound) or
-`require` (a yes/no claim) for every target it prints, and ends with
-`sys.exit(targets.exit_code())`. A target not met prints MISSED and makes the exit status 1, so
+`require` (a yes/no claim) for every target it prints, `figure` for every other figure a doc may
+quote, and ends with `sys.exit(targets.exit_code())`. With a recorder (the bench's `--record`
+flag, bench/record.py) every check, requirement and figure is also one line of the record. A target not met prints MISSED and makes the exit status 1, so
 `python -m bench` (which runs every bench, then fails if any did) and `make bench` say so. A
 figure that is not a number (NaN: nothing was measured) is MISSED, never met.
 """
@@ -12,25 +13,42 @@ import math
 import operator
 from collections.abc import Callable
 
+from bench.record import Recorder
+
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 
 
 class Targets:
-    def __init__(self, bench: str) -> None:
+    def __init__(self, bench: str, args: object = None, record: Recorder | None = None) -> None:
+        """`args`: parsed flags; its `record` (a directory, from add_record_flag) makes the
+        recorder unless one is given."""
         self.bench = bench
         self.results: list[tuple[str, bool]] = []
+        directory = getattr(args, "record", None)
+        self.recorder = record or (Recorder(bench, directory) if directory else None)
 
-    def check(self, name: str, value: float, op: str, bound: float, fmt: str = ".2f") -> bool:
+    def check(self, name: str, value: float, op: str, bound: float, fmt: str = ".2f",
+              unit: str = "", peer: float | None = None, limit: float | None = None) -> bool:
         """Print `name: value (target op bound) met|MISSED`; returns whether it was met."""
         if op not in _OPS:
             raise ValueError(f"unknown comparison {op!r}; use one of {sorted(_OPS)}")
         ok = not math.isnan(value) and _OPS[op](value, bound)
+        if self.recorder:
+            self.recorder.add(name, value, unit, peer, limit, f"{op} {bound:g}", ok)
         return self._record(name, ok, f"{value:{fmt}} (target {op} {bound:{fmt}})")
 
     def require(self, name: str, ok: bool, detail: str = "") -> bool:
         """A yes/no target (e.g. graph and eager produce identical tokens)."""
+        if self.recorder:
+            self.recorder.add(name, 1.0 if ok else 0.0, "yes/no", target="== 1", met=bool(ok))
         return self._record(name, bool(ok), detail)
+
+    def figure(self, name: str, value: float, unit: str, peer: float | None = None,
+               limit: float | None = None) -> None:
+        """A figure without a target (a rate, a limit, the peer's own figure): recorded only."""
+        if self.recorder:
+            self.recorder.add(name, value, unit, peer, limit)
 
     def _record(self, name: str, ok: bool, detail: str) -> bool:
         self.results.append((name, ok))

@@ -37,6 +37,7 @@ from gpuplane.governor.v1 import governor_pb2_grpc
 from gpuplane.kernelcache.v1 import kernel_cache_pb2 as cpb
 from gpuplane.kernelcache.v1 import kernel_cache_pb2_grpc
 
+from bench.record import add_record_flag
 from bench.targets import Targets
 from cache_service.artifact import Artifact
 from cache_service.convert import artifact_to_pb
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifact-bytes", type=parse_bytes, default=256 * 1024)
     parser.add_argument("--without-roles", action="store_true",
                         help="TLS side without --role (no authorization): splits the cost")
+    add_record_flag(parser)
     args = parser.parse_args(argv)
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="tls-bench-"))
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.artifact_bytes} bytes; TLS side = mutual TLS (EC P-256)"
           f"{' without authorization' if args.without_roles else ' + role authorization'}")
     print(f"{'op':<26} {'side':<12} {'p50 ms':>9} {'p99 ms':>9}")
-    targets = Targets("tls_bench")
+    targets = Targets("tls_bench", args=args)
     for service, label in (("governor", "governor Acquire"), ("cache", "cache hit (Lookup)")):
         p50 = {}
         for side, values in results[service].items():

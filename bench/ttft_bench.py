@@ -28,8 +28,11 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from _cold_start import TIERS, WRITE_TOKEN, report, seed_and_run_tiers, start_service
-from targets import Targets
+
+from bench.record import add_record_flag
+from bench.targets import Targets
 
 MODEL_ID = "ttft-decoder"
 
@@ -107,6 +110,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--remote", default="", help=argparse.SUPPRESS)
+    add_record_flag(parser)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -161,7 +165,7 @@ def main() -> int:
         "median stall (model_ttft - reload_ttft): "
         + ", ".join(f"{t} {stall[t] * 1e3:.1f} ms" for t in TIERS)
     )
-    targets = Targets("ttft_bench")
+    targets = Targets("ttft_bench", args=args)
     targets.check("stall shared/cold", stall["shared"] / stall["cold"] if stall["cold"] > 0
                   else float("nan"), "<", 0.05, fmt=".3f")
     if stall["cold"] > 0:

@@ -1,0 +1,132 @@
+"""The device's limits, measured in the run that divides by them (DESIGN 6.5, issue 21).
+
+- `copy`: device-to-device copy of a 1 GiB buffer into another (read + write counted: 2 GiB moved
+  per copy), far above the H200's 60 MB L2, so it measures HBM, not the cache.
+- `h2d`: pinned host to device, 1 GiB.
+- `tflops`: fp16 tensor-core matmul (cuBLAS, fp32 accumulation), 8192^3, the operands rotating
+  through buffers several times the L2.
+Each is the median of `trials` timed windows (CUDA events); the spread is printed with it. Every
+GPU benchmark calls `measure()` first and divides its "fraction of the limit" figures by the
+result, and records the limits next to its figures.
+
+`rotation(nbytes)` says how many buffers of `nbytes` a kernel benchmark rotates through so that
+no replay finds its working set in L2.
+
+    python bench/limits.py [--record [DIR]]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+L2_BYTES = 60 << 20           # H200; a working set below this measures L2, not HBM
+ROTATE_FACTOR = 4             # rotate through at least this many L2s of distinct data
+GiB = 1 << 30
+
+
+def rotation(nbytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """Buffers of `nbytes` to rotate through so the set is >= ROTATE_FACTOR x L2 (at least 2)."""
+    return max(2, math.ceil(ROTATE_FACTOR * l2_bytes / max(1, nbytes)))
+
+
+@dataclass(frozen=True)
+class Limits:
+    copy_gbs: float            # D2D, read + write counted, GB/s (1e9)
+    h2d_gbs: float             # pinned H2D, GB/s
+    tflops: float              # fp16 tensor-core matmul, TFLOP/s
+    spread: dict               # name -> (min, max) over the trials
+
+    def lines(self) -> list[str]:
+        s = self.spread
+        return [f"limit copy (D2D 1 GiB, read+write): {self.copy_gbs:,.0f} GB/s "
+                f"(trials {s['copy'][0]:,.0f}-{s['copy'][1]:,.0f})",
+                f"limit h2d (pinned, 1 GiB): {self.h2d_gbs:,.1f} GB/s "
+                f"(trials {s['h2d'][0]:,.1f}-{s['h2d'][1]:,.1f})",
+                f"limit fp16 tensor-core matmul (8192^3): {self.tflops:,.0f} TFLOP/s "
+                f"(trials {s['tflops'][0]:,.0f}-{s['tflops'][1]:,.0f})"]
+
+    def record(self, targets) -> None:
+        """Record the limits as figures of the bench that measured them."""
+        targets.figure("limit: D2D copy 1 GiB (read+write)", self.copy_gbs, "GB/s")
+        targets.figure("limit: pinned H2D 1 GiB", self.h2d_gbs, "GB/s")
+        targets.figure("limit: fp16 tensor-core matmul 8192^3", self.tflops, "TFLOP/s")
+
+
+def _timed(torch, fn, reps: int, trials: int) -> list[float]:
+    """Seconds per call of `fn`, one figure per trial (CUDA events around `reps` calls)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(trials):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        out.append(start.elapsed_time(stop) / 1e3 / reps)
+    return out
+
+
+def measure(trials: int = 5, copy_bytes: int = GiB, quiet: bool = False) -> Limits | None:
+    """The three limits on the current CUDA device (None without torch or a device)."""
+    from bench import peer
+    if not peer.available():
+        if not quiet:
+            print(f"limits: not measured ({peer.why_unavailable()})", flush=True)
+        return None
+    torch = peer.torch
+    n = copy_bytes // 2
+    src = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy = [2 * copy_bytes / t / 1e9 for t in _timed(torch, lambda: dst.copy_(src), 5, trials)]
+    host = torch.empty(n, dtype=torch.float16, pin_memory=True)
+    h2d = [copy_bytes / t / 1e9
+           for t in _timed(torch, lambda: dst.copy_(host, non_blocking=True), 2, trials)]
+    del src, dst, host
+    m = 8192
+    count = rotation(3 * m * m * 2)
+    mats = [(torch.randn(m, m, device="cuda", dtype=torch.float16),
+             torch.randn(m, m, device="cuda", dtype=torch.float16),
+             torch.empty(m, m, device="cuda", dtype=torch.float16)) for _ in range(count)]
+    it = iter(range(1 << 62))
+
+    def mm():
+        a, b, c = mats[next(it) % count]
+        torch.matmul(a, b, out=c)
+    tf = [2 * m ** 3 / t / 1e12 for t in _timed(torch, mm, 2 * count, trials)]
+    del mats
+    torch.cuda.empty_cache()
+    limits = Limits(statistics.median(copy), statistics.median(h2d), statistics.median(tf),
+                    {"copy": (min(copy), max(copy)), "h2d": (min(h2d), max(h2d)),
+                     "tflops": (min(tf), max(tf))})
+    if not quiet:
+        for line in limits.lines():
+            print(line, flush=True)
+    return limits
+
+
+def main() -> int:
+    from bench.record import add_record_flag
+    from bench.targets import Targets
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=5)
+    add_record_flag(p)
+    args = p.parse_args()
+    targets = Targets("limits", args=args)
+    limits = measure(args.trials)
+    if limits is None:
+        return 0
+    limits.record(targets)
+    return targets.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
