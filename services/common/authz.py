@@ -115,8 +115,13 @@ def audit_unaudited(exc: GpuplaneError, method: str, context: grpc.ServicerConte
     """The audit line of a refusal of who the caller is that no authorization check wrote: a
     handler's own UNAUTHENTICATED / PERMISSION_DENIED on a server without roles or tokens (the
     error interceptors call this, so every refusal leaves exactly one line with the peer)."""
-    if isinstance(exc, AUDITED_REFUSALS) and not getattr(exc, "audited", False):
+    # The mark lives from the authorization check's line to this mapping of the same raise: an
+    # exception object raised again (a module-level constant) is audited again.
+    if not isinstance(exc, AUDITED_REFUSALS):
+        return
+    if not exc.__dict__.pop("audited", False):
         audit_call("deny", method, None, context, exc)
+        exc.__dict__.pop("audited", None)
 
 
 class AuthorizationInterceptor(grpc.ServerInterceptor):

@@ -405,8 +405,10 @@ class GovernorClient:
         # An RPC that failed in flight may still have happened (an Acquire granted, a Release
         # done): re-register on reconnection, which reconciles the leases both sides know.
         self._registered = False
-        # Never back off past a third of the TTL, or an outage would cost the leases too.
-        self._backoff = min(MAX_BACKOFF_S, self.ttl_s / 3, max(0.2, self._backoff * 2))
+        # Never back off past a third of the TTL, or an outage would cost the leases too; a
+        # refused id is asked for again every heartbeat (its holder may just have gone).
+        cap = self.heartbeat_s if self.refusal else min(MAX_BACKOFF_S, self.ttl_s / 3)
+        self._backoff = min(cap, max(0.2, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
 
     def _register(self) -> None:
