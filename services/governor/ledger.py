@@ -79,8 +79,8 @@ def check_text(what: str, value: str, limit: int) -> None:
 def check_size(what: str, value: int, limit: int = MAX_DEVICE_BYTES) -> None:
     """InvalidArgument naming the bound unless 0 <= value <= limit."""
     if not 0 <= value <= limit:
-        raise InvalidArgument(f"{what}={value} is not in [0, {limit}] bytes", field=what,
-                              bound=limit)
+        raise InvalidArgument(f"{what}={value} is outside its bound of [0, {limit}] bytes",
+                              field=what, bound=limit)
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,8 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
                                   f"{len(ZONES)}, one per zone", field="zones", bound=len(ZONES))
         zones = {zone_name(z.zone): (z.committed_bytes, z.content_bytes) for z in request.zones}
         if len(zones) != len(request.zones):
-            raise InvalidArgument("zones names a zone more than once; send one entry per zone",
-                                  field="zones")
+            raise InvalidArgument("zones names a zone more than once; the bound is one entry "
+                                  "per zone", field="zones", bound=len(ZONES))
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
                                        request.device_used_bytes, request.process_used_bytes, zones,
                                        request.incarnation)
