@@ -210,7 +210,7 @@ def _sim_gemm(mem, grid, block, args) -> None:
     y, x, w, m, n, k, ldy, accumulate, f16_out = (a.value for a in args)
     xs = mem.view(x, m * k * 2).view(np.float16).reshape(m, k).astype(np.float32)
     ws = mem.view(w, n * k * 2).view(np.float16).reshape(n, k).astype(np.float32)
-    r = xs @ ws.T
+    r = (xs.astype(np.float64) @ ws.astype(np.float64).T).astype(np.float32)  # order-independent
     dt = np.float16 if f16_out else np.float32
     span = ((m - 1) * ldy + n) * np.dtype(dt).itemsize
     out = mem.view(y, span).view(dt)

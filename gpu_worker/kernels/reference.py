@@ -79,8 +79,12 @@ def int4_linear_f16(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np
 
 
 def matmul_nt(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """y = x @ w.T (+ bias): x (M, K), w (N, K) float32."""
-    y = (x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float32)
+    """y = x @ w.T (+ bias): x (M, K), w (N, K) float32.
+
+    Accumulated in float64 and rounded once: a float32 product's last bits depend on the host BLAS's
+    blocking (which changes with M and with the CPU's kernel), so a padded batch and its solo rows, or
+    the same test on two CI hosts, would differ by ~1e-5; rounded float64 sums agree."""
+    y = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
     return y if bias is None else (y + bias).astype(np.float32)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
+from gpu_worker.kernels.reference import matmul_nt
 from gpu_worker.kernels.linear import int4_path
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
@@ -97,12 +98,12 @@ class Linears(dict):
 
     def mm(self, x: np.ndarray, key: str, rows: int) -> np.ndarray:
         if self.fp16 and self.weight_format == "fp16":   # W is fp16 already: round x only
-            return (f16(x) @ self[key].T).astype(np.float32)
+            return matmul_nt(f16(x), self[key])
         if not self.fp16 or int4_path(rows) != "tensor":
-            return x @ self[key].T
+            return matmul_nt(x, self[key])
         if key not in self._f16:
             self._f16[key] = self[key].astype(np.float16).astype(np.float32)
-        return (x.astype(np.float16).astype(np.float32) @ self._f16[key].T).astype(np.float32)
+        return matmul_nt(x.astype(np.float16), self._f16[key])
 
 
 def _linears(cfg: ModelConfig, w: dict[str, np.ndarray], fp16: bool) -> Linears:
