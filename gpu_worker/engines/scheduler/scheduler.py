@@ -48,6 +48,13 @@ class DecodeRow:
     sampling: SamplingParams
 
 
+class EventSink(Protocol):
+    """Where the engine thread puts a stream's items: tokens (int), then an error (an
+    exception) or the end marker. `put` must never block the engine."""
+
+    def put(self, item: object) -> None: ...
+
+
 class StepRunner(Protocol):
     """What the scheduler needs of a model (gpu_worker/models/paged.py on the device)."""
 
@@ -82,7 +89,7 @@ class Sequence:
     token_steps: list[int] = field(default_factory=list)   # the step that produced each token
     preemptions: int = 0
     last_token_at: float = 0.0
-    _events: queue.Queue = field(default_factory=queue.Queue)
+    _events: queue.Queue | EventSink = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -171,9 +178,11 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY,
                cancelled: Callable[[], bool] = lambda: False,
-               deadline: float | None = None) -> Sequence:
+               deadline: float | None = None, events: EventSink | None = None) -> Sequence:
         """Queue a request; RESOURCE_EXHAUSTED at once when the waiting queue is full (nothing
-        changes), FAILED_PRECONDITION when the scheduler is closed."""
+        changes), FAILED_PRECONDITION when the scheduler is closed. `events` receives the
+        stream's items instead of the sequence's own queue (gpu_worker/core/token_stream.py:
+        the engine thread puts, never waits); `Sequence.stream()` then has nothing to read."""
         geo = self.runner.geometry
         if not prompt or max_new_tokens < 1:
             raise InvalidArgument("send a non-empty prompt and max_new_tokens >= 1")
@@ -188,6 +197,8 @@ class Scheduler:
                 free_bytes=self.pool.capacity_blocks * self.pool.block_bytes, zone="kv")
         seq = Sequence(list(prompt), int(max_new_tokens), sampling, BlockTable(geo), cancelled,
                        deadline)
+        if events is not None:
+            seq._events = events
         with self._cond:
             if self._closed:
                 raise FailedPrecondition("the model's scheduler is closed (model unloaded)")
