@@ -39,8 +39,10 @@ setup-cuda: setup
 run: setup
 	$(BIN)/python -m gpu_worker.stack.demo
 
+# MODEL_ROOT=DIR: the worker serves the Hugging Face checkpoints under DIR (e.g. the small ones
+# shipped in tests/checkpoints/golden).
 serve: setup
-	$(BIN)/python -m gpu_worker.stack.demo --serve
+	$(BIN)/python -m gpu_worker.stack.demo --serve $(if $(MODEL_ROOT),--model-root "$(MODEL_ROOT)")
 
 test: setup
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests

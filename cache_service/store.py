@@ -38,7 +38,7 @@ import sqlite_utils
 from cache_service.artifact import Artifact, sha256_hex
 from cache_service.hot_tier import DEFAULT_HOT_BYTES, HotTier
 from cache_service.recency import EntryId, EntryMeta, RecencyIndex
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,51 @@ class CacheStats:
     hot_budget_bytes: int = 0
     hot_hits: int = 0
     bytes_served: int = 0
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry as an operator lists it (`python -m cache_service list`): no bytes."""
+    namespace: str
+    key: str
+    kind: str           # "ptx" | "cubin"
+    arch: str
+    size: int
+    last_access: float  # unix seconds
+    hits: int
+
+
+_ENTRIES_SQL = ("SELECT namespace, key, kind, arch, size, last_access, hits FROM entries{where} "
+                "ORDER BY last_access DESC, rowid DESC")
+
+
+def _select_entries(conn: sqlite3.Connection, namespace: str | None) -> list[EntryInfo]:
+    if namespace is None:
+        rows = conn.execute(_ENTRIES_SQL.format(where=""))
+    else:
+        rows = conn.execute(_ENTRIES_SQL.format(where=" WHERE namespace = ?"),
+                            (normalize_namespace(namespace),))
+    return [EntryInfo(ns, key, kind, arch or "", size, last or 0.0, hits or 0)
+            for ns, key, kind, arch, size, last, hits in rows]
+
+
+def read_entries(path: pathlib.Path | str, namespace: str | None = None,
+                 busy_timeout_ms: int = 5000) -> list[EntryInfo]:
+    """The entries of a database file, most recently used first, read while another process may
+    be serving it: a read-only connection (WAL readers never block the server) and no file lock.
+    Last use is as persisted, which trails the server's memory by at most one maintenance pass
+    (`--maintenance-s`); `ArtifactStore.entries` on the serving process is exact."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise NotFound(f"no kernel cache database at {path} (pass --db, or set GPUPLANE_CACHE_DB)")
+    conn = _connect(path, busy_timeout_ms, read_only=True)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if "entries" not in tables:
+            raise FailedPrecondition(f"{path} is not a kernel cache database (no entries table)")
+        return _select_entries(conn, namespace)
+    finally:
+        conn.close()
 
 
 class Omitted:
@@ -638,6 +683,19 @@ class ArtifactStore:
             hot_budget_bytes=self._hot.budget_bytes, hot_hits=self._hot.hits,
             bytes_served=c["bytes_served"],
         )
+
+    def entries(self, namespace: str | None = None) -> list[EntryInfo]:
+        """Every entry (or one namespace's), most recently used first, with the last use and hits
+        this store has seen, access records not yet persisted included."""
+        with self._index_lock:
+            dirty = dict(self._dirty)
+        listed = []
+        for e in _select_entries(self._reader(), namespace):
+            last, hits = dirty.get((e.namespace, e.key), (0.0, 0))
+            listed.append(EntryInfo(e.namespace, e.key, e.kind, e.arch, e.size,
+                                    max(e.last_access, last), e.hits + hits))
+        listed.sort(key=lambda e: e.last_access, reverse=True)
+        return listed
 
     def hot_snapshot(self) -> dict[EntryId, str]:
         """(namespace, key) -> digest of every artifact the in-memory tier holds."""

@@ -11,14 +11,15 @@
     gpuplane models | unload | trim
     gpuplane offload --model-id m1       (weights to pinned host; the next request wakes it)
 
-Each command opens a client, makes one call and prints it; `--json` prints the response message as
-JSON. A failed call prints the server's status and message and exits 1.
+Each command opens a client, makes one call and prints it, sizes for people (`298.0 MiB`);
+`--json` prints the response message as JSON, sizes in bytes. Failures print
+`gpuplane COMMAND: error: STATUS: details` and exit with the codes of services.common.cli
+(1 not found, 2 usage, 3 the call failed, 4 no server answered).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,12 +27,19 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from gpu_worker.models.configs import CONFIGS, WEIGHT_FORMATS
 from services.common import cli, security
 from services.common.channels import open_channel
-from services.common.config import env_flag
+from services.common.cli import CommandError, Endpoint, human_bytes
+from services.common.config import env_flag, parse_bytes
 from services.common.errors import GpuplaneError
 
-MiB = 1 << 20
+PROG = "gpuplane"
+# Why a zone's content can exceed its committed bytes; printed under the zones when one does.
+CONTENT_ABOVE_COMMITTED = (
+    "  (* content above committed: the arena carves allocations at byte granularity and books a\n"
+    "     granule's committed bytes once, to the zone that mapped it first; small allocations,\n"
+    "     workspaces above all, sit in granules another zone already pays for)")
 
 
 def _tokens(text: str) -> list[int]:
@@ -47,13 +55,27 @@ def _print_json(message: Any) -> None:
 
 
 def _mib(n: int) -> str:
-    return f"{n / MiB:,.1f} MiB"
+    return human_bytes(n)
+
+
+def _zone_rows(zones: Any, zone_name: Callable[[int], str], leased: bool = False) -> list[str]:
+    """One line per zone; a `*` marks content above committed (explained once, below them)."""
+    rows, marked = [], False
+    for z in zones:
+        mark = "*" if z.content_bytes > z.committed_bytes else " "
+        marked = marked or mark == "*"
+        line = (f"{zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>11}  "
+                f"content {_mib(z.content_bytes):>11}{mark}")
+        rows.append(line + (f"  leased {_mib(z.leased_bytes):>11}" if leased else ""))
+    return rows + ([CONTENT_ABOVE_COMMITTED] if marked else [])
 
 
 def cmd_load(args: argparse.Namespace) -> None:
+    if args.weight_format and not args.checkpoint:
+        raise CommandError("--weight-format applies to --checkpoint loads only")
     with _worker(args) as client:
         if args.checkpoint:
-            reply = client.load_checkpoint(args.model_id, args.checkpoint, args.weight_format)
+            reply = client.load_checkpoint(args.model_id, args.checkpoint, args.weight_format or "")
         else:
             reply = client.load_model(args.model_id, args.family, args.config, args.seed)
     if args.json:
@@ -72,9 +94,7 @@ def cmd_unload(args: argparse.Namespace) -> None:
 
 
 def cmd_offload(args: argparse.Namespace) -> None:
-    from gpu_worker.edge.client import WorkerClient
-
-    with WorkerClient(args.worker) as client:
+    with _worker(args) as client:
         reply = client.offload_model(args.model_id)
     if args.json:
         return _print_json(reply)
@@ -99,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.random:
         prompt = np.random.default_rng(args.seed).integers(1, args.vocab, args.random).tolist()
     if not prompt and not args.prompt:
-        raise SystemExit("give a prompt with --prompt TEXT, --tokens 1,2,3 or --random N")
+        raise CommandError("give a prompt with --prompt TEXT, --tokens 1,2,3 or --random N")
     with _worker(args, deadline_s=args.timeout) as client:
         produced: list[int] = []
         text: list[str] = []
@@ -134,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_embed(args: argparse.Namespace) -> None:
     if bool(args.tokens) == bool(args.text):
-        raise SystemExit("give --tokens 1,2,3 or --text TEXT (repeatable), not both")
+        raise CommandError("give --tokens 1,2,3 or --text TEXT (repeatable), not both")
     with _worker(args, deadline_s=args.timeout) as client:
         vectors = (client.embed_texts(args.model_id, args.text) if args.text
                    else client.embed(args.model_id, args.tokens))
@@ -156,9 +176,8 @@ def cmd_stats(args: argparse.Namespace) -> None:
     print(f"{s.backend} {s.device_name}: used {_mib(s.device_used_bytes)} of "
           f"{_mib(s.device_total_bytes)}, ledger {_mib(s.ledger_bytes)}, unaccounted "
           f"{_mib(s.unaccounted_bytes)}, governor {'connected' if s.governor_connected else 'local'}")
-    for z in s.zones:
-        print(f"  {zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>14}  "
-              f"content {_mib(z.content_bytes):>14}")
+    for line in _zone_rows(s.zones, zone_name):
+        print(f"  {line}")
     k, p, c = s.kernel_cache, s.plans, s.compile
     print(f"kernel cache: {k.entries} variants (max {k.max_variants_per_node}/node, bound "
           f"{k.variant_bound}), hits {k.hits}, misses {k.misses}, evictions {k.evictions}, "
@@ -207,9 +226,8 @@ def cmd_resources(args: argparse.Namespace) -> None:
         for w in d.workers:
             print(f"  worker {w.worker_id} ({w.host}): leased {_mib(w.leased_bytes)}, committed "
                   f"{_mib(w.committed_bytes)}, content {_mib(w.content_bytes)}")
-            for z in w.zones:
-                print(f"    {zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>14}  "
-                      f"content {_mib(z.content_bytes):>14}  leased {_mib(z.leased_bytes):>14}")
+            for line in _zone_rows(w.zones, zone_name, leased=True):
+                print(f"    {line}")
 
 
 def _worker(args: argparse.Namespace, **kwargs: Any) -> Any:
@@ -219,84 +237,114 @@ def _worker(args: argparse.Namespace, **kwargs: Any) -> Any:
                         token=args.token or None, **kwargs)
 
 
+def _config_help() -> str:
+    decoders = [c.name for c in CONFIGS.values() if c.family == "decoder"]
+    encoders = [c.name for c in CONFIGS.values() if c.family == "encoder"]
+    return (f"a named synthetic config: decoders {', '.join(decoders)}; encoders "
+            f"{', '.join(encoders)} (with --family encoder, NAME means NAME-encoder when that "
+            f"exists; default tiny)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuplane", description="Use a running gpuplane stack.")
+    parser = cli.Parser(prog=PROG, description="Use a running gpuplane stack.")
     env_flag(parser, "--worker", "GPUPLANE_WORKER", "127.0.0.1:50071", "worker HOST:PORT")
     env_flag(parser, "--governor", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
-    parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the response as JSON (sizes in bytes)")
     security.add_client_flags(parser, "CLI")
     env_flag(parser, "--token", "GPUPLANE_CLI_TOKEN", "",
              "bearer token to send (deployments without mutual TLS)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # --json is accepted after the command too; SUPPRESS keeps the top-level value when absent.
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print the response as JSON")
+                        help="print the response as JSON (sizes in bytes)")
 
     def add(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
-        p = commands.add_parser(name, help=help, parents=[common])
+        p = commands.add_parser(name, help=help, description=help, parents=[common])
         p.set_defaults(fn=fn)
         return p
 
-    p = add("load", cmd_load, "load a model onto the worker")
-    p.add_argument("--model-id", required=True)
-    p.add_argument("--family", default="decoder", choices=["decoder", "encoder"])
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default="",
+    def model_id(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--model-id", required=True, metavar="ID", help=what)
+
+    p = add("load", cmd_load, "load a model onto the worker: a synthetic one (--family, --config, "
+                              "--seed) or a Hugging Face checkpoint (--checkpoint)")
+    model_id(p, "the name later commands use for this model (any string you choose)")
+    p.add_argument("--family", default="decoder", choices=["decoder", "encoder"],
+                   help="decoder: generates tokens (generate); encoder: embeds sequences (embed); "
+                        "default decoder")
+    p.add_argument("--config", default="tiny", choices=sorted(CONFIGS), metavar="NAME",
+                   help=_config_help())
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic weights (same seed, same model); default 0")
+    p.add_argument("--checkpoint", default="", metavar="DIR",
                    help="a Hugging Face checkpoint directory under the worker's --model-root "
                         "(instead of --family/--config/--seed)")
-    p.add_argument("--weight-format", default="", choices=["", "int4", "fp16"],
-                   help="int4 (default: quantized on load) or fp16 (kept as stored, ~3.6x the "
-                        "memory)")
+    p.add_argument("--weight-format", default=None, choices=list(WEIGHT_FORMATS),
+                   help="with --checkpoint: int4 (default: quantized on load) or fp16 (kept as "
+                        "stored, ~3.6x the memory)")
     p = add("unload", cmd_unload, "unload a model and free its memory")
-    p.add_argument("--model-id", required=True)
+    model_id(p, "the model to unload")
     add("models", cmd_models, "list the loaded models")
     p = add("offload", cmd_offload, "page a model's weights out to pinned host and drop its caches")
-    p.add_argument("--model-id", required=True)
+    model_id(p, "the model to offload (the next request to it wakes it)")
     p = add("generate", cmd_generate, "generate tokens from a prompt (streamed as produced)")
-    p.add_argument("--model-id", required=True)
-    p.add_argument("--tokens", type=_tokens, default=[], help="prompt token ids, e.g. 1,2,3")
-    p.add_argument("--prompt", default="", help="prompt text (a model with a tokenizer); "
-                   "the reply is streamed as text")
-    p.add_argument("--random", type=int, default=0, help="use N random prompt tokens instead")
-    p.add_argument("--vocab", type=int, default=1024, help="vocabulary for --random")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    model_id(p, "a loaded decoder")
+    p.add_argument("--tokens", type=_tokens, default=[], metavar="IDS",
+                   help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--prompt", default="", metavar="TEXT",
+                   help="prompt text (a model with a tokenizer); the reply is streamed as text")
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="use N random prompt tokens instead")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary for --random; default 1024")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random; default 0")
+    p.add_argument("--max-new-tokens", type=int, default=16, metavar="N",
+                   help="tokens to generate at most; default 16")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all")
     p.add_argument("--sampling-seed", type=int, default=0,
                    help="seed of the sampler (same seed, same tokens)")
-    p.add_argument("--stop-tokens", type=_tokens, default=[],
+    p.add_argument("--stop-tokens", type=_tokens, default=[], metavar="IDS",
                    help="token ids that end the stream, e.g. 2,13")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="deadline in seconds; default 120")
     p = add("embed", cmd_embed, "embed token sequences (or texts) with an encoder model")
-    p.add_argument("--model-id", required=True)
-    p.add_argument("--tokens", type=_tokens, action="append", default=[],
-                   help="one sequence (repeat for a batch; lengths may differ)")
+    model_id(p, "a loaded encoder")
+    p.add_argument("--tokens", type=_tokens, action="append", default=[], metavar="IDS",
+                   help="one sequence, e.g. 1,2,3 (repeat for a batch; lengths may differ)")
     p.add_argument("--text", action="append", default=[],
                    help="one text (repeat for a batch; a model with a tokenizer)")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="deadline in seconds; default 120")
     add("stats", cmd_stats, "the worker's memory, caches, plans, compiles and captures")
     add("resources", cmd_resources, "the governor's ledger per device, worker and zone")
     p = add("trim", cmd_trim, "drop worker caches until the ledger is at or under a target")
-    p.add_argument("--target-bytes", type=int, required=True)
+    p.add_argument("--target-bytes", type=parse_bytes, required=True, metavar="BYTES",
+                   help="the ledger size to trim to, e.g. 0 or 256MiB")
     return parser
+
+
+def _endpoint(args: argparse.Namespace) -> Endpoint:
+    if args.command == "resources":
+        return Endpoint(args.governor, "--governor", "GPUPLANE_GOVERNOR", "governor")
+    return Endpoint(args.worker, "--worker", "GPUPLANE_WORKER", "worker")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prog = f"{PROG} {args.command}"
     try:
         args.fn(args)
     except grpc.RpcError as exc:
-        print(f"gpuplane {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return cli.rpc_failure(prog, exc, _endpoint(args))
+    except CommandError as exc:
+        return cli.fail(prog, exc.message, exc.code)
     except GpuplaneError as exc:  # a flag combination that cannot work, e.g. --tls-cert alone
-        print(f"gpuplane {args.command}: {exc.message}", file=sys.stderr)
-        return 2
-    return 0
+        return cli.fail(prog, exc.message, cli.EXIT_USAGE)
+    return cli.EXIT_OK
 
 
 def console() -> None:

@@ -105,6 +105,11 @@ CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (
 )}
 
 
+def _article(family: str) -> str:
+    """'a decoder', 'an encoder'."""
+    return f"{'an' if family and family[0] in 'aeiou' else 'a'} {family}"
+
+
 def get_config(name: str, family: str | None = None) -> ModelConfig:
     """The named config; `family`, when given, must match. Unknown names are INVALID_ARGUMENT."""
     cfg = CONFIGS.get(name)
@@ -113,5 +118,5 @@ def get_config(name: str, family: str | None = None) -> ModelConfig:
     if cfg is None:
         raise InvalidArgument(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
     if family is not None and cfg.family != family:
-        raise InvalidArgument(f"config {name!r} is a {cfg.family}, not a {family}")
+        raise InvalidArgument(f"config {name!r} is {_article(cfg.family)}, not {_article(family)}")
     return cfg

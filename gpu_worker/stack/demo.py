@@ -8,7 +8,9 @@ then starts a second worker with an empty disk cache, standing in for another ho
 from the shared cache service, and compares its first token with the first host's. Writes
 ./var/report/report.json and memory.png, and stops everything with SIGTERM.
 
-`--serve` starts the same stack and keeps it up until Ctrl-C, for `gpuplane ...` commands.
+`--serve` starts the same stack and keeps it up until Ctrl-C, for `gpuplane ...` commands; it
+prints the cache's write token once (the services get it through their environment, never their
+command lines) and serves the Hugging Face checkpoints under `--model-root`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pathlib
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,12 +30,15 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.edge.client import WorkerClient
-from gpu_worker.stack.progress import step
 from gpu_worker.stack.processes import Stack
+from gpu_worker.stack.progress import step
+from services.common import cli
 from services.common.config import VAR_DIR, env_flag
 
 MiB = 1 << 20
 MODEL_ID = "demo-decoder"
+# The defaults of each service's --listen and of the CLIs' --worker, --governor and --target.
+DEFAULT_PORTS = {"worker": 50071, "cache": 50051, "governor": 50061}
 # The prompt lengths of the incident (DESIGN 1.1), scaled onto the model's context below.
 INCIDENT_LENGTHS = [469, 615, 807, 1059, 1389, 1822, 2390, 3135, 4113, 4195, 5000, 5502]
 
@@ -119,8 +125,23 @@ def warm_second_host(stack: Stack, args: argparse.Namespace, cache: str, governo
             "latency_ms": result.latency_seconds * 1000, **figures}
 
 
+def memory_limits(values_mib: list[float], floor_span_mib: float = 8.0) -> tuple[float, float]:
+    """Y limits around the memory curves: their own range, padded, at least `floor_span_mib` tall.
+
+    The point of the plot is that memory stays flat while prompts grow and shrink, and steps only
+    where a new shape plan or kernel variant is admitted (a few MiB on ~300). From 0 those steps
+    are a pixel high; around the data they are visible, and a flat line still reads as flat."""
+    low, high = min(values_mib), max(values_mib)
+    pad = max((high - low) * 0.15, (floor_span_mib - (high - low)) / 2, 0.5)
+    return max(0.0, low - pad), high + pad
+
+
 def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
-    """Memory per request as a PNG; False (and no file) where matplotlib is not installed."""
+    """Memory and evictions per request as a PNG; False (and no file) where matplotlib is missing.
+
+    Top: device used and the ledger (they should coincide: the legend gives the largest gap, the
+    unaccounted bytes), over the prompt lengths as grey bars. Bottom: what keeps memory flat,
+    the cumulative kernel-variant and plan evictions, and the warm plans."""
     try:
         import matplotlib
     except ImportError:
@@ -130,21 +151,37 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> bool:
     import matplotlib.pyplot as plt
 
     x = [r["index"] for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.plot(x, [r["device_used_bytes"] / MiB for r in rows], "o-", label="device used")
-    ax.plot(x, [r["ledger_bytes"] / MiB for r in rows], "s--", label="ledger")
-    ax.plot(x, [r["unaccounted_bytes"] / MiB for r in rows], "^:", label="unaccounted")
-    ax.plot(x, [r["workspace_bytes"] / MiB for r in rows], "x-", label="kernel workspaces")
-    ax.set_xlabel("request (ascending prompt lengths, then descending)")
-    ax.set_ylabel("MiB")
-    twin = ax.twinx()
-    twin.bar(x, [r["prompt_tokens"] for r in rows], alpha=0.15, color="grey", label="prompt tokens")
-    twin.set_ylabel("prompt tokens")
-    ax.set_zorder(twin.get_zorder() + 1)  # lines over the bars
+    used = [r["device_used_bytes"] / MiB for r in rows]
+    ledger = [r["ledger_bytes"] / MiB for r in rows]
+    unaccounted = max(abs(r["unaccounted_bytes"]) for r in rows) / MiB
+    fig, (ax, ev) = plt.subplots(2, 1, figsize=(10, 7), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 2]})
+    bars = ax.twinx()
+    bars.bar(x, [r["prompt_tokens"] for r in rows], alpha=0.15, color="grey", label="prompt tokens")
+    bars.set_ylabel("prompt tokens")
+    ax.set_zorder(bars.get_zorder() + 1)  # lines over the bars
     ax.patch.set_visible(False)
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="center left")
+    ax.step(x, used, where="mid", color="tab:blue", linewidth=3, alpha=0.6, label="device used")
+    ax.plot(x, ledger, "o", color="tab:orange", markersize=5,
+            label=f"ledger (unaccounted at most {unaccounted:.1f} MiB)")
+    ax.set_ylim(*memory_limits(used + ledger))
+    ax.set_ylabel("MiB (axis around the data, not from 0)")
+    ax.legend(loc="lower center")
     ax.set_title(f"memory per request, backend {rows[0]['backend']} ({rows[0]['device_name']})")
+    # Kernel variants are evicted by the dozen, plans one at a time: one axis each.
+    ev.step(x, [r["kernel_evictions"] for r in rows], where="mid", color="tab:red", linewidth=2,
+            label="kernel variant evictions (cumulative, left)")
+    ev.set_ylabel("kernel variant evictions")
+    plans = ev.twinx()
+    plans.step(x, [r["plan_evictions"] for r in rows], where="mid", color="tab:purple",
+               linestyle="--", linewidth=2, label="plan evictions (cumulative, right)")
+    plans.plot(x, [r["plans"] for r in rows], "s:", color="tab:green", markersize=4,
+               label="warm plans (right)")
+    plans.set_ylabel("plans")
+    plans.set_ylim(0, max(max(r["plans"], r["plan_evictions"]) for r in rows) + 1)
+    handles = ev.get_legend_handles_labels()[0] + plans.get_legend_handles_labels()[0]
+    ev.legend(handles, [h.get_label() for h in handles], loc="upper left")
+    ev.set_xlabel("request (ascending prompt lengths, then descending)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -163,16 +200,19 @@ def run_demo(args: argparse.Namespace) -> int:
     stack = Stack(work)
     try:
         with step("starting the memory governor"):
-            governor = stack.start_governor()
+            governor = stack.start_governor(port=port_for(args, "governor"))
         with step("starting the kernel cache service (SQLite under var/demo/)"):
-            cache = stack.start_cache(write_token=token)
+            cache = stack.start_cache(write_token=token, port=port_for(args, "cache"))
         with step(f"starting worker host-a (backend {args.backend})"):
             worker = stack.start_worker("host-a", backend=args.backend, governor=governor.address,
-                                        cache=cache.address, cache_write_token=token)
+                                        cache=cache.address, cache_write_token=token,
+                                        extra=model_root_flags(args),
+                                        port=port_for(args, "worker"))
         print(f"governor {governor.address}, cache {cache.address}, worker {worker.address}; "
               f"logs in {stack.var_dir / 'logs'}")
         if args.serve:
-            return serve_until_interrupted(stack, worker.address, governor.address, args)
+            return serve_until_interrupted(stack, worker.address, governor.address, cache.address,
+                                           token, args)
         with WorkerClient(worker.address) as client:
             with step(f"host-a: loading the {args.config} decoder (compiles its kernels)"):
                 load = client.load_model(MODEL_ID, "decoder", args.config, args.seed)
@@ -270,14 +310,62 @@ def governor_resources(address: str) -> dict[str, Any]:
     return json_format.MessageToDict(reply, preserving_proto_field_name=True)
 
 
-def serve_until_interrupted(stack: Stack, worker: str, governor: str, args: argparse.Namespace) -> int:
+def port_for(args: argparse.Namespace, service: str) -> int | None:
+    """`--serve` listens on the services' default ports where they are free, so `gpuplane` and
+    the operators' CLIs work without flags; `make run`, and a taken port, get a free one."""
+    if not args.serve:
+        return None
+    port = DEFAULT_PORTS[service]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return None
+    return port
+
+
+def model_root_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model-root", str(pathlib.Path(args.model_root).resolve())] if args.model_root else []
+
+
+def checkpoints_under(root: str) -> list[str]:
+    """The checkpoint directories (a config.json inside) right under `root`, sorted."""
+    base = pathlib.Path(root)
+    return sorted(d.name for d in base.iterdir() if (d / "config.json").is_file()) if base.is_dir() else []
+
+
+def serve_hints(worker: str, governor: str, cache: str, cache_db: pathlib.Path, token: str,
+                model_root: str) -> str:
+    """What `make serve` prints once the stack is up: the token (once) and commands to try."""
+    gp = f".venv/bin/gpuplane --worker {worker}"
+    lines = [
+        "",
+        f"the stack is up: worker {worker}, governor {governor}, kernel cache {cache}",
+        f"cache write token (printed only here; `prune` needs it): {token}",
+        "",
+        "try:",
+        f"  {gp} generate --model-id {MODEL_ID} --random 64",
+        f"  {gp} stats",
+        f"  .venv/bin/gpuplane --governor {governor} resources",
+        f"  .venv/bin/python -m cache_service stats --target {cache}",
+        f"  .venv/bin/python -m cache_service list --db {cache_db}",
+        "  export GPUPLANE_CACHE_WRITE_TOKEN=<the token above>",
+        f"  .venv/bin/python -m cache_service prune --target {cache}",
+    ]
+    names = checkpoints_under(model_root) if model_root else []
+    if names:
+        lines.append(f"checkpoints under {model_root}: {', '.join(names)}")
+        lines.append(f"  {gp} load --model-id ckpt --checkpoint {names[0]}")
+    lines.append("Ctrl-C stops it.")
+    return "\n".join(lines)
+
+
+def serve_until_interrupted(stack: Stack, worker: str, governor: str, cache: str, token: str,
+                            args: argparse.Namespace) -> int:
     with WorkerClient(worker) as client, step(f"loading the {args.config} decoder as {MODEL_ID}"):
         client.load_model(MODEL_ID, "decoder", args.config, args.seed)
-    print(f"\nthe stack is up; try:\n"
-          f"  .venv/bin/gpuplane --worker {worker} generate --model-id {MODEL_ID} --random 64\n"
-          f"  .venv/bin/gpuplane --worker {worker} stats\n"
-          f"  .venv/bin/gpuplane --governor {governor} resources\n"
-          f"Ctrl-C stops it.")
+    print(serve_hints(worker, governor, cache, stack.var_dir / "kernel_cache.db", token,
+                      args.model_root), flush=True)
     done = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: done.set())
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -290,7 +378,8 @@ def serve_until_interrupted(stack: Stack, worker: str, governor: str, args: argp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker.stack.demo", description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m gpu_worker.stack.demo",
+                        description=__doc__.splitlines()[0], epilog=None)
     env_flag(parser, "--backend", "GPUPLANE_WORKER_BACKEND", "auto", "worker backend: auto|cuda|sim")
     env_flag(parser, "--config", "GPUPLANE_DEMO_CONFIG", "tiny", "decoder config to load")
     env_flag(parser, "--seed", "GPUPLANE_DEMO_SEED", 0, "model and prompt seed", type=int)
@@ -299,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     env_flag(parser, "--var-dir", "GPUPLANE_VAR_DIR", VAR_DIR, "where databases, logs, report go")
     env_flag(parser, "--requests", "GPUPLANE_DEMO_REQUESTS", 12,
              "prompt lengths per pass (2..12 of the incident's lengths)", type=int)
+    env_flag(parser, "--model-root", "GPUPLANE_WORKER_MODEL_ROOT", "",
+             "directory of Hugging Face checkpoints the worker may load (`make serve MODEL_ROOT=`)")
     parser.add_argument("--serve", action="store_true", help="keep the stack up until Ctrl-C")
     parser.add_argument("--keep", action="store_true",
                         help="keep var/demo from the last run (warm caches) instead of starting cold")

@@ -8,6 +8,10 @@ and waits; only a process still alive after the grace period is killed.
 
 `prefix` runs a command inside something else, e.g. `["ip", "netns", "exec", "host-b"]` for the
 multi-host test, with `host` the address the service is reachable at from here.
+
+Secrets (the cache write token) reach a child through its environment, never its command line:
+`ps` shows every process's argv to every local user, while /proc/PID/environ is readable by the
+process's owner only.
 """
 from __future__ import annotations
 
@@ -74,9 +78,8 @@ class Stack:
                     **kw) -> ServiceProcess:
         db = db or self.var_dir / "kernel_cache.db"
         args = ["-m", "cache_service", "serve", "--db", str(db)]
-        if write_token:
-            args += ["--write-token", write_token]
-        return self.start(name, [*args, *(extra or [])], **kw)
+        secrets = {"GPUPLANE_CACHE_WRITE_TOKEN": write_token} if write_token else {}
+        return self.start(name, [*args, *(extra or [])], secrets=secrets, **kw)
 
     def start_worker(self, name: str = "worker", backend: str = "auto", governor: str | None = None,
                      cache: str | None = None, cache_dir: pathlib.Path | None = None,
@@ -85,18 +88,21 @@ class Stack:
         cache_dir = cache_dir or self.var_dir / name / "kernels"
         args = ["-m", "gpu_worker", "serve", "--backend", backend, "--cache-dir", str(cache_dir),
                 "--worker-id", name, "--governor", governor or "", "--cache", cache or ""]
-        if cache_write_token:
-            args += ["--cache-write-token", cache_write_token]
-        return self.start(name, [*args, *(extra or [])], **kw)
+        secrets = ({"GPUPLANE_WORKER_CACHE_WRITE_TOKEN": cache_write_token} if cache_write_token
+                   else {})
+        return self.start(name, [*args, *(extra or [])], secrets=secrets, **kw)
 
     # -- generic ----------------------------------------------------------------------------
     def start(self, name: str, args: list[str], host: str = "127.0.0.1", port: int | None = None,
-              prefix: list[str] | None = None, health_timeout_s: float = 120.0) -> ServiceProcess:
+              prefix: list[str] | None = None, health_timeout_s: float = 120.0,
+              secrets: dict[str, str] | None = None) -> ServiceProcess:
+        """Start `python ARGS --listen HOST:PORT` and wait until it is healthy; `secrets` are
+        environment variables for this child only (see the module's note)."""
         port = port or free_port(host)
         address = f"{host}:{port}"
         argv = [*(prefix or []), self.python, *args, "--listen", f"{host}:{port}"]
         log_path = self.var_dir / "logs" / f"{name}.log"
-        env = {**os.environ, "GPUPLANE_LOG_FORMAT": "text", **self.env}
+        env = {**os.environ, "GPUPLANE_LOG_FORMAT": "text", **self.env, **(secrets or {})}
         with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,20 +1,25 @@
-"""CLI: `python -m services.governor serve ...` and `python -m services.governor resources ...`."""
+"""CLI: `python -m services.governor serve ...` and `python -m services.governor resources ...`.
+
+Failures print `python -m services.governor COMMAND: error: ...` and exit with the codes of
+services.common.cli (2 usage, 3 the call failed, 4 no server answered).
+"""
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import sys
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.common import cli, security
+from services.common.cli import Endpoint, human_bytes
 from services.common.config import VAR_DIR, bounded_number, env_flag, parse_bytes
 from services.common.logs import configure_logging
 from services.governor.policy import MAX_DEVICE_BYTES, MAX_DEVICE_TTL_S, MAX_LEASE_TTL_S
 
 MIB = 1 << 20
+PROG = "python -m services.governor"
 
 
 def _device_bytes(text: str) -> int:
@@ -33,9 +38,9 @@ def _zone_budget(text: str) -> tuple[str, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.governor")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the governor")
+    parser = cli.Parser(prog=PROG, description="The memory governor: its server and its CLI.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the governor", description="run the governor")
     env_flag(serve, "--listen", "GPUPLANE_GOVERNOR_LISTEN", "127.0.0.1:50061", "HOST:PORT to serve")
     env_flag(serve, "--db", "GPUPLANE_GOVERNOR_DB", f"{VAR_DIR}/governor.sqlite", "SQLite file")
     env_flag(serve, "--lease-ttl-seconds", "GPUPLANE_GOVERNOR_LEASE_TTL_SECONDS", 30.0,
@@ -61,10 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--durable", action="store_true",
                        help="fsync every change (synchronous=FULL): survives power loss too")
     security.add_server_flags(serve, "GOVERNOR")
-    res = sub.add_parser("resources", help="print the ledger of every device")
+    res = sub.add_parser("resources", help="print the ledger of every device",
+                         description="print the ledger of every device")
     env_flag(res, "--target", "GPUPLANE_GOVERNOR", "127.0.0.1:50061", "governor HOST:PORT")
     res.add_argument("--device", default="", help="one device uuid (default: all)")
-    res.add_argument("--json", action="store_true", help="print JSON")
+    res.add_argument("--json", action="store_true", help="print JSON (sizes in bytes)")
     security.add_client_flags(res, "CLI")
     return parser
 
@@ -97,14 +103,12 @@ def serve(args: argparse.Namespace) -> int:
                         device_ttl_s=args.device_ttl_seconds)
         server_security = security.server_security_from_args(args)
     except GpuplaneError as err:
-        print(f"error: {err.message}", file=sys.stderr)
-        return 2
+        return cli.fail(f"{PROG} serve", err.message, cli.EXIT_USAGE)
     try:
         server, ledger = start_governor(args.listen, args.db, policy, durable=args.durable,
                                         security=server_security)
     except GpuplaneError as err:  # e.g. TLS files that cannot be read
-        print(f"error: {err.message}", file=sys.stderr)
-        return 2
+        return cli.fail(f"{PROG} serve", err.message, cli.EXIT_USAGE)
     REGISTRY.register(LedgerCollector(ledger))
     start_metrics_endpoint(args.metrics_port)
     freeze_startup_heap()
@@ -123,33 +127,32 @@ def resources(args: argparse.Namespace) -> int:
     try:
         tls = security.channel_tls_from_args(args)
     except GpuplaneError as err:
-        print(f"error: {err.message}", file=sys.stderr)
-        return 2
+        return cli.fail(f"{PROG} resources", err.message, cli.EXIT_USAGE)
     channel = open_channel(args.target, SERVICE_NAME, ["GetResources"], tls=tls)
     try:
         reply = governor_pb2_grpc.GovernorServiceStub(channel).GetResources(
             governor_pb2.GetResourcesRequest(device_uuid=args.device), timeout=5.0)
     except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+        return cli.rpc_failure(f"{PROG} resources", err,
+                               Endpoint(args.target, "--target", "GPUPLANE_GOVERNOR", "governor"))
     finally:
         channel.close()
     if args.json:
         print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
         return 0
     for d in reply.devices:
-        print(f"device {d.uuid} {d.name}: budget {d.budget_bytes / MIB:.0f} MiB, leased "
-              f"{d.leased_bytes / MIB:.0f} MiB, used {d.device_used_bytes / MIB:.0f} MiB, ledger "
-              f"{d.ledger_bytes / MIB:.0f} MiB, unaccounted {d.unaccounted_bytes / MIB:.0f} MiB"
+        print(f"device {d.uuid} {d.name}: budget {human_bytes(d.budget_bytes)}, leased "
+              f"{human_bytes(d.leased_bytes)}, used {human_bytes(d.device_used_bytes)}, ledger "
+              f"{human_bytes(d.ledger_bytes)}, unaccounted {human_bytes(d.unaccounted_bytes)}"
               + (" ALERT" if d.unaccounted_alert else ""))
         for z in d.zones:
             if z.leased_bytes or z.committed_bytes or z.budget_bytes:
-                print(f"  zone {zone_name(z.zone):12s} leased {z.leased_bytes / MIB:8.0f} MiB  "
-                      f"committed {z.committed_bytes / MIB:8.0f} MiB  budget "
-                      f"{z.budget_bytes / MIB:8.0f} MiB  borrowed {z.borrowed_bytes / MIB:6.0f} MiB")
+                print(f"  zone {zone_name(z.zone):12s} leased {human_bytes(z.leased_bytes):>10}  "
+                      f"committed {human_bytes(z.committed_bytes):>10}  budget "
+                      f"{human_bytes(z.budget_bytes):>10}  borrowed {human_bytes(z.borrowed_bytes):>10}")
         for w in d.workers:
-            print(f"  worker {w.worker_id} ({w.host}): leased {w.leased_bytes / MIB:.0f} MiB, "
-                  f"committed {w.committed_bytes / MIB:.0f} MiB")
+            print(f"  worker {w.worker_id} ({w.host}): leased {human_bytes(w.leased_bytes)}, "
+                  f"committed {human_bytes(w.committed_bytes)}")
     return 0
 
 
