@@ -11,6 +11,11 @@ logged and the previous pair kept; the next connection tries again.
 Cost: three stat calls per new connection; nothing per call.
 A client with a certificate of its own gets the same from `services.common.reloading_channel`:
 gRPC has no reloading channel credentials, so that module opens a new channel when the files change.
+Not possible here: an audit line for a refused handshake. gRPC Python calls nothing after a
+handshake fails, the fetcher below learns neither the peer nor the outcome, and server credentials
+either require a client certificate or never ask for one (none asks without requiring, which would
+let the authorization interceptor refuse, and audit, a caller without one). gRPC core's own trace
+(`GRPC_VERBOSITY=debug GRPC_TRACE=handshaker`) logs each failure with the peer (docs/security.md).
 """
 from __future__ import annotations
 
