@@ -18,11 +18,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker.checkpoints.paths import CheckpointError, CheckpointFiles
-from gpu_worker.checkpoints.schema import (MAX_CONFIG_BYTES, MAX_EOS_IDS, MAX_FFN, MAX_HEADS,
-                                           MAX_HIDDEN, MAX_LAYERS, MAX_MODULES, MAX_POSITIONS,
-                                           MAX_ROPE_FACTOR, MAX_ROPE_THETA, MAX_TOKEN_ID, MAX_VOCAB,
-                                           Fields,
-                                           parse_json, quote)
+from gpu_worker.checkpoints.schema import (
+    MAX_CONFIG_BYTES,
+    MAX_EOS_IDS,
+    MAX_FFN,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_MODULES,
+    MAX_POSITIONS,
+    MAX_ROPE_FACTOR,
+    MAX_ROPE_THETA,
+    MAX_TOKEN_ID,
+    MAX_VOCAB,
+    Fields,
+    parse_json,
+    quote,
+)
 from gpu_worker.models.configs import QUANT_BLOCK, ModelConfig
 from gpu_worker.models.rope import Llama3Scaling
 from services.common.errors import FailedPrecondition, InvalidArgument

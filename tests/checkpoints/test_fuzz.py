@@ -200,7 +200,7 @@ def test_every_config_and_header_mutation_loads_or_is_a_domain_error(pristine, t
         weight_format = "fp16" if name != "llama-gptq" and rng.random() < 0.25 else "int4"
         try:
             outcome = _outcome(directory, weight_format)
-        except Exception as exc:   # noqa: BLE001  (the property under test)
+        except Exception as exc:
             raise AssertionError(f"case {case} ({name}, {target} mutation {what!r}, "
                                  f"{weight_format}): {type(exc).__name__}: {exc} would be "
                                  f"INTERNAL; {path.name} was {blob[:300]!r}") from exc

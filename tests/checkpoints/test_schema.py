@@ -14,8 +14,7 @@ import tracemalloc
 
 import pytest
 
-from gpu_worker.checkpoints import Checkpoint, CheckpointError
-from gpu_worker.checkpoints import budget, schema
+from gpu_worker.checkpoints import Checkpoint, CheckpointError, budget, schema
 from gpu_worker.checkpoints.safetensors import SafetensorsFile
 from services.common.errors import InvalidArgument, ResourceExhausted
 
@@ -111,7 +110,7 @@ def test_llama3_scaling_with_equal_frequency_factors_is_invalid_argument(ckpt):
 @pytest.mark.parametrize("eps", [0, -1e-5, float("nan"), 2.0])
 def test_norm_eps_must_be_in_zero_one(ckpt, eps):
     _config(ckpt, rms_norm_eps=eps)
-    _refused(ckpt, "NaN is not a finite number" if eps != eps else "rms_norm_eps")
+    _refused(ckpt, "NaN is not a finite number" if math.isnan(eps) else "rms_norm_eps")
 
 
 @pytest.mark.parametrize("value", [True, 1, "yes"])
