@@ -12,9 +12,14 @@ GPTQ without act-order (group size a multiple of 32), taken over without requant
 Refusals: an unknown architecture or a malformed config is INVALID_ARGUMENT; a known model whose
 feature we lack (act-order GPTQ, another rope scaling, a short sliding window) is
 FAILED_PRECONDITION, since the checkpoint itself is fine.
+Every file is read through the checkpoint's `CheckpointFiles` (the model-root sandbox, including
+each sentence-transformers module `path`), and every field through `schema.Fields`: a type and a
+bounded range checked before the value is used, so no malformed config reaches arithmetic
+(a zero head count, an infinity, a list where an object belongs are INVALID_ARGUMENT).
 """
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 from gpu_worker.checkpoints.paths import CheckpointError, CheckpointFiles
@@ -130,7 +135,8 @@ def _shape(f: Fields, positions_default: int) -> tuple[int, int, int, int, int, 
             f.int("max_position_embeddings", 1, MAX_POSITIONS, positions_default))
 
 
-def read_spec(directory, max_context: int, files: CheckpointFiles | None = None) -> CheckpointSpec:
+def read_spec(directory: pathlib.Path, max_context: int,
+              files: CheckpointFiles | None = None) -> CheckpointSpec:
     """Parse config.json (through `files`, the checkpoint's sandbox; by default the directory is
     its own root); serve min(max_position_embeddings, max_context) tokens. Every field is checked
     for type and range before any is used (schema.py's bounds)."""
