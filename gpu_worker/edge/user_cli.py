@@ -37,9 +37,9 @@ from services.common.errors import GpuplaneError
 PROG = "gpuplane"
 # Why a zone's content can exceed its committed bytes; printed under the zones when one does.
 CONTENT_ABOVE_COMMITTED = (
-    "  (* content above committed: the arena carves allocations at byte granularity and books a\n"
-    "     granule's committed bytes once, to the zone that mapped it first; small allocations,\n"
-    "     workspaces above all, sit in granules another zone already pays for)")
+    "  * content above committed: the arena carves allocations at byte granularity and books\n"
+    "    each granule's committed bytes once, to the zone that mapped it first; small\n"
+    "    allocations, workspaces above all, also sit in granules another zone pays for")
 
 
 def _tokens(text: str) -> list[int]:
@@ -62,11 +62,14 @@ def _zone_rows(zones: Any, zone_name: Callable[[int], str], leased: bool = False
     """One line per zone; a `*` marks content above committed (explained once, below them)."""
     rows, marked = [], False
     for z in zones:
-        mark = "*" if z.content_bytes > z.committed_bytes else " "
-        marked = marked or mark == "*"
         line = (f"{zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>11}  "
-                f"content {_mib(z.content_bytes):>11}{mark}")
-        rows.append(line + (f"  leased {_mib(z.leased_bytes):>11}" if leased else ""))
+                f"content {_mib(z.content_bytes):>11}")
+        if leased:
+            line += f"  leased {_mib(z.leased_bytes):>11}"
+        if z.content_bytes > z.committed_bytes:
+            marked = True
+            line += f"  (content {_mib(z.content_bytes - z.committed_bytes)} above committed*)"
+        rows.append(line)
     return rows + ([CONTENT_ABOVE_COMMITTED] if marked else [])
 
 

@@ -99,3 +99,40 @@ def test_hot_tier_and_claim_flags_take_env_defaults_and_refuse_waiters_that_coul
     assert config.max_claim_waiters == 4 and config.max_claim_wait_s == 5.0
     with pytest.raises(ValueError, match="max_claim_waiters"):
         ServerConfig(max_claim_waiters=32)  # every server thread waiting: no Store could wake them
+
+
+def test_list_prints_every_key_with_size_kind_and_last_use_while_the_server_serves_the_file(
+        filled, capsys):
+    code, out = run(capsys, "list", "--db", str(filled.store.path))
+    lines = out.splitlines()
+    assert code == EXIT_OK and lines[0].split()[:4] == ["namespace", "kind", "arch", "size"]
+    assert [line.split()[-1] for line in lines[1:]] == ["k2", "k1", "k0"], \
+        "list must show every key, most recently used first"
+    assert all("prod" in line and "cubin" in line and "1000 B" in line for line in lines[1:]), \
+        f"a row lacks its namespace, kind or size:\n{out}"
+    code, out = run(capsys, "list", "--db", str(filled.store.path), "--json", "--limit", "2")
+    rows = json.loads(out)
+    assert code == EXIT_OK and [r["key"] for r in rows] == ["k2", "k1"], "--limit keeps the newest"
+    assert rows[0]["size"] == 1000 and rows[0]["last_access"] > 0, "--json sizes are bytes"
+
+
+def test_list_of_a_missing_database_exits_1_and_names_the_flag(tmp_path, capsys):
+    code = main(["list", "--db", str(tmp_path / "none.sqlite")])
+    err = capsys.readouterr().err
+    assert code == EXIT_MISS, "a missing database file is not found (1)"
+    assert err.startswith("python -m cache_service list: error: no kernel cache database")
+    assert "--db" in err and "GPUPLANE_CACHE_DB" in err, err
+
+
+def test_stats_prints_sizes_for_people_and_json_keeps_bytes(filled, capsys):
+    code, out = run(capsys, "stats", "--target", filled.address)
+    assert code == EXIT_OK and "entries 3, 2.9 KiB of budget 256.0 MiB" in out, out
+    assert "namespace prod: 3 entries, 2.9 KiB" in out, out
+    assert "{" not in out and "total_bytes" not in out, f"stats printed a raw message:\n{out}"
+
+
+def test_a_failed_call_uses_the_common_error_format(filled, capsys):
+    code = main(["prune", "--target", filled.address])
+    err = capsys.readouterr().err
+    assert code == EXIT_RPC and err.startswith("python -m cache_service prune: error: UNAUTHENTICATED"), \
+        err

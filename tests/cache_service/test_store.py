@@ -9,8 +9,8 @@ import sqlite3
 import pytest
 
 from cache_service.artifact import Artifact
-from cache_service.store import ArtifactStore, StoreConfig
-from services.common.errors import FailedPrecondition, InvalidArgument
+from cache_service.store import ArtifactStore, StoreConfig, read_entries
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 KiB = 1 << 10
 
@@ -259,3 +259,36 @@ def test_a_hit_carries_the_digest_of_the_bytes_it_returns(db):
         got = store.lookup("k")
         assert got.sha256 == stored.sha256 == hashlib.sha256(got.data).hexdigest(), \
             "the digest served with a hit must be the digest of its bytes"
+
+
+def test_entries_list_the_last_use_and_hits_the_store_has_seen_before_they_are_persisted(db):
+    now = [1000.0]
+    with ArtifactStore(db, clock=lambda: now[0]) as store:
+        store.store("a", art(2 * KiB), namespace="prod")
+        now[0] += 1
+        store.store("b", art(1 * KiB, 1, kind="ptx"))
+        now[0] += 1
+        assert store.lookup("a", "prod") is not None   # a hit, not yet written to the file
+        live = store.entries()
+        assert [(e.namespace, e.key) for e in live] == [("prod", "a"), ("default", "b")], \
+            "a hit must make an entry the most recently used at once"
+        assert (live[0].size, live[0].kind, live[0].hits, live[0].last_access) == (
+            2 * KiB, "cubin", 1, 1002.0)
+        assert (live[1].kind, live[1].arch, live[1].hits) == ("ptx", "sm_90", 0)
+        assert [e.key for e in store.entries("prod")] == ["a"], "--namespace must filter"
+        on_disk = read_entries(db)
+        assert on_disk[0].key == "b" and on_disk[1].hits == 0, \
+            "negative control: the file has not seen the hit before maintenance"
+        store.maintain()
+        assert read_entries(db) == store.entries(), \
+            "after a maintenance pass the file and the live store must agree"
+
+
+def test_read_entries_refuses_a_missing_file_and_a_database_that_is_not_a_cache(tmp_path):
+    with pytest.raises(NotFound, match="no kernel cache database"):
+        read_entries(tmp_path / "absent.sqlite")
+    assert not (tmp_path / "absent.sqlite").exists(), "reading must not create the file"
+    other = tmp_path / "other.sqlite"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+    with pytest.raises(FailedPrecondition, match="not a kernel cache database"):
+        read_entries(other)

@@ -79,7 +79,7 @@ def test_the_operator_cli_reaches_a_mutual_tls_governor_with_an_admin_certificat
         base = [sys.executable, "-m", "services.governor", "resources", "--target",
                 f"localhost:{server.port}", "--json"]
         plain = subprocess.run(base, check=False, capture_output=True, text=True, timeout=60)
-        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, "plaintext got through"
+        assert plain.returncode == 4 and "UNAVAILABLE" in plain.stderr, "plaintext got through"
         tls = ["--tls-ca", str(ca.ca_file), "--tls-cert", str(admin.cert), "--tls-key",
                str(admin.key)]
         done = subprocess.run(base + tls, check=False, capture_output=True, text=True, timeout=60)

@@ -84,3 +84,60 @@ def test_offload_prints_the_new_state_and_models_shows_it(worker: WorkerClient, 
     code, out, _ = _run(worker, capsys, "models", "--json")
     state = {m["model_id"]: m["state"] for m in json.loads(out)}
     assert state[ENCODER] == "resident"
+
+
+def test_load_help_explains_the_model_flags_and_lists_every_config(capsys) -> None:
+    from gpu_worker.models.configs import CONFIGS
+
+    with pytest.raises(SystemExit):
+        main(["load", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--model-id", "--family", "--config", "--seed", "--checkpoint", "--weight-format"):
+        assert f"{flag} " in text, f"load --help lacks {flag}"
+    assert "the name later commands use for this model" in text, "--model-id is not explained"
+    for name in CONFIGS:
+        assert name in text, f"load --help does not list the config {name}"
+    assert "{int4,fp16}" in text and "{,int4" not in text, "--weight-format shows an empty choice"
+
+
+def test_weight_format_without_a_checkpoint_is_a_usage_error(worker: WorkerClient, capsys) -> None:
+    code, _, err = _run(worker, capsys, "load", "--model-id", "x", "--weight-format", "fp16")
+    assert code == 2 and err.startswith("gpuplane load: error: --weight-format applies to "), err
+
+
+def test_a_missing_prompt_is_a_usage_error_in_the_common_format(worker: WorkerClient, capsys) -> None:
+    code, _, err = _run(worker, capsys, "generate", "--model-id", DECODER)
+    assert code == 2, "a command that cannot run must exit 2 (usage)"
+    assert err.startswith("gpuplane generate: error: give a prompt"), err
+
+
+def test_stats_prints_sizes_for_people_and_explains_content_above_committed(
+        worker: WorkerClient, capsys) -> None:
+    stats = worker.stats()
+    code, out, _ = _run(worker, capsys, "stats")
+    assert code == 0 and " MiB" in out, f"stats printed no human-readable sizes:\n{out}"
+    above = [z for z in stats.zones if z.content_bytes > z.committed_bytes]
+    marked = [line for line in out.splitlines() if "above committed*" in line]
+    assert len(marked) == len(above), "every zone with content above committed, and only those, " \
+        "must be marked"
+    assert ("* content above committed: the arena carves" in out) == bool(above), \
+        "the mark must be explained exactly when it is shown"
+
+
+def test_zone_rows_mark_only_content_above_committed_and_explain_it_once() -> None:
+    from gpuplane.governor.v1 import governor_pb2
+
+    from gpu_worker.edge.user_cli import CONTENT_ABOVE_COMMITTED, _zone_rows
+
+    def name(z: int) -> str:
+        return governor_pb2.Zone.Name(z).removeprefix("ZONE_").lower()
+
+    flat = [governor_pb2.ZoneUsage(zone=governor_pb2.ZONE_KV, committed_bytes=4 << 20,
+                                   content_bytes=3 << 20)]
+    assert _zone_rows(flat, name) == [
+        "kv           committed     4.0 MiB  content     3.0 MiB"], "negative control: no mark"
+    shared = flat + [governor_pb2.ZoneUsage(zone=governor_pb2.ZONE_WORKSPACE,
+                                            committed_bytes=2 << 20, content_bytes=(2 << 20) + 512)]
+    rows = _zone_rows(shared, name)
+    assert rows[1].endswith("(content 512 B above committed*)") and rows[-1] == CONTENT_ABOVE_COMMITTED
+    assert len(rows) == 3, "the explanation is printed once, after the zones"
