@@ -253,8 +253,15 @@ class Device:
             self.backend.synchronize_stream(self.stream if stream is None else stream)
         self.queue.poll()
 
-    def create_event(self) -> object:
-        return self.backend.create_event()
+    def create_event(self, timing: bool = False) -> object:
+        return self.backend.create_event(timing)
+
+    def event_elapsed_s(self, start: object, end: object) -> float:
+        """Seconds between two completed timing events (cuEventElapsedTime on cuda)."""
+        return self.backend.event_elapsed_ms(start, end) / 1e3
+
+    def event_done(self, event: object) -> bool:
+        return self.backend.event_done(event)
 
     def destroy_event(self, event: object) -> None:
         self.backend.destroy_event(event)
@@ -281,6 +288,28 @@ class Device:
         with self.gate.shared():
             self.backend.copy_h2d_async(dst_ptr, data, s)
             self.backend.synchronize_stream(s)  # pageable source: the copy is synchronous
+
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory (a uint8 array) for copies that must not synchronize. Gated:
+        cuMemHostAlloc invalidates a global-mode capture elsewhere."""
+        with self.gate.shared():
+            return self.backend.alloc_pinned(nbytes)
+
+    def free_pinned(self, buf: np.ndarray) -> None:
+        with self.gate.shared():
+            self.backend.free_pinned(buf)
+
+    def copy_to_device_async(self, dst_ptr: int, pinned: np.ndarray, stream: object = None) -> None:
+        """Stream-ordered copy from `pinned` (from alloc_pinned): no synchronization. The host
+        must not rewrite `pinned` until an event recorded after this copy has completed."""
+        self.backend.copy_h2d_async(dst_ptr, pinned, self.stream if stream is None else stream)
+
+    def copy_from_device_async(self, pinned: np.ndarray, src_ptr: int, stream: object = None) -> None:
+        """Stream-ordered copy into `pinned`; read it only after an event recorded after it."""
+        self.backend.copy_d2h_async(pinned, src_ptr, self.stream if stream is None else stream)
+
+    def copy_device_async(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: object = None) -> None:
+        self.backend.copy_d2d_async(dst_ptr, src_ptr, nbytes, self.stream if stream is None else stream)
 
     def from_device(self, ptr: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, dtype=np.uint8)

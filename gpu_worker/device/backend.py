@@ -119,7 +119,12 @@ class Backend(ABC):
     def destroy_stream(self, stream: object) -> None: ...
 
     @abstractmethod
-    def create_event(self) -> object: ...
+    def create_event(self, timing: bool = False) -> object:
+        """An event; `timing`: it records a timestamp (event_elapsed_ms), slightly costlier."""
+
+    @abstractmethod
+    def event_elapsed_ms(self, start: object, end: object) -> float:
+        """Milliseconds between two completed timing events recorded on one stream."""
 
     @abstractmethod
     def destroy_event(self, event: object) -> None: ...

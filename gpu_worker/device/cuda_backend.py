@@ -192,10 +192,15 @@ class CudaBackend(Backend):
         self._current()
         check(_drv().cuStreamDestroy(stream), "cuStreamDestroy")
 
-    def create_event(self) -> Any:
+    def create_event(self, timing: bool = False) -> Any:
         self._current()
         d = _drv()
-        return check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        flags = d.CUevent_flags.CU_EVENT_DEFAULT if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return check(d.cuEventCreate(flags), "cuEventCreate")
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        self._current()
+        return float(check(_drv().cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 
     def destroy_event(self, event: Any) -> None:
         self._current()

@@ -23,6 +23,7 @@ import itertools
 import mmap
 import sys
 import threading
+import time
 import uuid as uuidlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -82,6 +83,8 @@ class _Reservation:
 @dataclass(eq=False)
 class SimEvent:
     done: threading.Event = field(default_factory=lambda: _set_event())
+    timing: bool = False
+    at: float = 0.0         # perf_counter() when the stream reached it (timing events)
 
 
 def _set_event() -> threading.Event:
@@ -380,8 +383,15 @@ class SimBackend(Backend):
                 self._streams.remove(stream)
         stream.close()
 
-    def create_event(self) -> SimEvent:
-        return SimEvent()
+    def create_event(self, timing: bool = False) -> SimEvent:
+        return SimEvent(timing=timing)
+
+    def event_elapsed_ms(self, start: SimEvent, end: SimEvent) -> float:
+        if not (start.timing and end.timing):
+            raise DeviceError("cuEventElapsedTime: CUDA_ERROR_INVALID_HANDLE (not timing events)")
+        if not (start.done.is_set() and end.done.is_set()):
+            raise DeviceError("cuEventElapsedTime: CUDA_ERROR_NOT_READY")
+        return (end.at - start.at) * 1e3
 
     def destroy_event(self, event: SimEvent) -> None:
         self._enter("destroy_event")
@@ -397,7 +407,11 @@ class SimBackend(Backend):
         def build() -> Callable[[], None]:
             flag = threading.Event()
             event.done = flag
-            return flag.set
+
+            def reached() -> None:
+                event.at = time.perf_counter()
+                flag.set()
+            return reached if event.timing else flag.set
         self._submit(stream, "signal", build)
 
     def stream_wait_event(self, stream: SimStream, event: SimEvent) -> None:

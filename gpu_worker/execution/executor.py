@@ -126,10 +126,39 @@ class ShapePlan:
                 out[name] = raw.view(NP_DTYPES[spec.dtype]).reshape(spec.shape).copy()
             return out
 
-    def _write_inputs(self, inputs: dict[str, np.ndarray], stream: object) -> None:
+    def launch(self, inputs: dict[str, np.ndarray], capture: bool, take: Callable[[int], np.ndarray],
+               after: Callable[[ShapePlan], None] | None = None) -> None:
+        """Enqueue one run and return without waiting: the inputs go up from pinned staging
+        (`take`, gpu_worker/execution/staging.py), the graph replays, `after(plan)` enqueues what
+        reads the plan's outputs on the device (a copy of its sampled token) before another run
+        can reuse the arena. Nothing is read back and nothing synchronizes."""
+        device = self.executor.device
+        stream = device.stream
+        with self._lock:
+            self._write_inputs(inputs, stream, take)
+            if self.executor.streams():
+                self._streamed_run().run(inputs, stream, capture)
+                self.replays += capture
+            elif not capture:
+                self._launch_warm(self.resolve(), stream)
+            else:
+                if self.graph_exec is None:
+                    device.arena.retry_reclaiming("graphs", lambda: self._capture(stream))
+                device.replay(self.graph_exec, stream=stream)
+                self.replays += 1
+                self.executor.replay_count += 1
+            self._run_tail(inputs, stream)
+            if after is not None:
+                after(self)
+
+    def _write_inputs(self, inputs: dict[str, np.ndarray], stream: object,
+                      take: Callable[[int], np.ndarray] | None = None) -> None:
         """One host-to-device copy for all inputs: the layout puts them first, contiguously, and
         each copy costs a stream synchronization (pageable source), once per decode step."""
-        staging = np.zeros(self.layout.inputs_bytes, np.uint8)
+        if take is None:
+            staging = np.zeros(self.layout.inputs_bytes, np.uint8)
+        else:   # pinned: the copy below is asynchronous; bytes between inputs stay as they were
+            staging = take(self.layout.inputs_bytes)
         for name, host in inputs.items():
             spec = self.graph.tensors[name]
             assert spec.kind == "input", f"{name} is not an input of this graph"
@@ -137,8 +166,12 @@ class ShapePlan:
             assert arr.nbytes == spec.nbytes, f"input {name}: {arr.nbytes} bytes, want {spec.nbytes}"
             off = self.layout.offsets[name]
             staging[off:off + arr.nbytes] = arr
-        if staging.nbytes:
+        if not staging.nbytes:
+            return
+        if take is None:
             self.executor.device.to_device(self.arena_alloc.ptr, staging, stream=stream)
+        else:
+            self.executor.device.copy_to_device_async(self.arena_alloc.ptr, staging, stream=stream)
 
     def _run_tail(self, inputs: dict[str, np.ndarray], stream: object) -> None:
         tail = self.graph.nodes[self.split:]
@@ -239,8 +272,9 @@ class ModelExecutor:
 
     def __init__(self, device, compiler, variants_per_node: int | None = None,
                  max_plans: int | None = None, max_plan_bytes: int | None = None,
-                 weight_namespace: str = "") -> None:
+                 weight_namespace: str = "", dequant_tile_bytes: int | None = None) -> None:
         self.device, self.compiler = device, compiler
+        self.dequant_tile_bytes = dequant_tile_bytes   # None: ops.DEQUANT_TILE_BYTES
         # Weight slots are keyed per device; the namespace (the model id) keeps two models'
         # "embed" from colliding on one worker.
         self.weight_namespace = weight_namespace
@@ -395,7 +429,7 @@ class ModelExecutor:
             return
         # an int4 weight is (n, 16 * ceil(k/32)) packed bytes: its fp16 rows take 4x that
         nbytes = tile_bytes_for([4 * int(slot.nbytes) for key, slot in self._weights.items()
-                                 if key.endswith(".q")])
+                                 if key.endswith(".q")], self.dequant_tile_bytes)
         self.device.acquire_blas()
         try:
             if nbytes:
@@ -434,6 +468,13 @@ class ModelExecutor:
             outputs: tuple[str, ...], capture: bool = True) -> dict[str, np.ndarray]:
         return self.plans.run(key, lambda: ShapePlan(self, key, build_graph()),
                               lambda plan: plan.execute(inputs, outputs, capture))
+
+    def launch(self, key: Hashable, build_graph: Callable[[], Graph], inputs: dict[str, np.ndarray],
+               take: Callable[[int], np.ndarray], capture: bool = True,
+               after: Callable[[ShapePlan], None] | None = None) -> None:
+        """`run` without the readback: ShapePlan.launch on the plan for `key`."""
+        self.plans.run(key, lambda: ShapePlan(self, key, build_graph()),
+                       lambda plan: plan.launch(inputs, capture, take, after))
 
     def replays(self) -> int:
         """Graph replays since load."""

@@ -4,9 +4,12 @@ ending in the `sample` op (i13 contract). The StepRunner of gpu_worker/scheduler
 Two graph shapes, both reading K/V only through block tables into the one `kv.pool` state tensor
 (the model's KVBlockPool, bound at its fixed base address, so captured graphs stay valid as the
 pool grows and shrinks):
-- decode(B), B on DECODE_LADDER: one token per row, row r at `positions[r]` through its table
-  row; a batch of b < B rows is padded with position -1 rows (no KV written, output ignored). The
-  shapes do not depend on any context length, so each B is captured once and replayed.
+- decode(B), B on DECODE_LADDER: row r is decode slot r of its group (64 slots), at
+  `positions[r]`; its token and block table row are read from the slot state on the device and
+  the sampled token is written back there in place, so step n's token feeds step n+1 without the
+  host. Slots without a decoding sequence are padding rows (position -1: no KV written, their
+  slot's token becomes -1, which the embedding reads as a zero row). The shapes do not depend on
+  any context length, so each (B, group) is captured once and replayed.
 - prefill(S): one chunk of one sequence (S = the chunk bucketed onto the plan ladder, at most the
   prefill chunk), positions start..start+n-1 (padding rows -1), attending causally to the
   sequence's earlier blocks; `last_index` picks the last real row for the sampler.
@@ -20,17 +23,32 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
+from gpu_worker.execution.staging import StepStaging
 from gpu_worker.models.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
-from gpu_worker.models.decoder import check_prompt, prefill_chunk_from_env
+from gpu_worker.config import DEFAULT_PREFILL_CHUNK
+from gpu_worker.models.decoder import check_prompt
 from gpu_worker.models.weights import generate
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import DecodeRow
 from services.common.errors import InvalidArgument
 
-DECODE_LADDER = (1, 2, 4, 8, 16, 32, 64)
+# Fine above 16 so a batch pays for at most 7 padding rows (33 runs at 40, not 64), like the
+# public engines' 8-apart graph sizes (research/SERVING.md); 11 graphs at --max-batch-size 64.
+DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+GROUP = DECODE_LADDER[-1]      # decode slots per group: one decode graph covers one group
 POOL = "kv.pool"
+SLOT_TOKENS = "decode.slot_tokens"    # int32 [slots]: each slot's next input token, on the device
+SLOT_TABLES = "decode.slot_tables"    # int32 [slots, max_blocks]: each slot's block table
+
+
+def _group_tokens(g: int) -> str:
+    return f"decode.tokens.{g}"
+
+
+def _group_table(g: int) -> str:
+    return f"decode.table.{g}"
 
 
 def decode_bucket(b: int) -> int:
@@ -42,8 +60,12 @@ def decode_bucket(b: int) -> int:
 
 
 def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, rows: int,
-                      phase: str) -> Graph:
-    """`phase` "decode" (rows = batch size) or "prefill" (rows = chunk bucket, one sequence)."""
+                      phase: str, group: int = 0) -> Graph:
+    """`phase` "decode" (rows = batch size) or "prefill" (rows = chunk bucket, one sequence).
+
+    A decode graph reads its tokens and block tables from the slot state of decode group
+    `group` (rows = its first `rows` slots) and its `sample` writes the next tokens back there:
+    the next step's graph reads them without the host (DESIGN 6.1)."""
     assert phase in ("prefill", "decode"), phase
     h, hd, kvd = cfg.hidden, cfg.head_dim, cfg.kv_heads * cfg.head_dim
     g = GraphBuilder()
@@ -53,10 +75,13 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
     def linear(name: str, x: str, out: str, out_dim: int, in_dim: int) -> None:
         g.linear(name, x, out, rows, out_dim, in_dim, cfg.weight_format)
 
-    tokens = t("tokens", (rows,), "i32", "input")
+    if phase == "decode":
+        tokens = t(_group_tokens(group), (rows,), "i32", "state")
+        table = t(_group_table(group), (rows, mb), "i32", "state")
+    else:
+        tokens = t("tokens", (rows,), "i32", "input")
+        table = t("block_table", (1, mb), "i32", "input")
     positions = t("positions", (rows,), "i32", "input")   # -1: a padding row
-    table_rows = rows if phase == "decode" else 1
-    table = t("block_table", (table_rows, mb), "i32", "input")
     if phase == "prefill":
         start = t("start", (1,), "i32", "input")
         chunk_len = t("chunk_len", (1,), "i32", "input")
@@ -117,6 +142,9 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
     g.linear("lm_head", "hf", "logits", out_rows, cfg.vocab_size, h, cfg.weight_format)
     knobs = (t("temperature", (out_rows,), "f32", "input"), t("top_p", (out_rows,), "f32", "input"),
              t("top_k", (out_rows,), "i32", "input"), t("seed", (out_rows,), "i32", "input"))
+    if phase == "decode":   # in place: the embedding read these slots' tokens before
+        n("sample", "sample", ("logits", sample_pos, *knobs), (tokens,))
+        return g.build(outputs=("logits",))
     n("sample", "sample", ("logits", sample_pos, *knobs), (t("next_token", (out_rows,), "i32"),))
     return g.build(outputs=("next_token", "logits"))
 
@@ -137,8 +165,10 @@ def prefill_inputs(tokens: list[int], start: int, table, rows: int,
 
 
 def decode_inputs(rows: list[DecodeRow], max_blocks: int) -> tuple[int, dict[str, np.ndarray]]:
-    """A decode step's ladder size and graph inputs: one row per sequence, padded to the ladder
-    with position -1 rows. Built once per step on the host, so its cost is paid by every step."""
+    """Host-token decode inputs (rows padded to the ladder with position -1 rows, the tables
+    copied per step): what bench/scheduler_host_bench.py's host-only runner measures. The model
+    itself no longer builds these: its decode graphs read tokens and tables from the decode
+    slots on the device (PagedDecoderModel.decode)."""
     b = len(rows)
     size = decode_bucket(b)
     pad = size - b
@@ -160,8 +190,35 @@ def _knobs(params: list[SamplingParams]) -> dict[str, np.ndarray]:
             "seed": np.array([p.seed for p in params], np.int32)}
 
 
+class StepHandle:
+    """One launched step: its tokens come back through pinned memory after its end event."""
+
+    def __init__(self, model: PagedDecoderModel, parity: int, slots: int, readback: np.ndarray) -> None:
+        self._model, self._parity, self._slots, self._readback = model, parity, slots, readback
+        self.device_s = 0.0           # the step's span on the stream (after `tokens`)
+        self._tokens: np.ndarray | None = None
+
+    def tokens(self) -> np.ndarray:
+        """Each slot's token after the step (int32 [slots]); waits for the step's end event
+        (an event wait, never a device-wide synchronize)."""
+        if self._tokens is None:
+            device = self._model.executor.device
+            start, end = self._model._events[self._parity]
+            device.wait_event(end)
+            self._tokens = self._readback.view(np.int32)[:self._slots].copy()
+            self.device_s = device.event_elapsed_s(start, end)
+        return self._tokens
+
+
 class PagedDecoderModel:
     """A loaded decoder whose sequences share one paged KV pool; the scheduler's StepRunner.
+
+    Decode slots: a running sequence holds a slot s; row s of group s // 64's decode graphs is
+    its row, its table row and its next input token live on the device at slot s (SLOT_TABLES,
+    SLOT_TOKENS), and the decode graph's `sample` writes the next token there in place. So a
+    step needs from the host only the positions, the sampling knobs and the table entries that
+    changed, staged through pinned memory; its tokens come back through one pinned readback per
+    step, read after the next step is launched (gpu_worker/engines/scheduler/scheduler.py).
 
     Calls come from the model's engine thread under the model's request lock."""
 
@@ -175,7 +232,7 @@ class PagedDecoderModel:
         self.weights = weights
         self.geometry = KVGeometry(cfg.layers, cfg.kv_heads, cfg.head_dim, block_tokens,
                                    cfg.max_context)
-        self.prefill_chunk = prefill_chunk_from_env() if prefill_chunk is None else prefill_chunk
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if self.prefill_chunk < 1:
             raise InvalidArgument(f"prefill chunk must be >= 1 token, got {self.prefill_chunk}")
         # capacity: the flag's bytes, or every sequence of a full batch at max_context
@@ -183,11 +240,24 @@ class PagedDecoderModel:
         self.capacity_blocks = (max(1, pool_bytes // self.geometry.block_bytes) if pool_bytes
                                 else full)
         self.pool: KVBlockPool | None = None
-        # One decode graph per ladder rung a batch can reach, bounded by the rungs, not by
-        # --max-plans: otherwise a step's prefill chunk evicts the decode graph the next step
-        # replays (gpu_worker/execution/plans.py, the plan-class bound).
-        rungs = DECODE_LADDER.index(decode_bucket(min(max_batch_size, DECODE_LADDER[-1]))) + 1
-        executor.plans.bound_class("paged_decode", rungs)
+        self.slots = max(1, max_batch_size)
+        self.groups = -(-self.slots // GROUP)
+        # One decode graph per ladder rung a batch can reach (per decode group), bounded by the
+        # rungs, not by --max-plans: otherwise a step's prefill chunk evicts the decode graph
+        # the next step replays (gpu_worker/execution/plans.py, the plan-class bound).
+        rungs = DECODE_LADDER.index(decode_bucket(min(self.slots, GROUP))) + 1
+        executor.plans.bound_class("paged_decode", rungs * self.groups)
+        n = self.groups * GROUP
+        self._temperature = np.zeros(n, np.float32)     # per-slot sampling knobs (host)
+        self._top_p = np.ones(n, np.float32)
+        self._top_k = np.zeros(n, np.int32)
+        self._seed = np.zeros(n, np.int32)
+        self._tables: dict[int, tuple[np.ndarray, int, int]] = {}   # slot -> (row, lo, hi) dirty
+        self._tokens: dict[int, int] = {}                           # slot -> host-known token
+        self._staging: StepStaging | None = None
+        self._events: list[tuple[object, object]] = []
+        self._parity = 0
+        self._in_step = self._decoded = False
 
     # -- load ------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -196,9 +266,31 @@ class PagedDecoderModel:
             self.executor.add_weight(key, host)
         self.pool = KVBlockPool(self.executor.device.arena, self.geometry, self.capacity_blocks)
         self.executor.bind_state(POOL, self.pool.base)
+        device, n, mb = self.executor.device, self.groups * GROUP, self.geometry.max_blocks
+        self.executor.add_state(SLOT_TOKENS, n * 4, "kv")
+        self.executor.add_state(SLOT_TABLES, n * mb * 4, "kv")
+        tokens, tables = self.executor.state_ptr(SLOT_TOKENS), self.executor.state_ptr(SLOT_TABLES)
+        device.memset(tokens, 0, n * 4)
+        device.memset(tables, 0, n * mb * 4)        # unused entries name block 0, never read
+        for g in range(self.groups):
+            self.executor.bind_state(_group_tokens(g), tokens + g * GROUP * 4)
+            self.executor.bind_state(_group_table(g), tables + g * GROUP * mb * 4)
+        self._staging = StepStaging(device)
+        self._events = [(device.create_event(timing=True), device.create_event(timing=True))
+                        for _ in range(2)]
+        device.synchronize(device.stream)
         self.executor.ensure_resident()
 
     def close(self) -> None:
+        device = self.executor.device
+        if self._staging is not None:
+            device.synchronize(device.stream)
+            self._staging.close()
+            self._staging = None
+        for pair in self._events:
+            for event in pair:
+                device.destroy_event(event)
+        self._events = []
         if self.pool is not None:
             self.pool.close()
 
@@ -214,28 +306,123 @@ class PagedDecoderModel:
         check_prompt(self.cfg, prompt, max_new_tokens)
 
     # -- StepRunner --------------------------------------------------------------------------------
-    def _graph(self, rows: int, phase: str) -> Callable[[], Graph]:
-        return lambda: build_paged_graph(self.cfg, self.geometry, self.capacity_blocks, rows, phase)
+    def _graph(self, rows: int, phase: str, group: int = 0) -> Callable[[], Graph]:
+        return lambda: build_paged_graph(self.cfg, self.geometry, self.capacity_blocks, rows, phase,
+                                         group)
 
     def _prefill_rows(self, n: int) -> int:
         return min(seq_bucket(n), max(self.prefill_chunk, n))
 
-    def prefill(self, tokens: list[int], start: int, table: list[int],
-                sampling: SamplingParams = GREEDY, sample: bool = True,
-                output: str = "next_token") -> int | np.ndarray | None:
+    def assign(self, slot: int, sampling: SamplingParams) -> None:
+        """`slot` now holds a sequence sampled with `sampling` (its knobs for every decode)."""
+        self._temperature[slot], self._top_p[slot] = sampling.temperature, sampling.top_p
+        self._top_k[slot], self._seed[slot] = sampling.top_k, sampling.seed
+
+    def write_table(self, slot: int, row: np.ndarray, lo: int, hi: int) -> None:
+        """Entries [lo, hi) of `slot`'s table row changed (to row[lo:hi]); staged with the next
+        decode. Only what changed goes up: a step's host work does not grow with context."""
+        if hi <= lo:
+            return
+        prev = self._tables.get(slot)
+        if prev is not None:
+            lo, hi = min(lo, prev[1]), max(hi, prev[2])
+        self._tables[slot] = (row, lo, hi)
+
+    def set_token(self, slot: int, token: int) -> None:
+        """`slot`'s next input is `token`, known on the host (a preempted sequence resuming)."""
+        self._tokens[slot] = int(token)
+
+    def begin_step(self) -> None:
+        assert self._staging is not None, "load() first"
+        assert not self._in_step, "begin_step() twice"
+        self._staging.begin(self._parity)
+        self.executor.device.record_event(self._events[self._parity][0])
+        self._in_step, self._decoded = True, False
+
+    def _flush_tables(self) -> None:
+        if not self._tables:
+            return
+        device, mb = self.executor.device, self.geometry.max_blocks
+        base = self.executor.state_ptr(SLOT_TABLES)
+        for slot, (row, lo, hi) in self._tables.items():
+            region = self._staging.take((hi - lo) * 4)
+            region.view(np.int32)[:] = row[lo:hi]
+            device.copy_to_device_async(base + (slot * mb + lo) * 4, region)
+        self._tables.clear()
+
+    def decode(self, rows: list[tuple[int, int]]) -> None:
+        """Enqueue one decode of the slots in `rows` ((slot, position) pairs): per group, the
+        smallest rung covering its highest slot; other slots of the rung are padding rows. Runs
+        before the step's prefills: a padding row's sample writes -1 to its slot, and a prefill
+        finishing in this step writes its slot's first token after it."""
+        assert self._in_step and not self._decoded, "decode() once per step, before prefills"
+        self._decoded = True
+        self._flush_tables()
+        by_group: dict[int, list[tuple[int, int]]] = {}
+        for slot, position in rows:
+            by_group.setdefault(slot // GROUP, []).append((slot - slot // GROUP * GROUP, position))
+        take = self._staging.take
+        for g, local in sorted(by_group.items()):
+            size = decode_bucket(max(s for s, _ in local) + 1)
+            pos = np.full(size, -1, np.int32)
+            idx, at = zip(*local)
+            pos[list(idx)] = at
+            lo = g * GROUP
+            inputs = {"positions": pos, "temperature": self._temperature[lo:lo + size],
+                      "top_p": self._top_p[lo:lo + size], "top_k": self._top_k[lo:lo + size],
+                      "seed": self._seed[lo:lo + size]}
+            key = ("paged_decode", size) if g == 0 else ("paged_decode", size, g)
+            self.executor.launch(key, self._graph(size, "decode", g), inputs, take,
+                                 capture=self.capture)
+
+    def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
+                sampling: SamplingParams = GREEDY, sample: bool = True) -> None:
+        """Enqueue one chunk of `slot`'s sequence; when `sample`, the token sampled after its
+        last position becomes the slot's next input on the device (and comes back with the
+        step's readback)."""
+        assert self._in_step, "prefill() inside a step"
+        self._decoded = True      # a decode after a prefill would overwrite its sampled token
+        rows = self._prefill_rows(len(tokens))
+        device = self.executor.device
+        dst = self.executor.state_ptr(SLOT_TOKENS) + slot * 4
+
+        def keep_token(plan) -> None:
+            device.copy_device_async(dst, plan.ptr("next_token"), 4)
+        self.executor.launch(("paged_prefill", rows), self._graph(rows, "prefill"),
+                             prefill_inputs(tokens, start, table, rows, sampling),
+                             self._staging.take, capture=self.capture,
+                             after=keep_token if sample else None)
+
+    def end_step(self) -> StepHandle:
+        """Enqueue the host-known tokens, the readback of every slot's token and the step's end
+        event; returns the handle to read them (after the next step is launched, to overlap)."""
+        assert self._in_step, "end_step() without begin_step()"
+        device, staging = self.executor.device, self._staging
+        self._flush_tables()
+        base = self.executor.state_ptr(SLOT_TOKENS)
+        for slot, token in self._tokens.items():
+            region = staging.take(4)
+            region.view(np.int32)[0] = token
+            device.copy_to_device_async(base + slot * 4, region)
+        self._tokens.clear()
+        readback = staging.take(self.slots * 4)
+        device.copy_from_device_async(readback, base)
+        end = self._events[self._parity][1]
+        device.record_event(end)
+        staging.end(end)
+        handle = StepHandle(self, self._parity, self.slots, readback)
+        self._parity ^= 1
+        self._in_step = False
+        return handle
+
+    def _prefill_sync(self, tokens: list[int], start: int, table, output: str | None) -> np.ndarray | None:
+        """One chunk run to completion, its `output` (if any) read back (the single-sequence
+        helpers)."""
         rows = self._prefill_rows(len(tokens))
         out = self.executor.run(("paged_prefill", rows), self._graph(rows, "prefill"),
-                                prefill_inputs(tokens, start, table, rows, sampling),
-                                (output,) if sample else (), capture=self.capture)
-        if not sample:
-            return None
-        return int(out[output][0]) if output == "next_token" else out[output][0]
-
-    def decode(self, rows: list[DecodeRow]) -> list[int]:
-        size, inputs = decode_inputs(rows, self.geometry.max_blocks)
-        out = self.executor.run(("paged_decode", size), self._graph(size, "decode"), inputs,
-                                ("next_token",), capture=self.capture)
-        return [int(t) for t in out["next_token"][:len(rows)]]
+                                prefill_inputs(tokens, start, table, rows, GREEDY),
+                                (output,) if output else (), capture=self.capture)
+        return out[output][0] if output else None
 
     # -- single-sequence helpers (checkpoint goldens, CLI checks) ---------------------------------
     def logits(self, prompt: list[int]) -> np.ndarray:
@@ -250,7 +437,7 @@ class PagedDecoderModel:
             for s in range(0, len(prompt), self.prefill_chunk):
                 chunk = prompt[s:s + self.prefill_chunk]
                 last = s + len(chunk) == len(prompt)
-                out = self.prefill(chunk, s, table, GREEDY, sample=last, output="logits")
+                out = self._prefill_sync(chunk, s, table, "logits" if last else None)
             return np.asarray(out)
         finally:
             self.pool.free(blocks)

@@ -77,8 +77,9 @@ def test_a_request_arriving_mid_batch_joins_at_the_next_step(dev):
     steps_before = sched.counters["steps"]
     sched.step()
     assert b.admitted_step == steps_before, "the new request did not join at the next step"
+    sched.step()     # overlapped: a step's tokens are read back after the next one is launched
     assert b.token_steps[0] == steps_before      # its prompt fits one chunk: first token at once
-    assert a.token_steps[-1] == steps_before     # and the running stream advanced in that step
+    assert steps_before in a.token_steps         # and the running stream advanced in that step
     drain(sched)
     assert list(a.stream()) == solo(prompt_of(1, 10), 30)
     assert list(b.stream()) == solo(prompt_of(2, 10), 5)

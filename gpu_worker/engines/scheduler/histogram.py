@@ -9,6 +9,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    30.0, 60.0)
 
 
+# seconds: engine steps, 0.25 ms .. 2.5 s (a decode step is ~1-50 ms)
+STEP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+                0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
 class Histogram:
     def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
         self.buckets = buckets

@@ -1,27 +1,45 @@
-"""Iteration-level (continuous) batching for one decoder model: FCFS, chunked prefill, recompute
-preemption. Backend-independent (no grpc, no device calls: the runner and the pool make those).
+"""Iteration-level (continuous) batching for one decoder model: FCFS admission, chunked prefill
+sharing each step's token budget with the decodes, recompute preemption, and steps that overlap
+with the device. Backend-independent (no grpc, no device calls: the runner and the pool make them).
 
 Hazard: one model, many streams. A stream must never stall behind another's long prompt, a
-cancelled or finished stream must give its KV back at once, and running out of KV blocks must
-never be an OOM. Contract, per step (`step()`), under the model's request lock:
+cancelled or finished stream must give its KV back at once, running out of KV blocks must never
+be an OOM, and the host must not sit between two steps on the device. Contract, per step
+(`step()`), under the model's request lock:
 1. reap: cancelled sequences (client gone, deadline passed) leave and free their blocks;
-2. the running batch, oldest first, reserves what this step needs: a decoding sequence one
-   position, a prefilling one its next chunk (at most `prefill_chunk` tokens, all chunks within
-   `max_step_tokens` less the decode rows). A reservation that finds no block preempts the newest
-   running sequence (its blocks freed, to the front of the waiting queue; it recomputes its prompt
-   and generated tokens by prefill later, and its stream continues with the tokens it would have
+2. the running batch, oldest first: a decoding sequence reserves one position (none once it has
+   launched its last token); a reservation that finds no block preempts the newest running
+   sequence (blocks freed, to the front of the waiting queue; it recomputes its prompt and
+   generated tokens by prefill later, and its stream continues with the tokens it would have
    produced: greedy, or sampling keyed by (seed, position));
-3. waiting sequences are admitted, FCFS, while the batch bound, the token budget and free blocks
-   allow (admission never preempts);
-4. the prefill chunks run, then one batched decode of every decoding sequence.
-So a decoding stream advances every step, and a step carries at most one chunk per prefilling
-sequence. The waiting queue is bounded: `submit` beyond `max_queued` is RESOURCE_EXHAUSTED.
-Cost: one host round trip per prefill chunk and per decode batch of up to 64 rows.
+3. prefill: what is left of `max_step_tokens` after the decode rows is shared by the prefilling
+   sequences and the waiting ones admitted now (FCFS, while the batch bound and free blocks
+   allow; admission never preempts), max-min fair with a floor of `min_prefill_share` tokens,
+   each at most one chunk (`prefill_shares`): a short prompt arriving behind a long one gets its
+   whole prompt in the next step instead of waiting for the long one's last chunk;
+4. launch: one batched decode over the decoding sequences' slots, then the prefill chunks, then
+   the readback of every slot's token (StepRunner.end_step);
+5. complete: with `overlap` (the default) the tokens read back are the previous step's, read
+   after this step was launched, so the device runs step n+1 while the host streams step n's
+   tokens and plans n+2; without it, this step's.
+The sampled token of step n is step n+1's input on the device (the runner's decode slots), so a
+decode needs nothing from the host but positions. Stops are known one step late: a sequence
+whose step-n token is a stop id was already launched in step n+1; that speculative token is
+dropped and its KV write went to a block the sequence still held (blocks are freed only on the
+host, after the launch, and every later use of the block is queued behind it on the one
+stream). `max_new_tokens` is known ahead and never launches a token too many. A cancelled or
+preempted sequence's token in flight is dropped the same way (rows carry the sequence's epoch).
+Overlapped and serial steps give the same tokens (tests/scheduler/test_overlap.py).
+Cost: per step, host work in the number of rows and the table entries that changed, never in
+context length; one pinned upload, one graph replay per decode group and per prefill chunk, one
+pinned readback and one event wait (no device-wide synchronize).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -31,17 +49,46 @@ from typing import Protocol
 
 import numpy as np
 
-from gpu_worker.engines.scheduler.histogram import Histogram
+from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-MAX_DECODE_ROWS = 64     # the top of the decode ladder; larger batches run as several decodes
 _END = object()
+DEFAULT_MIN_PREFILL_SHARE = 256
+
+
+def prefill_shares(demands: list[int], budget: int, floor: int) -> list[int]:
+    """Tokens for each prefilling sequence this step, in FCFS order: max-min fair shares of
+    `budget` (water-filling: no one gets more than it needs, the rest split evenly), served to
+    the FCFS prefix whose floors (min(need, floor)) fit, the others 0. The floor keeps a step
+    from splitting into many tiny chunks (each chunk is one graph replay over every weight)."""
+    grants = [0] * len(demands)
+    n, need = 0, 0
+    for d in demands:
+        f = min(d, floor)
+        if n and need + f > budget:
+            break
+        need += f
+        n += 1
+    order = sorted(range(n), key=lambda i: demands[i])
+    left = budget
+    for k, i in enumerate(order):
+        share = left // (n - k)
+        grants[i] = min(demands[i], share)
+        left -= grants[i]
+    for i in range(n):               # what integer division left over, FCFS, up to the need
+        if left <= 0:
+            break
+        extra = min(left, demands[i] - grants[i])
+        grants[i] += extra
+        left -= extra
+    return grants
 
 
 @dataclass(frozen=True)
 class DecodeRow:
+    """One row of a host-token decode (HostStepRunner's inner runners)."""
     token: int           # the sequence's last token, whose KV this step appends
     position: int        # its position
     table: np.ndarray    # the sequence's block table row (max_blocks int32), valid for the call
@@ -55,19 +102,109 @@ class EventSink(Protocol):
     def put(self, item: object) -> None: ...
 
 
+class StepHandle(Protocol):
+    device_s: float
+
+    def tokens(self) -> np.ndarray:
+        """Every slot's token after the step (waits for the step on the device)."""
+
+
 class StepRunner(Protocol):
-    """What the scheduler needs of a model (gpu_worker/models/paged.py on the device)."""
+    """What the scheduler needs of a model (gpu_worker/models/paged.py on the device).
+
+    A running sequence holds a decode slot (< `slots`); the slot's next input token lives with
+    the runner (on the device), written by the sampling of its last prefill chunk or decode."""
 
     geometry: KVGeometry
     prefill_chunk: int
+    slots: int
 
-    def prefill(self, tokens: list[int], start: int, table: list[int],
-                sampling: SamplingParams, sample: bool) -> int | None:
-        """Append the KV of `tokens` at positions start.. and, when `sample`, return the token
-        sampled after the last one (keyed by its position)."""
+    def assign(self, slot: int, sampling: SamplingParams) -> None: ...
 
-    def decode(self, rows: list[DecodeRow]) -> list[int]:
-        """One batched step: the next token of each row."""
+    def write_table(self, slot: int, row: np.ndarray, lo: int, hi: int) -> None:
+        """Entries [lo, hi) of the slot's block table are now row[lo:hi]."""
+
+    def set_token(self, slot: int, token: int) -> None:
+        """The slot's next input token is known on the host (a recomputed sequence)."""
+
+    def begin_step(self) -> None: ...
+
+    def decode(self, rows: list[tuple[int, int]]) -> None:
+        """Enqueue one decode of (slot, position) rows; before any prefill of the step."""
+
+    def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
+                sampling: SamplingParams, sample: bool) -> None:
+        """Enqueue the KV of `tokens` at positions start..; when `sample`, the token after the
+        last one becomes the slot's next input."""
+
+    def end_step(self) -> StepHandle: ...
+
+
+class _HostHandle:
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._tokens, self.device_s = tokens, 0.0
+
+    def tokens(self) -> np.ndarray:
+        return self._tokens
+
+
+class HostStepRunner:
+    """The StepRunner protocol over a runner whose `prefill` and `decode(rows)` return tokens on
+    the host (the scheduler tests' TokenPoolRunner, bench/scheduler_host_bench.py's host-only
+    runner). It keeps what the device keeps for PagedDecoderModel, with the same rules: table
+    entries applied only at the step's flush, padding slots' tokens overwritten with -1 by a
+    decode, so a scheduler that breaks the protocol breaks these streams too."""
+
+    def __init__(self, inner, slots: int) -> None:
+        self.inner, self.slots = inner, slots
+        self.geometry, self.prefill_chunk = inner.geometry, inner.prefill_chunk
+        self._tables = np.zeros((slots, self.geometry.max_blocks), np.int32)
+        self._tokens = np.zeros(slots, np.int64)
+        self._sampling: list[SamplingParams] = [GREEDY] * slots
+        self._dirty: dict[int, tuple[np.ndarray, int, int]] = {}
+        self._host: dict[int, int] = {}
+
+    def assign(self, slot: int, sampling: SamplingParams) -> None:
+        self._sampling[slot] = sampling
+
+    def write_table(self, slot: int, row: np.ndarray, lo: int, hi: int) -> None:
+        prev = self._dirty.get(slot)
+        if prev is not None:
+            lo, hi = min(lo, prev[1]), max(hi, prev[2])
+        if hi > lo:
+            self._dirty[slot] = (row, lo, hi)
+
+    def set_token(self, slot: int, token: int) -> None:
+        self._host[slot] = token
+
+    def _flush(self) -> None:
+        for slot, (row, lo, hi) in self._dirty.items():
+            self._tables[slot, lo:hi] = row[lo:hi]
+        self._dirty.clear()
+
+    def begin_step(self) -> None:
+        pass
+
+    def decode(self, rows: list[tuple[int, int]]) -> None:
+        self._flush()
+        out = self.inner.decode([DecodeRow(int(self._tokens[s]), p, self._tables[s], self._sampling[s])
+                                 for s, p in rows])
+        top = max(s for s, _ in rows)
+        self._tokens[:top + 1] = -1          # padding rows of the rung
+        for (s, _), token in zip(rows, out, strict=True):
+            self._tokens[s] = token
+
+    def prefill(self, slot, tokens, start, table, sampling, sample) -> None:
+        token = self.inner.prefill(tokens, start, table, sampling, sample)
+        if sample:
+            self._tokens[slot] = token
+
+    def end_step(self) -> _HostHandle:
+        self._flush()
+        for slot, token in self._host.items():
+            self._tokens[slot] = token
+        self._host.clear()
+        return _HostHandle(self._tokens.copy())
 
 
 @dataclass(eq=False)
@@ -81,8 +218,12 @@ class Sequence:
     cancelled_fn: Callable[[], bool] = lambda: False
     deadline: float | None = None            # time.monotonic() after which it is cancelled
     generated: list[int] = field(default_factory=list)
-    computed: int = 0                        # positions whose KV is in the pool
+    computed: int = 0                        # positions whose KV is in the pool or launched
     state: str = "waiting"                   # waiting | running | finished
+    slot: int = -1                           # the runner's decode slot while running
+    prefilled: bool = False                  # (re)prefill launched to the end: it decodes
+    pending: int = 0                         # tokens launched, not yet read back
+    epoch: int = 0                           # +1 per preemption: drops its tokens in flight
     finish_reason: str = ""
     submitted: float = field(default_factory=time.monotonic)
     admitted_step: int = -1                  # the step that first admitted it
@@ -96,6 +237,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """tokens[lo:hi] without building the whole context."""
+        p = len(self.prompt)
+        if hi <= p:
+            return self.prompt[lo:hi]
+        if lo >= p:
+            return self.generated[lo - p:hi - p]
+        return self.prompt[lo:] + self.generated[:hi - p]
+
     @property
     def last_token(self) -> int:
         return self.generated[-1] if self.generated else self.prompt[-1]
@@ -108,7 +258,12 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return bool(self.generated) and self.computed >= self.prefill_target
+        return self.prefilled
+
+    @property
+    def launched(self) -> int:
+        """Tokens produced or in flight: at max_new_tokens nothing more is launched."""
+        return len(self.generated) + self.pending
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -134,6 +289,15 @@ class Sequence:
                 self.cancel()
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step on the device: its handle and the (sequence, epoch) rows whose tokens it makes."""
+
+    handle: StepHandle
+    rows: list[tuple[Sequence, int]]
+    step: int
+
+
 class Scheduler:
     """The engine of one model. `thread=True`: a daemon thread steps while there is work;
     `thread=False`: the caller calls `step()` (deterministic tests)."""
@@ -144,18 +308,25 @@ class Scheduler:
                  model_lock: contextlib.AbstractContextManager | None = None,
                  pin: Callable[[], contextlib.AbstractContextManager] | None = None,
                  settle: Callable[[], None] | None = None,
-                 thread: bool = True, name: str = "model") -> None:
+                 thread: bool = True, name: str = "model", overlap: bool = True,
+                 min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE) -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
-                            ("max_queued", max_queued)):
+                            ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
                 raise InvalidArgument(f"{flag} must be >= 1, got {value}")
         if max_step_tokens < max_batch_size:
             # a full batch of decodes would leave no budget for a prefilling member: it starves
             raise InvalidArgument(f"max_step_tokens ({max_step_tokens}) must be at least "
                                   f"max_batch_size ({max_batch_size})")
+        if not hasattr(runner, "begin_step"):      # a host-token runner (tests, host bench)
+            runner = HostStepRunner(runner, max_batch_size)
+        if runner.slots < max_batch_size:
+            raise InvalidArgument(f"the model has {runner.slots} decode slots, fewer than "
+                                  f"max_batch_size ({max_batch_size})")
         self.runner, self.pool = runner, pool
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
-        self.max_queued = max_queued
+        self.max_queued, self.overlap = max_queued, overlap
+        self.min_prefill_share = min_prefill_share
         self.eos = frozenset(eos_token_ids)
         self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
@@ -165,11 +336,19 @@ class Scheduler:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         self._ended: list[tuple[Sequence, BaseException | None]] = []
+        self._free_slots = list(range(max_batch_size))      # a min-heap: lowest slot first
+        self._inflight: _Launched | None = None             # overlap: the step not read back
         self._closed = False
         self.counters = dict.fromkeys(("steps", "preemptions", "prefill_tokens", "decode_tokens",
                                        "peak_batch_size", "finished", "cancelled", "rejected",
-                                       "failed"), 0)
+                                       "failed", "dropped_tokens", "step_host_us",
+                                       "step_device_us", "step_wait_us"), 0)
         self.ttft, self.tpot, self.queue_time = Histogram(), Histogram(), Histogram()
+        # per engine step: wall time, the host's part (wall less the wait for the device) and
+        # the device's span between the step's first and last event (CUDA events on cuda)
+        self.step_time = Histogram(STEP_BUCKETS)
+        self.step_host_time = Histogram(STEP_BUCKETS)
+        self.step_device_time = Histogram(STEP_BUCKETS)
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -219,7 +398,7 @@ class Scheduler:
 
     def busy(self) -> bool:
         with self._cond:
-            return bool(self._running or self._waiting)
+            return bool(self._running or self._waiting or self._inflight)
 
     def is_engine_thread(self) -> bool:
         return self._thread is threading.current_thread()
@@ -227,13 +406,14 @@ class Scheduler:
     def wait_idle(self, timeout: float) -> bool:
         """Block until the model has no sequences (or `timeout`); whether it is idle."""
         with self._cond:
-            return self._cond.wait_for(lambda: not (self._running or self._waiting), timeout)
+            return self._cond.wait_for(
+                lambda: not (self._running or self._waiting or self._inflight), timeout)
 
     # -- the engine ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not (self._running or self._waiting):
+                while not self._closed and not (self._running or self._waiting or self._inflight):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -260,8 +440,9 @@ class Scheduler:
     def _step(self) -> int:
         if self._closed:
             return 0
+        started = time.perf_counter()
         self._reap()
-        if not (self._running or self._waiting):
+        if not (self._running or self._waiting or self._inflight):
             self._idle()
             return 0
         if self._pin is not None and self._pinned is None:
@@ -269,50 +450,70 @@ class Scheduler:
             stack.enter_context(self._pin())
             self._pinned = stack
         step = self.counters["steps"]
-        prefills, decodes = self._plan(step)
-        if not prefills and not decodes:
-            self._idle()
-            return 0
-        self.counters["steps"] += 1
+        decodes, prefills = self._plan(step)
+        launched: _Launched | None = None
         done = 0
         try:
-            for seq, n in prefills:
-                done += self._run_prefill(seq, n, step)
-            for i in range(0, len(decodes), MAX_DECODE_ROWS):
-                done += self._run_decode(decodes[i:i + MAX_DECODE_ROWS], step)
+            if decodes or prefills:
+                self.counters["steps"] += 1
+                launched = self._launch(decodes, prefills, step)
+                done = len(decodes) + sum(n for _, n in prefills)
+            if self.overlap:   # read step n back only now that step n+1 is queued behind it
+                previous, self._inflight = self._inflight, launched
+            else:
+                previous = launched
+            wait = self._complete(previous) if previous is not None else 0.0
         except Exception as exc:
-            for seq in [s for s, _ in prefills] + decodes:
+            failed = [s for s, _ in prefills] + decodes
+            for batch in (self._inflight, launched):
+                if batch is not None:
+                    failed += [s for s, _ in batch.rows]
+            self._inflight = None
+            for seq in failed:
                 if seq.state == "running":
                     self._finish(seq, "", error=exc)
             raise
         finally:
-            if not (self._running or self._waiting):
+            if not (self._running or self._waiting or self._inflight):
                 self._idle()
+        if launched is not None or previous is not None:
+            wall = time.perf_counter() - started
+            self.step_time.observe(wall)
+            self.step_host_time.observe(wall - wait)
+            self.counters["step_host_us"] += int((wall - wait) * 1e6)
+            self.counters["step_wait_us"] += int(wait * 1e6)
         return done
 
-    def _plan(self, step: int) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        prefills: list[tuple[Sequence, int]] = []
+    def _plan(self, step: int) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """This step's decode rows and prefill chunks (reservations and admissions made)."""
         decodes: list[Sequence] = []
-        budget = self.max_step_tokens - sum(1 for s in self._running if s.decoding)
         for seq in list(self._running):          # oldest first; victims come from the end
-            if seq.state != "running":
+            if seq.state != "running" or not seq.decoding:
                 continue
-            if seq.decoding:
-                if self._reserve(seq, seq.computed + 1):
-                    decodes.append(seq)
-                continue
-            n = min(self.runner.prefill_chunk, seq.prefill_target - seq.computed, budget)
-            if n <= 0:
-                continue
-            if self._reserve(seq, seq.computed + n):
+            if seq.launched >= seq.max_new_tokens:
+                continue      # its last token is in flight: it ends when that is read back
+            if self._reserve(seq, seq.computed + 1):
+                decodes.append(seq)
+        decodes = [s for s in decodes if s.state == "running"]   # a later reserve preempted it
+        budget = self.max_step_tokens - len(decodes)
+        prefilling = [s for s in self._running if s.state == "running" and not s.decoding]
+        # candidates: the running prefills, then waiting sequences the batch could admit
+        with self._cond:          # submit appends from request threads
+            room = self.max_batch_size - len(self._running)
+            admit = list(itertools.islice(self._waiting, max(0, min(room, budget))))
+        cands = prefilling + admit
+        demands = [min(self.runner.prefill_chunk, s.prefill_target - s.computed) for s in cands]
+        shares = prefill_shares(demands, budget, self.min_prefill_share) if cands else []
+        prefills: list[tuple[Sequence, int]] = []
+        for seq, n in zip(cands[:len(prefilling)], shares, strict=False):
+            if n > 0 and seq.state == "running" and self._reserve(seq, seq.computed + n):
                 prefills.append((seq, n))
-                budget -= n
-        while len(self._running) < self.max_batch_size and budget > 0:
-            with self._cond:          # submit appends from request threads
-                if not self._waiting:
+        for seq, n in zip(admit, shares[len(prefilling):], strict=True):
+            if n <= 0:
+                break
+            with self._cond:    # a preemption above may have put a victim in front of it
+                if not self._waiting or self._waiting[0] is not seq:
                     break
-                seq = self._waiting[0]
-            n = min(self.runner.prefill_chunk, seq.prefill_target, budget)
             got = self.pool.allocate(seq.table.blocks_needed(n))
             if got is None:
                 if not self._running:   # nothing will ever free a block for it
@@ -324,16 +525,25 @@ class Scheduler:
                     continue
                 break
             self._pop_waiting()
-            seq.table.extend(got)
             seq.state = "running"
+            seq.slot = heapq.heappop(self._free_slots)
+            self.runner.assign(seq.slot, seq.sampling)
+            self._extend(seq, got)
             if seq.admitted_step < 0:
                 seq.admitted_step = step
                 self.queue_time.observe(time.monotonic() - seq.submitted)
             self._running.append(seq)
             prefills.append((seq, n))
-            budget -= n
+        # a reservation may have preempted a sequence planned before it
+        decodes = [s for s in decodes if s.state == "running"]
+        prefills = [(s, n) for s, n in prefills if s.state == "running"]
         self.counters["peak_batch_size"] = max(self.counters["peak_batch_size"], len(decodes))
-        return prefills, decodes
+        return decodes, prefills
+
+    def _extend(self, seq: Sequence, blocks: list[int]) -> None:
+        lo = len(seq.table.blocks)
+        seq.table.extend(blocks)
+        self.runner.write_table(seq.slot, seq.table.row(), lo, lo + len(blocks))
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         """Blocks for `positions` positions of `seq`, preempting the newest running sequences
@@ -344,17 +554,24 @@ class Scheduler:
                 return True
             got = self.pool.allocate(need)
             if got is not None:
-                seq.table.extend(got)
+                self._extend(seq, got)
                 return True
             victim = self._running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
         self.pool.free(seq.table.clear())
-        seq.computed = 0
+        self._release_slot(seq)
+        seq.computed, seq.pending, seq.prefilled = 0, 0, False
+        seq.epoch += 1            # its tokens in flight are recomputed, not streamed
         seq.state = "waiting"
         seq.preemptions += 1
         self.counters["preemptions"] += 1
@@ -370,26 +587,50 @@ class Scheduler:
         with self._cond:
             return [*self._running, *self._waiting]
 
-    def _run_prefill(self, seq: Sequence, n: int, step: int) -> int:
-        start = seq.computed
-        last = start + n == seq.prefill_target
-        fresh = not seq.generated
-        token = self.runner.prefill(seq.tokens[start:start + n], start, seq.table.row(),
-                                    seq.sampling, sample=last and fresh)
-        seq.computed += n
-        self.counters["prefill_tokens"] += n
-        if last and fresh:
-            self._emit(seq, int(token), step)
-        return n
+    def _launch(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]],
+                step: int) -> _Launched:
+        """Enqueue the step: the decode, then the chunks, then the readback."""
+        runner = self.runner
+        rows: list[tuple[Sequence, int]] = []
+        runner.begin_step()
+        if decodes:
+            runner.decode([(s.slot, s.computed) for s in decodes])
+            for seq in decodes:
+                seq.computed += 1
+                seq.pending += 1
+                rows.append((seq, seq.epoch))
+            self.counters["decode_tokens"] += len(decodes)
+        for seq, n in prefills:
+            start = seq.computed
+            last = start + n == seq.prefill_target
+            fresh = not seq.generated
+            runner.prefill(seq.slot, seq.token_slice(start, start + n), start, seq.table.row(),
+                           seq.sampling, last and fresh)
+            seq.computed += n
+            self.counters["prefill_tokens"] += n
+            if last:
+                seq.prefilled = True
+                if fresh:
+                    seq.pending += 1
+                    rows.append((seq, seq.epoch))
+                else:   # recomputed: its next decode appends its last known token
+                    runner.set_token(seq.slot, seq.generated[-1])
+        return _Launched(runner.end_step(), rows, step)
 
-    def _run_decode(self, batch: list[Sequence], step: int) -> int:
-        rows = [DecodeRow(s.last_token, s.computed, s.table.row(), s.sampling) for s in batch]
-        tokens = self.runner.decode(rows)
-        self.counters["decode_tokens"] += len(batch)
-        for seq, token in zip(batch, tokens, strict=True):
-            seq.computed += 1
-            self._emit(seq, int(token), step)
-        return len(batch)
+    def _complete(self, batch: _Launched) -> float:
+        """Read a launched step's tokens back and stream them; returns the seconds waited."""
+        t = time.perf_counter()
+        tokens = batch.handle.tokens()
+        waited = time.perf_counter() - t
+        self.step_device_time.observe(batch.handle.device_s)
+        self.counters["step_device_us"] += int(batch.handle.device_s * 1e6)
+        for seq, epoch in batch.rows:
+            if seq.state != "running" or seq.epoch != epoch:
+                self.counters["dropped_tokens"] += 1    # finished, cancelled or preempted since
+                continue
+            seq.pending -= 1
+            self._emit(seq, int(tokens[seq.slot]), batch.step)
+        return waited
 
     def _emit(self, seq: Sequence, token: int, step: int) -> None:
         now = time.monotonic()
@@ -420,6 +661,8 @@ class Scheduler:
                 self._waiting.remove(seq)
         if seq.table.blocks:
             self.pool.free(seq.table.clear())
+        self._release_slot(seq)
+        seq.pending = 0           # a token in flight is dropped when its step is read back
         seq.state, seq.finish_reason = "finished", reason or "error"
         key = {"cancelled": "cancelled", "": "failed"}.get(reason, "finished")
         self.counters[key] += 1
@@ -446,6 +689,7 @@ class Scheduler:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._model_lock:
+            self._inflight = None
             for seq in self._all():
                 self._finish(seq, "", error=exc)
             self._idle()
@@ -462,9 +706,22 @@ class Scheduler:
         return victim is not None
 
     def stats(self) -> dict[str, int]:
+        """Gauges and counters. Beyond GetStatsResponse.scheduler's fields: `dropped_tokens`
+        (speculative tokens of sequences that stopped, were cancelled or preempted one step
+        earlier), `step_host_us` / `step_wait_us` / `step_device_us` (totals over steps: the
+        host's work, the host's wait for the device, the device's span), `overlap` (1 when steps
+        overlap) and `inflight_steps`."""
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
-        return {"running": running, "waiting": waiting, **self.counters, **self.pool.stats()}
+        return {"running": running, "waiting": waiting, **self.counters, **self.pool.stats(),
+                "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None)}
+
+    def histograms(self) -> dict[str, Histogram]:
+        """Latency histograms by Prometheus-style name (seconds)."""
+        return {"ttft_seconds": self.ttft, "tpot_seconds": self.tpot,
+                "queue_seconds": self.queue_time, "step_seconds": self.step_time,
+                "step_host_seconds": self.step_host_time,
+                "step_device_seconds": self.step_device_time}
 
     def close(self, reason: str = "the model was unloaded") -> None:
         """Fail every stream with FAILED_PRECONDITION, stop the engine, give the pool back."""
@@ -474,6 +731,7 @@ class Scheduler:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
         with self._model_lock:
+            self._inflight = None       # its tokens are nobody's now; settle waits for the stream
             for seq in self._all():
                 self._finish(seq, "", error=FailedPrecondition(reason))
             self._idle()
