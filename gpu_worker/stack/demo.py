@@ -377,10 +377,11 @@ def serve_until_interrupted(stack: Stack, worker: str, governor: str, cache: str
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.Parser(prog="python -m gpu_worker.stack.demo",
                         description=__doc__.splitlines()[0], epilog=None)
-    env_flag(parser, "--backend", "GPUPLANE_WORKER_BACKEND", "auto", "worker backend: auto|cuda|sim")
+    env_flag(parser, "--backend", "GPUPLANE_WORKER_BACKEND", "auto", "worker backend",
+             choices=["auto", "cuda", "sim"])
     env_flag(parser, "--config", "GPUPLANE_DEMO_CONFIG", "tiny", "decoder config to load")
     env_flag(parser, "--seed", "GPUPLANE_DEMO_SEED", 0, "model and prompt seed", type=int)
     env_flag(parser, "--max-new-tokens", "GPUPLANE_DEMO_MAX_NEW_TOKENS", 8,
@@ -393,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", action="store_true", help="keep the stack up until Ctrl-C")
     parser.add_argument("--keep", action="store_true",
                         help="keep var/demo from the last run (warm caches) instead of starting cold")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("GPUPLANE_LOG_FORMAT", "text")
     return run_demo(args)
 
