@@ -1,0 +1,51 @@
+"""bench/peer.py on CPU (skipped without torch): the peer's decode, prefill and serving loop agree,
+so a speed comparison against it compares with a correct model."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from bench import peer  # noqa: E402
+from gpu_worker.models.configs import get_config  # noqa: E402
+
+
+def greedy_by_prefill(model, prompt, new):
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(model.prefill(torch.tensor(seq))[0]))
+    return seq[len(prompt):]
+
+
+def test_decode_from_a_prefilled_cache_equals_prefilling_the_longer_prompt():
+    model = peer.PeerDecoder(get_config("tiny"), ctx=64, device="cpu")
+    prompt = [5, 17, 300, 2, 9, 41]
+    want = greedy_by_prefill(model, prompt, 5)
+    cache = model.new_cache(2)
+    first = model.prefill(torch.tensor(prompt), cache, row=1)
+    tok = torch.tensor([0, int(first[0])])
+    pos = torch.tensor([0, len(prompt)])
+    got = [int(first[0])]
+    for _ in range(4):
+        tok = model.decode(tok, pos, cache)
+        pos = pos + 1
+        got.append(int(tok[1]))
+    assert got == want, "the static-cache decode must continue the prefill exactly"
+
+
+def test_the_serving_loop_gives_every_request_its_tokens_and_the_same_tokens_as_solo():
+    model = peer.PeerDecoder(get_config("tiny"), ctx=64, device="cpu")
+    trace = [[([1, 2, 3], 4), ([7, 8], 3)], [([9, 10, 11, 12, 13], 6)]]
+    server = peer.PeerServer(model, streams=2)
+    r = server.run(trace)
+    assert r["tokens"] == 4 + 3 + 6, "every request gets exactly its new tokens"
+    assert len(r["ttft"]) == 3 and all(t >= 0 for t in r["ttft"])
+    want = [[greedy_by_prefill(model, p, n) for p, n in work] for work in trace]
+    assert r["sequences"] == want, "a request's tokens must not depend on what shares its batch"
+
+
+def test_the_encoder_ignores_padding():
+    enc = peer.PeerEncoder(get_config("tiny-encoder"), device="cpu")
+    a = enc.embed(torch.tensor([[3, 4, 5, 0, 0]]), torch.tensor([3]))
+    b = enc.embed(torch.tensor([[3, 4, 5]]), torch.tensor([3]))
+    assert torch.allclose(a, b, atol=1e-5), "padded positions must not change the embedding"
