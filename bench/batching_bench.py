@@ -1,13 +1,18 @@
 """Continuous batching: aggregate decode tokens/s at batch 1, 8, 32 and 64 through the worker's
-gRPC Generate, against a PyTorch fp16 decoder with one CUDA graph per batch size, in one run.
+gRPC Generate, against the shared PyTorch fp16 peer (bench/peer.py) at the same batch sizes, in one
+run, decode-only window against decode-only window, captured against captured.
 
-Ours: a worker on loopback (the product path: servicer, scheduler, paged KV, sample op), B
-concurrent Generate streams of the same prompt length and output length. The decode window of a
-trial runs from the moment the last stream received its first token (every prefill done) to the
-moment the first stream ends; the figure is the tokens all streams received inside it, per second.
-The peer: the same shapes in fp16, a static (B, context) KV cache, B rows per step from one
-captured graph, the host reading each step's B tokens (as a server does); the window is
-`--new` - 1 steps after the prefill length. Both sides: `--trials` trials per batch, median.
+Ours: the worker as deployed, its own process (`python -m gpu_worker serve`, defaults; bench/
+_served.py prints any changed flag), B concurrent Generate streams from this process of the same
+prompt and output length. A trial's decode window runs from the moment the last stream received
+its first token (every prefill done) to the moment the first stream ends; the figure is the tokens
+all streams received inside it, per second. The peer: `peer.decode_rate`, one CUDA graph per batch
+size, static KV (B, kv_heads, ctx, head_dim) with SDPA enable_gqa, the host reading each step's B
+tokens; `--new` - 1 steps from context `--prompt`. Both sides: `--trials` trials per batch (ours
+after one warm-up trial), median and spread (min-max) printed.
+
+Limits from the same run (bench/limits.py): each side's bytes per step (weights + the KV it reads)
+over its step time, as a fraction of the measured copy rate.
 
 Targets (MISSED: exit status 1): at each batch every stream equals the batch-1 stream (same prompt,
 greedy); with the peer, ours/peer >= 2 at batch 8 and >= 1 at 1, 32 and 64 (issue 13). Without a
@@ -27,17 +32,26 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench import limits as bench_limits
+from bench import peer as bench_peer
+from bench._served import served_worker
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
-from gpu_worker.edge.servicer import serve_worker
 
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 1.0, 64: 1.0}
 
 
+def spread(values: list[float]) -> str:
+    if not values:
+        return "no trials"
+    return (f"median {statistics.median(values):,.1f}, min {min(values):,.1f}, max "
+            f"{max(values):,.1f} over {len(values)}")
+
+
 def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int) -> None:
-    first = end = 0.0
+    first = 0.0
     stamps: list[float] = []
     tokens: list[int] = []
     for message in client.generate_stream("m", prompt, new, timeout=600):
@@ -47,25 +61,18 @@ def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int
             stamps.append(now)
         if message.tokens and not first:
             first = now
-    end = time.perf_counter()
-    out[i] = (tokens, stamps, first, end)
+    out[i] = (tokens, stamps, first, time.perf_counter())
 
 
 def ours(args: argparse.Namespace) -> dict:
-    batches = args.batches
-    rt = WorkerRuntime(WorkerConfig(backend=args.backend, max_batch_size=max(batches),
-                                    max_plans=len(batches) + 2,
-                                    kv_block_tokens=args.block_tokens)).start()
-    server = serve_worker(rt, "127.0.0.1:0", None, max_workers=max(batches) + 8)
-    client = WorkerClient(f"127.0.0.1:{server.port}", deadline_s=600)
-    try:
+    cfg = get_config(args.config)
+    with served_worker(args.backend) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
-        cfg = get_config(args.config)
         prompt = [(i * 31 + 7) % cfg.vocab_size for i in range(args.prompt)]
-        rates: dict[int, list[float]] = {b: [] for b in batches}
+        rates: dict[int, list[float]] = {b: [] for b in args.batches}
         same: dict[int, bool] = {}
         solo = client.generate("m", prompt, args.new).tokens
-        for b in batches:
+        for b in args.batches:
             same[b] = True
             for trial in range(args.trials + 1):          # trial 0 warms the batch's plans
                 out: dict = {}
@@ -75,10 +82,10 @@ def ours(args: argparse.Namespace) -> dict:
                     t.start()
                 for t in threads:
                     t.join()
-                same[b] &= all(out[i][0] == solo for i in range(b))
-                start = max(out[i][2] for i in range(b))
-                stop = min(out[i][3] for i in range(b))
-                inside = sum(1 for i in range(b) for s in out[i][1] if start < s <= stop)
+                same[b] &= len(out) == b and all(out[i][0] == solo for i in range(b))
+                start = max(out[i][2] for i in out)
+                stop = min(out[i][3] for i in out)
+                inside = sum(1 for i in out for s in out[i][1] if start < s <= stop)
                 if trial == 0:
                     continue
                 rate = inside / (stop - start) if stop > start and inside else float("nan")
@@ -89,103 +96,25 @@ def ours(args: argparse.Namespace) -> dict:
         print(f"scheduler: steps {stats.steps}, peak batch {stats.peak_batch_size}, preemptions "
               f"{stats.preemptions}, kv blocks used {stats.kv_blocks_used}/{stats.kv_blocks_total}",
               flush=True)
-        return {"rate": {b: statistics.median(r) for b, r in rates.items()}, "same": same,
-                "cfg": cfg}
-    finally:
-        client.close()
-        server.stop(0)
+    return {"rates": rates, "same": same, "cfg": cfg}
 
 
-def torch_peer(cfg, args: argparse.Namespace) -> dict[int, float] | None:
-    try:
-        import torch
-    except ImportError:
-        print("torch is not importable: no PyTorch peer in this run", flush=True)
+def peer_rates(cfg, args: argparse.Namespace) -> dict[int, list[float]] | None:
+    if not bench_peer.available():
+        print(bench_peer.why_unavailable(), flush=True)
         return None
-    if not torch.cuda.is_available():
-        print("no CUDA device: no PyTorch peer in this run", flush=True)
-        return None
-    dev, dt = torch.device("cuda"), torch.float16
-    g = torch.Generator(device=dev).manual_seed(0)
-    h, hd, kvh, heads, ffn, L = cfg.hidden, cfg.head_dim, cfg.kv_heads, cfg.heads, cfg.ffn, cfg.layers
-    ctx = args.prompt + args.new + 8
-
-    def w(*shape):
-        return (torch.randn(*shape, device=dev, generator=g, dtype=torch.float32)
-                / shape[-1] ** 0.5).to(dt)
-
-    weights = [{"n1": torch.ones(h, device=dev, dtype=dt), "n2": torch.ones(h, device=dev, dtype=dt),
-                "wqkv": w((heads + 2 * kvh) * hd, h), "wo": w(h, h), "wgu": w(2 * ffn, h),
-                "wd": w(h, ffn)} for _ in range(L)]
-    emb, nf, head = w(cfg.vocab_size, h), torch.ones(h, device=dev, dtype=dt), w(cfg.vocab_size, h)
-    inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, device=dev, dtype=torch.float32) * 2 / hd)
-    keys = torch.arange(ctx, device=dev)
-    out: dict[int, float] = {}
-
-    def rms(x, wt):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + cfg.eps)).to(dt) * wt
-
-    def rope(x, pos):                     # x (B, H, hd), pos (B,)
-        ang = pos.float()[:, None, None] * inv[None, None, :]
-        c, s = ang.cos().to(dt), ang.sin().to(dt)
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
+    model = bench_peer.PeerDecoder(cfg, ctx=args.prompt + args.new + 8)
+    out = {}
     for b in args.batches:
-        kc = [torch.randn(b, ctx, kvh, hd, device=dev, dtype=dt, generator=g) for _ in range(L)]
-        vc = [torch.randn(b, ctx, kvh, hd, device=dev, dtype=dt, generator=g) for _ in range(L)]
-        rows = torch.arange(b, device=dev)
-
-        def step(tok, pos, kc=kc, vc=vc, rows=rows, b=b):
-            x = emb[tok]                                         # (B, h)
-            mask = (keys[None, :] <= pos[:, None]).view(b, 1, 1, ctx)
-            for ly, k_cache, v_cache in zip(weights, kc, vc, strict=True):
-                qkv = rms(x, ly["n1"]) @ ly["wqkv"].T
-                q = rope(qkv[:, : heads * hd].view(b, heads, hd), pos)
-                k = rope(qkv[:, heads * hd:(heads + kvh) * hd].view(b, kvh, hd), pos)
-                v = qkv[:, (heads + kvh) * hd:].view(b, kvh, hd)
-                k_cache[rows, pos] = k
-                v_cache[rows, pos] = v
-                kk = k_cache.repeat_interleave(heads // kvh, 2).transpose(1, 2)   # (B, H, ctx, hd)
-                vv = v_cache.repeat_interleave(heads // kvh, 2).transpose(1, 2)
-                att = torch.nn.functional.scaled_dot_product_attention(
-                    q.view(b, heads, 1, hd), kk, vv, attn_mask=mask)
-                x = x + att.reshape(b, h) @ ly["wo"].T
-                gu = rms(x, ly["n2"]) @ ly["wgu"].T
-                x = x + (torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:]) @ ly["wd"].T
-            return torch.argmax(rms(x, nf) @ head.T, -1)
-
-        tok = torch.zeros(b, dtype=torch.long, device=dev)
-        pos = torch.full((b,), args.prompt, dtype=torch.long, device=dev)
-        runs = []
-        with torch.inference_mode():
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    step(tok, pos)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                nxt = step(tok, pos)
-            torch.cuda.synchronize()
-            for _ in range(args.trials):
-                pos.fill_(args.prompt)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(args.new - 1):
-                    graph.replay()
-                    tok.copy_(nxt)
-                    pos.add_(1)
-                    tok.tolist()                  # the host reads each step's tokens
-                torch.cuda.synchronize()
-                runs.append(b * (args.new - 1) / (time.perf_counter() - start))
-        out[b] = statistics.median(runs)
-        print(f"pytorch {cfg.name} fp16 graph batch {b:>2}: {out[b]:9.1f} tokens/s "
-              f"(median of {args.trials})", flush=True)
-        del kc, vc, graph
-        torch.cuda.empty_cache()
+        out[b] = bench_peer.decode_rate(model, b, args.prompt, args.new - 1, args.trials)
+        print(f"pytorch peer {cfg.name} fp16 graph batch {b:>2}: {spread(out[b])} tokens/s",
+              flush=True)
     return out
+
+
+def step_bytes(weight_bytes: int, kv_token_bytes: int, batch: int, ctx: int) -> int:
+    """Bytes one decode step must read: every weight once, and each row's KV up to `ctx`."""
+    return weight_bytes + batch * ctx * kv_token_bytes
 
 
 def main() -> int:
@@ -197,31 +126,55 @@ def main() -> int:
                    type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens of every stream")
     p.add_argument("--new", type=int, default=128, help="output tokens of every stream")
-    p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--no-torch", action="store_true")
+    add_record_flag(p)
     args = p.parse_args()
-    targets = Targets("batching_bench")
+    targets = Targets("batching_bench", args=args)
+    use_gpu_peer = not args.no_torch and args.backend != "sim"
+    lim = bench_limits.measure() if use_gpu_peer else None
+    if lim:
+        lim.record(targets)
     mine = ours(args)
+    cfg = mine["cfg"]
     peer = None
-    if not args.no_torch and args.backend != "sim":
-        try:
-            peer = torch_peer(mine["cfg"], args)
-        except Exception as exc:  # noqa: BLE001 - the peer is a comparison, not the subject
-            print(f"PyTorch peer failed: {exc!r}", flush=True)
+    if use_gpu_peer:
+        peer = peer_rates(cfg, args)
+    mid = args.prompt + args.new // 2          # the mean context over the decode window
+    kv_tok = cfg.kv_bytes(1)
+    fp16_weights = cfg.weight_bytes() * 4 if cfg.weight_format == "int4" else cfg.weight_bytes()
     print(f"\n== side by side (aggregate decode tokens/s, median of {args.trials})", flush=True)
     for b in args.batches:
-        line = f"batch {b:>2}: gpuplane {mine['rate'][b]:9.1f}"
+        m = statistics.median(mine["rates"][b])
+        line = f"batch {b:>2}: gpuplane {m:9.1f} ({spread(mine['rates'][b])})"
+        ours_frac = peer_frac = None
+        if lim:
+            ours_frac = (m / b) * step_bytes(cfg.weight_bytes(), kv_tok, b, mid) / 1e9 / lim.copy_gbs
+            line += f", {ours_frac:.2f} of copy"
         if peer:
-            line += f", pytorch fp16 graph {peer[b]:9.1f}, ratio {mine['rate'][b] / peer[b]:.2f}x"
+            pm = statistics.median(peer[b])
+            line += f"; pytorch fp16 graph {pm:9.1f}, ratio {m / pm:.2f}x"
+            if lim:
+                # the peer's graph reads its whole static context per row (masked), not `mid`
+                peer_frac = (pm / b) * step_bytes(fp16_weights, kv_tok, b,
+                                                  args.prompt + args.new + 8) / 1e9 / lim.copy_gbs
+                line += f", peer {peer_frac:.2f} of copy"
+            targets.figure(f"pytorch fp16 graph decode, batch {b}", pm, "tok/s",
+                           limit=lim.copy_gbs if lim else None)
         print(line, flush=True)
+        targets.figure(f"gpuplane decode via gRPC, batch {b}", m, "tok/s",
+                       peer=statistics.median(peer[b]) if peer else None,
+                       limit=lim.copy_gbs if lim else None)
+        if ours_frac is not None:
+            targets.figure(f"gpuplane decode bytes/s as a fraction of copy, batch {b}", ours_frac,
+                           "fraction", limit=lim.copy_gbs)
     for b in args.batches:
         targets.require(f"batch {b}: every stream equals the solo stream", mine["same"][b])
     if peer:
         for b in args.batches:
-            bound = TARGET_RATIO.get(b, 1.0)
-            targets.check(f"batch {b}: gpuplane / pytorch fp16 graph", mine["rate"][b] / peer[b],
-                          ">=", bound)
+            m, pm = statistics.median(mine["rates"][b]), statistics.median(peer[b])
+            targets.check(f"batch {b}: gpuplane / pytorch fp16 graph", m / pm, ">=",
+                          TARGET_RATIO.get(b, 1.0), unit="ratio", peer=pm)
     return targets.exit_code()
 
 

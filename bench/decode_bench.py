@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.targets import Targets
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 
 MODES = ("graph", "eager")
 

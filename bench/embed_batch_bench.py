@@ -141,7 +141,7 @@ def device_side(args, cfg: ModelConfig, batch: int, pool: list[list[int]],
     """Ours (runtime.embed of one padded batch, in process) vs the PyTorch peer, same batches."""
     import torch
 
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     batches = [pool[i:i + batch] for i in range(0, len(pool) - batch + 1, batch)][:args.reps]
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernels, max_plans=args.max_plans,
                                     embed_batch_wait_ms=0.0, embed_max_batch=batch)).start()

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_worker.device.backend import DeviceError
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 from services.common.errors import ResourceExhausted
 
 GiB = float(1 << 30)

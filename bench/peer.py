@@ -235,6 +235,7 @@ class _Slot:
     first: float = 0.0
     got: int = 0
     want: int = 0
+    seq: list[int] = field(default_factory=list)
     busy: bool = False
     results: list[dict] = field(default_factory=list)
 
@@ -268,30 +269,32 @@ class PeerServer:
                         first = m.prefill(toks, g.cache, row)
                         g.tok[row] = first[0]
                         g.pos[row] = len(prompt)
-                        first.tolist()                     # the first token reaches the host
+                        s.seq = first.tolist()             # the first token reaches the host
                         s.first, s.got, s.busy = time.perf_counter(), 1, True
                         self._finish_if_done(s)
                 if not any(s.busy for s in slots):
                     break
                 g.step()
-                g.tok.tolist()                             # every row's token reaches the host
+                host = g.tok.tolist()                      # every row's token reaches the host
                 now = time.perf_counter()
-                for s in slots:
+                for row, s in enumerate(slots):
                     if s.busy:
                         s.got += 1
+                        s.seq.append(host[row])
                         self._finish_if_done(s, now)
         wall = time.perf_counter() - t0
         results = [r for s in slots for r in s.results]
         tokens = sum(r["tokens"] for r in results)
         return {"rate": tokens / wall, "wall": wall, "tokens": tokens,
-                "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results]}
+                "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results],
+                "sequences": [[r["seq"] for r in s.results] for s in slots]}
 
     @staticmethod
     def _finish_if_done(s: _Slot, now: float | None = None) -> None:
         if s.got < s.want:
             return
         now = now or time.perf_counter()
-        s.results.append({"ttft": s.first - s.started, "tokens": s.got,
+        s.results.append({"ttft": s.first - s.started, "tokens": s.got, "seq": s.seq,
                           "tpot": (now - s.first) / max(1, s.got - 1)})
         s.busy, s.started = False, now
 

@@ -222,7 +222,7 @@ def main() -> int:
 
     from gpu_worker.edge.client import WorkerClient
     from gpu_worker.models.configs import CONFIGS
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
 
     cfg = CONFIGS[args.config]

@@ -1,11 +1,16 @@
-"""Serving under mixed traffic (issue 13): B concurrent gRPC clients, each sending Generate
+"""Serving under mixed traffic (issues 13, 21): B concurrent gRPC clients, each sending Generate
 requests back to back with mixed prompt lengths (`--prompt-range`, default 128-2048) and output
-lengths (`--new-range`, default 64-512), against the worker's continuous-batching scheduler.
+lengths (`--new-range`, default 64-512), against the worker as deployed: its own process
+(`python -m gpu_worker serve`, defaults; bench/_served.py prints any changed flag), this process
+only its client.
 
-Per concurrency B: aggregate output tokens/s over the run (every token every stream received,
-over the wall time from the first request to the last stream's end), TTFT and time per output
-token p50/p99, peak KV blocks used, preemptions; in the same run the PyTorch fp16 CUDA-graph peer
-of bench/batching_bench.py at the same batch sizes, decoding at the mean lengths.
+Per concurrency B, per trial (`--trials`, the same request trace every trial and on both sides):
+aggregate output tokens/s (every token every stream received, over the wall time from the first
+request to the last stream's end: prefill and queueing included), TTFT and time per output token
+p50/p99, peak batch, preemptions. The peer, same statistic over the same trace: bench/peer.py's
+PeerServer, a continuous-batching loop over the shared PyTorch fp16 peer (a captured decode graph
+at batch B, each new request prefilled eagerly into its stream's cache row). Medians and spreads
+printed.
 
 Targets (MISSED: exit status 1), issue 13: aggregate tok/s >= 2x the peer at 8 streams and >= the
 peer at 32 and 64; TTFT p99 at 32 streams within 2x (the unloaded TTFT of the longest prompt +
@@ -28,16 +33,18 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.batching_bench import torch_peer
-from bench.pressure_bench import ledger_error
+from bench import limits as bench_limits
+from bench import peer as bench_peer
+from bench._served import ledger_error, served_worker
+from bench.batching_bench import spread
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
-from gpu_worker.edge.servicer import serve_worker
 
 TARGET_RATIO = {8: 2.0, 32: 1.0, 64: 1.0}
 TTFT_STREAMS = 32
+MAX_STEP_TOKENS = 2048        # the worker's --max-step-tokens default: one prefill chunk
 
 
 def _pair(s: str) -> tuple[int, int]:
@@ -67,10 +74,15 @@ def one_request(client: WorkerClient, prompt: list[int], new: int) -> dict:
             "tokens": len(stamps), "want": new, "reason": reason}
 
 
-def run_level(client: WorkerClient, cfg, streams: int, args, rng: random.Random) -> dict:
-    """`streams` clients, `args.requests` requests each, back to back."""
-    jobs = [[(rng.randint(*args.prompt_range), rng.randint(*args.new_range))
+def trace(streams: int, args, seed: int) -> list[list[tuple[int, int]]]:
+    """`streams` clients' (prompt length, new tokens) requests, `args.requests` each."""
+    rng = random.Random(seed * 1000 + streams)
+    return [[(rng.randint(*args.prompt_range), rng.randint(*args.new_range))
              for _ in range(args.requests)] for _ in range(streams)]
+
+
+def run_level(client: WorkerClient, cfg, jobs: list[list[tuple[int, int]]]) -> dict:
+    """One client thread per stream, its requests back to back."""
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -103,6 +115,25 @@ def rng_token(i: int, n: int, vocab: int) -> int:
     return (i * 31 + n * 7 + 3) % vocab
 
 
+def peer_level(model, cfg, jobs: list[list[tuple[int, int]]], trials: int) -> list[dict]:
+    """The same trace through PeerServer, `trials` times."""
+    work = [[([rng_token(i, n, cfg.vocab_size) for i in range(n)], new) for n, new in stream]
+            for stream in jobs]
+    server = bench_peer.PeerServer(model, len(jobs))
+    try:
+        return [server.run(work) for _ in range(trials)]
+    finally:
+        server.release()
+
+
+def summary(name: str, runs: list[dict]) -> str:
+    ttft = [t for r in runs for t in r["ttft"]]
+    tpot = [t for r in runs for t in r["tpot"]]
+    return (f"{name}: {spread([r['rate'] for r in runs])} tok/s; TTFT p50/p99 "
+            f"{pct(ttft, .5) * 1e3:.0f}/{pct(ttft, .99) * 1e3:.0f} ms; TPOT p50/p99 "
+            f"{pct(tpot, .5) * 1e3:.1f}/{pct(tpot, .99) * 1e3:.1f} ms")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,21 +145,22 @@ def main() -> int:
     p.add_argument("--prompt-range", type=_pair, default=(128, 2048))
     p.add_argument("--new-range", type=_pair, default=(64, 512))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trials", type=int, default=1, help="peer trials per batch (median)")
+    p.add_argument("--trials", type=int, default=3, help="trials per level, each side (median)")
     p.add_argument("--no-torch", action="store_true")
+    add_record_flag(p)
     args = p.parse_args()
-    targets = Targets("serving_bench")
+    targets = Targets("serving_bench", args=args)
     cfg = get_config(args.config)
-    top = max(args.concurrency)
-    rt = WorkerRuntime(WorkerConfig(backend=args.backend, max_batch_size=top,
-                                    max_plans=len(args.concurrency) + 6)).start()
-    server = serve_worker(rt, "127.0.0.1:0", None, max_workers=top + 8)
-    client = WorkerClient(f"127.0.0.1:{server.port}", deadline_s=900)
-    levels: dict[int, dict] = {}
-    try:
+    use_peer = not args.no_torch and args.backend != "sim"
+    lim = bench_limits.measure() if use_peer else None
+    if lim:
+        lim.record(targets)
+    jobs = {b: trace(b, args, args.seed) for b in args.concurrency}
+    levels: dict[int, list[dict]] = {}
+    with served_worker(args.backend) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
         longest = args.prompt_range[1]
-        chunk = min(longest, rt.config.max_step_tokens)
+        chunk = min(longest, MAX_STEP_TOKENS)
         one_request(client, [rng_token(i, longest, cfg.vocab_size) for i in range(longest)], 2)
         unloaded = {n: statistics.median(
             one_request(client, [rng_token(i, n, cfg.vocab_size) for i in range(n)], 2)["ttft"]
@@ -136,48 +168,63 @@ def main() -> int:
         ttft_bound = 2 * (unloaded[longest] + unloaded[chunk])
         print(f"unloaded TTFT: longest prompt ({longest}) {unloaded[longest] * 1e3:.1f} ms, one "
               f"chunk ({chunk}) {unloaded[chunk] * 1e3:.1f} ms", flush=True)
-        rng = random.Random(args.seed)
         for b in args.concurrency:
-            r = levels[b] = run_level(client, cfg, b, args, rng)
-            s = client.stats().scheduler
-            print(f"gpuplane {args.config} {b:>2} streams: {r['rate']:9.1f} tok/s ({r['tokens']} "
-                  f"tokens in {r['wall']:.1f} s); TTFT p50/p99 {pct(r['ttft'], .5) * 1e3:.0f}/"
-                  f"{pct(r['ttft'], .99) * 1e3:.0f} ms; TPOT p50/p99 {pct(r['tpot'], .5) * 1e3:.1f}/"
-                  f"{pct(r['tpot'], .99) * 1e3:.1f} ms; preemptions so far {s.preemptions}, peak "
-                  f"batch {s.peak_batch_size}, lost {r['lost']} "
-                  f"{r['errors'] or ''}", flush=True)
-        err = ledger_error(rt)
-    finally:
-        client.close()
-        server.stop(0)
-        rt.close()
-    peer = None
-    if not args.no_torch and args.backend != "sim":
-        mean_prompt, mean_new = (sum(args.prompt_range) // 2, sum(args.new_range) // 2)
-        peer_args = argparse.Namespace(batches=args.concurrency, prompt=mean_prompt, new=mean_new,
-                                       trials=args.trials)
-        try:
-            peer = torch_peer(cfg, peer_args)
-        except Exception as exc:  # noqa: BLE001 - the peer is a comparison, not the subject
-            print(f"PyTorch peer failed: {exc!r}", flush=True)
-    print("\n== side by side (aggregate output tokens/s)", flush=True)
+            levels[b] = []
+            for trial in range(args.trials):
+                r = run_level(client, cfg, jobs[b])
+                levels[b].append(r)
+                s = client.stats().scheduler
+                print(f"gpuplane {args.config} {b:>2} streams trial {trial + 1}: {r['rate']:9.1f} "
+                      f"tok/s ({r['tokens']} tokens in {r['wall']:.1f} s); TTFT p50/p99 "
+                      f"{pct(r['ttft'], .5) * 1e3:.0f}/{pct(r['ttft'], .99) * 1e3:.0f} ms; "
+                      f"preemptions so far {s.preemptions}, peak batch {s.peak_batch_size}, lost "
+                      f"{r['lost']} {r['errors'] or ''}", flush=True)
+        time.sleep(1.0)          # completed releases settle before the ledger is compared
+        err = ledger_error(client)
+    peer: dict[int, list[dict]] | None = None
+    if use_peer and bench_peer.available():
+        ctx = args.prompt_range[1] + args.new_range[1] + 8
+        model = bench_peer.PeerDecoder(cfg, ctx=ctx)
+        peer = {}
+        for b in args.concurrency:
+            try:
+                peer[b] = peer_level(model, cfg, jobs[b], args.trials)
+            except Exception as exc:  # noqa: BLE001 - the peer is a comparison, not the subject
+                print(f"PyTorch peer failed at {b} streams: {exc!r}", flush=True)
+                continue
+            print(summary(f"pytorch peer serving loop {b:>2} streams", peer[b]), flush=True)
+    elif use_peer:
+        print(bench_peer.why_unavailable(), flush=True)
+    print("\n== side by side (aggregate output tokens/s over the same trace, end to end)",
+          flush=True)
     for b in args.concurrency:
-        line = f"{b:>2} streams: gpuplane {levels[b]['rate']:9.1f}"
-        if peer:
-            line += f", pytorch fp16 graph {peer[b]:9.1f}, ratio {levels[b]['rate'] / peer[b]:.2f}x"
-        print(line, flush=True)
+        mine = statistics.median(r["rate"] for r in levels[b])
+        print(summary(f"{b:>2} streams gpuplane", levels[b]), flush=True)
+        theirs = statistics.median(r["rate"] for r in peer[b]) if peer and b in peer else None
+        if theirs:
+            print(summary(f"{b:>2} streams pytorch ", peer[b])
+                  + f"; ratio {mine / theirs:.2f}x", flush=True)
+        ttft = [t for r in levels[b] for t in r["ttft"]]
+        targets.figure(f"{b} streams: gpuplane serving tok/s (mixed trace, end to end)", mine,
+                       "tok/s", peer=theirs)
+        targets.figure(f"{b} streams: gpuplane TTFT p99", pct(ttft, .99), "s",
+                       peer=pct([t for r in peer[b] for t in r["ttft"]], .99)
+                       if theirs else None)
     for b in args.concurrency:
-        targets.require(f"{b} streams: zero lost streams", levels[b]["lost"] == 0,
-                        f"{levels[b]['lost']} lost")
+        lost = sum(r["lost"] for r in levels[b])
+        targets.require(f"{b} streams: zero lost streams", lost == 0, f"{lost} lost")
     if TTFT_STREAMS in levels:
+        ttft = [t for r in levels[TTFT_STREAMS] for t in r["ttft"]]
         targets.check(f"TTFT p99 at {TTFT_STREAMS} streams (s) vs 2x (longest + one chunk)",
-                      pct(levels[TTFT_STREAMS]["ttft"], .99), "<=", ttft_bound, ".3f")
-    targets.check("ledger vs device after the run (%)", 100 * err, "<=", 1.0)
+                      pct(ttft, .99), "<=", ttft_bound, ".3f", unit="s")
+    targets.check("ledger vs device after the run (%)", 100 * err, "<=", 1.0, unit="%")
     if peer:
         for b in args.concurrency:
-            if b in TARGET_RATIO:
-                targets.check(f"{b} streams: gpuplane / pytorch fp16 graph",
-                              levels[b]["rate"] / peer[b], ">=", TARGET_RATIO[b])
+            if b in TARGET_RATIO and b in peer:
+                mine = statistics.median(r["rate"] for r in levels[b])
+                theirs = statistics.median(r["rate"] for r in peer[b])
+                targets.check(f"{b} streams: gpuplane / pytorch serving loop, same trace",
+                              mine / theirs, ">=", TARGET_RATIO[b], unit="ratio", peer=theirs)
     return targets.exit_code()
 
 

@@ -49,7 +49,7 @@ def _first_token(runtime: object, prompt: list[int], new_tokens: int) -> list[in
 
 def child(args: argparse.Namespace) -> None:
     t_process = time.perf_counter()
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
 
     start = time.perf_counter()
     runtime = WorkerRuntime(
