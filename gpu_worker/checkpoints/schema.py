@@ -42,7 +42,10 @@ MAX_MODULES = 64                  # entries of a sentence-transformers modules.j
 MAX_ROPE_THETA = 1e12
 MAX_ROPE_FACTOR = 1e6
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A JSON string, or an unterminated one up to the end: every match attempt from a quote succeeds,
+# so stripping strings is one linear pass (a pattern that can fail rescans the rest of the text
+# from each escaped quote: quadratic in `"` followed by many `\"`).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _DEPTH_PIECE = 1 << 20
 _REQUIRED = object()

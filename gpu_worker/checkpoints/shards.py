@@ -21,6 +21,7 @@ from gpu_worker.checkpoints.schema import MAX_INDEX_BYTES, parse_json, quote
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+MAX_SHARDS = 4096   # distinct files an index may name (Llama 3.1 405B: 191)
 
 
 def _alias(name: str) -> str:
@@ -40,6 +41,10 @@ def _shard_map(files: CheckpointFiles) -> dict[str, str]:
             raise CheckpointError(f"{files.name(INDEX)} is not a valid index: it needs a "
                                   "non-empty weight_map of tensor name -> file name",
                                   file=files.name(INDEX))
+        shards = len(set(weight_map.values()))
+        if shards > MAX_SHARDS:
+            raise CheckpointError(f"{files.name(INDEX)} names {shards} files, more than the "
+                                  f"{MAX_SHARDS} a checkpoint may have", file=files.name(INDEX))
         return dict(weight_map)
     if not files.exists(SINGLE):
         raise CheckpointError(f"{files.name(SINGLE)}: neither {SINGLE} nor {INDEX} is present "

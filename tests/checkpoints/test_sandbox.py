@@ -161,6 +161,18 @@ def test_an_index_naming_dot_dot_inside_the_root_is_followed(root):
         assert len(list(ckpt.weights())) > 0
 
 
+def test_an_index_naming_too_many_files_is_refused_before_resolving_them(root, monkeypatch):
+    d = _copy(root, "llama-llama3-sharded", "s")
+    names = {f"t{i}": f"shard-{i}.safetensors" for i in range(5000)}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    resolved: list[str] = []
+    real = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda p, **kw: resolved.append(p) or real(p, **kw))
+    with pytest.raises(CheckpointError, match="names 5000 files, more than the 4096"):
+        _open(root, "s")
+    assert not [p for p in resolved if "shard-" in os.fspath(p)]
+
+
 def test_modules_json_path_outside_the_root_is_refused(root):
     d = _copy(root, "bert-st")
     (root.parent / "outside" / "pool").mkdir()

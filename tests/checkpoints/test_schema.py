@@ -152,6 +152,16 @@ def test_hostile_json_is_invalid_argument(ckpt, text, says):
 
 def test_brackets_inside_strings_do_not_count_as_nesting():
     assert schema.json_depth(b'{"a": "[[[[{{{{", "b": ["\\"]]]"]}') == 2
+    assert schema.json_depth(b'["a\\\\", [[]]]') == 3, "an escaped backslash ends no string"
+
+
+def test_the_depth_scan_is_linear_on_an_unterminated_string_of_escaped_quotes(ckpt):
+    """A pattern that can fail rescans the rest from every escaped quote: hours for 1 MiB."""
+    text = '{"a": "' + '\\"' * 300_000
+    t0 = time.perf_counter()
+    _config(ckpt, text)
+    _refused(ckpt, "not UTF-8 JSON")
+    assert time.perf_counter() - t0 < 5.0
 
 
 def _header(path: pathlib.Path, header: dict | bytes, data: bytes = b"", length: int | None = None):
