@@ -3,7 +3,10 @@ PyTorch decoder with and without torch.cuda graphs, in the same run (when torch 
 
 Our model: int4 weights (block 32, fp16 scales), f32 activations; per step the host writes the
 token and position, replays (or launches ~16 kernels per layer eagerly), reads the next token.
-The PyTorch peer: the same shapes in fp16 (4x the weight bytes), static KV cache, batch 1.
+The PyTorch peer: bench/peer.py at batch 1, the same shapes in fp16 (4x the weight bytes), static
+KV cache, eager and captured (eager against eager, graph against graph). This times the
+single-sequence DecoderModel; the paged path the server runs is timed at batch 1 by
+bench/batching_bench.py.
 
 Same method on every side: `--trials` timed runs per mode, graph and eager interleaved, each run
 `--steps` steps after `--warmup`; the figure is the median run. Targets (MISSED: exit status 1):
@@ -24,6 +27,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench import peer as bench_peer
+from bench.batching_bench import spread
+from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker import WorkerConfig, WorkerRuntime
 
@@ -69,98 +75,19 @@ def ours(args: argparse.Namespace) -> dict[str, float]:
 
 
 def torch_peer(cfg, args: argparse.Namespace) -> dict[str, float] | None:
-    try:
-        import torch
-    except ImportError:
-        print("torch is not importable: no PyTorch peer in this run", flush=True)
+    """The shared peer (bench/peer.py) at batch 1: eager and one CUDA graph, from the same
+    context as ours, the host reading each token."""
+    if not bench_peer.available():
+        print(bench_peer.why_unavailable(), flush=True)
         return None
-    if not torch.cuda.is_available():
-        return None
-    dev, dt = torch.device("cuda"), torch.float16
-    g = torch.Generator(device=dev).manual_seed(0)
-    h, hd, kvh, heads, ffn, L = cfg.hidden, cfg.head_dim, cfg.kv_heads, cfg.heads, cfg.ffn, cfg.layers
-    ctx = args.prompt + args.warmup + args.steps + 8
-
-    def w(*shape):
-        return (torch.randn(*shape, device=dev, generator=g, dtype=torch.float32) / shape[-1] ** 0.5).to(dt)
-
-    layers = [{"n1": torch.ones(h, device=dev, dtype=dt), "n2": torch.ones(h, device=dev, dtype=dt),
-                   "wqkv": w((heads + 2 * kvh) * hd, h), "wo": w(h, h), "wgu": w(2 * ffn, h), "wd": w(h, ffn),
-                   "kc": torch.zeros(ctx, kvh, hd, device=dev, dtype=dt),
-                   "vc": torch.zeros(ctx, kvh, hd, device=dev, dtype=dt)} for _ in range(L)]
-    emb, nf, head = w(cfg.vocab_size, h), torch.ones(h, device=dev, dtype=dt), w(cfg.vocab_size, h)
-    inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, device=dev, dtype=torch.float32) * 2 / hd)
-    keys = torch.arange(ctx, device=dev)
-
-    def rms(x, wt):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + cfg.eps)).to(dt) * wt
-
-    def rope(x, pos):
-        ang = pos.float()[:, None] * inv[None, :]
-        c, s = ang.cos().to(dt), ang.sin().to(dt)
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
-    def step(tok, pos):
-        x = emb[tok]
-        mask = (keys <= pos).view(1, 1, ctx)
-        for ly in layers:
-            qkv = rms(x, ly["n1"]) @ ly["wqkv"].T
-            q = rope(qkv[:, : heads * hd].view(heads, hd), pos)
-            k = rope(qkv[:, heads * hd:(heads + kvh) * hd].view(kvh, hd), pos)
-            v = qkv[:, (heads + kvh) * hd:].view(kvh, hd)
-            ly["kc"].index_copy_(0, pos, k.view(1, kvh, hd))
-            ly["vc"].index_copy_(0, pos, v.view(1, kvh, hd))
-            kk = ly["kc"].repeat_interleave(heads // kvh, 1).transpose(0, 1)   # (H, ctx, hd)
-            vv = ly["vc"].repeat_interleave(heads // kvh, 1).transpose(0, 1)
-            att = torch.nn.functional.scaled_dot_product_attention(
-                q.view(heads, 1, hd), kk, vv, attn_mask=mask)
-            x = x + att.reshape(1, h) @ ly["wo"].T
-            gu = rms(x, ly["n2"]) @ ly["wgu"].T
-            x = x + (torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:]) @ ly["wd"].T
-        return torch.argmax(rms(x, nf) @ head.T, -1)
-
-    tok = torch.zeros(1, dtype=torch.long, device=dev)
-    pos = torch.zeros(1, dtype=torch.long, device=dev)
-    runs: dict[str, list[float]] = {m: [] for m in MODES}
-    with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step(tok, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(tok, pos)
-        torch.cuda.synchronize()
-
-        def advance(mode: str) -> None:
-            if mode == "graph":
-                graph.replay()
-                tok.copy_(out)
-            else:
-                tok.copy_(step(tok, pos))
-            pos.add_(1)
-
-        for _ in range(args.trials):
-            for mode in MODES:
-                pos.zero_()
-                tok.zero_()
-                for _ in range(args.warmup):
-                    advance(mode)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    advance(mode)
-                    int(tok[0])                       # the host reads each token, as a server does
-                torch.cuda.synchronize()
-                runs[mode].append(args.steps / (time.perf_counter() - start))
-    res = {m: statistics.median(runs[m]) for m in MODES}
+    model = bench_peer.PeerDecoder(cfg, ctx=args.prompt + args.warmup + args.steps + 8)
+    start = args.prompt + args.warmup
+    res = {"eager": bench_peer.decode_rate(model, 1, start, args.steps, args.trials, eager=True),
+           "graph": bench_peer.decode_rate(model, 1, start, args.steps, args.trials)}
     for mode in ("eager", "graph"):
-        print(f"pytorch {cfg.name} fp16 decode, {mode:>5}: {res[mode]:8.1f} tokens/s (median of "
-              f"{args.trials})", flush=True)
-    return res
+        print(f"pytorch {cfg.name} fp16 decode, {mode:>5}: {spread(res[mode])} tokens/s",
+              flush=True)
+    return {m: statistics.median(r) for m, r in res.items()}
 
 
 def main() -> int:
@@ -172,8 +99,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--trials", type=int, default=3, help="timed runs per mode (median)")
     p.add_argument("--no-torch", action="store_true")
+    add_record_flag(p)
     args = p.parse_args()
-    targets = Targets("decode_bench")
+    targets = Targets("decode_bench", args=args)
     mine = ours(args)
     peer = None
     if not args.no_torch:
@@ -195,7 +123,11 @@ def main() -> int:
                   ">=", 1.89)
     if peer:
         targets.check("gpuplane graph / pytorch fp16 graph (issue 12: 3x)",
-                      mine["graph"] / peer["graph"], ">=", 3.0)
+                      mine["graph"] / peer["graph"], ">=", 3.0, unit="ratio", peer=peer["graph"])
+        targets.figure("gpuplane eager / pytorch fp16 eager, batch 1 decode",
+                       mine["eager"] / peer["eager"], "ratio", peer=peer["eager"])
+    targets.figure("gpuplane int4 decode (DecoderModel graph), batch 1", mine["graph"], "tok/s",
+                   peer=peer["graph"] if peer else None)
     return targets.exit_code()
 
 

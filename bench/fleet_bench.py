@@ -33,8 +33,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.record import add_record_flag  # noqa: E402
-from bench.targets import Targets  # noqa: E402
+from bench.record import add_record_flag
+from bench.targets import Targets
 
 TOKEN = "fleet-bench-token"
 

@@ -42,24 +42,19 @@ STREAM_BYTES = 160 << 20
 
 
 def torch_matmul(batch: int, n: int, k: int, copies: int, reps: int, trials: int) -> float | None:
-    try:
-        import torch
-    except ImportError:
+    from bench import peer as bench_peer
+    if not bench_peer.available():
         return None
+    torch = bench_peer.torch
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
     x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for w in ws:
-            torch.matmul(x, w.t())
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run():
         for i in range(reps):
             torch.matmul(x, ws[i % copies].t())
+    graph = bench_peer.capture(run, warmup=1).graph
     t = median_replay(graph.replay, torch.cuda.synchronize, reps, trials)
-    del graph, ws
+    del graph
     torch.cuda.empty_cache()
     return t
 

@@ -85,22 +85,16 @@ def torch_timed(fn, reps: int, samples: int = SAMPLES) -> float | None:
     """Seconds per call of a torch op, timed as `timed` times ours: `reps` calls captured into one
     torch.cuda.CUDAGraph, median replay / reps. None without torch or when the op cannot be
     captured (printed)."""
-    try:
-        import torch
-    except ImportError:
+    from bench import peer as bench_peer
+    if not bench_peer.available():
         return None
+    torch = bench_peer.torch
+
+    def run():
+        for _ in range(reps):
+            fn()
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
+        graph = bench_peer.capture(run, warmup=1)
     except RuntimeError as exc:
         print(f"    torch peer could not be captured: {exc}", flush=True)
         return None
@@ -184,10 +178,10 @@ def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int,
     except ImportError:
         return None
     q = torch.randn(1, heads, tokens, hd, device="cuda")
-    k = torch.randn(1, kv_heads, tokens, hd, device="cuda").repeat_interleave(heads // kv_heads, 1)
+    k = torch.randn(1, kv_heads, tokens, hd, device="cuda")
     v = torch.randn_like(k)
-    return torch_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps,
-                       samples)
+    return torch_timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                              enable_gqa=True), reps, samples)
 
 
 FUSED_COPY_FRACTION = 0.75   # issue 12 part D: the 1-row GEMV streams W at >= 0.75 of copy

@@ -44,12 +44,12 @@ class Limits:
 
     def lines(self) -> list[str]:
         s = self.spread
-        return [f"limit copy (D2D 1 GiB, read+write): {self.copy_gbs:,.0f} GB/s "
-                f"(trials {s['copy'][0]:,.0f}-{s['copy'][1]:,.0f})",
-                f"limit h2d (pinned, 1 GiB): {self.h2d_gbs:,.1f} GB/s "
-                f"(trials {s['h2d'][0]:,.1f}-{s['h2d'][1]:,.1f})",
-                f"limit fp16 tensor-core matmul (8192^3): {self.tflops:,.0f} TFLOP/s "
-                f"(trials {s['tflops'][0]:,.0f}-{s['tflops'][1]:,.0f})"]
+        return [(f"limit copy (D2D 1 GiB, read+write): {self.copy_gbs:,.0f} GB/s "
+                 f"(trials {s['copy'][0]:,.0f}-{s['copy'][1]:,.0f})"),
+                (f"limit h2d (pinned, 1 GiB): {self.h2d_gbs:,.1f} GB/s "
+                 f"(trials {s['h2d'][0]:,.1f}-{s['h2d'][1]:,.1f})"),
+                (f"limit fp16 tensor-core matmul (8192^3): {self.tflops:,.0f} TFLOP/s "
+                 f"(trials {s['tflops'][0]:,.0f}-{s['tflops'][1]:,.0f})")]
 
     def record(self, targets) -> None:
         """Record the limits as figures of the bench that measured them."""
@@ -74,6 +74,32 @@ def _timed(torch, fn, reps: int, trials: int) -> list[float]:
     return out
 
 
+def _copy_rates(torch, nbytes: int, trials: int) -> tuple[list[float], list[float]]:
+    """GB/s per trial: D2D (read + write counted) and pinned H2D, `nbytes` buffers."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    host = torch.empty(nbytes // 2, dtype=torch.float16, pin_memory=True)
+    copy = [2 * nbytes / t / 1e9 for t in _timed(torch, lambda: dst.copy_(src), 5, trials)]
+    h2d = [nbytes / t / 1e9
+           for t in _timed(torch, lambda: dst.copy_(host, non_blocking=True), 2, trials)]
+    return copy, h2d
+
+
+def _matmul_rates(torch, trials: int, m: int = 8192) -> list[float]:
+    """fp16 TFLOP/s per trial of m^3 matmuls rotating through operands larger than L2."""
+    count = rotation(3 * m * m * 2)
+    mats = [(torch.randn(m, m, device="cuda", dtype=torch.float16),
+             torch.randn(m, m, device="cuda", dtype=torch.float16),
+             torch.empty(m, m, device="cuda", dtype=torch.float16)) for _ in range(count)]
+    turn = [0]
+
+    def mm():
+        a, b, c = mats[turn[0] % count]
+        turn[0] += 1
+        torch.matmul(a, b, out=c)
+    return [2 * m ** 3 / t / 1e12 for t in _timed(torch, mm, 2 * count, trials)]
+
+
 def measure(trials: int = 5, copy_bytes: int = GiB, quiet: bool = False) -> Limits | None:
     """The three limits on the current CUDA device (None without torch or a device)."""
     from bench import peer
@@ -82,26 +108,8 @@ def measure(trials: int = 5, copy_bytes: int = GiB, quiet: bool = False) -> Limi
             print(f"limits: not measured ({peer.why_unavailable()})", flush=True)
         return None
     torch = peer.torch
-    n = copy_bytes // 2
-    src = torch.empty(n, dtype=torch.float16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    copy = [2 * copy_bytes / t / 1e9 for t in _timed(torch, lambda: dst.copy_(src), 5, trials)]
-    host = torch.empty(n, dtype=torch.float16, pin_memory=True)
-    h2d = [copy_bytes / t / 1e9
-           for t in _timed(torch, lambda: dst.copy_(host, non_blocking=True), 2, trials)]
-    del src, dst, host
-    m = 8192
-    count = rotation(3 * m * m * 2)
-    mats = [(torch.randn(m, m, device="cuda", dtype=torch.float16),
-             torch.randn(m, m, device="cuda", dtype=torch.float16),
-             torch.empty(m, m, device="cuda", dtype=torch.float16)) for _ in range(count)]
-    it = iter(range(1 << 62))
-
-    def mm():
-        a, b, c = mats[next(it) % count]
-        torch.matmul(a, b, out=c)
-    tf = [2 * m ** 3 / t / 1e12 for t in _timed(torch, mm, 2 * count, trials)]
-    del mats
+    copy, h2d = _copy_rates(torch, copy_bytes, trials)
+    tf = _matmul_rates(torch, trials)
     torch.cuda.empty_cache()
     limits = Limits(statistics.median(copy), statistics.median(h2d), statistics.median(tf),
                     {"copy": (min(copy), max(copy)), "h2d": (min(h2d), max(h2d)),

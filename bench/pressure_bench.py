@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.record import add_record_flag
 from bench.targets import Targets
-from gpu_worker.core.admission import streaming_floor_bytes
 from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.core.admission import streaming_floor_bytes
 
 MiB = 1 << 20
 MODES = ("captured", "eager")

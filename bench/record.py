@@ -46,7 +46,7 @@ def device_name() -> str:
         return slug(os.environ["GPUPLANE_BENCH_DEVICE"])
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                             capture_output=True, text=True, timeout=20)
+                             capture_output=True, text=True, timeout=20, check=False)
         if out.returncode == 0 and out.stdout.strip():
             return slug(out.stdout.strip().splitlines()[0])
     except (OSError, subprocess.TimeoutExpired):
@@ -59,11 +59,11 @@ def commit() -> str:
         return os.environ["GPUPLANE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=20)
+                              capture_output=True, text=True, timeout=20, check=False)
         if head.returncode != 0:
             return "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=20).stdout.strip()
+                               capture_output=True, text=True, timeout=20, check=False).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench import peer  # noqa: E402
-from gpu_worker.models.configs import get_config  # noqa: E402
+from bench import peer
+from gpu_worker.models.configs import get_config
 
 
 def greedy_by_prefill(model, prompt, new):
