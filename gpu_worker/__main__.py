@@ -14,6 +14,11 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
+from gpu_worker.core.token_stream import (
+    DEFAULT_STREAM_BUFFER_TOKENS,
+    MAX_STREAM_BUFFER_TOKENS,
+    StreamStats,
+)
 from services.common import cli, security
 from services.common.config import VAR_DIR, env_flag
 from services.common.errors import GpuplaneError
@@ -70,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--metrics-port", "GPUPLANE_WORKER_METRICS_PORT", 0,
              "Prometheus /metrics port; 0 = disabled", type=int)
     env_flag(serve, "--max-workers", "GPUPLANE_WORKER_MAX_WORKERS", 32,
-             "gRPC handler threads (concurrent calls)", type=int)
+             "threads for calls that wait for the device (Embed, single-sequence streams); "
+             "not a bound on streams (--max-batch-size and --max-queued are)", type=int)
+    env_flag(serve, "--max-stream-buffer-tokens", "GPUPLANE_WORKER_MAX_STREAM_BUFFER_TOKENS",
+             DEFAULT_STREAM_BUFFER_TOKENS,
+             "tokens a Generate stream may hold for a client that does not read them; beyond it "
+             "the stream is cancelled (RESOURCE_EXHAUSTED) and its KV freed", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
     # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
@@ -153,6 +163,10 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
     if args.max_step_tokens < args.max_batch_size:
         return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
+    if args.max_workers < 1:
+        return "--max-workers must be at least 1"
+    if not 1 <= args.max_stream_buffer_tokens <= MAX_STREAM_BUFFER_TOKENS:
+        return f"--max-stream-buffer-tokens must be in 1..{MAX_STREAM_BUFFER_TOKENS}"
     if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
         return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
     return ""
@@ -182,9 +196,12 @@ def serve(args: argparse.Namespace) -> int:
     config = worker_config(args, provider, tls=outgoing)
     runtime = WorkerRuntime(config)
     runtime.start()
+    streams = StreamStats()
     try:
         server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers,
-                              security=server_security)
+                              security=server_security,
+                              max_stream_buffer_tokens=args.max_stream_buffer_tokens,
+                              streams=streams)
     except GpuplaneError as err:  # TLS files that cannot be read
         runtime.close()
         log.error("%s", err.message)
@@ -197,7 +214,7 @@ def serve(args: argparse.Namespace) -> int:
 
         from gpu_worker.edge.metrics import WorkerCollector
 
-        REGISTRY.register(WorkerCollector(runtime))
+        REGISTRY.register(WorkerCollector(runtime, streams))
         start_metrics_endpoint(args.metrics_port)
     log.info("worker serving", extra={"listen": args.listen, "port": server.port,
                                       "backend": args.backend, "worker_id": config.worker_id,

@@ -50,7 +50,7 @@ from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import Scheduler, Sequence
 from gpu_worker.telemetry.spans import span
 from gpu_worker.core.stats import scheduler_stats, worker_stats
-from gpu_worker.core.token_stream import TokenStream
+from gpu_worker.core.token_stream import TokenBuffer, TokenStream
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -391,9 +391,13 @@ class WorkerRuntime:
     # -- inference -------------------------------------------------------------------------------
     def generate(self, model_id: str, prompt_tokens: list[int], max_new_tokens: int,
                  cancelled: Callable[[], bool] = lambda: False,
-                 sampling: SamplingParams = GREEDY) -> TokenStream:
+                 sampling: SamplingParams = GREEDY,
+                 buffer: TokenBuffer | None = None) -> TokenStream:
         """Validate and queue now (errors raise here, before streaming: a full queue is
-        RESOURCE_EXHAUSTED), then stream one token per item from the model's scheduler."""
+        RESOURCE_EXHAUSTED), then stream one token per item from the model's scheduler.
+        `buffer`: the stream's bounded token buffer (gpu_worker/core/token_stream.py; the edge
+        passes one bound to its event loop), a default one when None."""
+        buffer = buffer if buffer is not None else TokenBuffer()
         loaded = self._get(model_id, "decoder")
         prompt = [int(t) for t in prompt_tokens]
         loaded.model.check(prompt, int(max_new_tokens))
@@ -403,10 +407,11 @@ class WorkerRuntime:
                 raise InvalidArgument("sampling needs the batching engine (this worker runs "
                                       "with batching off): send greedy requests")
             seq = Sequence(prompt, int(max_new_tokens), sampling, None, cancelled)  # type: ignore[arg-type]
-            return TokenStream(loaded, seq, self.config.tracer_provider, self._report,
+            return TokenStream(loaded, seq, self.config.tracer_provider, self._report, buffer,
                                self._serial(loaded, seq))
-        seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled)
-        return TokenStream(loaded, seq, self.config.tracer_provider, self._report)
+        seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled,
+                                      events=buffer)
+        return TokenStream(loaded, seq, self.config.tracer_provider, self._report, buffer)
 
     def _serial(self, loaded: LoadedModel, seq: Sequence) -> Iterator[int]:
         """The single-sequence path: the model lock for the whole stream."""

@@ -5,14 +5,15 @@ kernel cache, plans, weights, compile, capture and Embed batching counters as th
 them, and the histogram of sequences per Embed batch. A scrape that cannot read the stats (the
 runtime closed, or stats() raised) yields none of these rather than failing the endpoint; the
 failure is logged and counted in gpuplane_worker_survived_errors_total{site="metrics_scrape"}
-(gpu_worker/telemetry/survived.py), which the same endpoint serves.
+(gpu_worker/telemetry/survived.py), which the same endpoint serves. The serving metrics carry
+vLLM's names with a `gpuplane:` prefix (docs/worker.md lists them).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gpu_worker.telemetry.survived import survived
@@ -26,9 +27,22 @@ HISTOGRAMS = {"ttft_seconds": "Time from Generate to its first token",
               "queue_seconds": "Time a Generate request waited before its first step"}
 
 
+# Serving metrics under vLLM's names (vllm:<name> -> gpuplane:<name>), so dashboards built for
+# one read the other. Latencies are the edge's (what a client sees, gRPC included); queue time
+# and the running/waiting gauges are the schedulers'.
+SERVING_HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time from a Generate call to its first token message",
+    "time_per_output_token_seconds": "Mean time between a stream's output tokens, per stream",
+    "e2e_request_latency_seconds": "Time from a Generate call to its end",
+}
+
+
 class WorkerCollector(Collector):
-    def __init__(self, runtime: Any) -> None:
+    """`streams`: the edge's StreamStats (gpu_worker/core/token_stream.py), when served."""
+
+    def __init__(self, runtime: Any, streams: Any = None) -> None:
         self.runtime = runtime
+        self.streams = streams
 
     def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
         try:
@@ -63,10 +77,45 @@ class WorkerCollector(Collector):
                                           "Sequences per Embed encoder batch")
             sizes.add_metric([], buckets, float(total))
             yield sizes
+        scheduler = dict(stats.get("scheduler", {}))
+        for name, field, text in (("num_requests_running", "running",
+                                   "Generate requests in a decoder's running batch"),
+                                  ("num_requests_waiting", "waiting",
+                                   "Generate requests queued for a decoder's batch")):
+            gauge = GaugeMetricFamily(f"gpuplane:{name}", text)
+            gauge.add_metric([], float(scheduler.get(field, 0)))
+            yield gauge
         histograms = getattr(self.runtime, "scheduler_histograms", None)
-        if histograms is None:
-            return
-        for name, hist in histograms().items():
+        if histograms is not None:
+            merged = histograms()
+            for name, hist in merged.items():
+                buckets, total = hist.snapshot()
+                yield HistogramMetricFamily(f"gpuplane_worker_scheduler_{name}", HISTOGRAMS[name],
+                                            buckets=buckets, sum_value=total)
+            if "queue_seconds" in merged:
+                buckets, total = merged["queue_seconds"].snapshot()
+                yield HistogramMetricFamily("gpuplane:request_queue_time_seconds",
+                                            "Time a Generate request waited for its first step",
+                                            buckets=buckets, sum_value=total)
+        if self.streams is not None:
+            yield from self._streams()
+
+    def _streams(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily | CounterMetricFamily]:
+        for name, hist in (("time_to_first_token_seconds", self.streams.ttft),
+                           ("time_per_output_token_seconds", self.streams.tpot),
+                           ("e2e_request_latency_seconds", self.streams.e2e)):
             buckets, total = hist.snapshot()
-            yield HistogramMetricFamily(f"gpuplane_worker_scheduler_{name}", HISTOGRAMS[name],
+            yield HistogramMetricFamily(f"gpuplane:{name}", SERVING_HISTOGRAMS[name],
                                         buckets=buckets, sum_value=total)
+        snap = self.streams.snapshot()
+        gauge = GaugeMetricFamily("gpuplane:num_streams_open", "Open Generate streams")
+        gauge.add_metric([], float(snap["open_streams"]))
+        yield gauge
+        for name, field, text in (
+                ("stream_buffer_overflows", "overflowed",
+                 "Streams cancelled because their reader fell --max-stream-buffer-tokens behind"),
+                ("generation_tokens", "tokens", "Tokens sent on Generate streams"),
+                ("stream_messages", "messages", "Token messages sent on Generate streams")):
+            counter = CounterMetricFamily(f"gpuplane:{name}", text)
+            counter.add_metric([], float(snap[field]))
+            yield counter
