@@ -13,8 +13,9 @@ One worker runtime, one decoder (default `8b-int4`, 4.9 GiB of weights):
    below the model's streaming floor; the same budget `--weight-budget-bytes` sets), so every
    plan runs as segments. Captured segments and eager launches, interleaved, `--trials` runs of
    `--steps` steps after `--warmup`; the figure is the median run. Targets: captured > eager;
-   captured tokens/s >= 80 % of what pinned H2D allows for the bytes it pages per token (pinned
-   rate / bytes copied per token); both modes' tokens identical to the unconstrained run of part
+   captured tokens/s >= 80 % of what pinned H2D allows for the minimum bytes that must page per
+   token (pinned rate / (slot weights - budget)): paging more than that is a cost, never an
+   excuse; the bytes actually paged per token are printed beside the minimum; both modes' tokens identical to the unconstrained run of part
    2; resident weights (the slots' peak committed bytes) never above the budget; ledger against
    the device within 1 % (at the end of each part, releases collected).
 
@@ -187,7 +188,9 @@ def main() -> int:
               f"{w['bytes'] / MiB:.1f} MiB = {w['bytes'] / w['seconds'] / 1e9:.2f} GB/s "
               f"(bytes / pinned H2D: {bound * 1e3:.1f} ms); first token after a wake "
               f"{w['first_token_s'] * 1e3:.1f} ms", flush=True)
-        targets.check("wake / (bytes over pinned H2D)", w["seconds"] / bound, "<=", 1.25)
+        targets.figure("pinned H2D (device layer, copy stream)", h2d / 1e9, "GB/s")
+        targets.check("wake / (bytes over pinned H2D)", w["seconds"] / bound, "<=", 1.25,
+                      unit="ratio", limit=h2d / 1e9)
         err = ledger_error(rt)
         targets.check("ledger vs device after the wakes (%)", 100 * err, "<=", 1.0)
 
@@ -208,10 +211,16 @@ def main() -> int:
               + ", ".join(f"{s.label} {s.cost / MiB:.0f} MiB" for s in segments), flush=True)
         med = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in MODES}
         paged = statistics.median(r["bytes_per_token"] for r in runs["captured"])
-        allowed = h2d / paged if paged else float("nan")
+        must = max(0, w["bytes"] - budget)       # the minimum that must page in per token
+        allowed = h2d / must if must else float("nan")
         print(f"== streaming decode (median of {args.trials}): captured {med['captured']:.2f}, "
-              f"eager {med['eager']:.2f} tokens/s; {paged / MiB:.1f} MiB paged per token; "
-              f"pinned H2D allows {allowed:.2f} tokens/s", flush=True)
+              f"eager {med['eager']:.2f} tokens/s; {paged / MiB:.1f} MiB paged per token vs "
+              f"{must / MiB:.1f} MiB that must page (slot weights - budget: "
+              f"{paged / must if must else float('nan'):.2f}x the minimum); pinned H2D allows "
+              f"{allowed:.2f} tokens/s for the minimum", flush=True)
+        targets.figure("streaming decode, captured", med["captured"], "tok/s", limit=allowed)
+        targets.figure("bytes paged per token / minimum that must page",
+                       paged / must if must else float("nan"), "ratio")
         stats = rt.device.weights.stats()
         print(f"weights: page-ins {stats['page_ins']}, hit rate {stats['hit_rate']:.3f}, "
               f"{stats['bytes_copied'] / 2**30:.2f} GiB copied, peak resident "
@@ -221,8 +230,8 @@ def main() -> int:
                         f"{args.trials} runs of each mode")
         targets.require("the model ran as segments", len(segments) > 1, f"{len(segments)}")
         targets.check("captured / eager tokens/s", med["captured"] / med["eager"], ">", 1.0)
-        targets.check("captured tokens/s / pinned-H2D-allowed", med["captured"] / allowed,
-                      ">=", 0.80)
+        targets.check("captured tokens/s / pinned-H2D-allowed for the minimum paging",
+                      med["captured"] / allowed, ">=", 0.80, unit="fraction", limit=h2d / 1e9)
         targets.check("peak resident weights / budget", stats["peak_committed_bytes"] / budget,
                       "<=", 1.0)
         targets.check("ledger vs device after streaming (%)", 100 * ledger_error(rt), "<=", 1.0)
