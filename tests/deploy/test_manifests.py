@@ -193,6 +193,20 @@ def test_every_container_has_grpc_health_probes_on_a_port_the_kubelet_can_probe(
             f"{component} {probe} must be a native gRPC probe on port {probed}"
 
 
+def test_the_worker_liveness_asks_the_health_port_for_liveness_and_readiness_for_the_service(docs):
+    from gpu_worker.edge.servicer import LIVENESS_SERVICE
+
+    c = container(docs, "worker")
+    health = probed_port(docs, "worker")
+    assert health != WORKLOADS["worker"][2], \
+        "worker probes on the service port: a worker busy with streams would be restarted"
+    for probe in ("livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"] == {"port": health, "service": LIVENESS_SERVICE}, \
+            f"the worker's {probe} must ask the health port for {LIVENESS_SERVICE!r}"
+    assert c["readinessProbe"]["grpc"].get("service", "") == "", \
+        "readiness must ask the overall status (NOT_SERVING while the worker cannot take work)"
+
+
 def test_the_worker_startup_probe_allows_minutes_of_warm_up(docs):
     probe = container(docs, "worker")["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 180, (
