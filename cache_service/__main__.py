@@ -77,26 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _to_dict(message: Any) -> dict[str, Any]:
-    """Fields in declaration order, numbers as numbers (proto3 JSON would quote int64), enums by
-    name, bytes as their length: an operator's view, not a wire format."""
-    out: dict[str, Any] = {}
-    for f in message.DESCRIPTOR.fields:
-        value = getattr(message, f.name)
-        if f.message_type is not None:
-            if f.is_repeated:
-                out[f.name] = [_to_dict(v) for v in value]
-            elif message.HasField(f.name):
-                out[f.name] = _to_dict(value)
-        elif f.enum_type is not None:
-            out[f.name] = f.enum_type.values_by_number[value].name
-        elif f.type == f.TYPE_BYTES:
-            out[f"{f.name}_bytes"] = len(value)
-        else:
-            out[f.name] = value
-    return out
-
-
 def _budget(n: int) -> str:
     return human_bytes(n) if n else "unbounded"
 
@@ -134,7 +114,7 @@ def _lookup_text(r: pb.LookupResponse) -> list[str]:
 
 def _print(message: Any, as_json: bool, text: list[str]) -> None:
     if as_json:
-        print(json.dumps(_to_dict(message), indent=2, sort_keys=True))
+        print(json.dumps(cli.message_dict(message), indent=2, sort_keys=True))
     else:
         print("\n".join(text))
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 
 from gpu_worker.models.configs import CONFIGS, WEIGHT_FORMATS
 from services.common import cli, security
@@ -50,8 +49,7 @@ def _tokens(text: str) -> list[int]:
 
 
 def _print_json(message: Any) -> None:
-    print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                               always_print_fields_with_no_presence=True), indent=2))
+    print(json.dumps(cli.message_dict(message), indent=2))
 
 
 def _mib(n: int) -> str:
@@ -93,7 +91,11 @@ def cmd_load(args: argparse.Namespace) -> None:
 
 def cmd_unload(args: argparse.Namespace) -> None:
     with _worker(args) as client:
-        print(f"unloaded {args.model_id}: freed {_mib(client.unload_model(args.model_id))}")
+        freed = client.unload_model(args.model_id)
+    if args.json:
+        print(json.dumps({"model_id": args.model_id, "freed_bytes": freed}))
+        return
+    print(f"unloaded {args.model_id}: freed {_mib(freed)}")
 
 
 def cmd_offload(args: argparse.Namespace) -> None:
@@ -109,8 +111,7 @@ def cmd_models(args: argparse.Namespace) -> None:
     with _worker(args) as client:
         models = client.list_models()
     if args.json:
-        print(json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True)
-                          for m in models], indent=2))
+        print(json.dumps([cli.message_dict(m) for m in models], indent=2))
         return
     for m in models:
         print(f"{m.model_id}\t{m.family}/{m.config}\tvocab {m.vocab_size}\tcontext {m.max_context}"
@@ -203,6 +204,8 @@ def cmd_stats(args: argparse.Namespace) -> None:
 def cmd_trim(args: argparse.Namespace) -> None:
     with _worker(args) as client:
         reply = client.trim(args.target_bytes)
+    if args.json:
+        return _print_json(reply)
     print(f"freed {_mib(reply.freed_bytes)}, ledger now {_mib(reply.ledger_bytes)}")
 
 

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -93,6 +94,28 @@ def human_bytes(n: float) -> str:
         if size >= unit:
             return f"{'-' if n < 0 else ''}{size / unit:.1f} {name}"
     return f"{int(n)} B"
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A response as `--json` prints it: every field in declaration order (unset ones too),
+    numbers as numbers (proto3 JSON would quote int64 sizes), enums by name, bytes as their length
+    (`data_bytes`). An operator's view, not a wire format."""
+    out: dict[str, Any] = {}
+    for f in message.DESCRIPTOR.fields:
+        value = getattr(message, f.name)
+        if f.message_type is not None:
+            if f.is_repeated:
+                out[f.name] = [message_dict(v) for v in value]
+            elif message.HasField(f.name):
+                out[f.name] = message_dict(value)
+        elif f.enum_type is not None:
+            names = f.enum_type.values_by_number
+            out[f.name] = ([names[v].name for v in value] if f.is_repeated else names[value].name)
+        elif f.type == f.TYPE_BYTES:
+            out[f"{f.name}_bytes"] = len(value)
+        else:
+            out[f.name] = list(value) if f.is_repeated else value
+    return out
 
 
 def run(main: Callable[[], int | None]) -> None:

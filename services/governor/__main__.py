@@ -10,7 +10,6 @@ import gc
 import json
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from services.common import cli, security
 from services.common.cli import Endpoint, human_bytes
@@ -138,7 +137,7 @@ def resources(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     if args.json:
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(cli.message_dict(reply), indent=2))
         return 0
     for d in reply.devices:
         print(f"device {d.uuid} {d.name}: budget {human_bytes(d.budget_bytes)}, leased "

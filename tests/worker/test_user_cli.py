@@ -141,3 +141,13 @@ def test_zone_rows_mark_only_content_above_committed_and_explain_it_once() -> No
     rows = _zone_rows(shared, name)
     assert rows[1].endswith("(content 512 B above committed*)") and rows[-1] == CONTENT_ABOVE_COMMITTED
     assert len(rows) == 3, "the explanation is printed once, after the zones"
+
+
+def test_json_output_carries_sizes_as_numbers_for_machines(worker: WorkerClient, capsys) -> None:
+    code, out, _ = _run(worker, capsys, "stats", "--json")
+    stats = json.loads(out)
+    assert code == 0 and isinstance(stats["device_used_bytes"], int), \
+        "--json must print sizes as numbers, not the quoted int64 of proto3 JSON"
+    assert all(isinstance(z["committed_bytes"], int) for z in stats["zones"])
+    code, out, _ = _run(worker, capsys, "trim", "--target-bytes", "1GiB", "--json")
+    assert code == 0 and isinstance(json.loads(out)["ledger_bytes"], int), "trim ignores --json"
