@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arch", default="sm_90")
@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
-        return
+        return 0
     script = str(pathlib.Path(__file__).resolve())
     with tempfile.TemporaryDirectory(prefix="compile-bench-") as tmp:
         scratch = pathlib.Path(tmp)
@@ -109,7 +109,8 @@ def main() -> None:
         args.json.write_text(json.dumps({tier: {
             "median_s": statistics.median(r["seconds"] for r in runs),
             "compiled": runs[-1]["compiled"]} for tier, runs in results.items()}, indent=2))
+    return targets.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
