@@ -19,6 +19,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.record import add_record_flag
+from bench.targets import Targets
 from gpu_worker.device.backend import DeviceError
 from gpu_worker import WorkerConfig, WorkerRuntime
 from services.common.errors import ResourceExhausted
@@ -82,7 +84,9 @@ def main() -> int:
     p.add_argument("--config", default="large-encoder")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--max-seq", type=int, default=512)
+    add_record_flag(p)
     args = p.parse_args()
+    targets = Targets("encoder_bench", args=args)
     bounded = run(args, 2, 4)
     unbounded = run(args, 1000, 1000)
     print("\n== side by side", flush=True)
@@ -91,7 +95,11 @@ def main() -> int:
               f"({r['peak'] / bounded['peak']:.2f}x of bounded), peak/steady {r['peak'] / r['steady']:.3f}, "
               f"rebuilt bit-identical {r['compared'] - r['mismatches']}/{r['compared']}, OOMs {r['ooms']}",
               flush=True)
-    return 0
+        name = f"plans {r['plans']} variants {r['variants']}"
+        targets.figure(f"{name}: peak device memory", r["peak"] / GiB, "GiB")
+        targets.require(f"{name}: rebuilt plans bit-identical", r["mismatches"] == 0,
+                        f"{r['compared'] - r['mismatches']}/{r['compared']}")
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

@@ -80,13 +80,12 @@ def test_python_m_bench_record_passes_the_directory_to_every_benchmark(tmp_path,
 
 
 def write_runs(path: pathlib.Path, values: list[float], met: list[bool | None]) -> None:
-    with open(path, "w") as f:
-        for i, (v, m) in enumerate(zip(values, met, strict=True)):
-            f.write(json.dumps({
-                "date": f"2026-12-0{i + 1}T10:00:00Z", "commit": f"c{i}", "device": "nvidia-h200",
-                "command": "python bench/batching_bench.py", "bench": "batching_bench",
-                "metric": "batch 64: gpuplane / pytorch fp16 graph", "value": v, "unit": "ratio",
-                "peer": 6198.0, "limit": None, "target": ">= 1", "met": m}) + "\n")
+    path.write_text("".join(json.dumps({
+        "date": f"2026-12-0{i + 1}T10:00:00Z", "commit": f"c{i}", "device": "nvidia-h200",
+        "command": "python bench/batching_bench.py", "bench": "batching_bench",
+        "metric": "batch 64: gpuplane / pytorch fp16 graph", "value": v, "unit": "ratio",
+        "peer": 6198.0, "limit": None, "target": ">= 1", "met": m}) + "\n"
+        for i, (v, m) in enumerate(zip(values, met, strict=True))))
 
 
 def test_the_report_shows_the_latest_figure_with_its_history_and_how_much_it_missed(tmp_path):
