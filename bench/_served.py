@@ -5,11 +5,14 @@ gpu_worker/stack/processes.py with its defaults; the benchmark process is only i
 loopback, one thread per open stream on the client side). Any flag a benchmark changes is printed
 with its reason before the run, so a reader sees exactly what was measured. The flags
 gpu_worker.stack always passes (a private kernel cache dir, a worker id, no governor, no shared
-cache) are those of a stand-alone worker.
+cache) are those of a stand-alone worker. GPUPLANE_BENCH_KERNEL_CACHE, when set, is the worker's
+--cache-dir, so the benchmarks of one session compile the kernels once (a warm local disk cache,
+as a worker that has run before has); unset, every worker starts cold.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import tempfile
 import time
@@ -29,7 +32,10 @@ def served_worker(backend: str, changed: dict[str, tuple[str, str]] | None = Non
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         stack = Stack(pathlib.Path(tmp))
         t0 = time.perf_counter()
-        proc = stack.start_worker(backend=backend, extra=extra)
+        cache = os.environ.get("GPUPLANE_BENCH_KERNEL_CACHE")
+        proc = stack.start_worker(backend=backend, extra=extra,
+                                  cache_dir=pathlib.Path(cache) if cache else None,
+                                  health_timeout_s=600.0)
         print(f"worker process: {' '.join(proc.argv[1:])} (pid {proc.proc.pid}, healthy after "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)
         if changed:
