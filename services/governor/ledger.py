@@ -209,6 +209,10 @@ class Ledger:
         # A restart gives every known worker a fresh TTL: holding memory a little longer is safe,
         # granting it twice is not.
         self._workers = {w.worker_id: _Worker(w, now) for w in store.workers()}
+        # Registered workers per device: whether a device is empty, without a scan of every worker.
+        self._device_workers: dict[str, int] = {}
+        for w in self._workers.values():
+            self._count_on(w.row.device_uuid, +1)
         # No worker can be silent for the TTL before this instant (the oldest last_seen plus the
         # TTL, lowered by every _touch), so an expiry check before it needs no scan: admission
         # stays O(1) in the number of workers. -inf: the first check scans.
@@ -289,6 +293,10 @@ class Ledger:
                 self._by_worker[worker_id] = set()
             else:
                 known.row = wrow
+            if moved_from != device.uuid:
+                self._count_on(device.uuid, +1)
+                if moved_from is not None:
+                    self._count_on(moved_from, -1)
             self._devices[device.uuid].empty_since = None
             if moved_from is not None and moved_from != device.uuid:
                 self._settle_device(moved_from, now)
@@ -491,6 +499,13 @@ class Ledger:
             violations=[QuotaViolation(subject, f"at most {bound} {what}")],
             retry_after_s=min(self.policy.lease_ttl_s, 60.0))
 
+    def _count_on(self, uuid: str, sign: int) -> None:
+        count = self._device_workers.get(uuid, 0) + sign
+        if count:
+            self._device_workers[uuid] = count
+        else:
+            self._device_workers.pop(uuid, None)
+
     def _settle_device(self, uuid: str, now: float) -> None:
         """After a worker of `uuid` went: its last device truth is stale (the worker's memory
         went with it), and with no worker left the device starts its expiry clock."""
@@ -498,7 +513,7 @@ class Ledger:
         if device is None:
             return
         device.device_used_bytes = 0  # unknown until the next beat that carries the truth
-        if any(w.row.device_uuid == uuid for w in self._workers.values()):
+        if self._device_workers.get(uuid, 0):
             return
         if device.empty_since is None:
             device.empty_since = now
@@ -663,6 +678,7 @@ class Ledger:
             freed += row.bytes
         self._by_worker.pop(worker_id, None)
         gone = self._workers.pop(worker_id)
+        self._count_on(gone.row.device_uuid, -1)
         self._settle_device(gone.row.device_uuid, self.clock())
         self._bump()
         return freed

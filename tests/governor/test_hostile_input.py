@@ -127,6 +127,18 @@ def test_a_device_with_no_worker_is_forgotten_after_the_device_ttl_and_not_befor
     assert [d.uuid for d in reopened.resources()] == ["GPU-h"], "forgotten devices came back"
 
 
+def test_a_worker_that_moves_to_another_device_leaves_the_first_to_expire_not_the_second(
+        tmp_path, clock):
+    ledger = make(tmp_path, clock, lease_ttl_s=1000, device_ttl_s=100)
+    token = ledger.register("w1", GPU).incarnation
+    ledger.register("w1", DeviceSpec("GPU-next", 100 * MIB, 100 * MIB), incarnation=token)
+    clock.now += 101
+    ledger.heartbeat("w1", "", 0, 0, {}, token)
+    ledger.expire()
+    assert [d.uuid for d in ledger.resources()] == ["GPU-next"], \
+        "the device left behind must expire and the one in use must not"
+
+
 def test_device_rows_left_from_before_a_restart_expire_too(tmp_path, clock):
     first = make(tmp_path, clock, device_ttl_s=100)
     token = first.register("w1", GPU).incarnation
