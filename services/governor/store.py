@@ -151,8 +151,8 @@ class Store:
 
     def put_worker(self, w: WorkerRow) -> None:
         self._write([(
-            "INSERT OR REPLACE INTO workers (worker_id, device_uuid, host, incarnation) "
-            "VALUES (?, ?, ?, ?)", (w.worker_id, w.device_uuid, w.host, w.incarnation),
+            ("INSERT OR REPLACE INTO workers (worker_id, device_uuid, host, incarnation) "
+             "VALUES (?, ?, ?, ?)"), (w.worker_id, w.device_uuid, w.host, w.incarnation),
         )])
 
     def delete_device(self, uuid: str) -> None:

@@ -17,7 +17,7 @@ from services.common.interceptors import status_for
 from services.common.server import ServiceRegistration, create_server
 
 SERVICE = "gpuplane.test.v1.Refusals"
-_raw = lambda b: b  # noqa: E731
+_raw = lambda b: b
 
 REFUSALS = {
     b"quota": errors.ResourceExhausted(

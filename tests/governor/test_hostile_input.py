@@ -351,3 +351,23 @@ def test_parse_time_types_are_argparse_errors_not_tracebacks():
 
     with pytest.raises(argparse.ArgumentTypeError):
         bounded_number(0, 10, "--x")("inf")
+
+
+def test_a_database_from_before_incarnations_is_migrated_and_each_id_is_claimed_once(
+        tmp_path, clock):
+    import sqlite3
+
+    conn = sqlite3.connect(tmp_path / "gov.sqlite")
+    conn.executescript("""
+        CREATE TABLE devices (uuid TEXT PRIMARY KEY, name TEXT, total_bytes INTEGER,
+                              budget_bytes INTEGER, granule_bytes INTEGER);
+        CREATE TABLE workers (worker_id TEXT PRIMARY KEY, device_uuid TEXT, host TEXT);
+        INSERT INTO devices VALUES ('GPU-h', '', 2097152000, 1048576000, 0);
+        INSERT INTO workers VALUES ('w1', 'GPU-h', 'node-a');""")
+    conn.commit()
+    conn.close()
+    ledger = make(tmp_path, clock)
+    claimed = ledger.register("w1", GPU, host="node-a")
+    assert claimed.incarnation, "the first registration of a migrated id claims it"
+    with pytest.raises(ledger_module.AlreadyExists):
+        ledger.register("w1", GPU, host="node-b")
