@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +57,52 @@ def test_on_cuda_concurrent_streams_equal_their_solo_streams_and_the_decode_grap
     assert warm <= set(plans.keys()), "a decode graph was evicted between identical rounds"
     stats = runtime.stats()
     assert stats["arena"]["faults"] == 0 and stats["scheduler"]["peak_batch_size"] > 1
+
+
+def mixed_round(rt: WorkerRuntime) -> list[tuple[list[int], str]]:
+    """Greedy and seeded streams with stop ids and max_new_tokens hitting at different steps,
+    all queued at once (the engine batches them), drained concurrently."""
+    from gpu_worker.engines.scheduler.sampling import SamplingParams
+
+    specs = []
+    for i in range(STREAMS):
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i)
+        sampling = seeded if i % 2 else SamplingParams()
+        if i % 3 == 0:   # a stop id this stream produces (its token at step 3 + i of a free run)
+            free = [c[0] for c in rt.generate("m", prompt_of(i), 24, sampling=sampling)]
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
+                                      sampling.seed, stop_token_ids=(free[3 + i],))
+        specs.append((prompt_of(i), 10 + 2 * i, sampling))
+    streams = [rt.generate("m", p, n, sampling=s) for p, n, s in specs]
+    out: list[tuple[list[int], str]] = [([], "")] * STREAMS
+
+    def drain(i: int) -> None:
+        tokens = [c[0] for c in streams[i]]
+        out[i] = (tokens, streams[i].seq.finish_reason)
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def test_on_cuda_overlapped_steps_give_the_same_tokens_as_serial_ones(runtime) -> None:
+    """Overlap (step n+1 launched before step n is read back, tokens fed on the device, pinned
+    readback and an event per step) against serial steps, same engine, same streams."""
+    sched = runtime._get("m").scheduler
+    assert sched.overlap, "the engine's default is overlapped steps"
+    overlapped = mixed_round(runtime)
+    before = sched.stats()
+    sched.overlap = False
+    try:
+        assert sched.wait_idle(60)
+        serial = mixed_round(runtime)
+    finally:
+        sched.overlap = True
+    assert overlapped == serial, "overlapped steps gave different tokens from serial ones"
+    reasons = {reason for _, reason in serial}
+    assert {"stop", "length"} <= reasons, f"the round did not hit both stops: {reasons}"
+    after = sched.stats()
+    assert after["step_device_us"] > before["step_device_us"] > 0, "no device time was measured"
+    assert runtime.stats()["arena"]["faults"] == 0
