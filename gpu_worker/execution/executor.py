@@ -227,12 +227,32 @@ class ShapePlan:
         shapes = self._gemm_shapes(steps)
         warmed = bool(shapes) and not all(device.blas.is_warm(s) for s in shapes)
         if warmed:
+            # ...except state a graph updates in place (the decode slots' tokens: the embedding
+            # reads them, the sampler overwrites them): saved before the eager run, put back
+            # after it, so the replay reads what the eager run read
+            saved = [(self.ptr(n), device.from_device(self.ptr(n), self.graph.tensors[n].nbytes))
+                     for n in self._inplace_state(steps)]
             self._launch_warm(steps, stream)
+            for ptr_, data in saved:
+                device.to_device(ptr_, data, stream=stream)
         with device.capture(stream=stream) as cap:
             self.launch_all(steps, stream)
         for _, variant in steps:
             self.executor.kernels.hold(variant, self)
         return cap.graph_exec, int(cap.graph_bytes), warmed
+
+    def _inplace_state(self, steps) -> list[str]:
+        """State tensors that `steps` read before one of them writes them (not the KV pool: its
+        rows are appended before they are read, so running twice writes the same bytes)."""
+        read, out = set(), []
+        for node, _ in steps:
+            for name in node.inputs:
+                if self.graph.tensors[name].kind == "state":
+                    read.add(name)
+            for name in node.outputs:
+                if name in read and name not in out and self.graph.tensors[name].kind == "state":
+                    out.append(name)
+        return out
 
     def reset_graph(self) -> None:
         """Destroy the graph exec (it bakes workspace and activation pointers); rebuilt on demand."""
