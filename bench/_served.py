@@ -46,6 +46,10 @@ def served_worker(backend: str, changed: dict[str, tuple[str, str]] | None = Non
         client = WorkerClient(proc.address, deadline_s=deadline_s)
         try:
             yield client, proc
+        except Exception:
+            # the worker's own traceback is in its log, which goes with the temporary directory
+            print(f"worker log (last lines) after a failed call:\n{proc.log_tail(80)}", flush=True)
+            raise
         finally:
             client.close()
             code = stack.stop_one(proc)
