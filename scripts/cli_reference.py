@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
-_ENV = re.compile(r"\s*\(env (?P<env>[A-Z0-9_]+), default (?P<default>.*)\)$", re.S)
+_ENV = re.compile(r"\s*\(env (?P<env>[A-Z0-9_]+), default (?P<default>.*)\)$", re.DOTALL)
 
 
 def parsers() -> list[tuple[str, Callable[[], argparse.ArgumentParser], str]]:

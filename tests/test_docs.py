@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import cli_reference  # noqa: E402  (scripts/ is not a package)
+import cli_reference
 
 # What a reference page does not carry: issue numbers, and words of a development diary.
 HISTORY = re.compile(r"\bissues? [0-9]|#[0-9]{2}\b|\bsuperseded\b|\bowed\b", re.IGNORECASE)
@@ -24,7 +24,7 @@ HISTORY = re.compile(r"\bissues? [0-9]|#[0-9]{2}\b|\bsuperseded\b|\bowed\b", re.
 
 def _sections(text: str) -> dict[str, str]:
     """'### heading' -> the text up to the next heading of any level 2 or 3."""
-    parts = re.split(r"^(#{2,3} .+)$", text, flags=re.M)
+    parts = re.split(r"^(#{2,3} .+)$", text, flags=re.MULTILINE)
     return {parts[i].lstrip("#").strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
@@ -77,9 +77,9 @@ def test_the_front_door_points_only_inside_the_repository_and_at_the_docs_index(
 
 def test_the_front_door_defines_every_variable_it_uses_and_writes_no_alternatives_as_pipes():
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:sh|bash)?\n(.*?)```", readme, flags=re.S)
+    blocks = re.findall(r"```(?:sh|bash)?\n(.*?)```", readme, flags=re.DOTALL)
     text = "\n".join(blocks)
-    defined = set(re.findall(r"^(?:export )?([A-Z_][A-Z0-9_]*)=", text, flags=re.M))
+    defined = set(re.findall(r"^(?:export )?([A-Z_][A-Z0-9_]*)=", text, flags=re.MULTILINE))
     used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", text))
     assert used <= defined, f"README.md uses {sorted(used - defined)} without defining them"
     piped = [line for line in text.splitlines() if re.search(r"\s\|\s", line.split("#")[0])]
