@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
-import os
 import pathlib
 import signal
-import socket
-from typing import TYPE_CHECKING
 
+from gpu_worker.config import (
+    DEFAULT_DEQUANT_TILE_BYTES,
+    DEFAULT_MAX_PLANS,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_VARIANTS_PER_NODE,
+    WorkerConfig,
+    default_worker_id,
+)
 from gpu_worker.core.token_stream import (
     DEFAULT_STREAM_BUFFER_TOKENS,
     MAX_STREAM_BUFFER_TOKENS,
@@ -26,14 +31,7 @@ from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
 from services.common.telemetry import tracer_provider
 
-if TYPE_CHECKING:
-    from gpu_worker.core.runtime import WorkerConfig
-
 log = logging.getLogger("gpu_worker")
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--governor-token", "GPUPLANE_WORKER_GOVERNOR_TOKEN", "",
              "bearer token naming this worker to the governor (deployments without mutual TLS)")
     env_flag(serve, "--worker-id", "GPUPLANE_WORKER_ID", "", "worker id (default: HOST-PID)")
-    env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", 4,
+    env_flag(serve, "--variants-per-node", "GPUPLANE_KERNEL_VARIANTS_PER_NODE", DEFAULT_VARIANTS_PER_NODE,
              "kernel shape variants kept per node", type=int)
-    env_flag(serve, "--max-plans", "GPUPLANE_MAX_PLANS", 2, "warm shape plans kept per model", type=int)
+    env_flag(serve, "--max-plans", "GPUPLANE_MAX_PLANS", DEFAULT_MAX_PLANS, "warm shape plans kept per model", type=int)
     env_flag(serve, "--max-plan-bytes", "GPUPLANE_MAX_PLAN_BYTES", 0,
              "byte bound on one model's warm plans (arenas + graphs); 0 = only --max-plans", type=int)
     env_flag(serve, "--cache-namespace", "GPUPLANE_WORKER_CACHE_NAMESPACE", "",
@@ -107,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
              "waiting Generate requests per model; beyond it RESOURCE_EXHAUSTED", type=int)
     env_flag(serve, "--kv-block-tokens", "GPUPLANE_KV_BLOCK_TOKENS", 16,
              "tokens per paged KV block (a power of two in 16..256)", type=int)
+    env_flag(serve, "--prefill-chunk", "GPUPLANE_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK,
+             "prompt tokens per prefill chunk (a longer prompt runs as several chunks)", type=int)
+    env_flag(serve, "--dequant-tile-bytes", "GPUPLANE_DEQUANT_TILE_BYTES", DEFAULT_DEQUANT_TILE_BYTES,
+             "one model's fp16 dequantization tile for int4 prefill linears", type=int)
     env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
              "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
              "sequences at full context", type=int)
@@ -116,8 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
 def worker_config(args: argparse.Namespace, provider: object = None,
                   tls: object = None) -> WorkerConfig:
     """The runtime's configuration from parsed `serve` flags."""
-    from gpu_worker.core.runtime import WorkerConfig
-
     return WorkerConfig(
         backend=args.backend,
         governor=args.governor or None,
@@ -145,6 +145,8 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         max_queued=args.max_queued,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,
+        prefill_chunk=args.prefill_chunk,
+        dequant_tile_bytes=args.dequant_tile_bytes,
     )
 
 
@@ -163,6 +165,8 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
     if args.max_step_tokens < args.max_batch_size:
         return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
+    if args.prefill_chunk < 1 or args.dequant_tile_bytes < 1:
+        return "--prefill-chunk and --dequant-tile-bytes must be at least 1"
     if args.max_workers < 1:
         return "--max-workers must be at least 1"
     if not 1 <= args.max_stream_buffer_tokens <= MAX_STREAM_BUFFER_TOKENS:

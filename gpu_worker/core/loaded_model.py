@@ -14,6 +14,7 @@ from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.models.paged import PagedDecoderModel
+from gpu_worker.engines.embed_batcher import EmbedBatcher
 from gpu_worker.engines.scheduler.scheduler import Scheduler
 
 
@@ -51,6 +52,7 @@ class LoadedModel:
     model: PagedDecoderModel | DecoderModel | EncoderModel
     lock: threading.Lock = field(default_factory=threading.Lock)
     scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
+    embed_batcher: EmbedBatcher | None = None  # encoders: requests merged into padded batches
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one
     eos_token_ids: tuple[int, ...] = ()     # generation stops after emitting one of these
     last_used: float = field(default_factory=time.monotonic)

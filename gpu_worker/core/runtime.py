@@ -21,33 +21,22 @@ nothing could be reclaimed: the partial load is unwound, so the ledger is as bef
 """
 from __future__ import annotations
 
-import os
-import pathlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_worker.core.admission import admission_by_zone, weights_to_probe
 from gpu_worker.checkpoints.text import TextCodec
-from gpu_worker.engines.embed_batcher import EmbedBatcher, EmbedBatchStats
-from gpu_worker.execution.executor import ModelExecutor
-from gpu_worker.execution.kernel_cache import variants_per_node_from_env
-from gpu_worker.execution.plans import max_plans_from_env
-from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
+from gpu_worker.config import WorkerConfig
+from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
-from gpu_worker.models.configs import WEIGHT_FORMATS, ModelConfig, get_config
-from gpu_worker.models.decoder import DecoderModel
-from gpu_worker.models.encoder import EncoderModel
-from gpu_worker.models.paged import PagedDecoderModel
+from gpu_worker.core.loader import LoadSpec, ModelLoader
+from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.core.reclaim import Reclaimer
 from gpu_worker.engines.scheduler.histogram import Histogram
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import Scheduler, Sequence
+from gpu_worker.engines.scheduler.scheduler import Sequence
 from gpu_worker.telemetry.spans import span
 from gpu_worker.core.stats import scheduler_stats, worker_stats
 from gpu_worker.core.token_stream import TokenBuffer, TokenStream
@@ -58,65 +47,11 @@ from services.common.errors import (
     NotFound,
 )
 
-if TYPE_CHECKING:  # the runtime never imports grpc; the channels do, in the clients
-    from services.common.tls import ChannelTLS
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 OFFLOAD_WAIT_S = 60.0   # how long OffloadModel waits for a decoder's batch to drain
-
-
-@dataclass
-class WorkerConfig:
-    backend: str = "auto"
-    governor: str | None = None
-    cache: str | None = None
-    cache_dir: pathlib.Path | None = None
-    cache_namespace: str = ""           # the kernel cache service's namespace for our entries
-    worker_id: str = field(default_factory=default_worker_id)
-    variants_per_node: int = field(default_factory=variants_per_node_from_env)
-    max_plans: int = field(default_factory=max_plans_from_env)
-    cache_write_token: str | None = None
-    tls: ChannelTLS | None = None       # outgoing calls (governor, cache); None = plaintext
-    governor_token: str | None = None   # bearer token for the governor, without mutual TLS
-    tracer_provider: object = None
-    max_plan_bytes: int | None = None   # optional byte bound on one model's plans
-    ordinal: int = 0
-    capture: bool = True                # False: eager launches (benchmarks, debugging)
-    model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
-    checkpoint_context: int = 8192      # tokens served from a checkpoint (KV cache is f32)
-    weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
-    host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
-    lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
-    embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
-    embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
-    embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)
-    # continuous batching (docs/scheduler.md)
-    max_batch_size: int = 64            # running sequences per decoder
-    max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
-    max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
-    kv_block_tokens: int = 16           # tokens per paged KV block
-    kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
-    # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
-    # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
-    batching: bool = True
 
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig) -> None:
-        if config.variants_per_node < 1 or config.max_plans < 1:
-            raise InvalidArgument("variants_per_node and max_plans must be at least 1")
-        if (config.embed_batch_wait_ms < 0 or config.embed_max_batch < 1
-                or config.embed_max_batch_tokens < 1):
-            raise InvalidArgument("embed_batch_wait_ms must be >= 0, embed_max_batch and "
-                                  "embed_max_batch_tokens at least 1")
-        for name in ("weight_budget_bytes", "host_pinned_budget_bytes"):
-            value = getattr(config, name)
-            if value is not None and value <= 0:
-                raise InvalidArgument(f"{name}={value} must be positive (or None: no budget)")
         self.config = config
         self.device = None
         self.budget = None
@@ -125,9 +60,8 @@ class WorkerRuntime:
         self.reclaimer: Reclaimer | None = None
         self._models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()      # guards the model table, not the models
-        # Embed batching (gpu_worker/engines/embed_batcher.py): one batcher per loaded encoder, by model
-        # id with the LoadedModel it serves (a reloaded id gets a fresh one); counters shared by all.
-        self._embed_batchers: dict[str, tuple[LoadedModel, EmbedBatcher]] = {}
+        self._loading: set[str] = set()    # ids reserved by a load in progress
+        # Embed batching counters, shared by every encoder's batcher (made at load)
         self.embed_batch_stats = EmbedBatchStats()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -197,117 +131,67 @@ class WorkerRuntime:
         return self.device
 
     # -- models ----------------------------------------------------------------------------------
-    def load_model(self, model_id: str, family: str, config: str, seed: int,
-                   checkpoint: str = "", weight_format: str = "") -> LoadResult:
-        """A synthetic model (family, config, seed), or a checkpoint directory under the model
-        root (family/config/seed ignored). A failed load leaves nothing booked or listed."""
-        self._started()
-        if not model_id:
-            raise InvalidArgument("model_id is empty")
-        if checkpoint:
-            return self._load_checkpoint(model_id, checkpoint, weight_format or "int4")
+    def load_synthetic(self, model_id: str, family: str, config: str, seed: int) -> LoadResult:
+        """A model of a named config (gpu_worker/models/configs.py) with weights from `seed`.
+        A failed load leaves nothing booked or listed."""
         if family not in ("decoder", "encoder"):
             raise InvalidArgument(f"family must be decoder or encoder, got {family!r}")
-        cfg = get_config(config, family)
-        return self._load(model_id, cfg, family, config, int(seed), None)
+        return self._install(model_id, LoadSpec(get_config(config, family), config, int(seed)))
 
-    def _load_checkpoint(self, model_id: str, checkpoint: str, weight_format: str) -> LoadResult:
+    load_model = load_synthetic   # the name tests and benchmarks have always called
+
+    def load_checkpoint(self, model_id: str, checkpoint: str, weight_format: str = "") -> LoadResult:
+        """A Hugging Face checkpoint directory under the model root; every file it reads is
+        sandboxed there (gpu_worker/checkpoints/paths.py). `weight_format` '' means int4."""
         from gpu_worker.checkpoints import Checkpoint
         from gpu_worker.checkpoints.paths import resolve_checkpoint
+        weight_format = weight_format or "int4"
         if weight_format not in WEIGHT_FORMATS:   # before the path: a bad request touches nothing
             raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (or '' for it) "
                                   "or 'fp16'")
-        directory = resolve_checkpoint(self.config.model_root, checkpoint)
-        # the model root sandboxes every file the checkpoint reads, not only its directory
-        codec = TextCodec.for_checkpoint(directory, self.config.model_root)
+        self._check_model_id(model_id)
+        root = self.config.model_root
+        directory = resolve_checkpoint(root, checkpoint)
+        codec = TextCodec.for_checkpoint(directory, root)
         with Checkpoint.open(directory, self.config.checkpoint_context, weight_format,
-                             root=self.config.model_root) as ckpt:
+                             root=root) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
-            return self._load(model_id, ckpt.cfg, ckpt.cfg.family, ckpt.cfg.name, 0, ckpt.weights,
-                              source, codec, ckpt.spec.eos_token_ids, ckpt.spec.normalize)
+            return self._install(model_id, LoadSpec(
+                ckpt.cfg, ckpt.cfg.name, 0, ckpt.weights, source, codec, ckpt.spec.eos_token_ids,
+                ckpt.spec.normalize))
 
-    def _load(self, model_id: str, cfg: ModelConfig, family: str, config: str, seed: int,
-              weights, source: dict | None = None, codec: TextCodec | None = None,
-              eos: tuple[int, ...] = (), normalize: bool = False) -> LoadResult:
-        from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
-        device = self._started()
+    def _check_model_id(self, model_id: str) -> None:
+        self._started()
+        if not model_id:
+            raise InvalidArgument("model_id is empty: name the model to load")
+
+    def _install(self, model_id: str, spec: LoadSpec) -> LoadResult:
+        """Reserve the id, build the model, publish it: a concurrent load of the same id is
+        ALREADY_EXISTS, and a failed build frees the id with nothing booked."""
+        self._check_model_id(model_id)
         with self._lock:
-            if model_id in self._models:
+            if model_id in self._models or model_id in self._loading:
                 raise AlreadyExists(f"model {model_id!r} is already loaded; unload it first",
                                     model_id=model_id)
-            self._models[model_id] = None  # type: ignore[assignment]  # reserve the id
-        started = time.perf_counter()
-        executor = ModelExecutor(device, self.compiler, self.config.variants_per_node,
-                                 self.config.max_plans, self.config.max_plan_bytes,
-                                 weight_namespace=f"{model_id}/")
-        c = self.config
-        model: PagedDecoderModel | DecoderModel | EncoderModel
-        # the paged kernels support head_dim 16, 64 and 128 (i13 contract); another head dim (the
-        # tiny test checkpoints' 8) runs the single-sequence decoder
-        if family == "decoder" and (not c.batching or cfg.head_dim not in PAGED_HEAD_DIMS):
-            model = DecoderModel(executor, cfg, seed, capture=c.capture, weights=weights)
-        elif family == "decoder":
-            model = PagedDecoderModel(executor, cfg, seed, block_tokens=c.kv_block_tokens,
-                                      pool_bytes=c.kv_pool_bytes, max_batch_size=c.max_batch_size,
-                                      capture=c.capture, weights=weights)
-        else:
-            model = EncoderModel(executor, cfg, seed, capture=self.config.capture, weights=weights,
-                                 normalize=normalize, bucketed=True)
+            self._loading.add(model_id)
         try:
-            with span(self.config.tracer_provider, "worker.load_model", model=model_id,
-                       family=family, config=config):
-                self._admit(device, cfg, model_id)
-                self.compiler.prefetch(ALL_SOURCES)
-                for kdef in ALL_KERNELS:  # load the whole kernel set now: no first-request stall
-                    executor.function(kdef)
-                model.load()
-        except BaseException:
-            executor.close()
-            if isinstance(model, PagedDecoderModel):
-                model.close()
-            self._settle_releases()      # a failed load leaves nothing booked when it answers
+            loaded, result = self._loader().build(model_id, spec)
             with self._lock:
-                del self._models[model_id]
-            raise
-        # Counted per module of this load (a concurrent load's compiles are not ours).
-        compiled = executor.module_tiers["compiled"]
-        from_cache = sum(n for tier, n in executor.module_tiers.items() if tier != "compiled")
-        info = ModelInfo(model_id, family, config, int(seed), cfg.vocab_size, cfg.max_context,
-                         cfg.weight_bytes(), **(source or {}))
-        loaded = LoadedModel(info, cfg, executor, model, codec=codec, eos_token_ids=eos)
-        if isinstance(model, PagedDecoderModel):
-            assert model.pool is not None
-            loaded.scheduler = Scheduler(
-                model, model.pool, max_batch_size=c.max_batch_size,
-                max_step_tokens=c.max_step_tokens, max_queued=c.max_queued, eos_token_ids=eos,
-                model_lock=loaded.lock, pin=executor.resident, settle=model.settle,
-                name=model_id)
-        with self._lock:
-            self._models[model_id] = loaded
-        self._report()
-        return LoadResult(info, time.perf_counter() - started, compiled, from_cache)
-
-    def _admit(self, device, cfg: ModelConfig, model_id: str) -> None:
-        """Refuse a model that cannot fit before generating its host weights: a 36 GiB config
-        would otherwise spend a minute and as much host memory only to be refused on the device.
-        A probe commit per zone through the budget owner, released at once; a refused probe asks
-        the reclaimer first (idle models' caches, then their weights), and is refused only when
-        nothing more can go. A model whose weights exceed the weight budget streams (only the
-        budget is probed), refused only when it cannot. What the probe counts:
-        gpu_worker/core/admission.py."""
-        need = admission_by_zone(cfg, device.info.granule_bytes)
-        need["weights"] = weights_to_probe(cfg, device.info.granule_bytes,  # larger: it streams
-                                           device.weights.budget_bytes, f"model {model_id!r}",
-                                           need["weights"], device.weights.budget_source)
-        booked: list[tuple[str, int]] = []
-        try:
-            for zone, nbytes in need.items():
-                self.reclaimer.commit(zone, nbytes)   # reclaims before it refuses
-                booked.append((zone, nbytes))
+                self._models[model_id] = loaded
         finally:
-            for zone, nbytes in booked:
-                device.ledger.uncommit(zone, nbytes)
+            with self._lock:
+                self._loading.discard(model_id)
+        self._report()
+        return result
+
+    def _loader(self) -> ModelLoader:
+        return ModelLoader(self.config, self._started(), self.compiler, self.reclaimer,
+                           self.embed_batch_stats, self._settle_releases, self._embed_batch)
+
+    def model_info(self, model_id: str) -> ModelInfo:
+        """The loaded model's facts (NOT_FOUND for an unknown id): one lookup, no other lock."""
+        return self._get(model_id).info
 
     def unload_model(self, model_id: str) -> int:
         loaded = self._get(model_id)
@@ -359,13 +243,13 @@ class WorkerRuntime:
 
     def list_models(self) -> list[ModelInfo]:
         with self._lock:
-            models = [m for m in self._models.values() if m is not None]
+            models = list(self._models.values())
         return [m.live_info() for m in models]
 
     def _candidates(self) -> list[LoadedModel]:
         """The loaded models, for the reclaimer (it try-locks each one)."""
         with self._lock:
-            return [m for m in self._models.values() if m is not None]
+            return list(self._models.values())
 
     def _get(self, model_id: str, family: str | None = None) -> LoadedModel:
         self._started()
@@ -468,29 +352,8 @@ class WorkerRuntime:
         loaded = self._get(model_id, "encoder")
         sequences = [[int(t) for t in s] for s in sequences]
         loaded.model.check(sequences)
-        return self._embed_batcher(loaded).submit(sequences, cancelled)
-
-    def _embed_batcher(self, loaded: LoadedModel) -> EmbedBatcher:
-        from gpu_worker.models.encoder import padded_shape
-        cfg = self.config
-        with self._lock:
-            held = self._embed_batchers.get(loaded.model_id)
-            if held is not None and held[0] is loaded:
-                return held[1]
-            for model_id, (other, _) in list(self._embed_batchers.items()):
-                if other.closed:   # unloaded: its batcher goes with it (the counters stay)
-                    del self._embed_batchers[model_id]
-            max_context = loaded.cfg.max_context
-
-            def padded_tokens(count: int, longest: int) -> int:
-                batch, seq = padded_shape([longest] * count, max_context)
-                return batch * seq
-
-            batcher = EmbedBatcher(lambda seqs: self._embed_batch(loaded, seqs), padded_tokens,
-                                   self.embed_batch_stats, cfg.embed_batch_wait_ms / 1000.0,
-                                   cfg.embed_max_batch, cfg.embed_max_batch_tokens)
-            self._embed_batchers[loaded.model_id] = (loaded, batcher)
-            return batcher
+        assert loaded.embed_batcher is not None, "an encoder's batcher is made at load"
+        return loaded.embed_batcher.submit(sequences, cancelled)
 
     def _embed_batch(self, loaded: LoadedModel, sequences: list[list[int]]) -> np.ndarray:
         """One batch through the encoder, under the model lock (validated sequences)."""
@@ -514,7 +377,7 @@ class WorkerRuntime:
             raise InvalidArgument(f"target_bytes={target_bytes} is negative")
         freed = 0
         with self._lock:
-            models = [m for m in self._models.values() if m is not None]
+            models = list(self._models.values())
         for loaded in models:
             if device.ledger.total_committed() <= target_bytes:
                 break
@@ -531,7 +394,7 @@ class WorkerRuntime:
         """Nested dict with worker.proto GetStatsResponse field names."""
         device = self._started()
         with self._lock:
-            models = [m for m in self._models.values() if m is not None]
+            models = list(self._models.values())
         stats = worker_stats(device, [m.executor for m in models], self.compiler, self.reclaimer,
                              self.budget, self.config.variants_per_node)
         stats["embed_batch"] = self.embed_batch_stats.snapshot()

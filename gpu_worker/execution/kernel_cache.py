@@ -4,7 +4,7 @@ Hazard (DESIGN 1.1): a cache keyed by input shapes that never evicts grows by on
 per new prompt length, and every variant owns device workspaces (attention scratch, dequantization
 scratch) that the ledger never saw: 38 -> 72 GiB and OOM over 12 requests.
 Contract:
-- at most `variants_per_node` variants per node (GPUPLANE_KERNEL_VARIANTS_PER_NODE, default 4),
+- at most `variants_per_node` variants per node (`--variants-per-node`, default 4),
   LRU per node (not FIFO, not global), so the decode shape survives a run of new prefill shapes;
 - every workspace is allocated through the arena in the `workspace` zone, so the ledger sees it;
 - an eviction first resets every captured graph registered as a holder of the variant (a graph
@@ -21,13 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.config import env_int
-
-DEFAULT_VARIANTS_PER_NODE = 4
-
-
-def variants_per_node_from_env() -> int:
-    return env_int("GPUPLANE_KERNEL_VARIANTS_PER_NODE", DEFAULT_VARIANTS_PER_NODE)
+from gpu_worker.config import DEFAULT_VARIANTS_PER_NODE
 
 
 class GraphHolder(Protocol):
@@ -68,7 +62,7 @@ class KernelCache:
 
     def __init__(self, arena, variants_per_node: int | None = None) -> None:
         self.arena = arena
-        self.bound = variants_per_node_from_env() if variants_per_node is None else variants_per_node
+        self.bound = DEFAULT_VARIANTS_PER_NODE if variants_per_node is None else variants_per_node
         if self.bound < 1:
             raise ValueError(f"variants_per_node must be >= 1, got {self.bound}")
         self._nodes: dict[Hashable, OrderedDict[tuple, KernelVariant]] = {}

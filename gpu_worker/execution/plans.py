@@ -6,7 +6,7 @@ hid behind it: the plan map and its LRU list drifted apart when a run threw betw
 touch, leaving a plan that no eviction could reach (a zombie) and an eviction that popped a key the
 map no longer had (a crash).
 Contract:
-- at most `max_plans` plans per model (GPUPLANE_MAX_PLANS, default 2) and optionally at most
+- at most `max_plans` plans per model (`--max-plans`, default 2) and optionally at most
   `max_bytes` of activation + graph memory;
 - the map is the LRU (one OrderedDict): they cannot drift; a plan is touched when inserted, before
   its run, and again after it, whether the run returned or threw;
@@ -30,18 +30,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol, TypeVar
 
-from services.common.config import env_int
+from gpu_worker.config import DEFAULT_MAX_PLANS
 
-DEFAULT_MAX_PLANS = 2
 # Powers of two from 16; beyond the ladder a prompt is rounded up to a multiple of the last rung.
 SEQ_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 T = TypeVar("T")
 _ANY_CLASS = object()     # _evict_lru's "victims of any class"
-
-
-def max_plans_from_env() -> int:
-    return env_int("GPUPLANE_MAX_PLANS", DEFAULT_MAX_PLANS)
 
 
 def seq_bucket(n: int, ladder: tuple[int, ...] = SEQ_LADDER) -> int:
@@ -68,7 +63,7 @@ class PlanCache:
 
     def __init__(self, max_plans: int | None = None, max_bytes: int | None = None,
                  synchronize: Callable[[], None] = lambda: None) -> None:
-        self.max_plans = max_plans_from_env() if max_plans is None else max_plans
+        self.max_plans = DEFAULT_MAX_PLANS if max_plans is None else max_plans
         if self.max_plans < 1:
             raise ValueError(f"max_plans must be >= 1, got {self.max_plans}")
         self.max_bytes = max_bytes

@@ -2,7 +2,7 @@
 
 Two graph shapes per model:
 - prefill(S), run as chunked prefill: a prompt of L <= C tokens (C = the prefill chunk,
-  GPUPLANE_PREFILL_CHUNK, default 2048) runs once at S = L bucketed onto the plan ladder; a longer
+  `--prefill-chunk`, default 2048) runs once at S = L bucketed onto the plan ladder; a longer
   prompt runs in ceil(L / C) chunks of S = C against the KV cache, the last one padded. Each chunk
   appends its keys to the cache at `start` and attends to the cache rows [0, start + t] of its
   token t (no more than `chunk_len` real rows: padding never reaches a real position), and
@@ -29,15 +29,10 @@ from gpu_worker.models.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import generate
-from services.common.config import env_int
+from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from services.common.errors import InvalidArgument
 
-DEFAULT_PREFILL_CHUNK = 2048
 KV_DTYPE = "f16"    # the KV cache: fp16 (attention reads it into f32 arithmetic)
-
-
-def prefill_chunk_from_env() -> int:
-    return env_int("GPUPLANE_PREFILL_CHUNK", DEFAULT_PREFILL_CHUNK)
 
 
 def uses_flash_attention(cfg: ModelConfig) -> bool:
@@ -167,7 +162,7 @@ class DecoderModel:
         # False: one prefill shape per prompt length (the unbucketed traffic of DESIGN 1.1,
         # for the replay benchmark); True: lengths rounded up onto the plan ladder.
         self.bucketed = bucketed
-        self.prefill_chunk = prefill_chunk_from_env() if prefill_chunk is None else prefill_chunk
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if self.prefill_chunk < 1:
             raise InvalidArgument(f"prefill chunk must be >= 1 token, got {self.prefill_chunk}")
 

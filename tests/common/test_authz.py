@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from cache_service.access import ACCESS as CACHE_ACCESS
 from cache_service.convert import artifact_to_pb
-from gpu_worker.access import ACCESS as WORKER_ACCESS
+from gpu_worker.edge.access import ACCESS as WORKER_ACCESS
 from services.common import errors
 from services.common.authz import Policy, Rule
 from services.common.identity import (
@@ -220,8 +220,8 @@ def test_worker_a_cannot_release_or_deregister_worker_b_and_the_admin_can(
 
 @pytest.fixture(scope="module")
 def mtls_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     tmp = tmp_path_factory.mktemp("authz-worker")
     ca = CertificateAuthority(tmp / "pki")

@@ -113,8 +113,8 @@ def test_a_key_that_does_not_match_its_certificate_is_refused_at_startup(tmp_pat
 @pytest.fixture
 def rotating_worker(tmp_path: pathlib.Path, ca: CertificateAuthority) -> Iterator:
     """A sim worker over mutual TLS whose certificate files live at fixed paths, as mounted."""
-    from gpu_worker.runtime import WorkerConfig, WorkerRuntime
-    from gpu_worker.servicer import serve_worker
+    from gpu_worker import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.servicer import serve_worker
 
     cert, key = tmp_path / "mount" / "tls.crt", tmp_path / "mount" / "tls.key"
     cert.parent.mkdir()

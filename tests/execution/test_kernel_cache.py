@@ -92,11 +92,10 @@ def test_kernel_cache_limit_one_thousand_lifts_the_bound():
     assert cache.stats()["entries"] == 24 and cache.stats()["evictions"] == 0
 
 
-def test_kernel_cache_bound_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv("GPUPLANE_KERNEL_VARIANTS_PER_NODE", "7")
-    assert KernelCache(RecordingArena([])).bound == 7
-    monkeypatch.delenv("GPUPLANE_KERNEL_VARIANTS_PER_NODE")
-    assert KernelCache(RecordingArena([])).bound == 4, "default bound must be 4"
+def test_kernel_cache_bound_defaults_to_4_and_the_environment_is_read_only_at_the_edge(monkeypatch):
+    monkeypatch.setenv("GPUPLANE_KERNEL_VARIANTS_PER_NODE", "7")   # the serve flag's default
+    assert KernelCache(RecordingArena([])).bound == 4, "the core read the environment"
+    assert KernelCache(RecordingArena([]), 7).bound == 7
 
 
 def test_kernel_cache_failed_workspace_allocation_leaves_nothing_behind():

@@ -9,7 +9,8 @@ import pytest
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.core.loader import ModelLoader
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 
 # Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
@@ -40,7 +41,9 @@ def test_runtime_embeds_with_the_encoder(runtime):
     got = runtime.embed("enc", seqs)
     want = R.EncoderReference(CONFIGS["tiny-encoder"], W.load_host(CONFIGS["tiny-encoder"], 2)).embed(
         np.array(seqs))
-    assert got.shape == (2, 64) and np.allclose(got, want, atol=ATOL)
+    # the encoder rounds its tensor-core operands to fp16 where the reference does not: one fp16
+    # ulp at |x| ~ 2 is 2e-3 (the gap was 0.95e-3 with f32 sums and 1.02e-3 with exact ones)
+    assert got.shape == (2, 64) and np.allclose(got, want, atol=2 * ATOL)
 
 
 def test_runtime_refuses_bad_requests_with_domain_errors(runtime):
@@ -221,7 +224,7 @@ def test_a_second_model_loads_under_an_exact_budget_by_paging_out_the_idle_first
     drive the reclaim."""
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
-        monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
+        monkeypatch.setattr(ModelLoader, "admit", lambda self, cfg, model_id: None)
     outcome = second_model_under_an_exact_budget(runtime, probe.split("-")[0],
                                                  kv_at_load=probe != "content-unprobed")
     assert outcome == "loaded", "the idle first model could have been paged out"
@@ -346,11 +349,19 @@ def test_the_worker_stores_kernels_under_its_cache_namespace(tmp_path):
         cache.stop()
 
 
-def test_the_decode_graph_survives_prefill_shapes_under_the_default_plan_bound(runtime, monkeypatch):
+def test_the_decode_graph_survives_prefill_shapes_under_the_default_plan_bound(kernel_cache_dir):
     """Under the default --max-plans 2, a prompt prefilled in two chunk shapes (a full chunk, then
     the bucketed remainder) evicted the decode graph before every stream's decode: it was captured
     again for every request. The decode ladder is a plan class bounded by its rungs instead."""
-    monkeypatch.setenv("GPUPLANE_PREFILL_CHUNK", "32")
+    runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
+                                         prefill_chunk=32)).start()
+    try:
+        _decode_graph_survives_prefill_shapes(runtime)
+    finally:
+        runtime.close()
+
+
+def _decode_graph_survives_prefill_shapes(runtime):
     runtime.load_model("dec", "decoder", "tiny", 4)
     plans = runtime._get("dec").executor.plans
     assert plans.max_plans == 2

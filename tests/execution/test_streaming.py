@@ -16,7 +16,7 @@ from gpu_worker.models.graph import Node
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 from services.common.errors import ResourceExhausted
 
 MIB = 1 << 20

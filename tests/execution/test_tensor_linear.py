@@ -24,7 +24,7 @@ def test_tile_rows_split_a_weight_that_exceeds_the_tile_into_64_row_multiples():
     rows = ops.tile_rows(14336, 4096, 32 << 20)
     assert rows == 4096 and -(-14336 // rows) == 4, "8b's MLP weight: 4 tiles of 32 MiB"
     assert ops.tile_rows(4096, 14336, 32 << 20) % 64 == 0
-    with pytest.raises(ValueError, match="GPUPLANE_DEQUANT_TILE_BYTES"):
+    with pytest.raises(ValueError, match="--dequant-tile-bytes"):
         ops.tile_rows(4096, 14336, 1 << 20)
 
 

@@ -193,7 +193,7 @@ def test_a_borrowing_client_gives_idle_bytes_back_when_the_governor_reclaims(tmp
 def test_a_worker_that_starts_before_its_governor_books_its_context_once_the_governor_answers(
     tmp_path,
 ):
-    from gpu_worker.stack import free_port
+    from gpu_worker.stack.processes import free_port
 
     port = free_port()
     c = GovernorClient(f"127.0.0.1:{port}", "early", DEVICE, chunk_bytes=CHUNK, heartbeat_s=0.05,

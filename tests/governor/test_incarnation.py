@@ -192,7 +192,7 @@ def test_a_refused_client_closing_does_not_deregister_the_holder(governor):
 
 def test_a_worker_refused_its_governor_registration_reports_not_serving_on_health(
         governor, tmp_path):
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
 
     server, _, stub = governor

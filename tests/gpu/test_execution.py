@@ -140,10 +140,11 @@ def test_on_cuda_a_load_never_evicts_weights_another_model_runs_on(probe, monkey
     """Issue 11's device fault, on the H200: under an exact budget the second model loads by
     paging the idle first one out (issue 14), and the first pages back in and serves the same
     tokens; never an illegal address."""
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
+    from gpu_worker.core.loader import ModelLoader
     from tests.scenarios import second_model_under_an_exact_budget
     if probe == "content-unprobed":
-        monkeypatch.setattr(WorkerRuntime, "_admit", lambda self, device, cfg, model_id: None)
+        monkeypatch.setattr(ModelLoader, "admit", lambda self, cfg, model_id: None)
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernel_cache_dir)).start()
     try:
         outcome = second_model_under_an_exact_budget(rt, probe.split("-")[0],

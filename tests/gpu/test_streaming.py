@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 
 pytestmark = pytest.mark.gpu
 

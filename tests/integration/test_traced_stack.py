@@ -65,7 +65,7 @@ def security(request, tmp_path: pathlib.Path) -> Security:
 def stack(tmp_path: pathlib.Path, security: Security) -> Iterator[tuple[Traced, WorkerClient]]:
     from cache_service.config import ServerConfig
     from cache_service.server import start_cache_server
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
     from services.governor.server import start_governor
 

@@ -17,7 +17,7 @@ SEED = 7
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
     """A sim worker with the tiny decoder and encoder loaded; shared by a module's tests."""
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
 
     cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")

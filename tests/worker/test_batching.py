@@ -30,7 +30,7 @@ def prompt_of(i: int, n: int) -> list[int]:
 
 
 def start_worker(tmp_path, **config):
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path, **config)).start()
     server = serve_worker(runtime, "127.0.0.1:0", TracerProvider(), max_workers=48)

@@ -36,7 +36,7 @@ def root(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def worker(root, tmp_path_factory) -> Iterator[WorkerClient]:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path_factory.mktemp("k"),
                                          worker_id="ckpt-worker", model_root=root))

@@ -23,7 +23,7 @@ ATOL = 2e-5       # padded vs solo plans: different GEMM shapes, same math
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
 
     cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")

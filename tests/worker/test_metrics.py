@@ -13,7 +13,7 @@ from gpu_worker.edge.metrics import WorkerCollector
 
 def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_closed_runtime(
         tmp_path: pathlib.Path) -> None:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
 
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
     registry = CollectorRegistry()
@@ -34,7 +34,7 @@ def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_clos
 
 def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_counts_the_failure(
         tmp_path: pathlib.Path, caplog, monkeypatch) -> None:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
 
     monkeypatch.setattr(survived, "_logged", set())
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
@@ -53,7 +53,7 @@ def test_a_scrape_of_a_closed_runtime_serves_no_worker_gauges_and_logs_and_count
 
 
 def test_the_collector_exports_the_embed_batch_size_histogram(tmp_path: pathlib.Path) -> None:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
 
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=tmp_path)).start()
     registry = CollectorRegistry()

@@ -1,0 +1,89 @@
+"""`WorkerConfig`: everything a worker runtime is started with, frozen and validated on construction.
+
+The environment is never read here or below: `python -m gpu_worker serve` maps its flags (each with
+a `GPUPLANE_*` environment default) onto this object, and tests and benchmarks build it directly.
+A bad value raises `InvalidArgument` naming the field and how to fix it, before anything starts.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.common.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the config never imports grpc; the channels do, in the clients
+    from services.common.tls import ChannelTLS
+
+DEFAULT_VARIANTS_PER_NODE = 4      # kernel shape variants kept per graph node (DESIGN 1.1)
+DEFAULT_MAX_PLANS = 2              # warm shape plans kept per model (DESIGN 1.2)
+DEFAULT_PREFILL_CHUNK = 2048       # prompt tokens per prefill chunk
+DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    backend: str = "auto"
+    governor: str | None = None
+    cache: str | None = None
+    cache_dir: pathlib.Path | None = None
+    cache_namespace: str = ""           # the kernel cache service's namespace for our entries
+    worker_id: str = field(default_factory=default_worker_id)
+    variants_per_node: int = DEFAULT_VARIANTS_PER_NODE
+    max_plans: int = DEFAULT_MAX_PLANS
+    cache_write_token: str | None = None
+    tls: ChannelTLS | None = None       # outgoing calls (governor, cache); None = plaintext
+    governor_token: str | None = None   # bearer token for the governor, without mutual TLS
+    tracer_provider: object = None
+    max_plan_bytes: int | None = None   # optional byte bound on one model's plans
+    ordinal: int = 0
+    capture: bool = True                # False: eager launches (benchmarks, debugging)
+    model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
+    checkpoint_context: int = 8192      # tokens served from a checkpoint
+    weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
+    host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
+    lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK   # prompt tokens per prefill chunk
+    dequant_tile_bytes: int = DEFAULT_DEQUANT_TILE_BYTES  # prefill linears' fp16 tile per model
+    embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
+    embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
+    embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)
+    # continuous batching (docs/scheduler.md)
+    max_batch_size: int = 64            # running sequences per decoder
+    max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
+    max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
+    kv_block_tokens: int = 16           # tokens per paged KV block
+    kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
+    # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
+    # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
+    batching: bool = True
+
+    def __post_init__(self) -> None:
+        at_least_one = ("variants_per_node", "max_plans", "checkpoint_context", "lease_chunk_bytes",
+                        "prefill_chunk", "dequant_tile_bytes", "embed_max_batch",
+                        "embed_max_batch_tokens", "max_batch_size", "max_step_tokens",
+                        "max_queued", "kv_block_tokens")
+        for name in at_least_one:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgument(f"WorkerConfig.{name}={value!r} must be an integer >= 1")
+        for name in ("weight_budget_bytes", "host_pinned_budget_bytes", "max_plan_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidArgument(f"WorkerConfig.{name}={value} must be positive "
+                                      "(or None: no bound)")
+        if self.kv_pool_bytes < 0:
+            raise InvalidArgument(f"WorkerConfig.kv_pool_bytes={self.kv_pool_bytes} must be >= 0 "
+                                  "(0: max_batch_size full contexts)")
+        if not math.isfinite(self.embed_batch_wait_ms) or self.embed_batch_wait_ms < 0:
+            raise InvalidArgument(f"WorkerConfig.embed_batch_wait_ms={self.embed_batch_wait_ms} "
+                                  "must be a finite number >= 0")
+        if self.backend not in ("auto", "cuda", "sim"):
+            raise InvalidArgument(f"WorkerConfig.backend={self.backend!r}: use auto, cuda or sim")
