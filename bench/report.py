@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.record import RESULTS, read, slug
 
 DOC = ROOT / "docs" / "benchmarks.md"
+NOTES = "NOTES.md"     # in the results directory: what the latest runs could not measure, and why
 PLOT_MIN_RUNS = 3
 HISTORY_SHOWN = 6
 
@@ -97,13 +98,17 @@ def latest_by_metric(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]
 
 
 def plot(device: str, bench: str, series: dict[str, list[dict]], out_dir: pathlib.Path,
-         ) -> pathlib.Path | None:
-    """One PNG of every metric of `bench` with >= PLOT_MIN_RUNS runs, value over date."""
+         write: bool = True) -> pathlib.Path | None:
+    """One PNG of every metric of `bench` with >= PLOT_MIN_RUNS runs, value over date; its path
+    (the file written only when `write`), or None when no metric has enough runs."""
     shown = {m: rs for m, rs in series.items()
              if len([r for r in rs if r["value"] is not None]) >= PLOT_MIN_RUNS
              and rs[-1]["unit"] not in ("yes/no",)}
     if not shown:
         return None
+    path = out_dir / f"{slug(device)}-{slug(bench)}.png"
+    if not write:
+        return path
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,16 +126,19 @@ def plot(device: str, bench: str, series: dict[str, list[dict]], out_dir: pathli
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{slug(device)}-{slug(bench)}.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
-def render(rows: list[dict], doc: pathlib.Path = DOC, plots: bool = True) -> str:
-    """The page's Markdown (plots written next to `doc` when `plots`)."""
+def render(rows: list[dict], doc: pathlib.Path = DOC, plots: bool = True,
+           notes: str = "") -> str:
+    """The page's Markdown (its plots written next to `doc` when `plots`); `notes` (the results
+    directory's NOTES.md) is included as written."""
     groups = latest_by_metric(rows)
     lines = [INTRO]
+    if notes.strip():
+        lines.append(notes.strip() + "\n")
     if not groups:
         lines.append("\nNothing recorded yet.\n")
         return "\n".join(lines)
@@ -163,11 +171,10 @@ def render(rows: list[dict], doc: pathlib.Path = DOC, plots: bool = True) -> str
                 lines.append(f"| {metric} | {_fmt(r['value'])} | {r['unit']} | {_fmt(r['peer'])} "
                              f"| {_fmt(r['limit'])} | {r['target'] or '-'} | {verdict(r)} | {run} "
                              f"| {earlier} |")
-            if plots:
-                path = plot(device, bench, series, doc.parent / "benchmarks")
-                if path is not None:
-                    lines.append(f"\n![{bench} on {device}]"
-                                 f"({path.relative_to(doc.parent).as_posix()})")
+            path = plot(device, bench, series, doc.parent / "benchmarks", write=plots)
+            if path is not None:
+                lines.append(f"\n![{bench} on {device}]"
+                             f"({path.relative_to(doc.parent).as_posix()})")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -181,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strict", action="store_true", help="exit 1 when a latest figure MISSED")
     args = p.parse_args(argv)
     rows = read(sorted(args.results.glob("*.jsonl")))
-    text = render(rows, args.out, plots=not args.check)
+    notes = args.results / NOTES
+    text = render(rows, args.out, plots=not args.check,
+                  notes=notes.read_text() if notes.exists() else "")
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:
