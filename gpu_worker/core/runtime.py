@@ -31,6 +31,7 @@ from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.config import WorkerConfig
 from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
+from gpu_worker.core.connections import open_budget, open_compiler, wire_reclaim
 from gpu_worker.core.loader import LoadSpec, ModelLoader
 from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.core.reclaim import Reclaimer
@@ -66,43 +67,15 @@ class WorkerRuntime:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
-        from gpu_worker.compile import KernelCompiler
         from gpu_worker.device import Device, open_backend
         cfg = self.config
         backend = open_backend(cfg.backend, cfg.ordinal)
         try:
-            if cfg.governor:
-                from services.governor.client import DeviceDescription, GovernorClient
-                free, total = backend.mem_get_info()
-                info = backend.info
-                self.budget = GovernorClient(
-                    cfg.governor, cfg.worker_id,
-                    DeviceDescription(info.uuid, info.name, total, free, info.granule_bytes),
-                    chunk_bytes=cfg.lease_chunk_bytes, tracer_provider=cfg.tracer_provider,
-                    tls=cfg.tls, token=cfg.governor_token)
+            self.budget = open_budget(cfg, backend)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
             self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
-            # A peer asked by the governor gives back on its next heartbeat (2 s by default).
-            peer_wait = 2.5 * self.budget.heartbeat_s if self.budget is not None else 0.0
-            self.reclaimer = Reclaimer(self.device, self._candidates, cfg.worker_id, peer_wait)
-            self.device.arena.reclaimer = self.reclaimer.on_refusal
-            if self.budget is not None:  # a reclaim ask is answered before the leases go back
-                self.budget.on_reclaim = self.reclaimer.on_governor_ask
-                # The weight budget is the smaller of the flag and the weights zone's cap.
-                weights = self.device.weights
-                self.budget.on_caps = lambda caps: weights.set_budget(caps.get("weights"),
-                                                                      "governor")
-                self.budget.deliver_caps()   # the registration's; later ones come by heartbeat
-            if cfg.cache:
-                from cache_service.client import KernelCacheClient
-                self.cache_client = KernelCacheClient(cfg.cache, write_token=cfg.cache_write_token,
-                                                      tracer_provider=cfg.tracer_provider,
-                                                      tls=cfg.tls)
-            # The compiler's spans sit between the worker's request span and the cache service's
-            # span, so they must come from the worker's provider or the trace breaks in two.
-            self.compiler = KernelCompiler(self.device.info.arch, cache_dir=cfg.cache_dir,
-                                           remote=self.cache_client, namespace=cfg.cache_namespace,
-                                           tracer_provider=cfg.tracer_provider)
+            self.reclaimer = wire_reclaim(cfg, self.device, self.budget, self._candidates)
+            self.cache_client, self.compiler = open_compiler(cfg, self.device.info.arch)
         except BaseException:
             self.close()
             backend.close()
