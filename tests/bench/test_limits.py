@@ -1,0 +1,27 @@
+"""bench/limits.py without a device: the rotation rule that keeps kernel working sets out of L2."""
+from __future__ import annotations
+
+import pytest
+
+from bench.limits import L2_BYTES, ROTATE_FACTOR, measure, rotation
+
+
+def test_a_rotation_set_is_at_least_four_l2s_of_distinct_data():
+    for nbytes in (1 << 20, 33_554_432, 60 << 20, 200 << 20, 4 << 30):
+        sets = rotation(nbytes)
+        assert sets >= 2, "a replay must never read the buffer the previous one just read"
+        assert sets * nbytes >= ROTATE_FACTOR * L2_BYTES, \
+            f"{sets} sets of {nbytes} bytes fit in {ROTATE_FACTOR} L2s: the benchmark measures L2"
+
+
+def test_the_batch1_8k_decode_cache_is_rotated_not_replayed():
+    kv = 2 * 8192 * 8 * 128 * 2          # K and V, fp16, 8 KV heads of 128: 33.5 MB < L2
+    assert kv < L2_BYTES and rotation(kv) * kv > 3 * L2_BYTES
+
+
+def test_without_a_device_no_limit_is_invented(capsys):
+    from bench import peer
+    if peer.available():
+        pytest.skip("a CUDA device is present: the limits are measured")
+    assert measure(quiet=False) is None, "no device: no limits, never a default figure"
+    assert "not measured" in capsys.readouterr().out
