@@ -159,6 +159,8 @@ def main() -> int:
                 peer_frac = (pm / b) * step_bytes(fp16_weights, kv_tok, b,
                                                   args.prompt + args.new + 8) / 1e9 / lim.copy_gbs
                 line += f", peer {peer_frac:.2f} of copy"
+                targets.figure(f"pytorch fp16 graph decode bytes/s as a fraction of copy, "
+                               f"batch {b}", peer_frac, "fraction", limit=lim.copy_gbs)
             targets.figure(f"pytorch fp16 graph decode, batch {b}", pm, "tok/s",
                            limit=lim.copy_gbs if lim else None)
         print(line, flush=True)
