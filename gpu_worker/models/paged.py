@@ -267,8 +267,10 @@ class PagedDecoderModel:
         self.pool = KVBlockPool(self.executor.device.arena, self.geometry, self.capacity_blocks)
         self.executor.bind_state(POOL, self.pool.base)
         device, n, mb = self.executor.device, self.groups * GROUP, self.geometry.max_blocks
-        self.executor.add_state(SLOT_TOKENS, n * 4, "kv")
-        self.executor.add_state(SLOT_TABLES, n * mb * 4, "kv")
+        # with the plans that bake their addresses (zone activations), not in kv: an idle
+        # decoder gives its whole kv zone back
+        self.executor.add_state(SLOT_TOKENS, n * 4, "activations")
+        self.executor.add_state(SLOT_TABLES, n * mb * 4, "activations")
         tokens, tables = self.executor.state_ptr(SLOT_TOKENS), self.executor.state_ptr(SLOT_TABLES)
         device.memset(tokens, 0, n * 4)
         device.memset(tables, 0, n * mb * 4)        # unused entries name block 0, never read
