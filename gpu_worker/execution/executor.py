@@ -242,16 +242,22 @@ class ShapePlan:
         return cap.graph_exec, int(cap.graph_bytes), warmed
 
     def _inplace_state(self, steps) -> list[str]:
-        """State tensors that `steps` read before one of them writes them (not the KV pool: its
-        rows are appended before they are read, so running twice writes the same bytes)."""
-        read, out = set(), []
+        """State tensors that a node of `steps` reads before any node has written them and a later
+        node then writes (the decode slots' tokens). Not the KV pool: each layer appends its rows
+        before its attention reads them, so its first access is a write, and running twice writes
+        the same bytes. (Counting every read made the pool in place: saving it read the pool's
+        whole reserved range, most of it unmapped, and faulted.)"""
+        read_first, written, out = set(), set(), []
         for node, _ in steps:
             for name in node.inputs:
-                if self.graph.tensors[name].kind == "state":
-                    read.add(name)
+                if self.graph.tensors[name].kind == "state" and name not in written:
+                    read_first.add(name)
             for name in node.outputs:
-                if name in read and name not in out and self.graph.tensors[name].kind == "state":
+                if self.graph.tensors[name].kind != "state":
+                    continue
+                if name in read_first and name not in out:
                     out.append(name)
+                written.add(name)
         return out
 
     def reset_graph(self) -> None:
