@@ -115,7 +115,8 @@ class ModelLoader:
                 model, model.pool, max_batch_size=c.max_batch_size,
                 max_step_tokens=c.max_step_tokens, max_queued=c.max_queued,
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
-                pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id)
+                pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
+                overlap=c.overlap)
         elif isinstance(model, EncoderModel):
             max_context = loaded.cfg.max_context
 
