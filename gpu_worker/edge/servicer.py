@@ -241,9 +241,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.checkpoint:
             _tag(model_id=request.model_id, checkpoint=request.checkpoint)
             started = time.perf_counter()
-            loaded = self.runtime.load_model(request.model_id, "", "", 0,
-                                             checkpoint=request.checkpoint,
-                                             weight_format=request.weight_format)
+            loaded = self.runtime.load_checkpoint(request.model_id, request.checkpoint,
+                                                  request.weight_format)
             return self._loaded(loaded, started)
         _require(request.family, "family is empty: use 'decoder' or 'encoder' (or a checkpoint)")
         _require(request.config, "config is empty: use a named size such as 'tiny'")
@@ -251,8 +250,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise errors.InvalidArgument("weight_format applies to checkpoints only")
         _tag(model_id=request.model_id, family=request.family, config=request.config)
         started = time.perf_counter()
-        loaded = self.runtime.load_model(request.model_id, request.family, request.config,
-                                         int(request.seed))
+        loaded = self.runtime.load_synthetic(request.model_id, request.family, request.config,
+                                             int(request.seed))
         return self._loaded(loaded, started)
 
     @staticmethod
