@@ -64,6 +64,7 @@ from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
 from services.common.server import ServiceRegistration
+from services.common.zones import zone_value
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,15 +149,8 @@ def zone_usages(zones: Any) -> list[governor_pb2.ZoneUsage]:
     return out
 
 
-def zone_name(zone: int) -> str:
-    """ZONE_KV -> "kv": the Python spelling of a governor zone."""
-    return governor_pb2.Zone.Name(zone).removeprefix("ZONE_").lower()
-
-
 def _zone_enum(name: Any) -> int:
-    if isinstance(name, int):
-        return name
-    return governor_pb2.Zone.Value("ZONE_" + str(name).upper())
+    return name if isinstance(name, int) else zone_value(str(name))
 
 
 def _as_mapping(obj: Any) -> Mapping[str, Any]:
