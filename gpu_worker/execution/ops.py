@@ -332,12 +332,19 @@ def _launch_kv_append_paged(c: LaunchContext) -> None:
         g["max_blocks"], stream=c.stream)
 
 
+def _paged_decode_span(node: Node, graph: Graph) -> int:
+    """Keys per split: a function of the graph's shapes only (batch, heads, table), so captured
+    graphs stay valid; the kernels split each row by its actual length."""
+    a = node.attributes
+    return paged_attention.paged_decode_span(int(a["max_blocks"]), int(a["block_tokens"]),
+                                             graph.tensors[node.inputs[0]].shape[0],
+                                             int(a["heads"]), int(a["kv_heads"]))
+
+
 def _paged_decode_splits(node: Node, graph: Graph) -> int:
-    """A function of the graph's shapes only (batch, max_blocks), so captured graphs stay valid."""
     a = node.attributes
     return paged_attention.paged_decode_splits(int(a["max_blocks"]), int(a["block_tokens"]),
-                                               graph.tensors[node.inputs[0]].shape[0],
-                                               int(a["heads"]), int(a["kv_heads"]))
+                                               _paged_decode_span(node, graph))
 
 
 def _paged_decode_workspace(node: Node, graph: Graph) -> dict[str, int]:
@@ -351,11 +358,11 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
     g = _paged(c.node.attributes)
     batch = c.shape(0)[0]
     paged_attention.launch_flash_decode_paged(
-        c.device, c.fn("flash_decode_split_paged"), c.fn("flash_attention_combine"), c.out(),
+        c.device, c.fn("flash_decode_split_paged"), c.fn("flash_combine_paged"), c.out(),
         c.variant.workspace_ptr("splits"), c.inp(0), c.inp(1), c.inp(2), c.inp(3), batch,
         int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"], g["layer"], g["layers"],
-        g["block_tokens"], g["max_blocks"], _paged_decode_splits(c.node, c.graph),
-        stream=c.stream)
+        g["block_tokens"], g["max_blocks"],
+        span=_paged_decode_span(c.node, c.graph), stream=c.stream)
 
 
 def _launch_flash_prefill_paged(c: LaunchContext) -> None:
@@ -405,7 +412,7 @@ OPS: dict[str, OpBinding] = {
     "rotary_rows": OpBinding((rotary.ROTARY_ROWS,), _launch_rotary_rows),
     "kv_append_paged": OpBinding((paged_attention.KV_APPEND_PAGED,), _launch_kv_append_paged),
     "flash_attention_decode_paged": OpBinding((paged_attention.FLASH_DECODE_SPLIT_PAGED,
-                                               flash_attention.FLASH_ATTENTION_COMBINE),
+                                               paged_attention.FLASH_COMBINE_PAGED),
                                               _launch_flash_decode_paged,
                                               workspace=_paged_decode_workspace),
     "flash_attention_prefill_paged": OpBinding((paged_attention.FLASH_PREFILL_PAGED,),

@@ -6,6 +6,11 @@ launcher and (for the sim backend) a NumPy implementation over simulated device 
     fn = device.get_function(module, RMSNORM.entry)
     launch_rmsnorm(device, fn, out, x, w, rows, hidden, eps, stream=device.stream)
 
+The package by one rule: CUDA C in cu/ (one `.cu` per family, shared `.cuh` headers, every header
+in the module's cache key), launchers and shape helpers in one Python module per family
+(attention.py, flash_attention.py, paged_attention.py, ...), every NumPy oracle in reference.py,
+the sim backend's implementations in sim/ and the device self-checks in selfcheck/.
+
 `ALL_KERNELS` lists every KernelDef; `ALL_SOURCES` the distinct modules (one per family) for a
 prefetch. Importing this package registers the sim implementations (gpu_worker.kernels.sim).
 `gpu_worker.kernels.selfcheck` runs every kernel on a device against its reference.
@@ -80,13 +85,16 @@ from gpu_worker.kernels.linear import (
 )
 from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
 from gpu_worker.kernels.paged_attention import (
+    FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
+    launch_flash_combine_paged,
     launch_flash_decode_paged,
     launch_flash_decode_split_paged,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
+    paged_decode_span,
     paged_decode_splits,
 )
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
@@ -100,7 +108,9 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
-    INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_PREFILL_PAGED, SAMPLE,
+    INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
+    FLASH_PREFILL_PAGED,
+    SAMPLE,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -108,9 +118,7 @@ KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 ALL_SOURCES: list[KernelSource] = list({id(k.source): k.source for k in ALL_KERNELS}.values())
 
 # Registers the sim backend's NumPy kernels (entry name -> implementation) as a side effect.
-from gpu_worker.kernels import flash_sim as _flash_sim  # noqa: F401
-from gpu_worker.kernels import paged_sim as _paged_sim  # noqa: F401
-from gpu_worker.kernels import sim as _sim  # noqa: F401
+from gpu_worker.kernels import sim as _sim  # noqa: F401  (sim/: core, flash, paged)
 
 __all__ = [
     "ADD",
@@ -128,6 +136,7 @@ __all__ = [
     "FLASH_ATTENTION_COMBINE",
     "FLASH_ATTENTION_DECODE_SPLIT",
     "FLASH_ATTENTION_PREFILL",
+    "FLASH_COMBINE_PAGED",
     "FLASH_DECODE_SPLIT_PAGED",
     "FLASH_PREFILL_PAGED",
     "FROM_F16",
@@ -172,6 +181,7 @@ __all__ = [
     "launch_flash_attention_decode",
     "launch_flash_attention_decode_split",
     "launch_flash_attention_prefill",
+    "launch_flash_combine_paged",
     "launch_flash_decode_paged",
     "launch_flash_decode_split_paged",
     "launch_flash_prefill_paged",
@@ -194,5 +204,6 @@ __all__ = [
     "launch_sample",
     "launch_silu_gate",
     "launch_to_f16",
+    "paged_decode_span",
     "paged_decode_splits",
 ]

@@ -4,15 +4,18 @@ A `KernelDef` is one `extern "C"` entry point. Several defs may share one `Kerne
 module per kernel family), so the executor compiles and loads a module once and looks up each entry
 with `device.get_function(module, kdef.entry)`.
 
-The common header travels as a KernelSource header, not as text pasted into each source, so it
-enters every module's cache key: editing it recompiles every module that includes it.
+CUDA C lives in kernels/cu/: one `.cu` per family (its NVRTC module) and `.cuh` headers. A module's
+KernelSource carries every header the `.cu` reaches by a quoted #include (cu_headers), so each one
+enters the module's cache key: editing a header recompiles every module that includes it.
 
 Pointers are plain ints (device virtual addresses); 0 stands for a null (optional) pointer.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.common.errors import InvalidArgument
 
@@ -22,96 +25,45 @@ except ImportError:  # its __init__ may not export it yet; the dataclass itself 
     from gpu_worker.compile.source import KernelSource
 
 THREADS = 256            # threads per block for every kernel (8 warps)
-MAX_GRID_1D = 132 * 32   # grid-stride kernels: ~32 blocks per H200 SM is plenty to saturate HBM
+GRID_1D_PER_SM = 32      # grid-stride kernels: ~32 blocks per SM is plenty to saturate HBM
+SIM_SM_COUNT = 132       # the sim backend models an H200
 NVRTC_OPTIONS = ("--std=c++17", "-lineinfo")  # -lineinfo: compute-sanitizer names source lines
 
 COMMON_HEADER_NAME = "gpuplane_common.cuh"
-COMMON_HEADER = r"""
-#pragma once
-// gpuplane kernel library: helpers shared by every module. Blocks are GP_THREADS threads
-// (a multiple of 32: the warp reductions use full-mask shuffles).
-#define GP_THREADS 256
-#ifndef INFINITY  // NVRTC has no <math.h>
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-#define GP_GRID_STRIDE(i, n) \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
-         i += (long long)gridDim.x * blockDim.x)
-
-// fp16 bits -> float without cuda_fp16.h (NVRTC then needs no CUDA include path).
-__device__ __forceinline__ float gp_half_to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-// fp16 storage without cuda_fp16.h: the bits in a 2-byte struct, so overloads on it cannot be
-// confused with unsigned short. gp_ld / gp_st move a value of either storage type as a float.
-struct __align__(2) gp_h { unsigned short x; };
-
-__device__ __forceinline__ unsigned short gp_float_to_half(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));   // round to nearest even
-    return h;
-}
-
-__device__ __forceinline__ float gp_ld(const float* p) { return *p; }
-__device__ __forceinline__ float gp_ld(const gp_h* p) { return gp_half_to_float(p->x); }
-__device__ __forceinline__ void gp_st(float* p, float v) { *p = v; }
-__device__ __forceinline__ void gp_st(gp_h* p, float v) { p->x = gp_float_to_half(v); }
-
-__device__ __forceinline__ float gp_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float gp_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Block-wide reductions; every thread receives the result. `scratch` is 33 shared floats.
-// The leading barrier lets a block call them back to back on the same scratch.
-__device__ __forceinline__ float gp_block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = gp_warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < nwarps ? scratch[lane] : 0.f;
-        w = gp_warp_sum(w);
-        if (lane == 0) scratch[32] = w;
-    }
-    __syncthreads();
-    return scratch[32];
-}
-
-__device__ __forceinline__ float gp_block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = gp_warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < nwarps ? scratch[lane] : -INFINITY;
-        w = gp_warp_max(w);
-        if (lane == 0) scratch[32] = w;
-    }
-    __syncthreads();
-    return scratch[32];
-}
-"""
+CU_DIR = Path(__file__).resolve().parent / "cu"   # every kernel's CUDA C: *.cu modules, *.cuh headers
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
-def make_source(module_name: str, body: str) -> KernelSource:
-    """A library module: `body` includes the common header, which travels with it (and its key)."""
-    return KernelSource(
-        module_name=module_name,
-        source=f'#include "{COMMON_HEADER_NAME}"\n{body}',
-        headers={COMMON_HEADER_NAME: COMMON_HEADER},
-        options=NVRTC_OPTIONS,
-    )
+def _cu_text(name: str) -> str:
+    path = CU_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {name!r} is not in {CU_DIR}: every quoted "
+                                f"#include must name a file there")
+    return path.read_text(encoding="utf-8")
+
+
+def cu_headers(text: str) -> dict[str, str]:
+    """Every header `text` includes by a quoted #include, transitively, by name -> content: all
+    of them go into the KernelSource (hence the cache key), so editing any header recompiles
+    every module that reaches it."""
+    found: dict[str, str] = {}
+    todo = _INCLUDE.findall(text)
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found[name] = _cu_text(name)
+            todo.extend(_INCLUDE.findall(found[name]))
+    return found
+
+
+def cu_source(module_name: str, filename: str) -> KernelSource:
+    """The NVRTC module of kernels/cu/`filename`, with every header it includes."""
+    text = _cu_text(filename)
+    return KernelSource(module_name=module_name, source=text, headers=cu_headers(text),
+                        options=NVRTC_OPTIONS)
+
+
+COMMON_HEADER = _cu_text(COMMON_HEADER_NAME)
 
 
 def _no_workspace(**_shapes: int) -> int:
@@ -143,9 +95,36 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def grid_1d(n: int) -> tuple[int, int, int]:
-    """A grid for a grid-stride loop over `n` items."""
-    return (max(1, min(ceil_div(n, THREADS), MAX_GRID_1D)), 1, 1)
+_SM_COUNTS: dict[tuple[str, int], int] = {}
+
+
+def sm_count(device) -> int:
+    """The device's multiprocessor count, read from the driver once per (backend, ordinal)
+    (cuDeviceGetAttribute needs no context and is safe while a stream captures)."""
+    backend = getattr(device, "backend", device)
+    key = (getattr(backend, "name", "?"), int(device.info.ordinal))
+    if key not in _SM_COUNTS:
+        if key[0] == "cuda":
+            from cuda.bindings import driver as d
+
+            from gpu_worker.device.cuda_backend import check
+
+            dev = check(d.cuDeviceGet(key[1]), "cuDeviceGet")
+            _SM_COUNTS[key] = int(check(d.cuDeviceGetAttribute(
+                d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                "cuDeviceGetAttribute"))
+        else:
+            _SM_COUNTS[key] = SIM_SM_COUNT
+    return _SM_COUNTS[key]
+
+
+def max_grid_1d(device) -> int:
+    return GRID_1D_PER_SM * sm_count(device)
+
+
+def grid_1d(device, n: int) -> tuple[int, int, int]:
+    """A grid for a grid-stride loop over `n` items on `device`."""
+    return (max(1, min(ceil_div(n, THREADS), max_grid_1d(device))), 1, 1)
 
 
 BLOCK = (THREADS, 1, 1)

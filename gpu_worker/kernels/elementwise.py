@@ -11,39 +11,9 @@ from __future__ import annotations
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import BLOCK, KernelDef, grid_1d, make_source, require_sizes
+from gpu_worker.kernels.common import BLOCK, KernelDef, cu_source, grid_1d, require_sizes
 
-SOURCE = make_source("gp_elementwise", r"""
-extern "C" __global__ void gp_silu_gate(float* out, const float* gate, const float* up, int rows,
-                                        int cols, int gate_stride, int up_stride) {
-    GP_GRID_STRIDE(i, (long long)rows * cols) {
-        const long long r = i / cols, c = i % cols;
-        const float g = gate[r * gate_stride + c];
-        out[i] = g / (1.0f + expf(-g)) * up[r * up_stride + c];
-    }
-}
-
-extern "C" __global__ void gp_gelu(float* out, const float* x, int n, int exact) {
-    GP_GRID_STRIDE(i, n) {
-        const float v = x[i];
-        out[i] = exact ? 0.5f * v * (1.0f + erff(v * 0.7071067811865476f))
-                       : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    }
-}
-
-extern "C" __global__ void gp_add(float* out, const float* a, const float* b, int n) {
-    GP_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
-}
-
-extern "C" __global__ void gp_bias_add(float* out, const float* x, const float* __restrict__ bias,
-                                       int rows, int cols) {
-    GP_GRID_STRIDE(i, (long long)rows * cols) out[i] = x[i] + bias[i % cols];
-}
-
-extern "C" __global__ void gp_add_i32(int* p, int delta, int n) {
-    GP_GRID_STRIDE(i, n) p[i] += delta;
-}
-""")
+SOURCE = cu_source("gp_elementwise", "elementwise.cu")
 
 
 def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, cols: int,
@@ -55,7 +25,7 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
                   elements=rows * cols)
     if rows * cols == 0:
         return
-    device.launch(function, grid_1d(rows * cols), BLOCK,
+    device.launch(function, grid_1d(device, rows * cols), BLOCK,
                   [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
                   stream=stream)
 
@@ -63,28 +33,28 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
 def launch_gelu(device, function, out: int, x: int, n: int, stream=None, exact: bool = False) -> None:
     require_sizes("gelu", n=n)
     if n:
-        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(x), i32(n), i32(int(exact))],
+        device.launch(function, grid_1d(device, n), BLOCK, [ptr(out), ptr(x), i32(n), i32(int(exact))],
                       stream=stream)
 
 
 def launch_add(device, function, out: int, a: int, b: int, n: int, stream=None) -> None:
     require_sizes("add", n=n)
     if n:
-        device.launch(function, grid_1d(n), BLOCK, [ptr(out), ptr(a), ptr(b), i32(n)], stream=stream)
+        device.launch(function, grid_1d(device, n), BLOCK, [ptr(out), ptr(a), ptr(b), i32(n)], stream=stream)
 
 
 def launch_bias_add(device, function, out: int, x: int, bias: int, rows: int, cols: int,
                     stream=None) -> None:
     require_sizes("bias_add", rows=rows, cols=cols, elements=rows * cols)
     if rows * cols:
-        device.launch(function, grid_1d(rows * cols), BLOCK,
+        device.launch(function, grid_1d(device, rows * cols), BLOCK,
                       [ptr(out), ptr(x), ptr(bias), i32(rows), i32(cols)], stream=stream)
 
 
 def launch_add_i32(device, function, p: int, delta: int, n: int = 1, stream=None) -> None:
     require_sizes("add_i32", n=n)
     if n:
-        device.launch(function, grid_1d(n), BLOCK, [ptr(p), i32(delta), i32(n)], stream=stream)
+        device.launch(function, grid_1d(device, n), BLOCK, [ptr(p), i32(delta), i32(n)], stream=stream)
 
 
 def _add_i32_reference(values, delta: int):

@@ -10,30 +10,14 @@ from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.common import (
     BLOCK,
-    MAX_GRID_1D,
     KernelDef,
-    make_source,
+    cu_source,
+    max_grid_1d,
     require,
     require_sizes,
 )
 
-SOURCE = make_source("gp_embedding", r"""
-// One block per row (grid-stride over rows); threads stride over the hidden dimension.
-extern "C" __global__ void gp_embedding_gather(float* out, const unsigned short* __restrict__ table,
-                                               const int* __restrict__ ids, int rows, int hidden,
-                                               int vocab, int accumulate) {
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int id = ids[r];
-        const bool valid = id >= 0 && id < vocab;
-        const unsigned short* t = table + (size_t)(valid ? id : 0) * hidden;
-        float* o = out + (size_t)r * hidden;
-        for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-            const float v = valid ? gp_half_to_float(t[c]) : 0.f;
-            o[c] = accumulate ? o[c] + v : v;
-        }
-    }
-}
-""")
+SOURCE = cu_source("gp_embedding", "embedding.cu")
 
 
 def launch_embedding_gather(device, function, out: int, table: int, ids: int, rows: int,
@@ -43,7 +27,7 @@ def launch_embedding_gather(device, function, out: int, table: int, ids: int, ro
     require(vocab > 0, "embedding_gather: vocab must be positive")
     if rows == 0 or hidden == 0:
         return
-    device.launch(function, (min(rows, MAX_GRID_1D), 1, 1), BLOCK,
+    device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
                   [ptr(out), ptr(table), ptr(ids), i32(rows), i32(hidden), i32(vocab),
                    i32(1 if accumulate else 0)], stream=stream)
 

@@ -27,239 +27,35 @@ from __future__ import annotations
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import KernelDef, ceil_div, make_source, require, require_sizes
+from gpu_worker.kernels.common import (
+    SIM_SM_COUNT,
+    KernelDef,
+    ceil_div,
+    cu_source,
+    require,
+    require_sizes,
+    sm_count,
+)
 
 MMA_MAX_ROWS = 64   # rows of x the kernel takes (8 n-tiles of 8)
 MMA_K_ALIGN = 128   # K granule: 4 quant blocks (one 8-byte load of 4 scales)
 MMA_WARPS = 8
 
 
-SM_COUNT = 132      # H200: the grid should give every SM a block (one block of 8 warps per SM)
-
-
-def mma_tiles(m: int, n: int) -> tuple[int, int]:
-    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n output: the
-    largest MT the registers allow for NT (4, 2, 1) that still gives every SM a block; more rows
-    per block means fewer re-reads of x (each block reads all of x from L2)."""
+def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
+    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n output on a
+    device of `sms` multiprocessors (the launcher passes the device's own count): the largest MT
+    the registers allow for NT (4, 2, 1) that still gives every SM a block (one block of 8 warps
+    per SM); more rows per block means fewer re-reads of x (each block reads all of x from L2)."""
     nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
     top = 4 if nt <= 2 else 2 if nt == 4 else 1
     for mt in (4, 2, 1):   # >= 90 % of the SMs: one wave on 128 of 132 beats two waves
-        if mt <= top and ceil_div(n, 16 * mt) * 10 >= SM_COUNT * 9:
+        if mt <= top and ceil_div(n, 16 * mt) * 10 >= sms * 9:
             return nt, mt
     return nt, 1
 
 
-SOURCE = make_source("gp_int4_batched", r"""
-#define GP_MMA_WARPS 8
-
-__device__ __forceinline__ unsigned gp_lop_nib(unsigned w) {  // (w & 0x000f000f) | 0x64006400
-    unsigned r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x64006400u));
-    return r;
-}
-__device__ __forceinline__ unsigned gp_hsub2(unsigned a, unsigned b) {
-    unsigned r;
-    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ unsigned gp_pack2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float gp_lo_f(unsigned v) { return gp_half_to_float((unsigned short)(v & 0xffffu)); }
-__device__ __forceinline__ float gp_hi_f(unsigned v) { return gp_half_to_float((unsigned short)(v >> 16)); }
-
-// d = a * b (16x16 fp16 row, 16x8 fp16 col), fp32 out, zero accumulator.
-__device__ __forceinline__ void gp_mma0(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%10,%10,%10};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-}
-__device__ __forceinline__ void gp_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The 4 A registers of both k16 chunks of a quant block for rows g (word wg) and g + 8 (w8):
-// chunk 0 = {p0(g), p0(g+8), p1(g), p1(g+8)}, chunk 1 = {p2.., p3..}; p_i holds k (8t + i,
-// 8t + 4 + i) as the exact fp16 integers nib - 8.
-__device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, unsigned w8) {
-    const unsigned bias = 0x64086408u;  // fp16x2 (1032, 1032): 1024 + nib - 1032 = nib - 8
-    a[0][0] = gp_hsub2(gp_lop_nib(wg), bias);
-    a[0][1] = gp_hsub2(gp_lop_nib(w8), bias);
-    a[0][2] = gp_hsub2(gp_lop_nib(wg >> 4), bias);
-    a[0][3] = gp_hsub2(gp_lop_nib(w8 >> 4), bias);
-    a[1][0] = gp_hsub2(gp_lop_nib(wg >> 8), bias);
-    a[1][1] = gp_hsub2(gp_lop_nib(w8 >> 8), bias);
-    a[1][2] = gp_hsub2(gp_lop_nib(wg >> 12), bias);
-    a[1][3] = gp_hsub2(gp_lop_nib(w8 >> 12), bias);
-}
-
-// B registers (hi, lo halves) of x row xr at k = 8t..8t+7 of a quant block: (k, k + 4) pairs.
-__device__ __forceinline__ void gp_xfrag(unsigned (&h)[4], unsigned (&l)[4], const float* xr, bool in) {
-    float4 f0 = make_float4(0.f, 0.f, 0.f, 0.f), f1 = f0;
-    if (in) {
-        f0 = *reinterpret_cast<const float4*>(xr);
-        f1 = *reinterpret_cast<const float4*>(xr + 4);
-    }
-    const float a[4] = {f0.x, f0.y, f0.z, f0.w}, b[4] = {f1.x, f1.y, f1.z, f1.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        h[i] = gp_pack2(a[i], b[i]);
-        l[i] = gp_pack2(a[i] - gp_lo_f(h[i]), b[i] - gp_hi_f(h[i]));
-    }
-}
-
-template <int MT, int NT>
-__device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
-                                         const unsigned* __restrict__ w,
-                                         const unsigned short* __restrict__ sc,
-                                         const float* __restrict__ bias, int M, int N, int K,
-                                         int accumulate, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int KB = K >> 5, KG = K >> 7;  // quant blocks, groups of 4 per row
-    const int row0 = blockIdx.x * MT * 16;
-    const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);
-    const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
-    float acc[MT][NT][4];
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-    for (int kg = g0; kg < g1; ++kg) {
-        const int kb0 = kg * 4;
-        unsigned wr[MT][2][4];
-        uint2 sr[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row0 + mt * 16 + g + 8 * h;
-                const bool in = r < N;
-                const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
-                sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
-                               : make_uint2(0u, 0u);
-            }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const unsigned sh = 16 * (j & 1);
-            if constexpr (NT <= 2) {
-                // few x rows: x fragments of every n-tile live, one weight tile's A at a time
-                unsigned xh[NT][4], xl[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int m = nt * 8 + g;
-                    gp_xfrag(xh[nt], xl[nt], x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t,
-                             m < M);
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    unsigned a[2][4];
-                    gp_dequant(a, wr[mt][0][j], wr[mt][1][j]);
-                    const float sg = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][0].x : sr[mt][0].y) >> sh));
-                    const float s8 = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][1].x : sr[mt][1].y) >> sh));
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        float d[4];
-                        gp_mma0(d, a[0], xh[nt][0], xh[nt][1]);
-                        gp_mma(d, a[0], xl[nt][0], xl[nt][1]);
-                        gp_mma(d, a[1], xh[nt][2], xh[nt][3]);
-                        gp_mma(d, a[1], xl[nt][2], xl[nt][3]);
-                        acc[mt][nt][0] = fmaf(sg, d[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(sg, d[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(s8, d[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(s8, d[3], acc[mt][nt][3]);
-                    }
-                }
-            } else {
-                // many x rows: every weight tile's A lives, one n-tile's x fragments at a time
-                unsigned a[MT][2][4];
-                float sg[MT], s8[MT];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    gp_dequant(a[mt], wr[mt][0][j], wr[mt][1][j]);
-                    sg[mt] = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][0].x : sr[mt][0].y) >> sh));
-                    s8[mt] = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][1].x : sr[mt][1].y) >> sh));
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int m = nt * 8 + g;
-                    unsigned xh[4], xl[4];
-                    gp_xfrag(xh, xl, x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t, m < M);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        float d[4];
-                        gp_mma0(d, a[mt][0], xh[0], xh[1]);
-                        gp_mma(d, a[mt][0], xl[0], xl[1]);
-                        gp_mma(d, a[mt][1], xh[2], xh[3]);
-                        gp_mma(d, a[mt][1], xl[2], xl[3]);
-                        acc[mt][nt][0] = fmaf(sg[mt], d[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(sg[mt], d[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(s8[mt], d[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(s8[mt], d[3], acc[mt][nt][3]);
-                    }
-                }
-            }
-        }
-    }
-    // Sum the warps' K slices in warp order (deterministic): red holds the running sum.
-    constexpr int PER = MT * NT * 4;
-    for (int wv = 0; wv < GP_MMA_WARPS - 1; ++wv) {
-        if (warp == wv) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float* p = red + ((mt * NT + nt) * 4 + e) * 32 + lane;
-                        *p = wv == 0 ? acc[mt][nt][e] : *p + acc[mt][nt][e];
-                    }
-        }
-        __syncthreads();
-    }
-    if (warp != GP_MMA_WARPS - 1) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = row0 + mt * 16 + g + 8 * (e >> 1), m = nt * 8 + 2 * t + (e & 1);
-                if (r >= N || m >= M) continue;
-                float v = red[((mt * NT + nt) * 4 + e) * 32 + lane] + acc[mt][nt][e];
-                if (bias) v += bias[r];
-                float* yp = y + (long long)m * N + r;
-                *yp = accumulate ? *yp + v : v;
-            }
-}
-
-// grid (ceil(N / (16 * mt))), 256 threads; NT from M, mt (16-row tiles per warp) from the
-// launcher (int4_batched.mma_tiles): fewer rows per block for small N, so every SM gets a block.
-#define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, w, scales, bias, M, N, K, accumulate, red)
-extern "C" __global__ void __launch_bounds__(256, 1)
-gp_int4_mma(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
-            const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
-            int K, int accumulate, int mt) {
-    __shared__ float red[4 * 2 * 4 * 32];  // MT * NT * 4 * 32 floats: 1024 at most
-    const unsigned* w = reinterpret_cast<const unsigned*>(packed);
-    if (M <= 8) {
-        if (mt == 4) GP_I4MMA(4, 1); else if (mt == 2) GP_I4MMA(2, 1); else GP_I4MMA(1, 1);
-    } else if (M <= 16) {
-        if (mt == 4) GP_I4MMA(4, 2); else if (mt == 2) GP_I4MMA(2, 2); else GP_I4MMA(1, 2);
-    } else if (M <= 32) {
-        if (mt == 2) GP_I4MMA(2, 4); else GP_I4MMA(1, 4);
-    } else {
-        GP_I4MMA(1, 8);
-    }
-}
-""")
+SOURCE = cu_source("gp_int4_batched", "int4_batched.cu")
 
 
 def mma_supported(m: int, k: int) -> bool:
@@ -278,7 +74,7 @@ def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, 
             f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
     if m == 0 or n == 0:
         return
-    _, mt = mma_tiles(m, n)
+    _, mt = mma_tiles(m, n, sm_count(device))
     device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream)

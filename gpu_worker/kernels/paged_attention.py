@@ -10,202 +10,57 @@ Hazard: the kernels read only table entries below the row's length, and clamp ev
 max_blocks * block_tokens, so a stale or zero entry past the end is never followed; an entry
 inside the length must name a block of the pool (the engine owns that invariant).
 
-Cost: the same kernels as flash_attention.py (its templates, compiled into this module with a
-paged row addresser): one extra L1-resident table load per staged K/V row. The decode is split-K
-(flash_decode_splits of max_context and the batch, so a captured graph stays valid as sequences
-grow) and merges its splits with flash_attention's combine kernel, which writes zeros for a row
-that saw no key (a padding row). block_tokens is a power of two in 16..256; head_dim 16, 64, 128.
+Cost: the same kernels as flash_attention.py (its templates, from flash_device.cuh, compiled
+into this module with a paged row addresser): one extra L1-resident table load per staged K/V row.
+block_tokens is a power of two in 16..256; head_dim 16, 64, 128.
+
+Decode splits by the actual length (DESIGN 6.2): a split is a fixed span of keys (DECODE_SPAN,
+paged_decode_span), so a row of n keys has ceil(n / span) splits wherever it sits in the batch,
+and a batch of 64 short rows gets as much split-K as one long row. The grid and the workspace are
+sized for the longest row the table holds (a function of the graph's shape: a captured graph stays
+valid as rows grow); a split block past its row's length exits before reading anything, and the
+combine (gp_flash_combine_paged) reads only the splits that ran, so a stale slot is never merged.
+A row with no key (a padding row) comes out zero. What the empty blocks of short rows cost
+(the grid is sized for the longest) is measured in docs/kernels.md.
 """
 from __future__ import annotations
 
 import math
-
-import numpy as np
 
 from gpu_worker.device.backend import f32, i32, ptr
 from gpu_worker.kernels.common import (
     BLOCK,
     KernelDef,
     ceil_div,
+    cu_source,
     grid_1d,
-    make_source,
     require,
     require_sizes,
 )
 from gpu_worker.kernels.flash_attention import (
+    DECODE_HEADS_PER_BLOCK,
     DECODE_THREADS,
-    FLASH_DEVICE,
     PREFILL_ROWS,
     PREFILL_THREADS,
+)
+from gpu_worker.kernels.reference import (  # noqa: F401  (re-exported: the oracles' old home)
     attention_f16,
-    attention_partial_f16,
-    flash_decode_splits,
-    flash_decode_workspace_bytes,
-    launch_flash_attention_combine,
+    flash_decode_paged,
+    flash_decode_paged_combine,
+    flash_decode_paged_partials,
+    flash_prefill_paged,
+    kv_append_paged,
+    paged_kv,
 )
 
 HEAD_DIMS = (16, 64, 128)
 BLOCK_TOKENS = (16, 32, 64, 128, 256)
+# keys per decode split by the blocks of one split slice (batch * kv_heads * head groups), measured
+# on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
+DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
+MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives each split a thread
 
-SOURCE = make_source("gp_paged_attention", FLASH_DEVICE + r"""
-// The K (kv = 0) or V (kv = 1) rows of KV head hk of one layer, addressed through a table row.
-__device__ __forceinline__ gp_kv_paged gp_paged_rows(const unsigned short* pool, const int* table,
-                                                     int layer, int layers, int kv, int hk,
-                                                     int block_tokens, int kv_heads, int head_dim) {
-    const long long plane = (long long)block_tokens * kv_heads * head_dim;
-    gp_kv_paged r;
-    r.base = pool + (2 * layer + kv) * plane + (long long)hk * head_dim;
-    r.table = table;
-    r.block_stride = (long long)layers * 2 * plane;
-    r.shift = __ffs(block_tokens) - 1;
-    r.mask = block_tokens - 1;
-    r.slot_stride = kv_heads * head_dim;
-    return r;
-}
-
-// grid-stride over rows * kv_heads * head_dim: row r's K and V (f32) into the slot of position
-// positions[r] of table row (table_rows == rows ? r : 0), rounded to fp16 (nearest even).
-extern "C" __global__ void gp_kv_append_paged(unsigned short* __restrict__ pool,
-                                              const float* __restrict__ k,
-                                              const float* __restrict__ v,
-                                              const int* __restrict__ positions,
-                                              const int* __restrict__ table, int rows,
-                                              int table_rows, int layer, int layers,
-                                              int block_tokens, int kv_heads, int head_dim,
-                                              int max_blocks) {
-    const int width = kv_heads * head_dim;
-    const long long plane = (long long)block_tokens * width;
-    const long long capacity = (long long)max_blocks * block_tokens;
-    GP_GRID_STRIDE(i, (long long)rows * width) {
-        const int r = (int)(i / width), c = (int)(i % width);
-        const int p = positions[r];
-        if (p < 0 || p >= capacity) continue;  // padding row (or past the table): no write
-        const int* trow = table + (long long)(table_rows == rows ? r : 0) * max_blocks;
-        const long long blk = trow[p / block_tokens];
-        unsigned short* dst = pool + blk * layers * 2 * plane + 2 * layer * plane
-                              + (long long)(p % block_tokens) * width + c;
-        dst[0] = gp_f2h(k[i]);
-        dst[plane] = gp_f2h(v[i]);
-    }
-}
-
-// grid (kv_heads * ceil(group / 4), batch, splits), 128 threads: flash decode's split kernel
-// over paged K/V. Row b sees positions [0, positions[b]] (none when positions[b] < 0).
-extern "C" __global__ void __launch_bounds__(128, 4)
-gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __restrict__ q,
-                            const unsigned short* __restrict__ pool,
-                            const int* __restrict__ positions, const int* __restrict__ table,
-                            int batch, int heads, int kv_heads, int head_dim, int layer,
-                            int layers, int block_tokens, int max_blocks, int span, float scale) {
-    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
-    const int hk = blockIdx.x / hgroups, hg = blockIdx.x % hgroups;
-    const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
-    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
-    const int nkeys = max(0, min(positions[b] + 1, max_blocks * block_tokens));
-    const int j0 = min(sp * span, nkeys), j1 = min(j0 + span, nkeys);
-    const int* trow = table + (long long)b * max_blocks;
-    const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
-    const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
-    const unsigned short* qq = q + (long long)b * heads * head_dim + (long long)h0 * head_dim;
-    float* part = ws + (((long long)b * heads + h0) * splits + sp) * (head_dim + 2);
-    const int stride = splits * (head_dim + 2);
-    const float sl = scale * GP_FA_LOG2E;
-    __shared__ float smem[GP_FD_SMEM];
-    if (head_dim == 128)
-        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-    else if (head_dim == 64)
-        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-    else
-        gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-}
-
-// grid (ceil(tokens / 64), heads), 128 threads: one prefill chunk of one sequence. Token t <
-// chunk_len (position start + t) sees positions [0, start + t]; rows t >= chunk_len are zero.
-extern "C" __global__ void __launch_bounds__(128, GP_FA_MINB)
-gp_flash_prefill_paged(unsigned short* out, const unsigned short* __restrict__ q,
-                       const unsigned short* __restrict__ pool, const int* __restrict__ start,
-                       const int* __restrict__ chunk_len, const int* __restrict__ table,
-                       int tokens, int heads, int kv_heads, int head_dim, int layer, int layers,
-                       int block_tokens, int max_blocks, float scale) {
-    __shared__ __align__(16) unsigned short k_s[GP_FA_BN * (128 + GP_FA_PAD)];
-    __shared__ __align__(16) unsigned short v_s[GP_FA_BN * (128 + GP_FA_PAD)];
-    const int t0 = (gridDim.x - 1 - blockIdx.x) * GP_FA_BM, h = blockIdx.y;
-    const int hk = h / (heads / kv_heads);
-    const int p = start[0];
-    // A negative start (a padding chunk) or an empty chunk: every row is zero.
-    const int rows_valid = p < 0 ? 0 : max(0, min(chunk_len[0], tokens));
-    const int valid = min(max(p, 0) + rows_valid, max_blocks * block_tokens);
-    const gp_kv_paged kr = gp_paged_rows(pool, table, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
-    const gp_kv_paged vr = gp_paged_rows(pool, table, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
-    const long long width = (long long)heads * head_dim;
-    unsigned short* o = out + (long long)h * head_dim;
-    const unsigned short* qq = q + (long long)h * head_dim;
-    const float sl = scale * GP_FA_LOG2E;
-    if (head_dim == 128)
-        gp_fa_prefill_block<128>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
-                                 1, width, width, sl);
-    else if (head_dim == 64)
-        gp_fa_prefill_block<64>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
-                                1, width, width, sl);
-    else
-        gp_fa_prefill_block<16>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
-                                1, width, width, sl);
-}
-""")
-
-
-# -- references (the pool as a NumPy array (capacity, layers, 2, block_tokens, kv_heads, d)) --
-def paged_kv(pool: np.ndarray, table_row: np.ndarray, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """K and V (n, kv_heads, head_dim) of positions [0, n) of one sequence, gathered."""
-    bt = pool.shape[3]
-    pos = np.arange(n)
-    blocks = np.asarray(table_row, np.int64)[pos // bt]
-    return pool[blocks, layer, 0, pos % bt], pool[blocks, layer, 1, pos % bt]
-
-
-def kv_append_paged(pool: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-                    table: np.ndarray, layer: int) -> np.ndarray:
-    """The pool after appending rows of k/v (R, kv_heads * head_dim) f32 at `positions` through
-    `table` (row r uses table row r when it has R rows, else row 0); -1 rows write nothing."""
-    out = pool.copy()
-    bt, kvh, d = pool.shape[3:]
-    rows = k.shape[0]
-    for r in range(rows):
-        p = int(positions[r])
-        if p < 0 or p >= table.shape[1] * bt:
-            continue
-        blk = int(table[r if table.shape[0] == rows else 0, p // bt])
-        with np.errstate(over="ignore"):
-            out[blk, layer, 0, p % bt] = k[r].reshape(kvh, d).astype(np.float16)
-            out[blk, layer, 1, p % bt] = v[r].reshape(kvh, d).astype(np.float16)
-    return out
-
-
-def flash_decode_paged(q: np.ndarray, pool: np.ndarray, positions: np.ndarray, table: np.ndarray,
-                       layer: int, heads: int) -> np.ndarray:
-    """fp16 (B, heads * d): row r attends to positions [0, positions[r]]; -1 rows are zero."""
-    d = pool.shape[5]
-    out = np.zeros((q.shape[0], heads * d), np.float16)
-    for r, p in enumerate(np.asarray(positions, np.int64)):
-        if p < 0:
-            continue
-        k, v = paged_kv(pool, table[r], layer, int(p) + 1)
-        out[r] = attention_f16(q[r].reshape(1, heads, d), k, v, np.array([p]), False).reshape(-1)
-    return out
-
-
-def flash_prefill_paged(q: np.ndarray, pool: np.ndarray, start: int, chunk_len: int,
-                        table_row: np.ndarray, layer: int, heads: int) -> np.ndarray:
-    """fp16 (S, heads * d): token t < chunk_len sees positions [0, start + t]; other rows zero."""
-    s, d = q.shape[0], pool.shape[5]
-    out = np.zeros((s, heads * d), np.float16)
-    n = min(max(chunk_len, 0), s) if start >= 0 else 0
-    if n == 0:
-        return out
-    k, v = paged_kv(pool, table_row, layer, start + n)
-    qq = q[:n].reshape(n, heads, d)
-    out[:n] = attention_f16(qq, k, v, start + np.arange(n), True).reshape(n, -1)
-    return out
+SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -241,61 +96,106 @@ def launch_kv_append_paged(device, function, pool: int, k: int, v: int, position
     require(pool % 2 == 0 and positions and table, f"{kernel}: needs a pool, positions and a table")
     if rows == 0:
         return
-    device.launch(function, grid_1d(rows * kv_heads * head_dim), BLOCK,
+    device.launch(function, grid_1d(device, rows * kv_heads * head_dim), BLOCK,
                   [ptr(pool), ptr(k), ptr(v), ptr(positions), ptr(table), i32(rows),
                    i32(table_rows), i32(layer), i32(layers), i32(block_tokens), i32(kv_heads),
                    i32(head_dim), i32(max_blocks)], stream=stream)
 
 
-def paged_decode_splits(max_blocks: int, block_tokens: int, batch: int, heads: int,
-                        kv_heads: int) -> int:
-    """Splits of the paged decode: a function of the graph's shape (max context, batch), never of
-    the current lengths, so a captured decode graph stays valid."""
-    return flash_decode_splits(max_blocks * block_tokens, batch, heads, kv_heads)
+def paged_decode_span(max_blocks: int, block_tokens: int, batch: int = 1, heads: int = 32,
+                      kv_heads: int = 8) -> int:
+    """Keys per split of the paged decode, a function of the graph's shape only (so a captured
+    graph stays valid): the DECODE_SPANS entry for the blocks one split slice of the batch
+    launches (few blocks: short spans so even short rows fill the SMs; many: long spans, fewer
+    partial states), doubled until the longest row the table holds needs at most
+    MAX_DECODE_SPLITS splits."""
+    blocks = max(1, batch) * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)),
+                                                  DECODE_HEADS_PER_BLOCK)
+    span = next(sp for below, sp in DECODE_SPANS if below is None or blocks < below)
+    while ceil_div(max_blocks * block_tokens, span) > MAX_DECODE_SPLITS:
+        span *= 2
+    return span
+
+
+def paged_decode_splits(max_blocks: int, block_tokens: int, span: int) -> int:
+    """Workspace slots per (row, query head): the splits of the longest row the table holds."""
+    return ceil_div(max_blocks * block_tokens, span)
 
 
 def paged_decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, splits: int = 1,
                                  **_: int) -> int:
-    return flash_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
+    """fp32 (max, sum, acc[head_dim]) per (row, query head, split slot)."""
+    return 4 * batch * heads * splits * (head_dim + 2)
+
+
+def _check_decode(kernel: str, batch: int, span: int, splits: int) -> None:
+    require_sizes(kernel, batch=batch, span=span, splits=splits)
+    require(span >= 16 and span % 16 == 0, f"{kernel}: span={span} must be a multiple of 16")
+    require(1 <= splits <= MAX_DECODE_SPLITS,
+            f"{kernel}: splits={splits} must be in 1..{MAX_DECODE_SPLITS} (a longer span "
+            f"covers the table in fewer splits: paged_decode_span)")
+    require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
 
 
 def launch_flash_decode_split_paged(device, function, workspace: int, q: int, pool: int,
                                     positions: int, table: int, batch: int, heads: int,
                                     kv_heads: int, head_dim: int, layer: int, layers: int,
-                                    block_tokens: int, max_blocks: int, splits: int,
+                                    block_tokens: int, max_blocks: int, *, span: int,
                                     scale: float | None = None, stream=None) -> None:
-    """The split half of the paged decode: partial states into `workspace`."""
+    """The split half of the paged decode: the partial state of each split of `span` keys that
+    holds a key of its row into `workspace` (paged_decode_splits slots per row and head)."""
     kernel = "flash_decode_split_paged"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
-    require_sizes(kernel, batch=batch, splits=splits)
-    require(1 <= splits <= 64, f"{kernel}: splits={splits} must be in 1..64")
-    require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
+    splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
+    _check_decode(kernel, batch, span, splits)
     require(workspace and workspace % 4 == 0 and positions and table,
             f"{kernel}: needs a 4-byte aligned workspace, positions and a table")
     for name, p in (("q", q), ("pool", pool)):
         require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
     if batch == 0:
         return
-    hgroups = ceil_div(heads // kv_heads, 4)
+    hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
     device.launch(function, (kv_heads * hgroups, batch, splits), (DECODE_THREADS, 1, 1),
                   [ptr(workspace), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
-                   i32(block_tokens), i32(max_blocks),
-                   i32(ceil_div(max_blocks * block_tokens, splits)), f32(_scale(head_dim, scale))],
+                   i32(block_tokens), i32(max_blocks), i32(span), f32(_scale(head_dim, scale))],
+                  stream=stream)
+
+
+def launch_flash_combine_paged(device, function, out: int, workspace: int, positions: int,
+                               batch: int, heads: int, head_dim: int, block_tokens: int,
+                               max_blocks: int, *, span: int, stream=None) -> None:
+    """Merge the splits that ran for each row (ceil(nkeys / span)) into fp16 out."""
+    kernel = "flash_combine_paged"
+    require_sizes(kernel, heads=heads, head_dim=head_dim, max_blocks=max_blocks,
+                  block_tokens=block_tokens)
+    splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
+    _check_decode(kernel, batch, span, splits)
+    require(workspace and workspace % 4 == 0 and positions,
+            f"{kernel}: needs a 4-byte aligned workspace and positions")
+    require(out % 2 == 0 and heads < 65536, f"{kernel}: out 2-byte aligned, heads < 65536")
+    if batch == 0:
+        return
+    device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
+                  [ptr(out), ptr(workspace), ptr(positions), i32(batch), i32(heads),
+                   i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits)],
                   stream=stream)
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
                               q: int, pool: int, positions: int, table: int, batch: int,
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
-                              block_tokens: int, max_blocks: int, splits: int,
+                              block_tokens: int, max_blocks: int, *, span: int | None = None,
                               scale: float | None = None, stream=None) -> None:
-    """Paged split-K decode: split kernel, then flash_attention's combine into fp16 out."""
+    """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
+    of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
+    paged_decode_splits(max_blocks, block_tokens, span) slots."""
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
                                     batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
-                                    max_blocks, splits, scale, stream)
-    launch_flash_attention_combine(device, combine_function, out, workspace, batch, heads,
-                                   head_dim, splits, stream)
+                                    max_blocks, span=span, scale=scale, stream=stream)
+    launch_flash_combine_paged(device, combine_function, out, workspace, positions, batch, heads,
+                               head_dim, block_tokens, max_blocks, span=span, stream=stream)
 
 
 def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, start: int,
@@ -322,9 +222,12 @@ def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, st
 KV_APPEND_PAGED = KernelDef("kv_append_paged", "gp_kv_append_paged", SOURCE, kv_append_paged,
                             launch_kv_append_paged)
 FLASH_DECODE_SPLIT_PAGED = KernelDef("flash_decode_split_paged", "gp_flash_decode_split_paged",
-                                     SOURCE, attention_partial_f16, launch_flash_decode_split_paged,
+                                     SOURCE, flash_decode_paged_partials,
+                                     launch_flash_decode_split_paged,
                                      workspace=paged_decode_workspace_bytes)
+FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged", SOURCE,
+                                flash_decode_paged_combine, launch_flash_combine_paged)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
 
-KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_PREFILL_PAGED]
+KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED, FLASH_PREFILL_PAGED]

@@ -243,3 +243,112 @@ def kv_append(cache: np.ndarray, new: np.ndarray, pos: int) -> np.ndarray:
         if 0 <= pos + t < cache.shape[0]:
             out[pos + t] = new[t]
     return out
+
+
+# -- fp16 attention (flash_attention.py): fp16 in, fp32 math, fp16 out ----------------------
+def attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, causal: bool,
+                  n_valid: int | None = None, scale: float | None = None) -> np.ndarray:
+    """attention over fp16 inputs (exact in fp32), rounded to fp16."""
+    f = np.float32
+    return attention(q.astype(f), k.astype(f), v.astype(f), q_pos, causal, n_valid=n_valid,
+                     scale=scale).astype(np.float16)
+
+
+def attention_partial_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          scale: float | None = None) -> np.ndarray:
+    """attention_partial over fp16 inputs: the fp32 workspace state of one split."""
+    f = np.float32
+    return attention_partial(q.astype(f), k.astype(f), v.astype(f), scale)
+
+
+def attention_combine_f16(partials: np.ndarray) -> np.ndarray:
+    return attention_combine(partials).astype(np.float16)
+
+
+# -- paged KV (paged_attention.py): the pool (capacity, layers, 2, block_tokens, kv_heads, d) -
+def paged_kv(pool: np.ndarray, table_row: np.ndarray, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V (n, kv_heads, head_dim) of positions [0, n) of one sequence, gathered."""
+    bt = pool.shape[3]
+    pos = np.arange(n)
+    blocks = np.asarray(table_row, np.int64)[pos // bt]
+    return pool[blocks, layer, 0, pos % bt], pool[blocks, layer, 1, pos % bt]
+
+
+def kv_append_paged(pool: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+                    table: np.ndarray, layer: int) -> np.ndarray:
+    """The pool after appending rows of k/v (R, kv_heads * head_dim) f32 at `positions` through
+    `table` (row r uses table row r when it has R rows, else row 0); -1 rows write nothing."""
+    out = pool.copy()
+    bt, kvh, d = pool.shape[3:]
+    rows = k.shape[0]
+    for r in range(rows):
+        p = int(positions[r])
+        if p < 0 or p >= table.shape[1] * bt:
+            continue
+        blk = int(table[r if table.shape[0] == rows else 0, p // bt])
+        with np.errstate(over="ignore"):
+            out[blk, layer, 0, p % bt] = k[r].reshape(kvh, d).astype(np.float16)
+            out[blk, layer, 1, p % bt] = v[r].reshape(kvh, d).astype(np.float16)
+    return out
+
+
+def flash_decode_paged(q: np.ndarray, pool: np.ndarray, positions: np.ndarray, table: np.ndarray,
+                       layer: int, heads: int) -> np.ndarray:
+    """fp16 (B, heads * d): row r attends to positions [0, positions[r]]; -1 rows are zero."""
+    d = pool.shape[5]
+    out = np.zeros((q.shape[0], heads * d), np.float16)
+    for r, p in enumerate(np.asarray(positions, np.int64)):
+        if p < 0:
+            continue
+        k, v = paged_kv(pool, table[r], layer, int(p) + 1)
+        out[r] = attention_f16(q[r].reshape(1, heads, d), k, v, np.array([p]), False).reshape(-1)
+    return out
+
+
+def flash_prefill_paged(q: np.ndarray, pool: np.ndarray, start: int, chunk_len: int,
+                        table_row: np.ndarray, layer: int, heads: int) -> np.ndarray:
+    """fp16 (S, heads * d): token t < chunk_len sees positions [0, start + t]; other rows zero."""
+    s, d = q.shape[0], pool.shape[5]
+    out = np.zeros((s, heads * d), np.float16)
+    n = min(max(chunk_len, 0), s) if start >= 0 else 0
+    if n == 0:
+        return out
+    k, v = paged_kv(pool, table_row, layer, start + n)
+    qq = q[:n].reshape(n, heads, d)
+    out[:n] = attention_f16(qq, k, v, start + np.arange(n), True).reshape(n, -1)
+    return out
+
+
+def paged_decode_nkeys(positions: np.ndarray, capacity: int) -> np.ndarray:
+    """Keys per row of the paged decode: positions + 1 clamped to [0, capacity] (-1 rows: 0)."""
+    return np.clip(np.asarray(positions, np.int64) + 1, 0, capacity)
+
+
+def flash_decode_paged_partials(q: np.ndarray, pool: np.ndarray, positions: np.ndarray,
+                                table: np.ndarray, layer: int, heads: int, span: int,
+                                splits: int, scale: float | None = None) -> np.ndarray:
+    """The split kernel's workspace, (B, heads, splits, 2 + d) f32: slot s of row r holds the
+    attention_partial state of keys [s * span, (s + 1) * span) when s < ceil(nkeys_r / span),
+    and NaN where no split ran (the kernel must not write there; the combine must not read)."""
+    d = pool.shape[5]
+    capacity = table.shape[1] * pool.shape[3]
+    out = np.full((q.shape[0], heads, splits, 2 + d), np.nan, np.float32)
+    for r, n in enumerate(paged_decode_nkeys(positions, capacity)):
+        k, v = paged_kv(pool, table[r], layer, int(n))
+        qr = q[r].reshape(heads, d)
+        for s in range(-(-int(n) // span)):
+            out[r, :, s] = attention_partial_f16(qr, k[s * span:(s + 1) * span],
+                                                 v[s * span:(s + 1) * span], scale)
+    return out
+
+
+def flash_decode_paged_combine(partials: np.ndarray, positions: np.ndarray, capacity: int,
+                               span: int) -> np.ndarray:
+    """fp16 (B, heads * d): row r merges only its ceil(nkeys_r / span) splits (zeros if none)."""
+    b, heads, _, w = partials.shape
+    out = np.zeros((b, heads * (w - 2)), np.float16)
+    for r, n in enumerate(paged_decode_nkeys(positions, capacity)):
+        ran = -(-int(n) // span)
+        if ran:
+            out[r] = attention_combine_f16(partials[r, :, :ran].transpose(1, 0, 2)).reshape(-1)
+    return out

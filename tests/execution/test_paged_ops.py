@@ -155,6 +155,9 @@ def test_the_paged_decode_workspace_depends_on_the_graph_shape_not_the_lengths()
         graph = g.build(("a",))
         return OPS["flash_attention_decode_paged"].workspace(graph.nodes[0], graph)["splits"]
 
-    splits_1 = pa.paged_decode_splits(512, 16, 1, 32, 8)
+    def splits(rows, maxb):
+        return pa.paged_decode_splits(maxb, 16, pa.paged_decode_span(maxb, 16, rows, 32, 8))
+
+    splits_1 = splits(1, 512)
     assert ws(1, 512) == 4 * 32 * splits_1 * 130
-    assert ws(32, 512) == 4 * 32 * 32 * pa.paged_decode_splits(512, 16, 32, 32, 8) * 130
+    assert ws(32, 512) == 4 * 32 * 32 * splits(32, 512) * 130

@@ -1,4 +1,4 @@
-"""The fp16 attention kernels on a real device: the shared cases (gpu_worker.kernels.flash_selfcheck)
+"""The fp16 attention kernels on a real device: the shared cases (gpu_worker.kernels.selfcheck.flash)
 plus production shapes (32 heads / 8 KV heads / head_dim 128 at 469, 2048 and 5502 tokens, head_dim
 64, a chunk against a KV-cache prefix, decode at 8k context), and chunked prefill against a whole one.
 
@@ -16,7 +16,8 @@ from gpu_worker.kernels.flash_attention import (
     flash_decode_splits,
     launch_flash_attention_prefill,
 )
-from gpu_worker.kernels.flash_selfcheck import (
+from gpu_worker.kernels.selfcheck import Case, KernelHarness
+from gpu_worker.kernels.selfcheck.flash import (
     COMBINE,
     FLASH_CASES,
     PREFILL,
@@ -24,7 +25,6 @@ from gpu_worker.kernels.flash_selfcheck import (
     flash_decode_case,
     flash_prefill_case,
 )
-from gpu_worker.kernels.selfcheck import Case, KernelHarness
 
 pytestmark = pytest.mark.gpu
 

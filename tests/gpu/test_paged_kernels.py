@@ -1,4 +1,4 @@
-"""The batched-decode kernels on a real device: the shared cases (gpu_worker.kernels.paged_selfcheck)
+"""The batched-decode kernels on a real device: the shared cases (gpu_worker.kernels.selfcheck.paged)
 plus production shapes (8b: 32 heads, 8 KV heads, head_dim 128; contexts to 8192; batch 1..64;
 prefill chunks of 2048; vocab 128256), and the sampler's batch independence on the device.
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.paged_selfcheck import (
+from gpu_worker.kernels.sampling import SAMPLE, launch_sample
+from gpu_worker.kernels.selfcheck import Case, KernelHarness
+from gpu_worker.kernels.selfcheck.paged import (
     APPEND,
     COMBINE,
     DECODE,
@@ -23,8 +25,6 @@ from gpu_worker.kernels.paged_selfcheck import (
     paged_prefill_case,
     sample_case,
 )
-from gpu_worker.kernels.sampling import SAMPLE, launch_sample
-from gpu_worker.kernels.selfcheck import Case, KernelHarness
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +34,14 @@ _B32 = [int(x) for x in _rng.integers(0, 8192, 32)]
 _B32[5] = _B32[17] = -1
 _B64 = [int(x) for x in _rng.integers(0, 2048, 64)]
 _B64[63] = -1
+# split by the actual length (issue 24): batch 8 and 64 in an 8192-token table, lengths 1..8192
+# (positions 0..8191) at span edges and odd values, and batch 64 of short rows (most of the
+# grid's splits past their rows: those blocks must write nothing)
+_B8 = [0, 254, 255, 256, 1000, 4097, 8191, -1]
+_B64L = [int(x) | 1 for x in _rng.integers(0, 8191, 64)]
+_B64L[:6] = [0, 1, 255, 511, 8191, -1]
+_B64S = [int(x) for x in _rng.integers(0, 300, 64)]
+_T8K = {"block_tokens": 16, "max_blocks": 512}
 _SAMPLE64 = [(int(_rng.integers(0, 8000)), float(t), float(p), int(k), int(s))
              for t, p, k, s in zip(_rng.choice([0.0, 0.6, 1.0], 64), _rng.choice([1.0, 0.9, 0.5], 64),
                                    _rng.choice([0, 1, 50, 1000], 64), _rng.integers(0, 2**31 - 1, 64))]
@@ -56,6 +64,16 @@ MODEL_CASES: list[Case] = [
                                      "block_tokens": 128}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": [1023, 7], "block_tokens": 32,
                                      "max_blocks": 256, "replay_positions": [[4095, -1], [8191, 8]]},
+         COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8, **_T8K, "capacity": 1024}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64L, **_T8K, "capacity": 2048}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64S, **_T8K, "capacity": 512}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191, 0, 300, 7], "block_tokens": 64,
+                                     "max_blocks": 128, "span": 512}, COMBINE),
+    # one captured graph replayed as the rows' lengths change: short, long, mixed, shrunk
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8[::-1], **_T8K, "capacity": 1024,
+                                     "replay_positions": [[4] * 8, [8191] * 8, _B8,
+                                                          [300, -1, 2, 9, 8000, 1, 511, 77]]},
          COMBINE),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 0, "chunk_len": 2048,
                                        "block_tokens": 16, "rows": 64}),

@@ -1,5 +1,5 @@
 """The encoder's padding masks (attention keys, mean pooling) on the sim backend, in the encoder
-graph's layout, with poisoned padding (gpu_worker.kernels.encoder_selfcheck)."""
+graph's layout, with poisoned padding (gpu_worker.kernels.selfcheck.encoder)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ import pytest
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.kernels import attention
-from gpu_worker.kernels.encoder_selfcheck import ENCODER_CASES, encoder_attention_case
 from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.kernels.selfcheck.encoder import ENCODER_CASES, encoder_attention_case
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_the_case_fails_when_the_mask_is_dropped(harness, monkeypatch) -> None:
     def unmasked(device, fn, out, q, k, v, lens, *rest, **kw):
         real(device, fn, out, q, k, v, 0, *rest, **kw)
 
-    monkeypatch.setattr("gpu_worker.kernels.encoder_selfcheck.launch_attention_prefill", unmasked)
+    monkeypatch.setattr("gpu_worker.kernels.selfcheck.encoder.launch_attention_prefill", unmasked)
     outcome = encoder_attention_case(harness, np.random.default_rng(0), seq=33, heads=2,
                                      head_dim=16, lengths=[33, 5])
     assert outcome.failure() is not None, "padding leaked into real rows and the case passed"

@@ -25,8 +25,8 @@ from gpu_worker.kernels.flash_attention import (
     attention_f16,
     attention_partial_f16,
 )
-from gpu_worker.kernels.flash_selfcheck import ATOL, FLASH_CASES, RTOL, sample_rows
 from gpu_worker.kernels.selfcheck import KernelHarness, Outcome
+from gpu_worker.kernels.selfcheck.flash import ATOL, FLASH_CASES, RTOL, sample_rows
 from services.common.errors import InvalidArgument
 
 ENTRIES = ("gp_flash_prefill_f16", "gp_flash_decode_split_f16", "gp_flash_combine_f16")
@@ -113,13 +113,13 @@ def test_decode_workspace_holds_max_sum_and_acc_per_sequence_head_and_split() ->
             4 * 3 * 32 * splits * (128 + 2)
 
 
-def test_decode_splits_fill_the_h200_and_depend_on_max_len_only() -> None:
+def test_contiguous_decode_splits_are_spans_of_128_keys_of_max_len_at_any_batch() -> None:
+    """No SM-count constant: the split count is max_len / 128 (at most 64), the batch aside."""
     assert flash_decode_splits(100) == 1, "a cache shorter than one split's keys is not split"
     assert flash_decode_splits(8192, batch=1, heads=32, kv_heads=8) == 64, \
         "8 KV heads x 64 splits = 512 blocks, ~4 per SM"
-    assert flash_decode_splits(8192, batch=16, heads=32, kv_heads=8) == 5
-    assert flash_decode_splits(8192, batch=64, heads=32, kv_heads=8) == 2
-    assert flash_decode_splits(8192, batch=256, heads=32, kv_heads=8) == 1
+    assert flash_decode_splits(2048) == 16
+    assert flash_decode_splits(8192, batch=64) == flash_decode_splits(8192, batch=1)
     assert all(1 <= flash_decode_splits(n, b) <= FLASH_MAX_SPLITS
                for n in (1, 999, 10**6) for b in (1, 3, 1000))
 

@@ -54,7 +54,8 @@ def test_every_sweep_variant_compiles_without_spills() -> None:
 
 
 def test_int4_mma_tiles_give_every_sm_a_block_and_stay_in_registers() -> None:
-    from gpu_worker.kernels.int4_batched import SM_COUNT, mma_tiles
+    from gpu_worker.kernels.common import SIM_SM_COUNT as SM_COUNT
+    from gpu_worker.kernels.int4_batched import mma_tiles
 
     assert mma_tiles(16, 128256) == (2, 4), "lm_head: 64 rows per block, 2004 blocks"
     assert mma_tiles(16, 14336) == (2, 4)

@@ -14,8 +14,8 @@ from gpu_worker.compile.nvrtc import compile_program
 from gpu_worker.device import open_device
 from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import sampling
-from gpu_worker.kernels.paged_selfcheck import PAGED_CASES, paged_decode_case, paged_prefill_case
 from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.kernels.selfcheck.paged import PAGED_CASES, paged_decode_case, paged_prefill_case
 from services.common.errors import InvalidArgument
 
 
@@ -70,7 +70,7 @@ def test_an_off_by_one_in_the_decode_length_fails_the_tolerance(harness, monkeyp
     def shifted(q, pool, positions, table, layer, heads):
         return real(q, pool, np.where(positions >= 0, positions - 1, positions), table, layer, heads)
 
-    monkeypatch.setattr("gpu_worker.kernels.paged_selfcheck.flash_decode_paged", shifted)
+    monkeypatch.setattr("gpu_worker.kernels.selfcheck.paged.flash_decode_paged", shifted)
     out = paged_decode_case(harness, np.random.default_rng(3), 4, 2, 64, [40, 9])
     assert out.failure() is not None, "a one-position shift must not pass the tolerance"
 
@@ -78,7 +78,7 @@ def test_an_off_by_one_in_the_decode_length_fails_the_tolerance(harness, monkeyp
 def test_prefill_padding_rows_are_zero_not_attended(harness, monkeypatch) -> None:
     """Negative control: a reference that computes rows past chunk_len too is caught."""
     real = pa.flash_prefill_paged
-    monkeypatch.setattr("gpu_worker.kernels.paged_selfcheck.flash_prefill_paged",
+    monkeypatch.setattr("gpu_worker.kernels.selfcheck.paged.flash_prefill_paged",
                         lambda q, pool, start, n, table, layer, heads:
                         real(q, pool, start, n, table, layer, heads) + np.float16(0.5))
     out = paged_prefill_case(harness, np.random.default_rng(4), 20, 2, 1, 16, 3, 10)
@@ -90,13 +90,60 @@ def test_prefill_padding_rows_are_zero_not_attended(harness, monkeypatch) -> Non
     ({"block_tokens": 24}, "block_tokens"),
     ({"layer": 2}, "layer"),
     ({"heads": 6, "kv_heads": 4}, "multiple"),
-    ({"splits": 65}, "splits"),
+    ({"span": 24}, "span"),
+    ({"span": 16, "max_blocks": 129}, "splits"),
 ])
 def test_paged_decode_launcher_refuses_bad_shapes_before_the_device(harness, kwargs, match) -> None:
     args = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 64, "layer": 0, "layers": 2,
-            "block_tokens": 16, "max_blocks": 4, "splits": 1, **kwargs}
+            "block_tokens": 16, "max_blocks": 4, "span": 16, **kwargs}
     with pytest.raises(InvalidArgument, match=match):
         pa.launch_flash_decode_split_paged(harness.device, None, 256, 256, 256, 256, 256, **args)
+
+
+def test_a_split_is_a_fixed_span_of_keys_so_every_batch_splits_by_its_rows_lengths() -> None:
+    """The issue-24 regression: the split count came from the maximum context and the batch (at
+    batch 8 and an 8192-token table, 9 splits of 911 keys: a 1000-key row got 2). Now a row of n
+    keys has ceil(n / span) splits, the span a function of the graph's shape (batch, heads, the
+    table), never of the current lengths."""
+    llama = {"heads": 32, "kv_heads": 8}
+    spans = {b: pa.paged_decode_span(512, 16, b, **llama) for b in (1, 8, 32, 64)}
+    assert spans == {1: 128, 8: 256, 32: 512, 64: 1024}, spans
+    assert -(-1000 // spans[8]) == 4, "a 1000-key row at batch 8: 4 splits, not 2"
+    assert pa.paged_decode_splits(512, 16, spans[1]) == 64   # the workspace covers the longest row
+    assert pa.paged_decode_span(2048, 16, 1, **llama) == 256  # 32768 tokens: <= 128 splits
+    assert pa.paged_decode_span(4096, 16, 1, **llama) == 512
+    assert all(pa.paged_decode_splits(mb, 16, pa.paged_decode_span(mb, 16, b, **llama))
+               <= pa.MAX_DECODE_SPLITS for mb in (1, 100, 512, 8192) for b in (1, 8, 64, 300))
+
+
+def test_a_split_kernel_that_writes_slots_past_a_rows_length_is_caught(monkeypatch, tmp_path) -> None:
+    """Negative control: a split kernel that also writes the (empty) state of the splits past a
+    row's length leaves no NaN there, and the case reports it."""
+    from gpu_worker.device import sim_kernels
+    from gpu_worker.kernels import reference
+
+    real = sim_kernels.lookup_sim_kernel("gp_flash_decode_split_paged")
+
+    def writes_every_slot(mem, grid, block, args) -> None:
+        vals = [a.value for a in args]
+        ws, batch, heads, head_dim = vals[0], vals[5], vals[6], vals[8]
+        empty = reference.attention_partial_f16(np.zeros((heads, head_dim), np.float16),
+                                                np.zeros((0, 1, head_dim), np.float16),
+                                                np.zeros((0, 1, head_dim), np.float16))
+        part = mem.view(ws, 4 * batch * heads * grid[2] * (head_dim + 2)).view(np.float32)
+        part.reshape(batch, heads, grid[2], head_dim + 2)[:] = empty[None, :, None]
+        real(mem, grid, block, args)
+
+    monkeypatch.setitem(sim_kernels._REGISTRY, "gp_flash_decode_split_paged", writes_every_slot)
+    device = open_device("sim")   # a fresh harness: functions bind their sim kernel when looked up
+    h = KernelHarness(device, KernelCompiler(device.info.arch, cache_dir=tmp_path))
+    try:
+        rng = np.random.default_rng(5)
+        assert paged_decode_case(h, rng, 4, 2, 16, [40, 3], span=16).failure() is not None, \
+            "a write past a row's length must not pass"
+    finally:
+        h.close()
+        device.close()
 
 
 def test_kv_append_launcher_refuses_a_table_of_the_wrong_row_count(harness) -> None:

@@ -26,9 +26,9 @@ from gpu_worker.kernels import (
     launch_rmsnorm,
     launch_rotary,
 )
-from gpu_worker.kernels.flash_selfcheck import FLASH_CASES
-from gpu_worker.kernels.paged_selfcheck import PAGED_CASES
 from gpu_worker.kernels.selfcheck import CASES, KernelHarness, Outcome
+from gpu_worker.kernels.selfcheck.flash import FLASH_CASES
+from gpu_worker.kernels.selfcheck.paged import PAGED_CASES
 from services.common.errors import InvalidArgument
 
 

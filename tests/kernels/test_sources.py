@@ -54,15 +54,45 @@ def test_every_kernel_def_names_a_reference_and_a_launcher() -> None:
             f"{k.launcher.__name__} is not exported by gpu_worker.kernels"
 
 
-def test_the_common_header_travels_with_every_module_and_enters_its_cache_key() -> None:
+def test_every_header_travels_with_its_modules_and_enters_their_cache_keys() -> None:
+    """Every module reaches the common header; editing any header a module includes (directly or
+    through another header) changes that module's cache key."""
     for s in ALL_SOURCES:
-        assert f'#include "{COMMON_HEADER_NAME}"' in s.source, f"{s.module_name}: no common header"
-        assert COMMON_HEADER_NAME in s.headers, f"{s.module_name}: header not passed to NVRTC"
+        assert COMMON_HEADER_NAME in s.headers, f"{s.module_name}: common header not passed to NVRTC"
         fields = {"module_name": s.module_name, "source": s.source, "arch": "sm_90",
                   "options": s.options, "kind": "cubin", "nvrtc_version": nvrtc_version()}
-        edited = dict(s.headers, **{COMMON_HEADER_NAME: s.headers[COMMON_HEADER_NAME] + "\n"})
-        assert artifact_key(headers=s.headers, **fields) != artifact_key(headers=edited, **fields), \
-            f"{s.module_name}: editing the common header does not change the cache key"
+        for name in s.headers:
+            edited = dict(s.headers, **{name: s.headers[name] + "\n"})
+            assert artifact_key(headers=s.headers, **fields) != artifact_key(headers=edited, **fields), \
+                f"{s.module_name}: editing {name} does not change the cache key"
+
+
+def test_the_cuda_source_lives_in_cu_files_and_every_one_is_a_module_or_a_header() -> None:
+    """kernels/cu/ holds all the CUDA C: each module's source is its .cu file's text, the headers
+    its .cu reaches are the .cuh files' text, and no file there is unused."""
+    from gpu_worker.kernels.common import CU_DIR, cu_headers
+
+    texts = {f.name: f.read_text() for f in CU_DIR.iterdir() if f.suffix in (".cu", ".cuh")}
+    used_cu = {n for n, t in texts.items() for s in ALL_SOURCES if s.source == t and n.endswith(".cu")}
+    used_h = {n for s in ALL_SOURCES for n in s.headers}
+    assert len(used_cu) == len(ALL_SOURCES), "a module's source is not the text of a .cu file"
+    assert used_cu | used_h == set(texts), f"unused kernel sources: {set(texts) - used_cu - used_h}"
+    for s in ALL_SOURCES:
+        assert dict(s.headers) == cu_headers(s.source), f"{s.module_name}: headers != its includes"
+        assert all(s.headers[n] == texts[n] for n in s.headers)
+
+
+def test_no_kernel_module_sizes_a_grid_by_a_constant_sm_count() -> None:
+    """The SM count comes from the device (common.sm_count), not from a literal 132."""
+    import re
+    from pathlib import Path
+
+    root = Path(kernels.__file__).parent
+    for f in sorted(root.glob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            assert not re.search(r"(?<![\w.])132(?![\w.])", code) or "SIM_SM_COUNT" in code, \
+                f"{f.name}:{i}: a literal 132 (read the SM count from the device): {line.strip()}"
 
 
 def test_all_sources_lists_each_module_once_and_covers_every_kernel() -> None:

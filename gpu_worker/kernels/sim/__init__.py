@@ -265,3 +265,8 @@ def _to_f16(mem, grid, block, args) -> None:
 def _from_f16(mem, grid, block, args) -> None:
     out, x, n = _vals(args)
     _arr(mem, out, n)[:] = reference.from_f16(_arr(mem, x, n, np.float16))
+
+
+# The families' sim kernels register themselves on import (they use the helpers above).
+from gpu_worker.kernels.sim import flash as _flash  # noqa: F401
+from gpu_worker.kernels.sim import paged as _paged  # noqa: F401

@@ -3,7 +3,7 @@ by the CPU tests on the sim backend and by the GPU tests on the cuda backend, as
 
 Block tables are random (blocks scattered over the pool, shared between sequences), so a kernel
 that ignores the table or mixes up layer / K-V / slot offsets reads the wrong bytes and fails.
-Attention tolerances are flash_selfcheck's (fp16 P before P.V); sampling compares token ids
+Attention tolerances are selfcheck.flash's (fp16 P before P.V); sampling compares token ids
 exactly.
 """
 from __future__ import annotations
@@ -11,24 +11,28 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
-from gpu_worker.kernels.flash_attention import FLASH_ATTENTION_COMBINE
-from gpu_worker.kernels.flash_selfcheck import ATOL, RTOL, sample_rows
 from gpu_worker.kernels.paged_attention import (
+    FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
-    flash_decode_paged,
-    flash_prefill_paged,
-    kv_append_paged,
     launch_flash_decode_paged,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
+    paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
+)
+from gpu_worker.kernels.reference import (
+    flash_decode_paged,
+    flash_decode_paged_partials,
+    flash_prefill_paged,
+    kv_append_paged,
 )
 from gpu_worker.kernels.rotary import ROTARY_ROWS, launch_rotary_rows
 from gpu_worker.kernels.sampling import SAMPLE, launch_sample, sample
 from gpu_worker.kernels.selfcheck import Case, KernelHarness, Outcome
+from gpu_worker.kernels.selfcheck.flash import ATOL, RTOL, sample_rows
 
 H = np.float16
 
@@ -65,47 +69,62 @@ def kv_append_paged_case(h: KernelHarness, rng, positions, table_rows, layers=2,
 
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
-                      splits=None, replay_positions=None) -> Outcome:
-    """Split-K paged decode (split kernel + combine) for a batch at per-row positions (-1 rows
-    must come out zero). With `replay_positions`, the launches are captured once and replayed
-    after each change of the device positions (the graph must not bake them)."""
+                      span=None, replay_positions=None) -> Outcome:
+    """Split-K paged decode (split kernel + combine), split by each row's actual length, for a
+    batch at per-row positions (-1 rows must come out zero). The workspace starts as NaN and is
+    compared too: the slot of every split that holds a key must carry its partial state, every
+    other slot must still be NaN (a block past its row's length wrote nothing) and the output
+    shows the combine read no such slot. With `replay_positions`, the launches are captured once
+    and replayed after each change of the device positions (the graph must not bake them)."""
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
     max_blocks = max_blocks or -(-need // block_tokens) + 1
     capacity = capacity or max(4, min(batch * max_blocks, 4096))
-    splits = splits or paged_decode_splits(max_blocks, block_tokens, batch, heads, kv_heads)
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
+    splits = paged_decode_splits(max_blocks, block_tokens, span)
     pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
     table = _tables(rng, batch, max_blocks, capacity)
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
     out = h.put(np.full((batch, heads * head_dim), np.nan, H))
     ws_bytes = paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
-    ws = h.put(np.full(ws_bytes // 4, np.nan, np.float32))
+    nan_ws = np.full(ws_bytes // 4, np.nan, np.float32)
+    ws = h.put(nan_ws)
     pos = h.put(steps[0])
     qp, pp, tp = h.put(q), h.put(pool), h.put(table)
     dev = h.device
+    fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
     def launch(stream=None) -> None:
-        launch_flash_decode_paged(dev, h.function(FLASH_DECODE_SPLIT_PAGED),
-                                  h.function(FLASH_ATTENTION_COMBINE), out, ws, qp, pp, pos, tp,
-                                  batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
-                                  max_blocks, splits, stream=stream)
+        launch_flash_decode_paged(dev, fs, fc, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
+                                  head_dim, layer, layers, block_tokens, max_blocks, span=span,
+                                  stream=stream)
 
     def want(step) -> np.ndarray:
         return flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
 
+    def got_out() -> np.ndarray:
+        return h.get(out, (batch, heads * head_dim), H).astype(np.float32)
+
     if replay_positions is None:
         launch()
-        return Outcome(h.get(out, (batch, heads * head_dim), H).astype(np.float32), want(steps[0]),
-                       RTOL, ATOL)
+        wp = flash_decode_paged_partials(q, pool, steps[0], table, layer, heads, span, splits)
+        gp = h.get(ws, (batch, heads, splits, head_dim + 2))
+        ran = ~np.isnan(wp)
+        # an unrun slot compares as 1 (still NaN) against 1; a run slot by value
+        got = np.concatenate([got_out().reshape(-1),
+                              np.where(ran, gp, np.isnan(gp)).reshape(-1)])
+        wanted = np.concatenate([want(steps[0]).reshape(-1), np.where(ran, wp, 1.0).reshape(-1)])
+        return Outcome(got.astype(np.float32), wanted.astype(np.float32), RTOL, ATOL)
     with dev.capture() as cap:
         launch(cap.stream)
     got, wanted = [], []
     try:
         for step in steps:
             dev.to_device(pos, step)
+            dev.to_device(ws, nan_ws)   # stale slots from a longer step would hide a bad read
             dev.replay(cap.graph_exec)
-            got.append(h.get(out, (batch, heads * head_dim), H).astype(np.float32))
+            got.append(got_out())
             wanted.append(want(step))
     finally:
         dev.synchronize()
@@ -179,7 +198,7 @@ def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
 
 
 APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
-COMBINE = ("flash_attention_combine",)
+COMBINE = ("flash_combine_paged",)
 
 # (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
 # a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
@@ -196,14 +215,20 @@ PAGED_CASES: list[Case] = [
     _c(APPEND, kv_append_paged_case, positions=[130, -1], table_rows=2, head_dim=128,
        block_tokens=128, layers=3, layer=0, max_blocks=2),
     _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16, positions=[0, 17, -1, 40]),
+    # spans of 16 / 32 keys: rows of 1..7 splits in one batch, slots past each row left unwritten
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16,
+       positions=[0, 17, -1, 40, 111, 15, 16], span=16),
     _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=2, head_dim=64, positions=[100, 3],
-       block_tokens=32, splits=3),
-    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=1, head_dim=128, positions=[300, -1, 64],
-       block_tokens=64, splits=4),
+       block_tokens=32, span=32),
+    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=1, head_dim=128,
+       positions=[300, -1, 64, 31], block_tokens=64, span=32),
     _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=4, head_dim=64, positions=[255],
        block_tokens=256, layers=1, layer=0),
+    # GQA group of 6 (two head groups per KV head), odd lengths
+    _c(DECODE, paged_decode_case, COMBINE, heads=12, kv_heads=2, head_dim=64, positions=[76, 0, 33],
+       span=16),
     _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
-       splits=2, replay_positions=[[21, -1], [90, 6]]),
+       span=16, replay_positions=[[21, -1], [90, 6], [3, 70]]),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

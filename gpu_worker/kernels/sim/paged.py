@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.device.sim_kernels import register_sim_kernel
-from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import reference, sampling
 from gpu_worker.kernels.sim import _arr, _strided, _vals
 
@@ -65,22 +64,39 @@ def _kv_append_paged(mem, grid, block, args) -> None:
 
 @register_sim_kernel("gp_flash_decode_split_paged")
 def _flash_decode_split_paged(mem, grid, block, args) -> None:
+    """Writes the slots of the splits that hold a key of their row, and nothing else (as the
+    CUDA kernel, whose blocks past a row's length exit at once)."""
     (ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
      block_tokens, max_blocks, span, scale) = _vals(args)
     splits, width = grid[2], head_dim + 2
     pos = _arr(mem, positions, batch, np.int32)
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
-    for b in range(batch):
-        nkeys = max(0, min(int(pos[b]) + 1, max_blocks * block_tokens))
-        kb, vb = p.gather(tab[b], layer, nkeys)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
+        kb, vb = p.gather(tab[b], layer, int(nkeys))
         qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
         part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
                         (width, splits * width, 1))
-        for sp in range(splits):
-            j0 = min(sp * span, nkeys)
-            j1 = min(j0 + span, nkeys)
-            part[sp] = pa.attention_partial_f16(qb, kb[j0:j1], vb[j0:j1], scale)
+        for sp in range(-(-int(nkeys) // span)):
+            j0, j1 = sp * span, min((sp + 1) * span, int(nkeys))
+            part[sp] = reference.attention_partial_f16(qb, kb[j0:j1], vb[j0:j1], scale)
+
+
+@register_sim_kernel("gp_flash_combine_paged")
+def _flash_combine_paged(mem, grid, block, args) -> None:
+    """Reads only the slots of the splits that ran (a slot past a row's length is never viewed)."""
+    out, ws, positions, batch, heads, head_dim, capacity, span, splits = _vals(args)
+    width = head_dim + 2
+    pos = _arr(mem, positions, batch, np.int32)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, capacity)):
+        ran = min(splits, -(-int(nkeys) // span))
+        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
+        if ran == 0:
+            o[:] = 0
+            continue
+        part = _strided(mem, ws + 4 * b * heads * splits * width, (ran, heads, width),
+                        (width, splits * width, 1))
+        o[:] = reference.attention_combine_f16(np.array(part)).reshape(-1)
 
 
 @register_sim_kernel("gp_flash_prefill_paged")
@@ -99,7 +115,7 @@ def _flash_prefill_paged(mem, grid, block, args) -> None:
     tab = _arr(mem, table, max_blocks, np.int32)
     kb, vb = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim).gather(tab, layer, valid)
     qq = _arr(mem, q, tokens * width, H).reshape(tokens, heads, head_dim)[:rows]
-    o[:rows] = pa.attention_f16(qq, kb, vb, s0 + np.arange(rows), True, n_valid=valid,
+    o[:rows] = reference.attention_f16(qq, kb, vb, s0 + np.arange(rows), True, n_valid=valid,
                                 scale=scale).reshape(rows, width)
 
 

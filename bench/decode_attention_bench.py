@@ -1,0 +1,194 @@
+"""Paged decode attention split by the actual length (issue 24), against the copy bandwidth.
+
+Llama-3-8B shapes (32 q heads, 8 KV heads, head_dim 128), block_tokens 16, a table of 8192 tokens
+per row, every row at `ctx` keys. Each timed graph cycles over `layers` layers of the pool so the
+KV read by consecutive launches is never L2-resident (the working set is >= 256 MB, the L2 60 MB).
+Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
+device-to-device copy of 1 GiB (read + write), measured in the same run two ways: a graph of
+cuMemcpyAsync nodes and torch's `copy_` (a copy kernel) timed by CUDA events; the limit is the
+faster of the two.
+
+1. batch 1/8/32/64 x ctx 1024/8192 at the default span (paged_decode_span of the batch) and, same
+   run, the span the old rule gave (the split count from the maximum context and the batch).
+2. the span swept (128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
+3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
+
+    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--json OUT.json]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from gpu_worker.kernels.paged_attention import (
+    FLASH_COMBINE_PAGED,
+    FLASH_DECODE_SPLIT_PAGED,
+    launch_flash_decode_paged,
+    paged_decode_span,
+    paged_decode_splits,
+    paged_decode_workspace_bytes,
+)
+from gpu_worker.kernels.selfcheck import KernelHarness
+
+HEADS, KVH, HD, BT, TABLE = 32, 8, 128, 16, 8192
+GiB = 1 << 30
+WORKING_SET = 256 << 20
+
+
+def old_span(batch: int, max_len: int = TABLE) -> int:
+    """The span the pre-issue-24 rule gave: splits for ~4 blocks per SM (132) from max_len."""
+    blocks = batch * KVH
+    splits = max(1, min(64, -(-4 * 132 // blocks), max_len // 128))
+    span = -(-max_len // splits)
+    return -(-span // 16) * 16
+
+
+class Bench:
+    def __init__(self, h: KernelHarness, reps: int, trials: int) -> None:
+        self.h, self.dev, self.reps, self.trials = h, h.device, reps, trials
+        self.noise = np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32).astype(np.float16)
+
+    def _time(self, launches) -> float:
+        dev = self.dev
+        launches[0](dev.stream)
+        dev.synchronize()
+        with dev.capture() as cap:
+            for i in range(self.reps):
+                launches[i % len(launches)](cap.stream)
+        try:
+            dev.replay(cap.graph_exec)
+            dev.synchronize()
+            times = []
+            for _ in range(self.trials):
+                t0 = time.perf_counter()
+                dev.replay(cap.graph_exec)
+                dev.synchronize()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) / self.reps
+        finally:
+            dev.destroy_graph_exec(cap.graph_exec)
+
+    def copy_bandwidth(self, nbytes: int) -> float:
+        h = self.h
+        src, dst = h.put(np.zeros(nbytes, np.uint8)), h.put(np.zeros(nbytes, np.uint8))
+        be = self.dev.backend
+        t = self._time([lambda s: be.copy_d2d_async(dst, src, nbytes, s)])
+        h.close()
+        return 2 * nbytes / t
+
+    @staticmethod
+    def torch_copy_bandwidth(nbytes: int, reps: int = 20) -> float | None:
+        try:
+            import torch
+        except ImportError:
+            return None
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            start.record()
+            for _ in range(reps):
+                dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / statistics.median(times)
+
+    def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE) -> tuple[float, int]:
+        """(seconds per decode, KV bytes read per decode)."""
+        h, dev = self.h, self.dev
+        max_blocks = table_tokens // BT
+        used = -(-ctx // BT)
+        kv_bytes = batch * ctx * KVH * HD * 2 * 2
+        layers = max(1, min(64, -(-WORKING_SET // kv_bytes)))
+        capacity = batch * used
+        plane = BT * KVH * HD
+        pool = h.put(np.resize(self.noise, capacity * layers * 2 * plane))
+        rng = np.random.default_rng(1)
+        table = np.zeros((batch, max_blocks), np.int32)
+        table[:, :used] = rng.permutation(capacity).astype(np.int32).reshape(batch, used)
+        tp = h.put(table)
+        pos = h.put(np.full(batch, ctx - 1, np.int32))
+        q = h.put(np.resize(self.noise, batch * HEADS * HD))
+        out = h.put(np.zeros(batch * HEADS * HD, np.float16))
+        splits = paged_decode_splits(max_blocks, BT, span)
+        ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
+                                                         splits=splits) // 4, np.float32))
+        fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
+
+        def one(layer):
+            return lambda s: launch_flash_decode_paged(
+                dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
+                max_blocks, span=span, stream=s)
+
+        t = self._time([one(i) for i in range(layers)])
+        h.close()
+        return t, kv_bytes
+
+
+def main() -> int:
+    ap = kernel_bench_parser(__doc__)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    dev, compiler = open_bench_device(args)
+    h = KernelHarness(dev, compiler)
+    b = Bench(h, args.reps, args.trials)
+    rows: list[dict] = []
+    memcpy = b.copy_bandwidth(GiB)
+    kernel_copy = Bench.torch_copy_bandwidth(GiB)
+    copy = max(memcpy, kernel_copy or 0.0)
+    print(f"d2d copy 1 GiB (read + write): graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s, "
+          f"torch copy_ {kernel_copy / 1e9 if kernel_copy else float('nan'):.0f} GB/s; "
+          f"limit {copy / 1e9:.0f} GB/s")
+
+    def row(section, batch, ctx, sp, table=TABLE) -> dict:
+        t, nbytes = b.decode(batch, ctx, sp, table)
+        r = {"section": section, "batch": batch, "ctx": ctx, "span": sp, "table": table,
+             "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy}
+        rows.append(r)
+        print(f"{section:>6} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5}: "
+              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy", flush=True)
+        return r
+
+    print("\n[1] the default span (paged_decode_span) vs the old rule's span")
+    for batch in (1, 8, 32, 64):
+        span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
+        for ctx in (1024, 8192):
+            new = row("new", batch, ctx, span)
+            if old_span(batch) != span:
+                old = row("old", batch, ctx, old_span(batch))
+                print(f"{'':>6} new/old time {new['us'] / old['us']:.2f}")
+    print("\n[2] span sweep")
+    for batch in (1, 8, 32, 64):
+        span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
+        for ctx in (1024, 8192):
+            for sp in (128, 256, 512, 1024):
+                if sp != span:
+                    row("span", batch, ctx, sp)
+    print("\n[3] empty blocks: batch 64, ctx 1024, table 8192 vs 1024")
+    span = paged_decode_span(TABLE // BT, BT, 64, HEADS, KVH)
+    full = row("empty", 64, 1024, span, TABLE)
+    tight = row("empty", 64, 1024, span, 1024)
+    print(f"{'':>6} cost of the empty blocks: {full['us'] - tight['us']:.1f} us per decode")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"copy_GBps": copy / 1e9, "memcpy_graph_GBps": memcpy / 1e9,
+             "torch_copy_GBps": (kernel_copy or 0) / 1e9, "rows": rows}, indent=1))
+    dev.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+#pragma once
+// gpuplane kernel library: helpers shared by every module. Blocks are GP_THREADS threads
+// (a multiple of 32: the warp reductions use full-mask shuffles).
+#define GP_THREADS 256
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#define GP_GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (long long)(n); \
+         i += (long long)gridDim.x * blockDim.x)
+
+// fp16 bits -> float without cuda_fp16.h (NVRTC then needs no CUDA include path).
+__device__ __forceinline__ float gp_half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// fp16 storage without cuda_fp16.h: the bits in a 2-byte struct, so overloads on it cannot be
+// confused with unsigned short. gp_ld / gp_st move a value of either storage type as a float.
+struct __align__(2) gp_h { unsigned short x; };
+
+__device__ __forceinline__ unsigned short gp_float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));   // round to nearest even
+    return h;
+}
+
+__device__ __forceinline__ float gp_ld(const float* p) { return *p; }
+__device__ __forceinline__ float gp_ld(const gp_h* p) { return gp_half_to_float(p->x); }
+__device__ __forceinline__ void gp_st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void gp_st(gp_h* p, float v) { p->x = gp_float_to_half(v); }
+
+__device__ __forceinline__ float gp_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float gp_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide reductions; every thread receives the result. `scratch` is 33 shared floats.
+// The leading barrier lets a block call them back to back on the same scratch.
+__device__ __forceinline__ float gp_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = gp_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < nwarps ? scratch[lane] : 0.f;
+        w = gp_warp_sum(w);
+        if (lane == 0) scratch[32] = w;
+    }
+    __syncthreads();
+    return scratch[32];
+}
+
+__device__ __forceinline__ float gp_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = gp_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < nwarps ? scratch[lane] : -INFINITY;
+        w = gp_warp_max(w);
+        if (lane == 0) scratch[32] = w;
+    }
+    __syncthreads();
+    return scratch[32];
+}

@@ -1,0 +1,146 @@
+#include "flash_device.cuh"
+
+// The K (kv = 0) or V (kv = 1) rows of KV head hk of one layer, addressed through a table row.
+__device__ __forceinline__ gp_kv_paged gp_paged_rows(const unsigned short* pool, const int* table,
+                                                     int layer, int layers, int kv, int hk,
+                                                     int block_tokens, int kv_heads, int head_dim) {
+    const long long plane = (long long)block_tokens * kv_heads * head_dim;
+    gp_kv_paged r;
+    r.base = pool + (2 * layer + kv) * plane + (long long)hk * head_dim;
+    r.table = table;
+    r.block_stride = (long long)layers * 2 * plane;
+    r.shift = __ffs(block_tokens) - 1;
+    r.mask = block_tokens - 1;
+    r.slot_stride = kv_heads * head_dim;
+    return r;
+}
+
+// grid-stride over rows * kv_heads * head_dim: row r's K and V (f32) into the slot of position
+// positions[r] of table row (table_rows == rows ? r : 0), rounded to fp16 (nearest even).
+extern "C" __global__ void gp_kv_append_paged(unsigned short* __restrict__ pool,
+                                              const float* __restrict__ k,
+                                              const float* __restrict__ v,
+                                              const int* __restrict__ positions,
+                                              const int* __restrict__ table, int rows,
+                                              int table_rows, int layer, int layers,
+                                              int block_tokens, int kv_heads, int head_dim,
+                                              int max_blocks) {
+    const int width = kv_heads * head_dim;
+    const long long plane = (long long)block_tokens * width;
+    const long long capacity = (long long)max_blocks * block_tokens;
+    GP_GRID_STRIDE(i, (long long)rows * width) {
+        const int r = (int)(i / width), c = (int)(i % width);
+        const int p = positions[r];
+        if (p < 0 || p >= capacity) continue;  // padding row (or past the table): no write
+        const int* trow = table + (long long)(table_rows == rows ? r : 0) * max_blocks;
+        const long long blk = trow[p / block_tokens];
+        unsigned short* dst = pool + blk * layers * 2 * plane + 2 * layer * plane
+                              + (long long)(p % block_tokens) * width + c;
+        dst[0] = gp_f2h(k[i]);
+        dst[plane] = gp_f2h(v[i]);
+    }
+}
+
+// Keys row b attends to: positions [0, positions[b]], clamped to the table (none when < 0).
+__device__ __forceinline__ int gp_paged_nkeys(const int* positions, int b, int capacity) {
+    return max(0, min(positions[b] + 1, capacity));
+}
+
+// grid (kv_heads * ceil(group / 4), batch, splits), 128 threads: flash decode's split kernel
+// over paged K/V, split by the row's actual length. Split z covers keys [z * span, (z + 1) * span);
+// the grid holds the splits of the longest row the table can hold (splits = ceil(max_blocks *
+// block_tokens / span), the workspace's slots per row), and a split past its row's length
+// returns before reading anything else: it writes no slot, and the combine reads none.
+extern "C" __global__ void __launch_bounds__(128, 4)
+gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __restrict__ q,
+                            const unsigned short* __restrict__ pool,
+                            const int* __restrict__ positions, const int* __restrict__ table,
+                            int batch, int heads, int kv_heads, int head_dim, int layer,
+                            int layers, int block_tokens, int max_blocks, int span, float scale) {
+    const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
+    const int j0 = sp * span;
+    if (j0 >= nkeys) return;  // past the row's length (a padding row has no split at all)
+    const int j1 = min(j0 + span, nkeys);
+    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
+    const int hk = blockIdx.x / hgroups, hg = blockIdx.x % hgroups;
+    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
+    const int* trow = table + (long long)b * max_blocks;
+    const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
+    const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
+    const unsigned short* qq = q + (long long)b * heads * head_dim + (long long)h0 * head_dim;
+    float* part = ws + (((long long)b * heads + h0) * splits + sp) * (head_dim + 2);
+    const int stride = splits * (head_dim + 2);
+    const float sl = scale * GP_FA_LOG2E;
+    __shared__ float smem[GP_FD_SMEM];
+    if (head_dim == 128)
+        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+    else if (head_dim == 64)
+        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+    else
+        gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+}
+
+// grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+// over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
+// hold stale state); a row with no key (a padding row) is zeros. Thread s owns split s's weight
+// (splits <= 128 threads), so the loop over splits per dim has no dependent loads.
+extern "C" __global__ void __launch_bounds__(128)
+gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
+                       const int* __restrict__ positions, int batch, int heads, int head_dim,
+                       int capacity, int span, int splits) {
+    __shared__ float w_s[GP_FD_THREADS];
+    __shared__ float scratch[33];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
+    const int nkeys = gp_paged_nkeys(positions, b, capacity);
+    const int ran = min(splits, (nkeys + span - 1) / span);
+    const float* part = ws + ((long long)b * heads + h) * splits * width;
+    const float ms = tid < ran ? part[tid * width] : -INFINITY;
+    const float ls = tid < ran ? part[tid * width + 1] : 0.f;
+    const float mx = gp_block_max(ms, scratch);
+    const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;
+    const float l = gp_block_sum(ls * w, scratch);
+    w_s[tid] = w;
+    __syncthreads();
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    unsigned short* o = out + ((long long)b * heads + h) * head_dim;
+    for (int d = tid; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < ran; ++s) acc = fmaf(part[s * width + 2 + d], w_s[s], acc);
+        o[d] = gp_f2h(acc * inv);
+    }
+}
+
+// grid (ceil(tokens / 64), heads), 128 threads: one prefill chunk of one sequence. Token t <
+// chunk_len (position start + t) sees positions [0, start + t]; rows t >= chunk_len are zero.
+extern "C" __global__ void __launch_bounds__(128, GP_FA_MINB)
+gp_flash_prefill_paged(unsigned short* out, const unsigned short* __restrict__ q,
+                       const unsigned short* __restrict__ pool, const int* __restrict__ start,
+                       const int* __restrict__ chunk_len, const int* __restrict__ table,
+                       int tokens, int heads, int kv_heads, int head_dim, int layer, int layers,
+                       int block_tokens, int max_blocks, float scale) {
+    __shared__ __align__(16) unsigned short k_s[GP_FA_BN * (128 + GP_FA_PAD)];
+    __shared__ __align__(16) unsigned short v_s[GP_FA_BN * (128 + GP_FA_PAD)];
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * GP_FA_BM, h = blockIdx.y;
+    const int hk = h / (heads / kv_heads);
+    const int p = start[0];
+    // A negative start (a padding chunk) or an empty chunk: every row is zero.
+    const int rows_valid = p < 0 ? 0 : max(0, min(chunk_len[0], tokens));
+    const int valid = min(max(p, 0) + rows_valid, max_blocks * block_tokens);
+    const gp_kv_paged kr = gp_paged_rows(pool, table, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
+    const gp_kv_paged vr = gp_paged_rows(pool, table, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
+    const long long width = (long long)heads * head_dim;
+    unsigned short* o = out + (long long)h * head_dim;
+    const unsigned short* qq = q + (long long)h * head_dim;
+    const float sl = scale * GP_FA_LOG2E;
+    if (head_dim == 128)
+        gp_fa_prefill_block<128>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
+                                 1, width, width, sl);
+    else if (head_dim == 64)
+        gp_fa_prefill_block<64>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
+                                1, width, width, sl);
+    else
+        gp_fa_prefill_block<16>(o, qq, kr, vr, k_s, v_s, tokens, rows_valid, t0, max(p, 0), valid,
+                                1, width, width, sl);
+}
