@@ -37,8 +37,9 @@ query heads over one split, so each KV byte is read once per group, not once per
 head_dim / 8 lanes own one key (16-byte loads: a lane owns 8 dims), each lane group streams 4 keys
 per step (8 independent 16-byte loads in flight per thread) and keeps its own online-softmax state
 per query head in registers; the lane groups merge once at the end through shared memory. 128
-registers (launch bounds) give 4 blocks per SM, and splits are sized (flash_decode_splits) for
-~4 blocks per SM, i.e. one wave, as a function of max_len so graphs stay valid. The combine gives
+registers (launch bounds) give 4 blocks per SM; the contiguous (batch-1) decode's splits are spans
+of 128 keys of max_len (flash_decode_splits: 64 splits = 512 blocks at 8k, ~one wave), a function
+of max_len so graphs stay valid (the paged decode splits by the actual length). The combine gives
 each split's weight its own thread (splits <= 64 < 128 threads). The first version (167 registers:
 1.3 waves; a combine walking the splits serially) read 0.43 of the copy bandwidth at 8k, this 0.81.
 
