@@ -64,6 +64,7 @@ from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
 from services.common.server import ServiceRegistration
+from services.common.zones import zone_value
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,15 +149,8 @@ def zone_usages(zones: Any) -> list[governor_pb2.ZoneUsage]:
     return out
 
 
-def zone_name(zone: int) -> str:
-    """ZONE_KV -> "kv": the Python spelling of a governor zone."""
-    return governor_pb2.Zone.Name(zone).removeprefix("ZONE_").lower()
-
-
 def _zone_enum(name: Any) -> int:
-    if isinstance(name, int):
-        return name
-    return governor_pb2.Zone.Value("ZONE_" + str(name).upper())
+    return name if isinstance(name, int) else zone_value(str(name))
 
 
 def _as_mapping(obj: Any) -> Mapping[str, Any]:
@@ -241,9 +235,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.checkpoint:
             _tag(model_id=request.model_id, checkpoint=request.checkpoint)
             started = time.perf_counter()
-            loaded = self.runtime.load_model(request.model_id, "", "", 0,
-                                             checkpoint=request.checkpoint,
-                                             weight_format=request.weight_format)
+            loaded = self.runtime.load_checkpoint(request.model_id, request.checkpoint,
+                                                  request.weight_format)
             return self._loaded(loaded, started)
         _require(request.family, "family is empty: use 'decoder' or 'encoder' (or a checkpoint)")
         _require(request.config, "config is empty: use a named size such as 'tiny'")
@@ -251,8 +244,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise errors.InvalidArgument("weight_format applies to checkpoints only")
         _tag(model_id=request.model_id, family=request.family, config=request.config)
         started = time.perf_counter()
-        loaded = self.runtime.load_model(request.model_id, request.family, request.config,
-                                         int(request.seed))
+        loaded = self.runtime.load_synthetic(request.model_id, request.family, request.config,
+                                             int(request.seed))
         return self._loaded(loaded, started)
 
     @staticmethod
