@@ -35,7 +35,7 @@ log = logging.getLogger("gpu_worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the worker's gRPC server until SIGTERM/SIGINT")
     env_flag(serve, "--listen", "GPUPLANE_WORKER_LISTEN", "127.0.0.1:50071", "HOST:PORT to serve on")

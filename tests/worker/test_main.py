@@ -89,3 +89,9 @@ def test_a_negative_embed_wait_or_empty_embed_batch_is_refused_before_the_worker
     for flags in (["--embed-batch-wait-ms", "-1"], ["--embed-max-batch", "0"],
                   ["--embed-max-batch-tokens", "0"]):
         assert "embed" in flag_problem(build_parser().parse_args(["serve", *flags])), flags
+
+
+def test_an_abbreviated_serve_flag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--max-batch", "8"])
+    assert exit_.value.code == 2, "an abbreviation of --max-batch-size was accepted"

@@ -16,7 +16,7 @@ from gpu_worker.models.configs import get_config
 from gpu_worker.models.encoder import padded_shape
 from gpu_worker.models.reference import DecoderReference, EncoderReference
 from gpu_worker.models.weights import load_host
-from gpu_worker.edge.servicer import zone_name
+from services.common.zones import zone_name
 
 from .conftest import DECODER, ENCODER, SEED
 
