@@ -171,7 +171,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from gpu_worker.edge.servicer import zone_name
+    from services.common.zones import zone_name
 
     with _worker(args) as client:
         s = client.stats()
@@ -212,7 +212,7 @@ def cmd_trim(args: argparse.Namespace) -> None:
 def cmd_resources(args: argparse.Namespace) -> None:
     from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 
-    from gpu_worker.edge.servicer import zone_name
+    from services.common.zones import zone_name
 
     channel = open_channel(args.governor, "gpuplane.governor.v1.GovernorService",
                            ["GetResources"], tls=security.channel_tls_from_args(args),

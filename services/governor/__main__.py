@@ -121,7 +121,8 @@ def resources(args: argparse.Namespace) -> int:
 
     from services.common.channels import open_channel
     from services.common.errors import GpuplaneError
-    from services.governor.servicer import SERVICE_NAME, zone_name
+    from services.common.zones import zone_name
+    from services.governor.servicer import SERVICE_NAME
 
     try:
         tls = security.channel_tls_from_args(args)

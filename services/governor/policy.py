@@ -8,12 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
+from services.common.zones import ZONES
 
-# The order is the proto enum's (Zone = index + 1); "foreign" is report-only and never leased.
-ZONES: tuple[str, ...] = (
-    "weights", "kv", "workspace", "activations", "graphs", "scratch", "transient", "context",
-    "foreign",
-)
+# The order is the proto enum's (services/common/zones.py); "foreign" is report-only, never leased.
 LEASABLE_ZONES: frozenset[str] = frozenset(ZONES) - {"foreign"}
 
 # Zones whose contents a worker can drop on request (offloaded weights, warm plans, kernel variants,

@@ -22,6 +22,7 @@ from opentelemetry import trace
 
 from services.common.errors import InvalidArgument
 from services.common.server import ServiceRegistration
+from services.common.zones import zone_name, zone_value
 from services.governor.ledger import (
     DeviceReport,
     DeviceSpec,
@@ -54,14 +55,6 @@ def _ids(request, *names: str) -> None:
         check_text(name, getattr(request, name), MAX_ID_CHARS)
 
 
-def zone_name(value: int) -> str:
-    """Proto enum -> zone string; ZONE_UNSPECIFIED and unknown values are a bad request."""
-    if not 1 <= value <= len(ZONES):
-        raise InvalidArgument(f"zone is unspecified or unknown (enum value {value}); "
-                              f"use one of ZONE_{', ZONE_'.join(z.upper() for z in ZONES)}")
-    return ZONES[value - 1]
-
-
 def _tag(**attributes: str | int) -> None:
     """Domain attributes on the server span the tracing interceptor opened for this call."""
     span = trace.get_current_span()
@@ -69,10 +62,6 @@ def _tag(**attributes: str | int) -> None:
         return
     for key, value in attributes.items():
         span.set_attribute(f"gpuplane.{key}", value)
-
-
-def zone_value(name: str) -> int:
-    return ZONES.index(name) + 1
 
 
 def lease_pb(lease: Lease) -> governor_pb2.Lease:
