@@ -1,4 +1,4 @@
-"""Paged decode attention split by the actual length (issue 24), against the copy bandwidth.
+"""Paged decode attention split by the actual length, against the copy bandwidth.
 
 Llama-3-8B shapes (32 q heads, 8 KV heads, head_dim 128), block_tokens 16, a table of 8192 tokens
 per row, every row at `ctx` keys. Each timed graph cycles over `layers` layers of the pool so the
@@ -44,7 +44,7 @@ WORKING_SET = 256 << 20
 
 
 def old_span(batch: int, max_len: int = TABLE) -> int:
-    """The span the pre-issue-24 rule gave: splits for ~4 blocks per SM (132) from max_len."""
+    """The span the old rule gave (before the split by length): splits for ~4 blocks per SM (132) from max_len."""
     blocks = batch * KVH
     splits = max(1, min(64, -(-4 * 132 // blocks), max_len // 128))
     span = -(-max_len // splits)

@@ -34,7 +34,7 @@ _B32 = [int(x) for x in _rng.integers(0, 8192, 32)]
 _B32[5] = _B32[17] = -1
 _B64 = [int(x) for x in _rng.integers(0, 2048, 64)]
 _B64[63] = -1
-# split by the actual length (issue 24): batch 8 and 64 in an 8192-token table, lengths 1..8192
+# split by the actual length: batch 8 and 64 in an 8192-token table, lengths 1..8192
 # (positions 0..8191) at span edges and odd values, and batch 64 of short rows (most of the
 # grid's splits past their rows: those blocks must write nothing)
 _B8 = [0, 254, 255, 256, 1000, 4097, 8191, -1]

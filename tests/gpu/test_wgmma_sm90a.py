@@ -1,5 +1,5 @@
 """Does a CUBIN that NVRTC 13.0 builds for `--gpu-architecture=sm_90a` with `wgmma.mma_async`
-load and run on the H200's driver? (issue 24: the question before any wgmma linear.)
+load and run on the H200's driver? (The question before any wgmma linear.)
 
 The probe (tests/gpu/wgmma_probe.cu) is one warpgroup MMA, m64n8k16, A from registers and B from
 shared memory through a no-swizzle descriptor. The first test answers the question (module load,

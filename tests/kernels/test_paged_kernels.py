@@ -101,7 +101,7 @@ def test_paged_decode_launcher_refuses_bad_shapes_before_the_device(harness, kwa
 
 
 def test_a_split_is_a_fixed_span_of_keys_so_every_batch_splits_by_its_rows_lengths() -> None:
-    """The issue-24 regression: the split count came from the maximum context and the batch (at
+    """The regression: the split count came from the maximum context and the batch (at
     batch 8 and an 8192-token table, 9 splits of 911 keys: a 1000-key row got 2). Now a row of n
     keys has ceil(n / span) splits, the span a function of the graph's shape (batch, heads, the
     table), never of the current lengths."""

@@ -1,5 +1,5 @@
 """NVRTC 13.0 builds the wgmma probe (tests/gpu/wgmma_probe.cu) for sm_90a to CUBIN with no GPU,
-and refuses it for plain sm_90: the CPU half of issue 24's wgmma question (the GPU half, whether
+and refuses it for plain sm_90: the CPU half of the wgmma question (the GPU half, whether
 the driver loads and runs it, is tests/gpu/test_wgmma_sm90a.py)."""
 from __future__ import annotations
 
