@@ -38,9 +38,9 @@ from gpu_worker.kernels import (
     rotary,
     sampling,
 )
-from services.common.config import env_int
+from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 
-DEQUANT_TILE_BYTES = env_int("GPUPLANE_DEQUANT_TILE_BYTES", 32 << 20)
+DEQUANT_TILE_BYTES = DEFAULT_DEQUANT_TILE_BYTES   # the default bound; WorkerConfig.dequant_tile_bytes
 TILE_ROW_ALIGN = 64   # tile rows: a multiple of 64 keeps every GEMM's output columns aligned
 
 
@@ -86,7 +86,7 @@ def tile_rows(n: int, k: int, tile_bytes: int) -> int:
         return n
     if fit < TILE_ROW_ALIGN:
         raise ValueError(f"a dequantization tile of {tile_bytes} bytes holds fewer than "
-                         f"{TILE_ROW_ALIGN} rows of k={k}: raise GPUPLANE_DEQUANT_TILE_BYTES")
+                         f"{TILE_ROW_ALIGN} rows of k={k}: raise --dequant-tile-bytes (GPUPLANE_DEQUANT_TILE_BYTES)")
     return fit // TILE_ROW_ALIGN * TILE_ROW_ALIGN
 
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+from gpu_worker import WorkerConfig, WorkerRuntime
 
 pytestmark = pytest.mark.gpu
 

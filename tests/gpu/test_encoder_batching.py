@@ -78,7 +78,7 @@ def test_cuda_padded_small_encoder_batch_gives_each_sequence_its_solo_embedding(
 
 
 def test_cuda_concurrent_runtime_embeds_share_batches_with_solo_results(kernel_dir) -> None:
-    from gpu_worker.core.runtime import WorkerConfig, WorkerRuntime
+    from gpu_worker import WorkerConfig, WorkerRuntime
     rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=kernel_dir, max_plans=8,
                                     embed_batch_wait_ms=100.0)).start()
     try:
