@@ -68,7 +68,12 @@ class LoadedModel:
         return self.scheduler is not None and self.scheduler.busy()
 
     def drop_caches(self) -> int:
-        return 0 if self.busy() else self.executor.trim()
+        """Plans and kernel variants, then (a paged decoder) the slot state their graphs baked."""
+        if self.busy():
+            return 0
+        freed = self.executor.trim()
+        release = getattr(self.model, "release_slots", None)
+        return freed + (release() if release is not None else 0)
 
     def page_out(self) -> int:
         return 0 if self.busy() else self.executor.page_out()

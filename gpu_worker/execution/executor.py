@@ -424,6 +424,17 @@ class ModelExecutor:
     def add_state(self, name: str, nbytes: int, zone: str) -> None:
         self._state[name] = self.device.arena.alloc(nbytes, zone, role=zone)
 
+    def has_state(self, name: str) -> bool:
+        return name in self._state
+
+    def drop_state(self, name: str) -> int:
+        """Free a state tensor made by `add_state` (after a sync of the model's stream): only once
+        no plan that baked its address is left. Returns the bytes released."""
+        alloc = self._state.pop(name)
+        self.device.synchronize(self.device.stream)
+        self.device.arena.free(alloc)
+        return alloc.size
+
     def bind_state(self, name: str, ptr: int) -> None:
         """A state tensor whose memory another owner holds at a fixed address (the paged KV
         pool, gpu_worker/engines/scheduler/kv_pool.py): graphs bake it, so it must never move."""

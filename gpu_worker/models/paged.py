@@ -266,9 +266,21 @@ class PagedDecoderModel:
             self.executor.add_weight(key, host)
         self.pool = KVBlockPool(self.executor.device.arena, self.geometry, self.capacity_blocks)
         self.executor.bind_state(POOL, self.pool.base)
+        device = self.executor.device
+        self._ensure_slots()
+        self._staging = StepStaging(device)
+        self._events = [(device.create_event(timing=True), device.create_event(timing=True))
+                        for _ in range(2)]
+        device.synchronize(device.stream)
+        self.executor.ensure_resident()
+
+    def _ensure_slots(self) -> None:
+        """The slots' device state (tokens, block tables), made at load and again on the first
+        step after `release_slots`. It lives with the plans that bake its addresses (zone
+        activations), not in kv, so an idle decoder gives its whole kv zone back."""
+        if self.executor.has_state(SLOT_TOKENS):
+            return
         device, n, mb = self.executor.device, self.groups * GROUP, self.geometry.max_blocks
-        # with the plans that bake their addresses (zone activations), not in kv: an idle
-        # decoder gives its whole kv zone back
         self.executor.add_state(SLOT_TOKENS, n * 4, "activations")
         self.executor.add_state(SLOT_TABLES, n * mb * 4, "activations")
         tokens, tables = self.executor.state_ptr(SLOT_TOKENS), self.executor.state_ptr(SLOT_TABLES)
@@ -277,11 +289,15 @@ class PagedDecoderModel:
         for g in range(self.groups):
             self.executor.bind_state(_group_tokens(g), tokens + g * GROUP * 4)
             self.executor.bind_state(_group_table(g), tables + g * GROUP * mb * 4)
-        self._staging = StepStaging(device)
-        self._events = [(device.create_event(timing=True), device.create_event(timing=True))
-                        for _ in range(2)]
-        device.synchronize(device.stream)
-        self.executor.ensure_resident()
+
+    def release_slots(self) -> int:
+        """An idle decoder's caches go (the reclaim order's idle plans): its slot state too, once
+        every plan that baked its addresses is evicted. The caller holds the model lock and no
+        sequence holds a slot. Returns the bytes released."""
+        assert not self._in_step, "release_slots() inside a step"
+        if not self.executor.has_state(SLOT_TOKENS) or self.executor.plans.keys():
+            return 0
+        return self.executor.drop_state(SLOT_TOKENS) + self.executor.drop_state(SLOT_TABLES)
 
     def close(self) -> None:
         device = self.executor.device
@@ -337,6 +353,7 @@ class PagedDecoderModel:
     def begin_step(self) -> None:
         assert self._staging is not None, "load() first"
         assert not self._in_step, "begin_step() twice"
+        self._ensure_slots()
         self._staging.begin(self._parity)
         self.executor.device.record_event(self._events[self._parity][0])
         self._in_step, self._decoded = True, False

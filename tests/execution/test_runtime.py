@@ -374,3 +374,19 @@ def _decode_graph_survives_prefill_shapes(runtime):
     assert plans.stats()["misses"] == misses, "a warm shape was evicted and rebuilt"
     warm = plans.keys()
     assert sum(1 for k in warm if k[0] != "paged_decode") <= plans.max_plans
+
+
+def test_an_idle_decoders_caches_take_its_slot_state_with_them_and_it_comes_back_unchanged(runtime):
+    """The decode slots' device state lives with the plans whose graphs bake its addresses: the
+    reclaim order's idle-plans step frees both, and the next request makes them again."""
+    from gpu_worker.models.paged import SLOT_TOKENS
+    runtime.load_model("dec", "decoder", "tiny", 3)
+    first = [c[0] for c in runtime.generate("dec", [5, 6, 7, 8], 6)]
+    loaded = runtime._get("dec")
+    assert loaded.executor.has_state(SLOT_TOKENS), "a paged decoder keeps slot state at load"
+    freed = loaded.drop_caches()
+    assert freed > 0 and not loaded.executor.has_state(SLOT_TOKENS), \
+        "dropping an idle decoder's caches kept its slot state"
+    again = [c[0] for c in runtime.generate("dec", [5, 6, 7, 8], 6)]
+    assert again == first, "tokens changed after the slot state was made again"
+    assert loaded.executor.has_state(SLOT_TOKENS)
