@@ -18,29 +18,11 @@ from services.governor.ledger import DeviceReport, DeviceSpec, Ledger, ZoneRepor
 from services.governor.policy import MAX_DEVICE_BYTES, MAX_ID_CHARS, Policy
 from services.governor.server import start_governor
 from services.governor.servicer import MAX_REQUEST_BYTES, device_pb
-from services.governor.store import Store
+from tests.governor.ledgers import make
 
 MIB = 1 << 20
 I64_MAX = (1 << 63) - 1
 GPU = DeviceSpec("GPU-h", total_bytes=2000 * MIB, free_bytes=1000 * MIB, granule_bytes=2 * MIB)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-def make(tmp_path, clock, **policy) -> Ledger:
-    policy.setdefault("budget_fraction", 1.0)
-    return Ledger(Store(tmp_path / "gov.sqlite"), Policy(**policy), clock=clock)
 
 
 def snapshot(ledger: Ledger) -> list:

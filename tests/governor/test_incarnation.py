@@ -24,19 +24,6 @@ OTHER = DeviceSpec("GPU-other", total_bytes=2000 * MIB, free_bytes=1000 * MIB)
 TTL = 10.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
 @pytest.fixture
 def ledger(tmp_path, clock) -> Ledger:
     return Ledger(Store(tmp_path / "gov.sqlite"), Policy(budget_fraction=1.0, lease_ttl_s=TTL),

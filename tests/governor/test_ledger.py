@@ -13,29 +13,10 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.governor.ledger import DeviceSpec, Ledger
-from services.governor.policy import Policy
-from services.governor.store import Store
+from tests.governor.ledgers import make
 
 MIB = 1 << 20
 GPU = DeviceSpec("GPU-test", total_bytes=2000 * MIB, free_bytes=1000 * MIB, granule_bytes=2 * MIB)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-def make(tmp_path, clock, **policy) -> Ledger:
-    policy.setdefault("budget_fraction", 1.0)
-    return Ledger(Store(tmp_path / "gov.sqlite"), Policy(**policy), clock=clock)
 
 
 def state(ledger: Ledger) -> tuple:
