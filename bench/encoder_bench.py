@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.record import add_record_flag
 from bench.targets import Targets
-from gpu_worker.device.backend import DeviceError
 from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.device.backend import DeviceError
 from services.common.errors import ResourceExhausted
 
 GiB = float(1 << 30)

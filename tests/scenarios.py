@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from gpu_worker.core.admission import admission_bytes
+from gpu_worker.core.runtime import WorkerRuntime
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import get_config
-from gpu_worker.core.runtime import WorkerRuntime
 from services.common.errors import ResourceExhausted
 
 PROMPT = [5, 6, 7, 8, 9, 10]

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 
 from gpu_worker.checkpoints.text import TextCodec
+from gpu_worker.engines.embed_batcher import EmbedBatcher
+from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.models.paged import PagedDecoderModel
-from gpu_worker.engines.embed_batcher import EmbedBatcher
-from gpu_worker.engines.scheduler.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

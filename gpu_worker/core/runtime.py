@@ -29,18 +29,18 @@ import numpy as np
 
 from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.config import WorkerConfig
-from gpu_worker.engines.embed_batcher import EmbedBatchStats
-from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.core.connections import open_budget, open_compiler, wire_reclaim
+from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.core.loader import LoadSpec, ModelLoader
-from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.core.reclaim import Reclaimer
+from gpu_worker.core.stats import scheduler_stats, worker_stats
+from gpu_worker.core.token_stream import TokenBuffer, TokenStream
+from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.engines.scheduler.histogram import Histogram
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import Sequence
+from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.telemetry.spans import span
-from gpu_worker.core.stats import scheduler_stats, worker_stats
-from gpu_worker.core.token_stream import TokenBuffer, TokenStream
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,

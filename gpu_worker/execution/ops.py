@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpu_worker.models.graph import Graph, Node
+from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 from gpu_worker.kernels import (
     attention,
     elementwise,
@@ -38,7 +38,7 @@ from gpu_worker.kernels import (
     rotary,
     sampling,
 )
-from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
+from gpu_worker.models.graph import Graph, Node
 
 DEQUANT_TILE_BYTES = DEFAULT_DEQUANT_TILE_BYTES   # the default bound; WorkerConfig.dequant_tile_bytes
 TILE_ROW_ALIGN = 64   # tile rows: a multiple of 64 keeps every GEMM's output columns aligned

@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.models.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.graph import DTYPE_BYTES, Graph, GraphBuilder
 from gpu_worker.models.weights import generate
-from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from services.common.errors import InvalidArgument
 
 KV_DTYPE = "f16"    # the KV cache: fp16 (attention reads it into f32 arithmetic)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.models.graph import Graph, GraphBuilder
 from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.graph import Graph, GraphBuilder
 from gpu_worker.models.weights import generate
 from services.common.errors import InvalidArgument
 

@@ -22,16 +22,16 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from gpu_worker.execution.plans import seq_bucket
-from gpu_worker.execution.staging import StepStaging
-from gpu_worker.models.graph import Graph, GraphBuilder
-from gpu_worker.models.configs import ModelConfig
 from gpu_worker.config import DEFAULT_PREFILL_CHUNK
-from gpu_worker.models.decoder import check_prompt
-from gpu_worker.models.weights import generate
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import DecodeRow
+from gpu_worker.execution.plans import seq_bucket
+from gpu_worker.execution.staging import StepStaging
+from gpu_worker.models.configs import ModelConfig
+from gpu_worker.models.decoder import check_prompt
+from gpu_worker.models.graph import Graph, GraphBuilder
+from gpu_worker.models.weights import generate
 from services.common.errors import InvalidArgument
 
 # Fine above 16 so a batch pays for at most 7 padding rows (33 runs at 40, not 64), like the

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
-from gpu_worker.kernels.reference import matmul_nt
 from gpu_worker.kernels.linear import int4_path
+from gpu_worker.kernels.reference import matmul_nt
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
 

@@ -43,8 +43,8 @@ from grpc_status import rpc_status
 from services.common.channels import open_channel
 from services.common.errors import InvalidArgument, QuotaViolation, ReclaimHint, ResourceExhausted
 from services.common.tls import ChannelTLS
-from services.governor.policy import LEASABLE_ZONES, check_zone
 from services.common.zones import zone_name, zone_value
+from services.governor.policy import LEASABLE_ZONES, check_zone
 from services.governor.servicer import SERVICE_NAME
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu_worker.telemetry import survived as survived_mod
 from gpu_worker.device import cuda_backend, cupy_allocator
+from gpu_worker.telemetry import survived as survived_mod
 from gpu_worker.telemetry.survived import count
 from tests.device.conftest import GRANULE
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
+from gpu_worker import WorkerConfig, WorkerRuntime
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker import WorkerConfig, WorkerRuntime
 from services.common.errors import ResourceExhausted
 from services.governor.policy import Policy
 from services.governor.server import start_governor

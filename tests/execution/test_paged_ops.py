@@ -9,11 +9,11 @@ import pytest
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.execution.ops import OPS, LaunchContext
-from gpu_worker.models.graph import GraphBuilder
 from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels import sampling
 from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.models.graph import GraphBuilder
 
 HEADS, KVH, HD, LAYERS, LAYER, BT, MAXB, CAP = 4, 2, 16, 2, 1, 16, 4, 14
 THETA = 10000.0

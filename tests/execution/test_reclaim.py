@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.core.reclaim import STEPS
 from gpu_worker.device.backend import DeviceError
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker.core.reclaim import STEPS
-from gpu_worker import WorkerConfig, WorkerRuntime
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 PROMPT = [4, 8, 15, 16, 23, 42]

@@ -6,11 +6,11 @@ import time
 import numpy as np
 import pytest
 
+from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.core.loader import ModelLoader
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker import WorkerConfig, WorkerRuntime
-from gpu_worker.core.loader import ModelLoader
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 
 # Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32

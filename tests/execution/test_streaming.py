@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpu_worker import WorkerConfig, WorkerRuntime
 from gpu_worker.device.weights import WeightSlots
 from gpu_worker.execution.streaming import StreamedRun, plan_schedule
-from gpu_worker.models.graph import Node
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
-from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.models.graph import Node
 from services.common.errors import ResourceExhausted
 
 MIB = 1 << 20

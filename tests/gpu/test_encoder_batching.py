@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from gpu_worker.execution.executor import ModelExecutor
-from gpu_worker.kernels.selfcheck.encoder import ENCODER_CASES, ENCODER_MODEL_CASES
 from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.kernels.selfcheck.encoder import ENCODER_CASES, ENCODER_MODEL_CASES
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS

@@ -9,8 +9,8 @@ import pytest
 from gpuplane.kernelcache.v1 import kernel_cache_pb2, kernel_cache_pb2_grpc
 
 from cache_service.client import KernelCacheClient
-from gpu_worker.edge.client import WorkerClient
 from gpu_worker.compile import KernelCompiler
+from gpu_worker.edge.client import WorkerClient
 from gpu_worker.kernels import ALL_SOURCES
 from gpu_worker.stack.processes import Stack
 from tests.polling import wait_until

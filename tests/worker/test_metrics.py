@@ -7,8 +7,8 @@ import pathlib
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_worker.telemetry import survived
 from gpu_worker.edge.metrics import WorkerCollector
+from gpu_worker.telemetry import survived
 
 
 def test_the_metrics_collector_exports_the_ledger_and_caches_and_survives_a_closed_runtime(
