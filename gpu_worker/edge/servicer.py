@@ -35,19 +35,17 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
-from gpuplane.governor.v1 import governor_pb2
 from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
+from gpu_worker.core.loaded_model import ModelInfo
 from gpu_worker.core.token_stream import (
     DEFAULT_STREAM_BUFFER_TOKENS,
     StreamStats,
@@ -57,6 +55,7 @@ from gpu_worker.core.token_stream import (
     overflow_error,
 )
 from gpu_worker.edge.access import ACCESS
+from gpu_worker.edge.messages import load_response, model_info_message, stats_message
 from gpu_worker.engines.scheduler.sampling import GREEDY
 from gpu_worker.engines.scheduler.sampling import from_message as sampling_from_message
 from services.common import errors
@@ -64,7 +63,6 @@ from services.common.aio_server import AioRunningServer, create_aio_server
 from services.common.authz import table
 from services.common.security import ServerSecurity
 from services.common.server import ServiceRegistration
-from services.common.zones import zone_value
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,89 +111,6 @@ class EdgeLimits:
             raise errors.InvalidArgument("stalled_write_grace_s must be in (0, 3600] seconds")
 
 
-def model_info_message(info: Any) -> worker_pb2.ModelInfo:
-    """The wire form of the runtime's ModelInfo-like object (dataclass or dict)."""
-    return _fill(worker_pb2.ModelInfo(), _as_mapping(info))
-
-
-def stats_message(stats: Mapping[str, Any]) -> worker_pb2.GetStatsResponse:
-    """Map the runtime's nested stats dict onto GetStatsResponse (names match the proto)."""
-    stats = dict(stats)
-    zones = stats.pop("zones", None)
-    response = _fill(worker_pb2.GetStatsResponse(), stats)
-    for usage in zone_usages(zones):
-        response.zones.append(usage)
-    return response
-
-
-def zone_usages(zones: Any) -> list[governor_pb2.ZoneUsage]:
-    """Zones as `{zone: (committed, content)}`, `{zone: {...}}` or a list of dicts -> ZoneUsage."""
-    if not zones:
-        return []
-    items: list[tuple[str, Any]]
-    if isinstance(zones, Mapping):
-        items = list(zones.items())
-    else:
-        items = [(_as_mapping(z)["zone"], _as_mapping(z)) for z in zones]
-    out = []
-    for name, value in sorted(items, key=lambda kv: _zone_enum(kv[0])):
-        usage = governor_pb2.ZoneUsage(zone=_zone_enum(name))
-        if isinstance(value, (tuple, list)):
-            usage.committed_bytes, usage.content_bytes = int(value[0]), int(value[1])
-        else:
-            fields = {k: v for k, v in _as_mapping(value).items() if k != "zone"}
-            _fill(usage, fields)
-        out.append(usage)
-    return out
-
-
-def _zone_enum(name: Any) -> int:
-    return name if isinstance(name, int) else zone_value(str(name))
-
-
-def _as_mapping(obj: Any) -> Mapping[str, Any]:
-    if isinstance(obj, Mapping):
-        return obj
-    if hasattr(obj, "__dataclass_fields__"):
-        return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
-    return vars(obj)
-
-
-def _fill(message: Message, values: Mapping[str, Any]) -> Message:
-    """Copy matching keys into scalar and nested fields; unknown keys are ignored on purpose
-    (the runtime may report more than the proto carries)."""
-    fields = message.DESCRIPTOR.fields_by_name
-    for key, value in values.items():
-        field = fields.get(key)
-        if field is None or value is None:
-            continue
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if not _repeated(field) and isinstance(value, Mapping):
-                _fill(getattr(message, key), value)
-            continue
-        if _repeated(field):
-            continue
-        setattr(message, key, _coerce(field, value))
-    return message
-
-
-def _repeated(field: FieldDescriptor) -> bool:
-    # protobuf 7 dropped `label` in favour of `is_repeated`; older runtimes only have `label`.
-    if hasattr(field, "is_repeated"):
-        return bool(field.is_repeated)
-    return field.label == FieldDescriptor.LABEL_REPEATED
-
-
-def _coerce(field: FieldDescriptor, value: Any) -> Any:
-    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
-        return float(value)
-    if field.type == FieldDescriptor.TYPE_BOOL:
-        return bool(value)
-    if field.type == FieldDescriptor.TYPE_STRING:
-        return str(value)
-    return int(value)
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """gRPC handlers (coroutines on the server's loop); `runtime` is a started `WorkerRuntime`.
     `streams`: where the edge's stream latencies go (the Prometheus collector reads it)."""
@@ -234,29 +149,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         _require(request.model_id, "model_id is empty: name the model to load")
         if request.checkpoint:
             _tag(model_id=request.model_id, checkpoint=request.checkpoint)
-            started = time.perf_counter()
             loaded = self.runtime.load_checkpoint(request.model_id, request.checkpoint,
                                                   request.weight_format)
-            return self._loaded(loaded, started)
+            return load_response(loaded)
         _require(request.family, "family is empty: use 'decoder' or 'encoder' (or a checkpoint)")
         _require(request.config, "config is empty: use a named size such as 'tiny'")
         if request.weight_format:
             raise errors.InvalidArgument("weight_format applies to checkpoints only")
         _tag(model_id=request.model_id, family=request.family, config=request.config)
-        started = time.perf_counter()
         loaded = self.runtime.load_synthetic(request.model_id, request.family, request.config,
                                              int(request.seed))
-        return self._loaded(loaded, started)
-
-    @staticmethod
-    def _loaded(loaded: Any, started: float) -> worker_pb2.LoadModelResponse:
-        fields = dict(_as_mapping(loaded))
-        info = fields.get("info") or fields.get("model") or loaded
-        response = worker_pb2.LoadModelResponse(model=model_info_message(info))
-        response.load_seconds = float(fields.get("load_seconds") or time.perf_counter() - started)
-        response.kernels_compiled = int(fields.get("kernels_compiled") or 0)
-        response.kernels_from_cache = int(fields.get("kernels_from_cache") or 0)
-        return response
+        return load_response(loaded)
 
     async def UnloadModel(self, request: worker_pb2.UnloadModelRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.UnloadModelResponse:
@@ -362,7 +265,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         eos = self.runtime.eos_token_ids(request.model_id)  # now: the model may go mid-stream
         if request.prompt and request.prompt_tokens:
             raise errors.InvalidArgument("send prompt (text) or prompt_tokens, not both")
-        max_context = int(_as_mapping(info).get("max_context") or 0)
+        max_context = info.max_context
         if request.prompt:
             _check_text_size(request.prompt, max_context, "prompt")
         elif max_context and len(request.prompt_tokens) > max_context:
@@ -413,7 +316,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.texts:
             _tag(model_id=request.model_id, batch=len(request.texts))
             info = self._model(request.model_id)
-            max_context = int(_as_mapping(info).get("max_context") or 0)
+            max_context = info.max_context
             for i, text in enumerate(request.texts):
                 _check_text_size(text, max_context, f"texts[{i}]")
             return self.runtime.embed_texts(request.model_id, list(request.texts),
@@ -440,11 +343,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _model(self, model_id: str) -> Any:
         _require(model_id, "model_id is empty: name a loaded model (see ListModels)")
-        for info in self.runtime.list_models():
-            if _as_mapping(info).get("model_id") == model_id:
-                return info
-        raise errors.NotFound(f"model {model_id!r} is not loaded on this worker (see ListModels)",
-                              model_id=model_id)
+        return self.runtime.model_info(model_id)
 
 
 def _close_orphan(admitted: asyncio.Future) -> None:
@@ -513,20 +412,19 @@ def _require(value: str, message: str) -> None:
         raise errors.InvalidArgument(message)
 
 
-def _check_prompt(tokens: list[int], info: Any) -> None:
-    fields = _as_mapping(info)
+def _check_prompt(tokens: list[int], info: ModelInfo) -> None:
     if not tokens:
         raise errors.InvalidArgument("the token sequence is empty: send at least one token")
-    max_context = int(fields.get("max_context") or 0)
+    max_context = info.max_context
     if max_context and len(tokens) > max_context:   # before the scan: O(1) first
         raise errors.InvalidArgument(
-            f"{len(tokens)} tokens exceed the context of model {fields.get('model_id')!r} "
+            f"{len(tokens)} tokens exceed the context of model {info.model_id!r} "
             f"({max_context} tokens)", tokens=len(tokens), max_context=max_context)
-    vocab = int(fields.get("vocab_size") or 0)
+    vocab = info.vocab_size
     bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
     if bad:
         raise errors.InvalidArgument(
-            f"token {bad[0]} is outside the vocabulary of model {fields.get('model_id')!r} "
+            f"token {bad[0]} is outside the vocabulary of model {info.model_id!r} "
             f"(0..{vocab - 1})", token=bad[0], vocab_size=vocab)
 
 

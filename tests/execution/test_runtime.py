@@ -80,7 +80,7 @@ def test_runtime_stats_use_the_worker_proto_field_names(runtime):
     assert stats["plans"]["entries"] == 2 and stats["kernel_cache"]["variant_bound"] == 4
     assert stats["capture"]["replays"] >= 3 and len(stats["zones"]) == 8
     assert stats["arena"]["faults"] == 0, "arena/ledger bookkeeping faults must stay zero"
-    from gpu_worker.edge.servicer import stats_message
+    from gpu_worker.edge.messages import stats_message
     msg = stats_message(stats)
     assert msg.kernel_cache.entries == stats["kernel_cache"]["entries"] and len(msg.zones) == 8
 

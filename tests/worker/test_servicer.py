@@ -297,7 +297,7 @@ def test_unload_frees_the_models_memory_and_forgets_it(worker: WorkerClient) -> 
 def test_stats_mapping_accepts_every_zone_spelling_and_ignores_unknown_keys() -> None:
     from gpuplane.governor.v1 import governor_pb2
 
-    from gpu_worker.edge.servicer import stats_message
+    from gpu_worker.edge.messages import stats_message
 
     as_tuples = stats_message({"backend": "sim", "ledger_bytes": np.int64(7), "future_field": 1,
                                "zones": {"kv": (4, 3), "weights": (2, 1)},
