@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import logging
 import pathlib
 import signal
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
              "sequences per Embed batch (1: one at a time)", type=int)
     env_flag(serve, "--embed-max-batch-tokens", "GPUPLANE_EMBED_MAX_BATCH_TOKENS", 32768,
              "padded tokens per Embed batch (a single sequence always runs)", type=int)
+    env_flag(serve, "--load-timeout-seconds", "GPUPLANE_WORKER_LOAD_TIMEOUT_S", 600.0,
+             "a whole LoadModel's deadline; past it the load unwinds with DEADLINE_EXCEEDED",
+             type=float)
     env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
              "tokens of context served from a checkpoint (at most its max_position_embeddings)",
              type=int)
@@ -134,6 +138,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         tracer_provider=provider,
         model_root=pathlib.Path(args.model_root) if args.model_root else None,
         checkpoint_context=args.checkpoint_context,
+        load_timeout_s=args.load_timeout_seconds,
         weight_budget_bytes=args.weight_budget_bytes or None,
         host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
         lease_chunk_bytes=args.lease_chunk_bytes,
@@ -165,6 +170,8 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
     if args.max_step_tokens < args.max_batch_size:
         return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
+    if not math.isfinite(args.load_timeout_seconds) or not 0 < args.load_timeout_seconds <= 86400:
+        return "--load-timeout-seconds must be in (0, 86400]"
     if args.prefill_chunk < 1 or args.dequant_tile_bytes < 1:
         return "--prefill-chunk and --dequant-tile-bytes must be at least 1"
     if args.max_workers < 1:

@@ -47,6 +47,7 @@ class WorkerConfig:
     capture: bool = True                # False: eager launches (benchmarks, debugging)
     model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
     checkpoint_context: int = 8192      # tokens served from a checkpoint
+    load_timeout_s: float = 600.0       # a whole LoadModel; past it the load unwinds
     weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
     host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
     lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
@@ -86,5 +87,8 @@ class WorkerConfig:
         if not math.isfinite(self.embed_batch_wait_ms) or self.embed_batch_wait_ms < 0:
             raise InvalidArgument(f"WorkerConfig.embed_batch_wait_ms={self.embed_batch_wait_ms} "
                                   "must be a finite number >= 0")
+        if not math.isfinite(self.load_timeout_s) or not 0 < self.load_timeout_s <= 86400:
+            raise InvalidArgument(f"WorkerConfig.load_timeout_s={self.load_timeout_s} must be in "
+                                  "(0, 86400] seconds")
         if self.backend not in ("auto", "cuda", "sim"):
             raise InvalidArgument(f"WorkerConfig.backend={self.backend!r}: use auto, cuda or sim")

@@ -10,6 +10,7 @@ the kernel set's module loads (from the cache after the first host).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel, padded_shape
 from gpu_worker.models.paged import PagedDecoderModel
 from gpu_worker.telemetry.spans import span
+from services.common.errors import DeadlineExceeded
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class ModelLoader:
         from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
         c, device = self.config, self.device
         started = time.perf_counter()
+        deadline = time.monotonic() + c.load_timeout_s
+        if spec.weights is not None:   # a checkpoint's files: slow storage must not hold a load
+            spec = dataclasses.replace(spec, weights=_before(deadline, spec.weights, model_id,
+                                                             c.load_timeout_s))
         executor = ModelExecutor(device, self.compiler, c.variants_per_node, c.max_plans,
                                  c.max_plan_bytes, weight_namespace=f"{model_id}/",
                                  dequant_tile_bytes=c.dequant_tile_bytes)
@@ -72,6 +78,7 @@ class ModelLoader:
                 for kdef in ALL_KERNELS:  # load the whole kernel set now: no first-request stall
                     executor.function(kdef)
                 model.load()
+                _check(deadline, model_id, c.load_timeout_s, "once its weights were placed")
         except BaseException:
             executor.close()
             if isinstance(model, PagedDecoderModel):
@@ -149,3 +156,19 @@ class ModelLoader:
         finally:
             for zone, nbytes in booked:
                 device.ledger.uncommit(zone, nbytes)
+
+
+def _check(deadline: float, model_id: str, timeout_s: float, where: str) -> None:
+    if time.monotonic() > deadline:
+        raise DeadlineExceeded(f"loading model {model_id!r} passed its {timeout_s:g} s deadline "
+                               f"{where}; nothing stays booked. Check the model root's "
+                               "storage, or raise --load-timeout-seconds")
+
+
+def _before(deadline: float, weights: Callable, model_id: str, timeout_s: float) -> Callable:
+    """`weights` (a checkpoint's tensor stream) checked against the load's deadline per tensor."""
+    def stream():
+        for n, item in enumerate(weights()):
+            _check(deadline, model_id, timeout_s, f"after reading tensor {n} ({item[0]})")
+            yield item
+    return stream

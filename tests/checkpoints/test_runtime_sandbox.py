@@ -64,3 +64,27 @@ def test_a_symlinked_weight_file_leading_outside_the_root_is_refused_by_the_work
     assert err.value.details().startswith("escape/model.safetensors resolves outside the model root")
     assert "outside/" not in err.value.details(), "the link's target must not be echoed"
     assert "escape" not in {m.model_id for m in worker.list_models()}
+
+
+def test_a_checkpoint_load_past_its_deadline_unwinds_with_nothing_booked(tmp_path, kernel_cache_dir):
+    """The whole load has a deadline: storage that stalls (slow NFS, a throttled disk) ends it with
+    DEADLINE_EXCEEDED naming the flag, and the ledger is as before."""
+    from gpu_worker import WorkerConfig, WorkerRuntime
+    from services.common.errors import DeadlineExceeded
+    root = tmp_path / "models"
+    shutil.copytree(GOLDEN / "llama-tied", root / "llama-tied")
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir, model_root=root,
+                                    load_timeout_s=1e-6)).start()
+    try:
+        before = rt.device.ledger.total_committed()
+        with pytest.raises(DeadlineExceeded, match="--load-timeout-seconds"):
+            rt.load_checkpoint("late", "llama-tied")
+        assert rt.list_models() == [] and rt.device.ledger.total_committed() == before, \
+            "a load past its deadline left something listed or booked"
+    finally:
+        rt.close()
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir, model_root=root)).start()
+    try:                                 # control: the same checkpoint loads under the default
+        assert rt.load_checkpoint("ok", "llama-tied").info.model_id == "ok"
+    finally:
+        rt.close()
