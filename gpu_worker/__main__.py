@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import math
 import logging
+import math
 import pathlib
 import signal
 
