@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from gpu_worker.core.token_stream import TokenBuffer, TokenStream
 from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.engines.scheduler.histogram import Histogram
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import Sequence
+from gpu_worker.engines.serial import SerialRequest, serial_tokens
 from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.telemetry.spans import span
 from services.common.errors import (
@@ -263,29 +263,12 @@ class WorkerRuntime:
             if not sampling.greedy:
                 raise InvalidArgument("sampling needs the batching engine (this worker runs "
                                       "with batching off): send greedy requests")
-            seq = Sequence(prompt, int(max_new_tokens), sampling, None, cancelled)  # type: ignore[arg-type]
-            return TokenStream(loaded, seq, self.config.tracer_provider, self._report, buffer,
-                               self._serial(loaded, seq))
+            request = SerialRequest(prompt, int(max_new_tokens), sampling, cancelled)
+            return TokenStream(loaded, request, self.config.tracer_provider, self._report, buffer,
+                               serial_tokens(loaded, request, self._still_loaded))
         seq = loaded.scheduler.submit(prompt, int(max_new_tokens), sampling, cancelled,
                                       events=buffer)
         return TokenStream(loaded, seq, self.config.tracer_provider, self._report, buffer)
-
-    def _serial(self, loaded: LoadedModel, seq: Sequence) -> Iterator[int]:
-        """The single-sequence path: the model lock for the whole stream."""
-        with loaded.lock:
-            self._still_loaded(loaded)
-            with loaded.executor.resident():
-                for token in loaded.model.generate(seq.prompt, seq.max_new_tokens,
-                                                   seq.is_cancelled):
-                    seq.generated.append(token)
-                    yield token
-                    if seq.is_cancelled():
-                        seq.state, seq.finish_reason = "finished", "cancelled"
-                        return
-                    if token in loaded.eos_token_ids or token in seq.sampling.stop_token_ids:
-                        seq.state, seq.finish_reason = "finished", "stop"
-                        return
-        seq.state, seq.finish_reason = "finished", "length"
 
     def scheduler_histograms(self) -> dict[str, Histogram]:
         """Time to first token, time per output token and queue time, over the decoders."""

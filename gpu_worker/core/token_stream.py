@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from gpu_worker.core.loaded_model import LoadedModel
 from gpu_worker.engines.scheduler.histogram import Histogram
 from gpu_worker.engines.scheduler.scheduler import Sequence
+from gpu_worker.engines.serial import SerialRequest
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 # Tokens a stream may hold for a reader that does not keep up (the serve flag's default). At
@@ -185,7 +186,8 @@ class TokenStream:
     (sync) yields `[token]` items; the edge awaits `buffer.take()` instead. Closing it early (the
     client went away) cancels the sequence; its KV is freed within one step."""
 
-    def __init__(self, loaded: LoadedModel, seq: Sequence, tracer_provider: object,
+    def __init__(self, loaded: LoadedModel, seq: Sequence | SerialRequest,
+                 tracer_provider: object,
                  on_end: Callable[[], None], buffer: TokenBuffer,
                  tokens: Iterator[int] | None = None) -> None:
         """`on_end` runs once the stream ended, however (the runtime reports its memory then);
