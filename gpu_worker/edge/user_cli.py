@@ -32,15 +32,10 @@ from services.common.channels import open_channel
 from services.common.cli import CommandError, Endpoint, human_bytes
 from services.common.config import env_flag, parse_bytes
 from services.common.errors import GpuplaneError
+from services.governor.report import zone_rows
 
 PROG = "gpuplane"
 # Why a zone's content can exceed its committed bytes; printed under the zones when one does.
-CONTENT_ABOVE_COMMITTED = (
-    "  * content above committed: the arena carves allocations at byte granularity and books\n"
-    "    each granule's committed bytes once, to the zone that mapped it first; small\n"
-    "    allocations, workspaces above all, also sit in granules another zone pays for")
-
-
 def _tokens(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -54,21 +49,6 @@ def _print_json(message: Any) -> None:
 
 def _mib(n: int) -> str:
     return human_bytes(n)
-
-
-def _zone_rows(zones: Any, zone_name: Callable[[int], str], leased: bool = False) -> list[str]:
-    """One line per zone; a `*` marks content above committed (explained once, below them)."""
-    rows, marked = [], False
-    for z in zones:
-        line = (f"{zone_name(z.zone):<12} committed {_mib(z.committed_bytes):>11}  "
-                f"content {_mib(z.content_bytes):>11}")
-        if leased:
-            line += f"  leased {_mib(z.leased_bytes):>11}"
-        if z.content_bytes > z.committed_bytes:
-            marked = True
-            line += f"  (content {_mib(z.content_bytes - z.committed_bytes)} above committed*)"
-        rows.append(line)
-    return rows + ([CONTENT_ABOVE_COMMITTED] if marked else [])
 
 
 def cmd_load(args: argparse.Namespace) -> None:
@@ -171,7 +151,6 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from services.common.zones import zone_name
 
     with _worker(args) as client:
         s = client.stats()
@@ -180,7 +159,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
     print(f"{s.backend} {s.device_name}: used {_mib(s.device_used_bytes)} of "
           f"{_mib(s.device_total_bytes)}, ledger {_mib(s.ledger_bytes)}, unaccounted "
           f"{_mib(s.unaccounted_bytes)}, governor {'connected' if s.governor_connected else 'local'}")
-    for line in _zone_rows(s.zones, zone_name):
+    for line in zone_rows(s.zones):
         print(f"  {line}")
     k, p, c = s.kernel_cache, s.plans, s.compile
     print(f"kernel cache: {k.entries} variants (max {k.max_variants_per_node}/node, bound "
@@ -212,7 +191,6 @@ def cmd_trim(args: argparse.Namespace) -> None:
 def cmd_resources(args: argparse.Namespace) -> None:
     from gpuplane.governor.v1 import governor_pb2, governor_pb2_grpc
 
-    from services.common.zones import zone_name
 
     channel = open_channel(args.governor, "gpuplane.governor.v1.GovernorService",
                            ["GetResources"], tls=security.channel_tls_from_args(args),
@@ -224,16 +202,8 @@ def cmd_resources(args: argparse.Namespace) -> None:
         channel.close()
     if args.json:
         return _print_json(reply)
-    for d in reply.devices:
-        alert = "  ALERT: unaccounted is growing" if d.unaccounted_alert else ""
-        print(f"device {d.uuid}: used {_mib(d.device_used_bytes)}, ledger {_mib(d.ledger_bytes)}, "
-              f"unaccounted {_mib(d.unaccounted_bytes)}, leased {_mib(d.leased_bytes)} of budget "
-              f"{_mib(d.budget_bytes)}{alert}")
-        for w in d.workers:
-            print(f"  worker {w.worker_id} ({w.host}): leased {_mib(w.leased_bytes)}, committed "
-                  f"{_mib(w.committed_bytes)}, content {_mib(w.content_bytes)}")
-            for line in _zone_rows(w.zones, zone_name, leased=True):
-                print(f"    {line}")
+    from services.governor.report import resource_lines
+    print("\n".join(resource_lines(reply)))
 
 
 def _worker(args: argparse.Namespace, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ import json
 import grpc
 
 from services.common import cli, security
-from services.common.cli import Endpoint, human_bytes
+from services.common.cli import Endpoint
 from services.common.config import VAR_DIR, bounded_number, env_flag, parse_bytes
 from services.common.logs import configure_logging
 from services.governor.policy import MAX_DEVICE_BYTES, MAX_DEVICE_TTL_S, MAX_LEASE_TTL_S
@@ -121,7 +121,6 @@ def resources(args: argparse.Namespace) -> int:
 
     from services.common.channels import open_channel
     from services.common.errors import GpuplaneError
-    from services.common.zones import zone_name
     from services.governor.servicer import SERVICE_NAME
 
     try:
@@ -140,19 +139,8 @@ def resources(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(cli.message_dict(reply), indent=2))
         return 0
-    for d in reply.devices:
-        print(f"device {d.uuid} {d.name}: budget {human_bytes(d.budget_bytes)}, leased "
-              f"{human_bytes(d.leased_bytes)}, used {human_bytes(d.device_used_bytes)}, ledger "
-              f"{human_bytes(d.ledger_bytes)}, unaccounted {human_bytes(d.unaccounted_bytes)}"
-              + (" ALERT" if d.unaccounted_alert else ""))
-        for z in d.zones:
-            if z.leased_bytes or z.committed_bytes or z.budget_bytes:
-                print(f"  zone {zone_name(z.zone):12s} leased {human_bytes(z.leased_bytes):>10}  "
-                      f"committed {human_bytes(z.committed_bytes):>10}  budget "
-                      f"{human_bytes(z.budget_bytes):>10}  borrowed {human_bytes(z.borrowed_bytes):>10}")
-        for w in d.workers:
-            print(f"  worker {w.worker_id} ({w.host}): leased {human_bytes(w.leased_bytes)}, "
-                  f"committed {human_bytes(w.committed_bytes)}")
+    from services.governor.report import resource_lines
+    print("\n".join(resource_lines(reply)))
     return 0
 
 

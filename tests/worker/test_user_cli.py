@@ -127,18 +127,15 @@ def test_stats_prints_sizes_for_people_and_explains_content_above_committed(
 def test_zone_rows_mark_only_content_above_committed_and_explain_it_once() -> None:
     from gpuplane.governor.v1 import governor_pb2
 
-    from gpu_worker.edge.user_cli import CONTENT_ABOVE_COMMITTED, _zone_rows
-
-    def name(z: int) -> str:
-        return governor_pb2.Zone.Name(z).removeprefix("ZONE_").lower()
+    from services.governor.report import CONTENT_ABOVE_COMMITTED, zone_rows
 
     flat = [governor_pb2.ZoneUsage(zone=governor_pb2.ZONE_KV, committed_bytes=4 << 20,
                                    content_bytes=3 << 20)]
-    assert _zone_rows(flat, name) == [
+    assert zone_rows(flat) == [
         "kv           committed     4.0 MiB  content     3.0 MiB"], "negative control: no mark"
     shared = flat + [governor_pb2.ZoneUsage(zone=governor_pb2.ZONE_WORKSPACE,
                                             committed_bytes=2 << 20, content_bytes=(2 << 20) + 512)]
-    rows = _zone_rows(shared, name)
+    rows = zone_rows(shared)
     assert rows[1].endswith("(content 512 B above committed*)") and rows[-1] == CONTENT_ABOVE_COMMITTED
     assert len(rows) == 3, "the explanation is printed once, after the zones"
 
@@ -151,3 +148,33 @@ def test_json_output_carries_sizes_as_numbers_for_machines(worker: WorkerClient,
     assert all(isinstance(z["committed_bytes"], int) for z in stats["zones"])
     code, out, _ = _run(worker, capsys, "trim", "--target-bytes", "1GiB", "--json")
     assert code == 0 and isinstance(json.loads(out)["ledger_bytes"], int), "trim ignores --json"
+
+
+def test_both_resources_commands_print_one_rendering_of_the_ledger(tmp_path, capsys) -> None:
+    """`gpuplane resources` and `python -m services.governor resources` share one view."""
+    import subprocess
+    import sys
+
+    import grpc
+    from gpuplane.governor.v1 import governor_pb2 as pb
+    from gpuplane.governor.v1 import governor_pb2_grpc
+
+    from gpu_worker.edge.user_cli import main
+    from services.governor.server import start_governor
+    from tests.governor.test_servicer import register
+    server, _ = start_governor("127.0.0.1:0", tmp_path / "gov.sqlite")
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = governor_pb2_grpc.GovernorServiceStub(channel)
+            register(stub, "w1")
+            stub.Acquire(pb.AcquireRequest(worker_id="w1", zone=pb.ZONE_KV, bytes=8 << 20),
+                         timeout=5)
+        assert main(["--governor", server.address, "resources"]) == 0
+        ours = capsys.readouterr().out
+        theirs = subprocess.run([sys.executable, "-m", "services.governor", "resources",
+                                 "--target", server.address], capture_output=True, text=True,
+                                check=True, timeout=60).stdout
+    finally:
+        server.stop(grace=0)
+    assert "worker w1" in ours and "kv" in ours, f"the ledger was not printed: {ours!r}"
+    assert ours == theirs, "the two resources commands disagree"
