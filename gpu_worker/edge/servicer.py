@@ -45,7 +45,6 @@ from gpuplane.worker.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
 from opentelemetry import trace
 
-from gpu_worker.core.loaded_model import ModelInfo
 from gpu_worker.core.token_stream import (
     DEFAULT_STREAM_BUFFER_TOKENS,
     StreamStats,
@@ -279,12 +278,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         prompt = codec.encode(request.prompt) if codec else list(request.prompt_tokens)
         text = codec.stream() if codec else None
         _tag(prompt_tokens=len(prompt), max_new_tokens=request.max_new_tokens)
-        _check_prompt(prompt, info)
-        if max_context and len(prompt) + request.max_new_tokens > max_context:
-            raise errors.InvalidArgument(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds "
-                f"the context of model {request.model_id!r} ({max_context} tokens)",
-                prompt_tokens=len(prompt), max_context=max_context)
+        # the prompt's one check (empty, context, vocabulary) is the runtime's, at submit
         sampling = GREEDY
         if request.HasField("sampling"):
             sp = request.sampling
@@ -324,9 +318,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         sequences = [list(s.tokens) for s in request.sequences]
         _tag(model_id=request.model_id, batch=len(sequences),
              seq=len(sequences[0]) if sequences else 0)
-        info = self._model(request.model_id)
-        for seq in sequences:   # lengths may differ: the encoder masks its padding
-            _check_prompt(seq, info)
+        self._model(request.model_id)   # an empty or unknown id, before the sequences
+        # lengths may differ (the encoder masks its padding); the runtime checks each sequence
         return self.runtime.embed(request.model_id, sequences, cancelled=gone.is_set)
 
     # -- operations -------------------------------------------------------------------------
@@ -410,22 +403,6 @@ def _tag(**attributes: str | int) -> None:
 def _require(value: str, message: str) -> None:
     if not value:
         raise errors.InvalidArgument(message)
-
-
-def _check_prompt(tokens: list[int], info: ModelInfo) -> None:
-    if not tokens:
-        raise errors.InvalidArgument("the token sequence is empty: send at least one token")
-    max_context = info.max_context
-    if max_context and len(tokens) > max_context:   # before the scan: O(1) first
-        raise errors.InvalidArgument(
-            f"{len(tokens)} tokens exceed the context of model {info.model_id!r} "
-            f"({max_context} tokens)", tokens=len(tokens), max_context=max_context)
-    vocab = info.vocab_size
-    bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
-    if bad:
-        raise errors.InvalidArgument(
-            f"token {bad[0]} is outside the vocabulary of model {info.model_id!r} "
-            f"(0..{vocab - 1})", token=bad[0], vocab_size=vocab)
 
 
 def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: int = 32,

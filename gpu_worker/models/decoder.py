@@ -134,14 +134,15 @@ def check_prompt(cfg: ModelConfig, prompt: list[int], max_new_tokens: int) -> No
     with max_new_tokens >= 1 more (every decoder path, single-sequence or paged)."""
     if not prompt:
         raise InvalidArgument("the prompt is empty: send at least one token")
+    if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:  # O(1) before the scan
+        raise InvalidArgument(
+            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
+            f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)",
+            prompt_tokens=len(prompt), max_context=cfg.max_context)
     bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
     if bad:
         raise InvalidArgument(f"token {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})",
-                              token=int(bad[0]))
-    if max_new_tokens < 1 or len(prompt) + max_new_tokens > cfg.max_context:
-        raise InvalidArgument(
-            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} must fit the "
-            f"context of {cfg.max_context} tokens (and max_new_tokens >= 1)")
+                              token=int(bad[0]), vocab_size=cfg.vocab_size)
 
 
 class DecoderModel:
