@@ -33,7 +33,7 @@ from gpu_worker.core.connections import open_budget, open_compiler, wire_reclaim
 from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.core.loader import LoadSpec, ModelLoader
 from gpu_worker.core.reclaim import Reclaimer
-from gpu_worker.core.stats import scheduler_stats, worker_stats
+from gpu_worker.core.stats import scheduler_histograms, scheduler_stats, worker_stats
 from gpu_worker.core.token_stream import TokenBuffer, TokenStream
 from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.engines.scheduler.histogram import Histogram
@@ -271,15 +271,7 @@ class WorkerRuntime:
         return TokenStream(loaded, seq, self.config.tracer_provider, self._report, buffer)
 
     def scheduler_histograms(self) -> dict[str, Histogram]:
-        """Time to first token, time per output token and queue time, over the decoders."""
-        out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(),
-               "queue_seconds": Histogram()}
-        for m in self._candidates():
-            if m.scheduler is not None:
-                out["ttft_seconds"].merge(m.scheduler.ttft)
-                out["tpot_seconds"].merge(m.scheduler.tpot)
-                out["queue_seconds"].merge(m.scheduler.queue_time)
-        return out
+        return scheduler_histograms([m.scheduler for m in self._candidates() if m.scheduler])
 
     def codec(self, model_id: str) -> TextCodec:
         """The model's tokenizer; FAILED_PRECONDITION for a model without one."""

@@ -5,6 +5,8 @@ the servicer converts the dict without a mapping table.
 """
 from __future__ import annotations
 
+from gpu_worker.engines.scheduler.histogram import Histogram
+
 
 def worker_stats(device, executors: list, compiler, reclaimer, budget, variant_bound: int) -> dict:
     """Nested dict of every figure GetStats reports, summed (or maxed) over the loaded models."""
@@ -76,4 +78,14 @@ def scheduler_stats(schedulers: list) -> dict[str, int]:
                 out[key] = max(out[key], int(value))
             elif key in out:
                 out[key] += int(value)
+    return out
+
+
+def scheduler_histograms(schedulers: list) -> dict[str, Histogram]:
+    """Time to first token, time per output token and queue time, merged over the decoders."""
+    out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(), "queue_seconds": Histogram()}
+    for sched in schedulers:
+        out["ttft_seconds"].merge(sched.ttft)
+        out["tpot_seconds"].merge(sched.tpot)
+        out["queue_seconds"].merge(sched.queue_time)
     return out
