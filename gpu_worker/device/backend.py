@@ -188,7 +188,10 @@ class Backend(ABC):
         args: Sequence[KernelArg],
         stream: object,
         shared_bytes: int = 0,
-    ) -> None: ...
+        cluster: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Above 48 KiB of `shared_bytes` the backend raises the function's dynamic shared
+        memory limit first; `cluster` launches thread-block clusters of those dims."""
 
     # -- graphs --------------------------------------------------------------------------------
     @abstractmethod

@@ -75,6 +75,7 @@ def cuda_device_count() -> int:
         return 0
 
 
+DEFAULT_SHARED_BYTES = 48 << 10   # dynamic shared memory a launch may use without opting in
 _ARG_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
@@ -303,13 +304,32 @@ class CudaBackend(Backend):
         args: Sequence[KernelArg],
         stream: Any,
         shared_bytes: int = 0,
+        cluster: tuple[int, int, int] | None = None,
     ) -> None:
         self._current()
+        d = _drv()
         vals = [_ARG_CTYPES[a.kind](a.value) for a in args]
         params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
-        # cuLaunchKernel copies the argument values (also into a graph node), so `vals` may die after.
-        check(_drv().cuLaunchKernel(function, *grid, *block, shared_bytes, stream,
-                                    ctypes.addressof(params), 0), "cuLaunchKernel")
+        if shared_bytes > DEFAULT_SHARED_BYTES:  # a function attribute, not a stream operation
+            check(d.cuFuncSetAttribute(
+                function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        # The launch copies the argument values (also into a graph node), so `vals` may die after.
+        if cluster is None or cluster == (1, 1, 1):
+            check(d.cuLaunchKernel(function, *grid, *block, shared_bytes, stream,
+                                   ctypes.addressof(params), 0), "cuLaunchKernel")
+            return
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        config = d.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared_bytes
+        config.hStream = stream
+        config.attrs = [attr]
+        config.numAttrs = 1
+        check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
     # -- graphs --------------------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:

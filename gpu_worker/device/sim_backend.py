@@ -57,6 +57,7 @@ SYNCHRONIZING = frozenset({
     "create_physical", "map", "unmap", "release_physical", "destroy_graph", "destroy_graph_exec",
 })
 
+SIM_MAX_SHARED_BYTES = 227 << 10  # an H200 block's opt-in shared memory limit
 _POISON = 0xDB
 # Python < 3.13 lacks the constant; 0x4000 is MAP_NORESERVE on Linux (x86-64 and arm64).
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
@@ -519,8 +520,14 @@ class SimBackend(Backend):
         args: Sequence[KernelArg],
         stream: SimStream,
         shared_bytes: int = 0,
+        cluster: tuple[int, int, int] | None = None,
     ) -> None:
         self._enter("launch")
+        if shared_bytes > SIM_MAX_SHARED_BYTES:
+            raise DeviceError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE ({shared_bytes} bytes of "
+                              f"shared memory > {SIM_MAX_SHARED_BYTES})")
+        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > 8:
+            raise DeviceError(f"cuLaunchKernelEx: CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES (cluster {cluster})")
         args = list(args)
 
         def run() -> None:
