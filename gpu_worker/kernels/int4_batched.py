@@ -66,7 +66,7 @@ def mma_tiles(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int
     nt = n_tiles(m)
     groups = k // MMA_K_ALIGN
     best: tuple[float, int, int, int] | None = None
-    for mt in ((2, 1) if nt < 8 else (1,)):
+    for mt in ((2, 1) if nt <= 2 else (1,)):   # the entries with 2 tiles per warp (registers)
         rows = 128 * mt
         blocks = ceil_div(n, rows)
         for s in range(1, min(MAX_CLUSTER, groups) + 1):

@@ -233,23 +233,38 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                     sg[mt] = gp_half_to_float((unsigned short)((j < 2 ? sa[mt][0][gi].x : sa[mt][0][gi].y) >> sh));
                     s8[mt] = gp_half_to_float((unsigned short)((j < 2 ? sa[mt][1][gi].x : sa[mt][1][gi].y) >> sh));
                 }
+                // Four rounds of independent mmas (every n-tile and weight tile per round), so
+                // no mma waits on the one before it; then each sum is scaled into its accumulator.
+                uint4 xh[NT], xl[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int slot = (nt * 8 + g) * St::RS + (gi * 4 + j) * 4 + t;
-                    const uint4 xh = hi[slot], xl = hi[slot + St::PLANE];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        float d[4];
-                        gp_mma0(d, a[mt][0], xh.x, xh.y);
-                        gp_mma(d, a[mt][0], xl.x, xl.y);
-                        gp_mma(d, a[mt][1], xh.z, xh.w);
-                        gp_mma(d, a[mt][1], xl.z, xl.w);
-                        acc[mt][nt][0] = fmaf(sg[mt], d[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(sg[mt], d[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(s8[mt], d[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(s8[mt], d[3], acc[mt][nt][3]);
-                    }
+                    xh[nt] = hi[slot];
+                    xl[nt] = hi[slot + St::PLANE];
                 }
+                float d[MT][NT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) gp_mma0(d[mt][nt], a[mt][0], xh[nt].x, xh[nt].y);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) gp_mma(d[mt][nt], a[mt][1], xh[nt].z, xh[nt].w);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) gp_mma(d[mt][nt], a[mt][0], xl[nt].x, xl[nt].y);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        gp_mma(d[mt][nt], a[mt][1], xl[nt].z, xl[nt].w);
+                        acc[mt][nt][0] = fmaf(sg[mt], d[mt][nt][0], acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(sg[mt], d[mt][nt][1], acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(s8[mt], d[mt][nt][2], acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(s8[mt], d[mt][nt][3], acc[mt][nt][3]);
+                    }
             }
         }
         if (more) convert_x((c + 1) & 1);
@@ -342,10 +357,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) gp_int4_mma_n1(GP_I4MMA_ARG
 extern "C" __global__ void __launch_bounds__(256, 1) gp_int4_mma_n2(GP_I4MMA_ARGS) {  // M 9..16
     gp_i4mma_entry<2, 2, true>(GP_I4MMA_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) gp_int4_mma_n4(GP_I4MMA_ARGS) {  // M 17..32
-    gp_i4mma_entry<4, 1, true>(GP_I4MMA_PASS);
+extern "C" __global__ void __launch_bounds__(256, 1) gp_int4_mma_n4(GP_I4MMA_ARGS) {
+    gp_i4mma_entry<4, 1, false>(GP_I4MMA_PASS);
 }
-// M 33..64: 2 tiles x 8 n-tiles of accumulators would spill
+// M 17..64: one 16-row weight tile per warp (two would spill)
 extern "C" __global__ void __launch_bounds__(256, 1) gp_int4_mma_n8(GP_I4MMA_ARGS) {
     gp_i4mma_entry<8, 1, false>(GP_I4MMA_PASS);
 }
