@@ -32,7 +32,7 @@ from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
 from bench.targets import Targets
-from gpu_worker.kernels.int4_batched import launch_int4_mma, mma_kernel, mma_tiles
+from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma, mma_tiles
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
 from gpu_worker.kernels.selfcheck import KernelHarness
 
@@ -109,7 +109,7 @@ def main() -> int:
                          args.trials)
             times, torch_times = {}, {}
             for b in BATCHES:
-                times[b] = ours(dev, _launcher(dev, h.function(mma_kernel(b)), weights, x, y, b,
+                times[b] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b,
                                                n, k, False), args.reps, args.trials)
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
@@ -126,7 +126,7 @@ def main() -> int:
             row = (f"{name:>8} {n:6d} {k:6d} {gemv1 * 1e6:9.1f} "
                    + " ".join(f"{times[b] * 1e6:9.1f}" for b in BATCHES)
                    + "   " + " ".join(f"{f:5.2f}" for f in frac)
-                   + f"   {mma_tiles(64, n, k, 132)}")
+                   + f"   {mma_tiles(64, n, 132)}")
             if torch_times and all(v is not None for v in torch_times.values()):
                 row += "   " + " ".join(f"{torch_times[b] * 1e6:7.1f}" for b in BATCHES)
             print(row, flush=True)

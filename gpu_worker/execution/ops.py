@@ -117,7 +117,7 @@ def _launch_linear(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            int4_batched.launch_int4_mma(c.device, c.fn(int4_batched.mma_kernel(m).name), c.out(), c.inp(0),
+            int4_batched.launch_int4_mma(c.device, c.fn("int4_mma"), c.out(), c.inp(0),
                                          c.weight(0), c.weight(1), 0, m, n, k, stream=c.stream)
             return
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
@@ -380,8 +380,7 @@ def _launch_sample(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL,
-                              *int4_batched.INT4_MMA_BY_TILES.values()),
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA),
                              _launch_linear,
                              gemms=_linear_gemms),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms),

@@ -70,12 +70,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
-from gpu_worker.kernels.int4_batched import (
-    INT4_MMA_BY_TILES,
-    MMA_MAX_ROWS,
-    launch_int4_mma,
-    mma_kernel,
-)
+from gpu_worker.kernels.int4_batched import INT4_MMA, MMA_MAX_ROWS, launch_int4_mma
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -113,7 +108,7 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
-    *INT4_MMA_BY_TILES.values(), ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
+    INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
     FLASH_PREFILL_PAGED,
     SAMPLE,
 ]
@@ -150,7 +145,7 @@ __all__ = [
     "INT4_DEQUANT",
     "INT4_DEQUANT_F16",
     "INT4_MATMUL",
-    "INT4_MMA_BY_TILES",
+    "INT4_MMA",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
     "KV_APPEND_PAGED",
@@ -209,7 +204,6 @@ __all__ = [
     "launch_sample",
     "launch_silu_gate",
     "launch_to_f16",
-    "mma_kernel",
     "paged_decode_span",
     "paged_decode_splits",
 ]

@@ -48,8 +48,7 @@ def test_every_entry_has_a_sim_implementation_registered() -> None:
 def test_every_kernel_def_names_a_reference_and_a_launcher() -> None:
     for k in ALL_KERNELS:
         assert callable(k.reference) and callable(k.launcher), f"{k.name}: reference/launcher missing"
-        family = k.launcher.__name__.removeprefix("launch_")   # entries of one family share it
-        assert k.name == family or k.name.startswith(family + "_"), \
+        assert k.launcher.__name__ == f"launch_{k.name}", \
             f"{k.name}: launcher is {k.launcher.__name__}, expected launch_{k.name}"
         assert getattr(kernels, k.launcher.__name__) is k.launcher, \
             f"{k.launcher.__name__} is not exported by gpu_worker.kernels"

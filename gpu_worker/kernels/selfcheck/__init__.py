@@ -48,7 +48,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
-from gpu_worker.kernels.int4_batched import launch_int4_mma, mma_kernel
+from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -230,7 +230,7 @@ def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> O
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
-    launch_int4_mma(h.device, h.function(mma_kernel(m)), y, h.put(x), h.put(packed), h.put(scales),
+    launch_int4_mma(h.device, h.function(INT4_MMA), y, h.put(x), h.put(packed), h.put(scales),
                     h.put(b) if bias else 0, m, n, k, accumulate)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
@@ -519,16 +519,12 @@ CASES: list[Case] = [
     C("int4_matmul", int4_matmul_case, m=2, n=33, k=2080, accumulate=True),
     # the batched tensor-core linear: every n-tile count (rows 2..64), ragged n, K slices that
     # leave warps idle (k = 128: one group for 8 warps), bias, accumulate, large |x|
-    # one case per entry (n-tile count) at least; small n with long k splits K over a cluster
-    C("int4_mma_n1", int4_mma_case, m=2, n=48, k=128),
-    C("int4_mma_n1", int4_mma_case, m=1, n=300, k=1024, bias=True),
-    C("int4_mma_n2", int4_mma_case, m=16, n=100, k=1024, bias=True, accumulate=True),
-    C("int4_mma_n2", int4_mma_case, m=9, n=17, k=384, scale=300.0),
-    C("int4_mma_n4", int4_mma_case, m=32, n=64, k=2048, bias=True),
-    C("int4_mma_n4", int4_mma_case, m=17, n=257, k=640, accumulate=True),
-    C("int4_mma_n8", int4_mma_case, m=64, n=40, k=1152, accumulate=True),
-    C("int4_mma_n8", int4_mma_case, m=45, n=16, k=256),
-    C("int4_mma_n8", int4_mma_case, m=33, n=390, k=896, bias=True),
+    C("int4_mma", int4_mma_case, m=2, n=48, k=128),
+    C("int4_mma", int4_mma_case, m=16, n=100, k=1024, bias=True, accumulate=True),
+    C("int4_mma", int4_mma_case, m=9, n=17, k=384, scale=300.0),
+    C("int4_mma", int4_mma_case, m=32, n=64, k=2048, bias=True),
+    C("int4_mma", int4_mma_case, m=64, n=40, k=1152, accumulate=True),
+    C("int4_mma", int4_mma_case, m=45, n=16, k=256),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

@@ -109,19 +109,15 @@ def _int4_matmul(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
+@register_sim_kernel("gp_int4_mma")
 def _int4_mma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
-    # the CUDA grid is (K splits, row blocks of 128 * mt): a short grid leaves rows unwritten
-    assert grid[1] * 128 * mt >= n and mt in (1, 2) and block[0] == 256, (grid, block, mt)
-    assert 1 <= grid[0] <= 8 and grid[0] <= k // 128, (grid, k)
+    # the CUDA grid covers 16 * mt weight rows per block: a short grid leaves rows unwritten
+    assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
     _store(mem, y, m, n, r, accumulate)
-
-
-for _nt in (1, 2, 4, 8):
-    register_sim_kernel(f"gp_int4_mma_n{_nt}")(_int4_mma)
 
 
 @register_sim_kernel("gp_rotary")
