@@ -11,6 +11,10 @@ size, static KV (B, kv_heads, ctx, head_dim) with SDPA enable_gqa, the host read
 tokens; `--new` - 1 steps from context `--prompt`. Both sides: `--trials` trials per batch (ours
 after one warm-up trial), median and spread (min-max) printed.
 
+With `--transformers-peer` the transformers peer (bench/transformers_peer.py: LlamaForCausalLM of
+the same shapes, static cache, torch.compile reduce-overhead) is measured the same way too, and
+the faster of the two peers per batch is the peer (both printed).
+
 Limits from the same run (bench/limits.py): each side's bytes per step (weights + the KV it reads)
 over its step time, as a fraction of the measured copy rate.
 
@@ -109,7 +113,22 @@ def peer_rates(cfg, args: argparse.Namespace) -> dict[int, list[float]] | None:
         out[b] = bench_peer.decode_rate(model, b, args.prompt, args.new - 1, args.trials)
         print(f"pytorch peer {cfg.name} fp16 graph batch {b:>2}: {spread(out[b])} tokens/s",
               flush=True)
-    return out
+    if not args.transformers_peer:
+        return out
+    del model
+    bench_peer.torch.cuda.empty_cache()
+    from bench import transformers_peer
+    try:
+        hf = transformers_peer.rates(cfg, args.batches, args.prompt, args.new - 1, args.trials)
+    except Exception as exc:  # noqa: BLE001 - a failed optional peer is reported, not fatal
+        print(f"transformers peer failed: {exc!r}", flush=True)
+        hf = None
+    best = transformers_peer.faster(out, hf)
+    for b, (name, trials) in best.items():
+        if hf and b in hf:
+            print(f"transformers {cfg.name} fp16 static cache, compiled, batch {b:>2}: "
+                  f"{spread(hf[b])} tokens/s; the peer at batch {b}: {name}", flush=True)
+    return {b: trials for b, (_, trials) in best.items()}
 
 
 def step_bytes(weight_bytes: int, kv_token_bytes: int, batch: int, ctx: int) -> int:
@@ -128,6 +147,9 @@ def main() -> int:
     p.add_argument("--new", type=int, default=128, help="output tokens of every stream")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--transformers-peer", action="store_true",
+                   help="also measure bench/transformers_peer.py (static cache, torch.compile) "
+                        "and use the faster peer per batch")
     add_record_flag(p)
     args = p.parse_args()
     targets = Targets("batching_bench", args=args)
