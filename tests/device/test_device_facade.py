@@ -228,3 +228,21 @@ def test_zones_and_device_truth_reach_the_budget_owner_periodically():
         assert budget.last_report[1] == d.truth()[0]
     finally:
         d.close()
+
+
+def test_a_cluster_launch_must_tile_the_grid_and_fit_the_device() -> None:
+    d = make_device()
+    try:
+        fn = d.get_function(d.load_module(IMAGE), "add_one")
+        buf = d.arena.alloc(4096, "scratch")
+        args = [ptr(buf.ptr), i64(buf.size)]
+        with pytest.raises(ValueError, match="whole number of clusters"):
+            d.launch(fn, (6, 1, 1), (1, 1, 1), args, cluster=(4, 1, 1))
+        with pytest.raises(DeviceError, match="CLUSTER"):
+            d.launch(fn, (16, 1, 1), (1, 1, 1), args, cluster=(16, 1, 1))
+        with pytest.raises(DeviceError, match="shared memory"):
+            d.launch(fn, (1, 1, 1), (1, 1, 1), args, shared_bytes=228 << 10)
+        d.launch(fn, (8, 1, 1), (1, 1, 1), args, shared_bytes=120 << 10, cluster=(8, 1, 1))
+        d.synchronize_device()
+    finally:
+        d.close()
