@@ -85,6 +85,8 @@ def main() -> int:
     limits = bench_limits.measure() if args.backend == "cuda" else None
     dev, compiler = open_bench_device(args)
     targets = Targets("int4_batched_bench", args=args)
+    if limits:
+        limits.record(targets)
     rng = np.random.default_rng(0)
     step = {b: 0.0 for b in BATCHES}
     step_gemv1 = step_bytes = 0.0
