@@ -6,6 +6,8 @@ figures quoted in docs/ name the exact command they came from. A benchmark that 
 prints exits non-zero (bench/targets.py); every benchmark still runs, and then this exits 1 naming
 the ones that failed. `--record [DIR]` passes `--record DIR` to every benchmark: one JSON line per
 figure in DIR/<device>.jsonl (bench/record.py; `python -m bench.report` makes docs/benchmarks.md).
+On the GPU machine, where one call runs at most 10 minutes, `python -m bench.device_session`
+runs the same GPU benchmarks in groups that each fit one call.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ GPU = [
     ("embed_batch_bench.py", ["--requests", "1024"]),
     ("ttft_bench.py", ["--backend", "cuda", "--config", "small", "--rounds", "3"]),
     ("batching_bench.py", []),
+    ("transformers_peer.py", []),
     ("serving_bench.py", []),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
     ("pressure_bench.py", []),

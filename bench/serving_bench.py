@@ -12,8 +12,8 @@ PeerServer, a continuous-batching loop over the shared PyTorch fp16 peer (a capt
 at batch B, each new request prefilled eagerly into its stream's cache row). Medians and spreads
 printed.
 
-Targets (MISSED: exit status 1), issue 13: aggregate tok/s >= 2x the peer at 8 streams and >= the
-peer at 32 and 64; TTFT p99 at 32 streams within 2x (the unloaded TTFT of the longest prompt +
+Targets (MISSED: exit status 1), issue 23: aggregate tok/s >= 2x the peer at 8 streams and >= 1.5x
+at 32 and 64 (128 streams, twice the default batch, is measured without a target); TTFT p99 at 32 streams within 2x (the unloaded TTFT of the longest prompt +
 the unloaded TTFT of one prefill chunk); zero lost streams (every request ends with
 `finish_reason` `length` and all its tokens); ledger within 1 % of the device after the run.
 
@@ -42,7 +42,7 @@ from bench.targets import Targets
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
 
-TARGET_RATIO = {8: 2.0, 32: 1.0, 64: 1.0}
+TARGET_RATIO = {8: 2.0, 32: 1.5, 64: 1.5}
 TTFT_STREAMS = 32
 MAX_STEP_TOKENS = 2048        # the worker's --max-step-tokens default: one prefill chunk
 
@@ -139,7 +139,7 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="auto")
     p.add_argument("--config", default="8b-int4")
-    p.add_argument("--concurrency", default="1,8,32,64",
+    p.add_argument("--concurrency", default="1,8,32,64,128",
                    type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
     p.add_argument("--prompt-range", type=_pair, default=(128, 2048))
