@@ -7,6 +7,11 @@ every byte is booked in the ledger and the governor, and a refusal goes through 
 and shrinks by decommitting only top granules that hold no used block; the arena's fenced release
 queue keeps an unmap behind the kernels still reading. Blocks are handed out lowest first, so the
 used blocks stay packed at the bottom and the top can go.
+Prefix cache (DESIGN 6.3, prefix_cache.py): a full, written block may carry a name (the hash of
+its prefix); named blocks are shared by reference count and, once no table names them, stay
+committed as cached blocks (booked in zone `kv` like any other) until a new block is needed
+(LRU eviction) or a reclaim evicts the top ones to decommit their granules
+(`shrink(evict_cached=True)`); the idle shrink keeps them.
 Cost: one arena commit per granule (one physical handle each, ~70 us on an H200), on growth only.
 
 Layout (i13 contract): block b is bytes [b * block_bytes, (b + 1) * block_bytes), fp16,
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu_worker.engines.scheduler.prefix_cache import PrefixIndex
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 KV_BYTES_PER_ELEMENT = 2    # fp16
@@ -57,8 +63,15 @@ class KVGeometry:
 class KVBlockPool:
     """Blocks of `geometry.block_bytes` in a carved range of `capacity_blocks` blocks.
 
-    Not thread-safe for allocation (one engine thread per model owns it); `stats()` may be read
-    from any thread.
+    Every usable (committed) block is in exactly one state: used (referenced by at least one
+    block table; a named block may be shared, reference-counted), cached (named in `index`,
+    referenced by none: kept for a later prefix hit, in LRU order) or free:
+    used + cached + free == usable_blocks, always (tests/scheduler/test_prefix_cache.py).
+    A block that is shared is never written: only full, written blocks get a name, and every
+    sequence writes at positions past the blocks it shares.
+
+    Not thread-safe for allocation (one engine thread per model owns it, or a reclaimer holding
+    the model's lock); `stats()` may be read from any thread.
     """
 
     def __init__(self, arena, geometry: KVGeometry, capacity_blocks: int) -> None:
@@ -74,9 +87,13 @@ class KVBlockPool:
         self.base = -(-self._carved // g) * g
         self.committed = 0                  # bytes, a multiple of the granule
         self._free: list[int] = []          # min-heap of free blocks below usable_blocks
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}     # used blocks -> the block tables naming them
+        self.index = PrefixIndex()          # named blocks; the unreferenced ones are cached
         self._lock = threading.Lock()
-        self.grows = self.shrinks = 0
+        # set while granules are being committed: a reclaim the commit's refusal runs on this
+        # thread must not shrink under the growth (it would decommit the granules just added)
+        self._growing = False
+        self.grows = self.shrinks = self.evictions = 0
         self.closed = False
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -85,34 +102,96 @@ class KVBlockPool:
         return min(self.committed // self.block_bytes, self.capacity_blocks)
 
     def used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def cached_blocks(self) -> int:
+        return self.index.parked()
 
     def free_blocks(self) -> int:
-        """Blocks obtainable without committing more memory."""
+        """Free blocks (cached ones are obtainable too, by eviction, without committing)."""
         return len(self._free)
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """`n` blocks, lowest free first, growing the pool when needed; None when the pool is at
-        capacity or the budget refuses the growth (nothing is taken then)."""
+        """`n` fresh blocks (one reference each): free ones lowest first, then cached ones,
+        least recently used first (their names forgotten), then new granules. None when the
+        pool is at capacity or the budget refuses the growth (nothing is taken then).
+
+        A cached block is memory already committed, so the pool grows only once none is left:
+        a growth (and the reclaim its refusal runs) never happens while this pool's own cache
+        could have served it. When a growth is needed every cached block goes first (the
+        allocation needs them all), even if the growth is then refused."""
         if n <= 0:
             return []
-        if len(self._free) < n and not self._grow(n - len(self._free)):
-            return None
+        if len(self._free) + self.index.parked() < n:
+            with self._lock:
+                for b in self.index.clear_parked():
+                    heapq.heappush(self._free, b)
+                    self.evictions += 1
+            if not self._grow(n - len(self._free)):
+                return None
         with self._lock:
-            blocks = [heapq.heappop(self._free) for _ in range(n)]
-            self._used.update(blocks)
+            blocks = []
+            for _ in range(n):
+                if self._free:
+                    b = heapq.heappop(self._free)
+                else:
+                    b = self.index.evict_lru()
+                    self.evictions += 1
+                self._refs[b] = 1
+                blocks.append(b)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool (the caller's table no longer names them)."""
+        """Drop one reference to each block (a table's blocks, in position order). A block no
+        table names any more is cached when it has a name, else free; named blocks are parked
+        tail first, so the LRU evicts a prefix's tail before the head the tail depends on."""
         with self._lock:
-            for b in blocks:
-                if b not in self._used:
+            for b in reversed(blocks):
+                refs = self._refs.get(b)
+                if refs is None:
                     raise InvalidArgument(f"KV block {b} is not allocated (double free)")
-                self._used.remove(b)
+                if refs > 1:
+                    self._refs[b] = refs - 1
+                    continue
+                del self._refs[b]
+                if self.index.is_named(b):
+                    self.index.park(b)
+                else:
+                    heapq.heappush(self._free, b)
+
+    # -- the prefix cache --------------------------------------------------------------------------
+    def match(self, keys: list[bytes]) -> int:
+        """How many leading `keys` name a block now (nothing taken)."""
+        return len(self.index.lookup(keys))
+
+    def acquire(self, keys: list[bytes]) -> list[int]:
+        """One more reference to each block of the leading run of `keys` that is named (a cached
+        block becomes used); the blocks, in order."""
+        with self._lock:
+            blocks = self.index.lookup(keys)
+            for b in blocks:
+                refs = self._refs.get(b, 0)
+                if refs == 0:
+                    self.index.unpark(b)
+                self._refs[b] = refs + 1
+        return blocks
+
+    def name(self, block: int, key: bytes) -> bool:
+        """A used, full block whose K/V are written (or launched) holds the prefix `key` now;
+        False when another block holds it already (this one stays unnamed)."""
+        assert block in self._refs, f"KV block {block} named while not in use"
+        with self._lock:
+            return self.index.name(block, key)
+
+    def forget(self) -> None:
+        """Forget every name: cached blocks become free, shared ones stay with their tables
+        (a failed step may have left launched blocks unwritten)."""
+        with self._lock:
+            for b in self.index.clear():
                 heapq.heappush(self._free, b)
 
+    # -- growth and shrink -------------------------------------------------------------------------
     def _grow(self, blocks: int) -> bool:
         """Commit granules at the top until `blocks` more blocks are usable; False (and nothing
         kept beyond what is usable) when capacity or the budget stops it."""
@@ -122,13 +201,17 @@ class KVBlockPool:
         target = -(-target_blocks * self.block_bytes // self.granule) * self.granule
         before = self.usable_blocks
         ok = True
-        while self.committed < target:
-            try:
-                self.arena.commit(self.base + self.committed, self.granule, "kv", role="kv")
-            except ResourceExhausted:
-                ok = False
-                break
-            self.committed += self.granule
+        self._growing = True
+        try:
+            while self.committed < target:
+                try:
+                    self.arena.commit(self.base + self.committed, self.granule, "kv", role="kv")
+                except ResourceExhausted:
+                    ok = False
+                    break
+                self.committed += self.granule
+        finally:
+            self._growing = False
         with self._lock:
             for b in range(before, self.usable_blocks):
                 heapq.heappush(self._free, b)
@@ -136,11 +219,43 @@ class KVBlockPool:
             self.grows += 1
         return ok
 
-    def shrink(self) -> int:
-        """Decommit the top granules that hold no used block; returns the bytes released."""
+    def _keep_bytes(self, top_block: int) -> int:
+        """Committed bytes that hold blocks 0..top_block (granule-rounded)."""
+        return -(-(top_block + 1) * self.block_bytes // self.granule) * self.granule
+
+    def cached_releasable_bytes(self) -> int:
+        """What `shrink(evict_cached=True)` would release now: granules above the highest used
+        block (cached blocks below it free nothing: their granules stay for the used one)."""
         with self._lock:
-            top_used = max(self._used, default=-1)
-            keep = -(-(top_used + 1) * self.block_bytes // self.granule) * self.granule
+            return max(0, self.committed - self._keep_bytes(max(self._refs, default=-1)))
+
+    def shrink(self, evict_cached: bool = False, need_bytes: int | None = None) -> int:
+        """Decommit the top granules that hold no used block (and, unless `evict_cached`, no
+        cached one); returns the bytes released. With `evict_cached` the cached blocks in the
+        way are evicted first, from the top down, until `need_bytes` could go (all of them
+        when None); a cached block below the highest used block stays (evicting it frees
+        nothing). Never a used block."""
+        if self._growing:
+            return 0
+        with self._lock:
+            top_used = max(self._refs, default=-1)
+            floor = self._keep_bytes(top_used)      # what the used blocks keep committed
+            # the cached blocks that keep a granule above that floor committed
+            parked = sorted((b for b in self.index.parked_blocks()
+                             if (b + 1) * self.block_bytes > floor), reverse=True)
+            if evict_cached:
+                for i, b in enumerate(parked):
+                    self.index.evict(b)
+                    heapq.heappush(self._free, b)
+                    self.evictions += 1
+                    rest = self._keep_bytes(parked[i + 1]) if i + 1 < len(parked) else floor
+                    if need_bytes is not None and self.committed - max(floor, rest) >= need_bytes:
+                        parked = parked[i + 1:]
+                        break
+                else:
+                    parked = []
+            top = max(top_used, parked[0] if parked else -1)
+            keep = self._keep_bytes(top)
             if keep >= self.committed:
                 return 0
             released = self.committed - keep
@@ -162,7 +277,8 @@ class KVBlockPool:
         if self.closed:
             return
         with self._lock:
-            self._used.clear()
+            self._refs.clear()
+            self.index.clear()
         self.shrink()
         self.arena.uncarve(self._carved, self.reserved + self.granule)
         self.closed = True
@@ -171,10 +287,12 @@ class KVBlockPool:
         with self._lock:
             return {"kv_block_tokens": self.geometry.block_tokens,
                     "kv_blocks_total": self.usable_blocks,
-                    "kv_blocks_used": len(self._used),
+                    "kv_blocks_used": len(self._refs),
+                    "kv_blocks_cached": self.index.parked(),
                     "kv_blocks_capacity": self.capacity_blocks,
                     "kv_committed_bytes": self.committed,
-                    "kv_block_bytes": self.block_bytes}
+                    "kv_block_bytes": self.block_bytes,
+                    "kv_cache_evictions": self.evictions}
 
 
 class BlockTable:

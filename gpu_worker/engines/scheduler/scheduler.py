@@ -16,7 +16,10 @@ be an OOM, and the host must not sit between two steps on the device. Contract, 
    sequences and the waiting ones admitted now (FCFS, while the batch bound and free blocks
    allow; admission never preempts), max-min fair with a floor of `min_prefill_share` tokens,
    each at most one chunk (`prefill_shares`): a short prompt arriving behind a long one gets its
-   whole prompt in the next step instead of waiting for the long one's last chunk;
+   whole prompt in the next step instead of waiting for the long one's last chunk. With the
+   prefix cache on (the default) an admitted sequence first takes, shared, every cached full
+   block of its prefix (kv_pool.py, prefix_cache.py) and prefills from the first block not
+   cached; each block a prefill chunk completes is named for later sequences at its launch;
 4. launch: one batched decode over the decoding sequences' slots, then the prefill chunks, then
    the readback of every slot's token (StepRunner.end_step);
 5. complete: with `overlap` (the default) the tokens read back are the previous step's, read
@@ -51,6 +54,7 @@ import numpy as np
 
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.prefix_cache import chain_hashes, root_key
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
@@ -230,6 +234,7 @@ class Sequence:
     token_steps: list[int] = field(default_factory=list)   # the step that produced each token
     preemptions: int = 0
     last_token_at: float = 0.0
+    keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of its first full blocks
     _events: queue.Queue | EventSink = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -309,7 +314,8 @@ class Scheduler:
                  pin: Callable[[], contextlib.AbstractContextManager] | None = None,
                  settle: Callable[[], None] | None = None,
                  thread: bool = True, name: str = "model", overlap: bool = True,
-                 min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE) -> None:
+                 min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE,
+                 prefix_cache: bool = True, prefix_key: str = "") -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
                             ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
@@ -327,6 +333,9 @@ class Scheduler:
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
         self.max_queued, self.overlap = max_queued, overlap
         self.min_prefill_share = min_prefill_share
+        # the prefix cache: `prefix_key` names the model (its K/V depend on its weights)
+        self.prefix_cache = prefix_cache
+        self._root = root_key(prefix_key or name, runner.geometry.block_tokens)
         self.eos = frozenset(eos_token_ids)
         self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
@@ -342,7 +351,9 @@ class Scheduler:
         self.counters = dict.fromkeys(("steps", "preemptions", "prefill_tokens", "decode_tokens",
                                        "peak_batch_size", "finished", "cancelled", "rejected",
                                        "failed", "dropped_tokens", "step_host_us",
-                                       "step_device_us", "step_wait_us"), 0)
+                                       "step_device_us", "step_wait_us",
+                                       "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
+                                       "kv_swapped_out_blocks", "kv_swapped_in_blocks"), 0)
         self.ttft, self.tpot, self.queue_time = Histogram(), Histogram(), Histogram()
         # per engine step: wall time, the host's part (wall less the wait for the device) and
         # the device's span between the step's first and last event (CUDA events on cuda)
@@ -469,6 +480,7 @@ class Scheduler:
                 if batch is not None:
                     failed += [s for s, _ in batch.rows]
             self._inflight = None
+            self.pool.forget()      # a launched block may never have been written
             for seq in failed:
                 if seq.state == "running":
                     self._finish(seq, "", error=exc)
@@ -502,20 +514,28 @@ class Scheduler:
             room = self.max_batch_size - len(self._running)
             admit = list(itertools.islice(self._waiting, max(0, min(room, budget))))
         cands = prefilling + admit
-        demands = [min(self.runner.prefill_chunk, s.prefill_target - s.computed) for s in cands]
+        bt = self.runner.geometry.block_tokens
+        hits = [self._cached_prefix(s) for s in admit]      # blocks, none taken yet
+        starts = [s.computed for s in prefilling] + [h * bt for h in hits]
+        demands = [min(self.runner.prefill_chunk, s.prefill_target - start)
+                   for s, start in zip(cands, starts, strict=True)]
         shares = prefill_shares(demands, budget, self.min_prefill_share) if cands else []
         prefills: list[tuple[Sequence, int]] = []
         for seq, n in zip(cands[:len(prefilling)], shares, strict=False):
             if n > 0 and seq.state == "running" and self._reserve(seq, seq.computed + n):
                 prefills.append((seq, n))
-        for seq, n in zip(admit, shares[len(prefilling):], strict=True):
+        for seq, n, hit in zip(admit, shares[len(prefilling):], hits, strict=True):
             if n <= 0:
                 break
             with self._cond:    # a preemption above may have put a victim in front of it
                 if not self._waiting or self._waiting[0] is not seq:
                     break
-            got = self.pool.allocate(seq.table.blocks_needed(n))
+            # the hit again, now taken: an allocation above may have evicted part of it
+            shared = self.pool.acquire(seq.keys[:hit]) if hit else []
+            start = len(shared) * bt
+            got = self.pool.allocate(seq.table.geometry.blocks_for(start + n) - len(shared))
             if got is None:
+                self.pool.free(shared)
                 if not self._running:   # nothing will ever free a block for it
                     self._pop_waiting()
                     self._finish(seq, "", error=ResourceExhausted(
@@ -528,7 +548,11 @@ class Scheduler:
             seq.state = "running"
             seq.slot = heapq.heappop(self._free_slots)
             self.runner.assign(seq.slot, seq.sampling)
-            self._extend(seq, got)
+            self._extend(seq, shared + got)
+            seq.computed = start
+            if self.prefix_cache:
+                self.counters["prefix_cache_queried_tokens"] += seq.prefill_target
+                self.counters["prefix_cache_hit_tokens"] += start
             if seq.admitted_step < 0:
                 seq.admitted_step = step
                 self.queue_time.observe(time.monotonic() - seq.submitted)
@@ -539,6 +563,39 @@ class Scheduler:
         prefills = [(s, n) for s, n in prefills if s.state == "running"]
         self.counters["peak_batch_size"] = max(self.counters["peak_batch_size"], len(decodes))
         return decodes, prefills
+
+    def _keys(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The prefix-cache keys of `seq`'s first `blocks` blocks (hashed once, then kept: the
+        tokens at known positions never change)."""
+        have = len(seq.keys)
+        if have < blocks:
+            bt = self.runner.geometry.block_tokens
+            parent = seq.keys[-1] if seq.keys else self._root
+            seq.keys += chain_hashes(parent, seq.token_slice(have * bt, blocks * bt), bt)
+        return seq.keys[:blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> int:
+        """Blocks of a waiting sequence's prefill the cache holds now: whole blocks only, and
+        never the block of the target's last position. That position must be computed (its
+        logits give the first token), and computing it means writing its block, which a shared
+        block never is: so a prompt cached to a block boundary re-prefills its last block into
+        a fresh one (at most block_tokens positions) rather than copying the shared block on
+        the device first (a new runner op that would save those few positions)."""
+        if not self.prefix_cache:
+            return 0
+        bt = self.runner.geometry.block_tokens
+        return self.pool.match(self._keys(seq, (seq.prefill_target - 1) // bt))
+
+    def _name_blocks(self, seq: Sequence, lo: int, hi: int) -> None:
+        """A prefill chunk launched positions [lo, hi): the blocks it completed get their keys.
+        Only prefill-written blocks are named (decode-written ones never are), so a hit replaces
+        exactly the computation a miss would run: tokens are the same with caching on and off."""
+        bt = self.runner.geometry.block_tokens
+        first, last = lo // bt, hi // bt
+        if last > first:
+            keys = self._keys(seq, last)
+            for i in range(first, last):
+                self.pool.name(seq.table.blocks[i], keys[i])
 
     def _extend(self, seq: Sequence, blocks: list[int]) -> None:
         lo = len(seq.table.blocks)
@@ -608,6 +665,8 @@ class Scheduler:
                            seq.sampling, last and fresh)
             seq.computed += n
             self.counters["prefill_tokens"] += n
+            if self.prefix_cache:
+                self._name_blocks(seq, start, start + n)
             if last:
                 seq.prefilled = True
                 if fresh:
@@ -690,6 +749,7 @@ class Scheduler:
     def _fail_all(self, exc: BaseException) -> None:
         with self._model_lock:
             self._inflight = None
+            self.pool.forget()
             for seq in self._all():
                 self._finish(seq, "", error=exc)
             self._idle()
@@ -698,23 +758,34 @@ class Scheduler:
     # -- reclaim, stats, close -----------------------------------------------------------------
     def preempt_newest(self) -> bool:
         """Issue 14's last reclaim step, called with the model lock held: preempt the newest
-        running sequence and shrink the pool; False when nothing was running."""
+        running sequence and shrink the pool (the victim's named blocks are cached now: the
+        shrink evicts them too); False when nothing was running."""
         victim = self._running[-1] if self._running else None
         if victim is not None:
             self._preempt(victim)
-        self.pool.shrink()
+        self.pool.shrink(evict_cached=True)
         return victim is not None
+
+    def release_cached(self, need_bytes: int) -> int:
+        """Reclaim's first KV step, called with the model lock held (or on the engine thread
+        between pool calls): evict cached blocks from the pool's top and decommit the granules
+        that then hold no used block, until `need_bytes` went; returns the bytes released.
+        Never a block in use."""
+        return self.pool.shrink(evict_cached=True, need_bytes=max(1, need_bytes))
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters. Beyond GetStatsResponse.scheduler's fields: `dropped_tokens`
         (speculative tokens of sequences that stopped, were cancelled or preempted one step
         earlier), `step_host_us` / `step_wait_us` / `step_device_us` (totals over steps: the
         host's work, the host's wait for the device, the device's span), `overlap` (1 when steps
-        overlap) and `inflight_steps`."""
+        overlap), `inflight_steps`, `prefix_cache` (1 when on) and the pool's
+        `kv_blocks_capacity`, `kv_block_bytes` and `kv_cache_evictions` (cached blocks
+        evicted, for a new block or a reclaim)."""
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
         return {"running": running, "waiting": waiting, **self.counters, **self.pool.stats(),
-                "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None)}
+                "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None),
+                "prefix_cache": int(self.prefix_cache)}
 
     def histograms(self) -> dict[str, Histogram]:
         """Latency histograms by Prometheus-style name (seconds)."""
