@@ -427,6 +427,15 @@ def report(r: dict, targets: Targets) -> None:
               f"hits/s / empty RPCs/s with {c} clients = {row['hit_n']['ops_per_s']:.0f} / "
               f"{row['rpc_n']['ops_per_s']:.0f} = {row['rate_ratio']:.2f};  "
               f"store p50 / file publish = {row['store_ratio']:.2f}")
+    for label, row in r["sizes"].items():
+        targets.figure(f"{label} hit p50, 1 client", row["hit_1"]["p50_ms"], "ms",
+                       peer=row["file_read"]["p50_ms"])
+        targets.figure(f"{label} hit p99, 1 client", row["hit_1"]["p99_ms"], "ms")
+        targets.figure(f"{label} hits/s, {c} clients", row["hit_n"]["ops_per_s"], "ops/s",
+                       peer=row["rpc_n"]["ops_per_s"])
+        if "store_1" in row and "file_publish" in row:
+            targets.figure(f"{label} store p50, 1 client", row["store_1"]["p50_ms"], "ms",
+                           peer=row["file_publish"]["p50_ms"])
     if r.get("ceiling"):
         report_ceiling(r)
     row = r["sizes"].get("256KiB")

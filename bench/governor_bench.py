@@ -273,6 +273,10 @@ def one_tree(args: argparse.Namespace, targets: Targets) -> dict:
                     r = run_level(target, clients, args.processes, seconds, rate, governor.pid)
                     figures[f"{'open' if rate else 'closed'}_{clients}"] = {
                         k: v for k, v in r.items() if isinstance(v, (int, float))}
+                    loop = f"{'open' if rate else 'closed'} loop, {clients} clients"
+                    targets.figure(f"{loop}: calls/s", r["calls_per_s"], "calls/s")
+                    targets.figure(f"{loop}: Acquire p50", r["acquire_p50_ms"], "ms")
+                    targets.figure(f"{loop}: Acquire p99", r["acquire_p99_ms"], "ms")
                     base = base or r["acquire_p99_ms"]
                     _print_row(r, base)
             core = domain_core()
@@ -281,6 +285,9 @@ def one_tree(args: argparse.Namespace, targets: Targets) -> dict:
             print(f"1 MiB reserve+release: GovernorClient {chunked:.1f} us vs one RPC each "
                   f"{per_call:.0f} us ({per_call / chunked:.0f}x)")
             figures["domain_core_us"] = core
+            targets.figure("domain core alone: Ledger acquire+release", core, "us/pair")
+            targets.figure("1 MiB reserve+release through GovernorClient", chunked, "us",
+                           peer=per_call)
         finally:
             governor.kill()
             governor.wait()
