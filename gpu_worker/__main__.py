@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
              "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
              "sequences at full context", type=int)
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="prefill every prompt whole (default: full KV blocks of a prompt "
+                            "prefix already computed are shared, docs/scheduler.md)")
     return parser
 
 
@@ -150,6 +153,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         max_queued=args.max_queued,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,
+        prefix_cache=not args.no_prefix_cache,
         prefill_chunk=args.prefill_chunk,
         dequant_tile_bytes=args.dequant_tile_bytes,
     )

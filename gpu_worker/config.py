@@ -63,6 +63,7 @@ class WorkerConfig:
     kv_block_tokens: int = 16           # tokens per paged KV block
     kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
     overlap: bool = True                # launch step n+1 before reading step n's tokens back
+    prefix_cache: bool = True           # share cached full KV blocks of a common prompt prefix
     # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
     # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
     batching: bool = True

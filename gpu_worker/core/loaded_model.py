@@ -82,6 +82,15 @@ class LoadedModel:
         """Reclaim's last step (lock held): the newest running sequence goes back to waiting."""
         return self.scheduler is not None and self.scheduler.preempt_newest()
 
+    def release_cached_kv(self, need_bytes: int) -> int:
+        """Reclaim's cached-KV step (lock held, or on the engine thread): cached prefix blocks
+        from the top of the pool, never one in use; returns the bytes decommitted."""
+        return self.scheduler.release_cached(need_bytes) if self.scheduler is not None else 0
+
+    def kv_cached_bytes(self) -> int:
+        """What release_cached_kv could decommit now (any thread)."""
+        return self.scheduler.pool.cached_releasable_bytes() if self.scheduler is not None else 0
+
     def engine_is_current(self) -> bool:
         return self.scheduler is not None and self.scheduler.is_engine_thread()
 

@@ -123,7 +123,7 @@ class ModelLoader:
                 max_step_tokens=c.max_step_tokens, max_queued=c.max_queued,
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
                 pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
-                overlap=c.overlap)
+                overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info))
         elif isinstance(model, EncoderModel):
             max_context = loaded.cfg.max_context
 
@@ -172,3 +172,10 @@ def _before(deadline: float, weights: Callable, model_id: str, timeout_s: float)
             _check(deadline, model_id, timeout_s, f"after reading tensor {n} ({item[0]})")
             yield item
     return stream
+
+
+def prefix_key(info: ModelInfo) -> str:
+    """What a decoder's K/V depend on besides the tokens, for its prefix cache's keys: the model
+    and its weights (a pool lives and dies with one load, so this guards, it does not separate)."""
+    return "\x00".join((info.model_id, info.config, str(info.seed), info.checkpoint,
+                        info.weight_format))

@@ -5,8 +5,10 @@ Hazards and contract:
   kernel variants and weights that could go. Every refusal of an arena commit and every load
   admission now comes here first, and so does every governor reclaim ask; a caller sees the
   refusal only once nothing in the order below frees anything.
-- The order is fixed (DESIGN 5.3), cheapest to rebuild first: completed releases, plans and kernel
-  variants of idle models, pooled handles, idle models' weights (paged out to their pinned host
+- The order is fixed (DESIGN 5.3, 6.3), cheapest to rebuild first: completed releases, cached
+  prefix KV blocks (no sequence uses them; busy decoders' too, between two of their steps, and
+  never a block in use: gpu_worker/engines/scheduler/kv_pool.py), plans and kernel variants of
+  idle models, pooled handles, idle models' weights (paged out to their pinned host
   copies through the slots; the next request pages them back in), then the newest sequences' KV
   by preemption (gpu_worker/scheduler: their blocks freed, their pool's free top granules
   decommitted; they recompute by prefill later and stream the same tokens).
@@ -48,11 +50,13 @@ KV_PREEMPT_LOCK_WAIT_S = 0.5
 
 log = logging.getLogger(__name__)
 
-STEPS: tuple[str, ...] = ("completed_releases", "idle_plans", "pooled_handles", "idle_weights",
-                          "kv_preemption")
+# completed releases first: they are memory already given up, and cost no cached prefix
+STEPS: tuple[str, ...] = ("completed_releases", "cached_kv", "idle_plans", "pooled_handles",
+                          "idle_weights", "kv_preemption")
 # The zones each step can shrink; an ask for one zone (the governor's) skips steps that cannot.
 STEP_ZONES: dict[str, frozenset[str] | None] = {
     "completed_releases": None,  # any zone
+    "cached_kv": frozenset({"kv"}),
     "idle_plans": frozenset({"activations", "graphs", "workspace"}),
     "pooled_handles": frozenset({"scratch"}),
     "idle_weights": frozenset({"weights"}),
@@ -72,8 +76,11 @@ class IdleCandidate(Protocol):
     def page_out(self) -> int: ...      # weights to pinned host; returns bytes released
     def reclaimable_bytes(self) -> int: ...  # what the two above would release now
     # Optional, decoders with a scheduler: preempt the newest running sequence and shrink the KV
-    # pool (called with the lock held; False when nothing ran), and the KV bytes that could go.
+    # pool (called with the lock held; False when nothing ran), and the KV bytes that could go;
+    # evict cached prefix blocks until `need` bytes could go (lock held or on the engine
+    # thread), and what that could release now (readable from any thread).
     # preempt_kv(self) -> bool; kv_bytes(self) -> int; engine_is_current(self) -> bool
+    # release_cached_kv(self, need: int) -> int; kv_cached_bytes(self) -> int
 
 
 @dataclass(frozen=True)
@@ -148,14 +155,18 @@ class Reclaimer:
     def reclaimable_bytes(self) -> int:
         """What the order could free now: idle models' caches and weights, pooled handles and
         queued releases (an upper bound; a model that turns busy meanwhile keeps its own)."""
-        models = [m for m in self._models() if not m.closed and not m.lock.locked()]
-        idle = sum(m.reclaimable_bytes() for m in models)
-        idle += sum(m.kv_bytes() for m in models if hasattr(m, "kv_bytes"))
+        models = [m for m in self._models() if not m.closed]
+        idle = [m for m in models if not m.lock.locked()]
+        total = sum(m.reclaimable_bytes() for m in idle)
+        total += sum(m.kv_bytes() for m in idle if hasattr(m, "kv_bytes"))
+        # a busy decoder's cached prefix blocks can go too (an idle one's are in kv_bytes)
+        total += sum(m.kv_cached_bytes() for m in models
+                     if m not in idle and hasattr(m, "kv_cached_bytes"))
         pooled = self._device.arena.stats()["pooled_bytes"]
         # Queued releases give back exactly the arena's mappings on their way out (counting
         # any pending release as unbounded made an incurable refusal strip idle models).
         queued = self._device.arena.releasing_bytes()
-        return idle + pooled + queued
+        return total + pooled + queued
 
     def commit(self, zone: str, nbytes: int) -> None:
         """Book `nbytes` in `zone` on the ledger directly (a load's admission probe), reclaiming
@@ -186,6 +197,8 @@ class Reclaimer:
                 result = self._per_idle_model(step, left, zone)
             elif step == "kv_preemption":
                 result = self._preempt_kv(left, zone)
+            elif step == "cached_kv":
+                result = self._cached_kv(left, zone)
             else:
                 result = self._measured(step, zone, self._step_action(step))
             report.steps.append(result)
@@ -230,6 +243,36 @@ class Reclaimer:
             if released:  # granules shared with a neighbour stay committed: 0 freed is possible
                 took.append(m.model_id)
         return StepResult(step, freed, tuple(took))
+
+    def _cached_kv(self, need: int, zone: str | None) -> StepResult:
+        """Evict cached prefix blocks from the decoders' pools, least recently used model first,
+        until `need` is freed. Busy models too: their cached blocks are no sequence's, and the
+        engine gives its lock up between steps (waited for like kv_preemption). On a decoder's
+        own engine thread (a refusal of a commit it made mid-step) its pool is called directly:
+        the thread is between pool calls (a pool that is growing shrinks nothing)."""
+        freed, took = 0, []
+        for m in sorted((m for m in self._models() if not m.closed), key=lambda m: m.last_used):
+            release = getattr(m, "release_cached_kv", None)
+            if release is None or freed >= need or m.kv_cached_bytes() <= 0:
+                continue
+            own = m.engine_is_current()
+            if not own and not m.lock.acquire(timeout=KV_PREEMPT_LOCK_WAIT_S):
+                continue
+            try:
+                if m.closed:
+                    continue
+                left = need - freed
+
+                def run(release=release, left=left) -> None:
+                    release(left)
+                got = self._measured("cached_kv", zone, run).freed_bytes
+            finally:
+                if not own:
+                    m.lock.release()
+            freed += got
+            if got:
+                took.append(m.model_id)
+        return StepResult("cached_kv", freed, tuple(took))
 
     def _preempt_kv(self, need: int, zone: str | None) -> StepResult:
         """Preempt the newest sequences of the most recently used decoders, one at a time, until

@@ -65,7 +65,9 @@ def worker_stats(device, executors: list, compiler, reclaimer, budget, variant_b
 
 SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptions",
                     "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
-                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+                    "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected",
+                    "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached",
+                    "kv_swapped_out_blocks", "kv_swapped_in_blocks")
 SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
 
 

@@ -37,6 +37,26 @@ SERVING_HISTOGRAMS = {
 }
 
 
+# The prefix cache and KV tiers (docs/scheduler.md), under GetStatsResponse.scheduler's names.
+KV_TIER_COUNTERS = {
+    "prefix_cache_hit_tokens": "Prompt tokens whose KV came from cached blocks",
+    "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache at admission",
+    "kv_swapped_out_blocks": "KV blocks of preempted sequences copied to pinned host",
+    "kv_swapped_in_blocks": "KV blocks copied back from pinned host",
+}
+
+
+def _kv_tiers(scheduler: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    for name, text in KV_TIER_COUNTERS.items():
+        counter = CounterMetricFamily(f"gpuplane:{name}", text)
+        counter.add_metric([], float(scheduler.get(name, 0)))
+        yield counter
+    gauge = GaugeMetricFamily("gpuplane:kv_blocks_cached",
+                              "Committed KV blocks no sequence uses, kept for prefix hits")
+    gauge.add_metric([], float(scheduler.get("kv_blocks_cached", 0)))
+    yield gauge
+
+
 class WorkerCollector(Collector):
     """`streams`: the edge's StreamStats (gpu_worker/core/token_stream.py), when served."""
 
@@ -85,6 +105,7 @@ class WorkerCollector(Collector):
             gauge = GaugeMetricFamily(f"gpuplane:{name}", text)
             gauge.add_metric([], float(scheduler.get(field, 0)))
             yield gauge
+        yield from _kv_tiers(scheduler)
         histograms = getattr(self.runtime, "scheduler_histograms", None)
         if histograms is not None:
             merged = histograms()

@@ -232,7 +232,7 @@ class WeightStats(_message.Message):
     def __init__(self, page_ins: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., hit_rate: _Optional[float] = ..., bytes_copied: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., host_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class ReclaimStats(_message.Message):
-    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits", "kv_preemption_bytes")
+    __slots__ = ("rounds", "governor_asks", "completed_releases_bytes", "idle_plans_bytes", "pooled_handles_bytes", "idle_weights_bytes", "peer_waits", "kv_preemption_bytes", "cached_kv_bytes")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     GOVERNOR_ASKS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_RELEASES_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class ReclaimStats(_message.Message):
     IDLE_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEER_WAITS_FIELD_NUMBER: _ClassVar[int]
     KV_PREEMPTION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     governor_asks: int
     completed_releases_bytes: int
@@ -249,7 +250,8 @@ class ReclaimStats(_message.Message):
     idle_weights_bytes: int
     peer_waits: int
     kv_preemption_bytes: int
-    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ..., kv_preemption_bytes: _Optional[int] = ...) -> None: ...
+    cached_kv_bytes: int
+    def __init__(self, rounds: _Optional[int] = ..., governor_asks: _Optional[int] = ..., completed_releases_bytes: _Optional[int] = ..., idle_plans_bytes: _Optional[int] = ..., pooled_handles_bytes: _Optional[int] = ..., idle_weights_bytes: _Optional[int] = ..., peer_waits: _Optional[int] = ..., kv_preemption_bytes: _Optional[int] = ..., cached_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class EmbedBatchStats(_message.Message):
     __slots__ = ("batches", "requests", "sequences", "peak_batch_sequences", "cancelled_requests", "tokens", "padded_tokens")
@@ -332,7 +334,7 @@ class ArenaStats(_message.Message):
     def __init__(self, reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., peak_committed_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., commits: _Optional[int] = ..., releases: _Optional[int] = ..., faults: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "peak_batch_size", "steps", "preemptions", "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens", "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected")
+    __slots__ = ("running", "waiting", "peak_batch_size", "steps", "preemptions", "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens", "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached", "kv_swapped_out_blocks", "kv_swapped_in_blocks")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PEAK_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +349,11 @@ class SchedulerStats(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     peak_batch_size: int
@@ -361,7 +368,12 @@ class SchedulerStats(_message.Message):
     finished: int
     cancelled: int
     rejected: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., peak_batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., kv_committed_bytes: _Optional[int] = ..., finished: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    prefix_cache_hit_tokens: int
+    prefix_cache_queried_tokens: int
+    kv_blocks_cached: int
+    kv_swapped_out_blocks: int
+    kv_swapped_in_blocks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., peak_batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., kv_committed_bytes: _Optional[int] = ..., finished: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_swapped_out_blocks: _Optional[int] = ..., kv_swapped_in_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
