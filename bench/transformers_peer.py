@@ -57,14 +57,16 @@ def llama_config(cfg, ctx: int):
                        tie_word_embeddings=False, attn_implementation="sdpa")
 
 
-def build_model(cfg, ctx: int):
-    """Random-weight fp16 `LlamaForCausalLM` on the GPU, eval mode, sdpa attention."""
+def build_model(cfg, ctx: int, device: str = "cuda"):
+    """Random-weight `LlamaForCausalLM` on `device` (fp16 on the GPU, fp32 elsewhere: the CPU
+    tests), eval mode, sdpa attention."""
     torch = bench_peer.torch
     from transformers import LlamaForCausalLM
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)     # built in fp16: no fp32 copy of 8B weights
+    if device == "cuda":
+        torch.set_default_dtype(torch.float16)   # built in fp16: no fp32 copy of 8B weights
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = LlamaForCausalLM(llama_config(cfg, ctx))
     finally:
         torch.set_default_dtype(old)
@@ -90,43 +92,59 @@ def _advance(step, model, tok, pos, cache):
 
 
 def decode_rates(model, batches, start: int, steps: int, trials: int, ctx: int,
-                 warmup: int = 3) -> dict[int, list[float]]:
-    """Aggregate decode tokens/s per trial at each batch size (see the module docstring)."""
+                 warmup: int = 3, tokens: dict | None = None,
+                 compile: bool = True) -> dict[int, list[float]]:
+    """Aggregate decode tokens/s per trial at each batch size (see the module docstring).
+    `tokens`, when given, receives each batch's last trial's tokens (rows x steps); `compile`
+    False runs the same loop eagerly (the CPU tests)."""
     torch = bench_peer.torch
+    dev = model.device
     from torch import _dynamo
     from transformers import StaticCache
     _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 4 * len(batches))
-    step = torch.compile(_decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    step = (torch.compile(_decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            if compile else _decode_one)
     out: dict[int, list[float]] = {}
     with torch.inference_mode():
         for b in batches:
             cache = StaticCache(config=model.config, max_cache_len=ctx)
-            prompt = torch.randint(1, model.config.vocab_size, (b, start), device="cuda")
-            logits = model(prompt, cache_position=torch.arange(start, device="cuda"),
-                           past_key_values=cache, use_cache=True, return_dict=False)[0]
-            first = logits[:, -1].argmax(-1, keepdim=True)
-            pos = torch.tensor([start], device="cuda")
+            prompt = torch.randint(1, model.config.vocab_size, (b, start), device=dev,
+                                   generator=torch.Generator(device=dev).manual_seed(b))
+
+            def prefill(prompt=prompt, cache=cache):
+                # a fresh cache every time: entries a previous window wrote past `start` change
+                # the next window's tokens (the decode step reads them), not only its speed
+                cache.reset()
+                logits = model(prompt, cache_position=torch.arange(start, device=dev),
+                               past_key_values=cache, use_cache=True, return_dict=False)[0]
+                return logits[:, -1].argmax(-1, keepdim=True)
+            first = prefill()
+            pos = torch.tensor([start], device=dev)
             t0 = time.perf_counter()
             tok = first
             for _ in range(warmup):                 # compiles and captures this batch's graph
                 tok = _advance(step, model, tok, pos, cache)
-            torch.cuda.synchronize()
+            bench_peer.synchronize(dev)
             print(f"  transformers batch {b:>2}: compiled and warm in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
             rates = []
             for _ in range(trials):
+                first = prefill()                   # untimed, as the shared peer's context
                 pos.fill_(start)
-                tok = first
-                torch.cuda.synchronize()
+                tok, seen = first, []
+                bench_peer.synchronize(dev)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     tok = _advance(step, model, tok, pos, cache)
-                    tok.tolist()                    # the host reads each step's tokens
-                torch.cuda.synchronize()
+                    seen.append(tok.tolist())       # the host reads each step's tokens
+                bench_peer.synchronize(dev)
                 rates.append(b * steps / (time.perf_counter() - t0))
             out[b] = rates
-            del cache, prompt, logits, first, tok
-            torch.cuda.empty_cache()
+            if tokens is not None:
+                tokens[b] = [[t[0] for t in row] for row in zip(*seen)]
+            del cache, prompt, prefill, first, tok
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     return out
 
 
