@@ -42,6 +42,9 @@ How the figures are measured (DESIGN 6.5):
   measured the same way in the same run: decode-only against decode-only, end to end against end
   to end over the same request trace (`PeerServer`, a continuous-batching loop over the peer),
   eager against eager, captured against captured; at least 3 trials, the median recorded.
+  `bench/transformers_peer.py` measures transformers' own fast path on the same shapes the same
+  way (`LlamaForCausalLM`, static cache, `torch.compile(mode="reduce-overhead")`); where it is
+  faster it is the peer (`batching_bench.py --transformers-peer`).
 - The serving and batching benchmarks run the worker as deployed: `python -m gpu_worker serve`
   with its defaults in its own process, the clients in another.
 - Every "fraction of a limit" divides by the limit measured at the start of the same run
@@ -49,6 +52,9 @@ How the figures are measured (DESIGN 6.5):
   tensor-core matmul), over working sets larger than the 60 MB L2.
 - `peer` is the PyTorch peer's value of the same metric where there is one; `limit` is the limit
   the figure was divided by (GB/s, TFLOP/s or tokens/s, as the metric says).
+- On the GPU machine `python -m bench.device_session --group N --record DIR` runs the GPU
+  benchmarks in groups that each fit one 10-minute call (`--list` shows the groups and commands);
+  each run's command line, exit status and wall time go to `DIR/sessions/<device>.jsonl`.
 """
 
 
