@@ -61,6 +61,7 @@ class _Mapping:
     live: int = 0          # granules of this mapping with a non-zero refcount
     state: str = "live"    # live | releasing | gone | quarantined
     gen: int = 0           # bumps on each scheduled release, so a cancelled release is a no-op
+    retain: bool = True    # its handle may go to the pool once released (set by each decommit)
 
 
 @dataclass(eq=False)
@@ -181,9 +182,12 @@ class Arena:
                     raise
         return attempt()
 
-    def decommit(self, ptr: int, nbytes: int, zone: str, fence_streams: list | None = None) -> None:
+    def decommit(self, ptr: int, nbytes: int, zone: str, fence_streams: list | None = None,
+                 retain: bool = True) -> None:
+        """Drop a commit. `retain=False`: a granule handle it releases goes back to the device,
+        not to the handle pool (a reclaim: pooled, the bytes would stay committed, in scratch)."""
         with self._gate.shared(), self._lock:
-            self._decommit(ptr, nbytes, zone, fence_streams)
+            self._decommit(ptr, nbytes, zone, fence_streams, retain)
 
     def commit_cost(self, ptr: int, nbytes: int) -> int:
         """Bytes a commit of [ptr, ptr+nbytes) would add to the live mappings: new granules plus
@@ -436,7 +440,8 @@ class Arena:
         self.counters["handles_created"] += 1
         return self._drv(self._backend.create_physical, nbytes)
 
-    def _decommit(self, ptr: int, nbytes: int, zone: str, fence_streams: list | None) -> None:
+    def _decommit(self, ptr: int, nbytes: int, zone: str, fence_streams: list | None,
+                  retain: bool = True) -> None:
         g0, g1 = self._granules(ptr, nbytes)
         dying: list[_Mapping] = []
         for gi in range(g0, g1 + 1):
@@ -453,6 +458,7 @@ class Arena:
         streams = self._fence_streams() if fence_streams is None else fence_streams
         for m in dying:
             m.state = "releasing"
+            m.retain = retain
             m.gen += 1
             self._live_add(m, -1)
             self._queue.defer(streams, functools.partial(self._finish_release, m, m.gen),
@@ -477,7 +483,7 @@ class Arena:
                     self._gmap[k] = None
             self._mapped_bytes -= m.nbytes
             self.counters["releases"] += 1
-            if self._pool_handle(m):
+            if m.retain and self._pool_handle(m):
                 self._ledger.uncommit(m.zone, m.nbytes)
                 return
             try:

@@ -231,10 +231,11 @@ class KVBlockPool:
 
     def shrink(self, evict_cached: bool = False, need_bytes: int | None = None) -> int:
         """Decommit the top granules that hold no used block (and, unless `evict_cached`, no
-        cached one); returns the bytes released. With `evict_cached` the cached blocks in the
-        way are evicted first, from the top down, until `need_bytes` could go (all of them
-        when None); a cached block below the highest used block stays (evicting it frees
-        nothing). Never a used block."""
+        cached one); returns the bytes released. With `evict_cached` (a reclaim) the cached
+        blocks in the way are evicted first, from the top down, until `need_bytes` could go
+        (all of them when None), and the granules' handles go back to the device rather than
+        to the arena's handle pool (where they would stay committed); a cached block below the
+        highest used block stays (evicting it frees nothing). Never a used block."""
         if self._growing:
             return 0
         with self._lock:
@@ -265,7 +266,7 @@ class KVBlockPool:
             heapq.heapify(self._free)
         # one decommit per granule, matching the per-granule commits
         for off in range(keep, keep + released, self.granule):
-            self.arena.decommit(self.base + off, self.granule, "kv")
+            self.arena.decommit(self.base + off, self.granule, "kv", retain=not evict_cached)
         # run the releases whose fences passed (the engine read its last step back: they have),
         # so an idle pool leaves no release pending in the arena's queue
         self.arena.collect()
