@@ -111,3 +111,49 @@ def test_a_refused_commit_frees_cached_blocks_before_anything_else(runtime):
     assert plan_count(runtime, "idle") == plans
     # the cache still answers the prefixes whose blocks stayed
     assert runtime._get("a").scheduler.pool.cached_blocks() > 0
+
+
+class _EngineModel:
+    """A decoder as the reclaimer sees it, asked from its own engine thread mid-step: the lock is
+    held by the calling thread (a plain Lock: taking it again would wait, then skip the model)."""
+
+    def __init__(self, pool) -> None:
+        self.model_id, self.pool, self.closed, self.last_used = "self", pool, False, 0.0
+        self.lock = threading.Lock()
+
+    def engine_is_current(self) -> bool:
+        return True
+
+    def kv_cached_bytes(self) -> int:
+        return self.pool.cached_releasable_bytes()
+
+    def release_cached_kv(self, need: int) -> int:
+        return self.pool.shrink(evict_cached=True, need_bytes=need)
+
+    def reclaimable_bytes(self) -> int:
+        return 0
+
+
+def test_a_refusal_on_a_decoders_own_engine_thread_takes_its_cached_blocks_without_its_lock():
+    from gpu_worker.core.reclaim import Reclaimer
+    from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+    from gpu_worker.engines.scheduler.prefix_cache import chain_hashes, root_key
+    from tests.device.conftest import GRANULE as SIM_GRANULE
+    from tests.device.conftest import make_device
+
+    dev = make_device()
+    geo = KVGeometry(layers=2, kv_heads=2, head_dim=16, block_tokens=16, max_context=1024)
+    pool = KVBlockPool(dev.arena, geo, 64)
+    blocks = pool.allocate(48)                    # 3 granules of 16 blocks
+    keys = chain_hashes(root_key("m", 16), list(range(48 * 16)), 16)
+    for b, k in zip(blocks, keys, strict=True):
+        pool.name(b, k)
+    pool.free(blocks[4:])                         # blocks 0..3 stay in use
+    model = _EngineModel(pool)
+    reclaimer = Reclaimer(dev, lambda: [model])
+    with model.lock:                              # the engine's step holds it
+        report = reclaimer.reclaim(SIM_GRANULE, "kv", "refusal")
+    assert report.steps[1].step == "cached_kv" and report.steps[1].freed_bytes == SIM_GRANULE
+    assert sorted(pool._refs) == blocks[:4], "a block in use was taken"
+    pool.close()
+    dev.close()
