@@ -44,11 +44,13 @@ from gpu_worker.kernels.elementwise import (
     BIAS_ADD,
     GELU,
     SILU_GATE,
+    SILU_GATE_F16,
     launch_add,
     launch_add_i32,
     launch_bias_add,
     launch_gelu,
     launch_silu_gate,
+    launch_silu_gate_f16,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
 from gpu_worker.kernels.flash_attention import (
@@ -83,7 +85,14 @@ from gpu_worker.kernels.linear import (
     launch_matmul_nt,
     launch_matmul_nt_large,
 )
-from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
+from gpu_worker.kernels.norm import (
+    LAYERNORM,
+    RMSNORM,
+    RMSNORM_F16,
+    launch_layernorm,
+    launch_rmsnorm,
+    launch_rmsnorm_f16,
+)
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
@@ -96,6 +105,12 @@ from gpu_worker.kernels.paged_attention import (
     launch_kv_append_paged,
     paged_decode_span,
     paged_decode_splits,
+)
+from gpu_worker.kernels.qkv import (
+    QKV_ROPE_APPEND,
+    QKV_ROPE_APPEND_PAGED,
+    launch_qkv_rope_append,
+    launch_qkv_rope_append_paged,
 )
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, ROTARY_ROWS, launch_rotary, launch_rotary_rows
@@ -111,6 +126,7 @@ ALL_KERNELS: list[KernelDef] = [
     INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
     FLASH_PREFILL_PAGED,
     SAMPLE,
+    RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -156,11 +172,15 @@ __all__ = [
     "MEAN_POOL",
     "MMA_MAX_ROWS",
     "NVRTC_OPTIONS",
+    "QKV_ROPE_APPEND",
+    "QKV_ROPE_APPEND_PAGED",
     "RMSNORM",
+    "RMSNORM_F16",
     "ROTARY",
     "ROTARY_ROWS",
     "SAMPLE",
     "SILU_GATE",
+    "SILU_GATE_F16",
     "THREADS",
     "TO_F16",
     "KernelDef",
@@ -198,11 +218,15 @@ __all__ = [
     "launch_matmul_nt",
     "launch_matmul_nt_large",
     "launch_mean_pool",
+    "launch_qkv_rope_append",
+    "launch_qkv_rope_append_paged",
     "launch_rmsnorm",
+    "launch_rmsnorm_f16",
     "launch_rotary",
     "launch_rotary_rows",
     "launch_sample",
     "launch_silu_gate",
+    "launch_silu_gate_f16",
     "launch_to_f16",
     "paged_decode_span",
     "paged_decode_splits",

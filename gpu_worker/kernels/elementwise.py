@@ -2,7 +2,8 @@
 
 All are grid-stride loops over the elements; outputs may alias inputs (in place).
 - silu_gate: out (rows, cols) = silu(gate) * up, gate/up rows `gate_stride`/`up_stride` floats
-  apart (both halves of a fused gate|up matmul output are addressed in place).
+  apart (both halves of a fused gate|up matmul output are addressed in place). silu_gate_f16: the
+  same, fp16 out (the down projection's tensor-core operand, without a to_f16 node).
 - gelu: tanh approximation, or the exact erf form (`exact`, BERT checkpoints). add: out = a + b. bias_add: out (rows, cols) = x + bias[col].
 - add_i32: p[i] += delta for i < n; advances a device position/length counter inside a captured
   decode graph so the next replay sees the next position.
@@ -22,6 +23,21 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
     gs = cols if gate_stride is None else gate_stride
     us = cols if up_stride is None else up_stride
     require_sizes("silu_gate", rows=rows, cols=cols, gate_stride=gs, up_stride=us,
+                  elements=rows * cols)
+    if rows * cols == 0:
+        return
+    device.launch(function, grid_1d(device, rows * cols), BLOCK,
+                  [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
+                  stream=stream)
+
+
+def launch_silu_gate_f16(device, function, out: int, gate: int, up: int, rows: int, cols: int,
+                         gate_stride: int | None = None, up_stride: int | None = None,
+                         stream=None) -> None:
+    """launch_silu_gate with `out` (rows, cols) fp16."""
+    gs = cols if gate_stride is None else gate_stride
+    us = cols if up_stride is None else up_stride
+    require_sizes("silu_gate_f16", rows=rows, cols=cols, gate_stride=gs, up_stride=us,
                   elements=rows * cols)
     if rows * cols == 0:
         return
@@ -62,9 +78,11 @@ def _add_i32_reference(values, delta: int):
 
 
 SILU_GATE = KernelDef("silu_gate", "gp_silu_gate", SOURCE, reference.silu_gate, launch_silu_gate)
+SILU_GATE_F16 = KernelDef("silu_gate_f16", "gp_silu_gate_f16", SOURCE, reference.silu_gate_f16,
+                          launch_silu_gate_f16)
 GELU = KernelDef("gelu", "gp_gelu", SOURCE, reference.gelu, launch_gelu)
 ADD = KernelDef("add", "gp_add", SOURCE, reference.add, launch_add)
 BIAS_ADD = KernelDef("bias_add", "gp_bias_add", SOURCE, reference.bias_add, launch_bias_add)
 ADD_I32 = KernelDef("add_i32", "gp_add_i32", SOURCE, _add_i32_reference, launch_add_i32)
 
-KERNELS = [SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32]
+KERNELS = [SILU_GATE, SILU_GATE_F16, GELU, ADD, BIAS_ADD, ADD_I32]

@@ -352,3 +352,57 @@ def flash_decode_paged_combine(partials: np.ndarray, positions: np.ndarray, capa
         if ran:
             out[r] = attention_combine_f16(partials[r, :, :ran].transpose(1, 0, 2)).reshape(-1)
     return out
+
+
+# -- the fused decoder layer (qkv.py, norm.py's rmsnorm_f16, elementwise.py's silu_gate_f16) --
+def _split_qkv(qkv: np.ndarray, bias: np.ndarray | None, heads: int, kv_heads: int,
+               d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q (R, heads, d), k (R, kv_heads, d), v (R, kv_heads * d) of fused q | k | v rows (+ bias)."""
+    x = np.asarray(qkv, np.float32)
+    if bias is not None:
+        x = (x + np.asarray(bias, np.float32)[None, :]).astype(np.float32)
+    qw, kvw = heads * d, kv_heads * d
+    return (x[:, :qw].reshape(-1, heads, d), x[:, qw:qw + kvw].reshape(-1, kv_heads, d),
+            x[:, qw + kvw:qw + 2 * kvw])
+
+
+def qkv_rope_append_paged(qkv: np.ndarray, bias: np.ndarray | None, positions: np.ndarray,
+                          table: np.ndarray, pool: np.ndarray, layer: int, heads: int,
+                          kv_heads: int, theta: float,
+                          inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(q fp16 (R, heads * d), the pool after the append): qkv (R, (heads + 2 kv_heads) * d) f32
+    rows (+ bias) rotated at `positions` (rotary_rows: -1 rows zero), k and v appended through
+    `table` (kv_append_paged), q cast (to_f16)."""
+    d = pool.shape[5]
+    q, k, v = _split_qkv(qkv, bias, heads, kv_heads, d)
+    q = rotary_rows(q, positions, theta, inv_freq).reshape(q.shape[0], -1)
+    k = rotary_rows(k, positions, theta, inv_freq).reshape(k.shape[0], -1)
+    return to_f16(q), kv_append_paged(pool, k, v, positions, table, layer)
+
+
+def qkv_rope_append(qkv: np.ndarray, bias: np.ndarray | None, start: int, k_cache: np.ndarray,
+                    v_cache: np.ndarray, heads: int, kv_heads: int, theta: float,
+                    inv_freq: np.ndarray | None = None,
+                    q_half: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, k cache, v cache) after one sequence's tokens at start..: q (T, heads * d) rotated
+    (fp16 when `q_half`, else f32), k rotated and v appended to the fp16 caches (max_len,
+    kv_heads, d) (kv_append: rows past the cache dropped)."""
+    d = k_cache.shape[-1]
+    q, k, v = _split_qkv(qkv, bias, heads, kv_heads, d)
+    pos = start + np.arange(q.shape[0])
+    q = rotary(q, pos, theta, inv_freq).reshape(q.shape[0], -1)
+    k = rotary(k, pos, theta, inv_freq)
+    with np.errstate(over="ignore"):
+        kc = kv_append(k_cache, k.astype(np.float16), start)
+        vc = kv_append(v_cache, v.reshape(-1, kv_heads, d).astype(np.float16), start)
+    return (to_f16(q) if q_half else q), kc, vc
+
+
+def rmsnorm_f16(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rmsnorm rounded to fp16 (the next linear's tensor-core operand, without a to_f16 node)."""
+    return to_f16(rmsnorm(x, w, eps))
+
+
+def silu_gate_f16(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu_gate rounded to fp16 (the down projection's tensor-core operand)."""
+    return to_f16(silu_gate(gate, up))

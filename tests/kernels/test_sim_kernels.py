@@ -29,6 +29,7 @@ from gpu_worker.kernels import (
 from gpu_worker.kernels.selfcheck import CASES, KernelHarness, Outcome
 from gpu_worker.kernels.selfcheck.flash import FLASH_CASES
 from gpu_worker.kernels.selfcheck.paged import PAGED_CASES
+from gpu_worker.kernels.selfcheck.qkv import QKV_CASES
 from services.common.errors import InvalidArgument
 
 
@@ -49,7 +50,7 @@ def test_sim_kernel_matches_its_numpy_reference(harness, case) -> None:
 
 
 def test_every_kernel_def_is_exercised_by_a_case() -> None:
-    cases = CASES + FLASH_CASES + PAGED_CASES
+    cases = CASES + FLASH_CASES + PAGED_CASES + QKV_CASES
     covered = {c.kernel for c in cases} | {k for c in cases for k in c.covers}
     missing = [k.name for k in ALL_KERNELS if k.name not in covered]
     assert not missing, f"kernels without a device case: {missing}"

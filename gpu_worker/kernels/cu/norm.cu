@@ -1,16 +1,30 @@
 #include "gpuplane_common.cuh"
-extern "C" __global__ void gp_rmsnorm(float* out, const float* x, const float* __restrict__ w,
-                                      int rows, int hidden, float eps) {
+// T: float (gp_rmsnorm) or gp_h (gp_rmsnorm_f16: the same f32 value rounded to fp16, nearest
+// even, for a linear whose operand is fp16: it replaces an rmsnorm + to_f16 pair).
+template <typename T>
+__device__ __forceinline__ void gp_rmsnorm_t(T* out, const float* x, const float* __restrict__ w,
+                                             int rows, int hidden, float eps) {
     __shared__ float scratch[33];
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + (size_t)r * hidden;
-        float* o = out + (size_t)r * hidden;
+        T* o = out + (size_t)r * hidden;
         float ss = 0.f;
         for (int c = threadIdx.x; c < hidden; c += blockDim.x) { const float v = xr[c]; ss += v * v; }
         ss = gp_block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        for (int c = threadIdx.x; c < hidden; c += blockDim.x) o[c] = xr[c] * inv * w[c];
+        for (int c = threadIdx.x; c < hidden; c += blockDim.x) gp_st(o + c, xr[c] * inv * w[c]);
     }
+}
+
+extern "C" __global__ void gp_rmsnorm(float* out, const float* x, const float* __restrict__ w,
+                                      int rows, int hidden, float eps) {
+    gp_rmsnorm_t(out, x, w, rows, hidden, eps);
+}
+
+extern "C" __global__ void gp_rmsnorm_f16(unsigned short* out, const float* x,
+                                          const float* __restrict__ w, int rows, int hidden,
+                                          float eps) {
+    gp_rmsnorm_t(reinterpret_cast<gp_h*>(out), x, w, rows, hidden, eps);
 }
 
 extern "C" __global__ void gp_layernorm(float* out, const float* x, const float* __restrict__ w,

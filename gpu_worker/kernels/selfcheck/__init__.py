@@ -33,11 +33,13 @@ from gpu_worker.kernels.elementwise import (
     BIAS_ADD,
     GELU,
     SILU_GATE,
+    SILU_GATE_F16,
     launch_add,
     launch_add_i32,
     launch_bias_add,
     launch_gelu,
     launch_silu_gate,
+    launch_silu_gate_f16,
 )
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
 from gpu_worker.kernels.half import (
@@ -59,7 +61,14 @@ from gpu_worker.kernels.linear import (
     launch_matmul_nt,
     launch_matmul_nt_large,
 )
-from gpu_worker.kernels.norm import LAYERNORM, RMSNORM, launch_layernorm, launch_rmsnorm
+from gpu_worker.kernels.norm import (
+    LAYERNORM,
+    RMSNORM,
+    RMSNORM_F16,
+    launch_layernorm,
+    launch_rmsnorm,
+    launch_rmsnorm_f16,
+)
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
@@ -176,6 +185,17 @@ def rmsnorm_case(h, rng, rows, hidden) -> Outcome:
     out = h.put(np.zeros((rows, hidden), np.float32))
     launch_rmsnorm(h.device, h.function(RMSNORM), out, h.put(x), h.put(w), rows, hidden, 1e-5)
     return Outcome(h.get(out, (rows, hidden)), ref.rmsnorm(x, w, 1e-5), 1e-4, 1e-5)
+
+
+def rmsnorm_f16_case(h, rng, rows, hidden) -> Outcome:
+    """fp16 out: the f32 rmsnorm rounded once (one fp16 ulp of slack for an f32 ulp that flips
+    the rounding)."""
+    x, w = _f32(rng, rows, hidden, scale=3.0), _f32(rng, hidden)
+    out = h.put(np.full((rows, hidden), np.nan, np.float16))
+    launch_rmsnorm_f16(h.device, h.function(RMSNORM_F16), out, h.put(x), h.put(w), rows, hidden,
+                       1e-5)
+    return Outcome(h.get(out, (rows, hidden), np.float16).astype(np.float32),
+                   ref.rmsnorm_f16(x, w, 1e-5).astype(np.float32), 1e-3, 1e-4)
 
 
 def layernorm_case(h, rng, rows, hidden, bias=True) -> Outcome:
@@ -387,6 +407,16 @@ def silu_gate_case(h, rng, rows, cols) -> Outcome:
     return Outcome(h.get(out, (rows, cols)), ref.silu_gate(gu[:, :cols], gu[:, cols:]), 1e-5, 1e-6)
 
 
+def silu_gate_f16_case(h, rng, rows, cols) -> Outcome:
+    gu = _f32(rng, rows, 2 * cols, scale=3.0)  # a fused gate|up linear's output rows
+    out = h.put(np.full((rows, cols), np.nan, np.float16))
+    p = h.put(gu)
+    launch_silu_gate_f16(h.device, h.function(SILU_GATE_F16), out, p, p + 4 * cols, rows, cols,
+                         2 * cols, 2 * cols)
+    return Outcome(h.get(out, (rows, cols), np.float16).astype(np.float32),
+                   ref.silu_gate_f16(gu[:, :cols], gu[:, cols:]).astype(np.float32), 1e-3, 1e-4)
+
+
 def gelu_case(h, rng, n, exact=False) -> Outcome:
     x = _f32(rng, n, scale=4.0)
     p = h.put(x)
@@ -499,6 +529,8 @@ CASES: list[Case] = [
     C("embedding_gather", embedding_case, rows=33, hidden=300, vocab=1031, accumulate=True),
     C("rmsnorm", rmsnorm_case, rows=1, hidden=7),
     C("rmsnorm", rmsnorm_case, rows=33, hidden=1000),
+    C("rmsnorm_f16", rmsnorm_f16_case, rows=1, hidden=7),
+    C("rmsnorm_f16", rmsnorm_f16_case, rows=65, hidden=1000),
     C("layernorm", layernorm_case, rows=7, hidden=33),
     C("layernorm", layernorm_case, rows=5, hidden=1024, bias=False),
     C("int4_dequant", int4_dequant_case, n=7, k=33),
@@ -567,6 +599,8 @@ CASES: list[Case] = [
     C("attention_prefill_kv16", prefill_case, batch=1, tokens=21, heads=4, kv_heads=2,
       head_dim=16, past=40, kv16=True),
     C("silu_gate", silu_gate_case, rows=7, cols=33),
+    C("silu_gate_f16", silu_gate_f16_case, rows=1, cols=7),
+    C("silu_gate_f16", silu_gate_f16_case, rows=65, cols=1001),
     C("gelu", gelu_case, n=1001),
     C("gelu", gelu_case, n=1001, exact=True),
     C("add", add_case, n=1),

@@ -64,6 +64,14 @@ def _rmsnorm(mem, grid, block, args) -> None:
     _arr(mem, out, rows * hidden).reshape(rows, hidden)[:] = r
 
 
+@register_sim_kernel("gp_rmsnorm_f16")
+def _rmsnorm_f16(mem, grid, block, args) -> None:
+    out, x, w, rows, hidden, eps = _vals(args)
+    xv = _arr(mem, x, rows * hidden).reshape(rows, hidden)
+    r = reference.rmsnorm_f16(xv, _arr(mem, w, hidden), np.float32(eps))
+    _arr(mem, out, rows * hidden, np.float16).reshape(rows, hidden)[:] = r
+
+
 @register_sim_kernel("gp_layernorm")
 def _layernorm(mem, grid, block, args) -> None:
     out, x, w, b, rows, hidden, eps = _vals(args)
@@ -205,6 +213,15 @@ def _silu_gate(mem, grid, block, args) -> None:
     _arr(mem, out, rows * cols).reshape(rows, cols)[:] = reference.silu_gate(g, u)
 
 
+@register_sim_kernel("gp_silu_gate_f16")
+def _silu_gate_f16(mem, grid, block, args) -> None:
+    out, gate, up, rows, cols, gate_stride, up_stride = _vals(args)
+    g = _strided(mem, gate, (rows, cols), (gate_stride, 1))
+    u = _strided(mem, up, (rows, cols), (up_stride, 1))
+    r = reference.silu_gate_f16(g, u)
+    _arr(mem, out, rows * cols, np.float16).reshape(rows, cols)[:] = r
+
+
 @register_sim_kernel("gp_gelu")
 def _gelu(mem, grid, block, args) -> None:
     out, x, n, exact = _vals(args)
@@ -270,3 +287,4 @@ def _from_f16(mem, grid, block, args) -> None:
 # The families' sim kernels register themselves on import (they use the helpers above).
 from gpu_worker.kernels.sim import flash as _flash  # noqa: F401
 from gpu_worker.kernels.sim import paged as _paged  # noqa: F401
+from gpu_worker.kernels.sim import qkv as _qkv  # noqa: F401
