@@ -167,6 +167,22 @@ def test_eviction_takes_free_blocks_first_then_the_least_recently_cached(dev):
     pool.close()
 
 
+def test_the_pool_grows_only_once_no_cached_block_is_left(dev):
+    pool = KVBlockPool(dev.arena, GEO, capacity_blocks=64)
+    keys = chain_hashes(root_key("m", BT), tokens(12, 16 * BT), BT)
+    blocks = pool.allocate(16)                 # one granule, all of it
+    for blk, key in zip(blocks, keys, strict=True):
+        pool.name(blk, key)
+    pool.free(blocks)
+    committed = pool.committed
+    assert pool.allocate(10) is not None and pool.committed == committed, \
+        "the pool committed a granule while cached blocks could serve"
+    assert pool.allocate(10) is not None and pool.committed == 2 * committed
+    assert pool.cached_blocks() == 0, "a growth left cached blocks behind"
+    check_states(pool)
+    pool.close()
+
+
 def test_a_shrink_for_reclaim_evicts_cached_top_blocks_and_never_a_used_one(dev):
     pool = KVBlockPool(dev.arena, GEO, capacity_blocks=64)
     keys = chain_hashes(root_key("m", BT), tokens(9, 48 * BT), BT)
