@@ -174,6 +174,8 @@ def cmd_stats(args: argparse.Namespace) -> None:
     print(f"capture: {s.capture.captures} captures, {s.capture.replays} replays, "
           f"{s.capture.invalidations} invalidations, {s.capture.gate_waits} gate waits")
     b = s.scheduler
+    print(f"prefix cache: {b.prefix_cache_hit_tokens} of {b.prefix_cache_queried_tokens} prompt "
+          f"tokens hit, {b.kv_blocks_cached} kv blocks cached")
     print(f"scheduler: {b.running} running, {b.waiting} waiting (peak batch {b.peak_batch_size}), "
           f"{b.steps} steps, {b.prefill_tokens} prefill + {b.decode_tokens} decode tokens, "
           f"{b.preemptions} preemptions, {b.cancelled} cancelled, {b.rejected} rejected; kv "
