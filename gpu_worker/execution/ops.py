@@ -34,6 +34,7 @@ from gpu_worker.kernels import (
     linear,
     norm,
     paged_attention,
+    qkv,
     reduce,
     rotary,
     sampling,
@@ -77,6 +78,10 @@ class OpBinding:
     workspace: Callable[[Node, Graph], dict[str, int]] = lambda node, graph: {}
     # GEMM shapes (m, n, k) the op hands to the device's BLAS for this node (warmed up before capture)
     gemms: Callable[[Node, Graph, int], list[tuple[int, int, int]]] = lambda node, graph, tile: []
+    # The op honours a node's `accumulate` attribute: y += x @ W^T into its output, which the
+    # node also names as its second input (the residual stream, updated in place). The graph
+    # builders fold a residual add into a linear only where this holds (GraphBuilder.linear).
+    accumulate: bool = False
 
 
 def tile_rows(n: int, k: int, tile_bytes: int) -> int:
@@ -141,7 +146,8 @@ def _f16_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, int
 
 def _launch_linear_f16(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
-    c.device.blas.gemm_nt(c.out(), c.inp(0), c.weight(0), m, n, k, stream=c.stream)
+    c.device.blas.gemm_nt(c.out(), c.inp(0), c.weight(0), m, n, k,
+                          accumulate=bool(c.node.attributes.get("accumulate")), stream=c.stream)
 
 
 def _launch_to_f16(c: LaunchContext) -> None:
@@ -160,10 +166,17 @@ def _launch_embedding(c: LaunchContext) -> None:
                                       c.inp(0), c.shape(0)[0], hidden, vocab, stream=c.stream)
 
 
+def _out_f16(c: LaunchContext) -> bool:
+    return c.graph.tensors[c.node.outputs[0]].dtype == "f16"
+
+
 def _launch_rmsnorm(c: LaunchContext) -> None:
+    """f32 out, or fp16 (rmsnorm_f16) when the next linear reads fp16: no to_f16 node."""
     rows, hidden = c.shape(0)
-    norm.launch_rmsnorm(c.device, c.fn("rmsnorm"), c.out(), c.inp(0), c.weight(0), rows, hidden,
-                        float(c.node.attributes["eps"]), stream=c.stream)
+    launch, name = ((norm.launch_rmsnorm_f16, "rmsnorm_f16") if _out_f16(c)
+                    else (norm.launch_rmsnorm, "rmsnorm"))
+    launch(c.device, c.fn(name), c.out(), c.inp(0), c.weight(0), rows, hidden,
+           float(c.node.attributes["eps"]), stream=c.stream)
 
 
 def _launch_layernorm(c: LaunchContext) -> None:
@@ -199,9 +212,19 @@ def _launch_add(c: LaunchContext) -> None:
 
 
 def _launch_silu_mul(c: LaunchContext) -> None:
+    """silu(gate) * up from two tensors, or from one: the fused gate|up linear's rows (gate the
+    first half of a row, up the second), read in place. fp16 out (silu_gate_f16) when the down
+    projection reads fp16."""
+    launch, name = ((elementwise.launch_silu_gate_f16, "silu_gate_f16") if _out_f16(c)
+                    else (elementwise.launch_silu_gate, "silu_gate"))
+    if len(c.node.inputs) == 1:
+        rows, width = c.shape(0)
+        cols = width // 2
+        launch(c.device, c.fn(name), c.out(), c.inp(0), c.inp(0) + 4 * cols, rows, cols,
+               width, width, stream=c.stream)
+        return
     rows, cols = c.shape(0)
-    elementwise.launch_silu_gate(c.device, c.fn("silu_gate"), c.out(), c.inp(0), c.inp(1), rows, cols,
-                                 stream=c.stream)
+    launch(c.device, c.fn(name), c.out(), c.inp(0), c.inp(1), rows, cols, stream=c.stream)
 
 
 def _launch_gelu(c: LaunchContext) -> None:
@@ -317,6 +340,39 @@ def _launch_rotary_rows(c: LaunchContext) -> None:
                               stream=c.stream, inv_freq=c.weight(0) if c.node.weights else 0)
 
 
+def _qkv_weights(c: LaunchContext) -> tuple[int, int]:
+    """(bias, inv_freq) pointers of a qkv_rope node (0: none): weights (bias?, inv_freq?)."""
+    a, i = c.node.attributes, 0
+    bias = table = 0
+    if a.get("bias"):
+        bias, i = c.weight(0), 1
+    if len(c.node.weights) > i:
+        table = c.weight(i)
+    return bias, table
+
+
+def _launch_qkv_rope_append(c: LaunchContext) -> None:
+    """inputs (qkv, start), outputs (q, k cache, v cache): one sequence's contiguous cache."""
+    a = c.node.attributes
+    bias, table = _qkv_weights(c)
+    qkv.launch_qkv_rope_append(
+        c.device, c.fn("qkv_rope_append"), c.out(0), c.out(1), c.out(2), c.inp(0), bias,
+        c.inp(1), c.shape(0)[0], int(a["heads"]), int(a["kv_heads"]), int(a["head_dim"]),
+        float(a["theta"]), int(a["max_context"]), q_half=_out_f16(c), stream=c.stream,
+        inv_freq=table)
+
+
+def _launch_qkv_rope_append_paged(c: LaunchContext) -> None:
+    """inputs (qkv, positions, table), outputs (q16, pool)."""
+    g = _paged(c.node.attributes)
+    bias, table = _qkv_weights(c)
+    qkv.launch_qkv_rope_append_paged(
+        c.device, c.fn("qkv_rope_append_paged"), c.out(0), c.out(1), c.inp(0), bias, c.inp(1),
+        c.inp(2), c.shape(0)[0], c.shape(2)[0], int(c.node.attributes["heads"]), g["kv_heads"],
+        g["head_dim"], float(c.node.attributes["theta"]), g["layer"], g["layers"],
+        g["block_tokens"], g["max_blocks"], stream=c.stream, inv_freq=table)
+
+
 def _paged(a) -> dict[str, int]:
     """The paged kernels' pool geometry from a node's attrs (the i13 contract's names)."""
     return {k: int(a[k]) for k in ("layer", "layers", "block_tokens", "kv_heads", "head_dim",
@@ -383,16 +439,16 @@ OPS: dict[str, OpBinding] = {
     "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA),
                              _launch_linear,
                              gemms=_linear_gemms),
-    "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms),
+    "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
     "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),
-    "rmsnorm": OpBinding((norm.RMSNORM,), _launch_rmsnorm),
+    "rmsnorm": OpBinding((norm.RMSNORM, norm.RMSNORM_F16), _launch_rmsnorm),
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),
     "rotary": OpBinding((rotary.ROTARY,), _launch_rotary),
     "add": OpBinding((elementwise.ADD,), _launch_add),
     "bias_add": OpBinding((elementwise.BIAS_ADD,), _launch_bias_add),
-    "silu_mul": OpBinding((elementwise.SILU_GATE,), _launch_silu_mul),
+    "silu_mul": OpBinding((elementwise.SILU_GATE, elementwise.SILU_GATE_F16), _launch_silu_mul),
     "gelu": OpBinding((elementwise.GELU,), _launch_gelu),
     "attention_prefill_cached": OpBinding((attention.ATTENTION_PREFILL_KV16,),
                                           _launch_attention_prefill_cached),
@@ -418,4 +474,8 @@ OPS: dict[str, OpBinding] = {
     "flash_attention_prefill_paged": OpBinding((paged_attention.FLASH_PREFILL_PAGED,),
                                                _launch_flash_prefill_paged),
     "sample": OpBinding((sampling.SAMPLE,), _launch_sample),
+    # the fused QKV linear's epilogue (bias, rotary, KV append, q cast: gpu_worker.kernels.qkv)
+    "qkv_rope_append": OpBinding((qkv.QKV_ROPE_APPEND,), _launch_qkv_rope_append),
+    "qkv_rope_append_paged": OpBinding((qkv.QKV_ROPE_APPEND_PAGED,),
+                                       _launch_qkv_rope_append_paged),
 }

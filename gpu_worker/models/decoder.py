@@ -29,7 +29,7 @@ from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.graph import DTYPE_BYTES, Graph, GraphBuilder
-from gpu_worker.models.weights import generate
+from gpu_worker.models.weights import fuse_linears, generate
 from services.common.errors import InvalidArgument
 
 KV_DTYPE = "f16"    # the KV cache: fp16 (attention reads it into f32 arithmetic)
@@ -61,43 +61,33 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     start = t("start", (1,), "i32", "input")    # position of the first token, read on device
     if phase == "prefill":
         chunk_len = t("chunk_len", (1,), "i32", "input")   # real (unpadded) tokens in this chunk
-    n("embed", "embedding", (tokens,), (t("x.0", (seq, h)),), (w("embed", (cfg.vocab_size, h), "f16"),))
-    x = "x.0"
+    # the residual stream: one tensor, updated in place by the wo and w_down linears
+    x = t("x", (seq, h))
+    n("embed", "embedding", (tokens,), (x,), (w("embed", (cfg.vocab_size, h), "f16"),))
     # llama3 rope scaling: the rescaled frequency table replaces theta's formula
     rope = (w("rope.inv_freq", (hd // 2,), "f32"),) if cfg.rope_scaling is not None else ()
+    act = g.linear_input_dtype(seq, cfg.weight_format)   # what the linears read without a cast
+    qkv_width = h + 2 * kvd
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
         kc, vc = kv_state_names(layer)
         t(kc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
         t(vc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
-        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h)),),
+        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h), act),),
           (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
-        linear(p + "wq", p + "h", p + "q", h, h)
-        linear(p + "wk", p + "h", p + "k", kvd, h)
-        linear(p + "wv", p + "h", p + "v", kvd, h)
-        if cfg.qkv_bias:  # Qwen2: biases on q, k and v only, added in place
-            for lin, out, dim in (("wq", "q", h), ("wk", "k", kvd), ("wv", "v", kvd)):
-                n(p + lin + "_bias", "bias_add", (p + out,), (p + out,),
-                  (w(p + lin + ".b", (dim,), "f32"),))
-        # rotary rotates in place; its output names the same tensor
-        n(p + "rope_q", "rotary", (p + "q", start), (p + "q",), rope,
-          heads=cfg.heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "rope_k", "rotary", (p + "k", start), (p + "k",), rope,
-          heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "kv_append", "kv_append", (p + "k", p + "v", start), (kc, vc),
-          kv_heads=cfg.kv_heads, head_dim=hd, max_context=cfg.max_context)
+        linear(p + "wqkv", p + "h", p + "qkv", qkv_width, h)   # rows: q | k | v
+        # bias (Qwen2), rotary on q and k, K/V into the cache at `start`, q in the dtype the
+        # attention reads (fp16 for the flash kernels): one kernel
+        bias = (w(p + "wqkv.b", (qkv_width,), "f32"),) if cfg.qkv_bias else ()
+        q = t(p + "q", (seq, h), "f16" if flash else "f32")
+        n(p + "qkv_rope", "qkv_rope_append", (p + "qkv", start), (q, kc, vc), bias + rope,
+          heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta,
+          max_context=cfg.max_context, bias=cfg.qkv_bias)
         attrs = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": hd,
                  "max_context": cfg.max_context}
-        q, a = p + "q", p + "a"
-        if flash:
-            # fp16 q in, fp16 out: the wo linear reads it as it is on tensor cores (and every
-            # fp16-weight linear), or widened by a from_f16 node for the fused int4 GEMV
-            # (GraphBuilder.linear_int4)
-            q = t(p + "q16", (seq, h), "f16")
-            n(p + "q_cast", "to_f16", (p + "q",), (q,))
-            t(a, (seq, h), "f16")
-        else:
-            t(a, (seq, h))
+        # flash: fp16 out, which the wo linear reads as it is on tensor cores (and every
+        # fp16-weight linear), or widened by a from_f16 node for the fused int4 GEMV
+        a = t(p + "a", (seq, h), "f16" if flash else "f32")
         if phase == "prefill":
             # against the cache: earlier chunks' keys are there, this chunk's were just appended
             n(p + "attn", ("flash_" if flash else "") + "attention_prefill_cached",
@@ -105,25 +95,21 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         else:
             n(p + "attn", ("flash_" if flash else "") + "attention_decode", (q, kc, vc, start),
               (a,), **attrs)
-        linear(p + "wo", p + "a", p + "o", h, h)
-        n(p + "res_attn", "add", (x, p + "o"), (t(p + "x1", (seq, h)),))
-        n(p + "mlp_norm", "rmsnorm", (p + "x1",), (t(p + "h2", (seq, h)),),
+        g.residual_linear(p + "wo", a, x, seq, h, h, cfg.weight_format, p + "res_attn")
+        n(p + "mlp_norm", "rmsnorm", (x,), (t(p + "h2", (seq, h), act),),
           (w(p + "mlp_norm.w", (h,), "f32"),), eps=cfg.eps)
-        linear(p + "w_gate", p + "h2", p + "g", cfg.ffn, h)
-        linear(p + "w_up", p + "h2", p + "u", cfg.ffn, h)
-        n(p + "silu_mul", "silu_mul", (p + "g", p + "u"), (t(p + "m", (seq, cfg.ffn)),))
-        linear(p + "w_down", p + "m", p + "d", h, cfg.ffn)
-        x_next = f"x.{layer + 1}"
-        n(p + "res_mlp", "add", (p + "x1", p + "d"), (t(x_next, (seq, h)),))
-        x = x_next
+        linear(p + "w_gateup", p + "h2", p + "gu", 2 * cfg.ffn, h)   # rows: gate | up
+        n(p + "silu_mul", "silu_mul", (p + "gu",), (t(p + "m", (seq, cfg.ffn), act),))
+        g.residual_linear(p + "w_down", p + "m", x, seq, h, cfg.ffn, cfg.weight_format,
+                          p + "res_mlp")
     last = x
     if phase == "prefill":
         idx = t("last_index", (1,), "i32", "input")
         # no kernel: the executor points x.last at row last_index of x and runs the rest eagerly
         n("last_row", "select_row", (x, idx), (t("x.last", (1, h)),))
         last = "x.last"
-    n("final_norm", "rmsnorm", (last,), (t("hf", (1, h)),), (w("final_norm.w", (h,), "f32"),),
-      eps=cfg.eps)
+    n("final_norm", "rmsnorm", (last,), (t("hf", (1, h), g.linear_input_dtype(1, cfg.weight_format)),),
+      (w("final_norm.w", (h,), "f32"),), eps=cfg.eps)
     g.linear("lm_head", "hf", "logits", 1, cfg.vocab_size, h, cfg.weight_format)
     n("argmax", "argmax", ("logits",), (t("next_token", (1,), "i32"),))
     return g.build(outputs=("next_token", "logits"))
@@ -180,7 +166,7 @@ class DecoderModel:
 
     def load(self) -> None:
         source = self.weights() if self.weights is not None else generate(self.cfg, self.seed)
-        for key, host in source:
+        for key, host in fuse_linears(self.cfg, source):   # wqkv and w_gateup, concatenated
             self.executor.add_weight(key, host)
         per_layer = self.cfg.max_context * self.cfg.kv_heads * self.cfg.head_dim * DTYPE_BYTES[KV_DTYPE]
         for layer in range(self.cfg.layers):

@@ -110,6 +110,39 @@ class GraphBuilder:
              **attrs: object) -> None:
         self.nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
 
+    def linear_input_dtype(self, rows: int, weight_format: str = "int4") -> str:
+        """The activation dtype a linear of `rows` rows reads as it is (no cast node): fp16 for
+        fp16 weights and the int4 tensor-core path, f32 for the fused int4 linears. A producer
+        that writes either (rmsnorm, silu_mul) writes this one."""
+        from gpu_worker.kernels.linear import int4_path  # the one place that picks the path
+
+        return "f16" if weight_format == "fp16" or int4_path(rows) == "tensor" else "f32"
+
+    def residual_linear(self, name: str, x: str, residual: str, rows: int, out_dim: int,
+                        in_dim: int, weight_format: str, add_name: str) -> None:
+        """residual (rows, out_dim) += x @ W^T, in place: the linear accumulates into the
+        residual stream (inputs (x, residual), outputs (residual,), `accumulate`) where its op
+        supports it (OpBinding.accumulate), else a linear into `<name>.out` and an in-place `add`
+        node `add_name`.
+
+        In place is safe in these graphs: the residual stream is written first by the graph's
+        own embedding node, so a whole-graph run (the BLAS warm-up's eager run before capture,
+        then the replay) recomputes it from scratch and runs twice to the same bytes, and a
+        streamed segment runs exactly once per run (gpu_worker/execution/streaming.py)."""
+        from gpu_worker.execution.ops import OPS  # which ops honour `accumulate`
+
+        op = "linear_f16" if weight_format == "fp16" else "linear_int4"
+        out = name + ".out"
+        self.linear(name, x, out, rows, out_dim, in_dim, weight_format)
+        if not OPS[op].accumulate:
+            self.node(add_name, "add", (residual, out), (residual,))
+            return
+        node = self.nodes.pop()
+        assert node.name == name and node.outputs == (out,), node
+        del self.tensors[out]
+        self.nodes.append(Node(name, node.op, (*node.inputs, residual), (residual,),
+                               {**node.attributes, "accumulate": True}, node.weights))
+
     def linear(self, name: str, x: str, out: str, rows: int, out_dim: int, in_dim: int,
                weight_format: str = "int4") -> None:
         """out (rows, out_dim) = x @ W^T for a weight stored as `weight_format` (ModelConfig)."""

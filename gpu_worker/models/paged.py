@@ -31,7 +31,7 @@ from gpu_worker.execution.staging import StepStaging
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import check_prompt
 from gpu_worker.models.graph import Graph, GraphBuilder
-from gpu_worker.models.weights import generate
+from gpu_worker.models.weights import fuse_linears, generate
 from services.common.errors import InvalidArgument
 
 # Fine above 16 so a batch pays for at most 7 padding rows (33 runs at 40, not 64), like the
@@ -87,31 +87,25 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
         chunk_len = t("chunk_len", (1,), "i32", "input")
     pool = t(POOL, (capacity_blocks, cfg.layers, 2, geo.block_tokens, cfg.kv_heads, hd), "f16",
              kind="state")
-    n("embed", "embedding", (tokens,), (t("x.0", (rows, h)),),
-      (w("embed", (cfg.vocab_size, h), "f16"),))
-    x = "x.0"
+    # the residual stream: one tensor, updated in place by the wo and w_down linears
+    x = t("x", (rows, h))
+    n("embed", "embedding", (tokens,), (x,), (w("embed", (cfg.vocab_size, h), "f16"),))
     rope = (w("rope.inv_freq", (hd // 2,), "f32"),) if cfg.rope_scaling is not None else ()
     paged = {"layers": cfg.layers, "kv_heads": cfg.kv_heads, "head_dim": hd,
              "block_tokens": geo.block_tokens, "max_blocks": mb}
+    act = g.linear_input_dtype(rows, cfg.weight_format)   # what the linears read without a cast
+    qkv_width = h + 2 * kvd
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
-        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (rows, h)),),
+        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (rows, h), act),),
           (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
-        linear(p + "wq", p + "h", p + "q", h, h)
-        linear(p + "wk", p + "h", p + "k", kvd, h)
-        linear(p + "wv", p + "h", p + "v", kvd, h)
-        if cfg.qkv_bias:
-            for lin, out, dim in (("wq", "q", h), ("wk", "k", kvd), ("wv", "v", kvd)):
-                n(p + lin + "_bias", "bias_add", (p + out,), (p + out,),
-                  (w(p + lin + ".b", (dim,), "f32"),))
-        n(p + "rope_q", "rotary_rows", (p + "q", positions), (p + "q",), rope,
-          heads=cfg.heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "rope_k", "rotary_rows", (p + "k", positions), (p + "k",), rope,
-          heads=cfg.kv_heads, head_dim=hd, theta=cfg.rope_theta)
-        n(p + "kv_append", "kv_append_paged", (p + "k", p + "v", positions, table), (pool,),
-          layer=layer, **paged)
+        linear(p + "wqkv", p + "h", p + "qkv", qkv_width, h)   # rows: q | k | v
+        # bias (Qwen2), rotary on q and k, K/V into the pool, q in fp16: one kernel
+        bias = (w(p + "wqkv.b", (qkv_width,), "f32"),) if cfg.qkv_bias else ()
         q16 = t(p + "q16", (rows, h), "f16")
-        n(p + "q_cast", "to_f16", (p + "q",), (q16,))
+        n(p + "qkv_rope", "qkv_rope_append_paged", (p + "qkv", positions, table), (q16, pool),
+          bias + rope, layer=layer, heads=cfg.heads, theta=cfg.rope_theta, bias=cfg.qkv_bias,
+          **paged)
         a = t(p + "a", (rows, h), "f16")
         if phase == "decode":
             n(p + "attn", "flash_attention_decode_paged", (q16, pool, positions, table), (a,),
@@ -119,17 +113,13 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
         else:
             n(p + "attn", "flash_attention_prefill_paged", (q16, pool, start, chunk_len, table),
               (a,), layer=layer, heads=cfg.heads, **paged)
-        linear(p + "wo", a, p + "o", h, h)
-        n(p + "res_attn", "add", (x, p + "o"), (t(p + "x1", (rows, h)),))
-        n(p + "mlp_norm", "rmsnorm", (p + "x1",), (t(p + "h2", (rows, h)),),
+        g.residual_linear(p + "wo", a, x, rows, h, h, cfg.weight_format, p + "res_attn")
+        n(p + "mlp_norm", "rmsnorm", (x,), (t(p + "h2", (rows, h), act),),
           (w(p + "mlp_norm.w", (h,), "f32"),), eps=cfg.eps)
-        linear(p + "w_gate", p + "h2", p + "g", cfg.ffn, h)
-        linear(p + "w_up", p + "h2", p + "u", cfg.ffn, h)
-        n(p + "silu_mul", "silu_mul", (p + "g", p + "u"), (t(p + "m", (rows, cfg.ffn)),))
-        linear(p + "w_down", p + "m", p + "d", h, cfg.ffn)
-        x_next = f"x.{layer + 1}"
-        n(p + "res_mlp", "add", (p + "x1", p + "d"), (t(x_next, (rows, h)),))
-        x = x_next
+        linear(p + "w_gateup", p + "h2", p + "gu", 2 * cfg.ffn, h)   # rows: gate | up
+        n(p + "silu_mul", "silu_mul", (p + "gu",), (t(p + "m", (rows, cfg.ffn), act),))
+        g.residual_linear(p + "w_down", p + "m", x, rows, h, cfg.ffn, cfg.weight_format,
+                          p + "res_mlp")
     out_rows, sample_pos = rows, positions
     if phase == "prefill":
         idx = t("last_index", (1,), "i32", "input")
@@ -137,8 +127,8 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
         n("last_row", "select_row", (x, idx), (t("x.last", (1, h)),))
         x, out_rows = "x.last", 1
         sample_pos = t("last_position", (1,), "i32", "input")
-    n("final_norm", "rmsnorm", (x,), (t("hf", (out_rows, h)),), (w("final_norm.w", (h,), "f32"),),
-      eps=cfg.eps)
+    n("final_norm", "rmsnorm", (x,), (t("hf", (out_rows, h), g.linear_input_dtype(
+        out_rows, cfg.weight_format)),), (w("final_norm.w", (h,), "f32"),), eps=cfg.eps)
     g.linear("lm_head", "hf", "logits", out_rows, cfg.vocab_size, h, cfg.weight_format)
     knobs = (t("temperature", (out_rows,), "f32", "input"), t("top_p", (out_rows,), "f32", "input"),
              t("top_k", (out_rows,), "i32", "input"), t("seed", (out_rows,), "i32", "input"))
@@ -262,7 +252,7 @@ class PagedDecoderModel:
     # -- load ------------------------------------------------------------------------------------
     def load(self) -> None:
         source = self.weights() if self.weights is not None else generate(self.cfg, self.seed)
-        for key, host in source:
+        for key, host in fuse_linears(self.cfg, source):   # wqkv and w_gateup, concatenated
             self.executor.add_weight(key, host)
         self.pool = KVBlockPool(self.executor.device.arena, self.geometry, self.capacity_blocks)
         self.executor.bind_state(POOL, self.pool.base)

@@ -9,11 +9,19 @@ Layout of a quantized linear of shape (out, in), block 32 along `in`:
 Every tensor is drawn from its own stream, `SeedSequence([seed, crc32(name)])`, so a tensor does
 not change when another is added, and generation is lazy: the 36 GiB `large` config is produced
 tensor by tensor straight into pinned memory, never as floats.
+
+A decoder layer runs q/k/v as one linear and gate/up as one (FUSED_LINEARS, DESIGN 6.2: fewer
+nodes a step): `fuse_linears` concatenates their tensors along N (rows) as they stream to the
+device, for generated and checkpoint weights alike. Every tensor of a linear has N rows (int4
+packed (N, K/2) and scales (N, K/32), fp16 (N, K), a bias (N,)), so the concatenation is exact
+and the fused linear is the same linear with a bigger N. The sources (`generate`, a checkpoint,
+`weight_names`, the NumPy references) keep the per-projection keys.
 """
 from __future__ import annotations
 
+import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,3 +184,67 @@ def _linear(cfg: ModelConfig, name: str, q: QuantizedLinear) -> Iterator[tuple[s
 def load_host(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """All weights in host memory (for the NumPy reference and small configs)."""
     return dict(generate(cfg, seed))
+
+
+# A decoder layer's linears that run as one, in concatenation order: out rows are q | k | v and
+# gate | up.
+FUSED_LINEARS: dict[str, tuple[str, ...]] = {"wqkv": ("wq", "wk", "wv"),
+                                             "w_gateup": ("w_gate", "w_up")}
+_MEMBER = {m: fused for fused, members in FUSED_LINEARS.items() for m in members}
+_FUSABLE = re.compile(r"^(layers\.\d+\.)(" + "|".join(_MEMBER) + r")\.([qshb])$")
+
+
+def fuses(cfg: ModelConfig) -> bool:
+    """Whether `cfg`'s layers run fused linears (decoders; the encoder keeps its projections)."""
+    return cfg.family == "decoder"
+
+
+def fused_key(key: str) -> str:
+    """The device key a source key loads into: `layers.3.wk.q` -> `layers.3.wqkv.q`."""
+    m = _FUSABLE.match(key)
+    return f"{m.group(1)}{_MEMBER[m.group(2)]}.{m.group(3)}" if m else key
+
+
+def device_weight_names(cfg: ModelConfig) -> list[str]:
+    """The weight keys the model's graphs read: weight_names with the fused linears' parts
+    named once, by their fused key."""
+    names = weight_names(cfg)
+    return list(dict.fromkeys(fused_key(k) for k in names)) if fuses(cfg) else names
+
+
+def fuse_linears(cfg: ModelConfig, source: Iterable[tuple[str, np.ndarray]]
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+    """`source`'s (key, host array)s with each layer's q/k/v and gate/up tensors concatenated
+    along N into one (FUSED_LINEARS), yielded once its last part arrives; other tensors pass
+    through in order. Each fused tensor is allocated at its first part and filled part by part,
+    so the host holds it and the part in hand, not every part and a copy."""
+    if not fuses(cfg):
+        yield from source
+        return
+    rows = {lin: o for lin, (o, _) in cfg.linear_shapes().items()}
+    pending: dict[str, tuple[np.ndarray, set[str]]] = {}
+    for key, host in source:
+        m = _FUSABLE.match(key)
+        if m is None:
+            yield key, host
+            continue
+        lin, out_key = m.group(2), fused_key(key)
+        members = FUSED_LINEARS[_MEMBER[lin]]
+        host = np.asarray(host)
+        if host.shape[:1] != (rows[lin],):
+            raise ValueError(f"{key}: {host.shape[0]} rows, the config says {rows[lin]}")
+        if out_key not in pending:
+            total = sum(rows[x] for x in members)
+            pending[out_key] = (np.empty((total, *host.shape[1:]), host.dtype), set())
+        fused, seen = pending[out_key]
+        if host.shape[1:] != fused.shape[1:] or host.dtype != fused.dtype or lin in seen:
+            raise ValueError(f"{key}: {host.dtype} {host.shape} does not concatenate into "
+                             f"{out_key} ({fused.dtype} {fused.shape})")
+        row0 = sum(rows[x] for x in members[:members.index(lin)])
+        fused[row0:row0 + rows[lin]] = host
+        seen.add(lin)
+        if len(seen) == len(members):
+            del pending[out_key]
+            yield out_key, fused
+    if pending:
+        raise ValueError(f"fused linears missing parts: {sorted(pending)}")

@@ -93,7 +93,7 @@ def test_gpu_decode_variant_survives_new_prefill_buckets(device, compiler):
     ex, model = make(device, compiler, DecoderModel, "tiny", 7)
     for n in (10, 20, 40, 100, 200, 400):
         list(model.generate([(7 * i) % 1024 for i in range(n)], 2))
-        assert ((1, 64),) in ex.kernels.variants("layers.0.wq"), f"decode variant evicted at {n}"
+        assert ((1, 64),) in ex.kernels.variants("layers.0.wqkv"), f"decode variant evicted at {n}"
 
 
 def test_gpu_eviction_resets_graphs_and_rebuilt_plans_are_bit_identical(device, compiler):

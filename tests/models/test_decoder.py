@@ -49,7 +49,7 @@ def test_decode_variant_survives_a_run_of_new_prefill_buckets(device, compiler):
     decode_shape = ((1, 64),)
     for n in (10, 20, 40, 100, 200, 400):            # six prefill buckets, bound 4 per node
         list(model.generate([(7 * i) % 1024 for i in range(n)], 2))
-        assert decode_shape in ex.kernels.variants("layers.0.wq"), \
+        assert decode_shape in ex.kernels.variants("layers.0.wqkv"), \
             f"the decode variant was evicted by prefill shapes (after a {n}-token prompt)"
     s = ex.kernels.stats()
     assert s["max_variants_per_node"] <= 4 and s["evictions"] > 0, s

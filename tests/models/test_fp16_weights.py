@@ -57,7 +57,11 @@ def test_weight_sizes_are_what_generation_yields_and_what_the_graph_reads(cfg):
     assert sum(W.weight_sizes(cfg)) == cfg.weight_bytes()
     g = build_encoder_graph(cfg, 1, 4) if cfg.family == "encoder" else build_decoder_graph(cfg, 4, "prefill")
     read = {w for n in g.nodes for w in n.weights}
-    assert read == set(W.weight_names(cfg)), "every weight loaded is read, and only those"
+    loaded = dict(W.fuse_linears(cfg, host))   # what the model puts on the device
+    assert list(loaded) == W.device_weight_names(cfg)
+    assert read == set(loaded), "every weight loaded is read, and only those"
+    assert sum(a.nbytes for a in loaded.values()) == cfg.weight_bytes(), \
+        "fusing the linears concatenates: not a byte more or less"
 
 
 def test_fp16_linears_take_32_over_9_of_int4_bytes_and_admission_asks_for_them():
