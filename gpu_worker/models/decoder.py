@@ -13,10 +13,15 @@ Two graph shapes per model:
   graph does not depend on the KV length and replays for every step.
 The KV cache is fp16 (KV_DTYPE): half the bytes per token of context of the f32 activations.
 Attention at head_dim 64 or 128 (every config but `tiny`) runs the tensor-core kernels of
-gpu_worker.kernels.flash_attention: FlashAttention-style prefill per chunk, split-K decode; q is
-cast to fp16 first and the output stays fp16 (the prefill wo linear's tensor-core operand as it
-is; widened to f32 for decode's fused GEMV). Other head dims keep the f32-q `_kv16` kernels.
+gpu_worker.kernels.flash_attention: FlashAttention-style prefill per chunk, split-K decode; q
+comes in fp16 and the output stays fp16 (the prefill wo linear's tensor-core operand as it is;
+widened to f32 for decode's fused GEMV). Other head dims keep the f32-q `_kv16` kernels.
 Both end in greedy argmax, so a step returns one int32 to the host.
+A layer is few nodes (docs/kernels.md "Fewer nodes per step"): q/k/v and gate/up are one
+linear each (weights concatenated at load: weights.fuse_linears), one `qkv_rope_append` kernel
+adds the biases, rotates q and k, appends K/V and writes q in attention's dtype, the norms and
+SiLU write the dtype the next linear reads, and the residual stream `x` is one tensor updated
+in place (GraphBuilder.residual_linear: in the linear's epilogue, or in the next norm).
 """
 from __future__ import annotations
 

@@ -135,6 +135,9 @@ class GraphBuilder:
         streamed segment runs exactly once per run (gpu_worker/execution/streaming.py)."""
         from gpu_worker.execution.ops import OPS  # which ops honour `accumulate`
 
+        # an input or state residual would be added to twice by the warm-up run and the replay
+        assert self.tensors[residual].kind == "activation", \
+            f"{name}: the residual {residual!r} must be an activation the graph writes first"
         op = "linear_f16" if weight_format == "fp16" else "linear_int4"
         out = name + ".out"
         self.linear(name, x, out, rows, out_dim, in_dim, weight_format)

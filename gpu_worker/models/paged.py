@@ -15,6 +15,8 @@ pool grows and shrinks):
   sequence's earlier blocks; `last_index` picks the last real row for the sampler.
 Sampling is per row on the device: greedy at temperature <= 0, else top-k/top-p with a
 counter-based hash of (seed, position), so a row's token depends on nothing else in the batch.
+A layer is the single-sequence decoder's fused layer (gpu_worker/models/decoder.py) with the
+paged `qkv_rope_append_paged`: 10 nodes (int4) or 9 (fp16 weights) per layer, not 18.
 """
 from __future__ import annotations
 
