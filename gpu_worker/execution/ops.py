@@ -179,17 +179,6 @@ def _launch_rmsnorm(c: LaunchContext) -> None:
            float(c.node.attributes["eps"]), stream=c.stream)
 
 
-def _launch_add_rmsnorm(c: LaunchContext) -> None:
-    """inputs (x, addend), outputs (x, out): x += addend in place, out = rmsnorm(x) (f32, or fp16
-    when the next linear reads fp16): a residual add no linear epilogue took."""
-    rows, hidden = c.shape(0)
-    f16 = c.graph.tensors[c.node.outputs[1]].dtype == "f16"
-    launch, name = ((norm.launch_add_rmsnorm_f16, "add_rmsnorm_f16") if f16
-                    else (norm.launch_add_rmsnorm, "add_rmsnorm"))
-    launch(c.device, c.fn(name), c.out(1), c.inp(0), c.inp(1), c.weight(0), rows, hidden,
-           float(c.node.attributes["eps"]), stream=c.stream)
-
-
 def _launch_layernorm(c: LaunchContext) -> None:
     rows, hidden = c.shape(0)
     norm.launch_layernorm(c.device, c.fn("layernorm"), c.out(), c.inp(0), c.weight(0), c.weight(1),
@@ -455,7 +444,6 @@ OPS: dict[str, OpBinding] = {
     "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),
     "rmsnorm": OpBinding((norm.RMSNORM, norm.RMSNORM_F16), _launch_rmsnorm),
-    "add_rmsnorm": OpBinding((norm.ADD_RMSNORM, norm.ADD_RMSNORM_F16), _launch_add_rmsnorm),
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),
     "rotary": OpBinding((rotary.ROTARY,), _launch_rotary),
     "add": OpBinding((elementwise.ADD,), _launch_add),

@@ -86,13 +86,9 @@ from gpu_worker.kernels.linear import (
     launch_matmul_nt_large,
 )
 from gpu_worker.kernels.norm import (
-    ADD_RMSNORM,
-    ADD_RMSNORM_F16,
     LAYERNORM,
     RMSNORM,
     RMSNORM_F16,
-    launch_add_rmsnorm,
-    launch_add_rmsnorm_f16,
     launch_layernorm,
     launch_rmsnorm,
     launch_rmsnorm_f16,
@@ -130,8 +126,7 @@ ALL_KERNELS: list[KernelDef] = [
     INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
     FLASH_PREFILL_PAGED,
     SAMPLE,
-    RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND, ADD_RMSNORM,
-    ADD_RMSNORM_F16,
+    RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -144,8 +139,6 @@ from gpu_worker.kernels import sim as _sim  # noqa: F401  (sim/: core, flash, pa
 __all__ = [
     "ADD",
     "ADD_I32",
-    "ADD_RMSNORM",
-    "ADD_RMSNORM_F16",
     "ALL_KERNELS",
     "ALL_SOURCES",
     "ARGMAX",
@@ -197,8 +190,6 @@ __all__ = [
     "int4_path",
     "launch_add",
     "launch_add_i32",
-    "launch_add_rmsnorm",
-    "launch_add_rmsnorm_f16",
     "launch_argmax",
     "launch_attention_decode",
     "launch_attention_decode_kv16",

@@ -2,9 +2,7 @@
 
 Shapes: out, x (rows, hidden) f32 (out may alias x), weight (hidden,) f32, bias (hidden,) f32 or 0.
 `rmsnorm_f16` is rmsnorm with fp16 out (the f32 value rounded to nearest even): the input of a
-linear on tensor cores, which otherwise took an rmsnorm and a to_f16 node. `add_rmsnorm(_f16)`
-fuses the residual add before it: x += d in place, out = rmsnorm(x) (for a linear that cannot
-add the residual in its epilogue: ops.OpBinding.accumulate).
+linear on tensor cores, which otherwise took an rmsnorm and a to_f16 node.
 Statistics accumulate in float32; LayerNorm takes two passes over the row (mean, then the centred
 variance) because the one-pass E[x^2] - E[x]^2 cancels catastrophically for rows with a large mean.
 """
@@ -36,28 +34,6 @@ def launch_rmsnorm_f16(device, function, out: int, x: int, weight: int, rows: in
                   [ptr(out), ptr(x), ptr(weight), i32(rows), i32(hidden), f32(eps)], stream=stream)
 
 
-def launch_add_rmsnorm(device, function, out: int, x: int, d: int, weight: int, rows: int,
-                       hidden: int, eps: float, stream=None) -> None:
-    """x (rows, hidden) f32 += d in place, then out (rows, hidden) f32 = rmsnorm(x)."""
-    require_sizes("add_rmsnorm", rows=rows, hidden=hidden)
-    if rows == 0 or hidden == 0:
-        return
-    device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
-                  [ptr(out), ptr(x), ptr(d), ptr(weight), i32(rows), i32(hidden), f32(eps)],
-                  stream=stream)
-
-
-def launch_add_rmsnorm_f16(device, function, out: int, x: int, d: int, weight: int, rows: int,
-                           hidden: int, eps: float, stream=None) -> None:
-    """launch_add_rmsnorm with `out` fp16."""
-    require_sizes("add_rmsnorm_f16", rows=rows, hidden=hidden)
-    if rows == 0 or hidden == 0:
-        return
-    device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
-                  [ptr(out), ptr(x), ptr(d), ptr(weight), i32(rows), i32(hidden), f32(eps)],
-                  stream=stream)
-
-
 def launch_layernorm(device, function, out: int, x: int, weight: int, bias: int, rows: int,
                      hidden: int, eps: float, stream=None) -> None:
     require_sizes("layernorm", rows=rows, hidden=hidden)
@@ -71,10 +47,6 @@ def launch_layernorm(device, function, out: int, x: int, weight: int, bias: int,
 RMSNORM = KernelDef("rmsnorm", "gp_rmsnorm", SOURCE, reference.rmsnorm, launch_rmsnorm)
 RMSNORM_F16 = KernelDef("rmsnorm_f16", "gp_rmsnorm_f16", SOURCE, reference.rmsnorm_f16,
                         launch_rmsnorm_f16)
-ADD_RMSNORM = KernelDef("add_rmsnorm", "gp_add_rmsnorm", SOURCE, reference.add_rmsnorm,
-                        launch_add_rmsnorm)
-ADD_RMSNORM_F16 = KernelDef("add_rmsnorm_f16", "gp_add_rmsnorm_f16", SOURCE,
-                            reference.add_rmsnorm_f16, launch_add_rmsnorm_f16)
 LAYERNORM = KernelDef("layernorm", "gp_layernorm", SOURCE, reference.layernorm, launch_layernorm)
 
-KERNELS = [RMSNORM, RMSNORM_F16, ADD_RMSNORM, ADD_RMSNORM_F16, LAYERNORM]
+KERNELS = [RMSNORM, RMSNORM_F16, LAYERNORM]

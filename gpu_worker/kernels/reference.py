@@ -403,20 +403,6 @@ def rmsnorm_f16(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return to_f16(rmsnorm(x, w, eps))
 
 
-def add_rmsnorm(x: np.ndarray, d: np.ndarray, w: np.ndarray,
-                eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """(x + d, rmsnorm(x + d)): the residual add fused into the norm after it."""
-    y = add(x, d)
-    return y, rmsnorm(y, w, eps)
-
-
-def add_rmsnorm_f16(x: np.ndarray, d: np.ndarray, w: np.ndarray,
-                    eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """add_rmsnorm with the norm rounded to fp16."""
-    y = add(x, d)
-    return y, rmsnorm_f16(y, w, eps)
-
-
 def silu_gate_f16(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu_gate rounded to fp16 (the down projection's tensor-core operand)."""
     return to_f16(silu_gate(gate, up))

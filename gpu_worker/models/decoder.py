@@ -78,7 +78,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
         kc, vc = kv_state_names(layer)
         t(kc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
         t(vc, (cfg.max_context, cfg.kv_heads, hd), KV_DTYPE, kind="state")
-        g.rmsnorm(p + "attn_norm", x, p + "h", p + "attn_norm.w", cfg.eps, act)
+        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (seq, h), act),),
+          (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "wqkv", p + "h", p + "qkv", qkv_width, h)   # rows: q | k | v
         # bias (Qwen2), rotary on q and k, K/V into the cache at `start`, q in the dtype the
         # attention reads (fp16 for the flash kernels): one kernel
@@ -100,7 +101,8 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
             n(p + "attn", ("flash_" if flash else "") + "attention_decode", (q, kc, vc, start),
               (a,), **attrs)
         g.residual_linear(p + "wo", a, x, seq, h, h, cfg.weight_format, p + "res_attn")
-        g.rmsnorm(p + "mlp_norm", x, p + "h2", p + "mlp_norm.w", cfg.eps, act)
+        n(p + "mlp_norm", "rmsnorm", (x,), (t(p + "h2", (seq, h), act),),
+          (w(p + "mlp_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "w_gateup", p + "h2", p + "gu", 2 * cfg.ffn, h)   # rows: gate | up
         n(p + "silu_mul", "silu_mul", (p + "gu",), (t(p + "m", (seq, cfg.ffn), act),))
         g.residual_linear(p + "w_down", p + "m", x, seq, h, cfg.ffn, cfg.weight_format,
@@ -109,11 +111,10 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
     if phase == "prefill":
         idx = t("last_index", (1,), "i32", "input")
         # no kernel: the executor points x.last at row last_index of x and runs the rest eagerly
-        g.flush_residual()   # the last layer's residual add, before the row is picked
         n("last_row", "select_row", (x, idx), (t("x.last", (1, h)),))
         last = "x.last"
-    g.rmsnorm("final_norm", last, "hf", "final_norm.w", cfg.eps,
-              g.linear_input_dtype(1, cfg.weight_format))
+    n("final_norm", "rmsnorm", (last,), (t("hf", (1, h), g.linear_input_dtype(1, cfg.weight_format)),),
+      (w("final_norm.w", (h,), "f32"),), eps=cfg.eps)
     g.linear("lm_head", "hf", "logits", 1, cfg.vocab_size, h, cfg.weight_format)
     n("argmax", "argmax", ("logits",), (t("next_token", (1,), "i32"),))
     return g.build(outputs=("next_token", "logits"))

@@ -97,9 +97,6 @@ class GraphBuilder:
     def __init__(self) -> None:
         self.tensors: dict[str, TensorSpec] = {}
         self.nodes: list[Node] = []
-        # a residual add not emitted yet (add name, residual, addend): the next `rmsnorm` of the
-        # residual fuses it (add_rmsnorm), `flush_residual` emits it as an add
-        self._pending_add: tuple[str, str, str] | None = None
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: str = "f32",
                kind: str = "activation") -> str:
@@ -125,9 +122,8 @@ class GraphBuilder:
                         in_dim: int, weight_format: str, add_name: str) -> None:
         """residual (rows, out_dim) += x @ W^T, in place: the linear accumulates into the
         residual stream (inputs (x, residual), outputs (residual,), `accumulate`) where its op
-        supports it (OpBinding.accumulate), else a linear into `<name>.out` whose add into the
-        residual is left to the next `rmsnorm` of it (one add_rmsnorm node) or, where no norm
-        follows, to `flush_residual` (an in-place `add` node `add_name`).
+        supports it (OpBinding.accumulate), else a linear into `<name>.out` and an in-place `add`
+        node `add_name`.
 
         In place is safe in these graphs: the residual stream is written first by the graph's
         own embedding node, so a whole-graph run (the BLAS warm-up's eager run before capture,
@@ -142,37 +138,13 @@ class GraphBuilder:
         out = name + ".out"
         self.linear(name, x, out, rows, out_dim, in_dim, weight_format)
         if not OPS[op].accumulate:
-            self.flush_residual()
-            self._pending_add = (add_name, residual, out)
+            self.node(add_name, "add", (residual, out), (residual,))
             return
         node = self.nodes.pop()
         assert node.name == name and node.outputs == (out,), node
         del self.tensors[out]
         self.nodes.append(Node(name, node.op, (*node.inputs, residual), (residual,),
                                {**node.attributes, "accumulate": True}, node.weights))
-
-    def rmsnorm(self, name: str, x: str, out: str, weight: str, eps: float,
-                dtype: str = "f32") -> None:
-        """out = rmsnorm(x) (f32 or fp16: `dtype`, what the next linear reads); when a residual
-        add into x is pending (residual_linear), x += addend first in the same kernel
-        (add_rmsnorm: inputs (x, addend), outputs (x, out))."""
-        rows, hidden = self.tensors[x].shape
-        self.tensor(out, (rows, hidden), dtype)
-        w = self.weight(weight, (hidden,), "f32")
-        pending, self._pending_add = self._pending_add, None
-        if pending is not None and pending[1] == x:
-            self.node(name, "add_rmsnorm", (x, pending[2]), (x, out), (w,), eps=eps)
-            return
-        self._pending_add = pending
-        self.flush_residual()
-        self.node(name, "rmsnorm", (x,), (out,), (w,), eps=eps)
-
-    def flush_residual(self) -> None:
-        """Emit a pending residual add as its own in-place `add` node (no norm reads it next)."""
-        if self._pending_add is not None:
-            name, residual, addend = self._pending_add
-            self._pending_add = None
-            self.node(name, "add", (residual, addend), (residual,))
 
     def linear(self, name: str, x: str, out: str, rows: int, out_dim: int, in_dim: int,
                weight_format: str = "int4") -> None:
@@ -225,6 +197,5 @@ class GraphBuilder:
                    self.weight(name + ".s", (out_dim, in_dim // 32), "f16")))
 
     def build(self, outputs: tuple[str, ...]) -> Graph:
-        assert self._pending_add is None, f"residual add {self._pending_add[0]} never emitted"
         return Graph(self.nodes, self.tensors, outputs=outputs)
 

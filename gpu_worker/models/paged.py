@@ -99,7 +99,8 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
     qkv_width = h + 2 * kvd
     for layer in range(cfg.layers):
         p = f"layers.{layer}."
-        g.rmsnorm(p + "attn_norm", x, p + "h", p + "attn_norm.w", cfg.eps, act)
+        n(p + "attn_norm", "rmsnorm", (x,), (t(p + "h", (rows, h), act),),
+          (w(p + "attn_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "wqkv", p + "h", p + "qkv", qkv_width, h)   # rows: q | k | v
         # bias (Qwen2), rotary on q and k, K/V into the pool, q in fp16: one kernel
         bias = (w(p + "wqkv.b", (qkv_width,), "f32"),) if cfg.qkv_bias else ()
@@ -115,7 +116,8 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
             n(p + "attn", "flash_attention_prefill_paged", (q16, pool, start, chunk_len, table),
               (a,), layer=layer, heads=cfg.heads, **paged)
         g.residual_linear(p + "wo", a, x, rows, h, h, cfg.weight_format, p + "res_attn")
-        g.rmsnorm(p + "mlp_norm", x, p + "h2", p + "mlp_norm.w", cfg.eps, act)
+        n(p + "mlp_norm", "rmsnorm", (x,), (t(p + "h2", (rows, h), act),),
+          (w(p + "mlp_norm.w", (h,), "f32"),), eps=cfg.eps)
         linear(p + "w_gateup", p + "h2", p + "gu", 2 * cfg.ffn, h)   # rows: gate | up
         n(p + "silu_mul", "silu_mul", (p + "gu",), (t(p + "m", (rows, cfg.ffn), act),))
         g.residual_linear(p + "w_down", p + "m", x, rows, h, cfg.ffn, cfg.weight_format,
@@ -124,12 +126,11 @@ def build_paged_graph(cfg: ModelConfig, geo: KVGeometry, capacity_blocks: int, r
     if phase == "prefill":
         idx = t("last_index", (1,), "i32", "input")
         # no kernel: the executor points x.last at the chunk's last real row, the rest is eager
-        g.flush_residual()   # the last layer's residual add, before the row is picked
         n("last_row", "select_row", (x, idx), (t("x.last", (1, h)),))
         x, out_rows = "x.last", 1
         sample_pos = t("last_position", (1,), "i32", "input")
-    g.rmsnorm("final_norm", x, "hf", "final_norm.w", cfg.eps,
-              g.linear_input_dtype(out_rows, cfg.weight_format))
+    n("final_norm", "rmsnorm", (x,), (t("hf", (out_rows, h), g.linear_input_dtype(
+        out_rows, cfg.weight_format)),), (w("final_norm.w", (h,), "f32"),), eps=cfg.eps)
     g.linear("lm_head", "hf", "logits", out_rows, cfg.vocab_size, h, cfg.weight_format)
     knobs = (t("temperature", (out_rows,), "f32", "input"), t("top_p", (out_rows,), "f32", "input"),
              t("top_k", (out_rows,), "i32", "input"), t("seed", (out_rows,), "i32", "input"))

@@ -31,7 +31,6 @@ QWENISH = dataclasses.replace(CONFIGS["tiny"], name="tiny-bias", qkv_bias=True,
 QWENISH64 = ModelConfig("hd64-bias", "decoder", vocab_size=512, hidden=128, layers=2, heads=2,
                         kv_heads=1, ffn=256, max_context=512, qkv_bias=True, rope_scaling=SCALING)
 REMOVED = {"rotary", "rotary_rows", "kv_append", "kv_append_paged", "to_f16", "bias_add"}
-# the prefill's last residual add (before select_row) is the only add a graph may keep
 
 
 def _layer(graph, layer: int = 0) -> list:
@@ -45,10 +44,10 @@ def _paged(cfg: ModelConfig, rows: int, phase: str):
 
 def _per_layer_nodes(fmt: str) -> int:
     """norm, wqkv, qkv_rope, attention, wo, norm, w_gateup, silu_mul, w_down (9), plus the wo
-    input's from_f16 on the fused int4 path. The residual adds are no nodes of their own: in the
-    linear's epilogue where it accumulates (OpBinding.accumulate), else in the next norm
-    (add_rmsnorm)."""
-    return 9 + (fmt != "fp16")
+    input's from_f16 on the fused int4 path, plus the two residual adds where the linear cannot
+    accumulate (OpBinding.accumulate)."""
+    op = "linear_f16" if fmt == "fp16" else "linear_int4"
+    return 9 + (fmt != "fp16") + (0 if OPS[op].accumulate else 2)
 
 
 @pytest.mark.parametrize("rows", DECODE_LADDER)
@@ -56,10 +55,10 @@ def _per_layer_nodes(fmt: str) -> int:
 def test_a_paged_decode_layer_at_llama_8b_shapes_is_a_dozen_nodes_at_most(cfg, rows):
     g = _paged(cfg, rows, "decode")
     nodes = _layer(g)
-    assert len(nodes) == _per_layer_nodes(cfg.weight_format) <= 10, [n.op for n in nodes]
-    assert not {n.op for n in g.nodes} & (REMOVED | {"add"}), "a fused-away op is back"
+    assert len(nodes) == _per_layer_nodes(cfg.weight_format) <= 12, [n.op for n in nodes]
+    assert not {n.op for n in g.nodes} & REMOVED, "a fused-away op is back in the graph"
     assert len(g.nodes) == cfg.layers * len(nodes) + 4, "embed, final norm, lm_head, sample"
-    assert len(g.nodes) <= 324, "was 580 nodes (612 kernels) before issue 24"
+    assert len(g.nodes) <= 388, "was 580 nodes (612 kernels) before issue 24"
 
 
 @pytest.mark.parametrize("cfg", [LLAMA8B, FP16_8B], ids=["int4", "fp16"])
@@ -72,7 +71,7 @@ def test_prefill_and_single_sequence_layers_fuse_the_same_way(cfg):
         assert [n.name.rsplit(".", 1)[-1] for n in linears] == ["wqkv", "wo", "w_gateup", "w_down"]
         h, kvd = cfg.hidden, cfg.kv_heads * cfg.head_dim
         assert g.tensors[linears[0].outputs[0]].shape[1] == h + 2 * kvd
-        assert len(nodes) <= 10, [n.op for n in nodes]
+        assert len(nodes) <= 12, [n.op for n in nodes]
 
 
 def test_the_fp16_linears_add_the_residual_in_place_in_their_epilogue():
@@ -91,21 +90,6 @@ def test_every_norm_and_silu_writes_what_its_linear_reads_so_no_cast_node_is_lef
         # only the attention output widened for the fused int4 GEMV / int4_mma
         assert all(c.endswith("wo.cast") for c in casts), casts
         assert len(casts) == (cfg.layers if cfg.weight_format == "int4" and rows <= 64 else 0)
-
-
-def test_a_linear_that_cannot_accumulate_leaves_its_residual_add_to_the_next_norm():
-    """int4 linears (until their launcher passes `accumulate`): x += o happens in add_rmsnorm,
-    the norm that reads x next; where no norm follows (before a prefill's select_row), an add."""
-    if OPS["linear_int4"].accumulate:
-        pytest.skip("linear_int4 accumulates: no residual add is left to a norm")
-    g = _paged(LLAMA8B, 8, "decode")
-    fused = [n for n in g.nodes if n.op == "add_rmsnorm"]
-    assert len(fused) == 2 * LLAMA8B.layers, "every residual add but none left over"
-    assert all(n.inputs[0] == "x" and n.outputs[0] == "x" for n in fused)
-    assert fused[-1].name == "final_norm"
-    prefill = _paged(LLAMA8B, 512, "prefill")
-    ops = [n.op for n in prefill.nodes]
-    assert ops[ops.index("select_row") - 1] == "add", "the last residual add precedes the row pick"
 
 
 def test_fused_linears_are_their_parts_concatenated_along_n_exactly():

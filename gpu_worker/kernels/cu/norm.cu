@@ -27,42 +27,6 @@ extern "C" __global__ void gp_rmsnorm_f16(unsigned short* out, const float* x,
     gp_rmsnorm_t(reinterpret_cast<gp_h*>(out), x, w, rows, hidden, eps);
 }
 
-// The residual add fused into the norm after it: x += d in place, then out = rmsnorm(x), one
-// pass (each thread re-reads the elements it wrote). For a linear that cannot add the residual in
-// its epilogue; the same f32 values as gp_add then gp_rmsnorm(_f16).
-template <typename T>
-__device__ __forceinline__ void gp_add_rmsnorm_t(T* out, float* x, const float* d,
-                                                 const float* __restrict__ w, int rows,
-                                                 int hidden, float eps) {
-    __shared__ float scratch[33];
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        float* xr = x + (size_t)r * hidden;
-        const float* dr = d + (size_t)r * hidden;
-        T* o = out + (size_t)r * hidden;
-        float ss = 0.f;
-        for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-            const float v = xr[c] + dr[c];
-            xr[c] = v;
-            ss += v * v;
-        }
-        ss = gp_block_sum(ss, scratch);
-        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        for (int c = threadIdx.x; c < hidden; c += blockDim.x) gp_st(o + c, xr[c] * inv * w[c]);
-    }
-}
-
-extern "C" __global__ void gp_add_rmsnorm(float* out, float* x, const float* d,
-                                          const float* __restrict__ w, int rows, int hidden,
-                                          float eps) {
-    gp_add_rmsnorm_t(out, x, d, w, rows, hidden, eps);
-}
-
-extern "C" __global__ void gp_add_rmsnorm_f16(unsigned short* out, float* x, const float* d,
-                                              const float* __restrict__ w, int rows, int hidden,
-                                              float eps) {
-    gp_add_rmsnorm_t(reinterpret_cast<gp_h*>(out), x, d, w, rows, hidden, eps);
-}
-
 extern "C" __global__ void gp_layernorm(float* out, const float* x, const float* __restrict__ w,
                                         const float* __restrict__ b, int rows, int hidden,
                                         float eps) {

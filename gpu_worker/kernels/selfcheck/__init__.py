@@ -62,13 +62,9 @@ from gpu_worker.kernels.linear import (
     launch_matmul_nt_large,
 )
 from gpu_worker.kernels.norm import (
-    ADD_RMSNORM,
-    ADD_RMSNORM_F16,
     LAYERNORM,
     RMSNORM,
     RMSNORM_F16,
-    launch_add_rmsnorm,
-    launch_add_rmsnorm_f16,
     launch_layernorm,
     launch_rmsnorm,
     launch_rmsnorm_f16,
@@ -200,22 +196,6 @@ def rmsnorm_f16_case(h, rng, rows, hidden) -> Outcome:
                        1e-5)
     return Outcome(h.get(out, (rows, hidden), np.float16).astype(np.float32),
                    ref.rmsnorm_f16(x, w, 1e-5).astype(np.float32), 1e-3, 1e-4)
-
-
-def add_rmsnorm_case(h, rng, rows, hidden, f16=False) -> Outcome:
-    """x += d in place and the norm of the sum (f32, or fp16 with one fp16 ulp of slack); both
-    outputs compared."""
-    x, d, w = _f32(rng, rows, hidden, scale=3.0), _f32(rng, rows, hidden), _f32(rng, hidden)
-    dt = np.float16 if f16 else np.float32
-    out, xp = h.put(np.full((rows, hidden), np.nan, dt)), h.put(x)
-    kdef, launch = (ADD_RMSNORM_F16, launch_add_rmsnorm_f16) if f16 else \
-        (ADD_RMSNORM, launch_add_rmsnorm)
-    launch(h.device, h.function(kdef), out, xp, h.put(d), h.put(w), rows, hidden, 1e-5)
-    want_x, want = (ref.add_rmsnorm_f16 if f16 else ref.add_rmsnorm)(x, d, w, 1e-5)
-    got = np.concatenate([h.get(xp, (rows, hidden)).reshape(-1),
-                          h.get(out, (rows, hidden), dt).astype(np.float32).reshape(-1)])
-    want = np.concatenate([want_x.reshape(-1), want.astype(np.float32).reshape(-1)])
-    return Outcome(got, want, 1e-3 if f16 else 1e-4, 1e-4 if f16 else 1e-5)
 
 
 def layernorm_case(h, rng, rows, hidden, bias=True) -> Outcome:
@@ -551,9 +531,6 @@ CASES: list[Case] = [
     C("rmsnorm", rmsnorm_case, rows=33, hidden=1000),
     C("rmsnorm_f16", rmsnorm_f16_case, rows=1, hidden=7),
     C("rmsnorm_f16", rmsnorm_f16_case, rows=65, hidden=1000),
-    C("add_rmsnorm", add_rmsnorm_case, rows=1, hidden=7),
-    C("add_rmsnorm", add_rmsnorm_case, rows=33, hidden=1000),
-    C("add_rmsnorm_f16", add_rmsnorm_case, rows=65, hidden=1001, f16=True),
     C("layernorm", layernorm_case, rows=7, hidden=33),
     C("layernorm", layernorm_case, rows=5, hidden=1024, bias=False),
     C("int4_dequant", int4_dequant_case, n=7, k=33),

@@ -72,20 +72,6 @@ def _rmsnorm_f16(mem, grid, block, args) -> None:
     _arr(mem, out, rows * hidden, np.float16).reshape(rows, hidden)[:] = r
 
 
-def _add_rmsnorm(mem, args, f16: bool) -> None:
-    out, x, d, w, rows, hidden, eps = _vals(args)
-    xv = _arr(mem, x, rows * hidden).reshape(rows, hidden)
-    dv = _arr(mem, d, rows * hidden).reshape(rows, hidden)
-    fn = reference.add_rmsnorm_f16 if f16 else reference.add_rmsnorm
-    y, r = fn(np.array(xv), np.array(dv), _arr(mem, w, hidden), np.float32(eps))
-    xv[:] = y
-    _arr(mem, out, rows * hidden, np.float16 if f16 else np.float32).reshape(rows, hidden)[:] = r
-
-
-register_sim_kernel("gp_add_rmsnorm")(lambda mem, grid, block, args: _add_rmsnorm(mem, args, False))
-register_sim_kernel("gp_add_rmsnorm_f16")(lambda mem, grid, block, args: _add_rmsnorm(mem, args, True))
-
-
 @register_sim_kernel("gp_layernorm")
 def _layernorm(mem, grid, block, args) -> None:
     out, x, w, b, rows, hidden, eps = _vals(args)
