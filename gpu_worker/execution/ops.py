@@ -120,13 +120,15 @@ def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, 
 
 def _launch_linear(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
+    acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
             int4_batched.launch_int4_mma(c.device, c.fn("int4_mma"), c.out(), c.inp(0),
-                                         c.weight(0), c.weight(1), 0, m, n, k, stream=c.stream)
+                                         c.weight(0), c.weight(1), 0, m, n, k, accumulate=acc,
+                                         stream=c.stream)
             return
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
-                                  c.weight(1), 0, m, n, k, stream=c.stream)
+                                  c.weight(1), 0, m, n, k, accumulate=acc, stream=c.stream)
         return
     assert c.tile is not None, f"{c.node.name}: the tensor-core linear needs the dequant tile"
     rows = tile_rows(n, k, c.tile.size)
@@ -137,7 +139,7 @@ def _launch_linear(c: LaunchContext) -> None:
                                      c.weight(1), r0, part, n, k, stream=c.stream)
         # columns [r0, r0 + part) of y: row stride n
         c.device.blas.gemm_nt(y + 4 * r0, c.inp(0), c.tile.ptr, m, part, k, ldy=n,
-                              stream=c.stream)
+                              accumulate=acc, stream=c.stream)
 
 
 def _f16_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, int, int]]:
@@ -438,7 +440,7 @@ def _launch_sample(c: LaunchContext) -> None:
 OPS: dict[str, OpBinding] = {
     "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA),
                              _launch_linear,
-                             gemms=_linear_gemms),
+                             gemms=_linear_gemms, accumulate=True),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
     "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
