@@ -289,6 +289,68 @@ class PeerServer:
                 "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results],
                 "sequences": [[r["seq"] for r in s.results] for s in slots]}
 
+    def run_arrivals(self, requests: list[tuple[float, list[int], int]]) -> dict:
+        """Open loop: requests[i] = (arrival seconds after the start, prompt tokens, new tokens),
+        in arrival order, sent at their time whatever the server is doing. A request that has
+        arrived takes the lowest free slot (first come first served; it queues while all
+        `streams` are busy). TTFT is from its arrival time, not from when a slot took it.
+        Returns the same dict as `run`, with `sequences` and `arrival` in request order."""
+        m, g = self.model, self.graph
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+        assert order == list(range(len(requests))), "requests in arrival order"
+        slots: list[_Slot | None] = [None] * self.streams
+        index: dict[int, int] = {}                     # id(slot) -> request index
+        done: list[dict | None] = [None] * len(requests)
+        nxt = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                now = time.perf_counter() - t0
+                for row in range(self.streams):
+                    if slots[row] is not None or nxt >= len(requests) or \
+                            requests[nxt][0] > now:
+                        continue
+                    arrival, prompt, want = requests[nxt]
+                    s = _Slot([], started=t0 + arrival, want=want, busy=True)
+                    index[id(s)] = nxt
+                    nxt += 1
+                    toks = torch.tensor(prompt, dtype=torch.long, device=m.device)
+                    first = m.prefill(toks, g.cache, row)
+                    g.tok[row] = first[0]
+                    g.pos[row] = len(prompt)
+                    s.seq = first.tolist()
+                    s.first, s.got = time.perf_counter(), 1
+                    slots[row] = s
+                    now = time.perf_counter() - t0
+                for row, s in enumerate(slots):
+                    if s is not None and s.got >= s.want:
+                        self._finish_if_done(s)
+                        done[index.pop(id(s))] = s.results[-1]
+                        slots[row] = None
+                if not any(slots):
+                    if nxt >= len(requests):
+                        break
+                    time.sleep(max(0.0, requests[nxt][0] - (time.perf_counter() - t0)))
+                    continue
+                g.step()
+                host = g.tok.tolist()
+                now_abs = time.perf_counter()
+                for row, s in enumerate(slots):
+                    if s is not None:
+                        s.got += 1
+                        s.seq.append(host[row])
+                        if s.got >= s.want:
+                            self._finish_if_done(s, now_abs)
+                            done[index.pop(id(s))] = s.results[-1]
+                            slots[row] = None
+        wall = time.perf_counter() - t0
+        results = [r for r in done if r is not None]
+        tokens = sum(r["tokens"] for r in results)
+        return {"rate": tokens / wall, "wall": wall, "tokens": tokens,
+                "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results],
+                "arrival": [a for a, _, _ in requests],
+                "sequences": [r["seq"] if r else None for r in done]}
+
     @staticmethod
     def _finish_if_done(s: _Slot, now: float | None = None) -> None:
         if s.got < s.want:

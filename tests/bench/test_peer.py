@@ -49,3 +49,18 @@ def test_the_encoder_ignores_padding():
     a = enc.embed(torch.tensor([[3, 4, 5, 0, 0]]), torch.tensor([3]))
     b = enc.embed(torch.tensor([[3, 4, 5]]), torch.tensor([3]))
     assert torch.allclose(a, b, atol=1e-5), "padded positions must not change the embedding"
+
+
+def test_the_open_loop_serving_loop_queues_arrivals_for_a_free_row_and_keeps_their_tokens():
+    model = peer.PeerDecoder(get_config("tiny"), ctx=64, device="cpu")
+    # three requests at once on two rows: the third waits for a row; the last arrives later,
+    # when nothing runs (the loop sleeps until it)
+    requests = [(0.0, [1, 2, 3], 4), (0.0, [7, 8], 3), (0.0, [9, 10, 11, 12], 5),
+                (0.2, [4, 5], 1)]
+    server = peer.PeerServer(model, streams=2)
+    r = server.run_arrivals(requests)
+    assert r["tokens"] == 4 + 3 + 5 + 1, "every request gets exactly its new tokens"
+    assert r["sequences"] == [greedy_by_prefill(model, p, n) for _, p, n in requests], \
+        "a request's tokens must not depend on when it arrived or what shared its batch"
+    assert len(r["ttft"]) == 4 and all(t >= 0 for t in r["ttft"]), "TTFT counts from arrival"
+    assert r["wall"] >= 0.2, "the late request was served before it arrived"
