@@ -35,6 +35,10 @@ def wire_reclaim(cfg: WorkerConfig, device, budget, candidates: Callable[[], lis
     device.arena.reclaimer = reclaimer.on_refusal
     if budget is not None:  # a reclaim ask is answered before the leases go back
         budget.on_reclaim = reclaimer.on_governor_ask
+        # Each report tells the governor how much of zone kv is cached (issue 26): the bytes the
+        # decoders' pools could decommit now without touching a block in use.
+        budget.kv_cached = lambda: sum(m.kv_cached_bytes() for m in candidates()
+                                       if not m.closed and hasattr(m, "kv_cached_bytes"))
         weights = device.weights
         budget.on_caps = lambda caps: weights.set_budget(caps.get("weights"), "governor")
         budget.deliver_caps()   # the registration's; later ones come by heartbeat

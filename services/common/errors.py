@@ -78,6 +78,7 @@ class ReclaimHint:
     worker_id: str
     zone: str
     bytes: int
+    cached_bytes: int = 0  # of `bytes`: cached content (zone kv), given back with no live work harmed
 
 
 # How long a refused caller waits before trying again when the refusing code names no better

@@ -53,7 +53,8 @@ def status_for(exc: errors.GpuplaneError) -> status_pb2.Status:
         for hint in exc.reclaimable:
             quota.violations.add(
                 subject=f"reclaimable:worker/{hint.worker_id}/zone/{hint.zone}",
-                description=f"{hint.bytes} bytes could be given back",
+                description=f"{hint.bytes} bytes could be given back"
+                + (f", {hint.cached_bytes} of them cached" if hint.cached_bytes else ""),
             )
         packed = any_pb2.Any()
         packed.Pack(quota)

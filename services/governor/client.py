@@ -21,12 +21,17 @@ worker that stops when the governor is down turns a control-plane blip into an o
 - the registration's incarnation travels on every later call; while the governor refuses the
   worker id (ALREADY_EXISTS: another live process holds it) the client is not `serving()`, says
   why in `refusal`, retries registration with backoff, and `on_standing` hears False (and True
-  once a registration succeeds), from the heartbeat thread like `on_caps`.
+  once a registration succeeds), from the heartbeat thread like `on_caps`;
+- every report carries zone kv's cached bytes (`kv_cached`, sampled with the zones, outside the
+  client's lock, clamped to the kv bytes reported so a beat is never refused for it); a
+  cached-only ask from the governor is cut to what is cached when it arrives, so answering it
+  never preempts a live sequence.
 Cost: one RPC per chunk of growth plus one heartbeat per `heartbeat_s`.
 """
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -150,7 +155,9 @@ def exhausted_from(err: grpc.RpcError) -> ResourceExhausted:
             for v in quota.violations:
                 if v.subject.startswith("reclaimable:"):
                     _, worker, _, hint_zone = v.subject.split(":", 1)[1].split("/", 3)
-                    hints.append(ReclaimHint(worker, hint_zone, int(v.description.split()[0])))
+                    cached = re.search(r"(\d+) of them cached", v.description)
+                    hints.append(ReclaimHint(worker, hint_zone, int(v.description.split()[0]),
+                                             int(cached.group(1)) if cached else 0))
                 else:
                     violations.append(QuotaViolation(v.subject, v.description))
     extra = {} if retry_after_s is None else {"retry_after_s": retry_after_s}
@@ -167,13 +174,17 @@ class GovernorClient:
                  on_reclaim: Callable[[str, int], None] | None = None,
                  tls: ChannelTLS | None = None, token: str | None = None,
                  on_caps: Callable[[dict[str, int]], None] | None = None,
-                 on_standing: Callable[[bool], None] | None = None) -> None:
+                 on_standing: Callable[[bool], None] | None = None,
+                 kv_cached: Callable[[], int] | None = None) -> None:
         if chunk_bytes <= 0 or heartbeat_s <= 0:
             raise InvalidArgument("chunk_bytes and heartbeat_s must be positive")
         self.worker_id, self.device = worker_id, device
         self.chunk_bytes, self.heartbeat_s = chunk_bytes, heartbeat_s
         self.on_reclaim = on_reclaim
         self.on_caps = on_caps
+        # The bytes of zone kv this worker can give back at once without harming a live
+        # sequence (cached prefix blocks); called from any thread, never under our lock.
+        self.kv_cached = kv_cached
         self.zone_caps: dict[str, int] = {}   # the governor's hard caps, zone -> bytes
         self._caps_lock = threading.Lock()    # serializes deliveries (never the client's lock)
         self._delivered: dict[str, int] | None = None  # the caps on_caps last heard
@@ -187,6 +198,7 @@ class GovernorClient:
         self._held: dict[str, dict[str, int]] = {z: {} for z in LEASABLE_ZONES}  # zone->id->bytes
         self._used: dict[str, int] = dict.fromkeys(LEASABLE_ZONES, 0)
         self._report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
+        self._cached = 0  # zone kv's cached bytes, of the zones in _report
         self._registered = False
         self._connected = False
         self.incarnation = ""  # the governor's proof of this registration, sent on every call
@@ -251,8 +263,21 @@ class GovernorClient:
 
     def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
                process_used_bytes: int) -> None:
+        cached = min(self._sample_kv_cached(), zones.get("kv", (0, 0))[0])
         with self._lock:
             self._report = (dict(zones), device_used_bytes, process_used_bytes)
+            self._cached = cached
+
+    def _sample_kv_cached(self) -> int:
+        """`kv_cached()`, or 0 (all of kv in use) when there is none or it fails."""
+        source = self.kv_cached
+        if source is None:
+            return 0
+        try:
+            return max(0, int(source()))
+        except Exception:  # reporting less as cached is always safe
+            log.warning("kv_cached failed; reporting 0 cached", exc_info=True)
+            return 0
 
     def connected(self) -> bool:
         return self._connected
@@ -491,13 +516,15 @@ class GovernorClient:
     def _heartbeat(self) -> None:
         with self._lock:
             zones, device_used, process_used = self._report
+            cached = self._cached
             if any(i.startswith(_UNBACKED) for h in self._held.values() for i in h):
                 self._reacquire_unbacked()
         reply = self._stub.Heartbeat(governor_pb2.HeartbeatRequest(
             worker_id=self.worker_id, device_uuid=self.device.uuid,
             device_used_bytes=device_used, process_used_bytes=process_used,
             incarnation=self.incarnation,
-            zones=[governor_pb2.ZoneUsage(zone=zone_value(z), committed_bytes=c, content_bytes=ct)
+            zones=[governor_pb2.ZoneUsage(zone=zone_value(z), committed_bytes=c, content_bytes=ct,
+                                          cached_bytes=cached if z == "kv" else 0)
                    for z, (c, ct) in sorted(zones.items())]), timeout=CALL_DEADLINE_S)
         self.counters["heartbeats"] += 1
         self._up()
@@ -509,6 +536,15 @@ class GovernorClient:
             self._set_caps(reply.zone_caps)
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
+            if any(r.cached_only for r in reply.reclaim):
+                now_cached = self._sample_kv_cached()  # may have been reused since the report
+                for r in reply.reclaim:
+                    if r.cached_only:
+                        zone = zone_name(r.zone)
+                        with self._lock:
+                            idle = max(0, self._slack(zone)) if zone in self._held else 0
+                        asks[zone] = min(asks[zone], idle + (now_cached if zone == "kv" else 0))
+                asks = {z: b for z, b in asks.items() if b > 0}
             self.counters["reclaim_asks"] += 1
             if self.on_reclaim:  # the owner shrinks the zones first, so this beat gives it back
                 for zone, nbytes in asks.items():

@@ -17,7 +17,13 @@ that sees only some zones reports a healthy device while it fills. Contract:
   deregistration or expiry frees the id;
 - every figure a worker reports is bounded by its device's total, so one reporter that lies can
   skew its own device's figures but never make a report fail; a device no worker is registered
-  on is forgotten after `Policy.device_ttl_s`.
+  on is forgotten after `Policy.device_ttl_s`;
+- zone kv is reported in two parts: in use (live sequences) and cached (what the worker drops at
+  once without harming one: cached prefix blocks), cached <= committed (InvalidArgument and
+  nothing recorded otherwise), 0 from a worker that does not say. Cached KV counts as
+  reclaimable in a refusal, and a refusal that giving back could cure asks the other workers of
+  the device for their cached KV first (a cached-only ask on their next heartbeat), before any
+  borrowed budget is reclaimed.
 Cost: one lock, O(zones x workers of the device) per admission, one SQLite transaction per change.
 Nothing here imports grpc; the servicer converts messages to these calls.
 """
@@ -42,6 +48,7 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.governor.policy import (
+    CACHED_ZONES,
     EVICTABLE_ZONES,
     MAX_DEVICE_BYTES,
     MAX_ID_CHARS,
@@ -83,6 +90,25 @@ def check_size(what: str, value: int, limit: int = MAX_DEVICE_BYTES) -> None:
                               field=what, bound=limit)
 
 
+def check_cached(zone: str, cached: int, committed: int) -> None:
+    """InvalidArgument unless `cached` bytes of `zone` can be part of its `committed` ones:
+    only zone kv reports cached bytes, and never more than it reports committed."""
+    check_zone(zone, leasable=False)
+    if cached < 0:
+        raise InvalidArgument(f"zone {zone}: cached_bytes={cached} cannot be negative",
+                              field="zones.cached_bytes", zone=zone)
+    if cached and zone not in CACHED_ZONES:
+        raise InvalidArgument(
+            f"zone {zone}: cached_bytes={cached}; only zone "
+            f"{', '.join(sorted(CACHED_ZONES))} reports cached bytes (send 0)",
+            field="zones.cached_bytes", zone=zone)
+    if cached > committed:
+        raise InvalidArgument(
+            f"zone {zone}: cached_bytes={cached} exceeds the {committed} committed bytes reported "
+            "with it; cached bytes are part of the committed ones", field="zones.cached_bytes",
+            zone=zone, bound=committed)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     uuid: str
@@ -117,6 +143,8 @@ class HeartbeatResult:
     reregister: bool
     reclaim: dict[str, int] = field(default_factory=dict)
     zone_caps: dict[str, int] = field(default_factory=dict)  # hard zone caps (Policy.zone_caps)
+    # The zones of `reclaim` whose ask is for cached content only (never a live sequence's).
+    cached_only: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -127,6 +155,15 @@ class ZoneReport:
     content_bytes: int
     budget_bytes: int
     borrowed_bytes: int
+    cached_bytes: int = 0  # of committed: reclaimable at once, no live work harmed (zone kv)
+
+    @property
+    def in_use_bytes(self) -> int:
+        return max(0, self.committed_bytes - self.cached_bytes)
+
+
+def _kv(zones: list[ZoneReport]) -> ZoneReport | None:
+    return next((z for z in zones if z.zone == "kv"), None)
 
 
 @dataclass(frozen=True)
@@ -140,6 +177,16 @@ class WorkerReport:
     last_heartbeat: float
     zones: list[ZoneReport]
     leases: list[Lease] = field(default_factory=list)
+
+    @property
+    def kv_cached_bytes(self) -> int:
+        kv = _kv(self.zones)
+        return kv.cached_bytes if kv else 0
+
+    @property
+    def kv_in_use_bytes(self) -> int:
+        kv = _kv(self.zones)
+        return kv.in_use_bytes if kv else 0
 
 
 @dataclass(frozen=True)
@@ -162,6 +209,16 @@ class DeviceReport:
     def free_budget_bytes(self) -> int:
         return self.budget_bytes - self.leased_bytes
 
+    @property
+    def kv_cached_bytes(self) -> int:
+        kv = _kv(self.zones)
+        return kv.cached_bytes if kv else 0
+
+    @property
+    def kv_in_use_bytes(self) -> int:
+        kv = _kv(self.zones)
+        return kv.in_use_bytes if kv else 0
+
 
 @dataclass
 class _Device:
@@ -172,6 +229,9 @@ class _Device:
     # Bytes the governor wants back per zone: a zone inside its own share was refused because
     # others borrowed it. Handed out once through heartbeats, so a worker is not asked twice.
     reclaim_wanted: dict[str, int] = field(default_factory=dict)
+    # Cached KV bytes wanted back per worker (a refusal others' cached KV can help cure): asked
+    # for first, cached-only, on that worker's next heartbeat, once.
+    cached_wanted: dict[str, int] = field(default_factory=dict)
     # When the device's last worker went (None while one is registered): the row is forgotten
     # Policy.device_ttl_s later, so rows of departed or made-up devices do not pile up.
     empty_since: float | None = None
@@ -182,6 +242,7 @@ class _Worker:
     row: WorkerRow
     last_seen: float
     reported: dict[str, tuple[int, int]] = field(default_factory=dict)  # zone -> committed, content
+    cached: dict[str, int] = field(default_factory=dict)  # zone -> cached bytes (kv only), > 0
     process_used_bytes: int = 0
     last_heartbeat: float = 0.0
 
@@ -376,16 +437,21 @@ class Ledger:
 
     def heartbeat(self, worker_id: str, device_uuid: str, device_used_bytes: int,
                   process_used_bytes: int, zones: dict[str, tuple[int, int]],
-                  incarnation: str = "") -> HeartbeatResult:
+                  incarnation: str = "", cached: dict[str, int] | None = None
+                  ) -> HeartbeatResult:
         """Record a worker's figures (each bounded by its device's total: InvalidArgument and
         nothing recorded otherwise). An unknown worker, or a stale `incarnation` of a known one,
-        is answered `reregister` and nothing is recorded."""
+        is answered `reregister` and nothing is recorded. `cached`: zone -> the bytes of its
+        committed ones that are cached (zone kv only; none given = 0 cached)."""
         if device_used_bytes < 0 or process_used_bytes < 0:
             raise InvalidArgument("used bytes cannot be negative")
         for zone, (committed, content) in zones.items():
             check_zone(zone, leasable=False)
             if committed < 0 or content < 0:
                 raise InvalidArgument(f"zone {zone}: committed and content cannot be negative")
+        cached = {z: b for z, b in (cached or {}).items() if b}
+        for zone, nbytes in cached.items():
+            check_cached(zone, nbytes, zones.get(zone, (0, 0))[0])
         with self._lock:
             self._expire_locked()
             worker = self._workers.get(worker_id)
@@ -402,15 +468,16 @@ class Ledger:
             worker.last_heartbeat = now
             self._touch(worker, now)
             worker.reported = dict(zones)
+            worker.cached = cached
             worker.process_used_bytes = process_used_bytes
             device = self._devices[worker.row.device_uuid]
             if device_used_bytes:
                 device.device_used_bytes = device_used_bytes
                 self._sample_unaccounted(device, now)
-            reclaim = self._reclaim_for(device, worker_id)
+            reclaim, cached_only = self._reclaim_for(device, worker)
             self._bump()
             return HeartbeatResult(self.policy.lease_ttl_s, reregister=False, reclaim=reclaim,
-                                   zone_caps=self.policy.zone_caps())
+                                   zone_caps=self.policy.zone_caps(), cached_only=cached_only)
 
     def expire(self) -> list[str]:
         """Drop every worker silent for longer than the TTL; returns their ids."""
@@ -610,8 +677,15 @@ class Ledger:
         if not violations:
             return
         borrowed = self._borrowed(device, leased)
+        hints = self._hints(device, leased, borrowed)
+        need = extra - max(free, 0)
+        # Others' cached KV first: it costs no live sequence. Only when giving back could cure
+        # the refusal, and only kv helps a zone that is over its hard cap.
+        capped = share is not None and not self.policy.lending and leased[zone] + extra > share
+        if (zone == "kv" or not capped) and max(free, 0) + sum(h.bytes for h in hints) >= extra:
+            need -= self._ask_cached(device, worker_id, need)
+        cached_note = self._cached_note(hints)
         if share is not None and self.policy.lending and leased[zone] + extra <= share and borrowed:
-            need = extra - max(free, 0)
             violations.append(QuotaViolation(
                 subject, f"zone {zone} is inside its {_mib(share)} share; "
                 f"{_mib(sum(borrowed.values()))} of the budget is lent to "
@@ -625,13 +699,41 @@ class Ledger:
         self.counters["refused"] += 1
         raise ResourceExhausted(
             f"admission refused: asked {_mib(extra)} in zone {zone} on device {device.row.uuid}, "
-            f"{_mib(max(free, 0))} free; give back memory from the reclaimable zones listed",
-            asked_bytes=extra, free_bytes=max(free, 0), zone=zone, violations=violations,
-            reclaimable=self._hints(device, leased, borrowed), retry_after_s=ADMISSION_RETRY_S)
+            f"{_mib(max(free, 0))} free; give back memory from the reclaimable zones listed"
+            f"{cached_note}", asked_bytes=extra, free_bytes=max(free, 0), zone=zone,
+            violations=violations, reclaimable=hints, retry_after_s=ADMISSION_RETRY_S)
+
+    def _ask_cached(self, device: _Device, worker_id: str, need: int) -> int:
+        """Ask the device's other workers for up to `need` bytes of their cached KV, most cached
+        first (handed out on their next heartbeat, cached-only); returns the bytes asked."""
+        asked = 0
+        holders = sorted(((w.cached.get("kv", 0), wid) for wid, w in self._workers.items()
+                          if wid != worker_id and w.row.device_uuid == device.row.uuid
+                          and w.cached.get("kv", 0) > 0), reverse=True)
+        for cached, wid in holders:
+            if asked >= need:
+                break
+            held = sum(self._leases[i].bytes for i in self._by_worker[wid]
+                       if self._leases[i].zone == "kv")
+            take = min(cached, held, need - asked)
+            if take > 0:
+                device.cached_wanted[wid] = max(device.cached_wanted.get(wid, 0), take)
+                asked += take
+        return asked
+
+    @staticmethod
+    def _cached_note(hints: list[ReclaimHint]) -> str:
+        cached = [h for h in hints if h.cached_bytes]
+        if not cached:
+            return ""
+        holders = ", ".join(sorted({h.worker_id for h in cached}))
+        return (f"; {_mib(sum(h.cached_bytes for h in cached))} of it is cached KV (on "
+                f"{holders}), given back first: no live sequence is harmed")
 
     def _hints(self, device: _Device, leased: dict[str, int],
                borrowed: dict[str, int]) -> list[ReclaimHint]:
-        """Per worker and zone: evictable bytes, idle lease slack, or a share of borrowed bytes."""
+        """Per worker and zone: evictable bytes, idle lease slack plus cached bytes (kv), or a
+        share of borrowed bytes."""
         hints = []
         for worker_id, worker in self._workers.items():
             if worker.row.device_uuid != device.row.uuid:
@@ -643,31 +745,45 @@ class Ledger:
             for zone, held in per_zone.items():
                 committed = worker.reported.get(zone, (held, 0))[0]
                 idle = max(0, held - committed)
+                cached = min(held, worker.cached.get(zone, 0))
                 lent = borrowed.get(zone, 0) * held // leased[zone] if leased[zone] else 0
-                give = max(held if zone in EVICTABLE_ZONES else idle, lent)
+                give = max(held if zone in EVICTABLE_ZONES else min(held, idle + cached), lent)
                 if give > 0:
-                    hints.append(ReclaimHint(worker_id, zone, give))
+                    hints.append(ReclaimHint(worker_id, zone, give, min(cached, give)))
         hints.sort(key=lambda h: -h.bytes)
         return hints[:_MAX_HINTS]
 
-    def _reclaim_for(self, device: _Device, worker_id: str) -> dict[str, int]:
-        if not device.reclaim_wanted:
-            return {}
-        borrowed = self._borrowed(device, self._leased_on(device.row.uuid))
-        asks = {}
+    def _reclaim_for(self, device: _Device, worker: _Worker) -> tuple[dict[str, int],
+                                                                        frozenset[str]]:
+        """The asks for `worker`'s heartbeat, and which of them are cached-only: its cached KV
+        first (at most what this beat reports cached), then its share of borrowed bytes."""
+        worker_id = worker.row.worker_id
+        if not device.reclaim_wanted and worker_id not in device.cached_wanted:
+            return {}, frozenset()
+        held = {z: 0 for z in ZONES}
+        for i in self._by_worker[worker_id]:
+            held[self._leases[i].zone] += self._leases[i].bytes
+        asks: dict[str, int] = {}
+        cached_only: set[str] = set()
+        want = device.cached_wanted.pop(worker_id, 0)
+        ask = min(want, worker.cached.get("kv", 0), held["kv"])
+        if ask > 0:
+            asks["kv"] = ask
+            cached_only.add("kv")
+        borrowed = self._borrowed(device, self._leased_on(device.row.uuid)) \
+            if device.reclaim_wanted else {}
         for zone in list(device.reclaim_wanted):
             wanted = min(device.reclaim_wanted[zone], borrowed.get(zone, 0))
-            held = sum(self._leases[i].bytes for i in self._by_worker[worker_id]
-                       if self._leases[i].zone == zone)
-            ask = min(wanted, held)
+            ask = min(wanted, held[zone] - asks.get(zone, 0))
             if ask > 0:
-                asks[zone] = ask
+                asks[zone] = asks.get(zone, 0) + ask
+                cached_only.discard(zone)  # a plain ask: the worker drops cached KV first anyway
                 wanted -= ask
             if wanted > 0:
                 device.reclaim_wanted[zone] = wanted
             else:
                 del device.reclaim_wanted[zone]
-        return asks
+        return asks, frozenset(cached_only)
 
     def _drop_worker(self, worker_id: str) -> int:
         self.store.delete_worker(worker_id)
@@ -678,6 +794,9 @@ class Ledger:
             freed += row.bytes
         self._by_worker.pop(worker_id, None)
         gone = self._workers.pop(worker_id)
+        device = self._devices.get(gone.row.device_uuid)
+        if device is not None:
+            device.cached_wanted.pop(worker_id, None)
         self._count_on(gone.row.device_uuid, -1)
         self._settle_device(gone.row.device_uuid, self.clock())
         self._bump()
@@ -727,6 +846,7 @@ class Ledger:
         borrowed = self._borrowed(device, leased)
         shares = self.policy.zone_budgets
         workers, committed, content = [], dict.fromkeys(ZONES, 0), dict.fromkeys(ZONES, 0)
+        cached = dict.fromkeys(ZONES, 0)
         for worker_id, worker in sorted(self._workers.items()):
             if worker.row.device_uuid != uuid:
                 continue
@@ -738,8 +858,10 @@ class Ledger:
                 c, ct = worker.reported.get(z, (0, 0))
                 committed[z] += c
                 content[z] += ct
+                cached[z] += worker.cached.get(z, 0)
                 if c or ct or per_zone[z]:
-                    zones.append(ZoneReport(z, per_zone[z], c, ct, shares.get(z, 0), 0))
+                    zones.append(ZoneReport(z, per_zone[z], c, ct, shares.get(z, 0), 0,
+                                            worker.cached.get(z, 0)))
             workers.append(WorkerReport(
                 worker_id, worker.row.host, sum(per_zone.values()),
                 sum(c for c, _ in worker.reported.values()),
@@ -751,7 +873,7 @@ class Ledger:
         committed["foreign"] = max(0, unaccounted)
         zones = [ZoneReport(z, leased[z], committed[z], content[z],
                             self.policy.transient_headroom_bytes if z == "transient"
-                            else shares.get(z, 0), borrowed.get(z, 0)) for z in ZONES]
+                            else shares.get(z, 0), borrowed.get(z, 0), cached[z]) for z in ZONES]
         return DeviceReport(
             uuid, device.row.name, device.row.total_bytes, device.row.budget_bytes,
             device.row.granule_bytes, self.policy.transient_headroom_bytes, sum(leased.values()),

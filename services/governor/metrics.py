@@ -10,8 +10,9 @@ from services.governor.ledger import Ledger
 
 
 class LedgerCollector(Collector):
-    """Per device and zone: budget, leased, committed, content, borrowed; per device: used,
-    ledger, unaccounted and the alert; counters of admissions, refusals and expiries."""
+    """Per device and zone: budget, leased, committed, content, borrowed, cached; per device:
+    used, ledger, unaccounted and the alert; zone kv split into in use and cached, per device
+    and per worker; counters of admissions, refusals and expiries."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -32,7 +33,20 @@ class LedgerCollector(Collector):
             name: GaugeMetricFamily(f"gpuplane_governor_zone_{name}", f"Per zone: {name}",
                                     labels=["device", "zone"])
             for name in ("leased_bytes", "committed_bytes", "content_bytes", "budget_bytes",
-                         "borrowed_bytes")
+                         "borrowed_bytes", "cached_bytes")
+        }
+        kv_device = {
+            part: GaugeMetricFamily(
+                f"gpuplane_governor_kv_{part}_bytes",
+                f"Committed bytes of zone kv {what}, per device", labels=["device"])
+            for part, what in [("in_use", "held by live sequences"),
+                               ("cached", "cached (no sequence's: reclaimable at once)")]
+        }
+        kv_worker = {
+            part: GaugeMetricFamily(
+                f"gpuplane_governor_worker_kv_{part}_bytes",
+                f"Committed bytes of zone kv {what}, per worker", labels=["device", "worker"])
+            for part, what in [("in_use", "held by live sequences"), ("cached", "cached")]
         }
         for d in self.ledger.resources():
             for name, value in [("budget_bytes", d.budget_bytes), ("leased_bytes", d.leased_bytes),
@@ -44,8 +58,15 @@ class LedgerCollector(Collector):
             for z in d.zones:
                 for name, gauge in zone_gauges.items():
                     gauge.add_metric([d.uuid, z.zone], getattr(z, name))
+            kv_device["in_use"].add_metric([d.uuid], d.kv_in_use_bytes)
+            kv_device["cached"].add_metric([d.uuid], d.kv_cached_bytes)
+            for w in d.workers:
+                kv_worker["in_use"].add_metric([d.uuid, w.worker_id], w.kv_in_use_bytes)
+                kv_worker["cached"].add_metric([d.uuid, w.worker_id], w.kv_cached_bytes)
         yield from device_gauges.values()
         yield from zone_gauges.values()
+        yield from kv_device.values()
+        yield from kv_worker.values()
         for name, value in dict(self.ledger.counters).items():
             counter = CounterMetricFamily(f"gpuplane_governor_{name}", f"Governor events: {name}")
             counter.add_metric([], value)

@@ -18,6 +18,11 @@ LEASABLE_ZONES: frozenset[str] = frozenset(ZONES) - {"foreign"}
 # transient are short-lived, context is the driver's.
 EVICTABLE_ZONES: frozenset[str] = frozenset({"weights", "activations", "graphs", "workspace"})
 
+# Zones whose heartbeat figures may name cached bytes: committed bytes the worker gives back at
+# once without harming live work (kv: finished sequences' cached prefix blocks). Reported as
+# reclaimable in a refusal, apart from the bytes in use, and asked back first.
+CACHED_ZONES: frozenset[str] = frozenset({"kv"})
+
 # ---- bounds (docs/governor.md, "Bounds") ---------------------------------------------------------
 # Every size a caller or an operator gives is checked against these before any work, so no figure
 # can overflow the int64 of a report: a device of MAX_DEVICE_BYTES reported by thousands of workers

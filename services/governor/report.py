@@ -13,14 +13,25 @@ CONTENT_ABOVE_COMMITTED = (
     "    allocations, workspaces above all, also sit in granules another zone pays for")
 
 
+def kv_split(z: Any) -> str:
+    """Zone kv's committed bytes as in use (live sequences) and cached (reclaimable at once)."""
+    cached = z.cached_bytes
+    return (f"in use {human_bytes(max(0, z.committed_bytes - cached))}, "
+            f"cached {human_bytes(cached)}")
+
+
 def zone_rows(zones: Any, leased: bool = False) -> list[str]:
-    """One line per zone (ZoneUsage); a `*` marks content above committed, explained once."""
+    """One line per zone (ZoneUsage); a `*` marks content above committed, explained once.
+    Zone kv also shows its committed bytes in use and cached (in the governor's view always,
+    elsewhere when some are cached)."""
     rows, marked = [], False
     for z in zones:
         line = (f"{zone_name(z.zone):<12} committed {human_bytes(z.committed_bytes):>11}  "
                 f"content {human_bytes(z.content_bytes):>11}")
         if leased:
             line += f"  leased {human_bytes(z.leased_bytes):>11}"
+        if zone_name(z.zone) == "kv" and (leased or z.cached_bytes):
+            line += f"  ({kv_split(z)})"
         if z.content_bytes > z.committed_bytes:
             marked = True
             line += (f"  (content {human_bytes(z.content_bytes - z.committed_bytes)} "
@@ -40,10 +51,11 @@ def resource_lines(reply: Any) -> list[str]:
                      f"{human_bytes(d.unaccounted_bytes)}{alert}")
         for z in d.zones:
             if z.leased_bytes or z.committed_bytes or z.budget_bytes:
+                kv = f"  ({kv_split(z)})" if zone_name(z.zone) == "kv" else ""
                 lines.append(f"  zone {zone_name(z.zone):12s} leased {human_bytes(z.leased_bytes):>10}"
                              f"  committed {human_bytes(z.committed_bytes):>10}  budget "
                              f"{human_bytes(z.budget_bytes):>10}  borrowed "
-                             f"{human_bytes(z.borrowed_bytes):>10}")
+                             f"{human_bytes(z.borrowed_bytes):>10}{kv}")
         for w in d.workers:
             lines.append(f"  worker {w.worker_id} ({w.host}): leased {human_bytes(w.leased_bytes)}, "
                          f"committed {human_bytes(w.committed_bytes)}, content "

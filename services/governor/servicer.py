@@ -75,7 +75,8 @@ def _zone_pb(z: ZoneReport) -> governor_pb2.ZoneUsage:
     return governor_pb2.ZoneUsage(
         zone=zone_value(z.zone), committed_bytes=_i64(z.committed_bytes),
         content_bytes=_i64(z.content_bytes), leased_bytes=_i64(z.leased_bytes),
-        budget_bytes=_i64(z.budget_bytes), borrowed_bytes=_i64(z.borrowed_bytes))
+        budget_bytes=_i64(z.budget_bytes), borrowed_bytes=_i64(z.borrowed_bytes),
+        cached_bytes=_i64(z.cached_bytes))
 
 
 def _caps_pb(caps: dict[str, int]) -> list[governor_pb2.ZoneCap]:
@@ -164,12 +165,15 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
         if len(zones) != len(request.zones):
             raise InvalidArgument("zones names a zone more than once; the bound is one entry "
                                   "per zone", field="zones", bound=len(ZONES))
+        # An old worker sends no cached_bytes: 0, all of its kv in use.
+        cached = {zone_name(z.zone): z.cached_bytes for z in request.zones if z.cached_bytes}
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
                                        request.device_used_bytes, request.process_used_bytes, zones,
-                                       request.incarnation)
+                                       request.incarnation, cached)
         return governor_pb2.HeartbeatResponse(
             lease_ttl_ms=int(result.lease_ttl_s * 1000), reregister=result.reregister,
-            reclaim=[governor_pb2.Reclaim(zone=zone_value(z), bytes=b)
+            reclaim=[governor_pb2.Reclaim(zone=zone_value(z), bytes=b,
+                                          cached_only=z in result.cached_only)
                      for z, b in sorted(result.reclaim.items())],
             zone_caps=_caps_pb(result.zone_caps))
 

@@ -24,59 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#gpuplane/governor/v1/governor.proto\x12\x14gpuplane.governor.v1\"d\n\x06\x44\x65vice\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nfree_bytes\x18\x03 \x01(\x03\x12\x15\n\rgranule_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x96\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12(\n\x04zone\x18\x04 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x06 \x01(\x03\"\xa9\x01\n\tZoneUsage\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\x17\n\x0f\x63ommitted_bytes\x18\x02 \x01(\x03\x12\x15\n\rcontent_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cleased_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x62orrowed_bytes\x18\x06 \x01(\x03\"B\n\x07Reclaim\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"B\n\x07ZoneCap\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"{\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x1c.gpuplane.governor.v1.Device\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xbf\x01\n\x16RegisterWorkerResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\x03\x12\x1b\n\x13\x64\x65vice_budget_bytes\x18\x02 \x01(\x03\x12+\n\x06leases\x18\x03 \x03(\x0b\x32\x1b.gpuplane.governor.v1.Lease\x12\x30\n\tzone_caps\x18\x04 \x03(\x0b\x32\x1d.gpuplane.governor.v1.ZoneCap\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"\x86\x01\n\x0e\x41\x63quireRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12(\n\x04zone\x18\x03 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"=\n\x0f\x41\x63quireResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"X\n\rResizeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"<\n\x0eResizeResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"J\n\x0eReleaseRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\"\xb6\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12process_used_bytes\x18\x04 \x01(\x03\x12.\n\x05zones\x18\x05 \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"\x9f\x01\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\x03\x12\x12\n\nreregister\x18\x02 \x01(\x08\x12.\n\x07reclaim\x18\x03 \x03(\x0b\x32\x1d.gpuplane.governor.v1.Reclaim\x12\x30\n\tzone_caps\x18\x04 \x03(\x0b\x32\x1d.gpuplane.governor.v1.ZoneCap\"\x91\x02\n\x0fWorkerResources\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cleased_bytes\x18\x03 \x01(\x03\x12\x17\n\x0f\x63ommitted_bytes\x18\x04 \x01(\x03\x12\x15\n\rcontent_bytes\x18\x05 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x06 \x01(\x03\x12.\n\x05zones\x18\x07 \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x1a\n\x12process_used_bytes\x18\x08 \x01(\x03\x12+\n\x06leases\x18\t \x03(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"\x91\x03\n\x0f\x44\x65viceResources\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cleased_bytes\x18\x04 \x01(\x03\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cledger_bytes\x18\x06 \x01(\x03\x12\x19\n\x11unaccounted_bytes\x18\x07 \x01(\x03\x12\x19\n\x11\x66ree_budget_bytes\x18\x08 \x01(\x03\x12.\n\x05zones\x18\t \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x36\n\x07workers\x18\n \x03(\x0b\x32%.gpuplane.governor.v1.WorkerResources\x12\x19\n\x11unaccounted_alert\x18\x0b \x01(\x08\x12 \n\x18transient_headroom_bytes\x18\x0c \x01(\x03\x12\x0c\n\x04name\x18\r \x01(\t\x12\x15\n\rgranule_bytes\x18\x0e \x01(\x03\"*\n\x13GetResourcesRequest\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\"N\n\x14GetResourcesResponse\x12\x36\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32%.gpuplane.governor.v1.DeviceResources\",\n\x15WatchResourcesRequest\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\"A\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"2\n\x18\x44\x65registerWorkerResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03*\xc0\x01\n\x04Zone\x12\x14\n\x10ZONE_UNSPECIFIED\x10\x00\x12\x10\n\x0cZONE_WEIGHTS\x10\x01\x12\x0b\n\x07ZONE_KV\x10\x02\x12\x12\n\x0eZONE_WORKSPACE\x10\x03\x12\x14\n\x10ZONE_ACTIVATIONS\x10\x04\x12\x0f\n\x0bZONE_GRAPHS\x10\x05\x12\x10\n\x0cZONE_SCRATCH\x10\x06\x12\x12\n\x0eZONE_TRANSIENT\x10\x07\x12\x10\n\x0cZONE_CONTEXT\x10\x08\x12\x10\n\x0cZONE_FOREIGN\x10\t2\xa8\x06\n\x0fGovernorService\x12k\n\x0eRegisterWorker\x12+.gpuplane.governor.v1.RegisterWorkerRequest\x1a,.gpuplane.governor.v1.RegisterWorkerResponse\x12q\n\x10\x44\x65registerWorker\x12-.gpuplane.governor.v1.DeregisterWorkerRequest\x1a..gpuplane.governor.v1.DeregisterWorkerResponse\x12V\n\x07\x41\x63quire\x12$.gpuplane.governor.v1.AcquireRequest\x1a%.gpuplane.governor.v1.AcquireResponse\x12S\n\x06Resize\x12#.gpuplane.governor.v1.ResizeRequest\x1a$.gpuplane.governor.v1.ResizeResponse\x12V\n\x07Release\x12$.gpuplane.governor.v1.ReleaseRequest\x1a%.gpuplane.governor.v1.ReleaseResponse\x12\\\n\tHeartbeat\x12&.gpuplane.governor.v1.HeartbeatRequest\x1a\'.gpuplane.governor.v1.HeartbeatResponse\x12\x65\n\x0cGetResources\x12).gpuplane.governor.v1.GetResourcesRequest\x1a*.gpuplane.governor.v1.GetResourcesResponse\x12k\n\x0eWatchResources\x12+.gpuplane.governor.v1.WatchResourcesRequest\x1a*.gpuplane.governor.v1.GetResourcesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#gpuplane/governor/v1/governor.proto\x12\x14gpuplane.governor.v1\"d\n\x06\x44\x65vice\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nfree_bytes\x18\x03 \x01(\x03\x12\x15\n\rgranule_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x96\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12(\n\x04zone\x18\x04 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x06 \x01(\x03\"\xbf\x01\n\tZoneUsage\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\x17\n\x0f\x63ommitted_bytes\x18\x02 \x01(\x03\x12\x15\n\rcontent_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cleased_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x03\x12\x16\n\x0e\x62orrowed_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x07 \x01(\x03\"W\n\x07Reclaim\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x63\x61\x63hed_only\x18\x03 \x01(\x08\"B\n\x07ZoneCap\x12(\n\x04zone\x18\x01 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"{\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x06\x64\x65vice\x18\x02 \x01(\x0b\x32\x1c.gpuplane.governor.v1.Device\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xbf\x01\n\x16RegisterWorkerResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\x03\x12\x1b\n\x13\x64\x65vice_budget_bytes\x18\x02 \x01(\x03\x12+\n\x06leases\x18\x03 \x03(\x0b\x32\x1b.gpuplane.governor.v1.Lease\x12\x30\n\tzone_caps\x18\x04 \x03(\x0b\x32\x1d.gpuplane.governor.v1.ZoneCap\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"\x86\x01\n\x0e\x41\x63quireRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12(\n\x04zone\x18\x03 \x01(\x0e\x32\x1a.gpuplane.governor.v1.Zone\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"=\n\x0f\x41\x63quireResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"X\n\rResizeRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"<\n\x0eResizeResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"J\n\x0eReleaseRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\"\xb6\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12process_used_bytes\x18\x04 \x01(\x03\x12.\n\x05zones\x18\x05 \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"\x9f\x01\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\x03\x12\x12\n\nreregister\x18\x02 \x01(\x08\x12.\n\x07reclaim\x18\x03 \x03(\x0b\x32\x1d.gpuplane.governor.v1.Reclaim\x12\x30\n\tzone_caps\x18\x04 \x03(\x0b\x32\x1d.gpuplane.governor.v1.ZoneCap\"\x91\x02\n\x0fWorkerResources\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x14\n\x0cleased_bytes\x18\x03 \x01(\x03\x12\x17\n\x0f\x63ommitted_bytes\x18\x04 \x01(\x03\x12\x15\n\rcontent_bytes\x18\x05 \x01(\x03\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x06 \x01(\x03\x12.\n\x05zones\x18\x07 \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x1a\n\x12process_used_bytes\x18\x08 \x01(\x03\x12+\n\x06leases\x18\t \x03(\x0b\x32\x1b.gpuplane.governor.v1.Lease\"\x91\x03\n\x0f\x44\x65viceResources\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cleased_bytes\x18\x04 \x01(\x03\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cledger_bytes\x18\x06 \x01(\x03\x12\x19\n\x11unaccounted_bytes\x18\x07 \x01(\x03\x12\x19\n\x11\x66ree_budget_bytes\x18\x08 \x01(\x03\x12.\n\x05zones\x18\t \x03(\x0b\x32\x1f.gpuplane.governor.v1.ZoneUsage\x12\x36\n\x07workers\x18\n \x03(\x0b\x32%.gpuplane.governor.v1.WorkerResources\x12\x19\n\x11unaccounted_alert\x18\x0b \x01(\x08\x12 \n\x18transient_headroom_bytes\x18\x0c \x01(\x03\x12\x0c\n\x04name\x18\r \x01(\t\x12\x15\n\rgranule_bytes\x18\x0e \x01(\x03\"*\n\x13GetResourcesRequest\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\"N\n\x14GetResourcesResponse\x12\x36\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32%.gpuplane.governor.v1.DeviceResources\",\n\x15WatchResourcesRequest\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\"A\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"2\n\x18\x44\x65registerWorkerResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03*\xc0\x01\n\x04Zone\x12\x14\n\x10ZONE_UNSPECIFIED\x10\x00\x12\x10\n\x0cZONE_WEIGHTS\x10\x01\x12\x0b\n\x07ZONE_KV\x10\x02\x12\x12\n\x0eZONE_WORKSPACE\x10\x03\x12\x14\n\x10ZONE_ACTIVATIONS\x10\x04\x12\x0f\n\x0bZONE_GRAPHS\x10\x05\x12\x10\n\x0cZONE_SCRATCH\x10\x06\x12\x12\n\x0eZONE_TRANSIENT\x10\x07\x12\x10\n\x0cZONE_CONTEXT\x10\x08\x12\x10\n\x0cZONE_FOREIGN\x10\t2\xa8\x06\n\x0fGovernorService\x12k\n\x0eRegisterWorker\x12+.gpuplane.governor.v1.RegisterWorkerRequest\x1a,.gpuplane.governor.v1.RegisterWorkerResponse\x12q\n\x10\x44\x65registerWorker\x12-.gpuplane.governor.v1.DeregisterWorkerRequest\x1a..gpuplane.governor.v1.DeregisterWorkerResponse\x12V\n\x07\x41\x63quire\x12$.gpuplane.governor.v1.AcquireRequest\x1a%.gpuplane.governor.v1.AcquireResponse\x12S\n\x06Resize\x12#.gpuplane.governor.v1.ResizeRequest\x1a$.gpuplane.governor.v1.ResizeResponse\x12V\n\x07Release\x12$.gpuplane.governor.v1.ReleaseRequest\x1a%.gpuplane.governor.v1.ReleaseResponse\x12\\\n\tHeartbeat\x12&.gpuplane.governor.v1.HeartbeatRequest\x1a\'.gpuplane.governor.v1.HeartbeatResponse\x12\x65\n\x0cGetResources\x12).gpuplane.governor.v1.GetResourcesRequest\x1a*.gpuplane.governor.v1.GetResourcesResponse\x12k\n\x0eWatchResources\x12+.gpuplane.governor.v1.WatchResourcesRequest\x1a*.gpuplane.governor.v1.GetResourcesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpuplane.governor.v1.governor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ZONE']._serialized_start=2731
-  _globals['_ZONE']._serialized_end=2923
+  _globals['_ZONE']._serialized_start=2774
+  _globals['_ZONE']._serialized_end=2966
   _globals['_DEVICE']._serialized_start=61
   _globals['_DEVICE']._serialized_end=161
   _globals['_LEASE']._serialized_start=164
   _globals['_LEASE']._serialized_end=314
   _globals['_ZONEUSAGE']._serialized_start=317
-  _globals['_ZONEUSAGE']._serialized_end=486
-  _globals['_RECLAIM']._serialized_start=488
-  _globals['_RECLAIM']._serialized_end=554
-  _globals['_ZONECAP']._serialized_start=556
-  _globals['_ZONECAP']._serialized_end=622
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=624
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=747
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=750
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=941
-  _globals['_ACQUIREREQUEST']._serialized_start=944
-  _globals['_ACQUIREREQUEST']._serialized_end=1078
-  _globals['_ACQUIRERESPONSE']._serialized_start=1080
-  _globals['_ACQUIRERESPONSE']._serialized_end=1141
-  _globals['_RESIZEREQUEST']._serialized_start=1143
-  _globals['_RESIZEREQUEST']._serialized_end=1231
-  _globals['_RESIZERESPONSE']._serialized_start=1233
-  _globals['_RESIZERESPONSE']._serialized_end=1293
-  _globals['_RELEASEREQUEST']._serialized_start=1295
-  _globals['_RELEASEREQUEST']._serialized_end=1369
-  _globals['_RELEASERESPONSE']._serialized_start=1371
-  _globals['_RELEASERESPONSE']._serialized_end=1412
-  _globals['_HEARTBEATREQUEST']._serialized_start=1415
-  _globals['_HEARTBEATREQUEST']._serialized_end=1597
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1600
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1759
-  _globals['_WORKERRESOURCES']._serialized_start=1762
-  _globals['_WORKERRESOURCES']._serialized_end=2035
-  _globals['_DEVICERESOURCES']._serialized_start=2038
-  _globals['_DEVICERESOURCES']._serialized_end=2439
-  _globals['_GETRESOURCESREQUEST']._serialized_start=2441
-  _globals['_GETRESOURCESREQUEST']._serialized_end=2483
-  _globals['_GETRESOURCESRESPONSE']._serialized_start=2485
-  _globals['_GETRESOURCESRESPONSE']._serialized_end=2563
-  _globals['_WATCHRESOURCESREQUEST']._serialized_start=2565
-  _globals['_WATCHRESOURCESREQUEST']._serialized_end=2609
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=2611
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=2676
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=2678
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2728
-  _globals['_GOVERNORSERVICE']._serialized_start=2926
-  _globals['_GOVERNORSERVICE']._serialized_end=3734
+  _globals['_ZONEUSAGE']._serialized_end=508
+  _globals['_RECLAIM']._serialized_start=510
+  _globals['_RECLAIM']._serialized_end=597
+  _globals['_ZONECAP']._serialized_start=599
+  _globals['_ZONECAP']._serialized_end=665
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=667
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=790
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=793
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=984
+  _globals['_ACQUIREREQUEST']._serialized_start=987
+  _globals['_ACQUIREREQUEST']._serialized_end=1121
+  _globals['_ACQUIRERESPONSE']._serialized_start=1123
+  _globals['_ACQUIRERESPONSE']._serialized_end=1184
+  _globals['_RESIZEREQUEST']._serialized_start=1186
+  _globals['_RESIZEREQUEST']._serialized_end=1274
+  _globals['_RESIZERESPONSE']._serialized_start=1276
+  _globals['_RESIZERESPONSE']._serialized_end=1336
+  _globals['_RELEASEREQUEST']._serialized_start=1338
+  _globals['_RELEASEREQUEST']._serialized_end=1412
+  _globals['_RELEASERESPONSE']._serialized_start=1414
+  _globals['_RELEASERESPONSE']._serialized_end=1455
+  _globals['_HEARTBEATREQUEST']._serialized_start=1458
+  _globals['_HEARTBEATREQUEST']._serialized_end=1640
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1643
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1802
+  _globals['_WORKERRESOURCES']._serialized_start=1805
+  _globals['_WORKERRESOURCES']._serialized_end=2078
+  _globals['_DEVICERESOURCES']._serialized_start=2081
+  _globals['_DEVICERESOURCES']._serialized_end=2482
+  _globals['_GETRESOURCESREQUEST']._serialized_start=2484
+  _globals['_GETRESOURCESREQUEST']._serialized_end=2526
+  _globals['_GETRESOURCESRESPONSE']._serialized_start=2528
+  _globals['_GETRESOURCESRESPONSE']._serialized_end=2606
+  _globals['_WATCHRESOURCESREQUEST']._serialized_start=2608
+  _globals['_WATCHRESOURCESREQUEST']._serialized_end=2652
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=2654
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=2719
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=2721
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=2771
+  _globals['_GOVERNORSERVICE']._serialized_start=2969
+  _globals['_GOVERNORSERVICE']._serialized_end=3777
 # @@protoc_insertion_point(module_scope)

@@ -61,28 +61,32 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ZoneUsage(_message.Message):
-    __slots__ = ("zone", "committed_bytes", "content_bytes", "leased_bytes", "budget_bytes", "borrowed_bytes")
+    __slots__ = ("zone", "committed_bytes", "content_bytes", "leased_bytes", "budget_bytes", "borrowed_bytes", "cached_bytes")
     ZONE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BORROWED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     zone: Zone
     committed_bytes: int
     content_bytes: int
     leased_bytes: int
     budget_bytes: int
     borrowed_bytes: int
-    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., borrowed_bytes: _Optional[int] = ...) -> None: ...
+    cached_bytes: int
+    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., leased_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., borrowed_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
 
 class Reclaim(_message.Message):
-    __slots__ = ("zone", "bytes")
+    __slots__ = ("zone", "bytes", "cached_only")
     ZONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
     zone: Zone
     bytes: int
-    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ...) -> None: ...
+    cached_only: bool
+    def __init__(self, zone: _Optional[_Union[Zone, str]] = ..., bytes: _Optional[int] = ..., cached_only: _Optional[bool] = ...) -> None: ...
 
 class ZoneCap(_message.Message):
     __slots__ = ("zone", "bytes")
