@@ -13,8 +13,9 @@ at batch B, each new request prefilled eagerly into its stream's cache row). Med
 printed.
 
 Open loop (`--arrival-rate R`): `--arrival-requests` requests arriving as a Poisson process of R
-requests/s (seeded exponential inter-arrival times; lengths drawn as above), each sent at its
-time whatever is in flight, its TTFT counted from its scheduled arrival. The same list of
+requests/s (seeded exponential inter-arrival times; lengths drawn as above; every prompt its
+own tokens, so no request hits the prefix cache of another), each sent at its time whatever is
+in flight, its TTFT counted from its scheduled arrival. The same list of
 requests goes through gRPC and through PeerServer.run_arrivals (`--peer-slots` rows, the
 worker's --max-batch-size default; an arrived request takes a free row, first come first served).
 One replay each side (a trace of 80 requests is ~40 s of arrivals at 2 req/s).
@@ -120,7 +121,17 @@ def materialize(arrivals: list[tuple[float, int, int]], vocab: int
                 ) -> list[tuple[float, list[int], int]]:
     """The trace's requests as sent: (arrival s, prompt token ids, new tokens). Both sides replay
     this one list (gpuplane through gRPC, the peer through PeerServer.run_arrivals)."""
-    return [(t, [rng_token(i, n, vocab) for i in range(n)], new) for t, n, new in arrivals]
+    return [(t, unique_prompt(n, vocab, f"arrival:{k}"), new)
+            for k, (t, n, new) in enumerate(arrivals)]
+
+
+def unique_prompt(n: int, vocab: int, key: str) -> list[int]:
+    """`n` token ids seeded by `key`: prompts of different keys differ from their first block on,
+    so none reuses another's KV through the worker's prefix cache (the peer has none). The burst
+    levels' prompts (`rng_token`) are a function of their length alone: equal lengths, and every
+    trial after the first, can hit the cache."""
+    rng = random.Random(f"prompt:{key}:{n}")
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def run_arrivals(client: WorkerClient, requests: list[tuple[float, list[int], int]],
@@ -272,6 +283,8 @@ def main() -> int:
                    help="open loop: the peer's batch (its decode graph's rows)")
     add_record_flag(p)
     args = p.parse_args()
+    if args.arrival_rate is not None and (args.arrival_rate <= 0 or args.arrival_requests < 1):
+        p.error("--arrival-rate must be > 0 requests/s and --arrival-requests at least 1")
     targets = Targets("serving_bench", args=args)
     cfg = get_config(args.config)
     use_peer = not args.no_torch and args.backend != "sim"
@@ -288,10 +301,12 @@ def main() -> int:
         client.load_model("m", "decoder", args.config, 1)
         longest = args.prompt_range[1]
         chunk = min(longest, MAX_STEP_TOKENS)
-        one_request(client, [rng_token(i, longest, cfg.vocab_size) for i in range(longest)], 2)
+        # Each unloaded request is a prompt of its own (unique_prompt): the reference is a real
+        # prefill, as every open-loop request's is, never a prefix-cache hit of the one before.
+        one_request(client, unique_prompt(longest, cfg.vocab_size, "warm"), 2)
         unloaded = {n: statistics.median(
-            one_request(client, [rng_token(i, n, cfg.vocab_size) for i in range(n)], 2)["ttft"]
-            for _ in range(3)) for n in sorted({longest, chunk})}
+            one_request(client, unique_prompt(n, cfg.vocab_size, f"unloaded:{k}"), 2)["ttft"]
+            for k in range(3)) for n in sorted({longest, chunk})}
         ttft_bound = 2 * (unloaded[longest] + unloaded[chunk])
         print(f"unloaded TTFT: longest prompt ({longest}) {unloaded[longest] * 1e3:.1f} ms, one "
               f"chunk ({chunk}) {unloaded[chunk] * 1e3:.1f} ms", flush=True)
@@ -311,7 +326,7 @@ def main() -> int:
             s = client.stats().scheduler
             print(summary(f"gpuplane {args.config} open loop {args.arrival_rate:g} req/s "
                           f"({len(arrivals)} requests, all)", [open_loop])
-                  + f"; peak in flight {open_loop['peak_in_flight']}, peak batch "
+                  + f"; peak in flight {open_loop['peak_in_flight']}, peak batch so far "
                   f"{s.peak_batch_size}, lost {open_loop['lost']} {open_loop['errors'] or ''}",
                   flush=True)
         time.sleep(1.0)          # completed releases settle before the ledger is compared
@@ -373,9 +388,11 @@ def main() -> int:
         best = max((statistics.median(r["rate"] for r in levels[b]) for b in levels),
                    default=None)
         targets.figure(f"open loop {args.arrival_rate:g} req/s: offered output tok/s", offered,
-                       "tok/s", limit=best)
+                       "tok/s")
         if best:
             share = offered / best
+            targets.figure(f"open loop {args.arrival_rate:g} req/s: offered / best burst tok/s",
+                           share, "ratio")
             print(f"open loop: offered {offered:.0f} output tok/s = {share:.2f}x the best burst "
                   f"rate measured here ({best:.0f} tok/s)"
                   + ("; WARNING: not below saturation, the TTFT figure measures a growing queue"

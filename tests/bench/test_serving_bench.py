@@ -24,7 +24,12 @@ def test_the_arrival_trace_is_seeded_the_same_for_every_call_and_changes_with_th
     times = [t for t, _, _ in a]
     assert times == sorted(times) and times[0] > 0, "arrivals in order, after the start"
     assert all(128 <= n <= 2048 and 64 <= new <= 512 for _, n, new in a), "lengths out of range"
-    assert sb.materialize(a, 1000) == sb.materialize(a, 1000), "the prompts are deterministic"
+    requests = sb.materialize(a, 1000)
+    assert requests == sb.materialize(a, 1000), "the prompts are deterministic"
+    assert [(t, len(p), new) for t, p, new in requests] == a
+    heads = {tuple(p[:16]) for _, p, _ in requests}
+    assert len(heads) == len(requests), \
+        "two requests share a first KV block: the prefix cache would serve one from the other"
 
 
 def test_arrivals_are_poisson_with_the_given_mean():
