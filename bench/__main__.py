@@ -34,6 +34,7 @@ GPU = [
     ("kernels_bench.py", ["--reps", "10"]),
     ("attention_bench.py", ["--reps", "10", "--trials", "5"]),
     ("paged_attention_bench.py", ["--reps", "10", "--trials", "5"]),
+    ("decode_attention_bench.py", ["--reps", "20", "--trials", "5"]),
     ("int4_batched_bench.py", ["--reps", "10", "--trials", "5"]),
     ("decode_bench.py", ["--steps", "64"]),
     ("prefill_bench.py", ["--reps", "3"]),

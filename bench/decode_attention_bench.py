@@ -4,16 +4,20 @@ Llama-3-8B shapes (32 q heads, 8 KV heads, head_dim 128), block_tokens 16, a tab
 per row, every row at `ctx` keys. Each timed graph cycles over `layers` layers of the pool so the
 KV read by consecutive launches is never L2-resident (the working set is >= 256 MB, the L2 60 MB).
 Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
-device-to-device copy of 1 GiB (read + write), measured in the same run two ways: a graph of
-cuMemcpyAsync nodes and torch's `copy_` (a copy kernel) timed by CUDA events; the limit is the
-faster of the two.
+device-to-device copy of 1 GiB (read + write) measured at the start of the same run
+(bench/limits.py; without torch, a graph of cuMemcpyAsync nodes through the device layer, printed
+as such).
 
 1. batch 1/8/32/64 x ctx 1024/8192 at the default span (paged_decode_span of the batch) and, same
    run, the span the old rule gave (the split count from the maximum context and the batch).
 2. the span swept (128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
 
-    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--json OUT.json]
+Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at ctx 8192 the default span reads the KV
+at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. Every other row is
+a recorded figure without a target.
+
+    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench.limits import measure as measure_limits
+from bench.record import add_record_flag
+from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
@@ -84,28 +91,6 @@ class Bench:
         h.close()
         return 2 * nbytes / t
 
-    @staticmethod
-    def torch_copy_bandwidth(nbytes: int, reps: int = 20) -> float | None:
-        try:
-            import torch
-        except ImportError:
-            return None
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(5):
-            start.record()
-            for _ in range(reps):
-                dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / reps)
-        del src, dst
-        torch.cuda.empty_cache()
-        return 2 * nbytes / statistics.median(times)
-
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE) -> tuple[float, int]:
         """(seconds per decode, KV bytes read per decode)."""
         h, dev = self.h, self.dev
@@ -138,20 +123,59 @@ class Bench:
         return t, kv_bytes
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None):
     ap = kernel_bench_parser(__doc__)
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    add_record_flag(ap)
+    return ap.parse_args(argv)
+
+
+def decode_name(batch: int, ctx: int) -> str:
+    return f"paged decode batch {batch}, {ctx} keys"
+
+
+def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
+    """The record's figures from the printed rows: per default-span row its time and its fraction
+    of copy (the target at DECODE_ATTENTION_CTX), its time over the old rule's where both ran, and
+    the empty blocks' cost; the span sweep stays printed only (a shape study, not a figure)."""
+    new = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "new"}
+    old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
+    for (batch, ctx), r in sorted(new.items()):
+        name = decode_name(batch, ctx)
+        targets.figure(f"{name}: time", r["us"], "us")
+        if ctx == DECODE_ATTENTION_CTX:
+            targets.check(f"{name}: fraction of copy", r["of_copy"], ">=",
+                          DECODE_ATTENTION_OF_COPY, unit="fraction", limit=copy_gbs)
+        else:
+            targets.figure(f"{name}: fraction of copy", r["of_copy"], "fraction", limit=copy_gbs)
+        if (batch, ctx) in old:
+            targets.figure(f"{name}: span rule / old rule time", r["us"] / old[batch, ctx]["us"],
+                           "ratio")
+    empty = [r for r in rows if r["section"] == "empty"]
+    if len(empty) == 2:
+        full, tight = empty
+        targets.figure(f"empty blocks: batch {full['batch']}, {full['ctx']} keys, table "
+                       f"{full['table']} - table {tight['table']}", full["us"] - tight["us"], "us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     dev, compiler = open_bench_device(args)
+    targets = Targets("decode_attention_bench", args=args)
+    limits = measure_limits() if args.backend == "cuda" else None
     h = KernelHarness(dev, compiler)
     b = Bench(h, args.reps, args.trials)
     rows: list[dict] = []
     memcpy = b.copy_bandwidth(GiB)
-    kernel_copy = Bench.torch_copy_bandwidth(GiB)
-    copy = max(memcpy, kernel_copy or 0.0)
-    print(f"d2d copy 1 GiB (read + write): graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s, "
-          f"torch copy_ {kernel_copy / 1e9 if kernel_copy else float('nan'):.0f} GB/s; "
-          f"limit {copy / 1e9:.0f} GB/s")
+    if limits:
+        limits.record(targets)
+        copy = limits.copy_gbs * 1e9
+        print(f"d2d copy 1 GiB (read + write): limit {copy / 1e9:.0f} GB/s (bench/limits.py); "
+              f"graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s (information)")
+    else:
+        copy = memcpy
+        print(f"d2d copy 1 GiB (read + write): graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s "
+              f"(no torch limits: this is the limit)")
 
     def row(section, batch, ctx, sp, table=TABLE) -> dict:
         t, nbytes = b.decode(batch, ctx, sp, table)
@@ -182,12 +206,12 @@ def main() -> int:
     full = row("empty", 64, 1024, span, TABLE)
     tight = row("empty", 64, 1024, span, 1024)
     print(f"{'':>6} cost of the empty blocks: {full['us'] - tight['us']:.1f} us per decode")
+    record_rows(targets, rows, copy / 1e9)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"copy_GBps": copy / 1e9, "memcpy_graph_GBps": memcpy / 1e9,
-             "torch_copy_GBps": (kernel_copy or 0) / 1e9, "rows": rows}, indent=1))
+            {"copy_GBps": copy / 1e9, "memcpy_graph_GBps": memcpy / 1e9, "rows": rows}, indent=1))
     dev.close()
-    return 0
+    return targets.exit_code()
 
 
 if __name__ == "__main__":

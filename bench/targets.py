@@ -66,3 +66,8 @@ class Targets:
         print(f"{self.bench}: {len(self.results) - len(missed)} of {len(self.results)} targets met"
               + (f"; MISSED: {', '.join(missed)}" if missed else ""), flush=True)
         return 1 if missed else 0
+
+# bench/decode_attention_bench.py: the paged split-K decode at ctx 8192 reads its KV at >= 0.8 of
+# the device-to-device copy limit measured in the same run (bench/limits.py), at every batch.
+DECODE_ATTENTION_OF_COPY = 0.8
+DECODE_ATTENTION_CTX = 8192

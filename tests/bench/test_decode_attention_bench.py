@@ -1,0 +1,64 @@
+"""bench/decode_attention_bench.py without a GPU: its flags (`--record` as every bench has it) and
+the record lines its printed rows become (the ctx-8192 fraction of copy carries the target and the
+limit it was divided by; every other row is a plain figure)."""
+from __future__ import annotations
+
+import json
+
+from bench import decode_attention_bench as dab
+from bench.record import FIELDS, RESULTS, Recorder
+from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
+
+ARGV = ["bench/decode_attention_bench.py", "--reps", "20", "--trials", "5", "--record", "/tmp/o"]
+
+
+def row(section, batch, ctx, us, of_copy, table=dab.TABLE):
+    return {"section": section, "batch": batch, "ctx": ctx, "span": 128, "table": table,
+            "us": us, "GBps": of_copy * 4250.0, "of_copy": of_copy}
+
+
+def recorded(tmp_path, rows, copy_gbs=4250.0):
+    t = Targets("decode_attention_bench",
+                record=Recorder("decode_attention_bench", tmp_path, device="test-gpu", argv=ARGV))
+    dab.record_rows(t, rows, copy_gbs)
+    lines = [json.loads(x) for x in (tmp_path / "test-gpu.jsonl").read_text().splitlines()]
+    return t, {x["metric"]: x for x in lines}
+
+
+def test_record_takes_a_directory_or_defaults_to_bench_results_and_is_off_without_the_flag():
+    assert dab.parse_args([]).record is None, "no --record: nothing is appended"
+    assert dab.parse_args(["--record"]).record == str(RESULTS)
+    args = dab.parse_args(["--record", "/tmp/out", "--reps", "3", "--trials", "2"])
+    assert (args.record, args.reps, args.trials, args.backend) == ("/tmp/out", 3, 2, "cuda")
+
+
+def test_the_8k_fraction_of_copy_is_a_target_with_its_limit_and_1k_is_a_plain_figure(tmp_path):
+    rows = [row("new", 32, DECODE_ATTENTION_CTX, 312.1, 0.81), row("new", 1, 1024, 10.6, 0.09),
+            row("new", 8, DECODE_ATTENTION_CTX, 94.4, 0.67)]
+    t, lines = recorded(tmp_path, rows)
+    for line in lines.values():
+        assert set(FIELDS) <= set(line), f"a line lacks {set(FIELDS) - set(line)}"
+        assert line["bench"] == "decode_attention_bench"
+        assert line["command"] == "python bench/decode_attention_bench.py --reps 20 --trials 5", \
+            "the recorded command re-runs the bench without --record"
+    met = lines[f"paged decode batch 32, {DECODE_ATTENTION_CTX} keys: fraction of copy"]
+    assert (met["value"], met["limit"], met["unit"]) == (0.81, 4250.0, "fraction")
+    assert met["target"] == f">= {DECODE_ATTENTION_OF_COPY:g}" and met["met"] is True
+    missed = lines[f"paged decode batch 8, {DECODE_ATTENTION_CTX} keys: fraction of copy"]
+    assert missed["met"] is False, "0.67 of copy misses the 0.8 target"
+    short = lines["paged decode batch 1, 1024 keys: fraction of copy"]
+    assert short["target"] is None and short["met"] is None and short["limit"] == 4250.0
+    assert lines["paged decode batch 1, 1024 keys: time"]["unit"] == "us"
+    assert t.exit_code() == 1, "a missed target makes the bench exit 1"
+
+
+def test_old_rule_ratio_and_empty_block_cost_are_recorded_and_the_sweep_is_not(tmp_path):
+    rows = [row("new", 8, 1024, 24.0, 0.33), row("old", 8, 1024, 44.4, 0.18),
+            row("span", 8, 1024, 19.5, 0.4),
+            row("empty", 64, 1024, 82.6, 0.75), row("empty", 64, 1024, 82.2, 0.75, table=1024)]
+    _, lines = recorded(tmp_path, rows)
+    ratio = lines["paged decode batch 8, 1024 keys: span rule / old rule time"]
+    assert abs(ratio["value"] - 24.0 / 44.4) < 1e-9 and ratio["unit"] == "ratio"
+    empty = lines[f"empty blocks: batch 64, 1024 keys, table {dab.TABLE} - table 1024"]
+    assert abs(empty["value"] - 0.4) < 1e-9 and empty["unit"] == "us"
+    assert len(lines) == 4, f"the span sweep is printed, not recorded: {sorted(lines)}"
