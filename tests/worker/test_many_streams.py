@@ -127,7 +127,7 @@ def thread_count() -> int:
 
 
 def test_at_default_flags_a_hundred_streams_reach_the_scheduler_and_fill_the_batch(kernels):
-    worker = Worker(kernels, max_plans=8)
+    worker = Worker(kernels)          # every WorkerConfig and edge default (--max-plans too)
     try:
         assert worker.loaded.scheduler.max_batch_size == 64, "the default batch bound changed"
         prompts = [prompt_of(i % 20, 3 + i % 20) for i in range(100)]
