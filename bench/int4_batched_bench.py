@@ -16,9 +16,15 @@ the median replay / reps (bench/attention_bench.median_replay).
 
     python3 bench/int4_batched_bench.py [--reps 20 --trials 7 --record]   # on the GPU machine
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
+
+`--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
+kernel is built for (int4_batched.MT_CHOICES) with and without the weight prefetch
+(GP_I4_PREFETCH), and prints the decode step's linears with the best choice per shape: the
+figures int4_batched.MT_TOP is set from.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -32,7 +38,13 @@ from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
 from bench.targets import Targets
-from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma, mma_tiles
+from gpu_worker.kernels.int4_batched import (
+    INT4_MMA,
+    MT_CHOICES,
+    launch_int4_mma,
+    mma_tiles,
+    x_tiles,
+)
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
 from gpu_worker.kernels.selfcheck import KernelHarness
 
@@ -64,7 +76,7 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
-              k: int, gemv: bool):
+              k: int, gemv: bool, mt: int | None = None):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call."""
     turn = itertools.count()
 
@@ -73,13 +85,44 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
         if gemv:
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
         else:
-            launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
+            launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
+                            mt=mt)
     return launch
+
+
+# the int4_mma without the weight prefetch: the A/B of --mt-sweep
+NO_PREFETCH = dataclasses.replace(INT4_MMA, source=dataclasses.replace(
+    INT4_MMA.source, module_name="gp_int4_batched_pf0",
+    options=(*INT4_MMA.source.options, "-DGP_I4_PREFETCH=0")))
+
+
+def sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
+    """{(rows, prefetch, mt): seconds} over every built MT choice, rows 2..64."""
+    out = {}
+    for b in BATCHES[1:]:
+        for pf, kdef in ((1, INT4_MMA), (0, NO_PREFETCH)):
+            for mt in MT_CHOICES[x_tiles(b)]:
+                out[b, pf, mt] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n,
+                                                     k, False, mt), reps, trials)
+    return out
+
+
+def print_sweep(name: str, n: int, times: dict) -> None:
+    cells = sorted({(pf, mt) for _, pf, mt in times}, key=lambda c: (-c[0], c[1]))
+    print(f"  {name} n={n} sweep, us (pf = weight prefetch, mt = 16-row tiles per warp): "
+          + "  ".join(f"pf{pf} mt{mt}" for pf, mt in cells))
+    for b in BATCHES[1:]:
+        row = [f"{times[b, pf, mt] * 1e6:9.1f}" if (b, pf, mt) in times else f"{'-':>9}"
+               for pf, mt in cells]
+        best = min((t, pf, mt) for (bb, pf, mt), t in times.items() if bb == b)
+        print(f"    b{b:<3d}" + " ".join(row) + f"   best pf{best[1]} mt{best[2]}", flush=True)
 
 
 def main() -> int:
     ap = kernel_bench_parser(__doc__)
     add_record_flag(ap)
+    ap.add_argument("--mt-sweep", action="store_true",
+                    help="time every built MT choice with and without the weight prefetch")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -91,6 +134,7 @@ def main() -> int:
     step = {b: 0.0 for b in BATCHES}
     step_gemv1 = step_bytes = 0.0
     step_torch = {b: 0.0 for b in BATCHES}
+    step_best = {b: 0.0 for b in BATCHES[1:]}
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -116,6 +160,11 @@ def main() -> int:
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
                     have_torch = torch_times[b] is not None
+            if args.mt_sweep:
+                swept = sweep(dev, h, weights, x, y, n, k, args.reps, args.trials)
+                print_sweep(name, n, swept)
+                for b in BATCHES[1:]:
+                    step_best[b] += uses * min(t for (bb, _, _), t in swept.items() if bb == b)
             h.close()
             best1 = min(gemv1, times[1])
             for b in BATCHES:
@@ -143,6 +192,12 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows", step[b] * 1e3, "ms",
                        peer=step_torch[b] * 1e3 if have_torch and step_torch[b] else None)
     targets.figure("decode step int4 linears, 1 row on the GEMV", step_gemv1 * 1e3, "ms")
+    if args.mt_sweep:
+        print("decode step's linears with the best swept (prefetch, mt) per shape, ms:")
+        for b in BATCHES[1:]:
+            print(f"  batch {b:3d}: {step_best[b] * 1e3:8.3f} (default {step[b] * 1e3:8.3f})")
+            targets.figure(f"decode step int4 linears, {b} rows, best swept tiles", step_best[b] * 1e3,
+                           "ms")
     targets.check("decode step int4 linears, 64 rows / 1 row", step[64] / step[1], "<=",
                   TARGET_64_OVER_1)
     targets.check("decode step int4 linears at 1 row, fraction of copy", step_bytes / step[1] / copy,

@@ -18,8 +18,9 @@ block (8 consecutive k), whose nibbles i and 4 + i form one fp16x2 A register wi
 its B registers are the same k of x, read as two float4. So every weight byte is loaded once,
 by one thread, as part of 16-byte row segments. A block is 8 warps over the same 16 * MT weight
 rows, each warp a contiguous eighth of K (split-K inside the block, summed through shared memory
-in warp order: deterministic, no atomics, no workspace). MT (16-row tiles per warp) is 4 up to
-16 rows of x and 2 above (registers: <= 128 for 2 blocks of 8 warps per SM).
+in warp order: deterministic, no atomics, no workspace). MT (16-row tiles per warp) is chosen per
+NT by the launcher (MT_CHOICES, MT_TOP), one block of 8 warps per SM; each warp keeps the next
+quant group's weight words in flight while it multiplies the current one.
 Cost: the weight once from HBM; x (M * K * 4 bytes) once per block from L2, i.e. N / (16 * MT)
 times per call: the price of keeping the whole block on one row range (see docs/kernels.md).
 """
@@ -42,15 +43,28 @@ MMA_K_ALIGN = 128   # K granule: 4 quant blocks (one 8-byte load of 4 scales)
 MMA_WARPS = 8
 
 
-def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
+# 16-row weight tiles per warp the kernel is built for, by NT (8-row tiles of x): the registers
+# (acc MT * NT * 4 floats, plus two groups of weight words in flight) bound MT * NT <= 16.
+MT_CHOICES: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2)}
+# The largest MT the launcher picks by default per NT (bench/int4_batched_bench.py --mt-sweep
+# measures every choice; docs/kernels.md has the figures).
+MT_TOP: dict[int, int] = {1: 4, 2: 4, 4: 2, 8: 1}
+
+
+def x_tiles(m: int) -> int:
+    """NT: 8-row tiles of x the kernel instantiates for m rows (1, 2, 4 or 8)."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+
+
+def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT, top: int | None = None) -> tuple[int, int]:
     """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n output on a
     device of `sms` multiprocessors (the launcher passes the device's own count): the largest MT
-    the registers allow for NT (4, 2, 1) that still gives every SM a block (one block of 8 warps
-    per SM); more rows per block means fewer re-reads of x (each block reads all of x from L2)."""
-    nt = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
-    top = 4 if nt <= 2 else 2 if nt == 4 else 1
+    up to `top` (default MT_TOP[NT]) that still gives every SM a block (one block of 8 warps per
+    SM); more rows per block means fewer re-reads of x (each block reads all of x from L2)."""
+    nt = x_tiles(m)
+    top = MT_TOP[nt] if top is None else top
     for mt in (4, 2, 1):   # >= 90 % of the SMs: one wave on 128 of 132 beats two waves
-        if mt <= top and ceil_div(n, 16 * mt) * 10 >= sms * 9:
+        if mt <= top and mt in MT_CHOICES[nt] and ceil_div(n, 16 * mt) * 10 >= sms * 9:
             return nt, mt
     return nt, 1
 
@@ -64,8 +78,10 @@ def mma_supported(m: int, k: int) -> bool:
 
 
 def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
-                    m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
-    """y (m, n) f32 = x (m, k) f32 @ dequant(W)^T (+ bias), W streamed once; 1 <= m <= 64."""
+                    m: int, n: int, k: int, accumulate: bool = False, stream=None,
+                    mt: int | None = None) -> None:
+    """y (m, n) f32 = x (m, k) f32 @ dequant(W)^T (+ bias), W streamed once; 1 <= m <= 64.
+    `mt` forces the 16-row tiles per warp (one of MT_CHOICES[NT]; default: mma_tiles)."""
     kernel = "int4_mma"
     require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
     require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
@@ -74,7 +90,10 @@ def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, 
             f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
     if m == 0 or n == 0:
         return
-    _, mt = mma_tiles(m, n, sm_count(device))
+    if mt is None:
+        _, mt = mma_tiles(m, n, sm_count(device))
+    require(mt in MT_CHOICES[x_tiles(m)],
+            f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
     device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpu_worker.kernels.int4_batched import MT_CHOICES, x_tiles
 from gpu_worker.kernels.selfcheck import CASES, Case, KernelHarness, int4_mma_case
 
 pytestmark = pytest.mark.gpu
@@ -23,6 +24,13 @@ MODEL: list[Case] = [
                            (5, 1024, 4096, {}), (64, 28672, 4096, {}),
                            (33, 6144, 4096, {"bias": True, "accumulate": True}),
                            (64, 4096, 14336, {}), (24, 1000, 4224, {}))
+]
+# every 16-row-tile count per warp the kernel is built for, forced, at odd N (a partial last
+# block) and K not a power of two: each (NT, MT) instantiation and its row guards
+FORCED: list[Case] = [
+    Case("int4_mma", int4_mma_case, {"m": m, "n": 1000 + m, "k": 4224, "mt": mt,
+                                     "accumulate": m % 2 == 1})
+    for m in (5, 16, 24, 64) for mt in MT_CHOICES[x_tiles(m)]
 ]
 
 
@@ -39,7 +47,7 @@ def harness(tmp_path_factory):
     device.close()
 
 
-@pytest.mark.parametrize("case", SHARED + MODEL, ids=[c.id for c in SHARED + MODEL])
+@pytest.mark.parametrize("case", SHARED + MODEL + FORCED, ids=[c.id for c in SHARED + MODEL + FORCED])
 def test_cuda_int4_mma_matches_the_f32_reference(harness, case) -> None:
     failure = case.run(harness, np.random.default_rng(sum(map(ord, case.id)))).failure()
     harness.close()

@@ -67,3 +67,21 @@ def test_int4_mma_tiles_give_every_sm_a_block_and_stay_in_registers() -> None:
         for n in (1024, 4096, 14336):
             mt = mma_tiles(m, n)[1]
             assert mt == 1 or -(-n // (16 * mt)) * 10 >= SM_COUNT * 9
+
+
+def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
+    from gpu_worker.kernels.common import InvalidArgument
+    from gpu_worker.kernels.int4_batched import MT_CHOICES, launch_int4_mma, mma_tiles
+
+    calls: list = []
+
+    class Recorder:
+        def launch(self, fn, grid, block, args, stream=None):
+            calls.append(grid)
+
+    with pytest.raises(InvalidArgument, match="mt=4 not built for m=64"):
+        launch_int4_mma(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=4)
+    assert not calls, "a refused launch launches nothing"
+    for nt, choices in MT_CHOICES.items():
+        assert all(mt * nt <= 16 for mt in choices), "the reduction buffer holds MT * NT <= 16"
+        assert mma_tiles(8 * nt, 1 << 20)[1] in choices, "the default is a built choice"

@@ -1,5 +1,8 @@
 #include "gpuplane_common.cuh"
 #define GP_MMA_WARPS 8
+#ifndef GP_I4_PREFETCH  // 1: the next quant group's weights load while this one multiplies
+#define GP_I4_PREFETCH 1  // 0: load, then multiply (bench/int4_batched_bench.py --mt-sweep A/B)
+#endif
 
 __device__ __forceinline__ unsigned gp_lop_nib(unsigned w) {  // (w & 0x000f000f) | 0x64006400
     unsigned r;
@@ -63,6 +66,28 @@ __device__ __forceinline__ void gp_xfrag(unsigned (&h)[4], unsigned (&l)[4], con
     }
 }
 
+// Weight words (4 per thread per 16-row half: word t of each 16-byte block) and the 4 scales of
+// quant group kb0 / 4 for this thread's rows g and g + 8 of each of MT 16-row tiles. Rows past N
+// read as nibble 8 (weight 0) with scale 0.
+template <int MT>
+__device__ __forceinline__ void gp_i4load(unsigned (&wr)[MT][2][4], uint2 (&sr)[MT][2],
+                                          const unsigned* __restrict__ w,
+                                          const unsigned short* __restrict__ sc, int row0, int g,
+                                          int t, int N, int KB, int kb0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + mt * 16 + g + 8 * h;
+            const bool in = r < N;
+            const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
+            sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
+                           : make_uint2(0u, 0u);
+        }
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                                          const unsigned* __restrict__ w,
@@ -79,22 +104,16 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    // Software pipeline: quant group kg + 1's weight words and scales are in flight while kg's
+    // mmas run (twice the bytes in flight per warp: at 8 warps per SM the loads, not the mmas,
+    // are the latency to hide).
+    unsigned wr[MT][2][4], wn[MT][2][4];
+    uint2 sr[MT][2], sn[MT][2];
+    if (GP_I4_PREFETCH && g0 < g1) gp_i4load<MT>(wr, sr, w, sc, row0, g, t, N, KB, g0 * 4);
     for (int kg = g0; kg < g1; ++kg) {
         const int kb0 = kg * 4;
-        unsigned wr[MT][2][4];
-        uint2 sr[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row0 + mt * 16 + g + 8 * h;
-                const bool in = r < N;
-                const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
-                sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
-                               : make_uint2(0u, 0u);
-            }
+        if (!GP_I4_PREFETCH) gp_i4load<MT>(wr, sr, w, sc, row0, g, t, N, KB, kb0);
+        else if (kg + 1 < g1) gp_i4load<MT>(wn, sn, w, sc, row0, g, t, N, KB, kb0 + 4);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const unsigned sh = 16 * (j & 1);
@@ -156,6 +175,15 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                 }
             }
         }
+        if (!GP_I4_PREFETCH) continue;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                sr[mt][h] = sn[mt][h];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) wr[mt][h][j] = wn[mt][h][j];
+            }
     }
     // Sum the warps' K slices in warp order (deterministic): red holds the running sum.
     constexpr int PER = MT * NT * 4;
@@ -196,15 +224,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 gp_int4_mma(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
             const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
             int K, int accumulate, int mt) {
-    __shared__ float red[4 * 2 * 4 * 32];  // MT * NT * 4 * 32 floats: 1024 at most
+    __shared__ float red[16 * 4 * 32];  // MT * NT * 4 * 32 floats: MT * NT <= 16
     const unsigned* w = reinterpret_cast<const unsigned*>(packed);
     if (M <= 8) {
         if (mt == 4) GP_I4MMA(4, 1); else if (mt == 2) GP_I4MMA(2, 1); else GP_I4MMA(1, 1);
     } else if (M <= 16) {
         if (mt == 4) GP_I4MMA(4, 2); else if (mt == 2) GP_I4MMA(2, 2); else GP_I4MMA(1, 2);
     } else if (M <= 32) {
-        if (mt == 2) GP_I4MMA(2, 4); else GP_I4MMA(1, 4);
+        if (mt == 4) GP_I4MMA(4, 4); else if (mt == 2) GP_I4MMA(2, 4); else GP_I4MMA(1, 4);
     } else {
-        GP_I4MMA(1, 8);
+        if (mt == 2) GP_I4MMA(2, 8); else GP_I4MMA(1, 8);
     }
 }

@@ -242,16 +242,17 @@ def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
-def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
+def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None) -> Outcome:
     """The batched tensor-core int4 linear (int4_batched.py): same contract and tolerance as the
-    GEMV (exact weights, x as fp16 hi + lo, f32 sums). `scale` sizes x (hi/lo split coverage)."""
+    GEMV (exact weights, x as fp16 hi + lo, f32 sums). `scale` sizes x (hi/lo split coverage);
+    `mt` forces the 16-row tiles per warp (default: the launcher's choice)."""
     packed, scales = _quantized(rng, n, k)
     x = _f32(rng, m, k, scale=scale)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
     launch_int4_mma(h.device, h.function(INT4_MMA), y, h.put(x), h.put(packed), h.put(scales),
-                    h.put(b) if bias else 0, m, n, k, accumulate)
+                    h.put(b) if bias else 0, m, n, k, accumulate, mt=mt)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
