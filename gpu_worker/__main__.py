@@ -14,6 +14,7 @@ import signal
 
 from gpu_worker.config import (
     DEFAULT_DEQUANT_TILE_BYTES,
+    DEFAULT_KV_SWAP_HOST_BYTES,
     DEFAULT_MAX_PLANS,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_VARIANTS_PER_NODE,
@@ -119,6 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="prefill every prompt whole (default: full KV blocks of a prompt "
                             "prefix already computed are shared, docs/scheduler.md)")
+    serve.add_argument("--kv-swap", action=argparse.BooleanOptionalAction, default=True,
+                       help="a preempted sequence's KV blocks go to pinned host and back when "
+                            "the copies cost less than recomputing them (docs/scheduler.md); "
+                            "--no-kv-swap always recomputes")
+    env_flag(serve, "--kv-swap-host-bytes", "GPUPLANE_KV_SWAP_HOST_BYTES",
+             DEFAULT_KV_SWAP_HOST_BYTES,
+             "pinned host bytes all decoders' swapped KV may hold; a swap that does not fit "
+             "recomputes; 0 = no swap", type=int)
+    env_flag(serve, "--kv-swap-copy-rate", "GPUPLANE_KV_SWAP_COPY_RATE", 0.0,
+             "pinned copy rate (bytes/s each way) the swap rule uses; 0 = measured at load",
+             type=float)
+    env_flag(serve, "--kv-swap-prefill-rate", "GPUPLANE_KV_SWAP_PREFILL_RATE", 0.0,
+             "prefill rate (tokens/s) the swap rule uses; 0 = measured by each decoder's "
+             "scheduler", type=float)
     return parser
 
 
@@ -154,6 +169,10 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,
         prefix_cache=not args.no_prefix_cache,
+        kv_swap=args.kv_swap,
+        kv_swap_host_bytes=args.kv_swap_host_bytes,
+        kv_swap_copy_rate=args.kv_swap_copy_rate,
+        kv_swap_prefill_rate=args.kv_swap_prefill_rate,
         prefill_chunk=args.prefill_chunk,
         dequant_tile_bytes=args.dequant_tile_bytes,
     )
@@ -184,6 +203,11 @@ def flag_problem(args: argparse.Namespace) -> str:
         return f"--max-stream-buffer-tokens must be in 1..{MAX_STREAM_BUFFER_TOKENS}"
     if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
         return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
+    if args.kv_swap_host_bytes < 0:
+        return "--kv-swap-host-bytes must be >= 0 (0 = no swap)"
+    rates = (args.kv_swap_copy_rate, args.kv_swap_prefill_rate)
+    if not all(math.isfinite(r) and r >= 0 for r in rates):
+        return "--kv-swap-copy-rate and --kv-swap-prefill-rate must be finite and >= 0 (0 = measured)"
     return ""
 
 

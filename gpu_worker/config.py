@@ -22,6 +22,9 @@ DEFAULT_VARIANTS_PER_NODE = 4      # kernel shape variants kept per graph node (
 DEFAULT_MAX_PLANS = 2              # warm shape plans kept per model (DESIGN 1.2)
 DEFAULT_PREFILL_CHUNK = 2048       # prompt tokens per prefill chunk
 DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
+# Pinned host bytes all decoders' swapped KV may hold: 4 GiB (a 2,000-token sequence of an 8b
+# model is 256 MiB of fp16 KV), small beside a serving host's memory and never allocated ahead.
+DEFAULT_KV_SWAP_HOST_BYTES = 4 << 30
 
 
 def default_worker_id() -> str:
@@ -64,6 +67,12 @@ class WorkerConfig:
     kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
     overlap: bool = True                # launch step n+1 before reading step n's tokens back
     prefix_cache: bool = True           # share cached full KV blocks of a common prompt prefix
+    # the KV tier in pinned host memory (docs/scheduler.md): a preemption swaps a sequence's
+    # blocks to host when the copies cost less than its recompute
+    kv_swap: bool = True
+    kv_swap_host_bytes: int = DEFAULT_KV_SWAP_HOST_BYTES   # all decoders together; 0 = no swap
+    kv_swap_copy_rate: float = 0.0      # pinned copy bytes/s each way; 0 = measured at load
+    kv_swap_prefill_rate: float = 0.0   # prefill tokens/s; 0 = measured by each scheduler
     # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
     # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
     batching: bool = True
@@ -85,6 +94,14 @@ class WorkerConfig:
         if self.kv_pool_bytes < 0:
             raise InvalidArgument(f"WorkerConfig.kv_pool_bytes={self.kv_pool_bytes} must be >= 0 "
                                   "(0: max_batch_size full contexts)")
+        if not isinstance(self.kv_swap_host_bytes, int) or self.kv_swap_host_bytes < 0:
+            raise InvalidArgument(f"WorkerConfig.kv_swap_host_bytes={self.kv_swap_host_bytes!r} "
+                                  "must be an integer >= 0 (0: no KV swap)")
+        for name in ("kv_swap_copy_rate", "kv_swap_prefill_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"WorkerConfig.{name}={value!r} must be a finite number "
+                                      ">= 0 (0: measured)")
         if not math.isfinite(self.embed_batch_wait_ms) or self.embed_batch_wait_ms < 0:
             raise InvalidArgument(f"WorkerConfig.embed_batch_wait_ms={self.embed_batch_wait_ms} "
                                   "must be a finite number >= 0")

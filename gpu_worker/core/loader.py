@@ -20,6 +20,7 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.core.admission import admission_by_zone, weights_to_probe
 from gpu_worker.core.loaded_model import LoadedModel, LoadResult, ModelInfo
 from gpu_worker.engines.embed_batcher import EmbedBatcher, EmbedBatchStats
+from gpu_worker.engines.scheduler.kv_swap import HostKVTier
 from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.kernels.paged_attention import HEAD_DIMS as PAGED_HEAD_DIMS
@@ -52,8 +53,10 @@ class LoadSpec:
 class ModelLoader:
     def __init__(self, config: WorkerConfig, device, compiler, reclaimer,
                  embed_stats: EmbedBatchStats, settle_releases: Callable[[], None],
-                 embed_run: Callable[[LoadedModel, list[list[int]]], object]) -> None:
+                 embed_run: Callable[[LoadedModel, list[list[int]]], object],
+                 kv_host: HostKVTier | None = None) -> None:
         self.config, self.device, self.compiler, self.reclaimer = config, device, compiler, reclaimer
+        self.kv_host = kv_host           # None: no host KV tier (preemption recomputes)
         self.embed_stats = embed_stats
         self.settle_releases = settle_releases
         self.embed_run = embed_run       # one padded batch through an encoder, under its lock
@@ -118,12 +121,15 @@ class ModelLoader:
         c, model = self.config, loaded.model
         if isinstance(model, PagedDecoderModel):
             assert model.pool is not None
+            swap = (self.kv_host.swap_for(model.executor.device, model.pool)
+                    if self.kv_host is not None else None)
             loaded.scheduler = Scheduler(
                 model, model.pool, max_batch_size=c.max_batch_size,
                 max_step_tokens=c.max_step_tokens, max_queued=c.max_queued,
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
                 pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
-                overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info))
+                overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info),
+                kv_swap=swap, prefill_tokens_per_s=c.kv_swap_prefill_rate)
         elif isinstance(model, EncoderModel):
             max_context = loaded.cfg.max_context
 

@@ -37,6 +37,7 @@ from gpu_worker.core.stats import scheduler_histograms, scheduler_stats, worker_
 from gpu_worker.core.token_stream import TokenBuffer, TokenStream
 from gpu_worker.engines.embed_batcher import EmbedBatchStats
 from gpu_worker.engines.scheduler.histogram import Histogram
+from gpu_worker.engines.scheduler.kv_swap import HostKVBudget, HostKVTier
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.serial import SerialRequest, serial_tokens
 from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
@@ -64,6 +65,10 @@ class WorkerRuntime:
         self._loading: set[str] = set()    # ids reserved by a load in progress
         # Embed batching counters, shared by every encoder's batcher (made at load)
         self.embed_batch_stats = EmbedBatchStats()
+        # the host KV tier every decoder's preemptions swap into (None: --no-kv-swap or 0 bytes)
+        self.kv_host = (HostKVTier(HostKVBudget(config.kv_swap_host_bytes),
+                                   config.kv_swap_copy_rate)
+                        if config.kv_swap and config.kv_swap_host_bytes > 0 else None)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
@@ -160,7 +165,8 @@ class WorkerRuntime:
 
     def _loader(self) -> ModelLoader:
         return ModelLoader(self.config, self._started(), self.compiler, self.reclaimer,
-                           self.embed_batch_stats, self._settle_releases, self._embed_batch)
+                           self.embed_batch_stats, self._settle_releases, self._embed_batch,
+                           self.kv_host)
 
     def model_info(self, model_id: str) -> ModelInfo:
         """The loaded model's facts (NOT_FOUND for an unknown id): one lookup, no other lock."""

@@ -61,3 +61,38 @@ def solo(prompt: list[int], max_new: int, sampling: SamplingParams = GREEDY) -> 
         out.append(tok)
         context.append(tok)
     return out
+
+
+class DeviceTokenRunner(TokenPoolRunner):
+    """The token-pool runner with its tokens in the KV pool's own (sim) device memory: token p
+    of a sequence is the int64 at the start of slot p % block_tokens of block table[p // bt],
+    read and written through the sim backend's view of the pool's mapped pages (after the
+    stream drained, so queued swap copies have run). A block swapped to host and back carries
+    its tokens only if the copies really moved its bytes; an unmapped block faults."""
+
+    def __init__(self, device, kv, geometry: KVGeometry, capacity_blocks: int,
+                 prefill_chunk: int) -> None:
+        super().__init__(geometry, capacity_blocks, prefill_chunk)
+        self.device, self.kv = device, kv
+
+    def _at(self, block: int, slot: int) -> np.ndarray:
+        ptr = self.kv.base + block * self.kv.block_bytes + slot * 8
+        return self.device.backend.view(ptr, 8).view(np.int64)
+
+    def prefill(self, tokens, start, table, sampling, sample):
+        self.device.synchronize()
+        return super().prefill(tokens, start, table, sampling, sample)
+
+    def decode(self, rows):
+        self.device.synchronize()
+        return super().decode(rows)
+
+    def _write(self, table, position, token) -> None:
+        bt = self.geometry.block_tokens
+        self._at(int(table[position // bt]), position % bt)[0] = token
+
+    def _next(self, table, upto, sampling) -> int:
+        bt = self.geometry.block_tokens
+        context = [int(self._at(int(table[p // bt]), p % bt)[0]) for p in range(upto + 1)]
+        key = repr((context, sampling.seed if not sampling.greedy else None, upto)).encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % VOCAB

@@ -9,9 +9,12 @@ be an OOM, and the host must not sit between two steps on the device. Contract, 
 1. reap: cancelled sequences (client gone, deadline passed) leave and free their blocks;
 2. the running batch, oldest first: a decoding sequence reserves one position (none once it has
    launched its last token); a reservation that finds no block preempts the newest running
-   sequence (blocks freed, to the front of the waiting queue; it recomputes its prompt and
-   generated tokens by prefill later, and its stream continues with the tokens it would have
-   produced: greedy, or sampling keyed by (seed, position));
+   sequence (blocks freed, to the front of the waiting queue). With the host KV tier
+   (kv_swap.py) its blocks are first copied to pinned host when the copies cost less than the
+   prefill they save (measured rates) and the host budget holds them, and copied back into
+   fresh blocks when it is readmitted; else it recomputes its prompt and generated tokens by
+   prefill later. Either way its stream continues with the tokens it would have produced:
+   greedy, or sampling keyed by (seed, position);
 3. prefill: what is left of `max_step_tokens` after the decode rows is shared by the prefilling
    sequences and the waiting ones admitted now (FCFS, while the batch bound and free blocks
    allow; admission never preempts), max-min fair with a floor of `min_prefill_share` tokens,
@@ -54,6 +57,7 @@ import numpy as np
 
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.kv_swap import KVSwap, SwapFailed, SwappedKV, swap_is_cheaper
 from gpu_worker.engines.scheduler.prefix_cache import chain_hashes, root_key
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -235,6 +239,7 @@ class Sequence:
     preemptions: int = 0
     last_token_at: float = 0.0
     keys: list[bytes] = field(default_factory=list)   # prefix-cache keys of its first full blocks
+    swapped: SwappedKV | None = None         # preempted with its KV on the host (kv_swap.py)
     _events: queue.Queue | EventSink = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -301,6 +306,8 @@ class _Launched:
     handle: StepHandle
     rows: list[tuple[Sequence, int]]
     step: int
+    prefill_tokens: int = 0
+    decode_rows: int = 0
 
 
 class Scheduler:
@@ -315,7 +322,8 @@ class Scheduler:
                  settle: Callable[[], None] | None = None,
                  thread: bool = True, name: str = "model", overlap: bool = True,
                  min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE,
-                 prefix_cache: bool = True, prefix_key: str = "") -> None:
+                 prefix_cache: bool = True, prefix_key: str = "",
+                 kv_swap: KVSwap | None = None, prefill_tokens_per_s: float = 0.0) -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
                             ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
@@ -324,6 +332,9 @@ class Scheduler:
             # a full batch of decodes would leave no budget for a prefilling member: it starves
             raise InvalidArgument(f"max_step_tokens ({max_step_tokens}) must be at least "
                                   f"max_batch_size ({max_batch_size})")
+        if not prefill_tokens_per_s >= 0 or prefill_tokens_per_s == float("inf"):
+            raise InvalidArgument(f"prefill_tokens_per_s must be a finite number >= 0 (0: the "
+                                  f"rate this scheduler measures), got {prefill_tokens_per_s}")
         if not hasattr(runner, "begin_step"):      # a host-token runner (tests, host bench)
             runner = HostStepRunner(runner, max_batch_size)
         if runner.slots < max_batch_size:
@@ -336,6 +347,13 @@ class Scheduler:
         # the prefix cache: `prefix_key` names the model (its K/V depend on its weights)
         self.prefix_cache = prefix_cache
         self._root = root_key(prefix_key or name, runner.geometry.block_tokens)
+        # the host KV tier: a preemption swaps when the copies cost less than the recompute
+        self.kv_swap = kv_swap
+        self.prefill_tokens_per_s = float(prefill_tokens_per_s)   # 0: measured (_observe)
+        # prefill tokens per device second of recent read-back steps (prefill only, or mixed)
+        self._prefill_obs = {"pure": collections.deque(maxlen=32),
+                             "mixed": collections.deque(maxlen=32)}
+        self._resumed = False       # a swapped-in decoder's token must be written this step
         self.eos = frozenset(eos_token_ids)
         self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
@@ -353,7 +371,9 @@ class Scheduler:
                                        "failed", "dropped_tokens", "step_host_us",
                                        "step_device_us", "step_wait_us",
                                        "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
-                                       "kv_swapped_out_blocks", "kv_swapped_in_blocks"), 0)
+                                       "kv_swapped_out_blocks", "kv_swapped_in_blocks",
+                                       "kv_swap_outs", "kv_swap_ins", "kv_swap_declined",
+                                       "kv_swap_refused", "kv_swap_failed"), 0)
         self.ttft, self.tpot, self.queue_time = Histogram(), Histogram(), Histogram()
         # per engine step: wall time, the host's part (wall less the wait for the device) and
         # the device's span between the step's first and last event (CUDA events on cuda)
@@ -461,11 +481,16 @@ class Scheduler:
             stack.enter_context(self._pin())
             self._pinned = stack
         step = self.counters["steps"]
+        if self.kv_swap is not None:
+            with contextlib.suppress(SwapFailed):   # the step itself will meet the fault
+                self.kv_swap.collect()      # host buffers whose swap-in copies ran
+        self._resumed = False
         decodes, prefills = self._plan(step)
         launched: _Launched | None = None
         done = 0
         try:
-            if decodes or prefills:
+            # a swapped-in decoder alone still needs the step: its end writes the slot's token
+            if decodes or prefills or self._resumed:
                 self.counters["steps"] += 1
                 launched = self._launch(decodes, prefills, step)
                 done = len(decodes) + sum(n for _, n in prefills)
@@ -481,6 +506,7 @@ class Scheduler:
                     failed += [s for s, _ in batch.rows]
             self._inflight = None
             self.pool.forget()      # a launched block may never have been written
+            self._unswap_all()      # nor may a block swapped out behind a failed step
             for seq in failed:
                 if seq.state == "running":
                     self._finish(seq, "", error=exc)
@@ -515,8 +541,9 @@ class Scheduler:
             admit = list(itertools.islice(self._waiting, max(0, min(room, budget))))
         cands = prefilling + admit
         bt = self.runner.geometry.block_tokens
-        hits = [self._cached_prefix(s) for s in admit]      # blocks, none taken yet
-        starts = [s.computed for s in prefilling] + [h * bt for h in hits]
+        hits = [0 if s.swapped is not None else self._cached_prefix(s) for s in admit]
+        starts = [s.computed for s in prefilling] + [
+            s.swapped.positions if s.swapped is not None else h * bt for s, h in zip(admit, hits)]
         demands = [min(self.runner.prefill_chunk, s.prefill_target - start)
                    for s, start in zip(cands, starts, strict=True)]
         shares = prefill_shares(demands, budget, self.min_prefill_share) if cands else []
@@ -525,15 +552,20 @@ class Scheduler:
             if n > 0 and seq.state == "running" and self._reserve(seq, seq.computed + n):
                 prefills.append((seq, n))
         for seq, n, hit in zip(admit, shares[len(prefilling):], hits, strict=True):
-            if n <= 0:
+            swapped = seq.swapped is not None
+            resumes_decoding = swapped and seq.swapped.positions == seq.prefill_target
+            if n <= 0 and not resumes_decoding:
                 break
             with self._cond:    # a preemption above may have put a victim in front of it
                 if not self._waiting or self._waiting[0] is not seq:
                     break
             # the hit again, now taken: an allocation above may have evicted part of it
             shared = self.pool.acquire(seq.keys[:hit]) if hit else []
-            start = len(shared) * bt
+            start = seq.swapped.positions if swapped else len(shared) * bt
             got = self.pool.allocate(seq.table.geometry.blocks_for(start + n) - len(shared))
+            if got is not None and swapped and not self._swap_in(seq, got):
+                self.pool.free(got)     # it stays at the head, to be recomputed next step
+                break
             if got is None:
                 self.pool.free(shared)
                 if not self._running:   # nothing will ever free a block for it
@@ -550,14 +582,18 @@ class Scheduler:
             self.runner.assign(seq.slot, seq.sampling)
             self._extend(seq, shared + got)
             seq.computed = start
-            if self.prefix_cache:
+            if resumes_decoding:    # its next decode appends its last token, as it would have
+                seq.prefilled, self._resumed = True, True
+                self.runner.set_token(seq.slot, seq.generated[-1])
+            elif self.prefix_cache and not swapped:
                 self.counters["prefix_cache_queried_tokens"] += seq.prefill_target
                 self.counters["prefix_cache_hit_tokens"] += start
             if seq.admitted_step < 0:
                 seq.admitted_step = step
                 self.queue_time.observe(time.monotonic() - seq.submitted)
             self._running.append(seq)
-            prefills.append((seq, n))
+            if n > 0:
+                prefills.append((seq, n))
         # a reservation may have preempted a sequence planned before it
         decodes = [s for s in decodes if s.state == "running"]
         prefills = [(s, n) for s, n in prefills if s.state == "running"]
@@ -624,7 +660,10 @@ class Scheduler:
             seq.slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
+        """To the front of the waiting queue, its blocks freed: swapped to host first when that
+        is cheaper than recomputing them (kv_swap.py), else recomputed when it is readmitted."""
         self._running.remove(seq)
+        seq.swapped = self._swap_out(seq)    # queued before any later write to the blocks
         self.pool.free(seq.table.clear())
         self._release_slot(seq)
         seq.computed, seq.pending, seq.prefilled = 0, 0, False
@@ -634,6 +673,82 @@ class Scheduler:
         self.counters["preemptions"] += 1
         with self._cond:
             self._waiting.appendleft(seq)
+
+    def _resume_at(self, seq: Sequence) -> int:
+        """Positions a swapped sequence keeps: every computed one up to its prefill target
+        (its in-flight token is dropped, as for a recompute, and its next decode appends its
+        last token again). Before its first token is known the last prompt position is left
+        out: it is computed again, by a one-token prefill, for the first token's logits."""
+        target = seq.prefill_target if seq.generated else len(seq.prompt) - 1
+        return max(0, min(seq.computed, target))
+
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens per device second: the configured rate, else the highest measured
+        over the last 32 read-back steps that ran only prefill chunks, else over those that
+        also decoded (a lower bound: their decode rows' time counts too); None before any.
+        The highest, because a step's device span also holds the device's idle gaps (a graph
+        captured mid-step, a host behind the device): the fastest step is the closest to the
+        prefill's own rate."""
+        if self.prefill_tokens_per_s > 0:
+            return self.prefill_tokens_per_s
+        for kind in ("pure", "mixed"):
+            if self._prefill_obs[kind]:
+                return max(self._prefill_obs[kind])
+        return None
+
+    def _observe(self, batch: _Launched) -> None:
+        """A read-back step's prefill tokens over its device span, for `prefill_rate`."""
+        if batch.prefill_tokens and batch.handle.device_s > 0:
+            kind = "mixed" if batch.decode_rows else "pure"
+            self._prefill_obs[kind].append(batch.prefill_tokens / batch.handle.device_s)
+
+    def _swap_out(self, seq: Sequence) -> SwappedKV | None:
+        """The preempted `seq`'s leading blocks copied to pinned host, when the copies cost
+        less than the prefill a recompute runs and the host budget holds them; else None."""
+        if self.kv_swap is None:
+            return None
+        positions = self._resume_at(seq)
+        blocks = seq.table.blocks[:seq.table.geometry.blocks_for(positions)]
+        nbytes = len(blocks) * self.pool.block_bytes
+        if not swap_is_cheaper(nbytes, positions, self.kv_swap.rates, self.prefill_rate()):
+            self.counters["kv_swap_declined"] += 1
+            return None
+        try:
+            rec = self.kv_swap.swap_out(blocks, positions)
+        except SwapFailed:
+            self.counters["kv_swap_failed"] += 1
+            return None
+        if rec is None:
+            self.counters["kv_swap_refused"] += 1      # the pinned host budget is full
+            return None
+        self.counters["kv_swap_outs"] += 1
+        self.counters["kv_swapped_out_blocks"] += len(blocks)
+        return rec
+
+    def _swap_in(self, seq: Sequence, got: list[int]) -> bool:
+        """Queue `seq`'s host copy into the first of its fresh blocks `got`; False when the
+        copy failed (the sequence then is a plain preempted one: it recomputes)."""
+        rec, seq.swapped = seq.swapped, None
+        assert rec is not None
+        try:
+            self.kv_swap.swap_in(rec, got[:rec.blocks])
+        except SwapFailed:
+            self.counters["kv_swap_failed"] += 1
+            return False
+        self.counters["kv_swap_ins"] += 1
+        self.counters["kv_swapped_in_blocks"] += rec.blocks
+        return True
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        """Forget `seq`'s host copy (it recomputes, or it ended): its bytes go once copied."""
+        if seq.swapped is not None:
+            self.kv_swap.release(seq.swapped)
+            seq.swapped = None
+
+    def _unswap_all(self) -> None:
+        """A step failed: host copies made behind it may hold unwritten blocks; recompute."""
+        for seq in self._all():
+            self._drop_swapped(seq)
 
     def _pop_waiting(self) -> Sequence:
         with self._cond:
@@ -674,7 +789,7 @@ class Scheduler:
                     rows.append((seq, seq.epoch))
                 else:   # recomputed: its next decode appends its last known token
                     runner.set_token(seq.slot, seq.generated[-1])
-        return _Launched(runner.end_step(), rows, step)
+        return _Launched(runner.end_step(), rows, step, sum(n for _, n in prefills), len(decodes))
 
     def _complete(self, batch: _Launched) -> float:
         """Read a launched step's tokens back and stream them; returns the seconds waited."""
@@ -682,6 +797,7 @@ class Scheduler:
         tokens = batch.handle.tokens()
         waited = time.perf_counter() - t
         self.step_device_time.observe(batch.handle.device_s)
+        self._observe(batch)
         self.counters["step_device_us"] += int(batch.handle.device_s * 1e6)
         for seq, epoch in batch.rows:
             if seq.state != "running" or seq.epoch != epoch:
@@ -720,6 +836,7 @@ class Scheduler:
                 self._waiting.remove(seq)
         if seq.table.blocks:
             self.pool.free(seq.table.clear())
+        self._drop_swapped(seq)
         self._release_slot(seq)
         seq.pending = 0           # a token in flight is dropped when its step is read back
         seq.state, seq.finish_reason = "finished", reason or "error"
@@ -743,6 +860,9 @@ class Scheduler:
         self.pool.shrink()
         if self._settle is not None:
             self._settle()
+        if self.kv_swap is not None:      # no sequence is swapped out: every buffer goes
+            with contextlib.suppress(SwapFailed):    # a lost context: they stay booked
+                self.kv_swap.collect(wait=True)
         with self._cond:
             self._cond.notify_all()     # wait_idle
 
@@ -780,12 +900,23 @@ class Scheduler:
         host's work, the host's wait for the device, the device's span), `overlap` (1 when steps
         overlap), `inflight_steps`, `prefix_cache` (1 when on) and the pool's
         `kv_blocks_capacity`, `kv_block_bytes` and `kv_cache_evictions` (cached blocks
-        evicted, for a new block or a reclaim)."""
+        evicted, for a new block or a reclaim). The host KV tier: `kv_swap` (1 when on),
+        `kv_swap_host_bytes` (pinned host bytes this decoder's swapped KV holds now),
+        `kv_swap_outs` / `kv_swap_ins` (sequences), `kv_swap_declined` (preemptions that
+        recomputed because that was cheaper, or no prefill rate was known yet),
+        `kv_swap_refused` (the host budget was full), `kv_swap_failed` (a copy the device
+        refused: recomputed), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
+        `kv_swap_h2d_bytes_per_s`, `kv_swap_d2h_bytes_per_s`."""
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
+        swap = self.kv_swap
         return {"running": running, "waiting": waiting, **self.counters, **self.pool.stats(),
                 "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None),
-                "prefix_cache": int(self.prefix_cache)}
+                "prefix_cache": int(self.prefix_cache), "kv_swap": int(swap is not None),
+                "kv_swap_host_bytes": swap.host_bytes if swap is not None else 0,
+                "kv_swap_prefill_tokens_per_s": int(self.prefill_rate() or 0),
+                "kv_swap_h2d_bytes_per_s": int(swap.rates.h2d_bytes_per_s) if swap else 0,
+                "kv_swap_d2h_bytes_per_s": int(swap.rates.d2h_bytes_per_s) if swap else 0}
 
     def histograms(self) -> dict[str, Histogram]:
         """Latency histograms by Prometheus-style name (seconds)."""
@@ -807,4 +938,7 @@ class Scheduler:
                 self._finish(seq, "", error=FailedPrecondition(reason))
             self._idle()
             self._flush_ended()
+            if self.kv_swap is not None:
+                with contextlib.suppress(SwapFailed):   # a lost context: the bytes stay booked
+                    self.kv_swap.close()
             self.pool.close()
