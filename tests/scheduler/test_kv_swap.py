@@ -94,6 +94,7 @@ def test_swap_out_then_in_gives_the_tokens_of_a_run_without_preemption(dev):
     assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == 0
     stats = sched.stats()
     assert stats["kv_swap_host_bytes"] == 0 and stats["kv_swapped_in_blocks"] > 0
+    assert stats["kv_swap_host_us"] > 0
     sched.close()
 
 
@@ -385,3 +386,61 @@ def test_the_runtime_swaps_preempted_kv_and_its_streams_match_no_swap(kernel_cac
     assert sched["kv_swap"] == 1 and sched["kv_swap_h2d_bytes_per_s"] > 0
     assert plain_sched["kv_swap"] == 0 and plain_stats["kv_swapped_out_blocks"] == 0
     assert swapped == plain
+
+
+def test_blocks_swapped_to_host_and_back_keep_their_bytes_across_runs_and_gaps(dev):
+    import numpy as np
+
+    pool = KVBlockPool(dev.arena, GEO, 32)
+    budget = HostKVBudget(32 * GEO.block_bytes)
+    swap = KVSwap(dev, pool, budget, FAST)
+    blocks = pool.allocate(12)
+    out = [blocks[i] for i in (0, 1, 2, 5, 7, 8, 11)]      # runs of 3, 1 and 2, then 1
+    rng = np.random.default_rng(7)
+    data = {b: rng.integers(0, 256, GEO.block_bytes, dtype=np.uint8) for b in out}
+    for b, d in data.items():
+        dev.to_device(pool.base + b * pool.block_bytes, d)
+    calls = dev.backend.calls["copy_d2h_async"]
+    rec = swap.swap_out(out, 7 * 16)
+    assert dev.backend.calls["copy_d2h_async"] - calls == 4, "one copy per run of blocks"
+    assert budget.in_use == swap.host_bytes == 7 * GEO.block_bytes
+    for b in out:                           # queued behind the swap-out copies
+        dev.memset(pool.base + b * pool.block_bytes, 0, pool.block_bytes)
+    into = [blocks[i] for i in (11, 10, 3, 4, 6, 9, 0)]
+    swap.swap_in(rec, into)
+    dev.synchronize()
+    for src, dst in zip(out, into, strict=True):
+        got = dev.from_device(pool.base + dst * pool.block_bytes, pool.block_bytes)
+        assert np.array_equal(got, data[src]), f"block {src} -> {dst} lost its bytes"
+    swap.collect(wait=True)
+    assert budget.in_use == swap.host_bytes == 0
+    pool.free(blocks)
+    swap.close()
+    pool.close()
+
+
+def test_a_failed_step_drops_every_host_copy_and_the_rest_recompute(dev):
+    sched, pool, budget, swap = make(dev)
+    prompts = [prompt_of(i, 20 + 7 * i) for i in range(6)]
+    seqs = [sched.submit(p, 40) for p in prompts]
+    waiting = step_until_swapped(sched, pool, budget, swap)
+    runner = sched.runner.inner
+    real = runner.decode
+
+    def broken(rows):
+        runner.decode = real
+        raise RuntimeError("injected step failure")
+    runner.decode = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(50):
+            sched.step()
+    assert all(s.swapped is None for s in sched._all()), "a host copy outlived a failed step"
+    swap.collect(wait=True)
+    assert budget.in_use == swap.host_bytes == 0
+    drain(sched, pool, budget, swap)
+    for p, s in zip(prompts, seqs, strict=True):
+        if s.finish_reason != "error":
+            assert s.generated == solo(p, 40)
+    assert any(s.finish_reason != "error" for s in waiting)
+    assert pool.used_blocks() == 0
+    sched.close()

@@ -165,7 +165,7 @@ class KVSwap:
         self.host_bytes = 0                       # booked by this decoder's swaps
         self._retired: list[SwappedKV] = []       # released, copies maybe still queued
         self._events: list[object] = []           # spare events
-        self.swap_seconds = 0.0                   # host time spent queueing swaps
+        self.swap_seconds = 0.0                   # host time queueing swaps (pinned allocs too)
 
     def _event(self) -> object:
         return self._events.pop() if self._events else self.device.create_event()
@@ -234,6 +234,7 @@ class KVSwap:
         if not fenced:
             with contextlib.suppress(DeviceError):
                 self.device.synchronize(self.device.stream)
+            self._events.append(rec.event)      # re-armed by its next record
             rec.event = None
         self._retired.append(rec)
         with contextlib.suppress(SwapFailed):   # a lost context: the bytes stay booked

@@ -905,7 +905,8 @@ class Scheduler:
         `kv_swap_outs` / `kv_swap_ins` (sequences), `kv_swap_declined` (preemptions that
         recomputed because that was cheaper, or no prefill rate was known yet),
         `kv_swap_refused` (the host budget was full), `kv_swap_failed` (a copy the device
-        refused: recomputed), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
+        refused: recomputed), `kv_swap_host_us` (engine-thread time queueing swaps, pinned
+        allocations included), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
         `kv_swap_h2d_bytes_per_s`, `kv_swap_d2h_bytes_per_s`."""
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
@@ -914,6 +915,7 @@ class Scheduler:
                 "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None),
                 "prefix_cache": int(self.prefix_cache), "kv_swap": int(swap is not None),
                 "kv_swap_host_bytes": swap.host_bytes if swap is not None else 0,
+                "kv_swap_host_us": int(swap.swap_seconds * 1e6) if swap is not None else 0,
                 "kv_swap_prefill_tokens_per_s": int(self.prefill_rate() or 0),
                 "kv_swap_h2d_bytes_per_s": int(swap.rates.h2d_bytes_per_s) if swap else 0,
                 "kv_swap_d2h_bytes_per_s": int(swap.rates.d2h_bytes_per_s) if swap else 0}
