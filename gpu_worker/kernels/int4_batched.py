@@ -44,7 +44,7 @@ MMA_WARPS = 8
 
 
 # 16-row weight tiles per warp the kernel is built for, by NT (8-row tiles of x): the registers
-# (acc MT * NT * 4 floats, plus two groups of weight words in flight) bound MT * NT <= 16.
+# (acc MT * NT * 4 floats) and the reduction buffer bound MT * NT <= 16.
 MT_CHOICES: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2)}
 # The largest MT the launcher picks by default per NT (bench/int4_batched_bench.py --mt-sweep
 # measures every choice; docs/kernels.md has the figures).
@@ -77,28 +77,87 @@ def mma_supported(m: int, k: int) -> bool:
     return 2 <= m <= MMA_MAX_ROWS and k % MMA_K_ALIGN == 0 and k > 0
 
 
+def _check_mma(kernel: str, m: int, n: int, k: int, mt: int | None, device) -> int | None:
+    """The shared launch checks; the tiles per warp to launch with (None: nothing to do)."""
+    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
+    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
+    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
+    if m == 0 or n == 0:
+        return None
+    if mt is None:
+        _, mt = mma_tiles(m, n, sm_count(device))
+    require(mt in MT_CHOICES[x_tiles(m)],
+            f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
+    return mt
+
+
 def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                     m: int, n: int, k: int, accumulate: bool = False, stream=None,
                     mt: int | None = None) -> None:
     """y (m, n) f32 = x (m, k) f32 @ dequant(W)^T (+ bias), W streamed once; 1 <= m <= 64.
     `mt` forces the 16-row tiles per warp (one of MT_CHOICES[NT]; default: mma_tiles)."""
     kernel = "int4_mma"
-    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
-    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
-    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
     require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
             f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
-    if m == 0 or n == 0:
-        return
+    mt = _check_mma(kernel, m, n, k, mt, device)
     if mt is None:
-        _, mt = mma_tiles(m, n, sm_count(device))
-    require(mt in MT_CHOICES[x_tiles(m)],
-            f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
+        return
     device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream)
 
 
-INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, launch_int4_mma)
+# -- x split once: the planes path ---------------------------------------------------------------
+# Every block of gp_int4_mma splits all of x into fp16 hi + lo itself (N / (16 * MT) times per
+# call). gp_x_planes does it once per call into two fp16 planes (reference.x_planes' layout) and
+# gp_int4_mma_xp reads them: the same registers, so the same sums bit for bit, for one extra
+# kernel of M * K elements. Where that pays is measured (int4_batched_bench --mt-sweep).
+PLANES_MIN_ROWS = 17   # rows from which the linear splits x once (the planes path)
 
-KERNELS = [INT4_MMA]
+
+def planes_bytes(m: int, k: int) -> int:
+    """Scratch of the planes path: hi and lo, m * k halves each, 16-byte aligned."""
+    return 2 * (ceil_div(2 * m * k, 16) * 16)
+
+
+def use_planes(m: int, k: int) -> bool:
+    """Whether a linear of m rows (mma_supported) splits x once (gp_x_planes + gp_int4_mma_xp)."""
+    return mma_supported(m, k) and m >= PLANES_MIN_ROWS
+
+
+def launch_x_planes(device, function, planes: int, x: int, m: int, k: int, stream=None) -> None:
+    """planes (planes_bytes(m, k) bytes) = x (m, k) f32 as fp16 hi then lo (reference.x_planes)."""
+    kernel = "x_planes"
+    require_sizes(kernel, m=m, k=k, elements=m * k)
+    require(k % 8 == 0 and x % 16 == 0 and planes % 16 == 0,
+            f"{kernel}: k={k} (a multiple of 8), x and planes (16) must be aligned")
+    groups = m * k // 8
+    if groups == 0:
+        return
+    lo = planes + planes_bytes(m, k) // 2
+    device.launch(function, (ceil_div(groups, 256), 1, 1), (256, 1, 1),
+                  [ptr(planes), ptr(lo), ptr(x), i32(groups)], stream=stream)
+
+
+def launch_int4_mma_xp(device, function, y: int, planes: int, packed: int, scales: int,
+                           bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                           stream=None, mt: int | None = None) -> None:
+    """launch_int4_mma's y from x split by launch_x_planes into `planes`."""
+    kernel = "int4_mma_xp"
+    require(packed % 16 == 0 and scales % 8 == 0 and planes % 16 == 0,
+            f"{kernel}: packed (16), scales (8) and planes (16) must be aligned")
+    mt = _check_mma(kernel, m, n, k, mt, device)
+    if mt is None:
+        return
+    lo = planes + planes_bytes(m, k) // 2
+    device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
+                  [ptr(y), ptr(planes), ptr(lo), ptr(packed), ptr(scales), ptr(bias), i32(m),
+                   i32(n), i32(k), i32(1 if accumulate else 0), i32(mt)], stream=stream)
+
+
+INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, launch_int4_mma)
+X_PLANES = KernelDef("x_planes", "gp_x_planes", SOURCE, reference.x_planes, launch_x_planes)
+INT4_MMA_XP = KernelDef("int4_mma_xp", "gp_int4_mma_xp", SOURCE, reference.int4_matmul_planes,
+                        launch_int4_mma_xp)
+
+KERNELS = [INT4_MMA, X_PLANES, INT4_MMA_XP]

@@ -1,8 +1,5 @@
 #include "gpuplane_common.cuh"
 #define GP_MMA_WARPS 8
-#ifndef GP_I4_PREFETCH  // 1: the next quant group's weights load while this one multiplies
-#define GP_I4_PREFETCH 1  // 0: load, then multiply (bench/int4_batched_bench.py --mt-sweep A/B)
-#endif
 
 __device__ __forceinline__ unsigned gp_lop_nib(unsigned w) {  // (w & 0x000f000f) | 0x64006400
     unsigned r;
@@ -66,34 +63,27 @@ __device__ __forceinline__ void gp_xfrag(unsigned (&h)[4], unsigned (&l)[4], con
     }
 }
 
-// Weight words (4 per thread per 16-row half: word t of each 16-byte block) and the 4 scales of
-// quant group kb0 / 4 for this thread's rows g and g + 8 of each of MT 16-row tiles. Rows past N
-// read as nibble 8 (weight 0) with scale 0.
-template <int MT>
-__device__ __forceinline__ void gp_i4load(unsigned (&wr)[MT][2][4], uint2 (&sr)[MT][2],
-                                          const unsigned* __restrict__ w,
-                                          const unsigned short* __restrict__ sc, int row0, int g,
-                                          int t, int N, int KB, int kb0) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + mt * 16 + g + 8 * h;
-            const bool in = r < N;
-            const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
-            sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
-                           : make_uint2(0u, 0u);
-        }
+// The same B registers from x already split (gp_x_planes): 16 bytes of each plane, no arithmetic.
+__device__ __forceinline__ void gp_xfrag_planes(unsigned (&h)[4], unsigned (&l)[4],
+                                                const unsigned short* xh, const unsigned short* xl,
+                                                bool in) {
+    uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+    if (in) {
+        a = *reinterpret_cast<const uint4*>(xh);
+        b = *reinterpret_cast<const uint4*>(xl);
+    }
+    h[0] = a.x; h[1] = a.y; h[2] = a.z; h[3] = a.w;
+    l[0] = b.x; l[1] = b.y; l[2] = b.z; l[3] = b.w;
 }
 
-template <int MT, int NT>
+template <int MT, int NT, bool XP>
 __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                                          const unsigned* __restrict__ w,
                                          const unsigned short* __restrict__ sc,
                                          const float* __restrict__ bias, int M, int N, int K,
-                                         int accumulate, float* red) {
+                                         int accumulate, float* red,
+                                         const unsigned short* __restrict__ xhi,
+                                         const unsigned short* __restrict__ xlo) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int KB = K >> 5, KG = K >> 7;  // quant blocks, groups of 4 per row
     const int row0 = blockIdx.x * MT * 16;
@@ -104,16 +94,22 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-    // Software pipeline: quant group kg + 1's weight words and scales are in flight while kg's
-    // mmas run (twice the bytes in flight per warp: at 8 warps per SM the loads, not the mmas,
-    // are the latency to hide).
-    unsigned wr[MT][2][4], wn[MT][2][4];
-    uint2 sr[MT][2], sn[MT][2];
-    if (GP_I4_PREFETCH && g0 < g1) gp_i4load<MT>(wr, sr, w, sc, row0, g, t, N, KB, g0 * 4);
     for (int kg = g0; kg < g1; ++kg) {
         const int kb0 = kg * 4;
-        if (!GP_I4_PREFETCH) gp_i4load<MT>(wr, sr, w, sc, row0, g, t, N, KB, kb0);
-        else if (kg + 1 < g1) gp_i4load<MT>(wn, sn, w, sc, row0, g, t, N, KB, kb0 + 4);
+        unsigned wr[MT][2][4];
+        uint2 sr[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row0 + mt * 16 + g + 8 * h;
+                const bool in = r < N;
+                const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
+                sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
+                               : make_uint2(0u, 0u);
+            }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const unsigned sh = 16 * (j & 1);
@@ -123,8 +119,9 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + g;
-                    gp_xfrag(xh[nt], xl[nt], x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t,
-                             m < M);
+                    const long long off = (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t;
+                    if constexpr (XP) gp_xfrag_planes(xh[nt], xl[nt], xhi + off, xlo + off, m < M);
+                    else gp_xfrag(xh[nt], xl[nt], x + off, m < M);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -159,7 +156,9 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + g;
                     unsigned xh[4], xl[4];
-                    gp_xfrag(xh, xl, x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t, m < M);
+                    const long long off = (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t;
+                    if constexpr (XP) gp_xfrag_planes(xh, xl, xhi + off, xlo + off, m < M);
+                    else gp_xfrag(xh, xl, x + off, m < M);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         float d[4];
@@ -175,15 +174,6 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                 }
             }
         }
-        if (!GP_I4_PREFETCH) continue;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                sr[mt][h] = sn[mt][h];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) wr[mt][h][j] = wn[mt][h][j];
-            }
     }
     // Sum the warps' K slices in warp order (deterministic): red holds the running sum.
     constexpr int PER = MT * NT * 4;
@@ -219,20 +209,54 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
 
 // grid (ceil(N / (16 * mt))), 256 threads; NT from M, mt (16-row tiles per warp) from the
 // launcher (int4_batched.mma_tiles): fewer rows per block for small N, so every SM gets a block.
-#define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, w, scales, bias, M, N, K, accumulate, red)
+// MT * NT <= 16 (the registers; int4_batched.MT_CHOICES).
+#define GP_I4MMA_ALL(XP_)                                                                       \
+    if (M <= 8) {                                                                               \
+        if (mt == 4) GP_I4MMA(4, 1, XP_); else if (mt == 2) GP_I4MMA(2, 1, XP_); else GP_I4MMA(1, 1, XP_); \
+    } else if (M <= 16) {                                                                       \
+        if (mt == 4) GP_I4MMA(4, 2, XP_); else if (mt == 2) GP_I4MMA(2, 2, XP_); else GP_I4MMA(1, 2, XP_); \
+    } else if (M <= 32) {                                                                       \
+        if (mt == 4) GP_I4MMA(4, 4, XP_); else if (mt == 2) GP_I4MMA(2, 4, XP_); else GP_I4MMA(1, 4, XP_); \
+    } else {                                                                                    \
+        if (mt == 2) GP_I4MMA(2, 8, XP_); else GP_I4MMA(1, 8, XP_);                             \
+    }
+#define GP_I4MMA(MT_, NT_, XP_) \
+    gp_i4mma<MT_, NT_, XP_>(y, x, w, scales, bias, M, N, K, accumulate, red, xhi, xlo)
+
+// x (M, K) f32, split into fp16 hi + lo halves by every warp that reads it.
 extern "C" __global__ void __launch_bounds__(256, 1)
 gp_int4_mma(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
             const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
             int K, int accumulate, int mt) {
-    __shared__ float red[16 * 4 * 32];  // MT * NT * 4 * 32 floats: MT * NT <= 16
+    __shared__ float red[16 * 4 * 32];
     const unsigned* w = reinterpret_cast<const unsigned*>(packed);
-    if (M <= 8) {
-        if (mt == 4) GP_I4MMA(4, 1); else if (mt == 2) GP_I4MMA(2, 1); else GP_I4MMA(1, 1);
-    } else if (M <= 16) {
-        if (mt == 4) GP_I4MMA(4, 2); else if (mt == 2) GP_I4MMA(2, 2); else GP_I4MMA(1, 2);
-    } else if (M <= 32) {
-        if (mt == 4) GP_I4MMA(4, 4); else if (mt == 2) GP_I4MMA(2, 4); else GP_I4MMA(1, 4);
-    } else {
-        if (mt == 2) GP_I4MMA(2, 8); else GP_I4MMA(1, 8);
-    }
+    const unsigned short *xhi = nullptr, *xlo = nullptr;
+    GP_I4MMA_ALL(false)
+}
+
+// x given as its hi and lo fp16 planes (M * K halves each, gp_x_planes' order): the same sums
+// bit for bit, without each block's conversion of x.
+extern "C" __global__ void __launch_bounds__(256, 1)
+gp_int4_mma_xp(float* y, const unsigned short* __restrict__ xhi,
+               const unsigned short* __restrict__ xlo, const unsigned char* __restrict__ packed,
+               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M,
+               int N, int K, int accumulate, int mt) {
+    __shared__ float red[16 * 4 * 32];
+    const unsigned* w = reinterpret_cast<const unsigned*>(packed);
+    const float* x = nullptr;
+    GP_I4MMA_ALL(true)
+}
+
+// x (rows, K) f32 -> hi, lo (rows * K halves each): per 8 consecutive k, halves in the order
+// k0 k4 k1 k5 k2 k6 k3 k7 (the mma B registers' pairs), hi = fp16(x), lo = fp16(x - hi); one
+// thread per 8 values, `groups` = rows * K / 8.
+extern "C" __global__ void __launch_bounds__(256)
+gp_x_planes(unsigned short* __restrict__ xhi, unsigned short* __restrict__ xlo,
+            const float* __restrict__ x, int groups) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= groups) return;
+    unsigned h[4], l[4];
+    gp_xfrag(h, l, x + 8LL * i, true);
+    *reinterpret_cast<uint4*>(xhi + 8LL * i) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(xlo + 8LL * i) = make_uint4(l[0], l[1], l[2], l[3]);
 }
