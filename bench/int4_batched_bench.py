@@ -18,10 +18,8 @@ the median replay / reps (bench/attention_bench.median_replay).
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
 
 `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
-kernel is built for (int4_batched.MT_CHOICES) on both x paths (xp0: each block splits f32 x into
-fp16 hi + lo; xp1: gp_x_planes splits it once, then gp_int4_mma_xp, both kernels timed), and
-prints the decode step's linears with the best choice per shape: the figures
-int4_batched.MT_TOP and PLANES_MIN_ROWS are set from.
+kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
+best choice per shape: the figures int4_batched.mma_tiles' rule is set from.
 """
 from __future__ import annotations
 
@@ -38,16 +36,12 @@ from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
 from bench.targets import Targets
+from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
-    INT4_MMA_XP,
     MT_CHOICES,
-    X_PLANES,
     launch_int4_mma,
-    launch_int4_mma_xp,
-    launch_x_planes,
     mma_tiles,
-    planes_bytes,
     x_tiles,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
@@ -95,49 +89,29 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
     return launch
 
 
-def _planes_launcher(dev, h, weights, x: int, planes: int, y: int, rows: int, n: int, k: int,
-                     mt: int):
-    """launch(stream): x split once into `planes`, then the planes int4_mma (both timed)."""
-    turn = itertools.count()
-    f_split, f_mma = h.function(X_PLANES), h.function(INT4_MMA_XP)
-
-    def launch(stream) -> None:
-        packed, scales = weights[next(turn) % len(weights)]
-        launch_x_planes(dev, f_split, planes, x, rows, k, stream=stream)
-        launch_int4_mma_xp(dev, f_mma, y, planes, packed, scales, 0, rows, n, k,
-                               stream=stream, mt=mt)
-    return launch
-
-
 def sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
-    """{(rows, x path, mt): seconds} over every built MT choice and both x paths, rows 2..64."""
-    planes = h.put(np.zeros(planes_bytes(max(BATCHES), k) // 2, np.float16))
-    out = {}
-    for b in BATCHES[1:]:
-        for mt in MT_CHOICES[x_tiles(b)]:
-            out[b, 0, mt] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n,
-                                                k, False, mt), reps, trials)
-            out[b, 1, mt] = ours(dev, _planes_launcher(dev, h, weights, x, planes, y, b, n, k,
-                                                       mt), reps, trials)
-    return out
+    """{(rows, mt): seconds} over every built MT choice, rows 2..64."""
+    return {(b, mt): ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
+                                         False, mt), reps, trials)
+            for b in BATCHES[1:] for mt in MT_CHOICES[x_tiles(b)]}
 
 
-def print_sweep(name: str, n: int, times: dict) -> None:
-    cells = sorted({(xp, mt) for _, xp, mt in times})
-    print(f"  {name} n={n} sweep, us (xp1 = x split once, mt = 16-row tiles per warp): "
-          + "  ".join(f"xp{xp} mt{mt}" for xp, mt in cells))
+def print_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
+    mts = sorted({mt for _, mt in times})
+    print(f"  {name} n={n} sweep, us (mt = 16-row tiles per warp): "
+          + "  ".join(f"{'mt' + str(mt):>9}" for mt in mts))
     for b in BATCHES[1:]:
-        row = [f"{times[b, xp, mt] * 1e6:9.1f}" if (b, xp, mt) in times else f"{'-':>9}"
-               for xp, mt in cells]
-        best = min((t, xp, mt) for (bb, xp, mt), t in times.items() if bb == b)
-        print(f"    b{b:<3d}" + " ".join(row) + f"   best xp{best[1]} mt{best[2]}", flush=True)
+        row = [f"{times[b, mt] * 1e6:9.1f}" if (b, mt) in times else f"{'-':>9}" for mt in mts]
+        best = min((t, mt) for (bb, mt), t in times.items() if bb == b)
+        print(f"    b{b:<3d}" + " ".join(row) + f"   best mt{best[1]}, default "
+              f"mt{mma_tiles(b, n, sms, k)[1]}", flush=True)
 
 
 def main() -> int:
     ap = kernel_bench_parser(__doc__)
     add_record_flag(ap)
     ap.add_argument("--mt-sweep", action="store_true",
-                    help="time every built MT choice on both x paths (split per block, once)")
+                    help="time every built MT choice (16-row tiles per warp)")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -177,9 +151,9 @@ def main() -> int:
                     have_torch = torch_times[b] is not None
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x, y, n, k, args.reps, args.trials)
-                print_sweep(name, n, swept)
+                print_sweep(name, n, k, swept, sm_count(dev))
                 for b in BATCHES[1:]:
-                    step_best[b] += uses * min(t for (bb, _, _), t in swept.items() if bb == b)
+                    step_best[b] += uses * min(t for (bb, _), t in swept.items() if bb == b)
             h.close()
             best1 = min(gemv1, times[1])
             for b in BATCHES:
@@ -192,7 +166,7 @@ def main() -> int:
             row = (f"{name:>8} {n:6d} {k:6d} {gemv1 * 1e6:9.1f} "
                    + " ".join(f"{times[b] * 1e6:9.1f}" for b in BATCHES)
                    + "   " + " ".join(f"{f:5.2f}" for f in frac)
-                   + f"   {mma_tiles(64, n, 132)}")
+                   + f"   {mma_tiles(64, n, 132, k)}")
             if torch_times and all(v is not None for v in torch_times.values()):
                 row += "   " + " ".join(f"{torch_times[b] * 1e6:7.1f}" for b in BATCHES)
             print(row, flush=True)
@@ -208,7 +182,7 @@ def main() -> int:
                        peer=step_torch[b] * 1e3 if have_torch and step_torch[b] else None)
     targets.figure("decode step int4 linears, 1 row on the GEMV", step_gemv1 * 1e3, "ms")
     if args.mt_sweep:
-        print("decode step's linears with the best swept (x path, mt) per shape, ms:")
+        print("decode step's linears with the best swept mt per shape, ms:")
         for b in BATCHES[1:]:
             print(f"  batch {b:3d}: {step_best[b] * 1e3:8.3f} (default {step[b] * 1e3:8.3f})")
             targets.figure(f"decode step int4 linears, {b} rows, best swept tiles", step_best[b] * 1e3,

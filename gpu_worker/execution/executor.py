@@ -324,7 +324,6 @@ class ModelExecutor:
         # open: the budget may change meanwhile (the governor's cap, from its heartbeat thread),
         # and a request that pinned nothing must never replay a whole graph, nor one that pinned
         # every weight be cut into segments mid-request.
-        self._int4_max_k = 0   # the widest int4 linear's k (the planes path's share of the tile)
         self._mode_lock = threading.Lock()
         self._mode_holds = 0
         self._held_streaming = False
@@ -335,8 +334,6 @@ class ModelExecutor:
         # in whatever an idle spell lost, so only an idle model's pages are ever taken.
         self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
         self._all_weights_cost = None
-        if key.endswith(".q") and host.ndim == 2:   # packed int4 (n, k / 2): the widest k
-            self._int4_max_k = max(self._int4_max_k, 2 * int(host.shape[1]))
 
     def weight_ptr(self, key: str) -> int:
         return int(self._weights[key].va)
@@ -469,7 +466,7 @@ class ModelExecutor:
             return
         # an int4 weight is (n, 16 * ceil(k/32)) packed bytes: its fp16 rows take 4x that
         nbytes = tile_bytes_for([4 * int(slot.nbytes) for key, slot in self._weights.items()
-                                 if key.endswith(".q")], self.dequant_tile_bytes, self._int4_max_k)
+                                 if key.endswith(".q")], self.dequant_tile_bytes)
         self.device.acquire_blas()
         try:
             if nbytes:
@@ -498,7 +495,7 @@ class ModelExecutor:
 
     def variant_spec(self, node, graph: Graph) -> VariantSpec:
         binding = OPS[node.op]
-        if binding.gemms(node, graph, 1 << 62) or binding.tile(node, graph):
+        if binding.gemms(node, graph, 1 << 62):
             self._ensure_tile()
         return VariantSpec(function={k.name: self.function(k) for k in binding.kernels},
                            workspace_bytes=binding.workspace(node, graph))

@@ -82,9 +82,6 @@ class OpBinding:
     # node also names as its second input (the residual stream, updated in place). The graph
     # builders fold a residual add into a linear only where this holds (GraphBuilder.linear).
     accumulate: bool = False
-    # The launch uses the model's shared tile for this node (besides any BLAS GEMM's dequant
-    # tile): the executor allocates the tile for such a node too.
-    tile: Callable[[Node, Graph], bool] = lambda node, graph: False
 
 
 def tile_rows(n: int, k: int, tile_bytes: int) -> int:
@@ -98,16 +95,10 @@ def tile_rows(n: int, k: int, tile_bytes: int) -> int:
     return fit // TILE_ROW_ALIGN * TILE_ROW_ALIGN
 
 
-def tile_bytes_for(fp16_weight_bytes: list[int], limit: int | None = None,
-                   int4_max_k: int = 0) -> int:
-    """The model's tile: its largest weight in fp16, or the x planes of its widest int4 linear
-    (`int4_max_k`) at the most rows the int4_mma takes (the planes path shares the tile), when
-    that fits under `limit` (default DEQUANT_TILE_BYTES), else `limit` (a linear whose planes do
-    not fit splits x per block: the same bits)."""
-    need = max(fp16_weight_bytes, default=0)
-    if int4_max_k and int4_max_k % int4_batched.MMA_K_ALIGN == 0:
-        need = max(need, int4_batched.planes_bytes(int4_batched.MMA_MAX_ROWS, int4_max_k))
-    return min(DEQUANT_TILE_BYTES if limit is None else limit, need)
+def tile_bytes_for(fp16_weight_bytes: list[int], limit: int | None = None) -> int:
+    """The model's tile: its largest weight in fp16 when that fits under `limit` (default
+    DEQUANT_TILE_BYTES), else `limit`."""
+    return min(DEQUANT_TILE_BYTES if limit is None else limit, max(fp16_weight_bytes, default=0))
 
 
 def _linear_dims(node: Node, graph: Graph) -> tuple[int, int, int]:
@@ -127,30 +118,11 @@ def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, 
     return sorted({(m, min(rows, n - r0), k) for r0 in range(0, n, rows)})
 
 
-def _uses_planes(node: Node, graph: Graph) -> bool:
-    m, _, k = _linear_dims(node, graph)
-    return not _on_tensor_cores(node, graph) and int4_batched.use_planes(m, k)
-
-
-def _planes_fit(c: LaunchContext, m: int, k: int) -> bool:
-    """The planes path runs where it pays (int4_batched.use_planes) and the model's tile holds
-    the planes; else the int4_mma splits x per block: the same bits either way."""
-    return (int4_batched.use_planes(m, k) and c.tile is not None
-            and c.tile.size >= int4_batched.planes_bytes(m, k))
-
-
 def _launch_linear(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
     acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            if _planes_fit(c, m, k):   # x split into fp16 hi + lo once, not once per block
-                int4_batched.launch_x_planes(c.device, c.fn("x_planes"), c.tile.ptr, c.inp(0),
-                                             m, k, stream=c.stream)
-                int4_batched.launch_int4_mma_xp(c.device, c.fn("int4_mma_xp"), c.out(),
-                                                    c.tile.ptr, c.weight(0), c.weight(1), 0,
-                                                    m, n, k, accumulate=acc, stream=c.stream)
-                return
             int4_batched.launch_int4_mma(c.device, c.fn("int4_mma"), c.out(), c.inp(0),
                                          c.weight(0), c.weight(1), 0, m, n, k, accumulate=acc,
                                          stream=c.stream)
@@ -466,10 +438,9 @@ def _launch_sample(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA,
-                              int4_batched.X_PLANES, int4_batched.INT4_MMA_XP),
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA),
                              _launch_linear,
-                             gemms=_linear_gemms, accumulate=True, tile=_uses_planes),
+                             gemms=_linear_gemms, accumulate=True),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
     "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),

@@ -72,15 +72,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
-from gpu_worker.kernels.int4_batched import (
-    INT4_MMA,
-    INT4_MMA_XP,
-    MMA_MAX_ROWS,
-    X_PLANES,
-    launch_int4_mma,
-    launch_int4_mma_xp,
-    launch_x_planes,
-)
+from gpu_worker.kernels.int4_batched import INT4_MMA, MMA_MAX_ROWS, launch_int4_mma
 from gpu_worker.kernels.linear import (
     FUSED_MAX_ROWS,
     INT4_DEQUANT,
@@ -131,7 +123,7 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
-    INT4_MMA, X_PLANES, INT4_MMA_XP, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
+    INT4_MMA, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
     FLASH_PREFILL_PAGED,
     SAMPLE,
     RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND,
@@ -170,7 +162,6 @@ __all__ = [
     "INT4_DEQUANT_F16",
     "INT4_MATMUL",
     "INT4_MMA",
-    "INT4_MMA_XP",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
     "KV_APPEND_PAGED",
@@ -192,7 +183,6 @@ __all__ = [
     "SILU_GATE_F16",
     "THREADS",
     "TO_F16",
-    "X_PLANES",
     "KernelDef",
     "KernelSource",
     "flash_decode_splits",
@@ -221,7 +211,6 @@ __all__ = [
     "launch_int4_dequant_f16",
     "launch_int4_matmul",
     "launch_int4_mma",
-    "launch_int4_mma_xp",
     "launch_kv_append",
     "launch_kv_append_kv16",
     "launch_kv_append_paged",
@@ -239,7 +228,6 @@ __all__ = [
     "launch_silu_gate",
     "launch_silu_gate_f16",
     "launch_to_f16",
-    "launch_x_planes",
     "paged_decode_span",
     "paged_decode_splits",
 ]

@@ -47,8 +47,11 @@ MMA_WARPS = 8
 # (acc MT * NT * 4 floats) and the reduction buffer bound MT * NT <= 16.
 MT_CHOICES: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2)}
 # The largest MT the launcher picks by default per NT (bench/int4_batched_bench.py --mt-sweep
-# measures every choice; docs/kernels.md has the figures).
-MT_TOP: dict[int, int] = {1: 4, 2: 4, 4: 2, 8: 1}
+# measures every choice; docs/kernels.md has the figures). At 64 rows (NT 8) two tiles per warp
+# (88 bytes of spills) pay only where K is at most MT2_MAX_K and the blocks fill whole waves.
+MT_TOP: dict[int, int] = {1: 4, 2: 4, 4: 2, 8: 2}
+MT2_MAX_K = 4096
+WAVE_FILL = 0.9   # blocks / (SMs x waves) below which fewer, larger blocks lose to a fuller wave
 
 
 def x_tiles(m: int) -> int:
@@ -56,15 +59,21 @@ def x_tiles(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
-def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT, top: int | None = None) -> tuple[int, int]:
-    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n output on a
-    device of `sms` multiprocessors (the launcher passes the device's own count): the largest MT
-    up to `top` (default MT_TOP[NT]) that still gives every SM a block (one block of 8 warps per
-    SM); more rows per block means fewer re-reads of x (each block reads all of x from L2)."""
+def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT, k: int | None = None) -> tuple[int, int]:
+    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n (x k) output on
+    a device of `sms` multiprocessors (the launcher passes the device's own count): the largest
+    MT up to MT_TOP[NT] that still gives every SM a block (one block of 8 warps per SM); more
+    rows per block means fewer re-reads of x (each block reads all of x from L2). At NT 8, MT 2
+    only for k <= MT2_MAX_K (k unknown: 1) with its blocks filling WAVE_FILL of whole waves
+    (measured on the H200 at Llama-3-8B shapes: gate/up, wo and lm_head faster, QKV's 1.45
+    waves and w_down's K = 14336 slower)."""
     nt = x_tiles(m)
-    top = MT_TOP[nt] if top is None else top
+    if nt == 8:
+        blocks = ceil_div(n, 32)
+        fill = blocks / (sms * ceil_div(blocks, sms))
+        return nt, 2 if k is not None and k <= MT2_MAX_K and fill >= WAVE_FILL else 1
     for mt in (4, 2, 1):   # >= 90 % of the SMs: one wave on 128 of 132 beats two waves
-        if mt <= top and mt in MT_CHOICES[nt] and ceil_div(n, 16 * mt) * 10 >= sms * 9:
+        if mt <= MT_TOP[nt] and mt in MT_CHOICES[nt] and ceil_div(n, 16 * mt) * 10 >= sms * 9:
             return nt, mt
     return nt, 1
 
@@ -77,87 +86,28 @@ def mma_supported(m: int, k: int) -> bool:
     return 2 <= m <= MMA_MAX_ROWS and k % MMA_K_ALIGN == 0 and k > 0
 
 
-def _check_mma(kernel: str, m: int, n: int, k: int, mt: int | None, device) -> int | None:
-    """The shared launch checks; the tiles per warp to launch with (None: nothing to do)."""
-    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
-    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
-    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
-    if m == 0 or n == 0:
-        return None
-    if mt is None:
-        _, mt = mma_tiles(m, n, sm_count(device))
-    require(mt in MT_CHOICES[x_tiles(m)],
-            f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
-    return mt
-
-
 def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                     m: int, n: int, k: int, accumulate: bool = False, stream=None,
                     mt: int | None = None) -> None:
     """y (m, n) f32 = x (m, k) f32 @ dequant(W)^T (+ bias), W streamed once; 1 <= m <= 64.
     `mt` forces the 16-row tiles per warp (one of MT_CHOICES[NT]; default: mma_tiles)."""
     kernel = "int4_mma"
+    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
+    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
+    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
     require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
             f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
-    mt = _check_mma(kernel, m, n, k, mt, device)
-    if mt is None:
+    if m == 0 or n == 0:
         return
+    if mt is None:
+        _, mt = mma_tiles(m, n, sm_count(device), k)
+    require(mt in MT_CHOICES[x_tiles(m)],
+            f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
     device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream)
 
 
-# -- x split once: the planes path ---------------------------------------------------------------
-# Every block of gp_int4_mma splits all of x into fp16 hi + lo itself (N / (16 * MT) times per
-# call). gp_x_planes does it once per call into two fp16 planes (reference.x_planes' layout) and
-# gp_int4_mma_xp reads them: the same registers, so the same sums bit for bit, for one extra
-# kernel of M * K elements. Where that pays is measured (int4_batched_bench --mt-sweep).
-PLANES_MIN_ROWS = 17   # rows from which the linear splits x once (the planes path)
-
-
-def planes_bytes(m: int, k: int) -> int:
-    """Scratch of the planes path: hi and lo, m * k halves each, 16-byte aligned."""
-    return 2 * (ceil_div(2 * m * k, 16) * 16)
-
-
-def use_planes(m: int, k: int) -> bool:
-    """Whether a linear of m rows (mma_supported) splits x once (gp_x_planes + gp_int4_mma_xp)."""
-    return mma_supported(m, k) and m >= PLANES_MIN_ROWS
-
-
-def launch_x_planes(device, function, planes: int, x: int, m: int, k: int, stream=None) -> None:
-    """planes (planes_bytes(m, k) bytes) = x (m, k) f32 as fp16 hi then lo (reference.x_planes)."""
-    kernel = "x_planes"
-    require_sizes(kernel, m=m, k=k, elements=m * k)
-    require(k % 8 == 0 and x % 16 == 0 and planes % 16 == 0,
-            f"{kernel}: k={k} (a multiple of 8), x and planes (16) must be aligned")
-    groups = m * k // 8
-    if groups == 0:
-        return
-    lo = planes + planes_bytes(m, k) // 2
-    device.launch(function, (ceil_div(groups, 256), 1, 1), (256, 1, 1),
-                  [ptr(planes), ptr(lo), ptr(x), i32(groups)], stream=stream)
-
-
-def launch_int4_mma_xp(device, function, y: int, planes: int, packed: int, scales: int,
-                           bias: int, m: int, n: int, k: int, accumulate: bool = False,
-                           stream=None, mt: int | None = None) -> None:
-    """launch_int4_mma's y from x split by launch_x_planes into `planes`."""
-    kernel = "int4_mma_xp"
-    require(packed % 16 == 0 and scales % 8 == 0 and planes % 16 == 0,
-            f"{kernel}: packed (16), scales (8) and planes (16) must be aligned")
-    mt = _check_mma(kernel, m, n, k, mt, device)
-    if mt is None:
-        return
-    lo = planes + planes_bytes(m, k) // 2
-    device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),
-                  [ptr(y), ptr(planes), ptr(lo), ptr(packed), ptr(scales), ptr(bias), i32(m),
-                   i32(n), i32(k), i32(1 if accumulate else 0), i32(mt)], stream=stream)
-
-
 INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, launch_int4_mma)
-X_PLANES = KernelDef("x_planes", "gp_x_planes", SOURCE, reference.x_planes, launch_x_planes)
-INT4_MMA_XP = KernelDef("int4_mma_xp", "gp_int4_mma_xp", SOURCE, reference.int4_matmul_planes,
-                        launch_int4_mma_xp)
 
-KERNELS = [INT4_MMA, X_PLANES, INT4_MMA_XP]
+KERNELS = [INT4_MMA]

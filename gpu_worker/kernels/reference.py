@@ -94,35 +94,6 @@ def int4_matmul(x: np.ndarray, packed: np.ndarray, scales: np.ndarray,
     return matmul_nt(x, int4_dequantize(packed, scales, x.shape[1]), bias)
 
 
-def x_planes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x (m, k) f32 as the int4_mma's B operand halves: hi = fp16(x), lo = fp16(x - hi), each
-    (m, k) fp16 with every 8 consecutive k stored in the order 0 4 1 5 2 6 3 7 (the mma's
-    register pairs)."""
-    x = np.asarray(x, np.float32)
-    hi = x.astype(np.float16)
-    lo = (x - hi.astype(np.float32)).astype(np.float16)
-    return _pair_order(hi), _pair_order(lo)
-
-
-def _pair_order(a: np.ndarray) -> np.ndarray:
-    m, k = a.shape
-    return a.reshape(m, k // 8, 2, 4).transpose(0, 1, 3, 2).reshape(m, k)
-
-
-def x_from_planes(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """The f32 x the planes carry (hi + lo, natural k order): x_planes' inverse to ~2^-22."""
-    def natural(a: np.ndarray) -> np.ndarray:
-        m, k = a.shape
-        return a.reshape(m, k // 8, 4, 2).transpose(0, 1, 3, 2).reshape(m, k)
-    return natural(hi).astype(np.float32) + natural(lo).astype(np.float32)
-
-
-def int4_matmul_planes(hi: np.ndarray, lo: np.ndarray, packed: np.ndarray, scales: np.ndarray,
-                       bias: np.ndarray | None = None) -> np.ndarray:
-    """int4_matmul of the x that x_planes' (hi, lo) carry."""
-    return int4_matmul(x_from_planes(hi, lo), packed, scales, bias)
-
-
 def embedding_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of an fp16 table as float32; an id outside [0, vocab) gives a zero row."""
     ids = np.asarray(ids, np.int64)

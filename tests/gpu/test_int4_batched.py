@@ -11,17 +11,11 @@ import numpy as np
 import pytest
 
 from gpu_worker.kernels.int4_batched import MT_CHOICES, x_tiles
-from gpu_worker.kernels.selfcheck import (
-    CASES,
-    Case,
-    KernelHarness,
-    int4_mma_case,
-    int4_mma_planes_case,
-)
+from gpu_worker.kernels.selfcheck import CASES, Case, KernelHarness, int4_mma_case
 
 pytestmark = pytest.mark.gpu
 
-SHARED = [c for c in CASES if c.kernel in ("int4_mma", "int4_mma_xp", "x_planes")]
+SHARED = [c for c in CASES if c.kernel == "int4_mma"]
 MODEL: list[Case] = [
     Case("int4_mma", int4_mma_case, {"m": m, "n": n, "k": k, **extra})
     for m, n, k, extra in ((2, 4096, 4096, {}), (16, 14336, 4096, {"bias": True}),
@@ -65,19 +59,3 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
     for m in (16, 64):
         outs = [int4_mma_case(harness, np.random.default_rng(1), m, 4096, 4096).got for _ in range(2)]
         assert np.array_equal(outs[0], outs[1]), m
-
-
-# x split once (the planes path) at the decode graph's shapes, every built tile count
-PLANES = [(m, n, k, mt) for m, n, k in ((17, 6144, 4096), (32, 28672, 4096), (64, 4096, 14336),
-                                        (64, 1064, 4224), (40, 4096, 4096))
-          for mt in MT_CHOICES[x_tiles(m)]]
-
-
-@pytest.mark.parametrize("m,n,k,mt", PLANES, ids=[f"m{m}-n{n}-k{k}-mt{mt}" for m, n, k, mt in PLANES])
-def test_x_split_once_gives_the_same_bits_as_each_block_splitting_it(harness, m, n, k, mt) -> None:
-    outcome, f32 = int4_mma_planes_case(harness, np.random.default_rng(m * n + mt), m, n, k,
-                                        accumulate=m % 2 == 0, mt=mt, with_f32=True)
-    harness.close()
-    assert outcome.failure() is None, outcome.failure()
-    assert np.array_equal(outcome.got.view(np.uint32), f32.view(np.uint32)), \
-        "the planes path must reach the same mmas with the same registers"

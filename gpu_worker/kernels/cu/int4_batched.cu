@@ -63,27 +63,12 @@ __device__ __forceinline__ void gp_xfrag(unsigned (&h)[4], unsigned (&l)[4], con
     }
 }
 
-// The same B registers from x already split (gp_x_planes): 16 bytes of each plane, no arithmetic.
-__device__ __forceinline__ void gp_xfrag_planes(unsigned (&h)[4], unsigned (&l)[4],
-                                                const unsigned short* xh, const unsigned short* xl,
-                                                bool in) {
-    uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
-    if (in) {
-        a = *reinterpret_cast<const uint4*>(xh);
-        b = *reinterpret_cast<const uint4*>(xl);
-    }
-    h[0] = a.x; h[1] = a.y; h[2] = a.z; h[3] = a.w;
-    l[0] = b.x; l[1] = b.y; l[2] = b.z; l[3] = b.w;
-}
-
-template <int MT, int NT, bool XP>
+template <int MT, int NT>
 __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                                          const unsigned* __restrict__ w,
                                          const unsigned short* __restrict__ sc,
                                          const float* __restrict__ bias, int M, int N, int K,
-                                         int accumulate, float* red,
-                                         const unsigned short* __restrict__ xhi,
-                                         const unsigned short* __restrict__ xlo) {
+                                         int accumulate, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int KB = K >> 5, KG = K >> 7;  // quant blocks, groups of 4 per row
     const int row0 = blockIdx.x * MT * 16;
@@ -119,9 +104,8 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + g;
-                    const long long off = (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t;
-                    if constexpr (XP) gp_xfrag_planes(xh[nt], xl[nt], xhi + off, xlo + off, m < M);
-                    else gp_xfrag(xh[nt], xl[nt], x + off, m < M);
+                    gp_xfrag(xh[nt], xl[nt], x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t,
+                             m < M);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -156,9 +140,7 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + g;
                     unsigned xh[4], xl[4];
-                    const long long off = (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t;
-                    if constexpr (XP) gp_xfrag_planes(xh, xl, xhi + off, xlo + off, m < M);
-                    else gp_xfrag(xh, xl, x + off, m < M);
+                    gp_xfrag(xh, xl, x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t, m < M);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         float d[4];
@@ -208,55 +190,22 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
 }
 
 // grid (ceil(N / (16 * mt))), 256 threads; NT from M, mt (16-row tiles per warp) from the
-// launcher (int4_batched.mma_tiles): fewer rows per block for small N, so every SM gets a block.
-// MT * NT <= 16 (the registers; int4_batched.MT_CHOICES).
-#define GP_I4MMA_ALL(XP_)                                                                       \
-    if (M <= 8) {                                                                               \
-        if (mt == 4) GP_I4MMA(4, 1, XP_); else if (mt == 2) GP_I4MMA(2, 1, XP_); else GP_I4MMA(1, 1, XP_); \
-    } else if (M <= 16) {                                                                       \
-        if (mt == 4) GP_I4MMA(4, 2, XP_); else if (mt == 2) GP_I4MMA(2, 2, XP_); else GP_I4MMA(1, 2, XP_); \
-    } else if (M <= 32) {                                                                       \
-        if (mt == 4) GP_I4MMA(4, 4, XP_); else if (mt == 2) GP_I4MMA(2, 4, XP_); else GP_I4MMA(1, 4, XP_); \
-    } else {                                                                                    \
-        if (mt == 2) GP_I4MMA(2, 8, XP_); else GP_I4MMA(1, 8, XP_);                             \
-    }
-#define GP_I4MMA(MT_, NT_, XP_) \
-    gp_i4mma<MT_, NT_, XP_>(y, x, w, scales, bias, M, N, K, accumulate, red, xhi, xlo)
-
-// x (M, K) f32, split into fp16 hi + lo halves by every warp that reads it.
+// launcher (int4_batched.mma_tiles): fewer rows per block for small N, so every SM gets a block;
+// every MT of int4_batched.MT_CHOICES is built (MT * NT <= 16: the reduction buffer).
+#define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, w, scales, bias, M, N, K, accumulate, red)
 extern "C" __global__ void __launch_bounds__(256, 1)
 gp_int4_mma(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
             const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
             int K, int accumulate, int mt) {
-    __shared__ float red[16 * 4 * 32];
+    __shared__ float red[16 * 4 * 32];  // MT * NT * 4 * 32 floats: MT * NT <= 16
     const unsigned* w = reinterpret_cast<const unsigned*>(packed);
-    const unsigned short *xhi = nullptr, *xlo = nullptr;
-    GP_I4MMA_ALL(false)
-}
-
-// x given as its hi and lo fp16 planes (M * K halves each, gp_x_planes' order): the same sums
-// bit for bit, without each block's conversion of x.
-extern "C" __global__ void __launch_bounds__(256, 1)
-gp_int4_mma_xp(float* y, const unsigned short* __restrict__ xhi,
-               const unsigned short* __restrict__ xlo, const unsigned char* __restrict__ packed,
-               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M,
-               int N, int K, int accumulate, int mt) {
-    __shared__ float red[16 * 4 * 32];
-    const unsigned* w = reinterpret_cast<const unsigned*>(packed);
-    const float* x = nullptr;
-    GP_I4MMA_ALL(true)
-}
-
-// x (rows, K) f32 -> hi, lo (rows * K halves each): per 8 consecutive k, halves in the order
-// k0 k4 k1 k5 k2 k6 k3 k7 (the mma B registers' pairs), hi = fp16(x), lo = fp16(x - hi); one
-// thread per 8 values, `groups` = rows * K / 8.
-extern "C" __global__ void __launch_bounds__(256)
-gp_x_planes(unsigned short* __restrict__ xhi, unsigned short* __restrict__ xlo,
-            const float* __restrict__ x, int groups) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= groups) return;
-    unsigned h[4], l[4];
-    gp_xfrag(h, l, x + 8LL * i, true);
-    *reinterpret_cast<uint4*>(xhi + 8LL * i) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(xlo + 8LL * i) = make_uint4(l[0], l[1], l[2], l[3]);
+    if (M <= 8) {
+        if (mt == 4) GP_I4MMA(4, 1); else if (mt == 2) GP_I4MMA(2, 1); else GP_I4MMA(1, 1);
+    } else if (M <= 16) {
+        if (mt == 4) GP_I4MMA(4, 2); else if (mt == 2) GP_I4MMA(2, 2); else GP_I4MMA(1, 2);
+    } else if (M <= 32) {
+        if (mt == 4) GP_I4MMA(4, 4); else if (mt == 2) GP_I4MMA(2, 4); else GP_I4MMA(1, 4);
+    } else {
+        if (mt == 2) GP_I4MMA(2, 8); else GP_I4MMA(1, 8);
+    }
 }

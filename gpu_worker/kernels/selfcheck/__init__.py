@@ -50,15 +50,7 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
-from gpu_worker.kernels.int4_batched import (
-    INT4_MMA,
-    INT4_MMA_XP,
-    X_PLANES,
-    launch_int4_mma,
-    launch_int4_mma_xp,
-    launch_x_planes,
-    planes_bytes,
-)
+from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -263,41 +255,6 @@ def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=N
                     h.put(b) if bias else 0, m, n, k, accumulate, mt=mt)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
-
-
-def x_planes_case(h, rng, m, k, scale=1.0) -> Outcome:
-    """x split into fp16 hi and lo planes: bit for bit the reference's halves and order."""
-    x = _f32(rng, m, k, scale=scale)
-    planes = h.put(np.full(planes_bytes(m, k) // 2, np.nan, np.float16))
-    launch_x_planes(h.device, h.function(X_PLANES), planes, h.put(x), m, k)
-    got = h.get(planes, (planes_bytes(m, k) // 2,), np.float16)
-    half = planes_bytes(m, k) // 4
-    want = np.concatenate([p.reshape(-1) for p in ref.x_planes(x)])
-    return Outcome(np.concatenate([got[:m * k], got[half:half + m * k]]).view(np.uint16),
-                   want.view(np.uint16))
-
-
-def int4_mma_planes_case(h, rng, m, n, k, bias=False, accumulate=False, mt=None,
-                         with_f32: bool = False):
-    """x split once, then the planes int4_mma: int4_mma_case's contract and tolerance. With
-    `with_f32`, (outcome, y of the int4_mma reading f32 x on the same inputs): on CUDA the two
-    are the same bits (the same registers reach the same mmas; tests/gpu)."""
-    packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k)
-    b = _f32(rng, n) if bias else None
-    y0 = _f32(rng, m, n)
-    args = (h.put(packed), h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate)
-    planes = h.put(np.zeros(planes_bytes(m, k) // 2, np.float16))
-    launch_x_planes(h.device, h.function(X_PLANES), planes, h.put(x), m, k)
-    y = h.put(y0)
-    launch_int4_mma_xp(h.device, h.function(INT4_MMA_XP), y, planes, *args, mt=mt)
-    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
-    outcome = Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
-    if not with_f32:
-        return outcome
-    y_f32 = h.put(y0)
-    launch_int4_mma(h.device, h.function(INT4_MMA), y_f32, h.put(x), *args, mt=mt)
-    return outcome, h.get(y_f32, (m, n))
 
 
 def int4_linear_case(h, rng, m, n, k) -> Outcome:
@@ -601,11 +558,6 @@ CASES: list[Case] = [
     C("int4_mma", int4_mma_case, m=32, n=64, k=2048, bias=True),
     C("int4_mma", int4_mma_case, m=64, n=40, k=1152, accumulate=True),
     C("int4_mma", int4_mma_case, m=45, n=16, k=256),
-    C("x_planes", x_planes_case, m=3, k=136),
-    C("x_planes", x_planes_case, m=64, k=4096, scale=300.0),
-    C("int4_mma_xp", int4_mma_planes_case, m=17, n=100, k=1024, bias=True, accumulate=True),
-    C("int4_mma_xp", int4_mma_planes_case, m=64, n=40, k=1152, accumulate=True),
-    C("int4_mma_xp", int4_mma_planes_case, m=33, n=16, k=256),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

@@ -128,26 +128,6 @@ def _int4_mma(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
-@register_sim_kernel("gp_x_planes")
-def _x_planes(mem, grid, block, args) -> None:
-    hi, lo, x, groups = _vals(args)
-    assert grid[0] * block[0] >= groups, (grid, block, groups)
-    h, l_ = reference.x_planes(_arr(mem, x, 8 * groups).reshape(groups, 8))
-    _arr(mem, hi, 8 * groups, np.float16)[:] = h.reshape(-1)
-    _arr(mem, lo, 8 * groups, np.float16)[:] = l_.reshape(-1)
-
-
-@register_sim_kernel("gp_int4_mma_xp")
-def _int4_mma_xp(mem, grid, block, args) -> None:
-    y, hi, lo, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
-    assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    x = reference.x_from_planes(_arr(mem, hi, m * k, np.float16).reshape(m, k),
-                                _arr(mem, lo, m * k, np.float16).reshape(m, k))
-    r = reference.int4_matmul(x, pk, sc, _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
-
-
 @register_sim_kernel("gp_rotary")
 def _rotary(mem, grid, block, args) -> None:
     x, pos, batch, tokens, heads, head_dim, row_stride, pos_offset, theta, inv_freq = _vals(args)
