@@ -132,10 +132,19 @@ def materialize(arrivals: list[tuple[float, int, int]], vocab: int
 def unique_prompt(n: int, vocab: int, key: str) -> list[int]:
     """`n` token ids seeded by `key`: prompts of different keys differ from their first block on,
     so none reuses another's KV through the worker's prefix cache (the peer has none). The burst
-    levels' prompts (`rng_token`) are a function of their length alone: equal lengths, and every
-    trial after the first, can hit the cache."""
+    levels' prompts are keyed per trial, stream and request (burst_work)."""
     rng = random.Random(f"prompt:{key}:{n}")
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+def burst_work(jobs: list[list[tuple[int, int]]], vocab: int, trial: int
+               ) -> list[list[tuple[list[int], int]]]:
+    """The burst level's requests as sent in `trial`: (prompt, new tokens) per stream, each
+    prompt its own (unique_prompt keyed by level, trial, stream and request), so no request and
+    no later trial is served from the worker's prefix cache (the peer has none). Both sides
+    replay these lists."""
+    return [[(unique_prompt(n, vocab, f"burst:{len(jobs)}:{trial}:{s}:{r}"), new)
+             for r, (n, new) in enumerate(stream)] for s, stream in enumerate(jobs)]
 
 
 def run_arrivals(client: WorkerClient, requests: list[tuple[float, list[int], int]],
@@ -192,15 +201,14 @@ def steady(run: dict, warmup_s: float) -> list[float]:
     return [t for t, a in zip(run["ttft"], run["arrival"], strict=True) if a >= warmup_s]
 
 
-def run_level(client: WorkerClient, cfg, jobs: list[list[tuple[int, int]]]) -> dict:
-    """One client thread per stream, its requests back to back."""
+def run_level(client: WorkerClient, work: list[list[tuple[list[int], int]]]) -> dict:
+    """One client thread per stream, its requests (burst_work) back to back."""
     results: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
 
-    def client_loop(work: list[tuple[int, int]]) -> None:
-        for n, new in work:
-            prompt = [rng_token(i, n, cfg.vocab_size) for i in range(n)]
+    def client_loop(requests: list[tuple[list[int], int]]) -> None:
+        for prompt, new in requests:
             try:
                 r = one_request(client, prompt, new)
             except Exception as exc:  # noqa: BLE001 - a lost stream is a result here
@@ -210,7 +218,7 @@ def run_level(client: WorkerClient, cfg, jobs: list[list[tuple[int, int]]]) -> d
             with lock:
                 results.append(r)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(w,)) for w in jobs]
+    threads = [threading.Thread(target=client_loop, args=(w,)) for w in work]
     for t in threads:
         t.start()
     for t in threads:
@@ -222,17 +230,11 @@ def run_level(client: WorkerClient, cfg, jobs: list[list[tuple[int, int]]]) -> d
             "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results]}
 
 
-def rng_token(i: int, n: int, vocab: int) -> int:
-    return (i * 31 + n * 7 + 3) % vocab
-
-
 def peer_level(model, cfg, jobs: list[list[tuple[int, int]]], trials: int) -> list[dict]:
-    """The same trace through PeerServer, `trials` times."""
-    work = [[([rng_token(i, n, cfg.vocab_size) for i in range(n)], new) for n, new in stream]
-            for stream in jobs]
+    """The same trace through PeerServer, `trials` times: trial t's very prompts (burst_work)."""
     server = bench_peer.PeerServer(model, len(jobs))
     try:
-        return [server.run(work) for _ in range(trials)]
+        return [server.run(burst_work(jobs, cfg.vocab_size, t)) for t in range(trials)]
     finally:
         server.release()
 
@@ -318,7 +320,7 @@ def main() -> int:
         for b in args.concurrency:
             levels[b] = []
             for trial in range(args.trials):
-                r = run_level(client, cfg, jobs[b])
+                r = run_level(client, burst_work(jobs[b], cfg.vocab_size, trial))
                 levels[b].append(r)
                 s = client.stats().scheduler
                 print(f"gpuplane {args.config} {b:>2} streams trial {trial + 1}: {r['rate']:9.1f} "

@@ -152,3 +152,14 @@ def test_the_peer_replays_the_very_list_gpuplane_was_sent(monkeypatch):
     client = FakeClient(clock, requests)
     sb.run_arrivals(client, requests, clock=clock, sleep=clock.sleep)
     assert [(p, n) for _, p, n in sorted(client.sent)] == [(p, n) for _, p, n in requests]
+
+
+def test_burst_prompts_are_their_own_per_trial_stream_and_request_and_the_same_for_both_sides():
+    """Equal lengths and repeated trials must not meet the worker's prefix cache (the peer has
+    none): every burst prompt differs from its first block on; the peer replays the same lists."""
+    jobs = [[(64, 4), (64, 4)], [(64, 4)], [(32, 2)]]
+    trials = [sb.burst_work(jobs, 1000, t) for t in range(3)]
+    firsts = [tuple(p[:16]) for w in trials for stream in w for p, _ in stream]
+    assert len(set(firsts)) == len(firsts), "two burst prompts share their first block"
+    assert sb.burst_work(jobs, 1000, 1) == trials[1], "the peer would get other prompts"
+    assert [[(len(p), new) for p, new in stream] for stream in trials[0]] == jobs
