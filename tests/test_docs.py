@@ -70,24 +70,11 @@ def test_the_benchmark_record_is_the_only_record_of_gpu_runs():
     """Figures live in bench/results/<device>.jsonl (docs/benchmarks.md is generated from it) and
     runs in bench/results/sessions/; no page keeps raw logs or names one."""
     assert not (DOCS / "gpu").exists(), "docs/gpu/ holds raw logs: the record replaces them"
-    pages = [p for p in [*DOCS.glob("*.md"), ROOT / "README.md"] if p.name not in PENDING_LOG_NAMES]
+    pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
     named = [f"{p.name}:{i}" for p in pages
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"docs/gpu/|\]\(gpu/", line)]
     assert not named, f"pages name raw GPU logs the record replaced: {named}"
-
-
-# Pages being rewritten elsewhere that still name a removed log; each leaves this set when its
-# figures point at docs/benchmarks.md (the test below fails once a page here names none, so the
-# set cannot go stale).
-PENDING_LOG_NAMES = {"scheduler.md"}
-
-
-def test_every_page_pending_its_log_pointer_still_names_one():
-    """Negative control of the set above: an entry whose page no longer names a log must go."""
-    stale = [name for name in PENDING_LOG_NAMES
-             if "docs/gpu/" not in (DOCS / name).read_text()]
-    assert not stale, f"{stale} no longer name a raw GPU log: remove them from PENDING_LOG_NAMES"
 
 
 def test_the_front_door_points_only_inside_the_repository_and_at_the_docs_index():
