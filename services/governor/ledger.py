@@ -166,17 +166,10 @@ def _kv(zones: list[ZoneReport]) -> ZoneReport | None:
     return next((z for z in zones if z.zone == "kv"), None)
 
 
-@dataclass(frozen=True)
-class WorkerReport:
-    worker_id: str
-    host: str
-    leased_bytes: int
-    committed_bytes: int
-    content_bytes: int
-    process_used_bytes: int
-    last_heartbeat: float
+class _KVSplit:
+    """KV in use and KV cached (reclaimable at once) of a report's `kv` zone (0 without one)."""
+
     zones: list[ZoneReport]
-    leases: list[Lease] = field(default_factory=list)
 
     @property
     def kv_cached_bytes(self) -> int:
@@ -190,7 +183,20 @@ class WorkerReport:
 
 
 @dataclass(frozen=True)
-class DeviceReport:
+class WorkerReport(_KVSplit):
+    worker_id: str
+    host: str
+    leased_bytes: int
+    committed_bytes: int
+    content_bytes: int
+    process_used_bytes: int
+    last_heartbeat: float
+    zones: list[ZoneReport]
+    leases: list[Lease] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeviceReport(_KVSplit):
     uuid: str
     name: str
     total_bytes: int
@@ -208,16 +214,6 @@ class DeviceReport:
     @property
     def free_budget_bytes(self) -> int:
         return self.budget_bytes - self.leased_bytes
-
-    @property
-    def kv_cached_bytes(self) -> int:
-        kv = _kv(self.zones)
-        return kv.cached_bytes if kv else 0
-
-    @property
-    def kv_in_use_bytes(self) -> int:
-        kv = _kv(self.zones)
-        return kv.in_use_bytes if kv else 0
 
 
 @dataclass
