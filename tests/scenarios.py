@@ -11,6 +11,47 @@ from services.common.errors import ResourceExhausted
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
+def swapped_and_plain_runs(device, compiler, cfg, seed: int, new_tokens: int
+                           ) -> tuple[dict[str, list[list[int]]], dict]:
+    """Three streams of a paged decoder run twice: as they are ("plain"), and with the newest
+    sequence preempted at steps 2 (its prefill done, its first token not read back: a one-token
+    prefill resumes it), 5 and 9 (decoding: resumed at their decode), its KV swapped to pinned
+    host and back ("swapped"). Returns each run's tokens and the swapped run's scheduler stats;
+    asserts every host byte came back."""
+    from gpu_worker.engines.scheduler.kv_swap import HostKVBudget, KVSwap, measure_copy_rates
+    from gpu_worker.engines.scheduler.scheduler import Scheduler
+    from gpu_worker.execution.executor import ModelExecutor
+    from gpu_worker.models.paged import PagedDecoderModel
+
+    rates = measure_copy_rates(device)
+    assert rates.source == "measured" and rates.h2d_bytes_per_s > 0 and rates.d2h_bytes_per_s > 0
+    prompts = [[(i * 37 + k * 11 + 1) % cfg.vocab_size for k in range(20 + 9 * i)] for i in range(3)]
+    runs, stats = {}, {}
+    for name in ("plain", "swapped"):
+        model = PagedDecoderModel(ModelExecutor(device, compiler), cfg, seed, max_batch_size=8,
+                                  prefill_chunk=32)
+        model.load()
+        budget = HostKVBudget(1 << 30)
+        sched = Scheduler(model, model.pool, thread=False, max_batch_size=8,
+                          kv_swap=KVSwap(device, model.pool, budget, rates))
+        seqs = [sched.submit(p, new_tokens) for p in prompts]
+        for step in range(400):
+            if not sched.busy():
+                break
+            if name == "swapped" and step in (2, 5, 9):
+                assert sched.preempt_newest()
+            sched.step()
+        assert not sched.busy()
+        runs[name] = [list(s.generated) for s in seqs]
+        if name == "swapped":
+            stats = sched.stats()
+            assert budget.in_use == 0, "host bytes left booked after every swap came back"
+        sched.close()
+        model.executor.close()
+        model.close()
+    return runs, stats
+
+
 def second_model_under_an_exact_budget(runtime: WorkerRuntime, probe: str,
                                        kv_at_load: bool = True) -> str:
     """Load `small` decoder A and serve one request (its plans exist), leave exactly B's probe free

@@ -18,10 +18,8 @@ from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.kv_swap import HostKVBudget, KVSwap, measure_copy_rates
-from gpu_worker.engines.scheduler.scheduler import Scheduler
-from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import get_config
-from gpu_worker.models.paged import PagedDecoderModel
+from tests.scenarios import swapped_and_plain_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -76,37 +74,10 @@ def test_on_cuda_blocks_swapped_to_pinned_host_and_back_keep_their_bytes(device)
 
 def test_on_cuda_a_decoder_swapped_out_and_in_gives_the_tokens_it_gives_unpreempted(
         device, cache_dir) -> None:
-    compiler = KernelCompiler(device.info.arch, cache_dir=cache_dir)
-    rates = measure_copy_rates(device)
-    prompts = [[(i * 37 + k * 11 + 1) % CFG.vocab_size for k in range(20 + 9 * i)] for i in range(3)]
-    runs, swapped_stats = {}, {}
-    for name in ("plain", "swapped"):
-        model = PagedDecoderModel(ModelExecutor(device, compiler), CFG, 3, max_batch_size=8,
-                                  prefill_chunk=32)
-        model.load()
-        budget = HostKVBudget(1 << 30)
-        swap = KVSwap(device, model.pool, budget, rates)
-        sched = Scheduler(model, model.pool, thread=False, kv_swap=swap, max_batch_size=8)
-        seqs = [sched.submit(p, 16) for p in prompts]
-        for step in range(400):
-            if not sched.busy():
-                break
-            # step 2: the newest finished its prefill in step 1, its first token not read
-            # back (a one-token prefill resumes it); later: decoding ones (at their decode)
-            if name == "swapped" and step in (2, 5, 9):
-                assert sched.preempt_newest()
-            sched.step()
-        assert not sched.busy()
-        runs[name] = [list(s.generated) for s in seqs]
-        if name == "swapped":
-            swapped_stats = sched.stats()
-            assert budget.in_use == 0
-        sched.close()
-        model.executor.close()
-        model.close()
-    print({k: v for k, v in swapped_stats.items() if "swap" in k})
-    assert swapped_stats["kv_swap_outs"] >= 1 and swapped_stats["kv_swapped_in_blocks"] > 0, \
-        swapped_stats
+    runs, stats = swapped_and_plain_runs(device, KernelCompiler(device.info.arch,
+                                                                cache_dir=cache_dir), CFG, 3, 16)
+    print({k: v for k, v in stats.items() if "swap" in k})
+    assert stats["kv_swap_outs"] >= 1 and stats["kv_swapped_in_blocks"] > 0, stats
     assert runs["swapped"] == runs["plain"], "a swapped stream differs from its unpreempted run"
 
 

@@ -13,16 +13,14 @@ from gpu_worker.engines.scheduler.kv_swap import (
     CopyRates,
     HostKVBudget,
     KVSwap,
-    measure_copy_rates,
     swap_is_cheaper,
 )
 from gpu_worker.engines.scheduler.sampling import SamplingParams
 from gpu_worker.engines.scheduler.scheduler import Scheduler
-from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import get_config
-from gpu_worker.models.paged import PagedDecoderModel
 from services.common.errors import InvalidArgument
 from tests.device.conftest import make_device
+from tests.scenarios import swapped_and_plain_runs
 from tests.scheduler.runners import DeviceTokenRunner, solo
 from tests.sim_fixtures import compiler, device, kernel_cache_dir  # noqa: F401
 
@@ -294,36 +292,9 @@ CFG = get_config("tiny", "decoder")
 
 
 def test_the_paged_decoder_swapped_out_and_in_gives_the_tokens_it_gives_unpreempted(device, compiler):  # noqa: F811
-    rates = measure_copy_rates(device)
-    assert rates.source == "measured" and rates.h2d_bytes_per_s > 0 and rates.d2h_bytes_per_s > 0
-    prompts = [[(i * 37 + k * 11 + 1) % CFG.vocab_size for k in range(20 + 9 * i)] for i in range(3)]
-    runs = {}
-    for name in ("plain", "swapped"):
-        model = PagedDecoderModel(ModelExecutor(device, compiler), CFG, 5, max_batch_size=8,
-                                  prefill_chunk=32)
-        model.load()
-        budget = HostKVBudget(1 << 30)
-        swap = KVSwap(device, model.pool, budget, rates)
-        sched = Scheduler(model, model.pool, thread=False, kv_swap=swap, max_batch_size=8)
-        seqs = [sched.submit(p, 12) for p in prompts]
-        for step in range(400):
-            if not sched.busy():
-                break
-            # step 2: the newest finished its prefill in step 1, its first token not read back
-            # (a one-token prefill resumes it); later: decoding ones (resumed at their decode)
-            if name == "swapped" and step in (2, 5, 9):
-                assert sched.preempt_newest()
-            sched.step()
-        assert not sched.busy()
-        runs[name] = [s.generated for s in seqs]
-        stats = sched.stats()
-        if name == "swapped":
-            assert stats["kv_swap_outs"] >= 1 and stats["kv_swapped_in_blocks"] > 0, stats
-            assert stats["kv_swap_prefill_tokens_per_s"] > 0
-            assert budget.in_use == 0
-        sched.close()
-        model.executor.close()
-        model.close()
+    runs, stats = swapped_and_plain_runs(device, compiler, CFG, 5, 12)
+    assert stats["kv_swap_outs"] >= 1 and stats["kv_swapped_in_blocks"] > 0, stats
+    assert stats["kv_swap_prefill_tokens_per_s"] > 0
     assert runs["swapped"] == runs["plain"]
 
 
