@@ -35,6 +35,8 @@ def wire_reclaim(cfg: WorkerConfig, device, budget, candidates: Callable[[], lis
     device.arena.reclaimer = reclaimer.on_refusal
     if budget is not None:  # a reclaim ask is answered before the leases go back
         budget.on_reclaim = reclaimer.on_governor_ask
+        # a cached-only ask stops after the cached KV step: no live sequence, plans or weights
+        budget.on_reclaim_cached = reclaimer.on_governor_cached_ask
         # Each report tells the governor how much of zone kv is cached (issue 26): the bytes the
         # decoders' pools could decommit now without touching a block in use.
         budget.kv_cached = lambda: sum(m.kv_cached_bytes() for m in candidates()

@@ -11,7 +11,9 @@ Hazards and contract:
   idle models, pooled handles, idle models' weights (paged out to their pinned host
   copies through the slots; the next request pages them back in), then the newest sequences' KV
   by preemption (gpu_worker/scheduler: their blocks freed, their pool's free top granules
-  decommitted; they recompute by prefill later and stream the same tokens).
+  decommitted; they recompute by prefill later and stream the same tokens). A cached-only governor
+  ask (Reclaim.cached_only) runs only the first two steps: it never preempts a live sequence and
+  never touches plans, handles or weights, even when the cached blocks fall short of the ask.
 - A busy model is never stripped: a model is idle exactly when its request lock can be taken
   without waiting (`acquire(blocking=False)`), and it is held while its caches or weights go. The
   model asking (whose lock its own thread holds) is therefore never a candidate, and a try-lock
@@ -62,6 +64,9 @@ STEP_ZONES: dict[str, frozenset[str] | None] = {
     "idle_weights": frozenset({"weights"}),
     "kv_preemption": frozenset({"kv"}),
 }
+# A cached-only ask (the governor's Reclaim.cached_only: cached KV wanted by another worker's
+# refused admission) stops here: never a live sequence's KV, never plans or weights.
+CACHED_ONLY_STEPS: tuple[str, ...] = ("completed_releases", "cached_kv")
 
 
 class IdleCandidate(Protocol):
@@ -95,6 +100,7 @@ class ReclaimReport:
     reason: str                        # "refusal" | "governor" | "load"
     zone: str | None                   # None: any zone helps (a refusal of the device budget)
     asked_bytes: int
+    cached_only: bool = False          # a cached-only governor ask: the order stopped at cached_kv
     steps: list[StepResult] = field(default_factory=list)
 
     @property
@@ -175,18 +181,25 @@ class Reclaimer:
             self._device.ledger.commit(zone, nbytes)
         self._device.arena.retry_reclaiming(zone, attempt, reason="load")
 
-    def on_governor_ask(self, zone: str, nbytes: int) -> None:
-        """The governor client's on_reclaim: shrink `zone` by `nbytes` before it gives back."""
+    def on_governor_ask(self, zone: str, nbytes: int, cached_only: bool = False) -> None:
+        """The governor client's on_reclaim: shrink `zone` by `nbytes` before it gives back.
+        `cached_only` (Reclaim.cached_only, the client's on_reclaim_cached): only completed
+        releases and cached prefix KV blocks go, even when they fall short of `nbytes`."""
         with self._lock:
             self.counters["governor_asks"] += 1
-        self.reclaim(nbytes, zone, "governor")
+        self.reclaim(nbytes, zone, "governor", cached_only=cached_only)
+
+    def on_governor_cached_ask(self, zone: str, nbytes: int) -> None:
+        """The governor client's on_reclaim_cached: a cached-only ask (see on_governor_ask)."""
+        self.on_governor_ask(zone, nbytes, cached_only=True)
 
     # -- the order -------------------------------------------------------------------------------
-    def reclaim(self, need_bytes: int, zone: str | None = None, reason: str = "refusal"
-                ) -> ReclaimReport:
-        """Run the steps in order until `need_bytes` are freed (in `zone`, if given)."""
-        report = ReclaimReport(reason, zone, need_bytes)
-        for step in STEPS:
+    def reclaim(self, need_bytes: int, zone: str | None = None, reason: str = "refusal",
+                cached_only: bool = False) -> ReclaimReport:
+        """Run the steps in order until `need_bytes` are freed (in `zone`, if given); with
+        `cached_only`, only up to the cached KV step (CACHED_ONLY_STEPS)."""
+        report = ReclaimReport(reason, zone, need_bytes, cached_only)
+        for step in CACHED_ONLY_STEPS if cached_only else STEPS:
             if report.freed_bytes >= need_bytes:
                 break
             zones = STEP_ZONES[step]
@@ -208,7 +221,7 @@ class Reclaimer:
                 self.counters[f"{r.step}_bytes"] += r.freed_bytes
         self.last = report
         log.info("reclaim", extra={"reason": reason, "zone": zone or "any", "asked": need_bytes,
-                                   "freed": report.freed_bytes,
+                                   "cached_only": cached_only, "freed": report.freed_bytes,
                                    "steps": {r.step: r.freed_bytes for r in report.steps}})
         return report
 

@@ -181,6 +181,9 @@ class GovernorClient:
         self.worker_id, self.device = worker_id, device
         self.chunk_bytes, self.heartbeat_s = chunk_bytes, heartbeat_s
         self.on_reclaim = on_reclaim
+        # A cached-only ask (Reclaim.cached_only) goes here instead when set: the owner gives
+        # back only cached content (zone kv: cached prefix blocks), never a live sequence's.
+        self.on_reclaim_cached: Callable[[str, int], None] | None = None
         self.on_caps = on_caps
         # The bytes of zone kv this worker can give back at once without harming a live
         # sequence (cached prefix blocks); called from any thread, never under our lock.
@@ -536,6 +539,8 @@ class GovernorClient:
             self._set_caps(reply.zone_caps)
         if reply.reclaim:
             asks = {zone_name(r.zone): r.bytes for r in reply.reclaim}
+            cached_zones = ({zone_name(r.zone) for r in reply.reclaim if r.cached_only}
+                            - {zone_name(r.zone) for r in reply.reclaim if not r.cached_only})
             if any(r.cached_only for r in reply.reclaim):
                 now_cached = self._sample_kv_cached()  # may have been reused since the report
                 for r in reply.reclaim:
@@ -552,8 +557,11 @@ class GovernorClient:
                         short = nbytes - max(0, self._slack(zone))
                     if short <= 0:
                         continue
+                    shrink = self.on_reclaim
+                    if zone in cached_zones and self.on_reclaim_cached is not None:
+                        shrink = self.on_reclaim_cached
                     try:
-                        self.on_reclaim(zone, short)
+                        shrink(zone, short)
                     except Exception:  # give back what is idle all the same
                         log.exception("on_reclaim failed", extra={"zone": zone, "bytes": nbytes})
             self._give_back(asks)
