@@ -67,19 +67,30 @@ SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptio
                     "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens",
                     "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected",
                     "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached",
-                    "kv_swapped_out_blocks", "kv_swapped_in_blocks")
+                    "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_swap_outs",
+                    "kv_swap_ins", "kv_swap_declined", "kv_swap_refused", "kv_swap_failed",
+                    "kv_swap_host_bytes", "kv_swap_host_budget_bytes")
 SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
 
 
 def scheduler_stats(schedulers: list) -> dict[str, int]:
-    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing)."""
+    """GetStatsResponse.scheduler: summed over the decoders (maxed where a sum means nothing).
+
+    The host KV tier is one pinned budget for the whole worker (HostKVBudget), shared by every
+    decoder's swapper: `kv_swap_host_budget_bytes` is its limit, counted once however many
+    decoders book in it (0 with no host tier, or no decoder loaded)."""
     out = dict.fromkeys(SCHEDULER_FIELDS, 0)
+    budgets: dict[int, int] = {}
     for sched in schedulers:
         for key, value in sched.stats().items():
             if key in SCHEDULER_MAXED:
                 out[key] = max(out[key], int(value))
             elif key in out:
                 out[key] += int(value)
+        budget = getattr(getattr(sched, "kv_swap", None), "budget", None)
+        if budget is not None:
+            budgets[id(budget)] = int(budget.limit_bytes)
+    out["kv_swap_host_budget_bytes"] = sum(budgets.values())
     return out
 
 

@@ -43,6 +43,16 @@ KV_TIER_COUNTERS = {
     "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache at admission",
     "kv_swapped_out_blocks": "KV blocks of preempted sequences copied to pinned host",
     "kv_swapped_in_blocks": "KV blocks copied back from pinned host",
+    "kv_swap_outs": "Preempted sequences whose KV was swapped out to pinned host",
+    "kv_swap_ins": "Sequences whose KV was swapped back in from pinned host",
+    "kv_swap_declined": "Preemptions that recomputed: cheaper than the copies, or no prefill rate",
+    "kv_swap_refused": "Preemptions that recomputed: the pinned host KV budget was full",
+    "kv_swap_failed": "Preemptions that recomputed: the device refused a swap copy",
+}
+KV_TIER_GAUGES = {
+    "kv_blocks_cached": "Committed KV blocks no sequence uses, kept for prefix hits",
+    "kv_swap_host_bytes": "Pinned host bytes swapped-out KV holds now",
+    "kv_swap_host_budget_bytes": "The worker's pinned host budget for swapped KV (0: no host tier)",
 }
 
 
@@ -51,10 +61,10 @@ def _kv_tiers(scheduler: dict[str, Any]) -> Iterator[GaugeMetricFamily | Counter
         counter = CounterMetricFamily(f"gpuplane:{name}", text)
         counter.add_metric([], float(scheduler.get(name, 0)))
         yield counter
-    gauge = GaugeMetricFamily("gpuplane:kv_blocks_cached",
-                              "Committed KV blocks no sequence uses, kept for prefix hits")
-    gauge.add_metric([], float(scheduler.get("kv_blocks_cached", 0)))
-    yield gauge
+    for name, text in KV_TIER_GAUGES.items():
+        gauge = GaugeMetricFamily(f"gpuplane:{name}", text)
+        gauge.add_metric([], float(scheduler.get(name, 0)))
+        yield gauge
 
 
 class WorkerCollector(Collector):

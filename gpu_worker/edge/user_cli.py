@@ -180,6 +180,11 @@ def cmd_stats(args: argparse.Namespace) -> None:
           f"{b.steps} steps, {b.prefill_tokens} prefill + {b.decode_tokens} decode tokens, "
           f"{b.preemptions} preemptions, {b.cancelled} cancelled, {b.rejected} rejected; kv "
           f"blocks {b.kv_blocks_used}/{b.kv_blocks_total} of {b.kv_block_tokens} tokens")
+    budget = _mib(b.kv_swap_host_budget_bytes) if b.kv_swap_host_budget_bytes else "off"
+    print(f"kv swap: host {_mib(b.kv_swap_host_bytes)} of {budget}, {b.kv_swap_outs} out "
+          f"({b.kv_swapped_out_blocks} blocks), {b.kv_swap_ins} in ({b.kv_swapped_in_blocks} "
+          f"blocks); recomputed: {b.kv_swap_declined} declined, {b.kv_swap_refused} refused, "
+          f"{b.kv_swap_failed} failed")
 
 
 def cmd_trim(args: argparse.Namespace) -> None:
