@@ -83,8 +83,10 @@ PLAN: tuple[Run, ...] = (
     Run("serving_bench@128", "serving_bench.py",
         ("--concurrency", "128", "--trials", "3", "--arrival-rate", "0"),
         340, (), 0, "128 streams: twice the batch, issue 23's top level"),
-    Run("batching_bench", "batching_bench.py", ("--trials", "3"), 150,
-        ("--trials", "3", "--new", "64"), 100, "fixed lengths at batch 1/8/32/64, decode windows"),
+    Run("batching_bench", "batching_bench.py", ("--trials", "3", "--transformers-peer"), 300,
+        ("--trials", "3", "--new", "64", "--transformers-peer"), 220,
+        "fixed lengths at batch 1/8/32/64, decode windows; the faster of the shared and the "
+        "transformers peer per batch (transformers was faster at batch 1 on 2026-12-02)"),
     Run("transformers_peer", "transformers_peer.py", ("--trials", "3"), 300,
         ("--batches", "1,64", "--trials", "3"), 180,
         "is transformers (static cache, torch.compile) faster than the shared peer?"),
