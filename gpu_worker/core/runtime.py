@@ -92,6 +92,8 @@ class WorkerRuntime:
             self.unload_model(model_id)
         if self.budget is not None:
             self.budget.on_reclaim = self.budget.on_caps = None
+            if hasattr(self.budget, "on_reclaim_cached"):
+                self.budget.on_reclaim_cached = None
         if self.device is not None:
             self.device.arena.reclaimer = None
             self.device.close()
