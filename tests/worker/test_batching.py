@@ -40,12 +40,6 @@ def start_worker(tmp_path, **config):
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    """One NVRTC disk cache for the module's workers: the second and third compile nothing."""
-    return tmp_path_factory.mktemp("kernels")
-
-
-@pytest.fixture(scope="module")
 def worker(kernels):
     runtime, server, client = start_worker(kernels, max_plans=8)
     yield runtime, client

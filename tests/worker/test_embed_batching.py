@@ -22,11 +22,11 @@ ATOL = 2e-5       # padded vs solo plans: different GEMM shapes, same math
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerClient]:
+def worker(kernels: pathlib.Path) -> Iterator[WorkerClient]:
     from gpu_worker import WorkerConfig, WorkerRuntime
     from gpu_worker.edge.servicer import serve_worker
 
-    cache_dir: pathlib.Path = tmp_path_factory.mktemp("kernels")
+    cache_dir = kernels
     runtime = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=cache_dir, worker_id="batching",
                                          embed_batch_wait_ms=WAIT_MS, embed_max_batch=64,
                                          max_plans=4))

@@ -81,11 +81,6 @@ class Worker:
         self.server.stop(grace=5.0)
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")
-
-
 def request(prompt: list[int], n: int, **sampling) -> worker_pb2.GenerateRequest:
     message = worker_pb2.GenerateRequest(model_id=MODEL, prompt_tokens=prompt, max_new_tokens=n)
     if sampling:

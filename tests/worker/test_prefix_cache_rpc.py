@@ -37,11 +37,6 @@ def start_worker(cache_dir, **config):
     return runtime, server, client
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["cache-on", "cache-off"])
 def worker(request, kernels):
     runtime, server, client = start_worker(kernels, prefix_cache=request.param)

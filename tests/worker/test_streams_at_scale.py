@@ -27,11 +27,6 @@ NEW = 24                   # tokens per held stream: its sequence finishes, its 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")
-
-
 def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
