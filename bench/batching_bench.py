@@ -18,8 +18,13 @@ the faster of the two peers per batch is the peer (both printed).
 Limits from the same run (bench/limits.py): each side's bytes per step (weights + the KV it reads)
 over its step time, as a fraction of the measured copy rate.
 
+The engine step over each decode window, from the worker's GetStats (read when the last stream
+got its first token and when the first stream ended): steps, (step_host_us + step_wait_us) / steps
+end to end, step_device_us / steps on the device, and their ratio.
+
 Targets (MISSED: exit status 1): at each batch every stream equals the batch-1 stream (same prompt,
-greedy); with the peer, ours/peer >= 2 at batch 8 and >= 1 at 1, 32 and 64 (issue 13). Without a
+greedy); with the peer, ours/peer >= 2 at batch 8 and >= 1 at 1, 32 and 64 (issue 13); on the
+device, the end-to-end step within 1.1x the device step at the largest batch (issue 23). Without a
 peer (no torch, or `--backend sim`) only the identity targets are printed.
 
     python bench/batching_bench.py                                   # H200: 8b-int4
@@ -45,6 +50,7 @@ from gpu_worker.edge.client import WorkerClient
 from gpu_worker.models.configs import get_config
 
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 1.0, 64: 1.0}
+STEP_RATIO_TARGET = 1.1   # issue 23: the host off the critical path at the largest batch
 
 
 def spread(values: list[float]) -> str:
@@ -54,17 +60,56 @@ def spread(values: list[float]) -> str:
             f"{max(values):,.1f} over {len(values)}")
 
 
-def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int) -> None:
+class Window:
+    """The decode window of one trial, as the worker's own step counters see it: GetStats read
+    when the last stream got its first token and again when the first stream ended."""
+
+    def __init__(self, streams: int) -> None:
+        self._lock = threading.Lock()
+        self._waiting_first = streams
+        self.all_started = threading.Event()
+        self.one_ended = threading.Event()
+
+    def first_token(self) -> None:
+        with self._lock:
+            self._waiting_first -= 1
+            if self._waiting_first == 0:
+                self.all_started.set()
+
+    def steps(self, client: WorkerClient) -> dict[str, float] | None:
+        """Steps in the window and its end-to-end and device time per step (None: the window
+        had no step, or the trial ended first)."""
+        if not self.all_started.wait(600):
+            return None
+        s0 = client.stats().scheduler
+        self.one_ended.wait(600)
+        s1 = client.stats().scheduler
+        steps = s1.steps - s0.steps
+        device = s1.step_device_us - s0.step_device_us
+        if steps <= 0 or device <= 0:
+            return None
+        host = s1.step_host_us - s0.step_host_us
+        wall = host + s1.step_wait_us - s0.step_wait_us
+        return {"steps": steps, "e2e_ms": wall / steps / 1e3, "device_ms": device / steps / 1e3,
+                "host_ms": host / steps / 1e3, "e2e_over_device": wall / device}
+
+
+def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int,
+            window: Window) -> None:
     first = 0.0
     stamps: list[float] = []
     tokens: list[int] = []
-    for message in client.generate_stream("m", prompt, new, timeout=600):
-        now = time.perf_counter()
-        for t in message.tokens:
-            tokens.append(int(t))
-            stamps.append(now)
-        if message.tokens and not first:
-            first = now
+    try:
+        for message in client.generate_stream("m", prompt, new, timeout=600):
+            now = time.perf_counter()
+            for t in message.tokens:
+                tokens.append(int(t))
+                stamps.append(now)
+            if message.tokens and not first:
+                first = now
+                window.first_token()
+    finally:
+        window.one_ended.set()
     out[i] = (tokens, stamps, first, time.perf_counter())
 
 
@@ -74,16 +119,20 @@ def ours(args: argparse.Namespace) -> dict:
         client.load_model("m", "decoder", args.config, 1)
         prompt = [(i * 31 + 7) % cfg.vocab_size for i in range(args.prompt)]
         rates: dict[int, list[float]] = {b: [] for b in args.batches}
+        steps: dict[int, list[dict[str, float]]] = {b: [] for b in args.batches}
         same: dict[int, bool] = {}
         solo = client.generate("m", prompt, args.new).tokens
         for b in args.batches:
             same[b] = True
             for trial in range(args.trials + 1):          # trial 0 warms the batch's plans
                 out: dict = {}
-                threads = [threading.Thread(target=_stream, args=(client, prompt, args.new, out, i))
+                window = Window(b)
+                threads = [threading.Thread(target=_stream,
+                                            args=(client, prompt, args.new, out, i, window))
                            for i in range(b)]
                 for t in threads:
                     t.start()
+                step = window.steps(client)
                 for t in threads:
                     t.join()
                 same[b] &= len(out) == b and all(out[i][0] == solo for i in range(b))
@@ -94,13 +143,19 @@ def ours(args: argparse.Namespace) -> dict:
                     continue
                 rate = inside / (stop - start) if stop > start and inside else float("nan")
                 rates[b].append(rate)
+                shown = ""
+                if step:
+                    steps[b].append(step)
+                    shown = (f"; {step['steps']} steps of {step['e2e_ms']:.2f} ms end to end, "
+                             f"{step['device_ms']:.2f} ms on the device (host "
+                             f"{step['host_ms']:.2f} ms), {step['e2e_over_device']:.3f}x")
                 print(f"gpuplane {args.config} batch {b:>2} trial {trial}: {rate:9.1f} tokens/s "
-                      f"({inside} tokens in {stop - start:.3f} s)", flush=True)
+                      f"({inside} tokens in {stop - start:.3f} s){shown}", flush=True)
         stats = client.stats().scheduler
         print(f"scheduler: steps {stats.steps}, peak batch {stats.peak_batch_size}, preemptions "
               f"{stats.preemptions}, kv blocks used {stats.kv_blocks_used}/{stats.kv_blocks_total}",
               flush=True)
-    return {"rates": rates, "same": same, "cfg": cfg}
+    return {"rates": rates, "steps": steps, "same": same, "cfg": cfg}
 
 
 def peer_rates(cfg, args: argparse.Namespace) -> dict[int, list[float]] | None:
@@ -129,6 +184,30 @@ def peer_rates(cfg, args: argparse.Namespace) -> dict[int, list[float]] | None:
             print(f"transformers {cfg.name} fp16 static cache, compiled, batch {b:>2}: "
                   f"{spread(hf[b])} tokens/s; the peer at batch {b}: {name}", flush=True)
     return {b: trials for b, (_, trials) in best.items()}
+
+
+def step_figures(targets: Targets, steps: dict[int, list[dict[str, float]]]
+                 ) -> dict[int, float] | None:
+    """Print and record each batch's median step split (end to end, device, host); returns the
+    median end-to-end / device ratio per batch (None when a batch has no window)."""
+    if not all(steps.values()):
+        print("step split: a batch had no decode window with steps (too few tokens?)", flush=True)
+        return None
+    ratios = {}
+    print("\n== engine step over the decode window (GetStats step_*_us, median of trials)",
+          flush=True)
+    for b, trials in steps.items():
+        med = {k: statistics.median(t[k] for t in trials)
+               for k in ("e2e_ms", "device_ms", "host_ms", "e2e_over_device")}
+        ratios[b] = med["e2e_over_device"]
+        print(f"batch {b:>2}: end to end {med['e2e_ms']:.2f} ms, device {med['device_ms']:.2f} ms, "
+              f"host {med['host_ms']:.2f} ms; end to end / device {ratios[b]:.3f} (trials "
+              f"{min(t['e2e_over_device'] for t in trials):.3f}-"
+              f"{max(t['e2e_over_device'] for t in trials):.3f})", flush=True)
+        targets.figure(f"gpuplane decode step end to end, batch {b}", med["e2e_ms"], "ms")
+        targets.figure(f"gpuplane decode step on the device, batch {b}", med["device_ms"], "ms")
+        targets.figure(f"gpuplane decode step host work, batch {b}", med["host_ms"], "ms")
+    return ratios
 
 
 def step_bytes(weight_bytes: int, kv_token_bytes: int, batch: int, ctx: int) -> int:
@@ -194,6 +273,11 @@ def main() -> int:
                            "fraction", limit=lim.copy_gbs)
     for b in args.batches:
         targets.require(f"batch {b}: every stream equals the solo stream", mine["same"][b])
+    step_ratio = step_figures(targets, mine["steps"])
+    if use_gpu_peer and step_ratio is not None:      # sim's device clock is not a device
+        top = max(args.batches)
+        targets.check(f"batch {top}: end-to-end step / device step (decode window)",
+                      step_ratio[top], "<=", STEP_RATIO_TARGET, fmt=".3f", unit="ratio")
     if peer:
         for b in args.batches:
             m, pm = statistics.median(mine["rates"][b]), statistics.median(peer[b])

@@ -5,7 +5,7 @@ the servicer converts the dict without a mapping table.
 """
 from __future__ import annotations
 
-from gpu_worker.engines.scheduler.histogram import Histogram
+from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 
 
 def worker_stats(device, executors: list, compiler, reclaimer, budget, variant_bound: int) -> dict:
@@ -69,7 +69,8 @@ SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptio
                     "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached",
                     "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_swap_outs",
                     "kv_swap_ins", "kv_swap_declined", "kv_swap_refused", "kv_swap_failed",
-                    "kv_swap_host_bytes", "kv_swap_host_budget_bytes")
+                    "kv_swap_host_bytes", "kv_swap_host_budget_bytes", "step_host_us",
+                    "step_wait_us", "step_device_us")
 SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
 
 
@@ -95,10 +96,12 @@ def scheduler_stats(schedulers: list) -> dict[str, int]:
 
 
 def scheduler_histograms(schedulers: list) -> dict[str, Histogram]:
-    """Time to first token, time per output token and queue time, merged over the decoders."""
-    out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(), "queue_seconds": Histogram()}
+    """Time to first token, time per output token, queue time and the engine step's wall, host
+    and device times, merged over the decoders."""
+    out = {"ttft_seconds": Histogram(), "tpot_seconds": Histogram(), "queue_seconds": Histogram(),
+           "step_seconds": Histogram(STEP_BUCKETS), "step_host_seconds": Histogram(STEP_BUCKETS),
+           "step_device_seconds": Histogram(STEP_BUCKETS)}
     for sched in schedulers:
-        out["ttft_seconds"].merge(sched.ttft)
-        out["tpot_seconds"].merge(sched.tpot)
-        out["queue_seconds"].merge(sched.queue_time)
+        for name, hist in sched.histograms().items():
+            out[name].merge(hist)
     return out

@@ -24,7 +24,10 @@ SECTIONS = ("kernel_cache", "plans", "weights", "compile", "capture", "arena", "
 # Latency histograms of the decoders' schedulers (gpuplane_worker_scheduler_<name>).
 HISTOGRAMS = {"ttft_seconds": "Time from Generate to its first token",
               "tpot_seconds": "Time between consecutive output tokens of a stream",
-              "queue_seconds": "Time a Generate request waited before its first step"}
+              "queue_seconds": "Time a Generate request waited before its first step",
+              "step_seconds": "Wall time of an engine step (host work + waiting for the device)",
+              "step_host_seconds": "The engine thread's own work per step (wall less the wait)",
+              "step_device_seconds": "The device's span per step (first to last event)"}
 
 
 # Serving metrics under vLLM's names (vllm:<name> -> gpuplane:<name>), so dashboards built for

@@ -137,8 +137,29 @@ def test_scheduler_gauges_and_latency_histograms_are_exported(worker):
                  "gpuplane_worker_scheduler_kv_blocks_used",
                  "gpuplane_worker_scheduler_ttft_seconds_bucket",
                  "gpuplane_worker_scheduler_tpot_seconds_count",
-                 "gpuplane_worker_scheduler_queue_seconds_sum"):
+                 "gpuplane_worker_scheduler_queue_seconds_sum",
+                 "gpuplane_worker_scheduler_step_seconds_count",
+                 "gpuplane_worker_scheduler_step_host_seconds_sum",
+                 "gpuplane_worker_scheduler_step_device_seconds_bucket",
+                 "gpuplane_worker_scheduler_step_device_us"):
         assert name in text, f"{name} is not exported"
+
+
+def test_get_stats_splits_the_engine_steps_into_host_wait_and_device_time(worker):
+    """The host-vs-device figures of a step (issue 23's "end-to-end step within 1.1x the device
+    step") reach clients: the host and device totals grow with the steps that ran, and every
+    step's wall time is observed together with its host time."""
+    runtime, client = worker
+    before = client.stats().scheduler
+    client.generate(MODEL, prompt_of(9, 30), 12)
+    after = client.stats().scheduler
+    assert after.steps > before.steps
+    host = after.step_host_us - before.step_host_us
+    wait = after.step_wait_us - before.step_wait_us
+    device = after.step_device_us - before.step_device_us
+    assert host > 0 and device > 0 and wait >= 0, (host, wait, device)
+    merged = runtime.scheduler_histograms()
+    assert merged["step_seconds"].count == merged["step_host_seconds"].count > 0
 
 
 def test_queue_overflow_is_resource_exhausted_at_once_and_the_accepted_streams_complete(kernels):
