@@ -185,6 +185,11 @@ def cmd_stats(args: argparse.Namespace) -> None:
           f"({b.kv_swapped_out_blocks} blocks), {b.kv_swap_ins} in ({b.kv_swapped_in_blocks} "
           f"blocks); recomputed: {b.kv_swap_declined} declined, {b.kv_swap_refused} refused, "
           f"{b.kv_swap_failed} failed")
+    if b.steps and b.step_device_us:
+        wall = b.step_host_us + b.step_wait_us
+        print(f"steps: {wall / b.steps / 1e3:.2f} ms end to end (host {b.step_host_us / b.steps / 1e3:.2f}"
+              f" ms), {b.step_device_us / b.steps / 1e3:.2f} ms on the device; end to end / device "
+              f"{wall / b.step_device_us:.3f}")
 
 
 def cmd_trim(args: argparse.Namespace) -> None:

@@ -235,3 +235,15 @@ def test_a_fuzz_of_concurrent_starts_and_cancels_never_leaks_a_block(worker):
     s = client.stats().scheduler
     assert (s.kv_blocks_used, s.running, s.waiting) == (0, 0, 0), "a block or a sequence leaked"
     assert client.stats().arena.faults == 0
+
+
+def test_gpuplane_stats_prints_the_step_split(worker, capsys):
+    """`gpuplane stats` shows an operator the end-to-end step against the device step."""
+    from gpu_worker.edge.user_cli import main
+    _, client = worker
+    client.generate(MODEL, prompt_of(10, 20), 6)
+    assert main(["--worker", client.target, "stats"]) == 0
+    out = capsys.readouterr().out
+    line = next((ln for ln in out.splitlines() if ln.startswith("steps:")), None)
+    assert line is not None, f"no steps line:\n{out}"
+    assert "ms on the device; end to end / device " in line, line
