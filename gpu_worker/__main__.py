@@ -16,6 +16,7 @@ from gpu_worker.config import (
     DEFAULT_DEQUANT_TILE_BYTES,
     DEFAULT_KV_SWAP_HOST_BYTES,
     DEFAULT_MAX_PLANS,
+    DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_VARIANTS_PER_NODE,
     WorkerConfig,
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
              "running sequences per decoder model (the decode batch)", type=int)
     env_flag(serve, "--max-step-tokens", "GPUPLANE_MAX_STEP_TOKENS", 2048,
              "tokens per engine step: decode rows plus prefill chunks", type=int)
+    env_flag(serve, "--min-prefill-share", "GPUPLANE_MIN_PREFILL_SHARE", DEFAULT_MIN_PREFILL_SHARE,
+             "smallest prefill chunk a step gives a prompt (tokens): fewer, larger chunks per "
+             "step (each chunk reads every weight once) against earlier first tokens", type=int)
     env_flag(serve, "--max-queued", "GPUPLANE_MAX_QUEUED", 1024,
              "waiting Generate requests per model; beyond it RESOURCE_EXHAUSTED", type=int)
     env_flag(serve, "--kv-block-tokens", "GPUPLANE_KV_BLOCK_TOKENS", 16,
@@ -165,6 +169,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         embed_max_batch_tokens=args.embed_max_batch_tokens,
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,
+        min_prefill_share=args.min_prefill_share,
         max_queued=args.max_queued,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,

@@ -21,6 +21,10 @@ if TYPE_CHECKING:  # the config never imports grpc; the channels do, in the clie
 DEFAULT_VARIANTS_PER_NODE = 4      # kernel shape variants kept per graph node (DESIGN 1.1)
 DEFAULT_MAX_PLANS = 2              # warm shape plans kept per model (DESIGN 1.2)
 DEFAULT_PREFILL_CHUNK = 2048       # prompt tokens per prefill chunk
+# The smallest prefill chunk a step gives a prompt (docs/scheduler.md "Prefill and decode share the
+# step"): each chunk is one graph replay over every weight, so a floor keeps a step from splitting
+# its token budget into many small chunks.
+DEFAULT_MIN_PREFILL_SHARE = 256
 DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
 # Pinned host bytes all decoders' swapped KV may hold: 4 GiB (a 2,000-token sequence of an 8b
 # model is 256 MiB of fp16 KV), small beside a serving host's memory and never allocated ahead.
@@ -62,6 +66,7 @@ class WorkerConfig:
     # continuous batching (docs/scheduler.md)
     max_batch_size: int = 64            # running sequences per decoder
     max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
+    min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE  # a step's smallest prefill chunk (tokens)
     max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
     kv_block_tokens: int = 16           # tokens per paged KV block
     kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
@@ -81,7 +86,7 @@ class WorkerConfig:
         at_least_one = ("variants_per_node", "max_plans", "checkpoint_context", "lease_chunk_bytes",
                         "prefill_chunk", "dequant_tile_bytes", "embed_max_batch",
                         "embed_max_batch_tokens", "max_batch_size", "max_step_tokens",
-                        "max_queued", "kv_block_tokens")
+                        "min_prefill_share", "max_queued", "kv_block_tokens")
         for name in at_least_one:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

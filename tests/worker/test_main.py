@@ -95,3 +95,23 @@ def test_an_abbreviated_serve_flag_is_refused(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["serve", "--max-batch", "8"])
     assert exit_.value.code == 2, "an abbreviation of --max-batch-size was accepted"
+
+
+def test_min_prefill_share_reaches_every_decoders_scheduler(monkeypatch, kernels) -> None:
+    """--min-prefill-share (GPUPLANE_MIN_PREFILL_SHARE) is the scheduler's prefill floor; below 1
+    the config refuses it."""
+    from gpu_worker import WorkerRuntime
+    from gpu_worker.__main__ import worker_config
+    from services.common.errors import InvalidArgument
+    monkeypatch.setenv("GPUPLANE_MIN_PREFILL_SHARE", "1024")
+    config = worker_config(build_parser().parse_args(["serve", "--backend", "sim",
+                                                      "--cache-dir", str(kernels)]))
+    assert config.min_prefill_share == 1024
+    runtime = WorkerRuntime(config).start()
+    try:
+        runtime.load_model("m", "decoder", "tiny", 1)
+        assert runtime._get("m").scheduler.min_prefill_share == 1024
+    finally:
+        runtime.close()
+    with pytest.raises(InvalidArgument, match="min_prefill_share"):
+        worker_config(build_parser().parse_args(["serve", "--min-prefill-share", "0"]))

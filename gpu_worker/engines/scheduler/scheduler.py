@@ -55,6 +55,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gpu_worker.config import DEFAULT_MIN_PREFILL_SHARE
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.kv_swap import KVSwap, SwapFailed, SwappedKV, swap_is_cheaper
@@ -63,7 +64,6 @@ from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 _END = object()
-DEFAULT_MIN_PREFILL_SHARE = 256
 
 
 def prefill_shares(demands: list[int], budget: int, floor: int) -> list[int]:
