@@ -264,6 +264,13 @@ def summary(name: str, runs: list[dict]) -> str:
             f"{pct(tpot, .5) * 1e3:.1f}/{pct(tpot, .99) * 1e3:.1f} ms")
 
 
+def _worker_flag(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: want NAME=VALUE, e.g. min-prefill-share=1024")
+    return "--" + name.lstrip("-"), value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,6 +284,10 @@ def main() -> int:
     p.add_argument("--new-range", type=_pair, default=(64, 512))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trials", type=int, default=3, help="trials per level, each side (median)")
+    p.add_argument("--worker-flag", type=_worker_flag, action="append", default=[],
+                   metavar="NAME=VALUE",
+                   help="start the worker with --NAME VALUE (repeatable; printed as a change from "
+                        "the defaults), e.g. --worker-flag min-prefill-share=1024")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--arrival-rate", type=float, default=ARRIVAL_RATE, metavar="R",
                    help="after the burst levels, the open loop: Poisson arrivals at R "
@@ -304,7 +315,9 @@ def main() -> int:
                 if args.arrival_rate else None)
     open_loop: dict | None = None
     levels: dict[int, list[dict]] = {}
-    with served_worker(args.backend) as (client, _):
+    changed = {flag: (value, "set by --worker-flag (an experiment, not the default)")
+               for flag, value in args.worker_flag}
+    with served_worker(args.backend, changed) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
         longest = args.prompt_range[1]
         chunk = min(longest, MAX_STEP_TOKENS)
