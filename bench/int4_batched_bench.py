@@ -5,7 +5,8 @@ Shapes: Llama-3-8B's linears as the decode graph runs them, QKV and gate/up each
 (6144 and 28672 rows), each timed alone, then summed into one decode step's linears:
 32 x (qkv + wo + gate_up + w_down) + lm_head. One row is timed on both the int4 GEMV
 (linear.int4_matmul, what the graph runs at one row) and the tensor-core int4_mma; 2..64 rows on
-the int4_mma. Each timed graph rotates through enough copies of the weight (bench/limits.rotation,
+the int4_mma; 16, 32 and 64 rows also on the prefill's path (each weight tile dequantized to
+fp16, then cuBLAS: execution/ops.py), for the crossover. Each timed graph rotates through enough copies of the weight (bench/limits.rotation,
 >= 4 x L2) that it streams from HBM, for ours and for torch alike.
 Targets (MISSED: exit 1, issue 24): the step's linears at 64 rows within 2x their 1-row time; at
 1 row (the faster kernel per shape) at least 0.7 of copy bandwidth (weight + scale bytes / time,
@@ -36,7 +37,10 @@ from bench._kernel_bench import kernel_bench_parser, open_bench_device
 from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
 from bench.targets import Targets
+from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
+from gpu_worker.execution.ops import tile_rows
 from gpu_worker.kernels.common import sm_count
+from gpu_worker.kernels.half import INT4_DEQUANT_F16, launch_int4_dequant_f16
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     MT_CHOICES,
@@ -51,6 +55,9 @@ from gpu_worker.kernels.selfcheck import KernelHarness
 SHAPES = [("qkv", 6144, 4096, 32), ("wo", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
           ("w_down", 4096, 14336, 32), ("lm_head", 128256, 4096, 1)]
 BATCHES = (1, 2, 8, 16, 32, 64)
+# rows also timed on the prefill's path (int4_dequant_f16 into the tile, then cuBLAS fp16): would
+# the decode batch be faster there? (information: its fp16 x would change the decode's numerics)
+TENSOR_BATCHES = (16, 32, 64)
 ONE_ROW_OF_COPY = 0.7
 TARGET_64_OVER_1 = 2.0
 
@@ -89,6 +96,23 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
     return launch
 
 
+def _tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y: int, tile: int,
+                     tile_bytes: int, rows: int, n: int, k: int):
+    """launch(stream): the prefill path at `rows` rows (execution/ops.py's tensor-core linear):
+    each tile of weight rows dequantized to fp16, then one cuBLAS GEMM into its columns of y."""
+    turn = itertools.count()
+    per_tile = tile_rows(n, k, tile_bytes)
+
+    def launch(stream) -> None:
+        packed, scales = weights[next(turn) % len(weights)]
+        for r0 in range(0, n, per_tile):
+            part = min(per_tile, n - r0)
+            launch_int4_dequant_f16(dev, function, tile, packed, scales, r0, part, n, k,
+                                    stream=stream)
+            dev.blas.gemm_nt(y + 4 * r0, x16, tile, rows, part, k, ldy=n, stream=stream)
+    return launch
+
+
 def sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
     """{(rows, mt): seconds} over every built MT choice, rows 2..64."""
     return {(b, mt): ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
@@ -124,6 +148,7 @@ def main() -> int:
     step_gemv1 = step_bytes = 0.0
     step_torch = {b: 0.0 for b in BATCHES}
     step_best = {b: 0.0 for b in BATCHES[1:]}
+    step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -139,6 +164,9 @@ def main() -> int:
                         h.put((rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float16)))
                        for _ in range(copies)]
             x = h.put(rng.standard_normal((max(BATCHES), k), dtype=np.float32))
+            x16 = h.put(rng.standard_normal((max(BATCHES), k)).astype(np.float16))
+            tile_bytes = DEFAULT_DEQUANT_TILE_BYTES if not args.small else 2 * k * min(n, 64)
+            tile = h.put(np.zeros(tile_bytes // 2, np.float16))
             y = h.put(np.zeros((max(BATCHES), n), np.float32))
             gemv1 = ours(dev, _launcher(dev, f_gemv, weights, x, y, 1, n, k, True), args.reps,
                          args.trials)
@@ -149,6 +177,10 @@ def main() -> int:
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
                     have_torch = torch_times[b] is not None
+            for b in TENSOR_BATCHES:
+                step_tensor[b] += uses * ours(dev, _tensor_launcher(
+                    dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
+                    args.reps, args.trials)
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x, y, n, k, args.reps, args.trials)
                 print_sweep(name, n, k, swept, sm_count(dev))
@@ -181,6 +213,12 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows", step[b] * 1e3, "ms",
                        peer=step_torch[b] * 1e3 if have_torch and step_torch[b] else None)
     targets.figure("decode step int4 linears, 1 row on the GEMV", step_gemv1 * 1e3, "ms")
+    print("decode step's linears on the prefill's path (dequant tile + cuBLAS fp16), ms:")
+    for b in TENSOR_BATCHES:
+        print(f"  batch {b:3d}: {step_tensor[b] * 1e3:8.3f} (int4_mma {step[b] * 1e3:8.3f})",
+              flush=True)
+        targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
+                       step_tensor[b] * 1e3, "ms")
     if args.mt_sweep:
         print("decode step's linears with the best swept mt per shape, ms:")
         for b in BATCHES[1:]:
