@@ -26,9 +26,11 @@ def open_budget(cfg: WorkerConfig, backend):
                           tls=cfg.tls, token=cfg.governor_token)
 
 
-def wire_reclaim(cfg: WorkerConfig, device, budget, candidates: Callable[[], list]) -> Reclaimer:
+def wire_reclaim(cfg: WorkerConfig, device, budget, candidates: Callable[[], list],
+                 kv_host=None) -> Reclaimer:
     """One reclaim policy answers the arena's refusals and the governor's asks; the weight budget
-    becomes the smaller of the flag and the governor's weights cap."""
+    becomes the smaller of the flag and the governor's weights cap; each report carries the host
+    tier (`kv_host`: the worker's HostKVTier, or None)."""
     # A peer asked by the governor gives back on its next heartbeat (2 s by default).
     peer_wait = 2.5 * budget.heartbeat_s if budget is not None else 0.0
     reclaimer = Reclaimer(device, candidates, cfg.worker_id, peer_wait)
@@ -42,6 +44,10 @@ def wire_reclaim(cfg: WorkerConfig, device, budget, candidates: Callable[[], lis
         budget.kv_cached = lambda: sum(m.kv_cached_bytes() for m in candidates()
                                        if not m.closed and hasattr(m, "kv_cached_bytes"))
         weights = device.weights
+        # The host tier beside the device zones (issue 26: every byte on both tiers booked):
+        # the weights' pinned host copies and the host KV budget's bytes in use.
+        budget.host_tier = lambda: (weights.stats()["host_bytes"],
+                                    kv_host.budget.in_use if kv_host is not None else 0)
         budget.on_caps = lambda caps: weights.set_budget(caps.get("weights"), "governor")
         budget.deliver_caps()   # the registration's; later ones come by heartbeat
     return reclaimer

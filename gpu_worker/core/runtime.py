@@ -79,7 +79,8 @@ class WorkerRuntime:
             self.budget = open_budget(cfg, backend)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
             self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
-            self.reclaimer = wire_reclaim(cfg, self.device, self.budget, self._candidates)
+            self.reclaimer = wire_reclaim(cfg, self.device, self.budget, self._candidates,
+                                          self.kv_host)
             self.cache_client, self.compiler = open_compiler(cfg, self.device.info.arch)
         except BaseException:
             self.close()
@@ -94,6 +95,8 @@ class WorkerRuntime:
             self.budget.on_reclaim = self.budget.on_caps = None
             if hasattr(self.budget, "on_reclaim_cached"):
                 self.budget.on_reclaim_cached = None
+            if hasattr(self.budget, "host_tier"):
+                self.budget.host_tier = None
         if self.device is not None:
             self.device.arena.reclaimer = None
             self.device.close()

@@ -188,6 +188,9 @@ class GovernorClient:
         # The bytes of zone kv this worker can give back at once without harming a live
         # sequence (cached prefix blocks); called from any thread, never under our lock.
         self.kv_cached = kv_cached
+        # The worker's host tier, (weights' pinned host copies, host KV) bytes, sent with each
+        # report's heartbeat; called from any thread, never under our lock.
+        self.host_tier: Callable[[], tuple[int, int]] | None = None
         self.zone_caps: dict[str, int] = {}   # the governor's hard caps, zone -> bytes
         self._caps_lock = threading.Lock()    # serializes deliveries (never the client's lock)
         self._delivered: dict[str, int] | None = None  # the caps on_caps last heard
@@ -202,6 +205,7 @@ class GovernorClient:
         self._used: dict[str, int] = dict.fromkeys(LEASABLE_ZONES, 0)
         self._report: tuple[dict[str, tuple[int, int]], int, int] = ({}, 0, 0)
         self._cached = 0  # zone kv's cached bytes, of the zones in _report
+        self._host = (0, 0)  # host_tier() at the last report
         self._registered = False
         self._connected = False
         self.incarnation = ""  # the governor's proof of this registration, sent on every call
@@ -267,9 +271,23 @@ class GovernorClient:
     def report(self, zones: dict[str, tuple[int, int]], device_used_bytes: int,
                process_used_bytes: int) -> None:
         cached = min(self._sample_kv_cached(), zones.get("kv", (0, 0))[0])
+        host = self._sample_host_tier()
         with self._lock:
             self._report = (dict(zones), device_used_bytes, process_used_bytes)
             self._cached = cached
+            self._host = host
+
+    def _sample_host_tier(self) -> tuple[int, int]:
+        """`host_tier()`, or the last figures when there is none or it fails."""
+        source = self.host_tier
+        if source is None:
+            return (0, 0)
+        try:
+            weights, kv = source()
+            return (max(0, int(weights)), max(0, int(kv)))
+        except Exception:  # the host tier is information; a failed sample keeps the last one
+            log.warning("host_tier failed; reporting the last figures", exc_info=True)
+            return self._host
 
     def _sample_kv_cached(self) -> int:
         """`kv_cached()`, or 0 (all of kv in use) when there is none or it fails."""
@@ -519,13 +537,14 @@ class GovernorClient:
     def _heartbeat(self) -> None:
         with self._lock:
             zones, device_used, process_used = self._report
-            cached = self._cached
+            cached, (host_weights, host_kv) = self._cached, self._host
             if any(i.startswith(_UNBACKED) for h in self._held.values() for i in h):
                 self._reacquire_unbacked()
         reply = self._stub.Heartbeat(governor_pb2.HeartbeatRequest(
             worker_id=self.worker_id, device_uuid=self.device.uuid,
             device_used_bytes=device_used, process_used_bytes=process_used,
             incarnation=self.incarnation,
+            host_weights_bytes=host_weights, host_kv_bytes=host_kv,
             zones=[governor_pb2.ZoneUsage(zone=zone_value(z), committed_bytes=c, content_bytes=ct,
                                           cached_bytes=cached if z == "kv" else 0)
                    for z, (c, ct) in sorted(zones.items())]), timeout=CALL_DEADLINE_S)

@@ -193,6 +193,8 @@ class WorkerReport(_KVSplit):
     last_heartbeat: float
     zones: list[ZoneReport]
     leases: list[Lease] = field(default_factory=list)
+    host_weights_bytes: int = 0   # the host tier (pinned host memory) of its last heartbeat
+    host_kv_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,8 @@ class _Worker:
     cached: dict[str, int] = field(default_factory=dict)  # zone -> cached bytes (kv only), > 0
     process_used_bytes: int = 0
     last_heartbeat: float = 0.0
+    host_weights_bytes: int = 0   # pinned host memory: weights' host copies
+    host_kv_bytes: int = 0        # pinned host memory: KV swapped out or demoted
 
 
 def _mib(n: int) -> str:
@@ -433,14 +437,19 @@ class Ledger:
 
     def heartbeat(self, worker_id: str, device_uuid: str, device_used_bytes: int,
                   process_used_bytes: int, zones: dict[str, tuple[int, int]],
-                  incarnation: str = "", cached: dict[str, int] | None = None
-                  ) -> HeartbeatResult:
+                  incarnation: str = "", cached: dict[str, int] | None = None,
+                  host_weights_bytes: int = 0, host_kv_bytes: int = 0) -> HeartbeatResult:
         """Record a worker's figures (each bounded by its device's total: InvalidArgument and
         nothing recorded otherwise). An unknown worker, or a stale `incarnation` of a known one,
         is answered `reregister` and nothing is recorded. `cached`: zone -> the bytes of its
-        committed ones that are cached (zone kv only; none given = 0 cached)."""
+        committed ones that are cached (zone kv only; none given = 0 cached).
+        `host_weights_bytes` / `host_kv_bytes`: its host tier, pinned host memory (weights'
+        host copies; swapped-out and demoted KV), shown in reports beside its zones: host
+        memory, so no device total bounds them, only MAX_DEVICE_BYTES."""
         if device_used_bytes < 0 or process_used_bytes < 0:
             raise InvalidArgument("used bytes cannot be negative")
+        check_size("host_weights_bytes", host_weights_bytes)
+        check_size("host_kv_bytes", host_kv_bytes)
         for zone, (committed, content) in zones.items():
             check_zone(zone, leasable=False)
             if committed < 0 or content < 0:
@@ -466,6 +475,7 @@ class Ledger:
             worker.reported = dict(zones)
             worker.cached = cached
             worker.process_used_bytes = process_used_bytes
+            worker.host_weights_bytes, worker.host_kv_bytes = host_weights_bytes, host_kv_bytes
             device = self._devices[worker.row.device_uuid]
             if device_used_bytes:
                 device.device_used_bytes = device_used_bytes
@@ -863,7 +873,7 @@ class Ledger:
                 sum(c for c, _ in worker.reported.values()),
                 sum(ct for _, ct in worker.reported.values()),
                 worker.process_used_bytes, worker.last_heartbeat, zones,
-                self._worker_leases(worker_id)))
+                self._worker_leases(worker_id), worker.host_weights_bytes, worker.host_kv_bytes))
         ledger = sum(committed.values())
         unaccounted = device.device_used_bytes - ledger if device.device_used_bytes else 0
         committed["foreign"] = max(0, unaccounted)

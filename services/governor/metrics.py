@@ -48,6 +48,13 @@ class LedgerCollector(Collector):
                 f"Committed bytes of zone kv {what}, per worker", labels=["device", "worker"])
             for part, what in [("in_use", "held by live sequences"), ("cached", "cached")]
         }
+        host_worker = {
+            part: GaugeMetricFamily(
+                f"gpuplane_governor_worker_host_{part}_bytes",
+                f"Pinned host memory of a worker's host tier: {what}", labels=["device", "worker"])
+            for part, what in [("weights", "weights' host copies"),
+                               ("kv", "KV swapped out or demoted")]
+        }
         for d in self.ledger.resources():
             for name, value in [("budget_bytes", d.budget_bytes), ("leased_bytes", d.leased_bytes),
                                 ("used_bytes", d.device_used_bytes),
@@ -63,10 +70,13 @@ class LedgerCollector(Collector):
             for w in d.workers:
                 kv_worker["in_use"].add_metric([d.uuid, w.worker_id], w.kv_in_use_bytes)
                 kv_worker["cached"].add_metric([d.uuid, w.worker_id], w.kv_cached_bytes)
+                host_worker["weights"].add_metric([d.uuid, w.worker_id], w.host_weights_bytes)
+                host_worker["kv"].add_metric([d.uuid, w.worker_id], w.host_kv_bytes)
         yield from device_gauges.values()
         yield from zone_gauges.values()
         yield from kv_device.values()
         yield from kv_worker.values()
+        yield from host_worker.values()
         for name, value in dict(self.ledger.counters).items():
             counter = CounterMetricFamily(f"gpuplane_governor_{name}", f"Governor events: {name}")
             counter.add_metric([], value)

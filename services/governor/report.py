@@ -59,6 +59,7 @@ def resource_lines(reply: Any) -> list[str]:
         for w in d.workers:
             lines.append(f"  worker {w.worker_id} ({w.host}): leased {human_bytes(w.leased_bytes)}, "
                          f"committed {human_bytes(w.committed_bytes)}, content "
-                         f"{human_bytes(w.content_bytes)}")
+                         f"{human_bytes(w.content_bytes)}; host tier (pinned): weights "
+                         f"{human_bytes(w.host_weights_bytes)}, kv {human_bytes(w.host_kv_bytes)}")
             lines.extend(f"    {row}" for row in zone_rows(w.zones, leased=True))
     return lines

@@ -97,7 +97,8 @@ def device_pb(d: DeviceReport) -> governor_pb2.DeviceResources:
             committed_bytes=_i64(w.committed_bytes), content_bytes=_i64(w.content_bytes),
             process_used_bytes=_i64(w.process_used_bytes),
             last_heartbeat_unix_ms=_i64(int(w.last_heartbeat * 1000)),
-            zones=[_zone_pb(z) for z in w.zones], leases=[lease_pb(lease) for lease in w.leases])
+            zones=[_zone_pb(z) for z in w.zones], leases=[lease_pb(lease) for lease in w.leases],
+            host_weights_bytes=_i64(w.host_weights_bytes), host_kv_bytes=_i64(w.host_kv_bytes))
             for w in d.workers])
 
 
@@ -169,7 +170,9 @@ class GovernorServicer(governor_pb2_grpc.GovernorServiceServicer):
         cached = {zone_name(z.zone): z.cached_bytes for z in request.zones if z.cached_bytes}
         result = self.ledger.heartbeat(request.worker_id, request.device_uuid,
                                        request.device_used_bytes, request.process_used_bytes, zones,
-                                       request.incarnation, cached)
+                                       request.incarnation, cached,
+                                       host_weights_bytes=request.host_weights_bytes,
+                                       host_kv_bytes=request.host_kv_bytes)
         return governor_pb2.HeartbeatResponse(
             lease_ttl_ms=int(result.lease_ttl_s * 1000), reregister=result.reregister,
             reclaim=[governor_pb2.Reclaim(zone=zone_value(z), bytes=b,

@@ -177,20 +177,24 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "device_uuid", "device_used_bytes", "process_used_bytes", "zones", "incarnation")
+    __slots__ = ("worker_id", "device_uuid", "device_used_bytes", "process_used_bytes", "zones", "incarnation", "host_weights_bytes", "host_kv_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ZONES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device_uuid: str
     device_used_bytes: int
     process_used_bytes: int
     zones: _containers.RepeatedCompositeFieldContainer[ZoneUsage]
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    host_weights_bytes: int
+    host_kv_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., device_used_bytes: _Optional[int] = ..., process_used_bytes: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., incarnation: _Optional[str] = ..., host_weights_bytes: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "reregister", "reclaim", "zone_caps")
@@ -205,7 +209,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., reregister: _Optional[bool] = ..., reclaim: _Optional[_Iterable[_Union[Reclaim, _Mapping]]] = ..., zone_caps: _Optional[_Iterable[_Union[ZoneCap, _Mapping]]] = ...) -> None: ...
 
 class WorkerResources(_message.Message):
-    __slots__ = ("worker_id", "host", "leased_bytes", "committed_bytes", "content_bytes", "last_heartbeat_unix_ms", "zones", "process_used_bytes", "leases")
+    __slots__ = ("worker_id", "host", "leased_bytes", "committed_bytes", "content_bytes", "last_heartbeat_unix_ms", "zones", "process_used_bytes", "leases", "host_weights_bytes", "host_kv_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     LEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +219,8 @@ class WorkerResources(_message.Message):
     ZONES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    HOST_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     host: str
     leased_bytes: int
@@ -224,7 +230,9 @@ class WorkerResources(_message.Message):
     zones: _containers.RepeatedCompositeFieldContainer[ZoneUsage]
     process_used_bytes: int
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
-    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., leased_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., process_used_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
+    host_weights_bytes: int
+    host_kv_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., host: _Optional[str] = ..., leased_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., content_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., zones: _Optional[_Iterable[_Union[ZoneUsage, _Mapping]]] = ..., process_used_bytes: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., host_weights_bytes: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class DeviceResources(_message.Message):
     __slots__ = ("uuid", "total_bytes", "budget_bytes", "leased_bytes", "device_used_bytes", "ledger_bytes", "unaccounted_bytes", "free_budget_bytes", "zones", "workers", "unaccounted_alert", "transient_headroom_bytes", "name", "granule_bytes")
