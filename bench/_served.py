@@ -23,12 +23,14 @@ from gpu_worker.stack.processes import Stack
 
 
 @contextlib.contextmanager
-def served_worker(backend: str, changed: dict[str, tuple[str, str]] | None = None,
+def served_worker(backend: str, changed: dict[str, tuple[str | None, str]] | None = None,
                   deadline_s: float = 900.0) -> Iterator[tuple[WorkerClient, object]]:
     """A worker process and a client to it. `changed`: flag -> (value, why) for any default the
-    benchmark overrides (printed). Yields (client, the ServiceProcess)."""
+    benchmark overrides (printed); value None for a flag that takes none (`--no-prefix-cache`).
+    Yields (client, the ServiceProcess)."""
     changed = changed or {}
-    extra = [x for flag, (value, _) in changed.items() for x in (flag, value)]
+    extra = [x for flag, (value, _) in changed.items()
+             for x in ((flag,) if value is None else (flag, value))]
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         stack = Stack(pathlib.Path(tmp))
         t0 = time.perf_counter()
@@ -40,7 +42,8 @@ def served_worker(backend: str, changed: dict[str, tuple[str, str]] | None = Non
               f"{time.perf_counter() - t0:.1f} s)", flush=True)
         if changed:
             for flag, (value, why) in changed.items():
-                print(f"  changed from the default: {flag} {value}: {why}", flush=True)
+                shown = flag if value is None else f"{flag} {value}"
+                print(f"  changed from the default: {shown}: {why}", flush=True)
         else:
             print("  every serving flag at its default", flush=True)
         client = WorkerClient(proc.address, deadline_s=deadline_s)

@@ -120,6 +120,17 @@ PLAN: tuple[Run, ...] = (
     Run("replay_bench", "replay_bench.py", (), 90, None, 60),
     Run("device_bench", "device_bench.py", (), 60,
         ("--total-mib", "2048", "--sweeps", "3", "--reps", "3"), 35),
+    # Never run on a GPU yet: guesses. Two worker processes each (8b-int4 start, load and
+    # kernel compile ~20-60 s apiece, guessed at 90 s with the load). prefix_cache_bench: 4
+    # rounds of 32 x 2,064-token prompts a side, the uncached ones ~66k prefill tokens each.
+    # kv_swap_bench: 4 rounds of 32 x 512 new tokens a side at a pool of half their KV, decode
+    # at ~1k tok/s and the recompute side's prefill again: ~20-40 s a round.
+    Run("prefix_cache_bench", "prefix_cache_bench.py", ("--trials", "3"), 300,
+        ("--trials", "3", "--warmup-rounds", "0"), 260,
+        "32 streams sharing a 2,000-token prompt, prefix cache on vs --no-prefix-cache"),
+    Run("kv_swap_bench", "kv_swap_bench.py", ("--trials", "3"), 400,
+        ("--trials", "3", "--new", "256", "--warmup-rounds", "0"), 300,
+        "KV beyond the pool: --kv-swap (the rule) vs --no-kv-swap"),
 )
 
 

@@ -1,0 +1,146 @@
+"""KV swap to pinned host against recompute, end to end, under a workload whose KV exceeds the
+device pool: `--streams` concurrent gRPC streams (default 32), each a `--prompt`-token prompt of
+its own (default 512) and `--new` greedy tokens (default 512), against a worker whose KV pool
+(`--kv-pool-bytes`) holds `--pool-share` (default 0.5) of the workload's KV at full length, so
+decoding sequences run out of blocks and the newest running ones are preempted. Two worker
+processes (bench/_served.py), one after the other, clients in this process: the default
+(`--kv-swap`) and `--no-kv-swap` (every preempted sequence recomputes its prefill).
+
+With `--kv-swap` nothing forces a swap: the worker's rule decides per preemption from measured
+rates, swapping when the round trip through pinned host (bytes over the D2H and H2D rates
+measured at load) costs less device time than the prefill a recompute runs again (positions over
+the prefill rate each scheduler measures), else recomputing (`kv_swap_declined`); a swap the host
+budget does not hold recomputes too (`kv_swap_refused`). docs/scheduler.md, "KV swap to pinned
+host". So the target is that the rule must not lose, not that swapping wins.
+
+Each side: one warm-up request (the scheduler measures a prefill rate before the first
+preemption), `--warmup-rounds` unmeasured rounds, then `--trials` rounds of every stream at
+once, prompts unique per stream and round (the same trace both sides). Per round: aggregate output tok/s (every token over the
+round's wall time), TTFT p50/p99, and the deltas of GetStats' scheduler counters: preemptions,
+kv_swap_outs / kv_swap_ins / kv_swap_declined / kv_swap_refused, kv_swapped_out_blocks /
+kv_swapped_in_blocks, prefill_tokens. Medians and spreads over the trials.
+
+Targets (MISSED: exit status 1): every stream's tokens identical on both sides; zero lost
+streams, each side; preemptions > 0 on each side (else the workload fits the pool and the
+benchmark proves nothing); swap-side tok/s >= 0.95x the recompute side's (medians); ledger
+within 1 % of the device after each side's run.
+
+    python bench/kv_swap_bench.py                                      # H200: 8b-int4
+    python bench/kv_swap_bench.py --backend sim --config tiny --streams 8 --prompt 64 --new 64 \\
+        --trials 3                                                         # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.batching_bench import spread
+from bench.prefix_cache_bench import identical, serve_side, side_targets, total
+from bench.record import add_record_flag
+from bench.serving_bench import pct, unique_prompt
+from bench.targets import Targets
+from gpu_worker.engines.scheduler.kv_pool import KVGeometry
+from gpu_worker.models.configs import ModelConfig, get_config
+
+KEEP = 0.95                 # swap tok/s / recompute tok/s, at least: the rule must not lose
+KV_BLOCK_TOKENS = 16        # the worker's --kv-block-tokens default
+COUNTERS = ("preemptions", "kv_swap_outs", "kv_swap_ins", "kv_swap_declined", "kv_swap_refused",
+            "kv_swapped_out_blocks", "kv_swapped_in_blocks", "prefill_tokens")
+
+
+def pool_bytes(cfg: ModelConfig, args) -> tuple[int, int]:
+    """(the pool's bytes, the workload's KV bytes at full length): `args.pool_share` of the
+    workload's blocks, whole blocks, at least one sequence's."""
+    geo = KVGeometry(cfg.layers, cfg.kv_heads, cfg.head_dim, KV_BLOCK_TOKENS, cfg.max_context)
+    per_seq = geo.blocks_for(args.prompt + args.new)
+    need = args.streams * per_seq
+    blocks = max(per_seq, int(args.pool_share * need))
+    return blocks * geo.block_bytes, need * geo.block_bytes
+
+
+def sides(cfg: ModelConfig, args) -> dict[str, dict]:
+    """The two workers' changed flags, each with why."""
+    pool, need = pool_bytes(cfg, args)
+    small = {"--kv-pool-bytes": (str(pool), (
+        f"{pool / 2**20:,.1f} MiB, {args.pool_share:g} of the workload's KV at full length "
+        f"({args.streams} x {args.prompt + args.new} tokens = {need / 2**20:,.1f} MiB): "
+        "sequences must be preempted"))}
+    recompute = {"--no-kv-swap": (None, "the other side: every preempted sequence recomputes")}
+    return {"swap": small, "recompute": {**small, **recompute}}
+
+
+def rounds(args, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The warm-up request and every round's prompts (unique per round and stream), the
+    unmeasured warm-up rounds first."""
+    warmup = [unique_prompt(args.prompt, vocab, "swap:warmup")]
+    return warmup, [[unique_prompt(args.prompt, vocab, f"swap:{k}:{s}")
+                     for s in range(args.streams)]
+                    for k in range(args.warmup_rounds + args.trials)]
+
+
+def report(args, targets: Targets, runs: dict[str, dict]) -> None:
+    for name, side in runs.items():
+        rates = [r["rate"] for r in side["runs"]]
+        ttft = [t for r in side["runs"] for t in r["ttft"]]
+        print(f"{name}: tok/s {spread(rates)}; TTFT p50/p99 {pct(ttft, .5) * 1e3:.0f}/"
+              f"{pct(ttft, .99) * 1e3:.0f} ms; over the trials "
+              + ", ".join(f"{n} {total(side, n)}" for n in COUNTERS), flush=True)
+        targets.figure(f"{name}: aggregate output tok/s", statistics.median(rates), "tok/s")
+        targets.figure(f"{name}: TTFT p50", pct(ttft, .5), "s")
+        targets.figure(f"{name}: TTFT p99", pct(ttft, .99), "s")
+        for n in COUNTERS:
+            targets.figure(f"{name}: {n}", total(side, n), "count")
+    swap, recompute = runs["swap"], runs["recompute"]
+    if total(swap, "kv_swap_outs") == 0:
+        print("note: the rule swapped no sequence out on the swap side (every preemption "
+              "recomputed): the sides ran the same policy", flush=True)
+    same, detail = identical(swap, recompute)
+    targets.require("tokens identical with swap and recompute (greedy)", same, detail)
+    for name, side in runs.items():
+        side_targets(targets, name, side)
+        targets.check(f"{name}: preemptions (the workload exceeds the pool)",
+                      total(side, "preemptions"), ">", 0, ".0f", unit="count")
+    ratio = (statistics.median(r["rate"] for r in swap["runs"])
+             / statistics.median(r["rate"] for r in recompute["runs"]))
+    targets.check("tok/s swap / recompute (the rule must not lose)", ratio, ">=", KEEP,
+                  unit="ratio")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--config", default="8b-int4")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams per round")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens per stream")
+    p.add_argument("--new", type=int, default=512, help="new tokens per stream (greedy)")
+    p.add_argument("--pool-share", type=float, default=0.5,
+                   help="the worker's KV pool as a share of the workload's KV at full length")
+    p.add_argument("--trials", type=int, default=3, help="measured rounds per side (median)")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="unmeasured rounds of the workload first, prompts of their own (the "
+                        "step plans of its batch sizes), each side")
+    add_record_flag(p)
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if min(args.streams, args.prompt, args.new, args.trials) < 1 or not 0 < args.pool_share < 1:
+        parser().error("--streams, --prompt, --new and --trials must be >= 1, --pool-share in "
+                       "(0, 1)")
+    cfg = get_config(args.config)
+    targets = Targets("kv_swap_bench", args=args)
+    warmup, trials = rounds(args, cfg.vocab_size)
+    runs = {name: serve_side(args, name, changed, warmup, trials, COUNTERS)
+            for name, changed in sides(cfg, args).items()}
+    report(args, targets, runs)
+    return targets.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
