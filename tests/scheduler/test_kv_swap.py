@@ -55,7 +55,14 @@ def check(sched: Scheduler, pool: KVBlockPool, budget: HostKVBudget, swap: KVSwa
         f"blocks leaked: used {used} + cached {cached} + free {free} != {pool.usable_blocks}"
     assert budget.in_use == swap.host_bytes <= budget.limit_bytes
     held = sum(s.swapped.nbytes for s in sched._all() if s.swapped is not None)
-    assert swap.host_bytes >= held, "a swapped sequence's host bytes are not booked"
+    assert swap.host_bytes >= held + hosted(sched), \
+        "a swapped sequence's or a demoted block's host bytes are not booked"
+
+
+def hosted(sched: Scheduler) -> int:
+    """Host bytes the demoted prefix blocks hold (kv_demote.py): all that stays booked once
+    every swapped sequence came back."""
+    return sched.host_cache.nbytes if sched.host_cache is not None else 0
 
 
 def drain(sched, pool, budget, swap, limit=20_000) -> None:
@@ -89,7 +96,7 @@ def test_swap_out_then_in_gives_the_tokens_of_a_run_without_preemption(dev):
     assert c["kv_swap_refused"] == c["kv_swap_failed"] == 0
     for p, s in zip(prompts, seqs, strict=True):
         assert list(s.stream()) == solo(p, 40)
-    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == 0
+    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == hosted(sched)
     stats = sched.stats()
     assert stats["kv_swap_host_bytes"] == 0 and stats["kv_swapped_in_blocks"] > 0
     assert stats["kv_swap_host_us"] > 0
@@ -137,7 +144,7 @@ def test_a_swap_that_does_not_fit_the_host_budget_recomputes(dev, host_blocks):
         assert c["kv_swapped_out_blocks"] == 0
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == 0 and pool.used_blocks() == 0
+    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
     sched.close()
 
 
@@ -153,7 +160,7 @@ def test_a_failed_swap_in_recomputes_and_still_gives_identical_tokens(dev):
     assert sched.counters["kv_swapped_in_blocks"] < sched.counters["kv_swapped_out_blocks"]
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == 0 and pool.used_blocks() == 0
+    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
     sched.close()
 
 
@@ -167,7 +174,7 @@ def test_a_failed_swap_out_recomputes_and_books_nothing(dev, call):
     assert sched.counters["kv_swap_failed"] == 1
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == 0
+    assert budget.in_use == hosted(sched)
     sched.close()
 
 
@@ -185,9 +192,9 @@ def test_cancelling_a_swapped_out_sequence_frees_its_host_bytes(dev):
     assert victim.state == "finished" and victim.swapped is None
     others = sum(s.swapped.nbytes for s in sched._all() if s.swapped is not None)
     swap.collect(wait=True)
-    assert budget.in_use == others
+    assert budget.in_use == others + hosted(sched)
     drain(sched, pool, budget, swap)
-    assert budget.in_use == 0 and pool.used_blocks() == 0
+    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
     for p, s in zip(prompts, seqs, strict=True):
         if s is not victim:
             assert s.generated == solo(p, 40)
@@ -277,7 +284,7 @@ def test_a_seeded_fuzz_of_starts_cancels_preemptions_and_reclaims_leaks_no_block
     c = sched.counters
     assert c["kv_swap_outs"] > 0 and c["kv_swap_ins"] > 0 and c["kv_swap_refused"] > 0, c
     assert c["kv_swap_failed"] > 0, c
-    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == 0
+    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == hosted(sched)
     for i, (p, n, s) in enumerate(live):
         want = solo(p, n)
         if i in cancelled:

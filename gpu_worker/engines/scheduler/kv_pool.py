@@ -11,7 +11,9 @@ Prefix cache (DESIGN 6.3, prefix_cache.py): a full, written block may carry a na
 its prefix); named blocks are shared by reference count and, once no table names them, stay
 committed as cached blocks (booked in zone `kv` like any other) until a new block is needed
 (LRU eviction) or a reclaim evicts the top ones to decommit their granules
-(`shrink(evict_cached=True)`); the idle shrink keeps them.
+(`shrink(evict_cached=True)`); the idle shrink keeps them. An evicted cached block goes to
+`on_evict` with its key first (kv_demote.py: the host tier may copy it to pinned host), before
+the pool hands it out or decommits its granule, so the copy is queued ahead of any reuse.
 Cost: one arena commit per granule (one physical handle each, ~70 us on an H200), on growth only.
 
 Layout (i13 contract): block b is bytes [b * block_bytes, (b + 1) * block_bytes), fp16,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +98,9 @@ class KVBlockPool:
         self._growing = False
         self.grows = self.shrinks = self.evictions = 0
         self.closed = False
+        # cached blocks being evicted, (block, key) least recently used first: called on the
+        # pool's owner thread before the blocks are reused or decommitted (kv_demote.py)
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -125,22 +131,31 @@ class KVBlockPool:
             return []
         if len(self._free) + self.index.parked() < n:
             with self._lock:
-                for b in self.index.clear_parked():
+                evicted = self.index.clear_parked()
+                for b, _ in evicted:
                     heapq.heappush(self._free, b)
                     self.evictions += 1
+            self._evicted(evicted)
             if not self._grow(n - len(self._free)):
                 return None
+        evicted = []
         with self._lock:
             blocks = []
             for _ in range(n):
                 if self._free:
                     b = heapq.heappop(self._free)
                 else:
-                    b = self.index.evict_lru()
+                    b, key = self.index.evict_lru()
+                    evicted.append((b, key))
                     self.evictions += 1
                 self._refs[b] = 1
                 blocks.append(b)
+        self._evicted(evicted)      # before the caller launches any write into them
         return blocks
+
+    def _evicted(self, blocks: list[tuple[int, bytes]]) -> None:
+        if blocks and self.on_evict is not None:
+            self.on_evict(blocks)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block (a table's blocks, in position order). A block no
@@ -229,23 +244,27 @@ class KVBlockPool:
         with self._lock:
             return max(0, self.committed - self._keep_bytes(max(self._refs, default=-1)))
 
-    def shrink(self, evict_cached: bool = False, need_bytes: int | None = None) -> int:
+    def shrink(self, evict_cached: bool = False, need_bytes: int | None = None,
+               demote: bool = True) -> int:
         """Decommit the top granules that hold no used block (and, unless `evict_cached`, no
         cached one); returns the bytes released. With `evict_cached` (a reclaim) the cached
         blocks in the way are evicted first, from the top down, until `need_bytes` could go
         (all of them when None), and the granules' handles go back to the device rather than
         to the arena's handle pool (where they would stay committed); a cached block below the
-        highest used block stays (evicting it frees nothing). Never a used block."""
+        highest used block stays (evicting it frees nothing). Never a used block. The evicted
+        blocks go to `on_evict` before any decommit, unless `demote` is False."""
         if self._growing:
             return 0
+        evicted: list[tuple[int, bytes]] = []
         with self._lock:
             top_used = max(self._refs, default=-1)
             floor = self._keep_bytes(top_used)      # what the used blocks keep committed
+            lru = self.index.parked_blocks()        # least recently used first
             # the cached blocks that keep a granule above that floor committed
-            parked = sorted((b for b in self.index.parked_blocks()
-                             if (b + 1) * self.block_bytes > floor), reverse=True)
+            parked = sorted((b for b in lru if (b + 1) * self.block_bytes > floor), reverse=True)
             if evict_cached:
                 for i, b in enumerate(parked):
+                    evicted.append((b, self.index.key_of(b)))
                     self.index.evict(b)
                     heapq.heappush(self._free, b)
                     self.evictions += 1
@@ -257,13 +276,17 @@ class KVBlockPool:
                     parked = []
             top = max(top_used, parked[0] if parked else -1)
             keep = self._keep_bytes(top)
-            if keep >= self.committed:
-                return 0
-            released = self.committed - keep
-            self.committed = keep
-            limit = self.usable_blocks
-            self._free = [b for b in self._free if b < limit]
-            heapq.heapify(self._free)
+            released = max(0, self.committed - keep)
+            if released:
+                self.committed = keep
+                limit = self.usable_blocks
+                self._free = [b for b in self._free if b < limit]
+                heapq.heapify(self._free)
+        if demote and evicted:      # queued before the decommits' fences
+            order = {b: i for i, b in enumerate(lru)}
+            self._evicted(sorted(evicted, key=lambda pair: order[pair[0]]))
+        if not released:
+            return 0
         # one decommit per granule, matching the per-granule commits
         for off in range(keep, keep + released, self.granule):
             self.arena.decommit(self.base + off, self.granule, "kv", retain=not evict_cached)

@@ -42,8 +42,8 @@ class SwapFailed(RuntimeError):
 
 
 class HostKVBudget:
-    """Pinned host bytes all decoders' swapped KV may hold (0: none; the tier is off).
-    Thread-safe: every decoder's engine thread books here."""
+    """Pinned host bytes all decoders' swapped KV and demoted prefix blocks (kv_demote.py) may
+    hold (0: none; the tier is off). Thread-safe: every decoder's engine thread books here."""
 
     def __init__(self, limit_bytes: int) -> None:
         if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < 0:
@@ -57,6 +57,11 @@ class HostKVBudget:
     def in_use(self) -> int:
         with self._lock:
             return self._in_use
+
+    def available(self) -> int:
+        """Bytes that could be booked now."""
+        with self._lock:
+            return self.limit_bytes - self._in_use
 
     def take(self, nbytes: int) -> bool:
         """Book `nbytes`; False (nothing booked) when they do not fit the limit."""

@@ -70,6 +70,13 @@ class PrefixIndex:
     def is_parked(self, block: int) -> bool:
         return block in self._lru
 
+    def key_of(self, block: int) -> bytes:
+        """The key a named block holds (the pool hands it to the host tier on eviction)."""
+        return self._key_of[block]
+
+    def has(self, key: bytes) -> bool:
+        return key in self._block_of
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The blocks of the longest leading run of `keys` that are named."""
         out: list[int] = []
@@ -98,21 +105,23 @@ class PrefixIndex:
         """A cached block is referenced again (a prefix hit)."""
         del self._lru[block]
 
-    def evict_lru(self) -> int:
-        """Forget the least recently parked block; returns it (free now)."""
+    def evict_lru(self) -> tuple[int, bytes]:
+        """Forget the least recently parked block; returns it (free now) and the key it held."""
         block, _ = self._lru.popitem(last=False)
+        key = self._key_of[block]
         self._forget(block)
-        return block
+        return block, key
 
     def evict(self, block: int) -> None:
         """Forget one parked block (the pool's shrink takes the top ones, whatever their age)."""
         del self._lru[block]
         self._forget(block)
 
-    def clear_parked(self) -> list[int]:
-        """Forget every parked block; returns them (free now). Referenced names stay."""
-        parked = list(self._lru)
-        for block in parked:
+    def clear_parked(self) -> list[tuple[int, bytes]]:
+        """Forget every parked block; returns them (free now) with their keys, least recently
+        parked first. Referenced names stay."""
+        parked = [(block, self._key_of[block]) for block in self._lru]
+        for block, _ in parked:
             self.evict(block)
         return parked
 

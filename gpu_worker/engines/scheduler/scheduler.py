@@ -57,6 +57,8 @@ import numpy as np
 
 from gpu_worker.config import DEFAULT_MIN_PREFILL_SHARE
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
+from gpu_worker.engines.scheduler.kv_demote import COUNTERS as HOST_COUNTERS
+from gpu_worker.engines.scheduler.kv_demote import HostPrefixCache
 from gpu_worker.engines.scheduler.kv_pool import BlockTable, KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.kv_swap import KVSwap, SwapFailed, SwappedKV, swap_is_cheaper
 from gpu_worker.engines.scheduler.prefix_cache import chain_hashes, root_key
@@ -323,7 +325,8 @@ class Scheduler:
                  thread: bool = True, name: str = "model", overlap: bool = True,
                  min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE,
                  prefix_cache: bool = True, prefix_key: str = "",
-                 kv_swap: KVSwap | None = None, prefill_tokens_per_s: float = 0.0) -> None:
+                 kv_swap: KVSwap | None = None, prefill_tokens_per_s: float = 0.0,
+                 kv_demote: bool = True) -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
                             ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
@@ -354,6 +357,13 @@ class Scheduler:
         self._prefill_obs = {"pure": collections.deque(maxlen=32),
                              "mixed": collections.deque(maxlen=32)}
         self._resumed = False       # a swapped-in decoder's token must be written this step
+        # evicted cached prefix blocks demoted to pinned host (kv_demote.py) instead of dropped:
+        # with the host KV tier and the prefix cache on, unless `kv_demote` is False
+        self.host_cache = (HostPrefixCache(kv_swap, runner.geometry.block_tokens,
+                                           self.prefill_rate)
+                           if kv_swap is not None and prefix_cache and kv_demote else None)
+        if self.host_cache is not None:
+            pool.on_evict = self.host_cache.demote
         self.eos = frozenset(eos_token_ids)
         self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
@@ -561,13 +571,19 @@ class Scheduler:
                     break
             # the hit again, now taken: an allocation above may have evicted part of it
             shared = self.pool.acquire(seq.keys[:hit]) if hit else []
-            start = seq.swapped.positions if swapped else len(shared) * bt
+            # the host-resident blocks after the device run leave the host LRU first: the
+            # allocation below may demote blocks and drop the oldest host ones
+            hosted = (self.host_cache.take(seq.keys[len(shared):hit])
+                      if self.host_cache is not None and hit > len(shared) else [])
+            start = seq.swapped.positions if swapped else (len(shared) + len(hosted)) * bt
             got = self.pool.allocate(seq.table.geometry.blocks_for(start + n) - len(shared))
             if got is not None and swapped and not self._swap_in(seq, got):
                 self.pool.free(got)     # it stays at the head, to be recomputed next step
                 break
             if got is None:
                 self.pool.free(shared)
+                if hosted:
+                    self.host_cache.put_back(hosted)
                 if not self._running:   # nothing will ever free a block for it
                     self._pop_waiting()
                     self._finish(seq, "", error=ResourceExhausted(
@@ -576,6 +592,8 @@ class Scheduler:
                         free_bytes=0, zone="kv"))
                     continue
                 break
+            if hosted:      # copied in before this step's prefill reads them
+                start = (len(shared) + self._promote(hosted, got)) * bt
             self._pop_waiting()
             seq.state = "running"
             seq.slot = heapq.heappop(self._free_slots)
@@ -610,6 +628,14 @@ class Scheduler:
             seq.keys += chain_hashes(parent, seq.token_slice(have * bt, blocks * bt), bt)
         return seq.keys[:blocks]
 
+    def _promote(self, hosted: list, got: list[int]) -> int:
+        """Copy host-resident prefix blocks into the first of the fresh blocks `got` and name
+        them; returns how many were copied (at a refused copy the rest are prefilled)."""
+        done = self.host_cache.promote(hosted, got[:len(hosted)])
+        for (key, _), block in zip(hosted[:done], got, strict=False):
+            self.pool.name(block, key)
+        return done
+
     def _cached_prefix(self, seq: Sequence) -> int:
         """Blocks of a waiting sequence's prefill the cache holds now: whole blocks only, and
         never the block of the target's last position. That position must be computed (its
@@ -620,7 +646,11 @@ class Scheduler:
         if not self.prefix_cache:
             return 0
         bt = self.runner.geometry.block_tokens
-        return self.pool.match(self._keys(seq, (seq.prefill_target - 1) // bt))
+        keys = self._keys(seq, (seq.prefill_target - 1) // bt)
+        hit = self.pool.match(keys)
+        if self.host_cache is not None:     # then the blocks demoted to host (promoted at admission)
+            hit += self.host_cache.match(keys[hit:])
+        return hit
 
     def _name_blocks(self, seq: Sequence, lo: int, hi: int) -> None:
         """A prefill chunk launched positions [lo, hi): the blocks it completed get their keys.
@@ -718,6 +748,12 @@ class Scheduler:
         except SwapFailed:
             self.counters["kv_swap_failed"] += 1
             return None
+        if rec is None and self.host_cache is not None and self.host_cache.make_room(nbytes):
+            try:        # demoted prefix blocks made room: a swapped sequence goes first
+                rec = self.kv_swap.swap_out(blocks, positions)
+            except SwapFailed:
+                self.counters["kv_swap_failed"] += 1
+                return None
         if rec is None:
             self.counters["kv_swap_refused"] += 1      # the pinned host budget is full
             return None
@@ -749,6 +785,8 @@ class Scheduler:
         """A step failed: host copies made behind it may hold unwritten blocks; recompute."""
         for seq in self._all():
             self._drop_swapped(seq)
+        if self.host_cache is not None:
+            self.host_cache.clear()
 
     def _pop_waiting(self) -> Sequence:
         with self._cond:
@@ -870,6 +908,8 @@ class Scheduler:
         with self._model_lock:
             self._inflight = None
             self.pool.forget()
+            if self.host_cache is not None:
+                self.host_cache.clear()
             for seq in self._all():
                 self._finish(seq, "", error=exc)
             self._idle()
@@ -883,7 +923,9 @@ class Scheduler:
         victim = self._running[-1] if self._running else None
         if victim is not None:
             self._preempt(victim)
-        self.pool.shrink(evict_cached=True)
+        # not demoted: the cached_kv step before this one demoted what paid, and the victim's
+        # blocks are on host already when it swapped (else recompute was the cheaper)
+        self.pool.shrink(evict_cached=True, demote=False)
         return victim is not None
 
     def release_cached(self, need_bytes: int) -> int:
@@ -907,14 +949,27 @@ class Scheduler:
         `kv_swap_refused` (the host budget was full), `kv_swap_failed` (a copy the device
         refused: recomputed), `kv_swap_host_us` (engine-thread time queueing swaps, pinned
         allocations included), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
-        `kv_swap_h2d_bytes_per_s`, `kv_swap_d2h_bytes_per_s`."""
+        `kv_swap_h2d_bytes_per_s`, `kv_swap_d2h_bytes_per_s`. Cached prefix blocks on host
+        (kv_demote.py): `kv_demote` (1 when on), `kv_host_cached_blocks` / `_bytes` (demoted
+        blocks held now: `kv_swap_host_bytes` + `kv_host_cached_bytes` is every byte this
+        decoder books in the host budget), `kv_blocks_demoted` / `kv_blocks_promoted`,
+        `kv_demote_declined` (dropped: the rule, or a capture on this thread),
+        `kv_demote_refused` (dropped: the budget had no room even with no host block left),
+        `kv_demote_failed` / `kv_promote_failed` (a copy the device refused: dropped /
+        prefilled) and `kv_host_cache_evictions` (host blocks dropped, oldest first, for a
+        demotion or a swap-out)."""
         with self._cond:
             running, waiting = len(self._running), len(self._waiting)
-        swap = self.kv_swap
+        swap, host = self.kv_swap, self.host_cache
+        hosted = host.nbytes if host is not None else 0
         return {"running": running, "waiting": waiting, **self.counters, **self.pool.stats(),
+                **(host.counters if host is not None else dict.fromkeys(HOST_COUNTERS, 0)),
+                "kv_demote": int(host is not None),
+                "kv_host_cached_blocks": host.blocks if host is not None else 0,
+                "kv_host_cached_bytes": hosted,
                 "overlap": int(self.overlap), "inflight_steps": int(self._inflight is not None),
                 "prefix_cache": int(self.prefix_cache), "kv_swap": int(swap is not None),
-                "kv_swap_host_bytes": swap.host_bytes if swap is not None else 0,
+                "kv_swap_host_bytes": swap.host_bytes - hosted if swap is not None else 0,
                 "kv_swap_host_us": int(swap.swap_seconds * 1e6) if swap is not None else 0,
                 "kv_swap_prefill_tokens_per_s": int(self.prefill_rate() or 0),
                 "kv_swap_h2d_bytes_per_s": int(swap.rates.h2d_bytes_per_s) if swap else 0,
@@ -940,6 +995,9 @@ class Scheduler:
                 self._finish(seq, "", error=FailedPrecondition(reason))
             self._idle()
             self._flush_ended()
+            if self.host_cache is not None:
+                self.pool.on_evict = None
+                self.host_cache.clear()
             if self.kv_swap is not None:
                 with contextlib.suppress(SwapFailed):   # a lost context: the bytes stay booked
                     self.kv_swap.close()
