@@ -105,6 +105,19 @@ def wake(rt: WorkerRuntime, model_id: str, prompt: list[int], reps: int) -> dict
             "first_token_s": statistics.median(first_token)}
 
 
+def driver_calls(rt: WorkerRuntime) -> tuple[int, str]:
+    """Driver calls so far and how they were counted: the sim backend counts every call; on the
+    device, the arena's and the slots' counters give the page-in path's (cuMemCreate, cuMemMap +
+    cuMemSetAccess per mapping, cuMemUnmap + cuMemRelease per release, cuMemcpyHtoDAsync +
+    cuEventRecord per page-in)."""
+    calls = getattr(rt.device.backend, "calls", None)
+    if calls is not None:
+        return sum(calls.values()), "counted"
+    a, w = rt.device.arena.counters, rt.device.weights.counters
+    return (a["handles_created"] + 2 * a["commits"] + 2 * a["releases"] + 2 * w["page_ins"],
+            "page-in path")
+
+
 def decode_runs(rt: WorkerRuntime, model_id: str, prompt: list[int], args) -> dict:
     loaded = rt._get(model_id)
     model, weights = loaded.model, rt.device.weights
@@ -120,7 +133,7 @@ def decode_runs(rt: WorkerRuntime, model_id: str, prompt: list[int], args) -> di
                     pos += 1
                     seq.append(tok)
                 idle(rt)
-                s0 = weights.stats()
+                s0, c0 = weights.stats(), driver_calls(rt)[0]
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     tok = model.decode(tok, pos)
@@ -128,10 +141,11 @@ def decode_runs(rt: WorkerRuntime, model_id: str, prompt: list[int], args) -> di
                     seq.append(tok)
                 rt.device.synchronize()
                 dt = time.perf_counter() - t0
-                s1 = weights.stats()
+                s1, (c1, how) = weights.stats(), driver_calls(rt)
                 run = {"tokens_per_s": args.steps / dt, "tokens": seq,
                        "bytes_per_token": (s1["bytes_copied"] - s0["bytes_copied"]) / args.steps,
                        "page_ins_per_token": (s1["page_ins"] - s0["page_ins"]) / args.steps,
+                       "driver_calls_per_token": (c1 - c0) / args.steps, "calls_counted": how,
                        # host time the page-ins spent in the driver and in our bookkeeping: the
                        # copies overlap compute only while the host issues them faster than H2D
                        "driver_ms_per_token": 1e3 * (s1["driver_seconds"] - s0["driver_seconds"])
@@ -142,7 +156,9 @@ def decode_runs(rt: WorkerRuntime, model_id: str, prompt: list[int], args) -> di
                 print(f"{args.config} decode through the budget, {mode:>8} run {trial + 1}: "
                       f"{run['tokens_per_s']:7.2f} tokens/s, "
                       f"{run['bytes_per_token'] / MiB:8.1f} MiB paged/token, "
-                      f"{run['page_ins_per_token']:6.1f} page-ins/token, host page-in time "
+                      f"{run['page_ins_per_token']:6.1f} page-ins/token, "
+                      f"{run['driver_calls_per_token']:7.1f} driver calls/token ({how}), "
+                      f"host page-in time "
                       f"{run['driver_ms_per_token']:.1f} ms driver + "
                       f"{run['bookkeeping_ms_per_token']:.1f} ms bookkeeping per token",
                       flush=True)
@@ -221,6 +237,19 @@ def main() -> int:
         targets.figure("streaming decode, captured", med["captured"], "tok/s", limit=allowed)
         targets.figure("bytes paged per token / minimum that must page",
                        paged / must if must else float("nan"), "ratio")
+        per_token = {k: statistics.median(r[k] for r in runs["captured"])
+                     for k in ("page_ins_per_token", "driver_calls_per_token",
+                               "driver_ms_per_token")}
+        groups = len(set(executor.slot_keys(executor.weight_keys())))
+        print(f"per captured token: {per_token['page_ins_per_token']:.1f} page-ins "
+              f"({groups} weight slots, {len(executor.weight_keys())} tensors), "
+              f"{per_token['driver_calls_per_token']:.1f} driver calls, "
+              f"{per_token['driver_ms_per_token']:.1f} ms in the driver", flush=True)
+        targets.figure("page-ins per token, captured", per_token["page_ins_per_token"], "count")
+        targets.figure("driver calls per token, captured", per_token["driver_calls_per_token"],
+                       "count")
+        targets.figure("host driver time per token, captured", per_token["driver_ms_per_token"],
+                       "ms")
         stats = rt.device.weights.stats()
         print(f"weights: page-ins {stats['page_ins']}, hit rate {stats['hit_rate']:.3f}, "
               f"{stats['bytes_copied'] / 2**30:.2f} GiB copied, peak resident "

@@ -7,6 +7,12 @@ write the inputs, replay and read the outputs. Eager mode (`capture=False`) laun
 for the eager-vs-graph benchmark and for debugging. A model whose weights exceed the weight budget
 runs every plan as segments instead (gpu_worker/execution/streaming.py): one graph per segment,
 its weights paged in ahead of it on the copy stream.
+
+Weights go into slots by layer (gpu_worker/device/weights.py): the tensors of one `layers.N.`
+layer share one slot (one contiguous range, one pinned host buffer, one copy per page-in), each
+non-layer weight has a slot of its own. `add_weight` holds the current layer's host arrays (no
+copy) until the layer is complete: the first weight of another layer, or the first use of the
+weights (any method below that reads addresses or residency), seals it into its slot.
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ from gpu_worker.execution.plans import PlanCache
 from gpu_worker.execution.streaming import (
     StreamedRun,
     granule_cost,
+    layer_of,
     plan_schedule,
     refuse_unstreamable,
     streaming_floor,
 )
 from gpu_worker.models.graph import Graph
+from services.common.errors import InvalidArgument
 
 NP_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u8": np.uint8}
 
@@ -307,7 +315,11 @@ class ModelExecutor:
         self.kernels = KernelCache(device.arena, variants_per_node)
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream))
-        self._weights: dict[str, object] = {}        # key -> WeightSlot
+        self._weights: dict[str, tuple[int, int]] = {}   # key -> (address, bytes), load order
+        self._slot_of: dict[str, str] = {}            # key -> its weight slot's name
+        self._slot_names: list[str] = []              # the model's slots, load order
+        # The layer being added: (layer, [(key, host)]), sealed into one slot when complete
+        self._open: tuple[int, list[tuple[str, np.ndarray]]] | None = None
         self._all_weights_cost: int | None = None    # committed bytes of every weight resident
         self._state: dict[str, object] = {}          # name -> Allocation
         self._bound: dict[str, int] = {}             # name -> address owned elsewhere (KV pool)
@@ -330,30 +342,67 @@ class ModelExecutor:
 
     # -- weights and state ------------------------------------------------------------------------
     def add_weight(self, key: str, host: np.ndarray) -> None:
+        """Add one weight. A `layers.N.` weight joins N's slot, sealed when a weight of another
+        layer arrives or the weights are first used: `host` must not change until then (it is
+        copied into pinned memory once, at the seal)."""
+        if key in self._weights or key in self._slot_of or \
+                (self._open is not None and any(k == key for k, _ in self._open[1])):
+            raise InvalidArgument(f"weight {key!r} was added twice")
+        layer = layer_of(key)
+        if self._open is not None and self._open[0] != layer:
+            self._seal()
+        if layer is None:
+            self._add_slot(key, [(key, host)])
+        elif self._open is None:
+            self._open = (layer, [(key, host)])
+        else:
+            self._open[1].append((key, host))
+        self._all_weights_cost = None
+
+    def _seal(self) -> None:
+        """Put the open layer's weights into their slot (no-op when none is open)."""
+        if self._open is None:
+            return
+        layer, items = self._open
+        self._open = None
+        self._add_slot(f"layers.{layer}", items)
+
+    def _add_slot(self, name: str, items: list[tuple[str, np.ndarray]]) -> None:
+        ns = self.weight_namespace
         # Evictable: every request runs inside `resident()`, which pins the slots and pages back
         # in whatever an idle spell lost, so only an idle model's pages are ever taken.
-        self._weights[key] = self.device.weights.add(self.weight_namespace + key, host)
+        slots = self.device.weights
+        slot = slots.add_group(ns + name, [(ns + k, host) for k, host in items])
+        self._slot_names.append(slot.key)
+        for k, _ in items:
+            self._weights[k] = slots.tensor(ns + k)
+            self._slot_of[k] = slot.key
         self._all_weights_cost = None
 
     def weight_ptr(self, key: str) -> int:
-        return int(self._weights[key].va)
+        self._seal()
+        return int(self._weights[key][0])
 
     def weight_keys(self) -> list[str]:
+        self._seal()
         return list(self._weights)
 
     def _slot_keys(self) -> list[str]:
-        return [self.weight_namespace + k for k in self._weights]
+        """The names of this model's weight slots (one per layer, one per non-layer weight)."""
+        self._seal()
+        return list(self._slot_names)
 
     def slot_keys(self, keys: list[str]) -> list[str]:
-        """The weight slots' keys of graph weight keys."""
-        return [self.weight_namespace + k for k in keys]
+        """The slots that graph weight keys live in, once each, in first-seen order."""
+        self._seal()
+        return list(dict.fromkeys(self._slot_of[k] for k in keys))
 
     def weight_cost(self, keys) -> int:
-        """Committed bytes the slots of `keys` occupy when resident (whole granules, shared ones
-        once)."""
-        arena = self.device.arena
-        return granule_cost(((int(self._weights[k].va), int(self._weights[k].nbytes))
-                             for k in keys), arena.base, arena.granule)
+        """Committed bytes the slots of `keys` occupy when resident (a slot pages in whole:
+        whole granules of every slot they touch, granules shared by neighbours once)."""
+        arena, slots = self.device.arena, self.device.weights
+        spans = ((int(s.va), int(s.nbytes)) for s in map(slots.get, self.slot_keys(list(keys))))
+        return granule_cost(spans, arena.base, arena.granule)
 
     def streams(self) -> bool:
         """Whether this model's weights exceed the effective weight budget (the least of
@@ -367,6 +416,7 @@ class ModelExecutor:
 
     def all_weights_cost(self) -> int:
         """Committed bytes of every weight of the model resident at once."""
+        self._seal()
         if self._all_weights_cost is None:   # addresses are stable: computed once per load
             self._all_weights_cost = self.weight_cost(self._weights)
         return self._all_weights_cost
@@ -378,6 +428,7 @@ class ModelExecutor:
     def ensure_resident(self) -> None:
         """Page every weight in (load); a streaming model pages in nothing here, and is refused
         (ResourceExhausted) when even two neighbouring one-layer segments cannot fit."""
+        self._seal()
         if self.streams():
             weights = self.device.weights
             refuse_unstreamable(f"model {self.weight_namespace.rstrip('/')!r}",
@@ -392,6 +443,7 @@ class ModelExecutor:
         other page-in may evict them while its kernels launch on them. A streaming model pins
         nothing here: each run pins and pages in only the segments in flight. The mode chosen
         here holds until the context ends, whatever the budget does meanwhile."""
+        self._seal()
         with self._mode_lock:
             if not self._mode_holds:
                 self._held_streaming = self._over_budget()
@@ -465,7 +517,8 @@ class ModelExecutor:
         if self._blas_held:
             return
         # an int4 weight is (n, 16 * ceil(k/32)) packed bytes: its fp16 rows take 4x that
-        nbytes = tile_bytes_for([4 * int(slot.nbytes) for key, slot in self._weights.items()
+        self._seal()
+        nbytes = tile_bytes_for([4 * int(n) for key, (_, n) in self._weights.items()
                                  if key.endswith(".q")], self.dequant_tile_bytes)
         self.device.acquire_blas()
         try:
@@ -532,10 +585,13 @@ class ModelExecutor:
             freed += alloc.size
             self.device.arena.free(alloc)
         self._state.clear()
-        for key, slot in self._weights.items():
-            freed += int(slot.nbytes)
-            self.device.weights.remove(self.weight_namespace + key)
+        self._open = None   # a layer never sealed holds no device or pinned memory
+        for name in self._slot_names:
+            freed += int(self.device.weights.get(name).nbytes)
+            self.device.weights.remove(name)
         self._weights.clear()
+        self._slot_of.clear()
+        self._slot_names.clear()
         self._all_weights_cost = None
         for module in self._modules.values():
             unload = getattr(self.device, "unload_module", None)

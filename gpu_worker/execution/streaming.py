@@ -222,6 +222,10 @@ class StreamedRun:
         self.plan, self.schedule = plan, schedule
         device = plan.executor.device
         self._done = [device.create_event() for _ in schedule.segments]
+        # The slots each segment pins and pages in (one per layer, not one per tensor), resolved
+        # once: the host work of a run is per slot.
+        self._shared = plan.executor.slot_keys(schedule.shared)
+        self._slots = [plan.executor.slot_keys(s.keys) for s in schedule.segments]
         self.runs = 0
 
     @property
@@ -229,9 +233,8 @@ class StreamedRun:
         return sum(s.graph_bytes for s in self.schedule.segments)
 
     def run(self, inputs: dict, stream: object, capture: bool) -> None:
-        executor = self.plan.executor
-        device = executor.device
-        slots, ns = device.weights, executor.slot_keys
+        device = self.plan.executor.device
+        slots = device.weights
         segs = self.schedule.segments
         pinned: list[list[str]] = []
 
@@ -244,16 +247,16 @@ class StreamedRun:
             pinned.remove(keys)
             slots.unpin(keys)
         try:
-            shared = pin(ns(self.schedule.shared))
+            shared = pin(list(self._shared))
             slots.ensure_resident(shared, stream=stream)
-            cur = pin(ns(segs[0].keys))
+            cur = pin(list(self._slots[0]))
             slots.ensure_resident(cur, stream=stream)
             for i, seg in enumerate(segs):
                 nxt = None
                 if i + 1 < len(segs):
                     if i >= 1:   # at most one segment ahead: i-1 finished, its pages may go
                         device.wait_event(self._done[i - 1])   # and runs passed releases
-                    nxt = pin(ns(segs[i + 1].keys))
+                    nxt = pin(list(self._slots[i + 1]))
                     slots.ensure_resident(nxt, stream=stream, wait=False)   # overlaps segment i
                 self._launch(seg, inputs, stream, capture)
                 device.record_event(self._done[i], stream)

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+from gpu_worker.device.arena import ALIGN
 from gpu_worker.device.backend import DeviceError, i64, ptr
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tests.device.conftest import GATES, GRANULE, IMAGE, make_device
@@ -275,5 +276,77 @@ def test_a_bad_budget_is_rejected_and_changes_nothing(args):
             d.weights.set_budget(*args)
         assert d.weights.budget_bytes == 4 * GRANULE
         assert d.weights.limits() == {"flag": 4 * GRANULE, "governor": None}
+    finally:
+        d.close()
+
+
+# -- slots that hold several weights (a layer) --------------------------------------------------
+def _layer() -> list[tuple[str, np.ndarray]]:
+    return [("l.norm", _w(1000, 3)), ("l.w", _w(GRANULE + 77, 4)), ("l.b", _w(5, 5))]
+
+
+def test_a_group_slot_pages_in_by_one_copy_and_keeps_each_weight_at_an_aligned_offset(
+        dev, monkeypatch):
+    parts = _layer()
+    slot = dev.weights.add_group("l", parts)
+    copies: list[tuple[int, int]] = []
+    copy = dev.backend.copy_h2d_async
+    monkeypatch.setattr(dev.backend, "copy_h2d_async", lambda dst, src, stream: (
+        copies.append((int(dst), int(src.nbytes))), copy(dst, src, stream)))
+    dev.weights.ensure_resident(["l.w"])   # any weight of the slot pages in all of it
+    assert copies == [(slot.va, slot.nbytes)], "a group page-in was not one copy of its range"
+    assert dev.weights.stats()["page_ins"] == 1 and dev.weights.get("l.b").state != "idle"
+    for key, data in parts:
+        va, n = dev.weights.tensor(key)
+        assert (va - slot.va) % ALIGN == 0 and n == data.nbytes
+        assert slot.va <= va and va + n <= slot.va + slot.nbytes
+        assert np.array_equal(dev.from_device(va, n), data), f"{key} read the wrong bytes"
+    before = {key: dev.weights.tensor(key) for key, _ in parts}
+    dev.weights.evict("l.norm")
+    _settle(dev)
+    assert dev.weights.get("l").state == "idle", "evicting one weight left its slot mapped"
+    dev.weights.ensure_resident(["l.b"])
+    assert {key: dev.weights.tensor(key) for key, _ in parts} == before, "a weight moved"
+    assert np.array_equal(dev.from_device(*dev.weights.tensor("l.w")), parts[1][1])
+
+
+def test_pinning_a_group_through_several_of_its_weights_pins_it_once(dev):
+    dev.weights.add_group("l", _layer())
+    dev.weights.pin(["l.norm", "l.w", "l"])
+    assert dev.weights.get("l").pins == 1
+    with pytest.raises(FailedPrecondition, match="pinned"):
+        dev.weights.page_out(["l.b"])
+    dev.weights.unpin(["l.norm", "l.w", "l"])
+    assert dev.weights.get("l").pins == 0
+
+
+def test_removing_a_group_forgets_every_weight_in_it_and_its_name_and_keys_are_unique(dev):
+    dev.weights.add_group("l", _layer())
+    with pytest.raises(InvalidArgument, match="already has a slot"):
+        dev.weights.add("l.w", _w(10, 1))
+    with pytest.raises(InvalidArgument, match="twice"):
+        dev.weights.add_group("m", [("m.a", _w(10, 1)), ("m.a", _w(10, 2))])
+    dev.weights.ensure_resident(["l"])
+    dev.weights.remove("l.w")
+    for key in ("l", "l.norm", "l.w", "l.b"):
+        with pytest.raises(NotFound):
+            dev.weights.get(key)
+    assert dev.weights.stats()["host_bytes"] == 0 and dev.weights.stats()["slots"] == 0
+    dev.weights.add_group("l", _layer())   # its names are free again
+
+
+def test_the_pinned_host_budget_refuses_a_group_as_one_buffer_before_allocating_anything():
+    d = make_device()
+    try:
+        parts = _layer()
+        total = d.weights.add_group("l", parts).nbytes
+        d.weights.remove("l")
+        d.weights.host_budget_bytes = total - 1   # every weight alone would fit
+        calls = d.backend.calls["alloc_pinned"]
+        with pytest.raises(ResourceExhausted, match="pinned host"):
+            d.weights.add_group("l", parts)
+        assert d.backend.calls["alloc_pinned"] == calls and d.weights.stats()["host_bytes"] == 0
+        with pytest.raises(NotFound):
+            d.weights.get("l.norm")
     finally:
         d.close()
