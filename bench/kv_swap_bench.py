@@ -11,7 +11,9 @@ rates, swapping when the round trip through pinned host (bytes over the D2H and 
 measured at load) costs less device time than the prefill a recompute runs again (positions over
 the prefill rate each scheduler measures), else recomputing (`kv_swap_declined`); a swap the host
 budget does not hold recomputes too (`kv_swap_refused`). docs/scheduler.md, "KV swap to pinned
-host". So the target is that the rule must not lose, not that swapping wins.
+host". So the target is that the rule must not lose, not that swapping wins. `--kv-swap` also
+turns on the demotion of evicted cached prefix blocks to the same host tier (by the same rule,
+per block): the default side has both, the other neither.
 
 Each side: one warm-up request (the scheduler measures a prefill rate before the first
 preemption), `--warmup-rounds` unmeasured rounds, then `--trials` rounds of every stream at
