@@ -70,7 +70,8 @@ SCHEDULER_FIELDS = ("running", "waiting", "peak_batch_size", "steps", "preemptio
                     "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_swap_outs",
                     "kv_swap_ins", "kv_swap_declined", "kv_swap_refused", "kv_swap_failed",
                     "kv_swap_host_bytes", "kv_swap_host_budget_bytes", "step_host_us",
-                    "step_wait_us", "step_device_us")
+                    "step_wait_us", "step_device_us", "kv_blocks_demoted", "kv_blocks_promoted",
+                    "kv_host_cached_blocks", "kv_host_cached_bytes")
 SCHEDULER_MAXED = ("peak_batch_size", "kv_block_tokens")
 
 

@@ -327,3 +327,47 @@ def test_the_paged_decoder_promotes_demoted_prefix_blocks_with_their_bytes_and_t
     for i, (a, b) in enumerate(zip(out["before"], out["after"], strict=True)):
         assert np.array_equal(a, b), f"prefix block {i} lost its bytes through host"
     assert out["promoted"] == out["cached"], "a promoted prefix gave other tokens than on device"
+
+
+# -- the worker: GetStats, its proto and the Prometheus gauges ------------------------------------
+def test_demoted_and_promoted_blocks_show_in_getstats_its_proto_and_the_metrics(kernel_cache_dir):  # noqa: F811
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpu_worker import WorkerConfig, WorkerRuntime
+    from gpu_worker.edge.messages import stats_message
+    from gpu_worker.edge.metrics import WorkerCollector
+
+    cfg = get_config("tiny", "decoder")
+    rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
+                                    kv_pool_bytes=10 * 4096, max_batch_size=4,
+                                    max_step_tokens=64, kv_swap_prefill_rate=1.0)).start()
+    try:
+        rt.load_model("m", "decoder", "tiny", 3)
+        prefix = [(k * 13 + 3) % cfg.vocab_size for k in range(4 * BT)]
+
+        def gen(prompt: list[int], n: int) -> list[int]:
+            return [c[0] for c in rt.generate("m", prompt, n)]
+        gen(prefix + [1, 2, 3], 4)
+        reference = gen(prefix + [4, 5], 8)          # P's blocks hit on the device
+        gen([(k * 29 + 7) % cfg.vocab_size for k in range(120)], 20)   # evicts them: demoted
+        assert gen(prefix + [4, 5], 8) == reference, "the promoted prefix gave other tokens"
+        out = rt.stats()
+        registry = CollectorRegistry()
+        registry.register(WorkerCollector(rt))
+        text = generate_latest(registry).decode()
+        budget_in_use = rt.kv_host.budget.in_use
+    finally:
+        rt.close()
+    s = out["scheduler"]
+    fields = ("kv_blocks_demoted", "kv_blocks_promoted", "kv_host_cached_blocks",
+              "kv_host_cached_bytes")
+    assert s["kv_blocks_demoted"] > 0 and s["kv_blocks_promoted"] > 0, s
+    assert s["kv_host_cached_bytes"] == s["kv_host_cached_blocks"] * 4096
+    assert s["kv_host_cached_bytes"] + s["kv_swap_host_bytes"] == budget_in_use, \
+        "the host budget holds bytes that neither counter shows"
+    msg = stats_message(out).scheduler
+    assert {f: getattr(msg, f) for f in fields} == {f: s[f] for f in fields}
+    samples = {m.name: m.value for f in text_string_to_metric_families(text) for m in f.samples}
+    for f in fields:
+        assert samples[f"gpuplane_worker_scheduler_{f}"] == s[f], f

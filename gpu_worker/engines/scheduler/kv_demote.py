@@ -1,5 +1,5 @@
 """Cached prefix blocks demoted to pinned host instead of dropped, and promoted back on a hit
-(DESIGN 6.3, issue 26; the rule: docs/scheduler.md, "Cached prefix blocks on host").
+(DESIGN 6.3; the rule: docs/scheduler.md, "Cached prefix blocks on host").
 
 Hazard: the same as the swap's (kv_swap.py): a copy out that runs after the block was handed to
 another sequence copies that sequence's K/V, a host buffer freed while its copy is queued

@@ -334,7 +334,7 @@ class ArenaStats(_message.Message):
     def __init__(self, reserved_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., peak_committed_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., commits: _Optional[int] = ..., releases: _Optional[int] = ..., faults: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("running", "waiting", "peak_batch_size", "steps", "preemptions", "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens", "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached", "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_swap_outs", "kv_swap_ins", "kv_swap_declined", "kv_swap_refused", "kv_swap_failed", "kv_swap_host_bytes", "kv_swap_host_budget_bytes", "step_host_us", "step_wait_us", "step_device_us")
+    __slots__ = ("running", "waiting", "peak_batch_size", "steps", "preemptions", "kv_block_tokens", "kv_blocks_total", "kv_blocks_used", "prefill_tokens", "decode_tokens", "kv_committed_bytes", "finished", "cancelled", "rejected", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_blocks_cached", "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_swap_outs", "kv_swap_ins", "kv_swap_declined", "kv_swap_refused", "kv_swap_failed", "kv_swap_host_bytes", "kv_swap_host_budget_bytes", "step_host_us", "step_wait_us", "step_device_us", "kv_blocks_demoted", "kv_blocks_promoted", "kv_host_cached_blocks", "kv_host_cached_bytes")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PEAK_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,10 @@ class SchedulerStats(_message.Message):
     STEP_HOST_US_FIELD_NUMBER: _ClassVar[int]
     STEP_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     STEP_DEVICE_US_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     peak_batch_size: int
@@ -393,7 +397,11 @@ class SchedulerStats(_message.Message):
     step_host_us: int
     step_wait_us: int
     step_device_us: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., peak_batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., kv_committed_bytes: _Optional[int] = ..., finished: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_swapped_out_blocks: _Optional[int] = ..., kv_swapped_in_blocks: _Optional[int] = ..., kv_swap_outs: _Optional[int] = ..., kv_swap_ins: _Optional[int] = ..., kv_swap_declined: _Optional[int] = ..., kv_swap_refused: _Optional[int] = ..., kv_swap_failed: _Optional[int] = ..., kv_swap_host_bytes: _Optional[int] = ..., kv_swap_host_budget_bytes: _Optional[int] = ..., step_host_us: _Optional[int] = ..., step_wait_us: _Optional[int] = ..., step_device_us: _Optional[int] = ...) -> None: ...
+    kv_blocks_demoted: int
+    kv_blocks_promoted: int
+    kv_host_cached_blocks: int
+    kv_host_cached_bytes: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., peak_batch_size: _Optional[int] = ..., steps: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., kv_committed_bytes: _Optional[int] = ..., finished: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_swapped_out_blocks: _Optional[int] = ..., kv_swapped_in_blocks: _Optional[int] = ..., kv_swap_outs: _Optional[int] = ..., kv_swap_ins: _Optional[int] = ..., kv_swap_declined: _Optional[int] = ..., kv_swap_refused: _Optional[int] = ..., kv_swap_failed: _Optional[int] = ..., kv_swap_host_bytes: _Optional[int] = ..., kv_swap_host_budget_bytes: _Optional[int] = ..., step_host_us: _Optional[int] = ..., step_wait_us: _Optional[int] = ..., step_device_us: _Optional[int] = ..., kv_blocks_demoted: _Optional[int] = ..., kv_blocks_promoted: _Optional[int] = ..., kv_host_cached_blocks: _Optional[int] = ..., kv_host_cached_bytes: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
