@@ -51,11 +51,15 @@ KV_TIER_COUNTERS = {
     "kv_swap_declined": "Preemptions that recomputed: cheaper than the copies, or no prefill rate",
     "kv_swap_refused": "Preemptions that recomputed: the pinned host KV budget was full",
     "kv_swap_failed": "Preemptions that recomputed: the device refused a swap copy",
+    "kv_blocks_demoted": "Evicted cached prefix blocks copied to pinned host",
+    "kv_blocks_promoted": "Host-cached prefix blocks copied back for a prefix hit",
 }
 KV_TIER_GAUGES = {
     "kv_blocks_cached": "Committed KV blocks no sequence uses, kept for prefix hits",
     "kv_swap_host_bytes": "Pinned host bytes swapped-out KV holds now",
     "kv_swap_host_budget_bytes": "The worker's pinned host budget for swapped KV (0: no host tier)",
+    "kv_host_cached_blocks": "Cached prefix blocks held on pinned host",
+    "kv_host_cached_bytes": "Pinned host bytes cached prefix blocks hold now",
 }
 
 

@@ -371,3 +371,6 @@ def test_demoted_and_promoted_blocks_show_in_getstats_its_proto_and_the_metrics(
     samples = {m.name: m.value for f in text_string_to_metric_families(text) for m in f.samples}
     for f in fields:
         assert samples[f"gpuplane_worker_scheduler_{f}"] == s[f], f
+    assert samples["gpuplane:kv_blocks_demoted_total"] == s["kv_blocks_demoted"]
+    assert samples["gpuplane:kv_blocks_promoted_total"] == s["kv_blocks_promoted"]
+    assert samples["gpuplane:kv_host_cached_bytes"] == s["kv_host_cached_bytes"]
