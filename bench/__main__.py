@@ -47,6 +47,8 @@ GPU = [
     ("serving_bench.py", []),
     ("checkpoint_load_bench.py", ["--layers", "4", "--vocab", "32000"]),
     ("pressure_bench.py", []),
+    ("prefix_cache_bench.py", ["--trials", "3"]),
+    ("kv_swap_bench.py", ["--trials", "3"]),
 ]
 
 
