@@ -53,7 +53,7 @@ def test_a_sim_run_preempts_on_both_sides_and_prints_every_target(tmp_path):
     env = {**os.environ, "GPUPLANE_BENCH_DEVICE": "sim"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kv_swap_bench.py"), "--backend", "sim",
-         "--config", "tiny", "--streams", "4", "--prompt", "32", "--new", "32", "--trials", "1",
+         "--config", "tiny", "--streams", "6", "--prompt", "32", "--new", "96", "--trials", "1",
          "--pool-share", "0.3",
          "--warmup-rounds", "0", "--record", str(tmp_path)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=300, check=False)
