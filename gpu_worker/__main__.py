@@ -28,7 +28,7 @@ from gpu_worker.core.token_stream import (
     StreamStats,
 )
 from services.common import cli, security
-from services.common.config import VAR_DIR, env_flag
+from services.common.config import VAR_DIR, env_flag, env_switch
 from services.common.errors import GpuplaneError
 from services.common.logs import configure_logging
 from services.common.metrics import start_metrics_endpoint
@@ -121,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
              "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
              "sequences at full context", type=int)
-    serve.add_argument("--no-prefix-cache", action="store_true",
-                       help="prefill every prompt whole (default: full KV blocks of a prompt "
-                            "prefix already computed are shared, docs/scheduler.md)")
-    serve.add_argument("--kv-swap", action=argparse.BooleanOptionalAction, default=True,
-                       help="a preempted sequence's KV blocks go to pinned host and back when "
-                            "the copies cost less than recomputing them (docs/scheduler.md); "
-                            "--no-kv-swap always recomputes")
+    env_switch(serve, "--prefix-cache", "GPUPLANE_PREFIX_CACHE", True,
+               "share the full KV blocks of a prompt prefix already computed (docs/scheduler.md); "
+               "--no-prefix-cache prefills every prompt whole")
+    env_switch(serve, "--kv-swap", "GPUPLANE_KV_SWAP", True,
+               "a preempted sequence's KV blocks, and evicted cached prefix blocks, go to pinned "
+               "host and back when the copies cost less than recomputing them "
+               "(docs/scheduler.md); --no-kv-swap always recomputes")
     env_flag(serve, "--kv-swap-host-bytes", "GPUPLANE_KV_SWAP_HOST_BYTES",
              DEFAULT_KV_SWAP_HOST_BYTES,
              "pinned host bytes all decoders' swapped KV may hold; a swap that does not fit "
@@ -173,7 +173,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         max_queued=args.max_queued,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,
-        prefix_cache=not args.no_prefix_cache,
+        prefix_cache=args.prefix_cache,
         kv_swap=args.kv_swap,
         kv_swap_host_bytes=args.kv_swap_host_bytes,
         kv_swap_copy_rate=args.kv_swap_copy_rate,

@@ -40,6 +40,27 @@ def env_flag(
     )
 
 
+SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, env: str,
+               default: bool, help: str) -> None:
+    """Add `--name` / `--no-name` whose default is `$env` (1/0, true/false, yes/no, on/off) when
+    set, else `default`; a bad value exits 2 naming the variable."""
+    raw = os.environ.get(env, "")
+    value = default
+    if raw.strip():
+        word = raw.strip().lower()
+        if word not in SWITCH_WORDS:
+            print(f"error: {env}={raw!r}: not a switch (use 1/0, true/false, yes/no, on/off)",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        value = SWITCH_WORDS[word]
+    parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
+                        help=f"{help} (env {env}, default {default!r})")
+
+
 def parse_bytes(text: str) -> int:
     """Parse '256MiB', '2GiB', '1048576' or '0' into bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,

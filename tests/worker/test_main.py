@@ -115,3 +115,23 @@ def test_min_prefill_share_reaches_every_decoders_scheduler(monkeypatch, kernels
         runtime.close()
     with pytest.raises(InvalidArgument, match="min_prefill_share"):
         worker_config(build_parser().parse_args(["serve", "--min-prefill-share", "0"]))
+
+
+def test_the_prefix_cache_and_kv_swap_switches_default_to_the_environment(monkeypatch) -> None:
+    """GPUPLANE_PREFIX_CACHE / GPUPLANE_KV_SWAP (1/0, true/false, yes/no, on/off) set the
+    defaults; the flags beat them; a bad value exits 2 naming the variable."""
+    from gpu_worker.__main__ import worker_config
+    monkeypatch.setenv("GPUPLANE_PREFIX_CACHE", "off")
+    monkeypatch.setenv("GPUPLANE_KV_SWAP", "no")
+    config = worker_config(build_parser().parse_args(["serve"]))
+    assert (config.prefix_cache, config.kv_swap) == (False, False)
+    config = worker_config(build_parser().parse_args(["serve", "--prefix-cache", "--kv-swap"]))
+    assert (config.prefix_cache, config.kv_swap) == (True, True)
+    monkeypatch.delenv("GPUPLANE_PREFIX_CACHE")
+    monkeypatch.delenv("GPUPLANE_KV_SWAP")
+    config = worker_config(build_parser().parse_args(["serve", "--no-prefix-cache"]))
+    assert (config.prefix_cache, config.kv_swap) == (False, True)
+    monkeypatch.setenv("GPUPLANE_KV_SWAP", "maybe")
+    with pytest.raises(SystemExit) as caught:
+        build_parser()
+    assert caught.value.code == 2
