@@ -223,8 +223,12 @@ def main() -> int:
         executor = rt._get("m").executor
         decode_plan = executor.plans.get(("decode", 1, 1))
         segments = decode_plan.streamed.schedule.segments if decode_plan.streamed else []
+        streams = (decode_plan.streamed.schedule.streamed_bytes(executor.weight_cost)
+                   if segments else 0)
         print(f"decode plan: {len(segments)} segments: "
-              + ", ".join(f"{s.label} {s.cost / MiB:.0f} MiB" for s in segments), flush=True)
+              + ", ".join(f"{s.label} {s.cost / MiB:.0f} MiB{' kept' if s.stays else ''}"
+                          for s in segments)
+              + f"; the schedule streams {streams / MiB:.1f} MiB per run", flush=True)
         med = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in MODES}
         paged = statistics.median(r["bytes_per_token"] for r in runs["captured"])
         must = max(0, w["bytes"] - budget)       # the minimum that must page in per token

@@ -9,6 +9,10 @@ room (at most `protected_fraction` of the byte budget), or if protected's least 
 unreferenced for a whole window of `window` references (it is demoted to probation). Victims
 come from probation first. Under a cyclic sweep the protected set stays fixed and hits every
 sweep, so the hit rate approaches protected_fraction x budget / total instead of zero.
+An owner that knows its loop (a streamed model: gpu_worker/execution/streaming.py) does better:
+it `demote`s each key it streams right after its last use in the sweep, so those are the next
+victims (most recently demoted first: MRU, optimal for a loop) and the keys it means to keep
+resident are never evicted to make room for them.
 """
 from __future__ import annotations
 
@@ -51,6 +55,15 @@ class ResidencyPolicy:
                 self._protected[key] = (nbytes, self._tick)
                 return
         self._probation[key] = nbytes
+
+    def demote(self, key: str) -> None:
+        """`key` (resident) is not needed again before every other key: make it the next victim."""
+        if key in self._probation or key in self._protected:
+            nbytes = self._probation.pop(key, None)
+            if nbytes is None:
+                nbytes = self._protected.pop(key)[0]
+            self._probation[key] = nbytes
+            self._probation.move_to_end(key, last=False)
 
     def victim(self, exclude: set[str]) -> str | None:
         for k in self._probation:

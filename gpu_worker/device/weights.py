@@ -325,6 +325,14 @@ class WeightSlots:
                     seen.add(id(s))
                     s.pins -= 1
 
+    def demote(self, keys: list[str]) -> None:
+        """Make the resident, evictable slots of `keys` the next victims (a streamed segment that
+        just ran: the rest of the sweep and the next run's kept layers come first)."""
+        with self._lock:
+            for s in self._distinct(keys):
+                if s.evictable and s.state in ("pending", "resident"):
+                    self.policy.demote(s.key)
+
     def page_out(self, keys: list[str]) -> int:
         """Evict every mapped slot of `keys` (the host copies stay); returns the slot bytes that
         were resident. Refused (FailedPrecondition, nothing changed) while any of them is pinned."""

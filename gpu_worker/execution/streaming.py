@@ -10,11 +10,16 @@ Contract:
   table, tied embeddings) are *shared*: pinned and resident for the whole run. The other non-layer
   runs (embedding, final norm + head) are segments of their own; the eager tail after the split
   is one more segment.
-- Consecutive layers are packed into a segment up to
-  cap = min((B - S) / 2, B - S - largest non-layer segment), B the budget and S the shared bytes,
-  so that any two neighbouring segments plus the shared weights fit B; every neighbouring pair is
-  checked, and a graph whose pair does not fit even one layer per segment is refused
-  (ResourceExhausted naming the bytes). Costs are committed granule bytes, not tensor bytes.
+- Each layer is a segment of its own (a layer is one weight slot, one copy). Some segments
+  *stay*: chosen largest first while S + stay + the largest pair of neighbouring *streamed*
+  segments still fits B (B the budget, S the shared bytes), they are paged in once and kept;
+  the rest stream, each demoted to the next victim as soon as its launches are enqueued. A sweep
+  then pages (weights - S - stay) per run, within about two layers of the minimum
+  (weights - B). Packing layers into segments up to (B - S) / 2, as before, let two in-flight
+  segments fill the budget: every run evicted everything and paged every weight (2.0x the
+  minimum at half the weights, 4.4x at 0.8). A graph whose neighbouring pair does not fit even
+  one layer per segment is refused (ResourceExhausted naming the bytes). Costs are committed
+  granule bytes, not tensor bytes.
 - Run: before segment i launches its slots are pinned and resident (the compute stream waits on
   their copy events); segment i+1's page-in is issued on the copy stream before segment i's
   launches, so it overlaps them; segment i is unpinned once its launches are enqueued. Eviction
@@ -25,8 +30,9 @@ Contract:
   so a BLAS warm-up may run eagerly first) and replayed in order between the residency steps.
   Eager: the same segments, node by node.
 Cost: per segment and run, a pin, an ensure_resident (a dict lookup per resident slot), one host
-wait on the segment before last and one graph launch; the bytes paged per run are bounded below
-by (model weights - budget), every one of them copied at pinned H2D speed.
+wait on the segment before last and one graph launch; the bytes paged per run are the streamed
+segments' (`Schedule.streamed_bytes`), bounded below by (model weights - budget), every one of
+them copied at pinned H2D speed.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ class Segment:
     keys: list[str]                  # graph weight keys its nodes read (shared ones excluded)
     cost: int                        # committed bytes of `keys`
     tail: bool = False               # the eager tail after `select_row`
+    stays: bool = False              # kept resident across runs (not demoted after it runs)
     graph_exec: object | None = field(default=None, repr=False)
     graph_bytes: int = 0
 
@@ -72,6 +79,86 @@ class Schedule:
         if len(segs) == 1:
             return cost([*self.shared, *segs[0].keys])
         return max(cost([*self.shared, *a.keys, *b.keys]) for a, b in itertools.pairwise(segs))
+
+    def streamed_bytes(self, cost: Cost) -> int:
+        """Committed bytes of the segments that page in on every run (those that do not stay)."""
+        return cost([k for s in self.segments if not s.stays for k in s.keys])
+
+
+def _window(segments: Sequence[Segment], cost: Cost, shared: list[str]) -> int:
+    """Committed bytes resident at the worst moment of a run: shared, every staying segment, and
+    the largest pair of neighbours' streamed keys (the running segment and the one paging in)."""
+    stay = [k for s in segments if s.stays for k in s.keys]
+    pairs = list(itertools.pairwise(segments)) or [(segments[0], segments[0])]
+    return max(cost([*shared, *stay, *(a.keys if not a.stays else ()),
+                     *(b.keys if not b.stays else ())]) for a, b in pairs)
+
+
+def _cover(costs: Sequence[int], window: int) -> list[int] | None:
+    """The cheapest set of segments to keep so that every streamed segment, and every pair of
+    neighbouring streamed ones, is at most `window` bytes (dynamic programming along the run);
+    None if no set does."""
+    inf = float("inf")
+    # best[i][k]: least kept bytes of segments 0..i with segment i kept (k=1) or streamed (k=0);
+    # prev[i][k]: the choice for segment i-1 that achieves it
+    best = [[0.0 if costs[0] <= window else inf, float(costs[0])]]
+    prev = [[0, 0]]
+    for i in range(1, len(costs)):
+        keep_prev = 0 if best[-1][0] <= best[-1][1] else 1
+        options = [(best[-1][1], 1)]
+        if costs[i - 1] + costs[i] <= window:
+            options.append((best[-1][0], 0))
+        stream_cost, stream_prev = min(options) if costs[i] <= window else (inf, 0)
+        best.append([stream_cost, costs[i] + best[-1][keep_prev]])
+        prev.append([stream_prev, keep_prev])
+    k = 0 if best[-1][0] <= best[-1][1] else 1
+    if best[-1][k] == inf:
+        return None
+    chosen = []
+    for i in range(len(costs) - 1, -1, -1):
+        if k:
+            chosen.append(i)
+        k = prev[i][k]
+    return chosen
+
+
+def _choose_stays(segments: list[Segment], cost: Cost, shared: list[str], budget: int) -> None:
+    """Mark the segments to keep resident. A run's worst moment holds S, the kept segments and
+    the largest streamed pair of neighbours (`_window`), so keeping more is only worth it while
+    that pair stays small: for each candidate pair size w, keep the cheapest set that bounds
+    every streamed pair by w (`_cover`), fill what the budget leaves with the largest remaining
+    segments, and take the w that keeps the most bytes. Committed costs are checked exactly at
+    the end (a granule shared by neighbours makes them less than additive)."""
+    costs = [s.cost for s in segments]
+    s_cost = cost(shared) if shared else 0
+    best: tuple[int, set[int], set[int]] = (-1, set(), set())
+    for w in sorted({*costs, *(a + b for a, b in itertools.pairwise(costs))}):
+        if s_cost + w > budget:
+            break
+        forced = _cover(costs, w)
+        if forced is None:
+            continue
+        room = budget - s_cost - w - sum(costs[i] for i in forced)
+        if room < 0:
+            continue
+        kept = set(forced)
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+            if i not in kept and costs[i] <= room:
+                kept.add(i)
+                room -= costs[i]
+        total = sum(costs[i] for i in kept)
+        if total > best[0]:
+            best = (total, kept, set(forced))
+    _, kept, forced = best
+    for i in kept:
+        segments[i].stays = True
+    fill = sorted(kept - forced, key=lambda i: -costs[i])
+    while _window(segments, cost, shared) > budget:
+        if not fill:     # the cover alone is over: keep nothing (the plain pairs fit)
+            for seg in segments:
+                seg.stays = False
+            return
+        segments[fill.pop()].stays = False
 
 
 def _shared_keys(nodes: Sequence) -> set[str]:
@@ -124,38 +211,17 @@ def _label(unit_tags: list[object], keys: list[str]) -> str:
 
 def plan_schedule(nodes: Sequence, split: int, cost: Cost, budget: int,
                   what: str = "model", source: str = "--weight-budget-bytes") -> Schedule:
-    """Cut `nodes` (the first `split` captured, the rest the eager tail) into segments whose every
-    neighbouring pair fits `budget` with the shared weights; ResourceExhausted if none can."""
+    """Cut `nodes` (the first `split` captured, the rest the eager tail) into one segment per
+    layer (and per non-layer run), choose the ones that stay resident, and check that every
+    neighbouring pair fits `budget` with the shared weights; ResourceExhausted if one does not."""
     shared = _shared_keys(nodes)
     shared_list = sorted(shared)
     s_cost = cost(shared_list) if shared_list else 0
-    units = _units(nodes[:split], shared)
-    unit_cost = [cost(_keys(u, shared)) for _, u in units]
-    other = [c for (tag, _), c in zip(units, unit_cost) if tag == "other"]
     tail_nodes = list(nodes[split:])
-    if tail_nodes:
-        other.append(cost(_keys(tail_nodes, shared)))
-    cap = min((budget - s_cost) // 2, budget - s_cost - max(other, default=0))
     segments: list[Segment] = []
-    group: list[tuple[object, list]] = []
-
-    def flush() -> None:
-        if group:
-            seg_nodes = [nd for _, u in group for nd in u]
-            keys = _keys(seg_nodes, shared)
-            segments.append(Segment(_label([t for t, _ in group], keys), seg_nodes, keys,
-                                    cost(keys)))
-            group.clear()
-    for (tag, unit), c in zip(units, unit_cost):
-        if tag == "other":
-            flush()
-            group.append((tag, unit))
-            flush()
-            continue
-        if group and cost(_keys([nd for _, u in group for nd in u] + unit, shared)) > cap:
-            flush()
-        group.append((tag, unit))
-    flush()
+    for tag, unit in _units(nodes[:split], shared):
+        keys = _keys(unit, shared)
+        segments.append(Segment(_label([tag], keys), list(unit), keys, cost(keys)))
     if tail_nodes:
         keys = _keys(tail_nodes, shared)
         segments.append(Segment("tail:" + _label(["other"], keys), tail_nodes, keys, cost(keys),
@@ -169,6 +235,7 @@ def plan_schedule(nodes: Sequence, split: int, cost: Cost, budget: int,
             f"each at the least, plus {s_cost} bytes of shared weights); raise {source} to at "
             "least that", asked_bytes=need, free_bytes=budget,
             zone="weights")
+    _choose_stays(segments, cost, shared_list, budget)
     return schedule
 
 
@@ -261,6 +328,8 @@ class StreamedRun:
                 self._launch(seg, inputs, stream, capture)
                 device.record_event(self._done[i], stream)
                 unpin(cur)       # its launches are enqueued; eviction is fenced on the streams
+                if not seg.stays:
+                    slots.demote(cur)   # needed again only next run, after every other slot
                 if nxt is not None:
                     slots.wait_resident(nxt, stream)   # segment i+1 reads them: wait the copy
                     cur = nxt

@@ -72,3 +72,22 @@ def test_a_new_working_set_displaces_a_stale_protected_set():
     assert all(abs(r - STEADY) < 0.005 for r in sweeps[-5:]), (
         f"per-sweep hit rates of the new set {sweeps}: the old protected set was not displaced "
         f"to a stable {STEADY:.2f}, or probation is not evicted first")
+
+
+def test_a_demoted_key_is_the_next_victim_most_recently_demoted_first():
+    """A streamed segment demotes its keys right after use: they go before every other key,
+    protected or not, and the last demoted goes first (MRU: optimal for a loop)."""
+    policy = ResidencyPolicy(capacity_bytes=100)
+    for k in ("keep", "a", "b"):
+        policy.admit(k, 10)
+    policy.evicted("keep")
+    policy.admit("keep", 10)            # a ghost hit: protected
+    policy.demote("a")
+    policy.demote("b")
+    assert policy.victim(set()) == "b"
+    assert policy.victim({"b"}) == "a"
+    assert policy.victim({"a", "b"}) == "keep"
+    policy.demote("keep")               # a protected key demoted goes first too
+    assert policy.victim(set()) == "keep"
+    policy.demote("never-admitted")     # not resident: nothing changes
+    assert policy.victim(set()) == "keep"

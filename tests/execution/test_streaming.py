@@ -7,12 +7,14 @@ granules: 12 MiB, about half its weights (a third would not hold the embedding n
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from gpu_worker import WorkerConfig, WorkerRuntime
 from gpu_worker.device.weights import WeightSlots
-from gpu_worker.execution.streaming import StreamedRun, plan_schedule
+from gpu_worker.execution.streaming import StreamedRun, _window, plan_schedule
 from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
@@ -263,28 +265,101 @@ def _node(name: str, *weights: str) -> Node:
     return Node(name, "op", (), (), {}, weights)
 
 
-def test_schedule_pins_weights_read_across_layers_and_fits_every_neighbouring_pair():
-    """A rope table read by every layer is shared (pinned for the run, not a segment's); layers
-    are packed so two neighbours and the shared bytes fit; embedding and head stand alone."""
-    size = {"embed": 40, "rope": 4, "head": 30, **{f"layers.{i}.w": 20 for i in range(6)}}
+def _toy_graph(layers: int = 6) -> tuple[list[Node], dict[str, int]]:
+    size = {"embed": 40, "rope": 4, "head": 30, **{f"layers.{i}.w": 20 for i in range(layers)}}
     nodes = [_node("embed", "embed")]
-    for i in range(6):
+    for i in range(layers):
         nodes += [_node(f"l{i}.a", f"layers.{i}.w"), _node(f"l{i}.rope", "rope"),
                   _node(f"l{i}.add")]
     nodes += [_node("select", ), _node("head", "head")]
+    return nodes, size
+
+
+def test_schedule_pins_weights_read_across_layers_and_fits_every_neighbouring_pair():
+    """A rope table read by every layer is shared (pinned for the run, not a segment's); each
+    layer is a segment of its own; embedding and head stand alone; two neighbours and the shared
+    bytes fit the budget, and a budget below that is refused."""
+    nodes, size = _toy_graph()
 
     def cost(keys):
         return sum(size[k] for k in set(keys))
     schedule = plan_schedule(nodes, split=len(nodes) - 2, cost=cost, budget=104)
     assert schedule.shared == ["rope"]
     labels = [s.label for s in schedule.segments]
-    assert labels[0] == "embed" and schedule.segments[-1].tail
+    assert labels == ["embed", *(f"layer {i}" for i in range(6)), "tail:head"]
+    assert schedule.segments[-1].tail
     assert all("rope" not in s.keys for s in schedule.segments)
     assert [n for s in schedule.segments for n in s.nodes] == nodes, "a node lost or reordered"
-    assert any(len({k for k in s.keys if k.startswith("layers.")}) > 1 for s in schedule.segments)
     assert schedule.peak_bytes(cost) <= 104
     with pytest.raises(ResourceExhausted, match="cannot stream"):
         plan_schedule(nodes, split=len(nodes) - 2, cost=cost, budget=63)
+
+
+@pytest.mark.parametrize("budget", [64, 80, 94, 104, 150, 170, 190, 196, 210])
+def test_a_schedule_keeps_what_the_budget_holds_beside_the_streaming_pair(budget):
+    """The kept segments, the shared weights and the largest pair of neighbouring streamed
+    segments fit the budget at every moment of a run, and the bytes kept are within one segment
+    of the best that any choice keeps (every choice of the toy's 8 segments tried). Before, layers
+    were packed into segments up to (B - S) / 2: two in flight filled the budget, nothing stayed
+    resident, and every run paged every weight."""
+    nodes, size = _toy_graph()
+
+    def cost(keys):
+        return sum(size[k] for k in set(keys))
+    schedule = plan_schedule(nodes, split=len(nodes) - 2, cost=cost, budget=budget)
+    segs = schedule.segments
+    kept = [k for s in segs if s.stays for k in s.keys]
+    for a, b in itertools.pairwise(segs):
+        streamed = [k for s in (a, b) if not s.stays for k in s.keys]
+        assert cost([*schedule.shared, *kept, *streamed]) <= budget, (a.label, b.label)
+    assert schedule.streamed_bytes(cost) == sum(size.values()) - size["rope"] - cost(kept)
+    chosen = [s.stays for s in segs]
+    best = 0
+    for mask in range(1 << len(segs)):
+        for i, s in enumerate(segs):
+            s.stays = bool(mask >> i & 1)
+        if _window(segs, cost, schedule.shared) <= budget:
+            best = max(best, sum(s.cost for s in segs if s.stays))
+    for s, stays in zip(segs, chosen):
+        s.stays = stays
+    assert best - max(size.values()) <= cost(kept) <= best, chosen
+    assert sum(size.values()) - budget <= schedule.streamed_bytes(cost)
+
+
+def test_a_streamed_run_pages_only_its_streamed_segments_once_warm(kernel_cache_dir, reference):
+    """At 0.8 of the weights, once the kept segments are resident a decode run pages in exactly
+    its streamed segments' slots, never a kept one, and the tokens are the unconstrained ones."""
+    budget = 20 * MIB
+    rt = runtime(kernel_cache_dir, budget)
+    try:
+        rt.load_model("m", "decoder", "small", SEED)
+        assert generate(rt, "m") == reference
+        executor, weights = rt._get("m").executor, rt.device.weights
+        decode = executor.plans.get(("paged_decode", 1))
+        schedule = decode.streamed.schedule
+        kept = {k for s in schedule.segments if s.stays for k in executor.slot_keys(s.keys)}
+        streamed = {k for s in schedule.segments if not s.stays
+                    for k in executor.slot_keys(s.keys)}
+        assert kept and streamed, [(s.label, s.stays) for s in schedule.segments]
+        paged: list[str] = []
+        page_in = weights._page_in
+
+        def watched(slot, need, stream):
+            paged.append(slot.key)
+            return page_in(slot, need, stream)
+        weights._page_in = watched
+        def runs() -> int:
+            plans = map(executor.plans.get, executor.plans.keys())
+            return sum(p.streamed.runs for p in plans if p is not None and p.streamed)
+        runs0 = runs()
+        assert generate(rt, "m") == reference, "tokens differ while streaming"
+        runs = runs() - runs0
+        assert runs >= NEW_TOKENS
+        assert not set(paged) & kept, f"a kept slot paged in again: {set(paged) & kept}"
+        per_run = len([k for k in paged if k in streamed]) / max(1, runs)
+        assert per_run <= len(streamed) + 1, f"{per_run:.1f} page-ins per run"
+    finally:
+        rt.close()
 
 
 def test_an_encoder_larger_than_its_budget_embeds_identically(kernel_cache_dir):
