@@ -92,11 +92,14 @@ def counters(client: WorkerClient, names: tuple[str, ...]) -> dict[str, int]:
 
 
 def serve_side(args, name: str, changed: dict, warmup: list[list[int]],
-               rounds: list[list[list[int]]], names: tuple[str, ...]) -> dict:
+               rounds: list[list[list[int]]], names: tuple[str, ...],
+               reference: tuple[list[list[int]], int] | None = None) -> dict:
     """One worker process: the warm-up requests one by one, then each round's streams at once
     (the last `args.trials` rounds are the measured ones). Per round: run_streams' result and
     `delta`, the counters `names` over the round. `ledger`: ledger_error after the run;
-    `block_tokens`: the worker's KV block size."""
+    `block_tokens`: the worker's KV block size. With `reference` (prompts, wave): those prompts
+    again after the rounds, `wave` streams at a time, as `reference`: each stream's tokens and
+    the preemptions over the pass."""
     with served_worker(args.backend, changed) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
         for prompt in warmup:
@@ -115,8 +118,20 @@ def serve_side(args, name: str, changed: dict, warmup: list[list[int]],
                   + ", ".join(f"{n} {v}" for n, v in r["delta"].items()), flush=True)
             if trial >= 1:
                 runs.append(r)
+        ref = None
+        if reference is not None:
+            ref_prompts, wave = reference
+            before = counters(client, ("preemptions",))["preemptions"]
+            tokens = []
+            for at in range(0, len(ref_prompts), wave):
+                tokens += [x["tokens"] if x is not None else None for x in
+                           run_streams(client, ref_prompts[at:at + wave], args.new)["results"]]
+            ref = {"tokens": tokens, "preemptions":
+                   counters(client, ("preemptions",))["preemptions"] - before}
+            print(f"{name} reference: {len(ref_prompts)} streams {wave} at a time, "
+                  f"{ref['preemptions']} preemptions", flush=True)
         time.sleep(1.0)          # completed releases settle before the ledger is compared
-        return {"runs": runs, "ledger": ledger_error(client),
+        return {"runs": runs, "ledger": ledger_error(client), "reference": ref,
                 "block_tokens": client.stats().scheduler.kv_block_tokens}
 
 

@@ -10,27 +10,32 @@ Contract:
   table, tied embeddings) are *shared*: pinned and resident for the whole run. The other non-layer
   runs (embedding, final norm + head) are segments of their own; the eager tail after the split
   is one more segment.
-- Each layer is a segment of its own (a layer is one weight slot, one copy). Some segments
-  *stay*: chosen largest first while S + stay + the largest pair of neighbouring *streamed*
-  segments still fits B (B the budget, S the shared bytes), they are paged in once and kept;
-  the rest stream, each demoted to the next victim as soon as its launches are enqueued. A sweep
-  then pages (weights - S - stay) per run, within about two layers of the minimum
-  (weights - B). Packing layers into segments up to (B - S) / 2, as before, let two in-flight
-  segments fill the budget: every run evicted everything and paged every weight (2.0x the
-  minimum at half the weights, 4.4x at 0.8). A graph whose neighbouring pair does not fit even
-  one layer per segment is refused (ResourceExhausted naming the bytes). Costs are committed
-  granule bytes, not tensor bytes.
-- Run: before segment i launches its slots are pinned and resident (the compute stream waits on
-  their copy events); segment i+1's page-in is issued on the copy stream before segment i's
-  launches, so it overlaps them; segment i is unpinned once its launches are enqueued. Eviction
-  is fenced on both streams, so nothing unmaps a slot a launch in flight reads. The host never
-  runs more than one segment ahead: before paging in i+1 it waits for segment i-1 to finish, so
-  the device holds at most the shared weights and three segments (the live ledger: two).
+- Each layer is a segment of its own (a layer is one weight slot, one copy). Some segments are
+  *kept*: paged in once and left resident; the others *stream*, each demoted to the slots' next
+  victim as soon as its launches are enqueued. At a run's worst moment the device holds S (the
+  shared bytes), every kept segment and two streamed ones (the one running and the next, which
+  is paging in), so segments are kept largest first while that sum fits B, the budget. A run
+  then pages (weights - S - kept): the minimum (weights - B) plus about one streamed pair. The
+  streamed layers are left one contiguous run. Before, layers were packed into segments up to
+  (B - S) / 2: two in flight filled the budget, nothing stayed, and every run paged every
+  weight (2.0x the minimum at half the weights, 4.4x at 0.8; 8b-int4 on the H200 at a third:
+  1.08x now). A graph whose neighbouring pair does not fit even one layer per segment is
+  refused (ResourceExhausted naming the bytes). Costs are committed granule bytes, not tensor
+  bytes.
+- Run: before a segment launches its slots are pinned and resident (the compute stream waits on
+  their copy events). The first streamed segment's page-in is issued when the run starts; each
+  streamed segment issues the next streamed one's (kept segments in between skipped) before it
+  launches, after the streamed one before it finished, so the copies queue back to back on the
+  copy stream and the host never runs more than one streamed segment ahead. A segment is
+  unpinned once its launches are enqueued. Eviction is fenced on both streams, so nothing unmaps
+  a slot a launch in flight reads; the live ledger holds at most S, the kept segments and two
+  streamed ones (the device one more streamed segment until its fenced release passes). A kept
+  segment that a reclaim paged out meanwhile pages in again at its turn.
 - Captured: each segment is its own graph, captured the first time it runs (it is resident then,
   so a BLAS warm-up may run eagerly first) and replayed in order between the residency steps.
   Eager: the same segments, node by node.
-Cost: per segment and run, a pin, an ensure_resident (a dict lookup per resident slot), one host
-wait on the segment before last and one graph launch; the bytes paged per run are the streamed
+Cost: per segment and run, a pin, an ensure_resident (a dict lookup per resident slot) and one
+graph launch, and per streamed segment one host wait on the streamed segment before it; the bytes paged per run are the streamed
 segments' (`Schedule.streamed_bytes`), bounded below by (model weights - budget), every one of
 them copied at pinned H2D speed.
 """
@@ -85,80 +90,41 @@ class Schedule:
         return cost([k for s in self.segments if not s.stays for k in s.keys])
 
 
+def _streamed_pairs(segments: Sequence[Segment]) -> list[tuple[Segment, ...]]:
+    """Each two streamed segments that follow each other in the run (kept ones skipped: the one
+    running and the one paging in), or the single streamed segment, or none."""
+    streamed = [s for s in segments if not s.stays]
+    return list(itertools.pairwise(streamed)) or [tuple(streamed)]
+
+
 def _window(segments: Sequence[Segment], cost: Cost, shared: list[str]) -> int:
-    """Committed bytes resident at the worst moment of a run: shared, every staying segment, and
-    the largest pair of neighbours' streamed keys (the running segment and the one paging in)."""
-    stay = [k for s in segments if s.stays for k in s.keys]
-    pairs = list(itertools.pairwise(segments)) or [(segments[0], segments[0])]
-    return max(cost([*shared, *stay, *(a.keys if not a.stays else ()),
-                     *(b.keys if not b.stays else ())]) for a, b in pairs)
-
-
-def _cover(costs: Sequence[int], window: int) -> list[int] | None:
-    """The cheapest set of segments to keep so that every streamed segment, and every pair of
-    neighbouring streamed ones, is at most `window` bytes (dynamic programming along the run);
-    None if no set does."""
-    inf = float("inf")
-    # best[i][k]: least kept bytes of segments 0..i with segment i kept (k=1) or streamed (k=0);
-    # prev[i][k]: the choice for segment i-1 that achieves it
-    best = [[0.0 if costs[0] <= window else inf, float(costs[0])]]
-    prev = [[0, 0]]
-    for i in range(1, len(costs)):
-        keep_prev = 0 if best[-1][0] <= best[-1][1] else 1
-        options = [(best[-1][1], 1)]
-        if costs[i - 1] + costs[i] <= window:
-            options.append((best[-1][0], 0))
-        stream_cost, stream_prev = min(options) if costs[i] <= window else (inf, 0)
-        best.append([stream_cost, costs[i] + best[-1][keep_prev]])
-        prev.append([stream_prev, keep_prev])
-    k = 0 if best[-1][0] <= best[-1][1] else 1
-    if best[-1][k] == inf:
-        return None
-    chosen = []
-    for i in range(len(costs) - 1, -1, -1):
-        if k:
-            chosen.append(i)
-        k = prev[i][k]
-    return chosen
+    """Committed bytes resident at the worst moment of a run: shared, every kept segment, and
+    the largest pair of streamed segments in flight together (`_streamed_pairs`)."""
+    kept = [k for s in segments if s.stays for k in s.keys]
+    return max(cost([*shared, *kept, *(k for s in pair for k in s.keys)])
+               for pair in _streamed_pairs(segments))
 
 
 def _choose_stays(segments: list[Segment], cost: Cost, shared: list[str], budget: int) -> None:
-    """Mark the segments to keep resident. A run's worst moment holds S, the kept segments and
-    the largest streamed pair of neighbours (`_window`), so keeping more is only worth it while
-    that pair stays small: for each candidate pair size w, keep the cheapest set that bounds
-    every streamed pair by w (`_cover`), fill what the budget leaves with the largest remaining
-    segments, and take the w that keeps the most bytes. Committed costs are checked exactly at
-    the end (a granule shared by neighbours makes them less than additive)."""
+    """Mark the segments to keep resident: largest first (ties: the earliest), each kept while
+    the run's worst moment (`_window`) still fits `budget`. Judged on the segments' own costs
+    (additive: fast, and never less than the committed bytes), then checked with `cost` (a
+    granule shared by neighbours is paid once) and the smallest kept given up until it fits.
+    Largest first keeps the embedding and the head when they fit and leaves the streamed
+    layers one contiguous run, whose copies queue back to back."""
     costs = [s.cost for s in segments]
-    s_cost = cost(shared) if shared else 0
-    best: tuple[int, set[int], set[int]] = (-1, set(), set())
-    for w in sorted({*costs, *(a + b for a, b in itertools.pairwise(costs))}):
-        if s_cost + w > budget:
-            break
-        forced = _cover(costs, w)
-        if forced is None:
-            continue
-        room = budget - s_cost - w - sum(costs[i] for i in forced)
-        if room < 0:
-            continue
-        kept = set(forced)
-        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-            if i not in kept and costs[i] <= room:
-                kept.add(i)
-                room -= costs[i]
-        total = sum(costs[i] for i in kept)
-        if total > best[0]:
-            best = (total, kept, set(forced))
-    _, kept, forced = best
-    for i in kept:
+    base = cost(shared) if shared else 0
+
+    def worst() -> int:
+        return (base + sum(s.cost for s in segments if s.stays)
+                + max(sum(s.cost for s in pair) for pair in _streamed_pairs(segments)))
+    for i in sorted(range(len(segments)), key=lambda i: -costs[i]):
         segments[i].stays = True
-    fill = sorted(kept - forced, key=lambda i: -costs[i])
-    while _window(segments, cost, shared) > budget:
-        if not fill:     # the cover alone is over: keep nothing (the plain pairs fit)
-            for seg in segments:
-                seg.stays = False
-            return
-        segments[fill.pop()].stays = False
+        if worst() > budget:
+            segments[i].stays = False
+    kept = sorted((s for s in segments if s.stays), key=lambda s: -s.cost)
+    while kept and _window(segments, cost, shared) > budget:
+        kept.pop().stays = False
 
 
 def _shared_keys(nodes: Sequence) -> set[str]:
@@ -293,6 +259,10 @@ class StreamedRun:
         # once: the host work of a run is per slot.
         self._shared = plan.executor.slot_keys(schedule.shared)
         self._slots = [plan.executor.slot_keys(s.keys) for s in schedule.segments]
+        # streamed segments in run order: each one's successor pages in while it runs
+        self._streamed = [i for i, s in enumerate(schedule.segments) if not s.stays]
+        self._next_streamed = dict(itertools.pairwise(self._streamed))
+        self._prev_streamed = {b: a for a, b in self._next_streamed.items()}
         self.runs = 0
 
     @property
@@ -316,23 +286,30 @@ class StreamedRun:
         try:
             shared = pin(list(self._shared))
             slots.ensure_resident(shared, stream=stream)
-            cur = pin(list(self._slots[0]))
-            slots.ensure_resident(cur, stream=stream)
+            prefetched: dict[int, list[str]] = {}
+            if self._streamed:     # the first streamed segment pages in from the start
+                first = self._streamed[0]
+                prefetched[first] = pin(list(self._slots[first]))
+                slots.ensure_resident(prefetched[first], stream=stream, wait=False)
             for i, seg in enumerate(segs):
-                nxt = None
-                if i + 1 < len(segs):
-                    if i >= 1:   # at most one segment ahead: i-1 finished, its pages may go
-                        device.wait_event(self._done[i - 1])   # and runs passed releases
-                    nxt = pin(list(self._slots[i + 1]))
-                    slots.ensure_resident(nxt, stream=stream, wait=False)   # overlaps segment i
+                if i in prefetched:
+                    cur = prefetched.pop(i)
+                    slots.wait_resident(cur, stream)   # it reads them: wait for the copy
+                else:               # a kept segment: a hit, unless a reclaim took it meanwhile
+                    cur = pin(list(self._slots[i]))
+                    slots.ensure_resident(cur, stream=stream)
+                nxt = self._next_streamed.get(i)
+                if nxt is not None:
+                    prev = self._prev_streamed.get(i)
+                    if prev is not None:   # at most one streamed segment ahead: the one before
+                        device.wait_event(self._done[prev])   # finished, its pages may go
+                    prefetched[nxt] = pin(list(self._slots[nxt]))
+                    slots.ensure_resident(prefetched[nxt], stream=stream, wait=False)
                 self._launch(seg, inputs, stream, capture)
                 device.record_event(self._done[i], stream)
                 unpin(cur)       # its launches are enqueued; eviction is fenced on the streams
                 if not seg.stays:
                     slots.demote(cur)   # needed again only next run, after every other slot
-                if nxt is not None:
-                    slots.wait_resident(nxt, stream)   # segment i+1 reads them: wait the copy
-                    cur = nxt
             self.runs += 1
         finally:
             for keys in reversed(pinned):

@@ -61,7 +61,7 @@ def test_a_sim_run_preempts_on_both_sides_and_prints_every_target(tmp_path):
     assert "kv_swap_bench:" in out and "Traceback" not in out, out[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "sim.jsonl").read_text().splitlines()]
     met = {r["metric"]: r["met"] for r in rows if r["met"] is not None}
-    assert len(met) == 8 and RATIO in met, met
+    assert len(met) == 11 and RATIO in met, met
     # the sim's rates say nothing about the product: only the throughput ratio may miss here
     missed = [name for name, ok in met.items() if not ok and name != RATIO]
     assert not missed, f"{missed}:\n{out[-3000:]}"

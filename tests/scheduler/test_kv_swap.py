@@ -422,3 +422,34 @@ def test_a_failed_step_drops_every_host_copy_and_the_rest_recompute(dev):
     assert any(s.finish_reason != "error" for s in waiting)
     assert pool.used_blocks() == 0
     sched.close()
+
+
+def test_one_block_copies_out_reuse_spare_pinned_buffers_under_load_and_free_them_at_idle(dev):
+    """Demotions copy out one block at a time under pool pressure: a pinned allocation (page
+    pinning) and a free (which synchronizes the context) per block put the host on the step
+    path. A one-block buffer whose copies ran is kept booked as a spare and reused; a larger
+    copy out the budget cannot hold otherwise frees the spares first; idle frees them all."""
+    pool = KVBlockPool(dev.arena, GEO, 8)
+    budget = HostKVBudget(4 * pool.block_bytes)
+    swap = KVSwap(dev, pool, budget, FAST)
+    blocks = pool.allocate(4)
+    allocs = []
+    alloc = dev.alloc_pinned
+    dev.alloc_pinned = lambda n: (allocs.append(n), alloc(n))[1]
+    for _ in range(20):                      # copy out, drop, copy out: a demotion churn
+        rec = swap.swap_out(blocks[:1], GEO.block_tokens)
+        dev.synchronize(dev.stream)
+        swap.release(rec)
+        assert budget.in_use == swap.host_bytes == pool.block_bytes
+    assert allocs == [pool.block_bytes], f"{len(allocs)} pinned allocations for 20 copies out"
+    assert swap.spare_reuses == 19 and swap.spare_bytes == pool.block_bytes
+    # a 4-block swap-out fits only with the spare's booked bytes given back
+    rec = swap.swap_out(blocks, 4 * GEO.block_tokens)
+    assert rec is not None and swap.spare_bytes == 0
+    assert budget.in_use == swap.host_bytes == 4 * pool.block_bytes
+    assert swap.swap_out(blocks[:1], GEO.block_tokens) is None, "over the host budget"
+    swap.release(rec)
+    dev.synchronize(dev.stream)
+    assert swap.collect(wait=True) == 4 * pool.block_bytes
+    assert budget.in_use == swap.host_bytes == swap.spare_bytes == 0
+    pool.free(blocks)

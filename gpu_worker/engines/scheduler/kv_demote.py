@@ -116,7 +116,7 @@ class HostPrefixCache:
     def _room(self, want: int) -> int:
         """Bytes the budget could give (up to `want`): what is free plus the oldest host blocks
         whose copies ran (in order: a block whose copy is still queued stops the count)."""
-        room = self.swap.budget.available()
+        room = self.swap.available()
         for rec in self._lru.values():
             if room >= want or not self._copied(rec):
                 break
@@ -137,10 +137,9 @@ class HostPrefixCache:
     def make_room(self, nbytes: int) -> bool:
         """Drop host blocks, oldest first, until `nbytes` fit the budget (a swap-out needs
         them); whether they fit now. Only blocks whose copies ran are dropped."""
-        budget = self.swap.budget
-        while budget.available() < nbytes and self._drop_oldest():
+        while self.swap.available() < nbytes and self._drop_oldest():
             pass
-        return budget.available() >= nbytes
+        return self.swap.available() >= nbytes
 
     # -- promotion --------------------------------------------------------------------------------
     def match(self, keys: list[bytes]) -> int:

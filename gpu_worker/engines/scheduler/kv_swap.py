@@ -15,12 +15,17 @@ Contract:
 - A block is `geometry.block_bytes` contiguous bytes of the pool (every layer, K and V), so a
   run of consecutive blocks is one copy each way.
 - A host buffer is freed only after an event recorded behind its last copy has passed
-  (`collect`; `collect(wait=True)` waits, at idle and close).
+  (`collect`; `collect(wait=True)` waits, at idle and close). Under load a one-block buffer
+  whose copies ran is kept as a *spare* instead (up to SPARE_BLOCKS, still booked; freed at
+  idle) and reused by the next one-block copy out: cached-prefix demotions (kv_demote.py) evict, copy out and drop blocks
+  one at a time under pool pressure, and a cuMemHostAlloc (page pinning, ~0.5 ms per 2 MiB) plus
+  a cuMemFreeHost (which synchronizes the context) per block put the host on the step path.
 - Every host byte is booked in the worker's `HostKVBudget` (`--kv-swap-host-bytes`) from the
   swap-out until its buffer is freed; a swap that does not fit is refused before anything is
   allocated (the scheduler recomputes instead).
-Cost: one pinned allocation per swap-out (a swap is a preemption: rare), one async copy per run
-of contiguous blocks each way, bytes over the measured pinned copy rates.
+Cost: one pinned allocation per swap-out (a swap is a preemption: rare) and per one-block copy
+out while no spare is left, one async copy per run of contiguous blocks each way, bytes over the
+measured pinned copy rates.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from gpu_worker.device.backend import DeviceError
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 PROBE_BYTES = 8 << 20       # what the load-time copy-rate probe moves each way (~160 us on H200)
+SPARE_BLOCKS = 64           # one-block pinned buffers kept for reuse per decoder (128 MiB at 2 MiB)
 
 
 class SwapFailed(RuntimeError):
@@ -167,8 +173,10 @@ class KVSwap:
     def __init__(self, device, pool, budget: HostKVBudget, rates: CopyRates) -> None:
         self.device, self.pool, self.budget, self.rates = device, pool, budget, rates
         self.block_bytes = pool.block_bytes
-        self.host_bytes = 0                       # booked by this decoder's swaps
+        self.host_bytes = 0                       # booked by this decoder's swaps and spares
         self._retired: list[SwappedKV] = []       # released, copies maybe still queued
+        self._spare: list[np.ndarray] = []        # one-block buffers whose copies ran (booked)
+        self.spare_reuses = 0                     # one-block copies out that allocated nothing
         self._events: list[object] = []           # spare events
         self.swap_seconds = 0.0                   # host time queueing swaps (pinned allocs too)
 
@@ -188,21 +196,60 @@ class KVSwap:
                     self.device.copy_to_device_async(base + first * bb, view)
             self.device.record_event(event)
 
+    @property
+    def spare_bytes(self) -> int:
+        return len(self._spare) * self.block_bytes
+
+    def available(self) -> int:
+        """Host bytes a copy out could have now: the budget's free bytes plus this decoder's
+        spares (booked already; a one-block copy reuses one, a larger one frees them first)."""
+        return self.budget.available() + self.spare_bytes
+
+    def _book(self, nbytes: int) -> bool:
+        if self.budget.take(nbytes):
+            return True
+        if self._spare and self.budget.available() + self.spare_bytes >= nbytes:
+            self.free_spares()           # booked bytes this copy can use instead
+            return self.budget.take(nbytes)
+        return False
+
+    def free_spares(self) -> int:
+        """Free every spare buffer and give its bytes back; returns them."""
+        freed = 0
+        while self._spare:
+            host = self._spare.pop()
+            try:
+                self.device.free_pinned(host)
+            except DeviceError as exc:
+                self._spare.append(host)
+                raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
+            self.host_bytes -= self.block_bytes
+            self.budget.give(self.block_bytes)
+            freed += self.block_bytes
+        return freed
+
     def swap_out(self, blocks: list[int], positions: int) -> SwappedKV | None:
         """Queue the copy of `blocks` (a table's leading blocks, holding positions
-        [0, positions)) to a new pinned buffer; None when the host budget refuses it (nothing
-        booked). SwapFailed when the device refuses (nothing left booked)."""
+        [0, positions)) to a pinned buffer (a spare for one block, else a new one); None when
+        the host budget refuses it (nothing booked). SwapFailed when the device refuses
+        (nothing left booked)."""
         nbytes = len(blocks) * self.block_bytes
-        if not blocks or not self.budget.take(nbytes):
+        if not blocks:
             return None
         t = time.perf_counter()
-        self.host_bytes += nbytes
-        try:
-            host = self.device.alloc_pinned(nbytes)
-        except DeviceError as exc:
-            self.host_bytes -= nbytes
-            self.budget.give(nbytes)
-            raise SwapFailed(f"pinned host allocation of {nbytes} bytes: {exc}") from exc
+        if len(blocks) == 1 and self._spare:
+            host = self._spare.pop()             # booked since its first use
+            self.spare_reuses += 1
+        else:
+            if not self._book(nbytes):
+                return None
+            self.host_bytes += nbytes
+            try:
+                host = self.device.alloc_pinned(nbytes)
+            except DeviceError as exc:
+                self.host_bytes -= nbytes
+                self.budget.give(nbytes)
+                raise SwapFailed(f"pinned host allocation of {nbytes} bytes: {exc}") from exc
         rec = SwappedKV(host, len(blocks), positions, nbytes, self._event())
         try:
             self._copy(blocks, host, True, rec.event)
@@ -246,8 +293,9 @@ class KVSwap:
             self.collect()
 
     def collect(self, wait: bool = False) -> int:
-        """Free the released buffers whose copies ran (all of them, waiting, when `wait`);
-        returns the host bytes given back. SwapFailed when the device fails the wait or the
+        """Free the released buffers whose copies ran, or keep them as spares (one-block ones,
+        up to SPARE_BLOCKS: still booked); with `wait` (idle, close) wait for every copy and free
+        every buffer, spares too. Returns the host bytes given back. SwapFailed when the device fails the wait or the
         free (a lost context): those buffers stay booked, as they may still be copied into."""
         freed, keep = 0, []
         for i, rec in enumerate(self._retired):
@@ -257,6 +305,11 @@ class KVSwap:
                         keep.append(rec)
                         continue
                     self.device.wait_event(rec.event)
+                if not wait and rec.blocks == 1 and len(self._spare) < SPARE_BLOCKS:
+                    self._spare.append(rec.host)     # its copies ran: the next one reuses it
+                    if rec.event is not None:
+                        self._events.append(rec.event)
+                    continue                         # still booked, as a spare
                 self.device.free_pinned(rec.host)
             except DeviceError as exc:
                 self._retired = keep + self._retired[i:]
@@ -268,10 +321,11 @@ class KVSwap:
             self.budget.give(rec.nbytes)
             freed += rec.nbytes
         self._retired = keep
-        return freed
+        return freed + (self.free_spares() if wait else 0)
 
     def close(self) -> None:
-        """Wait for every released buffer's copy, free it, destroy the spare events."""
+        """Wait for every released buffer's copy, free it and the spares, destroy the spare
+        events."""
         self.collect(wait=True)
         for event in self._events:
             self.device.destroy_event(event)

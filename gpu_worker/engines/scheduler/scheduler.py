@@ -943,7 +943,8 @@ class Scheduler:
         overlap), `inflight_steps`, `prefix_cache` (1 when on) and the pool's
         `kv_blocks_capacity`, `kv_block_bytes` and `kv_cache_evictions` (cached blocks
         evicted, for a new block or a reclaim). The host KV tier: `kv_swap` (1 when on),
-        `kv_swap_host_bytes` (pinned host bytes this decoder's swapped KV holds now),
+        `kv_swap_host_bytes` (pinned host bytes this decoder's swapped KV and its spare
+        one-block buffers hold now),
         `kv_swap_outs` / `kv_swap_ins` (sequences), `kv_swap_declined` (preemptions that
         recomputed because that was cheaper, or no prefill rate was known yet),
         `kv_swap_refused` (the host budget was full), `kv_swap_failed` (a copy the device
