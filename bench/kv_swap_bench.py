@@ -59,7 +59,8 @@ KEEP = 0.95                 # swap tok/s / recompute tok/s, at least: the rule m
 KV_BLOCK_TOKENS = 16        # the worker's --kv-block-tokens default
 COUNTERS = ("preemptions", "kv_swap_outs", "kv_swap_ins", "kv_swap_declined", "kv_swap_refused",
             "kv_swapped_out_blocks", "kv_swapped_in_blocks", "kv_blocks_demoted",
-            "kv_blocks_promoted", "prefill_tokens")
+            "kv_blocks_promoted", "prefill_tokens", "steps", "step_host_us", "step_wait_us",
+            "step_device_us")
 
 
 def pool_bytes(cfg: ModelConfig, args) -> tuple[int, int]:
@@ -80,7 +81,11 @@ def sides(cfg: ModelConfig, args) -> dict[str, dict]:
         f"({args.streams} x {args.prompt + args.new} tokens = {need / 2**20:,.1f} MiB): "
         "sequences must be preempted"))}
     recompute = {"--no-kv-swap": (None, "the other side: every preempted sequence recomputes")}
-    return {"swap": small, "recompute": {**small, **recompute}}
+    swap = dict(small)
+    for flag in args.swap_flag:
+        name, _, value = flag.partition("=")
+        swap["--" + name.lstrip("-")] = (value or None, "--swap-flag: this run's experiment")
+    return {"swap": swap, "recompute": {**small, **recompute}}
 
 
 def rounds(args, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -162,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-share", type=float, default=0.5,
                    help="the worker's KV pool as a share of the workload's KV at full length")
     p.add_argument("--trials", type=int, default=3, help="measured rounds per side (median)")
+    p.add_argument("--swap-flag", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a serve flag changed on the swap side only (e.g. no-kv-demote), "
+                        "printed as a change from the defaults")
     p.add_argument("--warmup-rounds", type=int, default=1,
                    help="unmeasured rounds of the workload first, prompts of their own (the "
                         "step plans of its batch sizes), each side")

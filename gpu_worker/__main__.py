@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                "a preempted sequence's KV blocks, and evicted cached prefix blocks, go to pinned "
                "host and back when the copies cost less than recomputing them "
                "(docs/scheduler.md); --no-kv-swap always recomputes")
+    env_switch(serve, "--kv-demote", "GPUPLANE_KV_DEMOTE", True,
+               "with --kv-swap and --prefix-cache: an evicted cached prefix block goes to "
+               "pinned host (promoted back on a hit) when the copy costs less than its prefill; "
+               "--no-kv-demote drops it (the host tier then holds swapped sequences only)")
     env_flag(serve, "--kv-swap-host-bytes", "GPUPLANE_KV_SWAP_HOST_BYTES",
              DEFAULT_KV_SWAP_HOST_BYTES,
              "pinned host bytes all decoders' swapped KV may hold; a swap that does not fit "
@@ -175,6 +179,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         kv_pool_bytes=args.kv_pool_bytes,
         prefix_cache=args.prefix_cache,
         kv_swap=args.kv_swap,
+        kv_demote=args.kv_demote,
         kv_swap_host_bytes=args.kv_swap_host_bytes,
         kv_swap_copy_rate=args.kv_swap_copy_rate,
         kv_swap_prefill_rate=args.kv_swap_prefill_rate,

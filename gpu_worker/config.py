@@ -75,6 +75,7 @@ class WorkerConfig:
     # the KV tier in pinned host memory (docs/scheduler.md): a preemption swaps a sequence's
     # blocks to host when the copies cost less than its recompute
     kv_swap: bool = True
+    kv_demote: bool = True              # evicted cached prefix blocks to the host tier too
     kv_swap_host_bytes: int = DEFAULT_KV_SWAP_HOST_BYTES   # all decoders together; 0 = no swap
     kv_swap_copy_rate: float = 0.0      # pinned copy bytes/s each way; 0 = measured at load
     kv_swap_prefill_rate: float = 0.0   # prefill tokens/s; 0 = measured by each scheduler

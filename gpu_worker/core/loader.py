@@ -130,7 +130,7 @@ class ModelLoader:
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
                 pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
                 overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info),
-                kv_swap=swap, prefill_tokens_per_s=c.kv_swap_prefill_rate)
+                kv_swap=swap, kv_demote=c.kv_demote, prefill_tokens_per_s=c.kv_swap_prefill_rate)
         elif isinstance(model, EncoderModel):
             max_context = loaded.cfg.max_context
 

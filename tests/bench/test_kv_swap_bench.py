@@ -20,7 +20,7 @@ RATIO = "tok/s swap / recompute (the rule must not lose)"
 
 def workload(**kw) -> argparse.Namespace:
     base = {"streams": 32, "prompt": 512, "new": 512, "pool_share": 0.5, "trials": 3,
-            "warmup_rounds": 1}
+            "warmup_rounds": 1, "swap_flag": []}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -39,6 +39,14 @@ def test_the_sides_differ_only_by_no_kv_swap():
     swap, recompute = sides["swap"], sides["recompute"]
     assert set(swap) == {"--kv-pool-bytes"} and recompute["--no-kv-swap"][0] is None
     assert {k: v for k, v in recompute.items() if k != "--no-kv-swap"} == swap
+
+
+def test_a_swap_flag_changes_the_swap_side_only():
+    sides = ksb.sides(get_config("tiny"), workload(swap_flag=["no-kv-demote",
+                                                              "kv-swap-host-bytes=4096"]))
+    assert sides["swap"]["--no-kv-demote"][0] is None
+    assert sides["swap"]["--kv-swap-host-bytes"][0] == "4096"
+    assert "--no-kv-demote" not in sides["recompute"]
 
 
 def test_every_round_has_prompts_of_its_own():

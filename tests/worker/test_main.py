@@ -135,3 +135,22 @@ def test_the_prefix_cache_and_kv_swap_switches_default_to_the_environment(monkey
     with pytest.raises(SystemExit) as caught:
         build_parser()
     assert caught.value.code == 2
+
+
+def test_no_kv_demote_keeps_swap_but_drops_evicted_cached_blocks(monkeypatch, kernels) -> None:
+    """--no-kv-demote (GPUPLANE_KV_DEMOTE) turns off the demotion of evicted cached prefix
+    blocks to pinned host and nothing else: the decoder still swaps preempted sequences."""
+    from gpu_worker import WorkerRuntime
+    from gpu_worker.__main__ import worker_config
+    monkeypatch.setenv("GPUPLANE_KV_DEMOTE", "0")
+    config = worker_config(build_parser().parse_args(["serve", "--backend", "sim",
+                                                      "--cache-dir", str(kernels)]))
+    assert (config.kv_swap, config.kv_demote) == (True, False)
+    assert worker_config(build_parser().parse_args(["serve", "--kv-demote"])).kv_demote
+    runtime = WorkerRuntime(config).start()
+    try:
+        runtime.load_model("m", "decoder", "tiny", 1)
+        scheduler = runtime._get("m").scheduler
+        assert scheduler.kv_swap is not None and scheduler.host_cache is None
+    finally:
+        runtime.close()
