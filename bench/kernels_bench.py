@@ -270,12 +270,19 @@ def main() -> int:
                 ours = b.matmul_time(m, n, k)
                 large = b.matmul_time(m, n, k, large=True)
                 row = f"{f'{m}x{n}x{k}':>18} {flops / ours / 1e12:10.1f} {flops / large / 1e12:11.1f}"
+                peers = {}
                 for dt in ("float32", "float16"):
                     t = (torch_matmul(m, n, k, dt, args.reps, args.samples)
                          if args.backend == "cuda" else None)
+                    peers[dt] = t
                     row += f" {'-':>10} {'-':>6}" if t is None else \
                         f" {flops / t / 1e12:10.1f} {t / ours:6.2f}"
                 print(row)
+                shape = f"{m}x{n}x{k}"
+                for tiles, t in (("64x64", ours), ("128x128", large)):
+                    f32 = peers["float32"]
+                    targets.figure(f"matmul_nt {tiles} fp32 {shape}", flops / t / 1e12, "TFLOP/s",
+                                   peer=None if f32 is None else flops / f32 / 1e12)
 
             # [5a] (f32-KV decode attention, single pass vs split-K) is gone with those kernels
             # (issue 12 part C): decode attention over the fp16 cache is bench/attention_bench.py's.
@@ -288,6 +295,8 @@ def main() -> int:
                       if args.backend == "cuda" else None)
                 print(f"{tokens:7d} {t * 1e3:8.2f} " +
                       (f"{'-':>9} {'-':>10}" if tt is None else f"{tt * 1e3:9.2f} {t / tt:10.1f}"))
+                targets.figure(f"attention prefill fp32, {tokens} tokens", t * 1e3, "ms",
+                               peer=None if tt is None else tt * 1e3)
     dev.close()
     return targets.exit_code()
 

@@ -121,7 +121,8 @@ class ModelLoader:
         c, model = self.config, loaded.model
         if isinstance(model, PagedDecoderModel):
             assert model.pool is not None
-            swap = (self.kv_host.swap_for(model.executor.device, model.pool)
+            swap = (self.kv_host.swap_for(model.executor.device, model.pool,
+                                          demotes=c.prefix_cache and c.kv_demote)
                     if self.kv_host is not None else None)
             loaded.scheduler = Scheduler(
                 model, model.pool, max_batch_size=c.max_batch_size,

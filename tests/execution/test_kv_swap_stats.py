@@ -30,7 +30,10 @@ def runtime(kernel_cache_dir):
     # copies next to free and a slow prefill: a preemption always swaps
     rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
                                     kv_block_tokens=128, kv_swap_host_bytes=HOST_BUDGET,
-                                    kv_swap_copy_rate=1e12, kv_swap_prefill_rate=1.0)).start()
+                                    kv_swap_copy_rate=1e12, kv_swap_prefill_rate=1.0,
+                                    # the swap alone: no one-block buffers pinned ahead for
+                                    # demotions, so the host bytes are the swapped sequence's
+                                    kv_demote=False)).start()
     rt.load_model("a", "decoder", "tiny", 1)
     rt.load_model("b", "decoder", "tiny", 2)        # a second decoder booking in the same budget
     yield rt

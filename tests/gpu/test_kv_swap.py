@@ -17,7 +17,12 @@ from gpu_worker import WorkerConfig, WorkerRuntime
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
-from gpu_worker.engines.scheduler.kv_swap import HostKVBudget, KVSwap, measure_copy_rates
+from gpu_worker.engines.scheduler.kv_swap import (
+    READY_BLOCKS,
+    HostKVBudget,
+    KVSwap,
+    measure_copy_rates,
+)
 from gpu_worker.models.configs import get_config
 from tests.scenarios import swapped_and_plain_runs
 
@@ -115,6 +120,7 @@ def test_on_cuda_the_runtime_swaps_preempted_kv_and_its_streams_equal_their_solo
     print({k: v for k, v in sched.items() if "swap" in k or k == "preemptions"})
     assert stats["preemptions"] > 0 and stats["kv_swapped_out_blocks"] > 0, stats
     assert stats["kv_swapped_in_blocks"] == stats["kv_swapped_out_blocks"]
-    assert sched["kv_swap_host_bytes"] == 0
+    # idle: no swapped sequence's bytes, at most the one-block buffers pinned ahead
+    assert 0 <= sched["kv_swap_host_bytes"] <= READY_BLOCKS * sched["kv_block_bytes"]
     assert plain_stats["kv_swapped_out_blocks"] == 0
     assert swapped == plain

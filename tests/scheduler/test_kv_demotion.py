@@ -7,6 +7,7 @@ copy), a refused copy falls back to drop or prefill, and no block nor host byte 
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -374,3 +375,40 @@ def test_demoted_and_promoted_blocks_show_in_getstats_its_proto_and_the_metrics(
     assert samples["gpuplane:kv_blocks_demoted_total"] == s["kv_blocks_demoted"]
     assert samples["gpuplane:kv_blocks_promoted_total"] == s["kv_blocks_promoted"]
     assert samples["gpuplane:kv_host_cached_bytes"] == s["kv_host_cached_bytes"]
+
+
+def test_with_buffers_pinned_ahead_a_demotion_never_pins_on_the_engine_thread(dev):
+    """The runtime's KVSwap pins one-block buffers ahead on a thread of its own (pinned_blocks.py):
+    an evicted cached block is copied into a ready buffer, and with none ready while the budget
+    has room it is dropped (declined), never pinned on the step path. The prefix still comes
+    back from host, and every host byte is booked and given back."""
+    pool = KVBlockPool(dev.arena, GEO, 12)
+    runner = DeviceTokenRunner(dev, pool, GEO, 12, 16)
+    budget = HostKVBudget(64 * GEO.block_bytes)
+    swap = KVSwap(dev, pool, budget, FAST, ready_blocks=8)
+    sched = Scheduler(runner, pool, thread=False, kv_swap=swap, prefill_tokens_per_s=1000.0)
+    engine = threading.get_ident()
+    pins: list[int] = []
+    alloc = dev.alloc_pinned
+    dev.alloc_pinned = lambda n: (pins.append(threading.get_ident()), alloc(n))[1]
+
+    def serve(prompt, new=4):
+        seq = sched.submit(prompt, new)
+        for _ in range(20_000):
+            if not sched.busy():
+                return seq.generated
+            sched.step()
+        raise AssertionError("the scheduler never finished")
+    assert swap.blocks.wait_ready(8, timeout_s=10), "not pinned ahead from the start"
+    assert serve(PREFIX + [1]) == solo(PREFIX + [1], 4)
+    serve(prompt_of(2, 150), 10)                 # evicts the prefix's tail: demoted
+    before = dict(sched.stats())
+    assert serve(PREFIX + [2, 3]) == solo(PREFIX + [2, 3], 4)
+    after = sched.stats()
+    assert after["kv_blocks_promoted"] - before["kv_blocks_promoted"] > 0, "nothing came back"
+    assert after["kv_blocks_demoted"] > 0 and engine not in pins, \
+        "a pinned buffer was allocated on the engine thread"
+    assert swap.blocks.wait_ready(8, timeout_s=10), "idle kept fewer than pinned ahead"
+    assert budget.in_use == swap.host_bytes, "a ready or demoted buffer is not booked"
+    sched.close()
+    assert budget.in_use == swap.host_bytes == 0

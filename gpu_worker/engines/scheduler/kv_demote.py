@@ -28,8 +28,9 @@ Contract:
   refuses leaves that block and the rest unnamed; the sequence prefills them (never wrong KV).
 - A failed step drops every host block (`clear`): one may be a copy of a block the step never
   wrote.
-Cost: per demoted block one pinned allocation (engine-thread time) and block_bytes / d2h rate
-of compute-stream time between steps; per promoted block block_bytes / h2d rate; a lookup is
+Cost: per demoted block a ready pinned buffer (pinned ahead on a thread of its own: none ready
+and the budget has room, the block is dropped as declined) and block_bytes / d2h rate of
+compute-stream time between steps; per promoted block block_bytes / h2d rate; a lookup is
 one dict probe per key. Engine-thread only (or a reclaimer holding the model's lock), like the
 pool; `blocks` and `nbytes` may be read from any thread.
 """
@@ -94,14 +95,22 @@ class HostPrefixCache:
                 self.counters["kv_blocks_demoted"] += 1
 
     def _copy_out(self, block: int) -> SwappedKV | None:
+        """Copy `block` out to a host buffer: a ready one (pinned ahead off this thread, or
+        dropped by the oldest host block), never one pinned here while buffers are pinned
+        ahead (kv_swap.py: that cost the host ~1 ms per block on the step path); None when
+        none can be had (counted)."""
+        ahead = self.swap.pins_ahead()
         while True:
             try:
-                rec = self.swap.swap_out([block], self.block_tokens)
+                rec = self.swap.swap_out([block], self.block_tokens, allocate=not ahead)
             except SwapFailed:
                 self.counters["kv_demote_failed"] += 1
                 return None
             if rec is not None:
                 return rec
+            if ahead and self.swap.budget.available() >= self.swap.block_bytes:
+                self.counters["kv_demote_declined"] += 1   # room, but none pinned yet
+                return None
             if not self._drop_oldest():
                 self.counters["kv_demote_refused"] += 1
                 return None

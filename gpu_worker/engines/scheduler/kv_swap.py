@@ -15,17 +15,18 @@ Contract:
 - A block is `geometry.block_bytes` contiguous bytes of the pool (every layer, K and V), so a
   run of consecutive blocks is one copy each way.
 - A host buffer is freed only after an event recorded behind its last copy has passed
-  (`collect`; `collect(wait=True)` waits, at idle and close). Under load a one-block buffer
-  whose copies ran is kept as a *spare* instead (up to SPARE_BLOCKS, still booked; freed at
-  idle) and reused by the next one-block copy out: cached-prefix demotions (kv_demote.py) evict, copy out and drop blocks
-  one at a time under pool pressure, and a cuMemHostAlloc (page pinning, ~0.5 ms per 2 MiB) plus
-  a cuMemFreeHost (which synchronizes the context) per block put the host on the step path.
+  (`collect`; `collect(wait=True)` waits, at idle and close). One-block buffers come from
+  `PinnedBlocks` (pinned_blocks.py): pinned ahead of need on a thread of its own, and a
+  one-block buffer whose copies ran goes back there (still booked) instead of being freed.
+  Cached-prefix demotions (kv_demote.py) copy out one block per evicted cached block, hundreds
+  a second under pool pressure: a cuMemHostAlloc (~1 ms per 2 MiB on the H200 host) and a
+  synchronizing cuMemFreeHost per block on the engine thread put the host on the step path.
 - Every host byte is booked in the worker's `HostKVBudget` (`--kv-swap-host-bytes`) from the
   swap-out until its buffer is freed; a swap that does not fit is refused before anything is
   allocated (the scheduler recomputes instead).
-Cost: one pinned allocation per swap-out (a swap is a preemption: rare) and per one-block copy
-out while no spare is left, one async copy per run of contiguous blocks each way, bytes over the
-measured pinned copy rates.
+Cost: one pinned allocation per swap-out of more than one block (a swap is a preemption: rare),
+none on the engine thread for a one-block copy out when PinnedBlocks refills in the background,
+one async copy per run of contiguous blocks each way, bytes over the measured pinned copy rates.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_worker.device.backend import DeviceError
+from gpu_worker.engines.scheduler.pinned_blocks import PinnedBlocks
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 PROBE_BYTES = 8 << 20       # what the load-time copy-rate probe moves each way (~160 us on H200)
-SPARE_BLOCKS = 64           # one-block pinned buffers kept for reuse per decoder (128 MiB at 2 MiB)
+READY_BLOCKS = 32           # one-block buffers pinned ahead per decoder (64 MiB at 2 MiB blocks)
+SPARE_BLOCKS = 64           # one-block buffers kept for reuse per decoder, at most
 
 
 class SwapFailed(RuntimeError):
@@ -170,12 +173,19 @@ class KVSwap:
     """Block copies between one decoder's KV pool and pinned host, booked in a HostKVBudget.
     Engine-thread only (or a reclaimer holding the model's lock), like the pool."""
 
-    def __init__(self, device, pool, budget: HostKVBudget, rates: CopyRates) -> None:
+    def __init__(self, device, pool, budget: HostKVBudget, rates: CopyRates,
+                 ready_blocks: int = 0) -> None:
+        """`ready_blocks`: one-block buffers PinnedBlocks keeps pinned ahead on its own thread,
+        from now on (the runtime, when the decoder demotes: READY_BLOCKS); 0: none ahead, a one-block copy out that finds no spare
+        pins its buffer on the caller's thread (deterministic: the scheduler tests)."""
         self.device, self.pool, self.budget, self.rates = device, pool, budget, rates
         self.block_bytes = pool.block_bytes
-        self.host_bytes = 0                       # booked by this decoder's swaps and spares
+        self._held = 0                            # booked by buffers in use or retired
         self._retired: list[SwappedKV] = []       # released, copies maybe still queued
-        self._spare: list[np.ndarray] = []        # one-block buffers whose copies ran (booked)
+        self.blocks = PinnedBlocks(device, pool.block_bytes, budget, keep=ready_blocks,
+                                   cap=max(SPARE_BLOCKS, ready_blocks))
+        if ready_blocks:
+            self.blocks.start()                  # ready before the first demotion
         self.spare_reuses = 0                     # one-block copies out that allocated nothing
         self._events: list[object] = []           # spare events
         self.swap_seconds = 0.0                   # host time queueing swaps (pinned allocs too)
@@ -197,57 +207,57 @@ class KVSwap:
             self.device.record_event(event)
 
     @property
+    def host_bytes(self) -> int:
+        """Host bytes this decoder books: its swapped and demoted buffers and its ready ones."""
+        return self._held + self.blocks.nbytes
+
+    @property
     def spare_bytes(self) -> int:
-        return len(self._spare) * self.block_bytes
+        return self.blocks.nbytes
 
     def available(self) -> int:
         """Host bytes a copy out could have now: the budget's free bytes plus this decoder's
-        spares (booked already; a one-block copy reuses one, a larger one frees them first)."""
-        return self.budget.available() + self.spare_bytes
+        ready buffers (booked already; a one-block copy takes one, a larger one frees them)."""
+        return self.budget.available() + self.blocks.nbytes
 
     def _book(self, nbytes: int) -> bool:
         if self.budget.take(nbytes):
             return True
-        if self._spare and self.budget.available() + self.spare_bytes >= nbytes:
-            self.free_spares()           # booked bytes this copy can use instead
+        if self.blocks.nbytes and self.available() >= nbytes:
+            self.blocks.free_all()       # booked bytes this copy can use instead
             return self.budget.take(nbytes)
         return False
 
     def free_spares(self) -> int:
-        """Free every spare buffer and give its bytes back; returns them."""
-        freed = 0
-        while self._spare:
-            host = self._spare.pop()
-            try:
-                self.device.free_pinned(host)
-            except DeviceError as exc:
-                self._spare.append(host)
-                raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
-            self.host_bytes -= self.block_bytes
-            self.budget.give(self.block_bytes)
-            freed += self.block_bytes
-        return freed
+        """Free every ready buffer and give its bytes back; returns them."""
+        try:
+            return self.blocks.free_all()
+        except DeviceError as exc:
+            raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
 
-    def swap_out(self, blocks: list[int], positions: int) -> SwappedKV | None:
+    def swap_out(self, blocks: list[int], positions: int,
+                 allocate: bool = True) -> SwappedKV | None:
         """Queue the copy of `blocks` (a table's leading blocks, holding positions
-        [0, positions)) to a pinned buffer (a spare for one block, else a new one); None when
-        the host budget refuses it (nothing booked). SwapFailed when the device refuses
-        (nothing left booked)."""
+        [0, positions)) to a pinned buffer (a ready one for one block, else a new one); None
+        when the host budget refuses it (nothing booked), or for one block with
+        `allocate=False` when none is ready. SwapFailed when the device refuses (nothing left
+        booked)."""
         nbytes = len(blocks) * self.block_bytes
         if not blocks:
             return None
         t = time.perf_counter()
-        if len(blocks) == 1 and self._spare:
-            host = self._spare.pop()             # booked since its first use
+        host = self.blocks.take() if len(blocks) == 1 else None
+        if host is not None:
+            self._held += nbytes                 # booked since it was pinned
             self.spare_reuses += 1
         else:
-            if not self._book(nbytes):
+            if not allocate or not self._book(nbytes):
                 return None
-            self.host_bytes += nbytes
+            self._held += nbytes
             try:
                 host = self.device.alloc_pinned(nbytes)
             except DeviceError as exc:
-                self.host_bytes -= nbytes
+                self._held -= nbytes
                 self.budget.give(nbytes)
                 raise SwapFailed(f"pinned host allocation of {nbytes} bytes: {exc}") from exc
         rec = SwappedKV(host, len(blocks), positions, nbytes, self._event())
@@ -258,6 +268,10 @@ class KVSwap:
             raise SwapFailed(f"swap-out copy of {len(blocks)} KV blocks: {exc}") from exc
         self.swap_seconds += time.perf_counter() - t
         return rec
+
+    def pins_ahead(self) -> bool:
+        """Whether one-block buffers are pinned ahead in the background (else on demand)."""
+        return self.blocks.keep > 0
 
     def swap_in(self, rec: SwappedKV, blocks: list[int]) -> None:
         """Queue the copy of `rec` into `blocks` (fresh, `rec.blocks` of them) before the next
@@ -293,9 +307,10 @@ class KVSwap:
             self.collect()
 
     def collect(self, wait: bool = False) -> int:
-        """Free the released buffers whose copies ran, or keep them as spares (one-block ones,
-        up to SPARE_BLOCKS: still booked); with `wait` (idle, close) wait for every copy and free
-        every buffer, spares too. Returns the host bytes given back. SwapFailed when the device fails the wait or the
+        """Free the released buffers whose copies ran, or give them back to `blocks` (one-block
+        ones, up to SPARE_BLOCKS ready: still booked); with `wait` (idle, close) wait for every
+        copy and free every buffer, the ready ones down to those pinned ahead. Returns the host
+        bytes given back. SwapFailed when the device fails the wait or the
         free (a lost context): those buffers stay booked, as they may still be copied into."""
         freed, keep = 0, []
         for i, rec in enumerate(self._retired):
@@ -305,11 +320,11 @@ class KVSwap:
                         keep.append(rec)
                         continue
                     self.device.wait_event(rec.event)
-                if not wait and rec.blocks == 1 and len(self._spare) < SPARE_BLOCKS:
-                    self._spare.append(rec.host)     # its copies ran: the next one reuses it
+                if not wait and rec.blocks == 1 and self.blocks.give(rec.host):
+                    self._held -= rec.nbytes         # still booked, as a ready buffer
                     if rec.event is not None:
                         self._events.append(rec.event)
-                    continue                         # still booked, as a spare
+                    continue
                 self.device.free_pinned(rec.host)
             except DeviceError as exc:
                 self._retired = keep + self._retired[i:]
@@ -317,16 +332,24 @@ class KVSwap:
                                  f"{self.host_bytes} host bytes stay booked") from exc
             if rec.event is not None:
                 self._events.append(rec.event)
-            self.host_bytes -= rec.nbytes
+            self._held -= rec.nbytes
             self.budget.give(rec.nbytes)
             freed += rec.nbytes
         self._retired = keep
-        return freed + (self.free_spares() if wait else 0)
+        return freed + (self._trim_spares() if wait else 0)
+
+    def _trim_spares(self) -> int:
+        """At idle: ready buffers down to those pinned ahead (`blocks.keep`: 0 in the tests)."""
+        try:
+            return self.blocks.trim(self.blocks.keep)
+        except DeviceError as exc:
+            raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
 
     def close(self) -> None:
         """Wait for every released buffer's copy, free it and the spares, destroy the spare
         events."""
         self.collect(wait=True)
+        self.blocks.close()               # frees the ones pinned ahead too
         for event in self._events:
             self.device.destroy_event(event)
         self._events.clear()
@@ -347,12 +370,15 @@ class HostKVTier:
                 self._rates = measure_copy_rates(device)
             return self._rates
 
-    def swap_for(self, device, pool) -> KVSwap | None:
+    def swap_for(self, device, pool, demotes: bool = True) -> KVSwap | None:
         """The block copier of one decoder's pool, booking in this tier's budget; None when the
         rates are not known and the probe's device bytes cannot be committed (that decoder
-        then recomputes; its stats say `kv_swap` 0; the next load probes again)."""
+        then recomputes; its stats say `kv_swap` 0; the next load probes again). `demotes`:
+        the decoder demotes cached prefix blocks, so READY_BLOCKS one-block buffers are pinned
+        ahead for them from now on (else none: a swap-out pins its own)."""
         try:
             rates = self.rates(device)
         except ResourceExhausted:
             return None
-        return KVSwap(device, pool, self.budget, rates)
+        return KVSwap(device, pool, self.budget, rates,
+                      ready_blocks=READY_BLOCKS if demotes else 0)

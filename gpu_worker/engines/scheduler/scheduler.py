@@ -954,7 +954,8 @@ class Scheduler:
         (kv_demote.py): `kv_demote` (1 when on), `kv_host_cached_blocks` / `_bytes` (demoted
         blocks held now: `kv_swap_host_bytes` + `kv_host_cached_bytes` is every byte this
         decoder books in the host budget), `kv_blocks_demoted` / `kv_blocks_promoted`,
-        `kv_demote_declined` (dropped: the rule, or a capture on this thread),
+        `kv_demote_declined` (dropped: the rule, a capture on this thread, or no pinned buffer
+        ready),
         `kv_demote_refused` (dropped: the budget had no room even with no host block left),
         `kv_demote_failed` / `kv_promote_failed` (a copy the device refused: dropped /
         prefilled) and `kv_host_cache_evictions` (host blocks dropped, oldest first, for a
