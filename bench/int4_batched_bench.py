@@ -163,16 +163,15 @@ def main() -> int:
             weights = [(h.put(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)),
                         h.put((rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float16)))
                        for _ in range(copies)]
-            x = h.put(rng.standard_normal((max(BATCHES), k), dtype=np.float32))
-            x16 = h.put(rng.standard_normal((max(BATCHES), k)).astype(np.float16))
+            x16 = h.put(rng.standard_normal((max(BATCHES), k)).astype(np.float16))   # every path's x
             tile_bytes = DEFAULT_DEQUANT_TILE_BYTES if not args.small else 2 * k * min(n, 64)
             tile = h.put(np.zeros(tile_bytes // 2, np.float16))
             y = h.put(np.zeros((max(BATCHES), n), np.float32))
-            gemv1 = ours(dev, _launcher(dev, f_gemv, weights, x, y, 1, n, k, True), args.reps,
+            gemv1 = ours(dev, _launcher(dev, f_gemv, weights, x16, y, 1, n, k, True), args.reps,
                          args.trials)
             times, torch_times = {}, {}
             for b in BATCHES:
-                times[b] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b,
+                times[b] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x16, y, b,
                                                n, k, False), args.reps, args.trials)
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
@@ -182,7 +181,7 @@ def main() -> int:
                     dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
                     args.reps, args.trials)
             if args.mt_sweep:
-                swept = sweep(dev, h, weights, x, y, n, k, args.reps, args.trials)
+                swept = sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_sweep(name, n, k, swept, sm_count(dev))
                 for b in BATCHES[1:]:
                     step_best[b] += uses * min(t for (bb, _), t in swept.items() if bb == b)

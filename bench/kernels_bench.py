@@ -146,13 +146,14 @@ class Bench:
         wbytes = weights[0][2]
         reps = max(self.reps, len(weights))
         x, y = self.rand_f32(m, k), self.buf(4 * m * n)
+        x16 = self.h.put(self.rng.standard_normal((m, k)).astype(np.float16))   # the GEMV reads fp16
         ws = self.buf(INT4_DEQUANT.workspace_bytes(n=n, k=k))
         fi, fd, fm = h.function(INT4_MATMUL), h.function(INT4_DEQUANT), h.function(MATMUL_NT)
         turn = itertools.count()
 
         def fused_one(s):
             packed, scales, _ = weights[next(turn) % len(weights)]
-            launch_int4_matmul(dev, fi, y, x, packed, scales, 0, m, n, k, stream=s)
+            launch_int4_matmul(dev, fi, y, x16, packed, scales, 0, m, n, k, stream=s)
 
         def two_step(s):
             packed, scales, _ = weights[next(turn) % len(weights)]

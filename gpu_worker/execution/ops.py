@@ -1,13 +1,15 @@
 """Graph op -> kernel library bindings: which kernels a node needs, the workspaces a variant owns
 for the node's shapes, and how to launch it.
 
-The int4 linear has two paths, fixed by the graph (GraphBuilder.linear_int4 via
-`linear.int4_path`): up to 64 rows (decode, a decode batch, a short chunk) read the packed weight
-directly, no workspace: one row in the fused int4 GEMV, 2..64 rows (K a multiple of 128) in the
-tensor-core int4_mma that streams the weight once for all rows (gpu_worker.kernels.int4_batched); many rows (prefill) arrive as fp16 (a `to_f16` node) and run on tensor cores: the
-weight is dequantized to fp16 one bounded tile of rows at a time into the model's dequantization
-tile (`ModelExecutor.dequant_tile`, booked in `workspace`, one per model: nodes run one after
-another on the model's stream, so one tile serves them all), and each tile is multiplied by cuBLAS
+The int4 linear reads fp16 x on every path (one numeric contract, reference.int4_matmul: fp16 x,
+each weight rounded once to fp16, f32 sums), and the row count picks the kernel
+(`linear.int4_path`): up to 64 rows (decode, a decode batch, a short chunk) read the packed
+weight directly, no workspace: one row in the fused int4 GEMV, 2..64 rows (K a multiple of 128) in
+the tensor-core int4_mma that streams the weight once for all rows
+(gpu_worker.kernels.int4_batched); more rows (prefill) run on cuBLAS: the weight is dequantized to
+fp16 one bounded tile of rows at a time into the model's dequantization tile
+(`ModelExecutor.dequant_tile`, booked in `workspace`, one per model: nodes run one after another
+on the model's stream, so one tile serves them all), and each tile is multiplied by cuBLAS
 (gpu_worker.device.blas) with fp32 accumulation into its columns of y. The tile is
 `DEQUANT_TILE_BYTES` (default 32 MiB) at most, whatever the weight: a 14336 x 4096 MLP weight
 takes 4 tiles instead of 112 MiB of scratch (224 MiB per variant per node in f32 before).
@@ -107,7 +109,8 @@ def _linear_dims(node: Node, graph: Graph) -> tuple[int, int, int]:
 
 
 def _on_tensor_cores(node: Node, graph: Graph) -> bool:
-    return graph.tensors[node.inputs[0]].dtype == "f16"
+    """Whether an int4 linear takes the prefill's dequant tile + cuBLAS (linear.int4_path)."""
+    return linear.int4_path(_linear_dims(node, graph)[0]) == "tensor"
 
 
 def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, int, int]]:

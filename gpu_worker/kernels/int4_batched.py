@@ -1,27 +1,28 @@
 """Batched int4 linear on tensor cores for 2..64 rows (a decode batch): y = x @ dequant(W)^T that
 reads the int4 weight once per call, whatever the row count.
 
-Contract: the fused int4_matmul's (linear.py): x (M, K) f32, packed (N, K/2) u8 + scales
+Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
 (N, K/32) fp16 in the reference layout (unchanged: checkpoints and GPTQ map onto it), y (M, N)
 f32, optional bias, `accumulate` adds into y. K a multiple of 128, M <= 64 (launcher refuses
-others; ops.py then keeps the GEMV). The result equals reference.int4_matmul up to f32 summation
-order, like the GEMV: the weight enters the mma as the exact integers nib - 8 (fp16 1024 + nib
-magic, two per LOP3), x as fp16 hi + lo halves (x = hi + lo to ~2^-22; two mmas), and each quant
-block's scale multiplies that block's f32 mma sum afterwards (acc += scale * sum), so no value is
-rounded to fp16. Hazard: |x| > 65504 overflows the fp16 halves (as the tensor-core prefill path).
+others; ops.py then keeps the GEMV). Each weight enters the mma as f16(scale * (nib - 8)): the
+integer nib - 8 made exactly (fp16 1024 + nib magic, two per LOP3, one HSUB2), then one
+`mul.rn.f16x2` by the block's scale, the single rounding the reference applies; x enters as
+stored; the mma sums in f32. So the result equals the GEMV's and the prefill's dequant tile +
+cuBLAS up to f32 summation order, and a stream's tokens do not depend on its batch.
 
 Design (as Marlin, Frantar 2024, without its offline weight reshuffle): the weight is the mma A
 operand (16 weight rows x 16 k), x the B operand (16 k x 8 batch rows), so the batch fills the
 n = 8 side and M = 64 needs 8 mmas per 16x16 weight tile. The k order inside a quant block is
 permuted identically for A and B: thread t of a quad owns the 32-bit word t of each 16-byte
 block (8 consecutive k), whose nibbles i and 4 + i form one fp16x2 A register with one LOP3;
-its B registers are the same k of x, read as two float4. So every weight byte is loaded once,
+its B registers are the same k of x, one 16-byte load of 8 halves put in (k, k + 4) pairs by
+four byte permutes. So every weight byte is loaded once,
 by one thread, as part of 16-byte row segments. A block is 8 warps over the same 16 * MT weight
 rows, each warp a contiguous eighth of K (split-K inside the block, summed through shared memory
 in warp order: deterministic, no atomics, no workspace). MT (16-row tiles per warp) is chosen per
-NT by the launcher (MT_CHOICES, MT_TOP), one block of 8 warps per SM; each warp keeps the next
-quant group's weight words in flight while it multiplies the current one.
-Cost: the weight once from HBM; x (M * K * 4 bytes) once per block from L2, i.e. N / (16 * MT)
+NT by the launcher (MT_CHOICES, MT_TOP), one block of 8 warps per SM. Two mmas per 16 x 32
+weight tile and 8-row tile of x (one per k16 chunk), accumulating in the mma's own registers.
+Cost: the weight once from HBM; x (M * K * 2 bytes) once per block from L2, i.e. N / (16 * MT)
 times per call: the price of keeping the whole block on one row range (see docs/kernels.md).
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def mma_supported(m: int, k: int) -> bool:
 def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                     m: int, n: int, k: int, accumulate: bool = False, stream=None,
                     mt: int | None = None) -> None:
-    """y (m, n) f32 = x (m, k) f32 @ dequant(W)^T (+ bias), W streamed once; 1 <= m <= 64.
+    """y (m, n) f32 = x (m, k) fp16 @ f16(dequant(W))^T (+ bias), W streamed once; 1 <= m <= 64.
     `mt` forces the 16-row tiles per warp (one of MT_CHOICES[NT]; default: mma_tiles)."""
     kernel = "int4_mma"
     require_sizes(kernel, m=m, n=n, k=k, elements=m * k)

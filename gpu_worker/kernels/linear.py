@@ -8,20 +8,21 @@
   prefill-sized m and n (which of the two wins is for bench/kernels_bench.py [4] to say).
   This workspace is the "dequantization scratch" of DESIGN 1.1: it scales with the weight, so every
   per-node kernel variant that keeps one must have it booked in the `workspace` zone.
-- Fused path (decode, few rows): `int4_matmul` reads the packed weight directly and streams it at
-  bandwidth: each lane loads one whole quant block (16 bytes, 32 weights, one scale) per column as a
+- Fused path (decode, few rows): `int4_matmul` reads fp16 x and the packed weight directly and
+  streams the weight at bandwidth, to every int4 linear's contract (reference.int4_matmul: fp16 x,
+  each weight rounded once to fp16, f32 sums; the same as int4_mma and the prefill's path): each lane loads one whole quant block (16 bytes, 32 weights, one scale) per column as a
   uint4, a warp serves FUSED_WARP_COLS columns (x reused from registers across them), a block of
   FUSED_WARPS warps stages the chunk of x it needs in padded shared memory (bank-conflict free),
-  nibbles become exact floats through the fp16x2 magic 1024 + nib (two per integer op), f32
-  accumulation per quant block times its scale, warp-shuffle sums. A batch-1 decode step reads
+  nibbles become exact fp16 integers through the magic 1024 + nib (two per integer op), one
+  fp16x2 multiply by the block's scale rounds both weights, f32 accumulation, warp-shuffle sums. A batch-1 decode step reads
   0.56 bytes of HBM per weight. Needs no workspace. It re-reads W once per FUSED_ROWS rows of x,
   so above FUSED_MAX_ROWS rows the tensor-core path is faster: see `int4_path`. The tuning sweep
   behind the constants is bench/int4_gemv_sweep.py (docs/kernels.md).
 
 Layout (gpu_worker.kernels.reference): packed (N, 16 * ceil(K/32)) uint8, scales (N, ceil(K/32))
 fp16. `packed` must be 16-byte aligned (each row is a whole number of 16-byte blocks); the fused
-kernel loads x as float4 when K % 4 == 0 and x is 16-byte aligned, else scalar.
-Shapes: x (M, K), y (M, N) f32, bias (N,) f32 or 0. `accumulate` adds into y (a fused residual).
+kernel loads x 4 halves at a time when K % 4 == 0 and x is 8-byte aligned, else one by one.
+Shapes: x (M, K) f32 for matmul_nt, fp16 for int4_matmul; y (M, N) f32, bias (N,) f32 or 0. `accumulate` adds into y (a fused residual).
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ SOURCE = cu_source("gp_linear", "linear.cu")
 
 
 def int4_path(m: int) -> str:
-    """Which linear path serves `m` rows in a model graph: "fused" (f32 x read with the packed
-    weight: the int4_matmul GEMV for one row, the tensor-core int4_mma for 2..64 rows, both exact
-    up to f32 summation order; ops.py picks) or "tensor" (int4_dequant_f16 into a bounded tile,
-    then cuBLAS fp16 GEMM: gpu_worker.kernels.half and gpu_worker.device.blas). The f32 dequant +
+    """Which linear path serves `m` rows in a model graph: "fused" (the packed weight read
+    directly: the int4_matmul GEMV for one row, the tensor-core int4_mma for 2..64 rows; ops.py
+    picks) or "tensor" (int4_dequant_f16 into a bounded tile, then cuBLAS fp16 GEMM:
+    gpu_worker.kernels.half and gpu_worker.device.blas). All of them read fp16 x and compute
+    reference.int4_matmul up to f32 summation order, so the choice is speed only. The f32 dequant +
     matmul_nt path stays in the library as the measured baseline (bench/kernels_bench.py,
     docs/kernels.md). FUSED_MAX_ROWS stays the GEMV's own crossover (kernels_bench [3])."""
     from gpu_worker.kernels.int4_batched import MMA_MAX_ROWS
@@ -95,6 +97,7 @@ def launch_matmul_nt_large(device, function, y: int, x: int, w: int, bias: int, 
 
 def launch_int4_matmul(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                        m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
+    """y (m, n) f32 = x (m, k) fp16 @ f16(dequant(W))^T (+ bias) (reference.int4_matmul)."""
     require_sizes("int4_matmul", m=m, n=n, k=k)
     require(packed % 16 == 0, f"int4_matmul: packed weight 0x{packed:x} must be 16-byte aligned")
     if m == 0 or n == 0:

@@ -74,8 +74,8 @@ def gemm_nt_f16(x16: np.ndarray, w16: np.ndarray) -> np.ndarray:
 
 
 def int4_linear_f16(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """The prefill linear as the tensor-core path computes it: x and dequant(W) rounded to fp16."""
-    return gemm_nt_f16(to_f16(x), int4_dequantize_f16(packed, scales, x.shape[1]))
+    """An int4 linear from f32 x: x rounded to fp16 (the producer's cast), then int4_matmul."""
+    return int4_matmul(to_f16(x), packed, scales)
 
 
 def matmul_nt(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -88,10 +88,14 @@ def matmul_nt(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> n
     return y if bias is None else (y + bias).astype(np.float32)
 
 
-def int4_matmul(x: np.ndarray, packed: np.ndarray, scales: np.ndarray,
+def int4_matmul(x16: np.ndarray, packed: np.ndarray, scales: np.ndarray,
                 bias: np.ndarray | None = None) -> np.ndarray:
-    """y = x @ dequant(W).T (+ bias) with K = x.shape[1]."""
-    return matmul_nt(x, int4_dequantize(packed, scales, x.shape[1]), bias)
+    """Every int4 linear's contract (the GEMV, int4_mma, the prefill's dequant tile + cuBLAS):
+    y = x16 @ f16(dequant(W)).T (+ bias) in f32, K = x16.shape[1], x fp16 as stored and each
+    weight its exact dequantized value rounded once to fp16. One contract for every row count, so
+    a row's result does not depend on the batch that carried it (up to summation order)."""
+    w16 = int4_dequantize_f16(packed, scales, x16.shape[1])
+    return matmul_nt(from_f16(x16), w16.astype(np.float32), bias)
 
 
 def embedding_gather(table: np.ndarray, ids: np.ndarray) -> np.ndarray:

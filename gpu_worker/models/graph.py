@@ -111,12 +111,12 @@ class GraphBuilder:
         self.nodes.append(Node(name, op, tuple(ins), tuple(outs), attrs, tuple(weights)))
 
     def linear_input_dtype(self, rows: int, weight_format: str = "int4") -> str:
-        """The activation dtype a linear of `rows` rows reads as it is (no cast node): fp16 for
-        fp16 weights and the int4 tensor-core path, f32 for the fused int4 linears. A producer
-        that writes either (rmsnorm, silu_mul) writes this one."""
-        from gpu_worker.kernels.linear import int4_path  # the one place that picks the path
-
-        return "f16" if weight_format == "fp16" or int4_path(rows) == "tensor" else "f32"
+        """The activation dtype a linear reads as it is (no cast node): fp16, for every weight
+        format and row count (every int4 path multiplies fp16 x: reference.int4_matmul). A
+        producer that writes either (rmsnorm, silu_mul) writes this one. `rows` stays in the
+        signature: the dtype is a property of the linear a graph of `rows` rows runs."""
+        del rows, weight_format
+        return "f16"
 
     def residual_linear(self, name: str, x: str, residual: str, rows: int, out_dim: int,
                         in_dim: int, weight_format: str, add_name: str) -> None:
@@ -173,24 +173,17 @@ class GraphBuilder:
                     in_dim: int) -> None:
         """out (rows, out_dim) = x @ W^T with W int4 block-quantized: `.q` nibbles, `.s` scales.
 
-        Above FUSED_MAX_ROWS rows the linear runs on tensor cores, whose operands are fp16: an
-        f32 x is cast by a `to_f16` node into an fp16 activation `<name>.x16` first (the layout
-        reuses its bytes once the linear has read it); an fp16 x (flash attention's output) is
-        read as it is. The fused int4 GEMV reads f32: an fp16 x is widened by a `from_f16` node
-        into `<name>.x32` (exact)."""
-        from gpu_worker.kernels.linear import int4_path  # the one place that picks the path
-
-        tensor_cores = int4_path(rows) == "tensor"
+        Every int4 path reads fp16 x (reference.int4_matmul: the GEMV, int4_mma and the prefill's
+        dequant tile + cuBLAS share one contract): an f32 x is cast by a `to_f16` node into an fp16
+        activation `<name>.x16` first (the layout reuses its bytes once the linear has read it);
+        an fp16 x (a norm's, silu_mul's or flash attention's output) is read as it is. Which
+        kernel runs is the op's choice from the row count (execution/ops.py, linear.int4_path)."""
         dtype = self.tensors[x].dtype
-        if tensor_cores and dtype == "f32":
+        if dtype == "f32":
             x16 = self.tensor(name + ".x16", (rows, in_dim), "f16")
             self.node(name + ".cast", "to_f16", (x,), (x16,))
             x = x16
-        elif not tensor_cores and dtype == "f16":
-            x32 = self.tensor(name + ".x32", (rows, in_dim))
-            self.node(name + ".cast", "from_f16", (x,), (x32,))
-            x = x32
-        elif dtype not in ("f32", "f16"):
+        elif dtype != "f16":
             raise GraphError(f"{name}: a linear reads f32 or f16 activations, not {dtype}")
         self.node(name, "linear_int4", (x,), (self.tensor(out, (rows, out_dim)),),
                   (self.weight(name + ".q", (out_dim, in_dim // 2), "u8"),

@@ -1,9 +1,8 @@
 """NumPy reference forwards for the two model families: the correctness oracle for the executor.
 
-float32 throughout, weights dequantized exactly as the int4 kernels dequantize them, except that a
-linear over more than FUSED_MAX_ROWS rows (a prefill or a batch: the tensor-core path) rounds x
-and W to fp16 first and accumulates in f32, as cuBLAS does, and the decoder's KV cache holds K and
-V rounded to fp16, and at head_dim 64 or 128 (the tensor-core attention of the decoder) q and the
+float32 throughout, except that every int4 linear rounds x and its dequantized W to fp16 and
+accumulates in f32, as every int4 kernel does (kernels.reference.int4_matmul), the decoder's KV
+cache holds K and V rounded to fp16, and at head_dim 64 or 128 (the tensor-core attention of the decoder) q and the
 attention output are rounded to fp16 too (`fp16=False` turns all of it off). With fp16 weights
 (`weight_format: fp16`) every linear, 1 row included, is cuBLAS's: x rounded to fp16, W as stored,
 f32 accumulation; `fp16=False` then multiplies the f32 x by the fp16 weights. The
@@ -16,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels.flash_attention import HEAD_DIMS as FLASH_HEAD_DIMS
-from gpu_worker.kernels.linear import int4_path
 from gpu_worker.kernels.reference import matmul_nt
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.weights import dequantize
@@ -86,8 +84,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, ca
 
 class Linears(dict):
     """Dequantized (or fp16) weights by key, in f32; `mm(x, key, rows)` multiplies as the
-    executor's path for a graph of `rows` rows does (fp16 operands above FUSED_MAX_ROWS, and at
-    every row count for fp16 weights)."""
+    executor does: fp16 operands and f32 sums at every row count (`rows` does not change the
+    numerics: a row's result is independent of its batch)."""
 
     def __init__(self, weights: dict[str, np.ndarray], fp16: bool = True,
                  weight_format: str = "int4") -> None:
@@ -97,13 +95,14 @@ class Linears(dict):
         self._f16: dict[str, np.ndarray] = {}
 
     def mm(self, x: np.ndarray, key: str, rows: int) -> np.ndarray:
-        if self.fp16 and self.weight_format == "fp16":   # W is fp16 already: round x only
-            return matmul_nt(f16(x), self[key])
-        if not self.fp16 or int4_path(rows) != "tensor":
+        del rows
+        if not self.fp16:
             return matmul_nt(x, self[key])
+        if self.weight_format == "fp16":   # W is fp16 already: round x only
+            return matmul_nt(f16(x), self[key])
         if key not in self._f16:
             self._f16[key] = self[key].astype(np.float16).astype(np.float32)
-        return matmul_nt(x.astype(np.float16), self._f16[key])
+        return matmul_nt(f16(x), self._f16[key])
 
 
 def _linears(cfg: ModelConfig, w: dict[str, np.ndarray], fp16: bool) -> Linears:

@@ -12,6 +12,7 @@ from gpu_worker.models import reference as R
 from gpu_worker.models import weights as W
 from gpu_worker.models.configs import CONFIGS
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+from tests.tokens import assert_greedy_tokens_of
 
 # Above 16 rows the linears round x and W to fp16 (the reference does too), so an f32
 # summation-order difference that crosses an fp16 rounding boundary moves a value by 2^-11 relative.
@@ -154,9 +155,10 @@ def test_concurrent_requests_on_one_model_are_serialized_and_each_correct(runtim
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    for k in range(4):
-        want = R.DecoderReference(CONFIGS["tiny"], host).generate(prompts[k], 6)
-        assert results[k] == want, f"request {k} interleaved with another sequence's KV cache"
+    for k in range(4):   # another sequence's KV would move logits far beyond a near-tie
+        assert len(results[k]) == 6
+        assert_greedy_tokens_of(R.DecoderReference(CONFIGS["tiny"], host), prompts[k], results[k],
+                                what=f"request {k}: ")
     assert runtime.device.backend.invalidations == 0, "a capture was invalidated under concurrency"
 
 

@@ -66,7 +66,7 @@ def test_a_gemm_shape_is_warmed_up_once_before_the_capture_that_records_it(devic
     ex.close()
 
 
-def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
+def test_every_int4_linear_reads_fp16_x_whatever_its_path():
     from gpu_worker.models.graph import GraphBuilder, GraphError
 
     def build(rows, dtype):
@@ -75,13 +75,10 @@ def test_a_linear_reads_its_input_in_the_dtype_of_its_path():
         g.linear_int4("lin", "x", "y", rows, 32, 64)
         return [(nd.op, nd.inputs) for nd in g.nodes]
 
-    # f32 x on tensor cores (> 64 rows): cast to fp16; fp16 x: read as it is
-    assert build(65, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
-    assert build(65, "f16") == [("linear_int4", ("x",))]
-    # the GEMV (1 row) and the batched int4_mma (2..64 rows) read f32: fp16 x (flash attention's
-    # output in decode) is widened
-    for rows in (1, 17, 64):
-        assert build(rows, "f32") == [("linear_int4", ("x",))]
-        assert build(rows, "f16") == [("from_f16", ("x",)), ("linear_int4", ("lin.x32",))]
+    # every int4 path (GEMV, int4_mma, dequant tile + cuBLAS) reads fp16: f32 x is cast, fp16 x
+    # is read as it is
+    for rows in (1, 17, 64, 65):
+        assert build(rows, "f32") == [("to_f16", ("x",)), ("linear_int4", ("lin.x16",))]
+        assert build(rows, "f16") == [("linear_int4", ("x",))]
     with pytest.raises(GraphError, match="i32"):
         build(65, "i32")

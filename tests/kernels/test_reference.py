@@ -55,17 +55,22 @@ def test_int4_quantization_error_is_at_most_half_a_step_per_block() -> None:
     assert np.all(err <= 0.5 * step * (1 + 1e-3) + 1e-7), "quantization error exceeds half a step"
 
 
-def test_quantized_matmul_reference_equals_float_matmul_of_dequantized_weights() -> None:
+def test_quantized_matmul_reference_multiplies_fp16_x_by_fp16_rounded_weights() -> None:
     rng = _rng(3)
     for m, n, k in ((1, 7, 33), (5, 17, 256)):
         packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32))
-        x = rng.standard_normal((m, k)).astype(np.float32)
+        x16 = rng.standard_normal((m, k)).astype(np.float16)
         bias = rng.standard_normal(n).astype(np.float32)
-        w = ref.int4_dequantize(packed, scales, k).astype(np.float64)
-        want = x.astype(np.float64) @ w.T + bias
-        got = ref.int4_matmul(x, packed, scales, bias)
+        w = ref.int4_dequantize(packed, scales, k).astype(np.float16).astype(np.float64)
+        want = x16.astype(np.float64) @ w.T + bias
+        got = ref.int4_matmul(x16, packed, scales, bias)
         assert np.allclose(got, want, rtol=1e-5, atol=1e-5), \
-            f"({m},{n},{k}): int4_matmul differs from x @ dequant(W).T"
+            f"({m},{n},{k}): int4_matmul differs from x16 @ f16(dequant(W)).T"
+        exact = x16.astype(np.float64) @ ref.int4_dequantize(packed, scales, k).astype(np.float64).T
+        assert not np.array_equal(got, (exact + bias).astype(np.float32)), \
+            "the weights were not rounded to fp16"
+        assert np.array_equal(ref.int4_linear_f16(x16.astype(np.float32), packed, scales),
+                              ref.int4_matmul(x16, packed, scales)), "the prefill path's oracle differs"
 
 
 def _naive_attention(q, k, v, q_pos, causal, n_valid):

@@ -11,21 +11,13 @@ __device__ __forceinline__ unsigned gp_hsub2(unsigned a, unsigned b) {
     asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
-__device__ __forceinline__ unsigned gp_pack2(float lo, float hi) {
+__device__ __forceinline__ unsigned gp_hmul2(unsigned a, unsigned b) {
     unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
-__device__ __forceinline__ float gp_lo_f(unsigned v) { return gp_half_to_float((unsigned short)(v & 0xffffu)); }
-__device__ __forceinline__ float gp_hi_f(unsigned v) { return gp_half_to_float((unsigned short)(v >> 16)); }
 
-// d = a * b (16x16 fp16 row, 16x8 fp16 col), fp32 out, zero accumulator.
-__device__ __forceinline__ void gp_mma0(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%10,%10,%10};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-}
+// d += a * b (16x16 fp16 row, 16x8 fp16 col), fp32 accumulate.
 __device__ __forceinline__ void gp_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -33,38 +25,40 @@ __device__ __forceinline__ void gp_mma(float (&d)[4], const unsigned (&a)[4], un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 4 A registers of both k16 chunks of a quant block for rows g (word wg) and g + 8 (w8):
-// chunk 0 = {p0(g), p0(g+8), p1(g), p1(g+8)}, chunk 1 = {p2.., p3..}; p_i holds k (8t + i,
-// 8t + 4 + i) as the exact fp16 integers nib - 8.
-__device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, unsigned w8) {
-    const unsigned bias = 0x64086408u;  // fp16x2 (1032, 1032): 1024 + nib - 1032 = nib - 8
-    a[0][0] = gp_hsub2(gp_lop_nib(wg), bias);
-    a[0][1] = gp_hsub2(gp_lop_nib(w8), bias);
-    a[0][2] = gp_hsub2(gp_lop_nib(wg >> 4), bias);
-    a[0][3] = gp_hsub2(gp_lop_nib(w8 >> 4), bias);
-    a[1][0] = gp_hsub2(gp_lop_nib(wg >> 8), bias);
-    a[1][1] = gp_hsub2(gp_lop_nib(w8 >> 8), bias);
-    a[1][2] = gp_hsub2(gp_lop_nib(wg >> 12), bias);
-    a[1][3] = gp_hsub2(gp_lop_nib(w8 >> 12), bias);
+// The 4 A registers of both k16 chunks of a quant block for rows g (word wg, scale sg) and g + 8
+// (w8, s8), scales fp16 in both halves: chunk 0 = {p0(g), p0(g+8), p1(g), p1(g+8)}, chunk 1 =
+// {p2.., p3..}; p_i holds k (8t + i, 8t + 4 + i) as f16(scale * (nib - 8)): nib - 8 exact (the
+// fp16 magic 1024 + nib minus 1032), then one rounding of the product, as the reference.
+__device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, unsigned w8,
+                                           unsigned sg, unsigned s8) {
+    const unsigned bias = 0x64086408u;  // fp16x2 (1032, 1032)
+    a[0][0] = gp_hmul2(gp_hsub2(gp_lop_nib(wg), bias), sg);
+    a[0][1] = gp_hmul2(gp_hsub2(gp_lop_nib(w8), bias), s8);
+    a[0][2] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 4), bias), sg);
+    a[0][3] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 4), bias), s8);
+    a[1][0] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 8), bias), sg);
+    a[1][1] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 8), bias), s8);
+    a[1][2] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 12), bias), sg);
+    a[1][3] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 12), bias), s8);
 }
 
-// B registers (hi, lo halves) of x row xr at k = 8t..8t+7 of a quant block: (k, k + 4) pairs.
-__device__ __forceinline__ void gp_xfrag(unsigned (&h)[4], unsigned (&l)[4], const float* xr, bool in) {
-    float4 f0 = make_float4(0.f, 0.f, 0.f, 0.f), f1 = f0;
-    if (in) {
-        f0 = *reinterpret_cast<const float4*>(xr);
-        f1 = *reinterpret_cast<const float4*>(xr + 4);
-    }
-    const float a[4] = {f0.x, f0.y, f0.z, f0.w}, b[4] = {f1.x, f1.y, f1.z, f1.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        h[i] = gp_pack2(a[i], b[i]);
-        l[i] = gp_pack2(a[i] - gp_lo_f(h[i]), b[i] - gp_hi_f(h[i]));
-    }
+// B registers of x row's k = 8t..8t+7 of a quant block (8 fp16, one 16-byte load v): the
+// (k, k + 4) pairs, b[i] = (x[8t + i], x[8t + 4 + i]), by byte permutes.
+__device__ __forceinline__ void gp_xfrag(unsigned (&b)[4], uint4 v) {
+    b[0] = __byte_perm(v.x, v.z, 0x5410);
+    b[1] = __byte_perm(v.x, v.z, 0x7632);
+    b[2] = __byte_perm(v.y, v.w, 0x5410);
+    b[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+// Scale j (0..3) of a row's 4-scale group s, in both halves of a register.
+__device__ __forceinline__ unsigned gp_scale2(uint2 s, int j) {
+    const unsigned v = j < 2 ? s.x : s.y;
+    return __byte_perm(v, 0u, (j & 1) ? 0x3232 : 0x1010);
 }
 
 template <int MT, int NT>
-__device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
+__device__ __forceinline__ void gp_i4mma(float* y, const unsigned short* __restrict__ x,
                                          const unsigned* __restrict__ w,
                                          const unsigned short* __restrict__ sc,
                                          const float* __restrict__ bias, int M, int N, int K,
@@ -97,68 +91,30 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
             }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const unsigned sh = 16 * (j & 1);
-            if constexpr (NT <= 2) {
-                // few x rows: x fragments of every n-tile live, one weight tile's A at a time
-                unsigned xh[NT][4], xl[NT][4];
+            uint4 xv[NT];   // this quant block's x, every n-tile, loads issued together
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int m = nt * 8 + g;
-                    gp_xfrag(xh[nt], xl[nt], x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t,
-                             m < M);
-                }
+            for (int nt = 0; nt < NT; ++nt) {
+                const int m = nt * 8 + g;
+                xv[nt] = m < M ? __ldg(reinterpret_cast<const uint4*>(x + (long long)m * K + (kb0 + j) * 32 + 8 * t))
+                               : make_uint4(0u, 0u, 0u, 0u);
+            }
+            unsigned a[MT][2][4];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    unsigned a[2][4];
-                    gp_dequant(a, wr[mt][0][j], wr[mt][1][j]);
-                    const float sg = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][0].x : sr[mt][0].y) >> sh));
-                    const float s8 = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][1].x : sr[mt][1].y) >> sh));
+            for (int mt = 0; mt < MT; ++mt)
+                gp_dequant(a[mt], wr[mt][0][j], wr[mt][1][j], gp_scale2(sr[mt][0], j), gp_scale2(sr[mt][1], j));
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        float d[4];
-                        gp_mma0(d, a[0], xh[nt][0], xh[nt][1]);
-                        gp_mma(d, a[0], xl[nt][0], xl[nt][1]);
-                        gp_mma(d, a[1], xh[nt][2], xh[nt][3]);
-                        gp_mma(d, a[1], xl[nt][2], xl[nt][3]);
-                        acc[mt][nt][0] = fmaf(sg, d[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(sg, d[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(s8, d[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(s8, d[3], acc[mt][nt][3]);
-                    }
-                }
-            } else {
-                // many x rows: every weight tile's A lives, one n-tile's x fragments at a time
-                unsigned a[MT][2][4];
-                float sg[MT], s8[MT];
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned b[4];
+                gp_xfrag(b, xv[nt]);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    gp_dequant(a[mt], wr[mt][0][j], wr[mt][1][j]);
-                    sg[mt] = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][0].x : sr[mt][0].y) >> sh));
-                    s8[mt] = gp_half_to_float((unsigned short)((j < 2 ? sr[mt][1].x : sr[mt][1].y) >> sh));
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int m = nt * 8 + g;
-                    unsigned xh[4], xl[4];
-                    gp_xfrag(xh, xl, x + (long long)(m < M ? m : 0) * K + (kb0 + j) * 32 + 8 * t, m < M);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        float d[4];
-                        gp_mma0(d, a[mt][0], xh[0], xh[1]);
-                        gp_mma(d, a[mt][0], xl[0], xl[1]);
-                        gp_mma(d, a[mt][1], xh[2], xh[3]);
-                        gp_mma(d, a[mt][1], xl[2], xl[3]);
-                        acc[mt][nt][0] = fmaf(sg[mt], d[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(sg[mt], d[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(s8[mt], d[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(s8[mt], d[3], acc[mt][nt][3]);
-                    }
+                    gp_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
+                    gp_mma(acc[mt][nt], a[mt][1], b[2], b[3]);
                 }
             }
         }
     }
     // Sum the warps' K slices in warp order (deterministic): red holds the running sum.
-    constexpr int PER = MT * NT * 4;
     for (int wv = 0; wv < GP_MMA_WARPS - 1; ++wv) {
         if (warp == wv) {
 #pragma unroll
@@ -194,7 +150,7 @@ __device__ __forceinline__ void gp_i4mma(float* y, const float* __restrict__ x,
 // every MT of int4_batched.MT_CHOICES is built (MT * NT <= 16: the reduction buffer).
 #define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, w, scales, bias, M, N, K, accumulate, red)
 extern "C" __global__ void __launch_bounds__(256, 1)
-gp_int4_mma(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
+gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
             const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
             int K, int accumulate, int mt) {
     __shared__ float red[16 * 4 * 32];  // MT * NT * 4 * 32 floats: MT * NT <= 16

@@ -118,15 +118,19 @@ gp_matmul_nt_large(float* y, const float* __restrict__ x, const float* __restric
 }
 
 // Fused int4 matmul for few rows (decode): streams W at HBM bandwidth.
+// Contract (every int4 linear's, docs/kernels.md "Numerics"): y = x16 @ f16(s * (nib - 8))^T in f32,
+// x fp16 as stored, each weight the fp16 rounding of its exact dequantized value: the same
+// products as int4_mma and the prefill's dequant tile + cuBLAS, so a row's result does not
+// depend on which path (which batch) served it, up to f32 summation order.
 // Block = GP_I4_WARPS warps x GP_I4_NC output columns each, GP_I4_ROWS rows of x (grid.y). K is walked in chunks of
 // GP_I4_U * 32 quant blocks: lane l owns quant blocks l, l + 32, ... of the chunk and loads each as
 // one uint4 (16 bytes = 32 weights = one fp16 scale), so a warp reads 512 contiguous bytes per
 // column per load and holds GP_I4_U * GP_I4_NC such loads in flight. The chunk of x is staged by
-// the whole block in shared memory, padded to 36 floats per 32 so a lane's float4 reads of its own
-// block are bank-conflict free; x is then reused from registers across the warp's columns.
-// Nibbles become (nib - 8) exactly through the fp16x2 magic 1024 + nib, two per 32-bit op.
-// Per quant block a lane sums 32 products in f32, then acc += part * scale; lanes meet in a warp
-// shuffle sum: the reference's result up to summation order (the 1e-4 tolerance, as before).
+// the whole block in shared memory as f32 (exact), padded to 36 floats per 32 so a lane's float4
+// reads of its own block are bank-conflict free; x is then reused from registers across the
+// warp's columns. Nibbles become (nib - 8) exactly through the fp16x2 magic 1024 + nib, two per
+// 32-bit op, then one mul.rn.f16x2 by the block's scale rounds both weights as the reference does;
+// lanes meet in a warp shuffle sum.
 // The macros are the tuning knobs of bench/int4_gemv_sweep.py; the defaults are the measured best
 // and must match FUSED_WARPS / FUSED_WARP_COLS / FUSED_ROWS (tests/kernels/test_int4_gemv.py).
 #ifndef GP_I4_NC
@@ -147,41 +151,29 @@ gp_matmul_nt_large(float* y, const float* __restrict__ x, const float* __restric
 #define GP_I4_CB (GP_I4_U * 32)          // quant blocks per chunk
 #define GP_I4_CK (GP_I4_CB * 32)         // k per chunk
 
-#ifndef GP_I4_CVT
-#define GP_I4_CVT 1                     // nibble -> float: 1 fp16x2 magic + cvt, 0 f32 magic (ALU)
-#endif
-#if GP_I4_CVT
-// Nibbles s and 16 + s of q (s in 0, 4, 8, 12) -> (nib - 8) as two exact floats.
-__device__ __forceinline__ void gp_i4_pair(unsigned int q, float& lo, float& hi) {
+// Nibbles s and 16 + s of q (s in 0, 4, 8, 12) -> f16(scale * (nib - 8)) as two floats; s2 holds
+// the block's fp16 scale in both halves.
+__device__ __forceinline__ void gp_i4_pair(unsigned int q, unsigned int s2, float& lo, float& hi) {
     unsigned int h = (q & 0x000F000Fu) | 0x64006400u;   // fp16x2 (1024 + nib, 1024 + nib')
     const unsigned int bias = 0x64086408u;              // fp16x2 (1032, 1032)
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(bias));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(bias));   // nib - 8, exact
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(h), "r"(s2));     // rounded once, as f16(s * q)
     asm("{.reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;}"
         : "=f"(lo), "=f"(hi) : "r"(h));
 }
 
 // The 8 weights of one packed word, in k order.
-__device__ __forceinline__ void gp_i4_word(unsigned int q, float* w) {
-    gp_i4_pair(q, w[0], w[4]);
-    gp_i4_pair(q >> 4, w[1], w[5]);
-    gp_i4_pair(q >> 8, w[2], w[6]);
-    gp_i4_pair(q >> 12, w[3], w[7]);
+__device__ __forceinline__ void gp_i4_word(unsigned int q, unsigned int s2, float* w) {
+    gp_i4_pair(q, s2, w[0], w[4]);
+    gp_i4_pair(q >> 4, s2, w[1], w[5]);
+    gp_i4_pair(q >> 8, s2, w[2], w[6]);
+    gp_i4_pair(q >> 12, s2, w[3], w[7]);
 }
-#else
-// The 8 weights of one packed word, in k order, as exact floats (nib - 8): the bits
-// 0x4B000000 | nib are the float 2^23 + nib. No conversion instruction, but a shift, a mask and
-// an add per weight: measured slower than GP_I4_CVT 1 on the H200 (0.57 vs 0.72 of copy at
-// w_gate; docs/kernels.md), kept as the sweep's alternative.
-__device__ __forceinline__ void gp_i4_word(unsigned int q, float* w) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-        w[j] = __int_as_float(((q >> (4 * j)) & 15u) | 0x4B000000u) - 8388616.f;
-}
-#endif
 
-// Lane `lane`'s packed blocks and scales of chunk cb0 for columns n0..n0+NC-1; slots past K or N
-// read nothing and hold nibble 8 (weight 0) with scale 0, so they add exactly 0.
-__device__ __forceinline__ void gp_i4_load(uint4 (&wq)[GP_I4_U][GP_I4_NC], float (&sc)[GP_I4_U][GP_I4_NC],
+// Lane `lane`'s packed blocks and scales (fp16 in both halves) of chunk cb0 for columns
+// n0..n0+NC-1; slots past K or N read nothing and hold nibble 8 (weight 0) with scale 0, so they
+// add exactly 0.
+__device__ __forceinline__ void gp_i4_load(uint4 (&wq)[GP_I4_U][GP_I4_NC], unsigned (&sc)[GP_I4_U][GP_I4_NC],
                                            const unsigned char* __restrict__ packed,
                                            const unsigned short* __restrict__ scales,
                                            int cb0, int lane, int n0, int N, int kb) {
@@ -193,10 +185,11 @@ __device__ __forceinline__ void gp_i4_load(uint4 (&wq)[GP_I4_U][GP_I4_NC], float
             const int n = n0 + c;
             if (b < kb && n < N) {
                 wq[u][c] = __ldg(reinterpret_cast<const uint4*>(packed + ((size_t)n * kb + b) * 16));
-                sc[u][c] = gp_half_to_float(__ldg(scales + (size_t)n * kb + b));
+                const unsigned s = __ldg(scales + (size_t)n * kb + b);
+                sc[u][c] = s | (s << 16);
             } else {
                 wq[u][c] = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
-                sc[u][c] = 0.f;
+                sc[u][c] = 0u;
             }
         }
     }
@@ -204,7 +197,7 @@ __device__ __forceinline__ void gp_i4_load(uint4 (&wq)[GP_I4_U][GP_I4_NC], float
 
 template <int MR>
 __device__ __forceinline__ void gp_int4_matmul_body(
-        float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
+        float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
         const unsigned short* __restrict__ scales, const float* __restrict__ bias,
         int M, int N, int K, int accumulate, float (*xs)[GP_I4_CB * 36]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -212,7 +205,7 @@ __device__ __forceinline__ void gp_int4_matmul_body(
     const int m0 = blockIdx.y * GP_I4_ROWS;
     const int mrows = min(MR, M - m0);
     const int kb = (K + 31) >> 5;
-    const bool vec = (K & 3) == 0 && (reinterpret_cast<size_t>(x) & 15) == 0;
+    const bool vec = (K & 3) == 0 && (reinterpret_cast<size_t>(x) & 7) == 0;
     float acc[MR][GP_I4_NC];
 #pragma unroll
     for (int r = 0; r < MR; ++r)
@@ -220,38 +213,37 @@ __device__ __forceinline__ void gp_int4_matmul_body(
         for (int c = 0; c < GP_I4_NC; ++c) acc[r][c] = 0.f;
     // Weight loads are issued before the staging barriers, so they stay in flight across them.
     uint4 wq[GP_I4_U][GP_I4_NC];
-    float sc[GP_I4_U][GP_I4_NC];
+    unsigned sc[GP_I4_U][GP_I4_NC];
     gp_i4_load(wq, sc, packed, scales, 0, lane, n0, N, kb);
     for (int cb0 = 0; cb0 < kb; cb0 += GP_I4_CB) {
 #if GP_I4_PREFETCH
         uint4 wn[GP_I4_U][GP_I4_NC];
-        float sn[GP_I4_U][GP_I4_NC];
+        unsigned sn[GP_I4_U][GP_I4_NC];
         gp_i4_load(wn, sn, packed, scales, cb0 + GP_I4_CB, lane, n0, N, kb);   // in flight meanwhile
 #endif
         __syncthreads();   // the previous chunk's reads of xs are done
         const int k0 = cb0 * 32;
         for (int e = tid; e < mrows * (GP_I4_CK / 4); e += blockDim.x) {
             const int r = e / (GP_I4_CK / 4), kk = (e % (GP_I4_CK / 4)) * 4, gk = k0 + kk;
-            const float* xr = x + (size_t)(m0 + r) * K;
+            const unsigned short* xr = x + (size_t)(m0 + r) * K;
             float4 v;
             if (vec && gk + 4 <= K) {
-                v = __ldg(reinterpret_cast<const float4*>(xr + gk));
+                const uint2 h = __ldg(reinterpret_cast<const uint2*>(xr + gk));
+                v = make_float4(gp_half_to_float((unsigned short)(h.x & 0xffffu)),
+                                gp_half_to_float((unsigned short)(h.x >> 16)),
+                                gp_half_to_float((unsigned short)(h.y & 0xffffu)),
+                                gp_half_to_float((unsigned short)(h.y >> 16)));
             } else {
-                v.x = gk < K ? xr[gk] : 0.f;
-                v.y = gk + 1 < K ? xr[gk + 1] : 0.f;
-                v.z = gk + 2 < K ? xr[gk + 2] : 0.f;
-                v.w = gk + 3 < K ? xr[gk + 3] : 0.f;
+                v.x = gk < K ? gp_half_to_float(xr[gk]) : 0.f;
+                v.y = gk + 1 < K ? gp_half_to_float(xr[gk + 1]) : 0.f;
+                v.z = gk + 2 < K ? gp_half_to_float(xr[gk + 2]) : 0.f;
+                v.w = gk + 3 < K ? gp_half_to_float(xr[gk + 3]) : 0.f;
             }
             *reinterpret_cast<float4*>(&xs[r][(kk >> 5) * 36 + (kk & 31)]) = v;
         }
         __syncthreads();
 #pragma unroll
         for (int u = 0; u < GP_I4_U; ++u) {
-            float part[MR][GP_I4_NC];
-#pragma unroll
-            for (int r = 0; r < MR; ++r)
-#pragma unroll
-                for (int c = 0; c < GP_I4_NC; ++c) part[r][c] = 0.f;
             const int slot = (u * 32 + lane) * 36;
 #pragma unroll
             for (int wd = 0; wd < 4; ++wd) {
@@ -259,7 +251,7 @@ __device__ __forceinline__ void gp_int4_matmul_body(
 #pragma unroll
                 for (int c = 0; c < GP_I4_NC; ++c) {
                     const uint4 w4 = wq[u][c];
-                    gp_i4_word(wd == 0 ? w4.x : wd == 1 ? w4.y : wd == 2 ? w4.z : w4.w, q[c]);
+                    gp_i4_word(wd == 0 ? w4.x : wd == 1 ? w4.y : wd == 2 ? w4.z : w4.w, sc[u][c], q[c]);
                 }
 #pragma unroll
                 for (int r = 0; r < MR; ++r) {
@@ -268,19 +260,15 @@ __device__ __forceinline__ void gp_int4_matmul_body(
                     const float4 b = *reinterpret_cast<const float4*>(&xs[r][slot + wd * 8 + 4]);
 #pragma unroll
                     for (int c = 0; c < GP_I4_NC; ++c) {
-                        float p = part[r][c];
+                        float p = acc[r][c];
                         p = fmaf(a.x, q[c][0], p); p = fmaf(a.y, q[c][1], p);
                         p = fmaf(a.z, q[c][2], p); p = fmaf(a.w, q[c][3], p);
                         p = fmaf(b.x, q[c][4], p); p = fmaf(b.y, q[c][5], p);
                         p = fmaf(b.z, q[c][6], p); p = fmaf(b.w, q[c][7], p);
-                        part[r][c] = p;
+                        acc[r][c] = p;
                     }
                 }
             }
-#pragma unroll
-            for (int r = 0; r < MR; ++r)
-#pragma unroll
-                for (int c = 0; c < GP_I4_NC; ++c) acc[r][c] = fmaf(part[r][c], sc[u][c], acc[r][c]);
         }
 #if GP_I4_PREFETCH
 #pragma unroll
@@ -308,7 +296,7 @@ __device__ __forceinline__ void gp_int4_matmul_body(
 }
 
 extern "C" __global__ void __launch_bounds__(GP_I4_WARPS * 32)
-gp_int4_matmul(float* y, const float* __restrict__ x, const unsigned char* __restrict__ packed,
+gp_int4_matmul(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
                const unsigned short* __restrict__ scales, const float* __restrict__ bias,
                int M, int N, int K, int accumulate) {
     __shared__ __align__(16) float xs[GP_I4_ROWS][GP_I4_CB * 36];

@@ -231,8 +231,9 @@ def matmul_nt_case(h, rng, m, n, k, bias=False, accumulate=False, large=False) -
 
 
 def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
+    """The int4 GEMV: fp16 x, fp16-rounded weights, f32 sums (reference.int4_matmul)."""
     packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k)
+    x = _f32(rng, m, k).astype(np.float16)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
@@ -244,10 +245,10 @@ def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
 
 def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None) -> Outcome:
     """The batched tensor-core int4 linear (int4_batched.py): same contract and tolerance as the
-    GEMV (exact weights, x as fp16 hi + lo, f32 sums). `scale` sizes x (hi/lo split coverage);
-    `mt` forces the 16-row tiles per warp (default: the launcher's choice)."""
+    GEMV (fp16 x, fp16-rounded weights, f32 sums). `scale` sizes x; `mt` forces the 16-row tiles
+    per warp (default: the launcher's choice)."""
     packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k, scale=scale)
+    x = _f32(rng, m, k, scale=scale).astype(np.float16)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
@@ -265,7 +266,8 @@ def int4_linear_case(h, rng, m, n, k) -> Outcome:
     y = h.put(np.zeros((m, n), np.float32))
     launch_int4_dequant(h.device, h.function(INT4_DEQUANT), ws, h.put(packed), h.put(scales), n, k)
     launch_matmul_nt(h.device, h.function(MATMUL_NT), y, h.put(x), ws, 0, m, n, k)
-    return Outcome(h.get(y, (m, n)), ref.int4_matmul(x, packed, scales), 1e-4, 1e-4)
+    want = ref.matmul_nt(x, ref.int4_dequantize(packed, scales, k))   # f32 throughout, exact W
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
 def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None) -> Outcome:

@@ -112,7 +112,7 @@ def _matmul_nt(mem, grid, block, args) -> None:
 def _int4_matmul(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k).reshape(m, k), pk, sc,
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
     _store(mem, y, m, n, r, accumulate)
 
@@ -123,7 +123,7 @@ def _int4_mma(mem, grid, block, args) -> None:
     # the CUDA grid covers 16 * mt weight rows per block: a short grid leaves rows unwritten
     assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k).reshape(m, k), pk, sc,
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
     _store(mem, y, m, n, r, accumulate)
 
