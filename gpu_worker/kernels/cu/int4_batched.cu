@@ -25,10 +25,11 @@ __device__ __forceinline__ void gp_mma(float (&d)[4], const unsigned (&a)[4], un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The 4 A registers of both k16 chunks of a quant block for rows g (word wg, scale sg) and g + 8
-// (w8, s8), scales fp16 in both halves: chunk 0 = {p0(g), p0(g+8), p1(g), p1(g+8)}, chunk 1 =
-// {p2.., p3..}; p_i holds k (8t + i, 8t + 4 + i) as f16(scale * (nib - 8)): nib - 8 exact (the
-// fp16 magic 1024 + nib minus 1032), then one rounding of the product, as the reference.
+// The 4 A registers of both k16 chunks of one packed word (8 consecutive k from k0) for rows g
+// (word wg, scale sg) and g + 8 (w8, s8), scales fp16 in both halves: chunk 0 = {p0(g), p0(g+8),
+// p1(g), p1(g+8)}, chunk 1 = {p2.., p3..}; p_i holds k (k0 + i, k0 + 4 + i) as
+// f16(scale * (nib - 8)): nib - 8 exact (the fp16 magic 1024 + nib minus 1032), then one rounding
+// of the product, as the reference.
 __device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, unsigned w8,
                                            unsigned sg, unsigned s8) {
     const unsigned bias = 0x64086408u;  // fp16x2 (1032, 1032)
@@ -42,8 +43,8 @@ __device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, uns
     a[1][3] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 12), bias), s8);
 }
 
-// B registers of x row's k = 8t..8t+7 of a quant block (8 fp16, one 16-byte load v): the
-// (k, k + 4) pairs, b[i] = (x[8t + i], x[8t + 4 + i]), by byte permutes.
+// B registers of 8 consecutive fp16 of an x row from k0 (one 16-byte load v): the (k, k + 4)
+// pairs, b[i] = (x[k0 + i], x[k0 + 4 + i]), by byte permutes.
 __device__ __forceinline__ void gp_xfrag(unsigned (&b)[4], uint4 v) {
     b[0] = __byte_perm(v.x, v.z, 0x5410);
     b[1] = __byte_perm(v.x, v.z, 0x7632);
@@ -51,15 +52,57 @@ __device__ __forceinline__ void gp_xfrag(unsigned (&b)[4], uint4 v) {
     b[3] = __byte_perm(v.y, v.w, 0x7632);
 }
 
-// Scale j (0..3) of a row's 4-scale group s, in both halves of a register.
-__device__ __forceinline__ unsigned gp_scale2(uint2 s, int j) {
-    const unsigned v = j < 2 ? s.x : s.y;
-    return __byte_perm(v, 0u, (j & 1) ? 0x3232 : 0x1010);
+// Lane (g, t)'s weights of 16-row tiles mt for k-group kg (4 quant blocks, 128 k): quant block
+// 4 kg + t of rows g and g + 8, one 16-byte load each, and its scale in both halves; rows past N
+// hold nibble 8 (weight 0) with scale 0.
+template <int MT>
+__device__ __forceinline__ void gp_load_w(uint4 (&wv)[MT][2], unsigned (&s2)[MT][2],
+                                          const unsigned char* __restrict__ packed,
+                                          const unsigned short* __restrict__ sc, int row0, int g,
+                                          int t, int KB, int N, int kg) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + mt * 16 + g + 8 * h;
+            const long long b = (long long)r * KB + kg * 4 + t;
+            if (r < N) {
+                wv[mt][h] = __ldg(reinterpret_cast<const uint4*>(packed + b * 16));
+                const unsigned s = __ldg(sc + b);
+                s2[mt][h] = s | (s << 16);
+            } else {
+                wv[mt][h] = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
+                s2[mt][h] = 0u;
+            }
+        }
 }
 
+// Lane (g, t)'s x for word j of its quant block in k-group kg, every n-tile: 8 halves at
+// k = 128 kg + 32 t + 8 j of row 8 nt + g (zeros past M).
+template <int NT>
+__device__ __forceinline__ void gp_load_x(uint4 (&xv)[NT], const unsigned short* __restrict__ x,
+                                          int g, int t, int M, int K, int kg, int j) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int m = nt * 8 + g;
+        xv[nt] = m < M ? __ldg(reinterpret_cast<const uint4*>(x + (long long)m * K + kg * 128 + 32 * t + 8 * j))
+                       : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+__device__ __forceinline__ unsigned gp_word(uint4 v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The k order inside an mma is a permutation shared by A and B (the scale is applied to A before
+// the mma, so any permutation sums the same products): lane t's k16 chunks of step j cover
+// k0 = 128 kg + 32 t + 8 j .. k0 + 7, mma-k (2t, 2t + 1, 2t + 8, 2t + 9) = k0 + (0, 4, 1, 5) in
+// chunk 0 and k0 + (2, 6, 3, 7) in chunk 1. So a lane loads one whole 16-byte quant block per
+// weight row and k-group (a quad reads 64 contiguous bytes of a row), and the next k-group's
+// weights (and, for MT * NT <= 8, the next step's x) are in flight while this step multiplies.
 template <int MT, int NT>
-__device__ __forceinline__ void gp_i4mma(float* y, const unsigned short* __restrict__ x,
-                                         const unsigned* __restrict__ w,
+__device__ __noinline__ void gp_i4mma(float* y, const unsigned short* __restrict__ x,
+                                         const unsigned char* __restrict__ packed,
                                          const unsigned short* __restrict__ sc,
                                          const float* __restrict__ bias, int M, int N, int K,
                                          int accumulate, float* red) {
@@ -68,49 +111,55 @@ __device__ __forceinline__ void gp_i4mma(float* y, const unsigned short* __restr
     const int row0 = blockIdx.x * MT * 16;
     const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);
     const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
+    // x of the next step in flight too where the registers allow (the accumulators are MT * NT * 4)
+    constexpr bool XPF = MT * NT <= 8;
     float acc[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-    for (int kg = g0; kg < g1; ++kg) {
-        const int kb0 = kg * 4;
-        unsigned wr[MT][2][4];
-        uint2 sr[MT][2];
+    if (g0 < g1) {
+        uint4 wc[MT][2], wn[MT][2], xc[NT];
+        unsigned sc2[MT][2], sn2[MT][2];
+        gp_load_w<MT>(wc, sc2, packed, sc, row0, g, t, KB, N, g0);
+        gp_load_x<NT>(xc, x, g, t, M, K, g0, 0);
+        for (int kg = g0; kg < g1; ++kg) {
+            const bool more = kg + 1 < g1;
+            if (more) gp_load_w<MT>(wn, sn2, packed, sc, row0, g, t, KB, N, kg + 1);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row0 + mt * 16 + g + 8 * h;
-                const bool in = r < N;
-                const unsigned* wp = w + ((long long)(in ? r : 0) * KB + kb0) * 4 + t;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) wr[mt][h][j] = in ? __ldg(wp + 4 * j) : 0x88888888u;
-                sr[mt][h] = in ? *reinterpret_cast<const uint2*>(sc + (long long)r * KB + kb0)
-                               : make_uint2(0u, 0u);
-            }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            uint4 xv[NT];   // this quant block's x, every n-tile, loads issued together
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int m = nt * 8 + g;
-                xv[nt] = m < M ? __ldg(reinterpret_cast<const uint4*>(x + (long long)m * K + (kb0 + j) * 32 + 8 * t))
-                               : make_uint4(0u, 0u, 0u, 0u);
-            }
-            unsigned a[MT][2][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                gp_dequant(a[mt], wr[mt][0][j], wr[mt][1][j], gp_scale2(sr[mt][0], j), gp_scale2(sr[mt][1], j));
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                unsigned b[4];
-                gp_xfrag(b, xv[nt]);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    gp_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
-                    gp_mma(acc[mt][nt], a[mt][1], b[2], b[3]);
+            for (int j = 0; j < 4; ++j) {
+                uint4 xn[NT];
+                if (XPF) {
+                    if (j < 3) gp_load_x<NT>(xn, x, g, t, M, K, kg, j + 1);
+                    else if (more) gp_load_x<NT>(xn, x, g, t, M, K, kg + 1, 0);
+                } else if (j > 0) {
+                    gp_load_x<NT>(xc, x, g, t, M, K, kg, j);
                 }
+                unsigned a[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    gp_dequant(a[mt], gp_word(wc[mt][0], j), gp_word(wc[mt][1], j), sc2[mt][0], sc2[mt][1]);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    unsigned b[4];
+                    gp_xfrag(b, xc[nt]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        gp_mma(acc[mt][nt], a[mt][0], b[0], b[1]);
+                        gp_mma(acc[mt][nt], a[mt][1], b[2], b[3]);
+                    }
+                }
+                if (XPF && (j < 3 || more)) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) xc[nt] = xn[nt];
+                }
+            }
+            if (!XPF && more) gp_load_x<NT>(xc, x, g, t, M, K, kg + 1, 0);
+            if (more) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) { wc[mt][h] = wn[mt][h]; sc2[mt][h] = sn2[mt][h]; }
             }
         }
     }
@@ -148,13 +197,12 @@ __device__ __forceinline__ void gp_i4mma(float* y, const unsigned short* __restr
 // grid (ceil(N / (16 * mt))), 256 threads; NT from M, mt (16-row tiles per warp) from the
 // launcher (int4_batched.mma_tiles): fewer rows per block for small N, so every SM gets a block;
 // every MT of int4_batched.MT_CHOICES is built (MT * NT <= 16: the reduction buffer).
-#define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, w, scales, bias, M, N, K, accumulate, red)
+#define GP_I4MMA(MT_, NT_) gp_i4mma<MT_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, red)
 extern "C" __global__ void __launch_bounds__(256, 1)
 gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
             const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
             int K, int accumulate, int mt) {
     __shared__ float red[16 * 4 * 32];  // MT * NT * 4 * 32 floats: MT * NT <= 16
-    const unsigned* w = reinterpret_cast<const unsigned*>(packed);
     if (M <= 8) {
         if (mt == 4) GP_I4MMA(4, 1); else if (mt == 2) GP_I4MMA(2, 1); else GP_I4MMA(1, 1);
     } else if (M <= 16) {
