@@ -160,11 +160,6 @@ def _launch_to_f16(c: LaunchContext) -> None:
                        stream=c.stream)
 
 
-def _launch_from_f16(c: LaunchContext) -> None:
-    half.launch_from_f16(c.device, c.fn("from_f16"), c.out(), c.inp(0), _elements(c.shape(0)),
-                         stream=c.stream)
-
-
 def _launch_embedding(c: LaunchContext) -> None:
     vocab, hidden = c.graph.tensors[c.node.weights[0]].shape
     embedding.launch_embedding_gather(c.device, c.fn("embedding_gather"), c.out(), c.weight(0),
@@ -446,7 +441,6 @@ OPS: dict[str, OpBinding] = {
                              gemms=_linear_gemms, accumulate=True),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),
     "to_f16": OpBinding((half.TO_F16,), _launch_to_f16),
-    "from_f16": OpBinding((half.FROM_F16,), _launch_from_f16),
     "embedding": OpBinding((embedding.EMBEDDING_GATHER,), _launch_embedding),
     "rmsnorm": OpBinding((norm.RMSNORM, norm.RMSNORM_F16), _launch_rmsnorm),
     "layernorm": OpBinding((norm.LAYERNORM,), _launch_layernorm),

@@ -65,10 +65,8 @@ from gpu_worker.kernels.flash_attention import (
     launch_flash_attention_prefill,
 )
 from gpu_worker.kernels.half import (
-    FROM_F16,
     INT4_DEQUANT_F16,
     TO_F16,
-    launch_from_f16,
     launch_int4_dequant_f16,
     launch_to_f16,
 )
@@ -118,7 +116,7 @@ from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 
 ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL,
-    INT4_DEQUANT_F16, TO_F16, FROM_F16, ROTARY,
+    INT4_DEQUANT_F16, TO_F16, ROTARY,
     ATTENTION_PREFILL, ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, KV_APPEND_KV16,
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
@@ -155,7 +153,6 @@ __all__ = [
     "FLASH_COMBINE_PAGED",
     "FLASH_DECODE_SPLIT_PAGED",
     "FLASH_PREFILL_PAGED",
-    "FROM_F16",
     "FUSED_MAX_ROWS",
     "GELU",
     "INT4_DEQUANT",
@@ -205,7 +202,6 @@ __all__ = [
     "launch_flash_decode_paged",
     "launch_flash_decode_split_paged",
     "launch_flash_prefill_paged",
-    "launch_from_f16",
     "launch_gelu",
     "launch_int4_dequant",
     "launch_int4_dequant_f16",

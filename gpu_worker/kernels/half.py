@@ -1,4 +1,4 @@
-"""fp16 <-> f32 at the edges of the fp16 kernels: int4 -> fp16 dequantization, f32 -> fp16, fp16 -> f32.
+"""f32 -> fp16 at the edges of the fp16 kernels: int4 -> fp16 dequantization, f32 -> fp16.
 
 The prefill linear y = x @ W^T runs on tensor cores through cuBLAS (gpu_worker.device.blas): both
 operands must be fp16. These kernels produce them:
@@ -11,8 +11,6 @@ operands must be fp16. These kernels produce them:
 - `to_f16` converts activations f32 -> fp16 (round to nearest even, bit-exact against NumPy);
   it disappears once activations are fp16 end to end. It also casts q for the flash attention
   kernels (gpu_worker.kernels.flash_attention).
-- `from_f16` converts fp16 -> f32 (exact): the flash attention output where an f32 consumer
-  reads it (the fused int4 GEMV of decode; GraphBuilder.linear_int4 inserts it).
 
 Layout as gpu_worker.kernels.linear: packed (N, 16 * ceil(K/32)) u8, scales (N, ceil(K/32)) fp16.
 The 16-byte store needs K % 8 == 0 (Llama-shaped weights); other K take a scalar path.
@@ -55,13 +53,6 @@ def launch_to_f16(device, function, out: int, x: int, n: int, stream=None) -> No
                   stream=stream)
 
 
-def launch_from_f16(device, function, out: int, x: int, n: int, stream=None) -> None:
-    require(isinstance(n, int) and 0 <= n < 2**62, f"from_f16: n={n!r} must be a non-negative int")
-    if n == 0:
-        return
-    device.launch(function, grid_1d(device, n), BLOCK, [ptr(out), ptr(x), i64(n)], stream=stream)
-
-
 def _tile_workspace(*, rows: int, k: int, **_: int) -> int:
     return 2 * rows * k
 
@@ -70,6 +61,5 @@ INT4_DEQUANT_F16 = KernelDef("int4_dequant_f16", "gp_int4_dequant_f16", SOURCE,
                              reference.int4_dequantize_f16, launch_int4_dequant_f16,
                              workspace=_tile_workspace)
 TO_F16 = KernelDef("to_f16", "gp_to_f16", SOURCE, reference.to_f16, launch_to_f16)
-FROM_F16 = KernelDef("from_f16", "gp_from_f16", SOURCE, reference.from_f16, launch_from_f16)
 
-KERNELS = [INT4_DEQUANT_F16, TO_F16, FROM_F16]
+KERNELS = [INT4_DEQUANT_F16, TO_F16]

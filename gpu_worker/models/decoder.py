@@ -90,8 +90,7 @@ def build_decoder_graph(cfg: ModelConfig, seq: int, phase: str) -> Graph:
           max_context=cfg.max_context, bias=cfg.qkv_bias)
         attrs = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": hd,
                  "max_context": cfg.max_context}
-        # flash: fp16 out, which the wo linear reads as it is on tensor cores (and every
-        # fp16-weight linear), or widened by a from_f16 node for the fused int4 GEMV
+        # flash: fp16 out, which the wo linear reads as it is (every linear reads fp16 x)
         a = t(p + "a", (seq, h), "f16" if flash else "f32")
         if phase == "prefill":
             # against the cache: earlier chunks' keys are there, this chunk's were just appended

@@ -37,8 +37,3 @@ extern "C" __global__ void gp_to_f16(unsigned short* __restrict__ out, const flo
                                      long long n) {
     GP_GRID_STRIDE(i, n) out[i] = gp_float_to_half(x[i]);
 }
-
-extern "C" __global__ void gp_from_f16(float* __restrict__ out, const unsigned short* __restrict__ x,
-                                       long long n) {
-    GP_GRID_STRIDE(i, n) out[i] = gp_half_to_float(x[i]);
-}

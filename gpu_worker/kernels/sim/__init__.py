@@ -278,12 +278,6 @@ def _to_f16(mem, grid, block, args) -> None:
     _arr(mem, out, n, np.float16)[:] = reference.to_f16(_arr(mem, x, n))
 
 
-@register_sim_kernel("gp_from_f16")
-def _from_f16(mem, grid, block, args) -> None:
-    out, x, n = _vals(args)
-    _arr(mem, out, n)[:] = reference.from_f16(_arr(mem, x, n, np.float16))
-
-
 # The families' sim kernels register themselves on import (they use the helpers above).
 from gpu_worker.kernels.sim import flash as _flash  # noqa: F401
 from gpu_worker.kernels.sim import paged as _paged  # noqa: F401
