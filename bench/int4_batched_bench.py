@@ -128,7 +128,7 @@ def print_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
         row = [f"{times[b, mt] * 1e6:9.1f}" if (b, mt) in times else f"{'-':>9}" for mt in mts]
         best = min((t, mt) for (bb, mt), t in times.items() if bb == b)
         print(f"    b{b:<3d}" + " ".join(row) + f"   best mt{best[1]}, default "
-              f"mt{mma_tiles(b, n, sms, k)[1]}", flush=True)
+              f"mt{mma_tiles(b, n, sms)[1]}", flush=True)
 
 
 def main() -> int:
@@ -154,6 +154,7 @@ def main() -> int:
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
           " ".join(f"{'b' + str(b) + ' us':>9}" for b in BATCHES) +
           "   of copy: gemv1 mma1 mma64   tiles(64)   torch fp16 us (same batches)")
+    sms = sm_count(dev)
     with KernelHarness(dev, compiler) as h:
         f_gemv = h.function(INT4_MATMUL)
         for name, n, k, uses in SHAPES:
@@ -182,7 +183,7 @@ def main() -> int:
                     args.reps, args.trials)
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
-                print_sweep(name, n, k, swept, sm_count(dev))
+                print_sweep(name, n, k, swept, sms)
                 for b in BATCHES[1:]:
                     step_best[b] += uses * min(t for (bb, _), t in swept.items() if bb == b)
             h.close()
@@ -197,7 +198,7 @@ def main() -> int:
             row = (f"{name:>8} {n:6d} {k:6d} {gemv1 * 1e6:9.1f} "
                    + " ".join(f"{times[b] * 1e6:9.1f}" for b in BATCHES)
                    + "   " + " ".join(f"{f:5.2f}" for f in frac)
-                   + f"   {mma_tiles(64, n, 132, k)}")
+                   + f"   {mma_tiles(64, n, sms)}")
             if torch_times and all(v is not None for v in torch_times.values()):
                 row += "   " + " ".join(f"{torch_times[b] * 1e6:7.1f}" for b in BATCHES)
             print(row, flush=True)

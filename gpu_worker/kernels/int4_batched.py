@@ -40,7 +40,7 @@ from gpu_worker.kernels.common import (
 )
 
 MMA_MAX_ROWS = 64   # rows of x the kernel takes (8 n-tiles of 8)
-MMA_K_ALIGN = 128   # K granule: 4 quant blocks (one 8-byte load of 4 scales)
+MMA_K_ALIGN = 128   # K granule: a k-group of 4 quant blocks, one per lane of a quad
 MMA_WARPS = 8
 
 
@@ -48,11 +48,10 @@ MMA_WARPS = 8
 # (acc MT * NT * 4 floats) and the reduction buffer bound MT * NT <= 16.
 MT_CHOICES: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2)}
 # The largest MT the launcher picks by default per NT (bench/int4_batched_bench.py --mt-sweep
-# measures every choice; docs/kernels.md has the figures). At 64 rows (NT 8) two tiles per warp
-# (88 bytes of spills) pay only where K is at most MT2_MAX_K and the blocks fill whole waves.
-MT_TOP: dict[int, int] = {1: 4, 2: 4, 4: 2, 8: 2}
-MT2_MAX_K = 4096
-WAVE_FILL = 0.9   # blocks / (SMs x waves) below which fewer, larger blocks lose to a fuller wave
+# measures every choice; docs/kernels.md has the figures): larger tiles re-read x from L2 fewer
+# times, so they pay while the grid still keeps SM_FILL of the SMs busy.
+MT_TOP: dict[int, int] = {1: 4, 2: 4, 4: 4, 8: 2}
+SM_FILL = 0.7   # blocks / SMs at or above which the larger tile wins (H200 sweep, 2026-12-03)
 
 
 def x_tiles(m: int) -> int:
@@ -60,21 +59,16 @@ def x_tiles(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
 
 
-def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT, k: int | None = None) -> tuple[int, int]:
-    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n (x k) output on
-    a device of `sms` multiprocessors (the launcher passes the device's own count): the largest
-    MT up to MT_TOP[NT] that still gives every SM a block (one block of 8 warps per SM); more
-    rows per block means fewer re-reads of x (each block reads all of x from L2). At NT 8, MT 2
-    only for k <= MT2_MAX_K (k unknown: 1) with its blocks filling WAVE_FILL of whole waves
-    (measured on the H200 at Llama-3-8B shapes: gate/up, wo and lm_head faster, QKV's 1.45
-    waves and w_down's K = 14336 slower)."""
+def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
+    """(NT n-tiles of 8 rows of x, MT 16-row weight tiles per warp) for an m x n output on a
+    device of `sms` multiprocessors (the launcher passes the device's own count): the largest MT
+    up to MT_TOP[NT] whose grid of ceil(n / (16 MT)) blocks still gives SM_FILL of the SMs a block
+    (one block of 8 warps per SM). On the H200 at Llama-3-8B shapes this picked the fastest
+    swept MT of every shape and batch (QKV's 96 blocks of 64 rows at 2..32 rows included; wo
+    and w_down at N = 4096 stay at 32 rows: 64 blocks would idle half the SMs)."""
     nt = x_tiles(m)
-    if nt == 8:
-        blocks = ceil_div(n, 32)
-        fill = blocks / (sms * ceil_div(blocks, sms))
-        return nt, 2 if k is not None and k <= MT2_MAX_K and fill >= WAVE_FILL else 1
-    for mt in (4, 2, 1):   # >= 90 % of the SMs: one wave on 128 of 132 beats two waves
-        if mt <= MT_TOP[nt] and mt in MT_CHOICES[nt] and ceil_div(n, 16 * mt) * 10 >= sms * 9:
+    for mt in (4, 2, 1):
+        if mt <= MT_TOP[nt] and mt in MT_CHOICES[nt] and ceil_div(n, 16 * mt) >= SM_FILL * sms:
             return nt, mt
     return nt, 1
 
@@ -101,7 +95,7 @@ def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, 
     if m == 0 or n == 0:
         return
     if mt is None:
-        _, mt = mma_tiles(m, n, sm_count(device), k)
+        _, mt = mma_tiles(m, n, sm_count(device))
     require(mt in MT_CHOICES[x_tiles(m)],
             f"{kernel}: mt={mt} not built for m={m} rows (choices {MT_CHOICES[x_tiles(m)]})")
     device.launch(function, (ceil_div(n, 16 * mt), 1, 1), (32 * MMA_WARPS, 1, 1),

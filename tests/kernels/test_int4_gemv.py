@@ -55,23 +55,22 @@ def test_every_sweep_variant_compiles_without_spills() -> None:
 
 def test_int4_mma_tiles_give_every_sm_a_block_and_stay_in_registers() -> None:
     from gpu_worker.kernels.common import SIM_SM_COUNT as SM_COUNT
-    from gpu_worker.kernels.int4_batched import mma_tiles
+    from gpu_worker.kernels.int4_batched import SM_FILL, mma_tiles
 
     assert mma_tiles(16, 128256) == (2, 4), "lm_head: 64 rows per block, 2004 blocks"
     assert mma_tiles(16, 14336) == (2, 4)
     assert mma_tiles(16, 4096) == (2, 2), "wq: 128 blocks of 32 rows, not 64 blocks"
     assert mma_tiles(8, 1024) == (1, 1)
-    assert mma_tiles(64, 128256) == (8, 1), "64 rows, k unknown: one tile per warp (registers)"
-    # 64 rows on the H200's 132 SMs (int4_batched_bench --mt-sweep, docs/kernels.md)
-    assert mma_tiles(64, 28672, 132, 4096) == (8, 2), "gate/up: 896 blocks, 0.97 of 7 waves"
-    assert mma_tiles(64, 4096, 132, 4096) == (8, 2), "wo: 128 blocks, one wave"
-    assert mma_tiles(64, 6144, 132, 4096) == (8, 1), "qkv: 192 blocks would be 1.45 waves"
-    assert mma_tiles(64, 4096, 132, 14336) == (8, 1), "w_down: measured slower at K = 14336"
-    assert mma_tiles(32, 14336)[1] == 2
+    # the H200's 132 SMs at Llama-3-8B shapes (int4_batched_bench --mt-sweep, docs/kernels.md)
+    assert mma_tiles(8, 6144, 132) == (1, 4), "qkv: 96 blocks of 64 rows"
+    assert mma_tiles(32, 28672, 132) == (4, 4), "gate/up at 32 rows: 448 blocks of 64 rows"
+    assert mma_tiles(64, 28672, 132) == (8, 2), "gate/up at 64 rows: MT 2 is the most built"
+    assert mma_tiles(64, 4096, 132) == (8, 2), "wo / w_down: 128 blocks, one wave"
+    assert mma_tiles(32, 4096, 132) == (4, 2), "64 blocks of 64 rows would idle half the SMs"
     for m in (2, 9, 17, 33):
         for n in (1024, 4096, 14336):
             mt = mma_tiles(m, n)[1]
-            assert mt == 1 or -(-n // (16 * mt)) * 10 >= SM_COUNT * 9
+            assert mt == 1 or -(-n // (16 * mt)) >= SM_FILL * SM_COUNT
 
 
 def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
@@ -89,4 +88,4 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
     assert not calls, "a refused launch launches nothing"
     for nt, choices in MT_CHOICES.items():
         assert all(mt * nt <= 16 for mt in choices), "the reduction buffer holds MT * NT <= 16"
-        assert mma_tiles(8 * nt, 1 << 20, 132, 4096)[1] in choices, "the default is built"
+        assert mma_tiles(8 * nt, 1 << 20, 132)[1] in choices, "the default is built"
