@@ -82,3 +82,19 @@ def test_every_int4_linear_reads_fp16_x_whatever_its_path():
         assert build(rows, "f16") == [("linear_int4", ("x",))]
     with pytest.raises(GraphError, match="i32"):
         build(65, "i32")
+
+
+def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compiler):
+    """Every int4 path computes one contract (reference.int4_matmul: fp16 x, fp16-rounded
+    weights, f32 sums): a 20-token sequence alone runs its linears at 20 rows (the fused path),
+    in a batch of four at 80 (dequant tile + GEMM), and its embedding is the same bits."""
+    cfg = CONFIGS["tiny-encoder"]
+    ex = ModelExecutor(device, compiler)
+    model = EncoderModel(ex, cfg, 1)
+    model.load()
+    batch = seqs(4, 20)
+    alone = model.embed(batch[:1])
+    together = model.embed(batch)
+    assert {k[1] * k[2] for k in ex.plans.keys() if k[0] == "encode"} >= {20, 80}, ex.plans.keys()
+    assert np.array_equal(alone[0], together[0]), np.abs(alone[0] - together[0]).max()
+    ex.close()
