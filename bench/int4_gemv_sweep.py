@@ -1,7 +1,9 @@
 """Tuning sweep behind gp_int4_matmul's constants (issue 12 part D): the kernel compiled with other
 values of its macros (GP_I4_WARPS, GP_I4_NC, GP_I4_U, GP_I4_PREFETCH, GP_I4_ROWS), each
 timed as bench/kernels_bench.py times the library kernel (one graph of `reps` launches, median
-replay / reps) on the 8b-int4 decode shapes, as a fraction of the same run's d2d copy bandwidth.
+replay / reps, each launch taking the next of enough weight copies that none is read from the
+L2: bench/limits.rotation) on the 8b-int4 decode shapes, as a fraction of the copy limit measured
+in the same run (bench/limits.py: 1 GiB device-to-device through torch, read + write).
 Every variant's 1-row result is checked against the NumPy reference (a mismatch prints "!" and
 the process exits 1). No target here: the target lives in kernels_bench.py [2].
 
@@ -10,6 +12,7 @@ the process exits 1). No target here: the target lives in kernels_bench.py [2].
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels_bench import Bench, timed
+from bench import limits as bench_limits
+from bench.kernels_bench import timed
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.device.backend import i32, ptr
@@ -46,9 +50,13 @@ def main() -> int:
     with ThreadPoolExecutor(8) as ex:
         compiled = list(ex.map(lambda v: comp.compile(variant_source(v)), VARIANTS))
     wrong = 0
+    limits = bench_limits.measure()
+    if limits is None:
+        print("int4_gemv_sweep: no copy limit (torch missing): nothing to divide by")
+        return 1
+    copy = limits.copy_gbs * 1e9
     with KernelHarness(dev, comp) as h:
-        copy = Bench(h, 20, 5).copy_bandwidth(1 << 30)
-        print(f"d2d copy {copy / 1e9:.0f} GB/s; cells: time per launch, fraction of copy")
+        print("cells: time per launch, fraction of the copy limit")
         rng = np.random.default_rng(1)
         data = {}
         for name, m, n, k in SHAPES:
@@ -57,18 +65,29 @@ def main() -> int:
             sc = (rng.standard_normal((n, kb)) * 0.01).astype(np.float16)
             x = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
             want = ref.int4_matmul(x, pk, sc) if m == 1 and n <= 4096 else None
-            data[name] = (m, n, k, h.put(pk), h.put(sc), h.put(x),
-                          h.put(np.zeros((m, n), np.float32)), want, n * kb * 18)
+            # the first copy is the checked one; the rest only keep the weight out of the L2
+            weights = [(h.put(pk), h.put(sc)) for _ in range(bench_limits.rotation(n * kb * 18))]
+            data[name] = (m, n, k, weights, h.put(x), h.put(np.zeros((m, n), np.float32)), want,
+                          n * kb * 18)
         print(f"{'warps/nc/u/pf/rows':>22} " + " ".join(f"{s[0]:>14}" for s in SHAPES))
         for v, c in zip(VARIANTS, compiled):
             warps, nc, rows = v[0], v[1], v[4]
             fn = dev.get_function(dev.load_module(c.cubin), "gp_int4_matmul")
             row = f"{v!s:>22} "
-            for m, n, k, pk, sc, x, y, want, wbytes in data.values():
+            for m, n, k, weights, x, y, want, wbytes in data.values():
                 grid = (-(-n // (warps * nc)), -(-m // rows), 1)
-                args = [ptr(y), ptr(x), ptr(pk), ptr(sc), ptr(0), i32(m), i32(n), i32(k), i32(0)]
-                t = timed(dev, lambda s, fn=fn, grid=grid, block=(32 * warps, 1, 1), args=args:
-                          dev.launch(fn, grid, block, args, stream=s), 20, 5)
+                turn = itertools.count()
+
+                def launch(s, fn=fn, grid=grid, block=(32 * warps, 1, 1), weights=weights, x=x,
+                           y=y, m=m, n=n, k=k, turn=turn):
+                    pk, sc = weights[next(turn) % len(weights)]
+                    dev.launch(fn, grid, block, [ptr(y), ptr(x), ptr(pk), ptr(sc), ptr(0), i32(m),
+                                                 i32(n), i32(k), i32(0)], stream=s)
+                t = timed(dev, launch, max(20, len(weights)), 5)
+                if want is not None:   # the check reads the first copy's result
+                    pk, sc = weights[0]
+                    dev.launch(fn, grid, (32 * warps, 1, 1), [ptr(y), ptr(x), ptr(pk), ptr(sc),
+                                                              ptr(0), i32(m), i32(n), i32(k), i32(0)])
                 bad = want is not None and not np.allclose(h.get(y, (m, n)), want, 1e-4, 1e-4)
                 wrong += bad
                 row += f" {t * 1e6:6.1f}us {wbytes / t / copy:4.2f}{'!' if bad else ''}"
