@@ -43,9 +43,16 @@ from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.half import INT4_DEQUANT_F16, launch_int4_dequant_f16
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
+    INT4_MMA_STAGED,
+    MAX_SPLIT,
+    MMA_K_ALIGN,
     MT_CHOICES,
+    STAGED_MT,
     launch_int4_mma,
+    launch_int4_mma_staged,
+    mma_kernel,
     mma_tiles,
+    staged_plan,
     x_tiles,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
@@ -82,18 +89,61 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
-              k: int, gemv: bool, mt: int | None = None):
-    """launch(stream): the linear at `rows` rows, on the next weight copy at every call."""
+              k: int, gemv: bool, mt: int | None = None, split: int | None = None,
+              staged: bool = False):
+    """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
+    GEMV, gp_int4_mma, or with `staged` gp_int4_mma_staged)."""
     turn = itertools.count()
 
     def launch(stream) -> None:
         packed, scales = weights[next(turn) % len(weights)]
         if gemv:
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
+        elif staged:
+            launch_int4_mma_staged(dev, function, y, x, packed, scales, 0, rows, n, k,
+                                   stream=stream, mt=mt, split=split)
         else:
             launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
                             mt=mt)
     return launch
+
+
+def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
+    """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
+    staged = mma_kernel(rows) == "staged"
+    return _launcher(dev, h.function(INT4_MMA_STAGED if staged else INT4_MMA), weights, x, y,
+                     rows, n, k, False, staged=staged)
+
+
+STAGED_SWEEP_BATCHES = (16, 32, 64)
+
+
+def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
+    """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile and the splits
+    1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp kernel's default."""
+    out = {}
+    for b in STAGED_SWEEP_BATCHES:
+        out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
+                                           False), reps, trials)
+        for mt in STAGED_MT:
+            for split in (1, 2, 4, 8):
+                if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
+                    out[b, mt, split] = ours(dev, _launcher(
+                        dev, h.function(INT4_MMA_STAGED), weights, x, y, b, n, k, False, mt,
+                        split, staged=True), reps, trials)
+    return out
+
+
+def print_staged_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
+    cols = sorted({(mt, s) for _, mt, s in times if mt})
+    print(f"  {name} n={n} k={k} staged sweep, us (mt/split; warp = gp_int4_mma's default):  warp "
+          + " ".join(f"{f'{mt}/{s}':>7}" for mt, s in cols))
+    for b in STAGED_SWEEP_BATCHES:
+        best = min((t, mt, s) for (bb, mt, s), t in times.items() if bb == b)
+        print(f"    b{b:<3d} {times[b, 0, 0] * 1e6:7.1f} "
+              + " ".join(f"{times[b, mt, s] * 1e6:7.1f}" for mt, s in cols)
+              + f"   best {best[1]}/{best[2]}, plan {'/'.join(map(str, staged_plan(b, n, k, sms)))}",
+              flush=True)
 
 
 def _tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y: int, tile: int,
@@ -136,6 +186,9 @@ def main() -> int:
     add_record_flag(ap)
     ap.add_argument("--mt-sweep", action="store_true",
                     help="time every built MT choice (16-row tiles per warp)")
+    ap.add_argument("--staged-sweep", action="store_true",
+                    help="time gp_int4_mma_staged at every built tile and split of K, and the "
+                         "warp kernel, at 16 / 32 / 64 rows")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -149,6 +202,7 @@ def main() -> int:
     step_torch = {b: 0.0 for b in BATCHES}
     step_best = {b: 0.0 for b in BATCHES[1:]}
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
+    step_staged = {b: 0.0 for b in STAGED_SWEEP_BATCHES}
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -172,8 +226,8 @@ def main() -> int:
                          args.trials)
             times, torch_times = {}, {}
             for b in BATCHES:
-                times[b] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x16, y, b,
-                                               n, k, False), args.reps, args.trials)
+                times[b] = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
+                                args.trials)
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
                     have_torch = torch_times[b] is not None
@@ -181,6 +235,12 @@ def main() -> int:
                 step_tensor[b] += uses * ours(dev, _tensor_launcher(
                     dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
                     args.reps, args.trials)
+            if args.staged_sweep:
+                staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
+                print_staged_sweep(name, n, k, staged_times, sms)
+                for b in STAGED_SWEEP_BATCHES:
+                    step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()
+                                                 if bb == b)
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_sweep(name, n, k, swept, sms)
@@ -219,6 +279,12 @@ def main() -> int:
               flush=True)
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
+    if args.staged_sweep:
+        print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
+        for b in STAGED_SWEEP_BATCHES:
+            print(f"  batch {b:3d}: {step_staged[b] * 1e3:8.3f} (default {step[b] * 1e3:8.3f})")
+            targets.figure(f"decode step int4 linears, {b} rows, best swept staged or warp",
+                           step_staged[b] * 1e3, "ms")
     if args.mt_sweep:
         print("decode step's linears with the best swept mt per shape, ms:")
         for b in BATCHES[1:]:

@@ -105,4 +105,80 @@ def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, 
 
 INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, launch_int4_mma)
 
-KERNELS = [INT4_MMA]
+
+# gp_int4_mma_staged: the same contract for STAGED_MIN_ROWS..64 rows. A CTA's 8 warps split its
+# tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
+# pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
+# splits K over a thread-block cluster, summed through distributed shared memory in rank order.
+STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
+STAGES = 4             # k-groups in the pipeline (GP_STAGES in the source)
+STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
+MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
+
+
+def mma_kernel(m: int) -> str:
+    """Which tensor-core kernel serves m rows: "staged" (gp_int4_mma_staged) or "warp"
+    (gp_int4_mma)."""
+    return "staged" if m >= STAGED_MIN_ROWS else "warp"
+
+
+def staged_tile(m: int, mt: int) -> tuple[int, int]:
+    """(weight rows, x rows) of one CTA of the staged kernel: 8 warps over weight rows up to 32
+    rows of x, 4 x 2 (weight rows x x rows) above."""
+    wb = 1 if m <= 32 else 2
+    return (MMA_WARPS // wb) * 16 * mt, wb * 32
+
+
+def staged_shared_bytes(m: int, mt: int) -> int:
+    """Dynamic shared memory of one staged CTA: STAGES x (weights 64 B + scales 8 B per row,
+    x 256 B per row) per k-group (GpStaged in the source)."""
+    bn, xr = staged_tile(m, mt)
+    return STAGES * (bn * 72 + xr * 256)
+
+
+def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
+    """(mt, split): the largest weight tile per CTA whose grid, with K split over up to MAX_SPLIT
+    CTAs of a cluster where the tiles alone leave SMs idle, still gives SM_FILL of the SMs a CTA.
+    Larger tiles fetch x fewer times per call; a split costs a DSMEM sum of the partials."""
+    groups = k // MMA_K_ALIGN
+    split = 1
+    for mt in (4, 2, 1):
+        tiles = ceil_div(n, staged_tile(m, mt)[0])
+        split = 1 if tiles >= SM_FILL * sms else max(1, min(MAX_SPLIT, sms // tiles, groups))
+        if tiles * split >= SM_FILL * sms:
+            return mt, split
+    return 1, split
+
+
+def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales: int, bias: int,
+                           m: int, n: int, k: int, accumulate: bool = False, stream=None,
+                           mt: int | None = None, split: int | None = None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_staged; `mt` and `split` force the
+    weight tile and the K split (default: staged_plan)."""
+    kernel = "int4_mma_staged"
+    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
+    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
+    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
+    require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
+            f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
+    if m == 0 or n == 0:
+        return
+    plan_mt, plan_split = staged_plan(m, n, k, sm_count(device))
+    mt = plan_mt if mt is None else mt
+    split = plan_split if split is None else split
+    require(mt in STAGED_MT, f"{kernel}: mt={mt} not built (choices {STAGED_MT})")
+    require(1 <= split <= min(MAX_SPLIT, k // MMA_K_ALIGN),
+            f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
+    tiles = ceil_div(n, staged_tile(m, mt)[0])
+    require(tiles < 65536, f"{kernel}: n={n} too large")
+    device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0), i32(mt)], stream=stream,
+                  shared_bytes=staged_shared_bytes(m, mt),
+                  cluster=(split, 1, 1) if split > 1 else None)
+
+
+INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
+                            reference.int4_matmul, launch_int4_mma_staged)
+
+KERNELS = [INT4_MMA, INT4_MMA_STAGED]

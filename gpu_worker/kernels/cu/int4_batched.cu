@@ -213,3 +213,237 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
         if (mt == 2) GP_I4MMA(2, 8); else GP_I4MMA(1, 8);
     }
 }
+
+// ---- gp_int4_mma_staged: the same contract, for 17..64 rows ----------------------------------
+// Where gp_int4_mma gives each warp its own weight rows over a K slice (x re-read by every warp
+// from L2, weights one k-group ahead in registers), this kernel splits a CTA's 8 warps over
+// weight rows (WN) and batch rows (WB) of one K range and streams both operands through a
+// GP_STAGES-deep cp.async pipeline in shared memory: every weight byte and every x byte of the
+// tile is fetched once per CTA, and GP_STAGES - 1 k-groups are in flight while one multiplies.
+// Small N splits K over a thread-block cluster of S CTAs, summed through distributed shared
+// memory in rank order (deterministic, no workspace, no atomics).
+
+__device__ __forceinline__ void gp_cp16(unsigned dst, const void* src, bool in) {  // zeros if !in
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void gp_cp8(unsigned dst, const void* src, bool in) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 8 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N_>
+__device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }
+
+// Thread-block clusters (sm_90): without a cluster launch a CTA is rank 0 of a cluster of one.
+__device__ __forceinline__ int gp_cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return (int)r;
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ int gp_cluster_size() {
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return (int)r;
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ void gp_cluster_sync() {  // every thread of every CTA of the cluster
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// The float at shared-window address `local` of the cluster's CTA `rank`.
+__device__ __forceinline__ float gp_ld_cluster(unsigned local, int rank) {
+#if __CUDA_ARCH__ >= 900
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return 0.f;
+#endif
+}
+
+#define GP_STAGES 4
+
+// One pipeline stage (one k-group: 128 k) in shared memory, byte offsets:
+//   W  [BN rows][4 quant blocks] x 16 bytes, as in global memory (a quarter warp's loads of
+//      quant block t of rows g, g + 1 cover 128 contiguous bytes: conflict-free);
+//   S  [BN rows][4] fp16 scales;
+//   X  [XR rows][16 slots] x 16 bytes: the 8 halves at k 32t + 8j go to slot 4j + t, XOR 4 on odd
+//      rows, so the quarter warp reading (rows g, g + 1; t 0..3) for step j hits 8 distinct
+//      16-byte bank groups.
+template <int MT, int NT, int WB>
+struct GpStaged {
+    static constexpr int WN = GP_MMA_WARPS / WB;   // warps over weight rows
+    static constexpr int BN = WN * 16 * MT;        // weight rows per CTA
+    static constexpr int XR = WB * NT * 8;         // x rows per CTA (zeros past M)
+    static constexpr int SW = 0, SS = BN * 64, SX = SS + BN * 8, STAGE = SX + XR * 256;
+};
+
+template <int MT, int NT, int WB>
+__device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __restrict__ x,
+                                             const unsigned char* __restrict__ packed,
+                                             const unsigned short* __restrict__ sc,
+                                             const float* __restrict__ bias, int M, int N, int K,
+                                             int accumulate, unsigned char* smem) {
+    using L = GpStaged<MT, NT, WB>;
+    constexpr int THREADS = GP_MMA_WARPS * 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wn = warp % L::WN, wb = warp / L::WN;
+    const int KB = K >> 5, KG = K >> 7;  // quant blocks per row, k-groups of 4 of them
+    const int S = gp_cluster_size(), rank = gp_cluster_rank();
+    const int row0 = blockIdx.y * L::BN;
+    const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
+    const int groups = g1 - g0;
+    const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+
+    // k-group g0 + i into stage i % GP_STAGES (nothing past the range), then one commit group.
+    auto issue = [&](int i) {
+        if (i < groups) {
+            const int kg = g0 + i;
+            const unsigned st = base + (i % GP_STAGES) * L::STAGE;
+#pragma unroll
+            for (int c = tid; c < L::BN * 4; c += THREADS) {
+                const int row = row0 + (c >> 2);
+                const bool in = row < N;
+                gp_cp16(st + L::SW + c * 16, packed + ((long long)(in ? row : 0) * KB + kg * 4 + (c & 3)) * 16, in);
+            }
+#pragma unroll
+            for (int c = tid; c < L::BN; c += THREADS) {
+                const int row = row0 + c;
+                const bool in = row < N;
+                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row : 0) * KB + kg * 4, in);
+            }
+#pragma unroll
+            for (int c = tid; c < L::XR * 16; c += THREADS) {
+                const int m = c >> 4, ch = c & 15;
+                const bool in = m < M;
+                const int slot = (((ch & 3) << 2) | (ch >> 2)) ^ ((m & 1) << 2);
+                gp_cp16(st + L::SX + (m * 16 + slot) * 16, x + (long long)(in ? m : 0) * K + kg * 128 + 8 * ch, in);
+            }
+        }
+        gp_cp_commit();
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < GP_STAGES - 1; ++i) issue(i);
+    for (int i = 0; i < groups; ++i) {
+        gp_cp_wait<GP_STAGES - 2>();   // this thread's copies of k-group i have landed
+        __syncthreads();               // everyone's have, and stage (i - 1) % GP_STAGES is free
+        issue(i + GP_STAGES - 1);
+        const unsigned char* st = smem + (i % GP_STAGES) * L::STAGE;
+        uint4 wv[MT][2];
+        unsigned s2[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wn * 16 * MT + mt * 16 + g + 8 * h;
+                wv[mt][h] = *reinterpret_cast<const uint4*>(st + L::SW + r * 64 + t * 16);
+                const unsigned s = *reinterpret_cast<const unsigned short*>(st + L::SS + r * 8 + t * 2);
+                s2[mt][h] = s | (s << 16);
+            }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            unsigned b[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int m = wb * NT * 8 + nt * 8 + g;
+                const int slot = (j * 4 + t) ^ ((g & 1) << 2);
+                gp_xfrag(b[nt], *reinterpret_cast<const uint4*>(st + L::SX + (m * 16 + slot) * 16));
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                unsigned a[2][4];
+                gp_dequant(a, gp_word(wv[mt][0], j), gp_word(wv[mt][1], j), s2[mt][0], s2[mt][1]);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    gp_mma(acc[mt][nt], a[0], b[nt][0], b[nt][1]);
+                    gp_mma(acc[mt][nt], a[1], b[nt][2], b[nt][3]);
+                }
+            }
+        }
+    }
+    gp_cp_wait<0>();
+    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+
+    if (S == 1) {  // whole sums: each warp writes its own outputs
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = row0 + wn * 16 * MT + mt * 16 + g + 8 * (e >> 1);
+                    const int m = wb * NT * 8 + nt * 8 + 2 * t + (e & 1);
+                    if (r >= N || m >= M) continue;
+                    float v = acc[mt][nt][e];
+                    if (bias) v += bias[r];
+                    float* yp = y + (long long)m * N + r;
+                    *yp = accumulate ? *yp + v : v;
+                }
+        return;
+    }
+    // Split K: partials to shared memory as [m][row] (stride BN + 4: conflict-free stores), then
+    // rank q sums its 1/S of the outputs over ranks 0..S-1 in rank order and writes y.
+    constexpr int PS = L::BN + 4;
+    float* ps = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int rl = wn * 16 * MT + mt * 16 + g + 8 * (e >> 1);
+                const int m = wb * NT * 8 + nt * 8 + 2 * t + (e & 1);
+                ps[m * PS + rl] = acc[mt][nt][e];
+            }
+    gp_cluster_sync();
+    const int total = M * L::BN;
+    const int lo = (int)((long long)total * rank / S), hi = (int)((long long)total * (rank + 1) / S);
+    for (int idx = lo + tid; idx < hi; idx += THREADS) {
+        const int m = idx / L::BN, rl = idx - m * L::BN, r = row0 + rl;
+        if (r >= N) continue;
+        const unsigned off = base + 4u * (unsigned)(m * PS + rl);
+        float v = 0.f;
+        for (int s = 0; s < S; ++s) v += gp_ld_cluster(off, s);
+        if (bias) v += bias[r];
+        float* yp = y + (long long)m * N + r;
+        *yp = accumulate ? *yp + v : v;
+    }
+    gp_cluster_sync();  // no CTA leaves while another still reads its shared memory
+}
+
+// grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
+// shared memory GP_STAGES * GpStaged::STAGE (int4_batched.staged_shared_bytes); WB = 1 for
+// M <= 32 (the 8 warps over 8 * 16 * mt weight rows), 2 above (4 warps over rows x 2 over x).
+#define GP_I4MMA_S(MT_, NT_, WB_) \
+    gp_i4mma_staged<MT_, NT_, WB_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_i4s_smem)
+extern "C" __global__ void __launch_bounds__(256, 1)
+gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
+                   const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
+                   const float* __restrict__ bias, int M, int N, int K, int accumulate, int mt) {
+    extern __shared__ __align__(16) unsigned char gp_i4s_smem[];
+    if (M <= 32) {
+        if (mt == 4) GP_I4MMA_S(4, 4, 1); else if (mt == 2) GP_I4MMA_S(2, 4, 1); else GP_I4MMA_S(1, 4, 1);
+    } else {
+        if (mt == 4) GP_I4MMA_S(4, 4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
+    }
+}

@@ -48,7 +48,12 @@ from gpu_worker.kernels.half import (
     launch_int4_dequant_f16,
     launch_to_f16,
 )
-from gpu_worker.kernels.int4_batched import INT4_MMA, launch_int4_mma
+from gpu_worker.kernels.int4_batched import (
+    INT4_MMA,
+    INT4_MMA_STAGED,
+    launch_int4_mma,
+    launch_int4_mma_staged,
+)
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
     INT4_MATMUL,
@@ -252,6 +257,22 @@ def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=N
     y = h.put(y0)
     launch_int4_mma(h.device, h.function(INT4_MMA), y, h.put(x), h.put(packed), h.put(scales),
                     h.put(b) if bias else 0, m, n, k, accumulate, mt=mt)
+    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+
+
+def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None,
+                         split=None) -> Outcome:
+    """The staged tensor-core int4 linear (int4_batched.py): int4_mma's contract and tolerance;
+    `mt` and `split` force the weight tile and the cluster's K split (default: staged_plan)."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k, scale=scale).astype(np.float16)
+    b = _f32(rng, n) if bias else None
+    y0 = _f32(rng, m, n)
+    y = h.put(y0)
+    launch_int4_mma_staged(h.device, h.function(INT4_MMA_STAGED), y, h.put(x), h.put(packed),
+                           h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate, mt=mt,
+                           split=split)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
@@ -549,6 +570,10 @@ CASES: list[Case] = [
     C("int4_mma", int4_mma_case, m=32, n=64, k=2048, bias=True),
     C("int4_mma", int4_mma_case, m=64, n=40, k=1152, accumulate=True),
     C("int4_mma", int4_mma_case, m=45, n=16, k=256),
+    C("int4_mma_staged", int4_mma_staged_case, m=17, n=48, k=128),
+    C("int4_mma_staged", int4_mma_staged_case, m=32, n=100, k=1024, bias=True, accumulate=True),
+    C("int4_mma_staged", int4_mma_staged_case, m=40, n=300, k=640, scale=300.0),
+    C("int4_mma_staged", int4_mma_staged_case, m=64, n=40, k=1152, accumulate=True, split=3),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

@@ -17,6 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 from gpu_worker.device.backend import KernelArg
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference
+from gpu_worker.kernels.int4_batched import MAX_SPLIT, MMA_K_ALIGN, STAGED_MT, staged_tile
 
 
 def _vals(args: Sequence[KernelArg]) -> list:
@@ -122,6 +123,19 @@ def _int4_mma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
     # the CUDA grid covers 16 * mt weight rows per block: a short grid leaves rows unwritten
     assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
+                              _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_int4_mma_staged")
+def _int4_mma_staged(mem, grid, block, args) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
+    # the CUDA grid is (split, tiles of staged_tile rows): a short grid leaves rows unwritten
+    bn = staged_tile(m, mt)[0]
+    assert grid[1] * bn >= n and mt in STAGED_MT and block[0] == 256, (grid, block, mt)
+    assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
