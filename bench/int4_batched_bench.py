@@ -24,6 +24,7 @@ best choice per shape: the figures int4_batched.mma_tiles' rule is set from.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -110,7 +111,7 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
     """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
-    staged = mma_kernel(rows) == "staged"
+    staged = mma_kernel(rows, n, k, sm_count(dev)) == "staged"
     return _launcher(dev, h.function(INT4_MMA_STAGED if staged else INT4_MMA), weights, x, y,
                      rows, n, k, False, staged=staged)
 
@@ -118,18 +119,32 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 STAGED_SWEEP_BATCHES = (16, 32, 64)
 
 
-def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
+def staged_kernel(ctas: int):
+    """gp_int4_mma_staged with registers bounded for `ctas` CTAs per SM (GP_I4S_CTAS; 1 is the
+    library's build; at 2, mt 4 is not built)."""
+    if ctas == 1:
+        return INT4_MMA_STAGED, STAGED_MT
+    source = dataclasses.replace(INT4_MMA_STAGED.source,
+                                 module_name=f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}",
+                                 options=(*INT4_MMA_STAGED.source.options,
+                                          f"-DGP_I4S_CTAS={ctas}"))
+    return dataclasses.replace(INT4_MMA_STAGED, source=source), (1, 2)
+
+
+def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
+                 ctas: int = 1) -> dict:
     """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile and the splits
     1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp kernel's default."""
+    kdef, mts = staged_kernel(ctas)
     out = {}
     for b in STAGED_SWEEP_BATCHES:
         out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
                                            False), reps, trials)
-        for mt in STAGED_MT:
+        for mt in mts:
             for split in (1, 2, 4, 8):
                 if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
                     out[b, mt, split] = ours(dev, _launcher(
-                        dev, h.function(INT4_MMA_STAGED), weights, x, y, b, n, k, False, mt,
+                        dev, h.function(kdef), weights, x, y, b, n, k, False, mt,
                         split, staged=True), reps, trials)
     return out
 
@@ -189,6 +204,8 @@ def main() -> int:
     ap.add_argument("--staged-sweep", action="store_true",
                     help="time gp_int4_mma_staged at every built tile and split of K, and the "
                          "warp kernel, at 16 / 32 / 64 rows")
+    ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
+                    help="--staged-sweep on the kernel built for this many CTAs per SM")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -236,7 +253,8 @@ def main() -> int:
                     dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
                     args.reps, args.trials)
             if args.staged_sweep:
-                staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
+                staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
+                                            args.staged_ctas)
                 print_staged_sweep(name, n, k, staged_times, sms)
                 for b in STAGED_SWEEP_BATCHES:
                     step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()

@@ -116,10 +116,15 @@ STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
 MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
 
-def mma_kernel(m: int) -> str:
-    """Which tensor-core kernel serves m rows: "staged" (gp_int4_mma_staged) or "warp"
-    (gp_int4_mma)."""
-    return "staged" if m >= STAGED_MIN_ROWS else "warp"
+def mma_kernel(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> str:
+    """Which tensor-core kernel serves an m x n x k linear: "staged" (gp_int4_mma_staged) from
+    STAGED_MIN_ROWS rows where its plan fills the SMs without splitting K, else "warp"
+    (gp_int4_mma). On the H200 (int4_batched_bench --staged-sweep) the staged kernel won at 32
+    and 64 rows on gate/up and lm_head, and the warp kernel on the 4096- and 6144-row linears,
+    where every split cost more than the x it saves."""
+    if m < STAGED_MIN_ROWS:
+        return "warp"
+    return "staged" if staged_plan(m, n, k, sms)[1] == 1 else "warp"
 
 
 def staged_tile(m: int, mt: int) -> tuple[int, int]:

@@ -434,16 +434,26 @@ __device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __r
 // grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
 // shared memory GP_STAGES * GpStaged::STAGE (int4_batched.staged_shared_bytes); WB = 1 for
 // M <= 32 (the 8 warps over 8 * 16 * mt weight rows), 2 above (4 warps over rows x 2 over x).
+// GP_I4S_CTAS: CTAs per SM the registers are bounded for (the tuning knob of int4_batched_bench
+// --staged-ctas; at 2 the 128-register bound leaves mt 4 unbuilt: it then runs mt 2).
+#ifndef GP_I4S_CTAS
+#define GP_I4S_CTAS 1
+#endif
 #define GP_I4MMA_S(MT_, NT_, WB_) \
     gp_i4mma_staged<MT_, NT_, WB_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_i4s_smem)
-extern "C" __global__ void __launch_bounds__(256, 1)
+#if GP_I4S_CTAS == 1
+#define GP_I4MMA_S_TOP(NT_, WB_) GP_I4MMA_S(4, NT_, WB_)
+#else
+#define GP_I4MMA_S_TOP(NT_, WB_) GP_I4MMA_S(2, NT_, WB_)
+#endif
+extern "C" __global__ void __launch_bounds__(256, GP_I4S_CTAS)
 gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
                    const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
                    const float* __restrict__ bias, int M, int N, int K, int accumulate, int mt) {
     extern __shared__ __align__(16) unsigned char gp_i4s_smem[];
     if (M <= 32) {
-        if (mt == 4) GP_I4MMA_S(4, 4, 1); else if (mt == 2) GP_I4MMA_S(2, 4, 1); else GP_I4MMA_S(1, 4, 1);
+        if (mt == 4) GP_I4MMA_S_TOP(4, 1); else if (mt == 2) GP_I4MMA_S(2, 4, 1); else GP_I4MMA_S(1, 4, 1);
     } else {
-        if (mt == 4) GP_I4MMA_S(4, 4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
+        if (mt == 4) GP_I4MMA_S_TOP(4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
     }
 }

@@ -82,16 +82,17 @@ class KernelHarness:
     def __init__(self, device, compiler) -> None:
         self.device, self.compiler = device, compiler
         self._modules: dict[str, object] = {}
-        self._functions: dict[str, object] = {}
+        self._functions: dict[tuple[str, str], object] = {}
         self._allocs: list = []
 
     def function(self, kdef: KernelDef) -> object:
-        if kdef.entry not in self._functions:
-            name = kdef.source.module_name
+        name = kdef.source.module_name
+        if (name, kdef.entry) not in self._functions:   # a tuning variant is another module
             if name not in self._modules:
                 self._modules[name] = self.compiler.load(self.device, kdef.source)
-            self._functions[kdef.entry] = self.device.get_function(self._modules[name], kdef.entry)
-        return self._functions[kdef.entry]
+            self._functions[name, kdef.entry] = self.device.get_function(self._modules[name],
+                                                                          kdef.entry)
+        return self._functions[name, kdef.entry]
 
     def put(self, host: np.ndarray) -> int:
         a = self.device.arena.alloc(max(1, host.nbytes), "activations")
