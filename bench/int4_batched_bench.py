@@ -39,6 +39,7 @@ from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
+from gpu_worker.device.sim_backend import SIM_MAX_SHARED_BYTES as MAX_SHARED_BYTES
 from gpu_worker.execution.ops import tile_rows
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.half import INT4_DEQUANT_F16, launch_int4_dequant_f16
@@ -49,11 +50,13 @@ from gpu_worker.kernels.int4_batched import (
     MMA_K_ALIGN,
     MT_CHOICES,
     STAGED_MT,
+    STAGES,
     launch_int4_mma,
     launch_int4_mma_staged,
     mma_kernel,
     mma_tiles,
     staged_plan,
+    staged_shared_bytes,
     x_tiles,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
@@ -91,7 +94,7 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
-              staged: bool = False):
+              staged: bool = False, stages: int = STAGES):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
     GEMV, gp_int4_mma, or with `staged` gp_int4_mma_staged)."""
     turn = itertools.count()
@@ -102,7 +105,7 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
         elif staged:
             launch_int4_mma_staged(dev, function, y, x, packed, scales, 0, rows, n, k,
-                                   stream=stream, mt=mt, split=split)
+                                   stream=stream, mt=mt, split=split, stages=stages)
         else:
             launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
                             mt=mt)
@@ -119,33 +122,38 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 STAGED_SWEEP_BATCHES = (16, 32, 64)
 
 
-def staged_kernel(ctas: int):
-    """gp_int4_mma_staged with registers bounded for `ctas` CTAs per SM (GP_I4S_CTAS; 1 is the
-    library's build; at 2, mt 4 is not built)."""
-    if ctas == 1:
+def staged_kernel(ctas: int, stages: int):
+    """gp_int4_mma_staged with registers bounded for `ctas` CTAs per SM (GP_I4S_CTAS; at 2, mt 4
+    is not built) and a `stages`-deep pipeline (GP_STAGES), and the tiles it is built for; the
+    library's build is 1 CTA and STAGES."""
+    if (ctas, stages) == (1, STAGES):
         return INT4_MMA_STAGED, STAGED_MT
-    source = dataclasses.replace(INT4_MMA_STAGED.source,
-                                 module_name=f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}",
-                                 options=(*INT4_MMA_STAGED.source.options,
-                                          f"-DGP_I4S_CTAS={ctas}"))
-    return dataclasses.replace(INT4_MMA_STAGED, source=source), (1, 2)
+    source = dataclasses.replace(
+        INT4_MMA_STAGED.source,
+        module_name=f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}_stages{stages}",
+        options=(*INT4_MMA_STAGED.source.options, f"-DGP_I4S_CTAS={ctas}",
+                 f"-DGP_STAGES={stages}"))
+    return dataclasses.replace(INT4_MMA_STAGED, source=source), (STAGED_MT if ctas == 1 else (1, 2))
 
 
 def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
-                 ctas: int = 1) -> dict:
-    """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile and the splits
-    1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp kernel's default."""
-    kdef, mts = staged_kernel(ctas)
+                 ctas: int = 1, stages: int = STAGES) -> dict:
+    """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile (that fits the
+    shared memory) and the splits 1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp
+    kernel's default."""
+    kdef, mts = staged_kernel(ctas, stages)
     out = {}
     for b in STAGED_SWEEP_BATCHES:
         out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
                                            False), reps, trials)
         for mt in mts:
+            if staged_shared_bytes(b, mt, stages) > MAX_SHARED_BYTES:
+                continue
             for split in (1, 2, 4, 8):
                 if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
                     out[b, mt, split] = ours(dev, _launcher(
                         dev, h.function(kdef), weights, x, y, b, n, k, False, mt,
-                        split, staged=True), reps, trials)
+                        split, staged=True, stages=stages), reps, trials)
     return out
 
 
@@ -156,7 +164,8 @@ def print_staged_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None
     for b in STAGED_SWEEP_BATCHES:
         best = min((t, mt, s) for (bb, mt, s), t in times.items() if bb == b)
         print(f"    b{b:<3d} {times[b, 0, 0] * 1e6:7.1f} "
-              + " ".join(f"{times[b, mt, s] * 1e6:7.1f}" for mt, s in cols)
+              + " ".join(f"{times[b, mt, s] * 1e6:7.1f}" if (b, mt, s) in times else f"{'-':>7}"
+                         for mt, s in cols)
               + f"   best {best[1]}/{best[2]}, plan {'/'.join(map(str, staged_plan(b, n, k, sms)))}",
               flush=True)
 
@@ -206,6 +215,8 @@ def main() -> int:
                          "warp kernel, at 16 / 32 / 64 rows")
     ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
                     help="--staged-sweep on the kernel built for this many CTAs per SM")
+    ap.add_argument("--staged-stages", type=int, default=STAGES,
+                    help="--staged-sweep on the kernel built with this many pipeline stages")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -254,7 +265,7 @@ def main() -> int:
                     args.reps, args.trials)
             if args.staged_sweep:
                 staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                            args.staged_ctas)
+                                            args.staged_ctas, args.staged_stages)
                 print_staged_sweep(name, n, k, staged_times, sms)
                 for b in STAGED_SWEEP_BATCHES:
                     step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()

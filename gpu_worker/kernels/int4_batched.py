@@ -134,11 +134,11 @@ def staged_tile(m: int, mt: int) -> tuple[int, int]:
     return (MMA_WARPS // wb) * 16 * mt, wb * 32
 
 
-def staged_shared_bytes(m: int, mt: int) -> int:
-    """Dynamic shared memory of one staged CTA: STAGES x (weights 64 B + scales 8 B per row,
+def staged_shared_bytes(m: int, mt: int, stages: int = STAGES) -> int:
+    """Dynamic shared memory of one staged CTA: `stages` x (weights 64 B + scales 8 B per row,
     x 256 B per row) per k-group (GpStaged in the source)."""
     bn, xr = staged_tile(m, mt)
-    return STAGES * (bn * 72 + xr * 256)
+    return stages * (bn * 72 + xr * 256)
 
 
 def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
@@ -157,9 +157,11 @@ def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, i
 
 def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                            m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                           mt: int | None = None, split: int | None = None) -> None:
+                           mt: int | None = None, split: int | None = None,
+                           stages: int = STAGES) -> None:
     """int4_mma's contract and arguments on gp_int4_mma_staged; `mt` and `split` force the
-    weight tile and the K split (default: staged_plan)."""
+    weight tile and the K split (default: staged_plan); `stages` is the GP_STAGES `function`
+    was built with (a tuning build of the benchmark; the library's is STAGES)."""
     kernel = "int4_mma_staged"
     require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
     require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
@@ -179,7 +181,7 @@ def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales
     device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream,
-                  shared_bytes=staged_shared_bytes(m, mt),
+                  shared_bytes=staged_shared_bytes(m, mt, stages),
                   cluster=(split, 1, 1) if split > 1 else None)
 
 

@@ -275,7 +275,9 @@ __device__ __forceinline__ float gp_ld_cluster(unsigned local, int rank) {
 #endif
 }
 
-#define GP_STAGES 4
+#ifndef GP_STAGES
+#define GP_STAGES 4   // int4_batched.STAGES (int4_batched_bench --staged-stages builds others)
+#endif
 
 // One pipeline stage (one k-group: 128 k) in shared memory, byte offsets:
 //   W  [BN rows][4 quant blocks] x 16 bytes, as in global memory (a quarter warp's loads of
