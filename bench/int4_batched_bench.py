@@ -49,6 +49,7 @@ from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
     MMA_K_ALIGN,
     MT_CHOICES,
+    STAGE_GROUPS,
     STAGED_MT,
     STAGES,
     launch_int4_mma,
@@ -94,7 +95,7 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
-              staged: bool = False, stages: int = STAGES):
+              staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
     GEMV, gp_int4_mma, or with `staged` gp_int4_mma_staged)."""
     turn = itertools.count()
@@ -105,7 +106,8 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
         elif staged:
             launch_int4_mma_staged(dev, function, y, x, packed, scales, 0, rows, n, k,
-                                   stream=stream, mt=mt, split=split, stages=stages)
+                                   stream=stream, mt=mt, split=split, stages=stages,
+                                   groups=groups)
         else:
             launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
                             mt=mt)
@@ -122,38 +124,39 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 STAGED_SWEEP_BATCHES = (16, 32, 64)
 
 
-def staged_kernel(ctas: int, stages: int):
+def staged_kernel(ctas: int, stages: int, groups: int):
     """gp_int4_mma_staged with registers bounded for `ctas` CTAs per SM (GP_I4S_CTAS; at 2, mt 4
-    is not built) and a `stages`-deep pipeline (GP_STAGES), and the tiles it is built for; the
-    library's build is 1 CTA and STAGES."""
-    if (ctas, stages) == (1, STAGES):
+    is not built), a `stages`-deep pipeline (GP_STAGES) of `groups` k-groups each (GP_I4S_KPS),
+    and the tiles it is built for; the library's build is 1 CTA, STAGES and STAGE_GROUPS."""
+    if (ctas, stages, groups) == (1, STAGES, STAGE_GROUPS):
         return INT4_MMA_STAGED, STAGED_MT
     source = dataclasses.replace(
         INT4_MMA_STAGED.source,
-        module_name=f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}_stages{stages}",
+        module_name=(f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}_stages{stages}"
+                     f"_kps{groups}"),
         options=(*INT4_MMA_STAGED.source.options, f"-DGP_I4S_CTAS={ctas}",
-                 f"-DGP_STAGES={stages}"))
+                 f"-DGP_STAGES={stages}", f"-DGP_I4S_KPS={groups}"))
     return dataclasses.replace(INT4_MMA_STAGED, source=source), (STAGED_MT if ctas == 1 else (1, 2))
 
 
 def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
-                 ctas: int = 1, stages: int = STAGES) -> dict:
+                 ctas: int = 1, stages: int = STAGES, groups: int = STAGE_GROUPS) -> dict:
     """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile (that fits the
     shared memory) and the splits 1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp
     kernel's default."""
-    kdef, mts = staged_kernel(ctas, stages)
+    kdef, mts = staged_kernel(ctas, stages, groups)
     out = {}
     for b in STAGED_SWEEP_BATCHES:
         out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
                                            False), reps, trials)
         for mt in mts:
-            if staged_shared_bytes(b, mt, stages) > MAX_SHARED_BYTES:
+            if staged_shared_bytes(b, mt, stages, groups) > MAX_SHARED_BYTES:
                 continue
             for split in (1, 2, 4, 8):
                 if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
                     out[b, mt, split] = ours(dev, _launcher(
                         dev, h.function(kdef), weights, x, y, b, n, k, False, mt,
-                        split, staged=True, stages=stages), reps, trials)
+                        split, staged=True, stages=stages, groups=groups), reps, trials)
     return out
 
 
@@ -217,6 +220,8 @@ def main() -> int:
                     help="--staged-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--staged-stages", type=int, default=STAGES,
                     help="--staged-sweep on the kernel built with this many pipeline stages")
+    ap.add_argument("--staged-kps", type=int, default=STAGE_GROUPS,
+                    help="--staged-sweep on the kernel built with this many k-groups per stage")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -265,7 +270,8 @@ def main() -> int:
                     args.reps, args.trials)
             if args.staged_sweep:
                 staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                            args.staged_ctas, args.staged_stages)
+                                            args.staged_ctas, args.staged_stages,
+                                            args.staged_kps)
                 print_staged_sweep(name, n, k, staged_times, sms)
                 for b in STAGED_SWEEP_BATCHES:
                     step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()

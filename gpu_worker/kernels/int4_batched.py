@@ -111,7 +111,8 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 # pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
 # splits K over a thread-block cluster, summed through distributed shared memory in rank order.
 STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
-STAGES = 4             # k-groups in the pipeline (GP_STAGES in the source)
+STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
+STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
 STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
 MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
@@ -134,11 +135,11 @@ def staged_tile(m: int, mt: int) -> tuple[int, int]:
     return (MMA_WARPS // wb) * 16 * mt, wb * 32
 
 
-def staged_shared_bytes(m: int, mt: int, stages: int = STAGES) -> int:
-    """Dynamic shared memory of one staged CTA: `stages` x (weights 64 B + scales 8 B per row,
-    x 256 B per row) per k-group (GpStaged in the source)."""
+def staged_shared_bytes(m: int, mt: int, stages: int = STAGES, groups: int = STAGE_GROUPS) -> int:
+    """Dynamic shared memory of one staged CTA: `stages` x `groups` x (weights 64 B + scales 8 B
+    per row, x 256 B per row) per k-group (GpStaged in the source)."""
     bn, xr = staged_tile(m, mt)
-    return stages * (bn * 72 + xr * 256)
+    return stages * groups * (bn * 72 + xr * 256)
 
 
 def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
@@ -158,10 +159,11 @@ def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, i
 def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                            m: int, n: int, k: int, accumulate: bool = False, stream=None,
                            mt: int | None = None, split: int | None = None,
-                           stages: int = STAGES) -> None:
+                           stages: int = STAGES, groups: int = STAGE_GROUPS) -> None:
     """int4_mma's contract and arguments on gp_int4_mma_staged; `mt` and `split` force the
-    weight tile and the K split (default: staged_plan); `stages` is the GP_STAGES `function`
-    was built with (a tuning build of the benchmark; the library's is STAGES)."""
+    weight tile and the K split (default: staged_plan); `stages` and `groups` are the
+    GP_STAGES and GP_I4S_KPS `function` was built with (a tuning build of the benchmark; the
+    library's are STAGES and STAGE_GROUPS)."""
     kernel = "int4_mma_staged"
     require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
     require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
@@ -181,7 +183,7 @@ def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales
     device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(mt)], stream=stream,
-                  shared_bytes=staged_shared_bytes(m, mt, stages),
+                  shared_bytes=staged_shared_bytes(m, mt, stages, groups),
                   cluster=(split, 1, 1) if split > 1 else None)
 
 

@@ -278,20 +278,27 @@ __device__ __forceinline__ float gp_ld_cluster(unsigned local, int rank) {
 #ifndef GP_STAGES
 #define GP_STAGES 4   // int4_batched.STAGES (int4_batched_bench --staged-stages builds others)
 #endif
+#ifndef GP_I4S_KPS
+#define GP_I4S_KPS 1  // k-groups per stage: int4_batched.STAGE_GROUPS (--staged-kps builds others)
+#endif
 
-// One pipeline stage (one k-group: 128 k) in shared memory, byte offsets:
-//   W  [BN rows][4 quant blocks] x 16 bytes, as in global memory (a quarter warp's loads of
-//      quant block t of rows g, g + 1 cover 128 contiguous bytes: conflict-free);
-//   S  [BN rows][4] fp16 scales;
-//   X  [XR rows][16 slots] x 16 bytes: the 8 halves at k 32t + 8j go to slot 4j + t, XOR 4 on odd
-//      rows, so the quarter warp reading (rows g, g + 1; t 0..3) for step j hits 8 distinct
-//      16-byte bank groups.
+// One pipeline stage (KPS k-groups: 128 KPS k) in shared memory, byte offsets:
+//   W  [BN rows][4 KPS quant blocks] x 16 bytes, a row's KPS * 64 contiguous global bytes (the
+//      longer the run per row, the fewer DRAM rows opened per byte); for KPS > 1 a row's slot s
+//      sits at s ^ 4 on odd rows, so a quarter warp's loads of quant block t of rows g, g + 1
+//      hit 8 distinct 16-byte bank groups;
+//   S  [BN rows][4 KPS] fp16 scales;
+//   X  [XR rows][16 KPS slots] x 16 bytes: in k-group q of the stage, the 8 halves at
+//      k 32t + 8j go to slot 16q + 4j + t, XOR 4 on odd rows (conflict-free likewise).
 template <int MT, int NT, int WB>
 struct GpStaged {
+    static constexpr int KPS = GP_I4S_KPS;
     static constexpr int WN = GP_MMA_WARPS / WB;   // warps over weight rows
     static constexpr int BN = WN * 16 * MT;        // weight rows per CTA
     static constexpr int XR = WB * NT * 8;         // x rows per CTA (zeros past M)
-    static constexpr int SW = 0, SS = BN * 64, SX = SS + BN * 8, STAGE = SX + XR * 256;
+    static constexpr int WS = 4 * KPS;             // 16-byte weight slots per row
+    static constexpr int SW = 0, SS = BN * 64 * KPS, SX = SS + BN * 8 * KPS;
+    static constexpr int STAGE = SX + XR * 256 * KPS;
 };
 
 template <int MT, int NT, int WB>
@@ -301,39 +308,43 @@ __device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __r
                                              const float* __restrict__ bias, int M, int N, int K,
                                              int accumulate, unsigned char* smem) {
     using L = GpStaged<MT, NT, WB>;
-    constexpr int THREADS = GP_MMA_WARPS * 32;
+    constexpr int THREADS = GP_MMA_WARPS * 32, KPS = L::KPS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int wn = warp % L::WN, wb = warp / L::WN;
     const int KB = K >> 5, KG = K >> 7;  // quant blocks per row, k-groups of 4 of them
     const int S = gp_cluster_size(), rank = gp_cluster_rank();
     const int row0 = blockIdx.y * L::BN;
     const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
-    const int groups = g1 - g0;
+    const int stages = (g1 - g0 + KPS - 1) / KPS;
     const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
 
-    // k-group g0 + i into stage i % GP_STAGES (nothing past the range), then one commit group.
+    // k-groups g0 + KPS i .. of stage i into buffer i % GP_STAGES (nothing past the range: a
+    // k-group past g1 is never read), then one commit group.
     auto issue = [&](int i) {
-        if (i < groups) {
-            const int kg = g0 + i;
+        if (i < stages) {
+            const int kg0 = g0 + i * KPS;
             const unsigned st = base + (i % GP_STAGES) * L::STAGE;
 #pragma unroll
-            for (int c = tid; c < L::BN * 4; c += THREADS) {
-                const int row = row0 + (c >> 2);
-                const bool in = row < N;
-                gp_cp16(st + L::SW + c * 16, packed + ((long long)(in ? row : 0) * KB + kg * 4 + (c & 3)) * 16, in);
+            for (int c = tid; c < L::BN * L::WS; c += THREADS) {
+                const int rl = c / L::WS, slot = c % L::WS, row = row0 + rl;
+                const bool in = row < N && kg0 * 4 + slot < KB;
+                const int at = KPS > 1 ? slot ^ ((rl & 1) << 2) : slot;
+                gp_cp16(st + L::SW + (rl * L::WS + at) * 16,
+                        packed + ((long long)(in ? row : 0) * KB + (in ? kg0 * 4 + slot : 0)) * 16, in);
             }
 #pragma unroll
-            for (int c = tid; c < L::BN; c += THREADS) {
-                const int row = row0 + c;
-                const bool in = row < N;
-                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row : 0) * KB + kg * 4, in);
+            for (int c = tid; c < L::BN * KPS; c += THREADS) {
+                const int rl = c / KPS, q = c % KPS, row = row0 + rl;
+                const bool in = row < N && kg0 + q < KG;
+                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row : 0) * KB + (in ? (kg0 + q) * 4 : 0), in);
             }
 #pragma unroll
-            for (int c = tid; c < L::XR * 16; c += THREADS) {
-                const int m = c >> 4, ch = c & 15;
-                const bool in = m < M;
-                const int slot = (((ch & 3) << 2) | (ch >> 2)) ^ ((m & 1) << 2);
-                gp_cp16(st + L::SX + (m * 16 + slot) * 16, x + (long long)(in ? m : 0) * K + kg * 128 + 8 * ch, in);
+            for (int c = tid; c < L::XR * 16 * KPS; c += THREADS) {
+                const int m = c / (16 * KPS), q = (c >> 4) % KPS, ch = c & 15;
+                const bool in = m < M && kg0 + q < KG;
+                const int slot = q * 16 + ((((ch & 3) << 2) | (ch >> 2)) ^ ((m & 1) << 2));
+                gp_cp16(st + L::SX + (m * 16 * KPS + slot) * 16,
+                        x + (in ? (long long)m * K + (kg0 + q) * 128 + 8 * ch : 0), in);
             }
         }
         gp_cp_commit();
@@ -346,39 +357,45 @@ __device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __r
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 #pragma unroll
     for (int i = 0; i < GP_STAGES - 1; ++i) issue(i);
-    for (int i = 0; i < groups; ++i) {
-        gp_cp_wait<GP_STAGES - 2>();   // this thread's copies of k-group i have landed
-        __syncthreads();               // everyone's have, and stage (i - 1) % GP_STAGES is free
+    for (int i = 0; i < stages; ++i) {
+        gp_cp_wait<GP_STAGES - 2>();   // this thread's copies of stage i have landed
+        __syncthreads();               // everyone's have, and buffer (i - 1) % GP_STAGES is free
         issue(i + GP_STAGES - 1);
         const unsigned char* st = smem + (i % GP_STAGES) * L::STAGE;
-        uint4 wv[MT][2];
-        unsigned s2[MT][2];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int q = 0; q < KPS; ++q) {
+            if (KPS > 1 && g0 + i * KPS + q >= g1) break;   // the range's tail (CTA-uniform)
+            uint4 wv[MT][2];
+            unsigned s2[MT][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = wn * 16 * MT + mt * 16 + g + 8 * h;
-                wv[mt][h] = *reinterpret_cast<const uint4*>(st + L::SW + r * 64 + t * 16);
-                const unsigned s = *reinterpret_cast<const unsigned short*>(st + L::SS + r * 8 + t * 2);
-                s2[mt][h] = s | (s << 16);
-            }
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            unsigned b[NT][4];
+                for (int h = 0; h < 2; ++h) {
+                    const int r = wn * 16 * MT + mt * 16 + g + 8 * h;
+                    const int at = KPS > 1 ? (q * 4 + t) ^ ((r & 1) << 2) : t;
+                    wv[mt][h] = *reinterpret_cast<const uint4*>(st + L::SW + (r * L::WS + at) * 16);
+                    const unsigned sv = *reinterpret_cast<const unsigned short*>(
+                        st + L::SS + (r * KPS + q) * 8 + t * 2);
+                    s2[mt][h] = sv | (sv << 16);
+                }
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int m = wb * NT * 8 + nt * 8 + g;
-                const int slot = (j * 4 + t) ^ ((g & 1) << 2);
-                gp_xfrag(b[nt], *reinterpret_cast<const uint4*>(st + L::SX + (m * 16 + slot) * 16));
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                unsigned a[2][4];
-                gp_dequant(a, gp_word(wv[mt][0], j), gp_word(wv[mt][1], j), s2[mt][0], s2[mt][1]);
+            for (int j = 0; j < 4; ++j) {
+                unsigned b[NT][4];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    gp_mma(acc[mt][nt], a[0], b[nt][0], b[nt][1]);
-                    gp_mma(acc[mt][nt], a[1], b[nt][2], b[nt][3]);
+                    const int m = wb * NT * 8 + nt * 8 + g;
+                    const int slot = q * 16 + ((j * 4 + t) ^ ((g & 1) << 2));
+                    gp_xfrag(b[nt], *reinterpret_cast<const uint4*>(st + L::SX + (m * 16 * KPS + slot) * 16));
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    unsigned a[2][4];
+                    gp_dequant(a, gp_word(wv[mt][0], j), gp_word(wv[mt][1], j), s2[mt][0], s2[mt][1]);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        gp_mma(acc[mt][nt], a[0], b[nt][0], b[nt][1]);
+                        gp_mma(acc[mt][nt], a[1], b[nt][2], b[nt][3]);
+                    }
                 }
             }
         }
