@@ -81,17 +81,22 @@ def mma_supported(m: int, k: int) -> bool:
     return 2 <= m <= MMA_MAX_ROWS and k % MMA_K_ALIGN == 0 and k > 0
 
 
+def _require_linear(kernel: str, x: int, packed: int, scales: int, m: int, n: int, k: int) -> None:
+    """The arguments both tensor-core kernels take (InvalidArgument otherwise)."""
+    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
+    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
+    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
+    require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
+            f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
+
+
 def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                     m: int, n: int, k: int, accumulate: bool = False, stream=None,
                     mt: int | None = None) -> None:
     """y (m, n) f32 = x (m, k) fp16 @ f16(dequant(W))^T (+ bias), W streamed once; 1 <= m <= 64.
     `mt` forces the 16-row tiles per warp (one of MT_CHOICES[NT]; default: mma_tiles)."""
     kernel = "int4_mma"
-    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
-    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
-    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
-    require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
-            f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
+    _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
     if mt is None:
@@ -165,11 +170,7 @@ def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales
     GP_STAGES and GP_I4S_KPS `function` was built with (a tuning build of the benchmark; the
     library's are STAGES and STAGE_GROUPS)."""
     kernel = "int4_mma_staged"
-    require_sizes(kernel, m=m, n=n, k=k, elements=m * k)
-    require(m <= MMA_MAX_ROWS, f"{kernel}: m={m} rows > {MMA_MAX_ROWS}")
-    require(k % MMA_K_ALIGN == 0, f"{kernel}: k={k} must be a multiple of {MMA_K_ALIGN}")
-    require(packed % 16 == 0 and scales % 8 == 0 and x % 16 == 0,
-            f"{kernel}: packed (16), scales (8) and x (16) must be aligned")
+    _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
     plan_mt, plan_split = staged_plan(m, n, k, sm_count(device))
