@@ -20,7 +20,11 @@ the median replay / reps (bench/attention_bench.median_replay).
 
 `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
-best choice per shape: the figures int4_batched.mma_tiles' rule is set from.
+best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--staged-sweep`
+times int4_mma_staged at every built tile and K split against the warp kernel at 16 / 32 / 64
+rows (the figures int4_batched.mma_kernel's rule is set from); `--staged-ctas`, `--staged-stages`
+and `--staged-kps` sweep a tuning build instead, checked against the reference first (a wrong
+build stops the run).
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ from gpu_worker.kernels.int4_batched import (
     x_tiles,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
-from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.kernels.selfcheck import KernelHarness, int4_mma_staged_case
 
 # (name, n, k, uses per decode step)
 SHAPES = [("qkv", 6144, 4096, 32), ("wo", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
@@ -139,12 +143,34 @@ def staged_kernel(ctas: int, stages: int, groups: int):
     return dataclasses.replace(INT4_MMA_STAGED, source=source), (STAGED_MT if ctas == 1 else (1, 2))
 
 
+class WrongBuild(RuntimeError):
+    """A tuning build's result differs from the reference: its times mean nothing."""
+
+
+def check_build(h, kdef, mts, stages: int, groups: int) -> None:
+    """Every tile of a tuning build, K split over 1 and 3 CTAs, at 24 and 64 rows and odd N and
+    K, against the NumPy reference (the library's build has its GPU tests)."""
+    for m in (24, 64):
+        for mt in mts:
+            if staged_shared_bytes(m, mt, stages, groups) > MAX_SHARED_BYTES:
+                continue
+            for split in (1, 3):
+                failure = int4_mma_staged_case(
+                    h, np.random.default_rng(m + mt + split), m, 1000 + m, 4224, mt=mt,
+                    split=split, kernel=kdef, stages=stages, groups=groups).failure()
+                if failure is not None:
+                    raise WrongBuild(f"{kdef.source.module_name} m={m} mt={mt} split={split}: "
+                                     f"{failure}")
+
+
 def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                  ctas: int = 1, stages: int = STAGES, groups: int = STAGE_GROUPS) -> dict:
     """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile (that fits the
     shared memory) and the splits 1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp
     kernel's default."""
     kdef, mts = staged_kernel(ctas, stages, groups)
+    if kdef is not INT4_MMA_STAGED:
+        check_build(h, kdef, mts, stages, groups)
     out = {}
     for b in STAGED_SWEEP_BATCHES:
         out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,

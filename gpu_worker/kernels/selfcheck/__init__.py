@@ -51,6 +51,8 @@ from gpu_worker.kernels.half import (
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_STAGED,
+    STAGE_GROUPS,
+    STAGES,
     launch_int4_mma,
     launch_int4_mma_staged,
 )
@@ -263,17 +265,19 @@ def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=N
 
 
 def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None,
-                         split=None) -> Outcome:
+                         split=None, kernel=INT4_MMA_STAGED, stages=STAGES,
+                         groups=STAGE_GROUPS) -> Outcome:
     """The staged tensor-core int4 linear (int4_batched.py): int4_mma's contract and tolerance;
-    `mt` and `split` force the weight tile and the cluster's K split (default: staged_plan)."""
+    `mt` and `split` force the weight tile and the cluster's K split (default: staged_plan);
+    `kernel`, `stages` and `groups` name a tuning build (bench/int4_batched_bench.py)."""
     packed, scales = _quantized(rng, n, k)
     x = _f32(rng, m, k, scale=scale).astype(np.float16)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
-    launch_int4_mma_staged(h.device, h.function(INT4_MMA_STAGED), y, h.put(x), h.put(packed),
+    launch_int4_mma_staged(h.device, h.function(kernel), y, h.put(x), h.put(packed),
                            h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate, mt=mt,
-                           split=split)
+                           split=split, stages=stages, groups=groups)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
