@@ -148,10 +148,15 @@ def staged_shared_bytes(m: int, mt: int, stages: int = STAGES, groups: int = STA
 
 
 def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
-    """(mt, split): the largest weight tile per CTA whose grid, with K split over up to MAX_SPLIT
-    CTAs of a cluster where the tiles alone leave SMs idle, still gives SM_FILL of the SMs a CTA.
-    Larger tiles fetch x fewer times per call; a split costs a DSMEM sum of the partials."""
+    """(mt, split): the largest weight tile per CTA, of at least 128 weight rows, whose grid
+    gives SM_FILL of the SMs a CTA unsplit; else the largest whose grid does with K split over
+    up to MAX_SPLIT CTAs of a cluster. Larger tiles fetch x fewer times per call; a split costs
+    a DSMEM sum of the partials (on the H200 more than a smaller tile: gate/up at 32 rows, 2/1
+    against 4/2), and a 64-row tile loses to int4_mma (QKV at 64 rows, 1/1)."""
     groups = k // MMA_K_ALIGN
+    for mt in (4, 2):
+        if ceil_div(n, staged_tile(m, mt)[0]) >= SM_FILL * sms:
+            return mt, 1
     split = 1
     for mt in (4, 2, 1):
         tiles = ceil_div(n, staged_tile(m, mt)[0])

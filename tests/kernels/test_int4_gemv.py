@@ -101,3 +101,60 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
     for nt, choices in MT_CHOICES.items():
         assert all(mt * nt <= 16 for mt in choices), "the reduction buffer holds MT * NT <= 16"
         assert mma_tiles(8 * nt, 1 << 20, 132)[1] in choices, "the default is built"
+
+
+def test_the_staged_kernel_serves_the_large_linears_of_a_batch_past_16_rows() -> None:
+    """mma_kernel's rule at the H200's 132 SMs and Llama-3-8B shapes (int4_batched_bench
+    --staged-sweep, docs/kernels.md): gate/up and lm_head on int4_mma_staged from 17 rows, one
+    CTA per 256 weight rows and no K split; every 4096- and 6144-row linear on int4_mma."""
+    from gpu_worker.kernels.int4_batched import mma_kernel, staged_plan, staged_tile
+
+    for m in (17, 24, 32, 33, 48, 64):
+        assert mma_kernel(m, 28672, 4096, 132) == "staged", m
+        assert mma_kernel(m, 128256, 4096, 132) == "staged", m
+        for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+            assert mma_kernel(m, n, k, 132) == "warp", (m, n, k)
+    for m in (2, 8, 16):
+        assert mma_kernel(m, 128256, 4096, 132) == "warp", "16 rows and below: int4_mma"
+    mt, split = staged_plan(64, 28672, 4096, 132)
+    assert (staged_tile(64, mt)[0], split) == (256, 1), "gate/up at 64 rows: 112 CTAs"
+    assert staged_plan(32, 28672, 4096, 132) == (2, 1), "gate/up at 32 rows: 256 rows a CTA"
+
+
+def test_the_staged_plan_depends_on_the_row_count_only_through_the_warp_layout() -> None:
+    """A CTA's tile (hence its K order) is fixed across 17..32 rows and across 33..64 rows, so
+    within each range a row's result does not depend on how many rows share its call."""
+    from gpu_worker.kernels.int4_batched import staged_plan
+
+    for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (1000, 4224)):
+        assert len({staged_plan(m, n, k, 132) for m in range(17, 33)}) == 1, (n, k)
+        assert len({staged_plan(m, n, k, 132) for m in range(33, 65)}) == 1, (n, k)
+
+
+def test_the_staged_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> None:
+    from gpu_worker.kernels.common import InvalidArgument
+    from gpu_worker.kernels.int4_batched import (
+        launch_int4_mma_staged,
+        staged_shared_bytes,
+    )
+
+    calls: list = []
+
+    class Recorder:
+        info = type("Info", (), {"ordinal": 0})()
+        name = "sim"
+
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
+            calls.append((grid, block, shared_bytes, cluster))
+
+    launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=4, split=8)
+    grid, block, shared, cluster = calls[-1]
+    assert grid == (8, 16, 1) and cluster == (8, 1, 1) and block == (256, 1, 1)
+    assert shared == staged_shared_bytes(64, 4) <= 227 << 10
+    launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 28672, 4096, mt=4, split=1)
+    assert calls[-1][3] is None, "no split, no cluster"
+    with pytest.raises(InvalidArgument, match="split=9"):
+        launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, split=9)
+    with pytest.raises(InvalidArgument, match="mt=3"):
+        launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=3)
+    assert len(calls) == 2, "a refused launch launches nothing"
