@@ -186,18 +186,15 @@ class Device:
 
     def launch(self, function: object, grid: Sequence[int], block: Sequence[int],
                args: list[KernelArg], stream: object = None, shared_bytes: int = 0,
-               cluster: Sequence[int] | None = None, pdl: bool = False) -> None:
+               cluster: Sequence[int] | None = None) -> None:
         """Launch `function`; `shared_bytes` of dynamic shared memory (above the 48 KiB default
-        the function's limit is raised first), `cluster` thread-block cluster dims (sm_90);
-        `pdl`: a programmatic dependent launch (sm_90), which may start while the kernel before
-        it on the stream still runs, so the kernel must call gp_pdl_wait() before it reads
-        anything that kernel writes (gpuplane_common.cuh)."""
+        the function's limit is raised first), `cluster` thread-block cluster dims (sm_90)."""
         g, b = _dim3(grid, "grid"), _dim3(block, "block")
         c = None if cluster is None else _dim3(cluster, "cluster")
         if c is not None and any(gi % ci for gi, ci in zip(g, c)):
             raise ValueError(f"launch: grid {g} is not a whole number of clusters {c}")
         self.backend.launch(function, g, b, args, self.stream if stream is None else stream,
-                            shared_bytes, c, pdl)
+                            shared_bytes, c)
 
     # -- graphs --------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -189,11 +189,9 @@ class Backend(ABC):
         stream: object,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
-        pdl: bool = False,
     ) -> None:
         """Above 48 KiB of `shared_bytes` the backend raises the function's dynamic shared
-        memory limit first; `cluster` launches thread-block clusters of those dims; `pdl` is a
-        programmatic dependent launch (it may overlap the kernel before it)."""
+        memory limit first; `cluster` launches thread-block clusters of those dims."""
 
     # -- graphs --------------------------------------------------------------------------------
     @abstractmethod

@@ -305,7 +305,6 @@ class CudaBackend(Backend):
         stream: Any,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
-        pdl: bool = False,
     ) -> None:
         self._current()
         d = _drv()
@@ -316,29 +315,20 @@ class CudaBackend(Backend):
                 function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         # The launch copies the argument values (also into a graph node), so `vals` may die after.
-        clustered = cluster is not None and cluster != (1, 1, 1)
-        if not clustered and not pdl:
+        if cluster is None or cluster == (1, 1, 1):
             check(d.cuLaunchKernel(function, *grid, *block, shared_bytes, stream,
                                    ctypes.addressof(params), 0), "cuLaunchKernel")
             return
-        attrs = []
-        if clustered:
-            attr = d.CUlaunchAttribute()
-            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-            attrs.append(attr)
-        if pdl:   # programmatic dependent launch: may overlap the kernel before it (gp_pdl_wait)
-            attr = d.CUlaunchAttribute()
-            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(attr)
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
         config = d.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared_bytes
         config.hStream = stream
-        config.attrs = attrs
-        config.numAttrs = len(attrs)
+        config.attrs = [attr]
+        config.numAttrs = 1
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
     # -- graphs --------------------------------------------------------------------------------

@@ -521,7 +521,6 @@ class SimBackend(Backend):
         stream: SimStream,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
-        pdl: bool = False,    # the sim runs a stream's work in order: nothing to overlap
     ) -> None:
         self._enter("launch")
         if shared_bytes > SIM_MAX_SHARED_BYTES:

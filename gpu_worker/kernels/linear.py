@@ -45,10 +45,6 @@ FUSED_WARPS = 8       # int4_matmul: warps per block (GP_I4_WARPS in the source)
 FUSED_WARP_COLS = 4   # int4_matmul: output columns per warp (GP_I4_NC)
 FUSED_COLS = FUSED_WARPS * FUSED_WARP_COLS   # output columns per block
 FUSED_ROWS = 4        # int4_matmul: rows of x per block (GP_I4_ROWS)
-# int4_matmul is a programmatic dependent launch: its first chunk of weights streams while the
-# kernel before it (the norm, attention's combine, SiLU x up, which trigger early) still runs;
-# it waits for that kernel (gp_pdl_wait) before it reads x or y.
-GEMV_PDL = True
 
 SOURCE = cu_source("gp_linear", "linear.cu")
 
@@ -110,7 +106,7 @@ def launch_int4_matmul(device, function, y: int, x: int, packed: int, scales: in
     device.launch(function, (ceil_div(n, FUSED_COLS), ceil_div(m, FUSED_ROWS), 1),
                   (32 * FUSED_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-                   i32(1 if accumulate else 0)], stream=stream, pdl=GEMV_PDL)
+                   i32(1 if accumulate else 0)], stream=stream)
 
 
 def _dequant_workspace(*, n: int, k: int, **_: int) -> int:

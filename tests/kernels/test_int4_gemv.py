@@ -27,25 +27,13 @@ def test_launch_uses_the_kernels_block_and_column_tiling() -> None:
     calls: list = []
 
     class Recorder:
-        def launch(self, fn, grid, block, args, stream=None, pdl=False):
-            calls.append((grid, block, pdl))
+        def launch(self, fn, grid, block, args, stream=None):
+            calls.append((grid, block))
 
     linear.launch_int4_matmul(Recorder(), None, 0, 0, 0, 0, 0, 5, 4097, 64)
-    grid, block, pdl = calls[0]
+    grid, block = calls[0]
     assert block == (32 * linear.FUSED_WARPS, 1, 1)
     assert grid == (-(-4097 // linear.FUSED_COLS), 2, 1), "every column and row covered once"
-    assert pdl == linear.GEMV_PDL, "the GEMV overlaps the kernel before it (gp_pdl_wait)"
-
-
-def test_a_programmatic_launch_waits_before_it_reads_what_the_kernel_before_wrote() -> None:
-    """The GEMV may start while the kernel before it runs: in its source, the only global
-    reads ahead of gp_pdl_wait() are the weights' (gp_i4_load), never x, y or the bias."""
-    src = linear.SOURCE.source
-    body = src[src.index("__device__ __forceinline__ void gp_int4_matmul_body"):]
-    before = body[:body.index("gp_pdl_wait();")]
-    assert "gp_i4_load(wq, sc, packed, scales, 0" in before
-    for operand in ("x[", "xr[", "xr +", "bias[", "*yp", "y +"):
-        assert operand not in before, f"{operand!r} is read before gp_pdl_wait()"
 
 
 def test_every_sweep_variant_compiles_without_spills() -> None:

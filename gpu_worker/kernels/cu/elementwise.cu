@@ -21,7 +21,6 @@ extern "C" __global__ void gp_silu_gate(float* out, const float* gate, const flo
 extern "C" __global__ void gp_silu_gate_f16(unsigned short* out, const float* gate,
                                             const float* up, int rows, int cols, int gate_stride,
                                             int up_stride) {
-    gp_pdl_trigger();   // the down projection may start streaming its weights
     gp_silu_gate_t(reinterpret_cast<gp_h*>(out), gate, up, rows, cols, gate_stride, up_stride);
 }
 

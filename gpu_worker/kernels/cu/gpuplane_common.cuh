@@ -31,23 +31,6 @@ __device__ __forceinline__ float gp_ld(const gp_h* p) { return gp_half_to_float(
 __device__ __forceinline__ void gp_st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void gp_st(gp_h* p, float v) { p->x = gp_float_to_half(v); }
 
-// Programmatic dependent launch (sm_90). A kernel launched with it (Device.launch(pdl=True)) may
-// start while the kernel before it in the stream still runs: everything it does before
-// gp_pdl_wait() must not read what that kernel writes (weights only), and gp_pdl_wait() returns
-// once that kernel has finished and its writes are visible (at once for a plain launch).
-// gp_pdl_trigger() lets such a dependent start now rather than when this grid ends (a no-op
-// without one); the dependent still waits for this grid's end before reading its output.
-__device__ __forceinline__ void gp_pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void gp_pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float gp_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

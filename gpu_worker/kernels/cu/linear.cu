@@ -211,13 +211,10 @@ __device__ __forceinline__ void gp_int4_matmul_body(
     for (int r = 0; r < MR; ++r)
 #pragma unroll
         for (int c = 0; c < GP_I4_NC; ++c) acc[r][c] = 0.f;
-    // Weight loads are issued before the staging barriers, so they stay in flight across them,
-    // and before gp_pdl_wait: launched programmatically (launch_int4_matmul), the first chunk of
-    // weights streams while the kernel that writes x (and y, when accumulating) still runs.
+    // Weight loads are issued before the staging barriers, so they stay in flight across them.
     uint4 wq[GP_I4_U][GP_I4_NC];
     unsigned sc[GP_I4_U][GP_I4_NC];
     gp_i4_load(wq, sc, packed, scales, 0, lane, n0, N, kb);
-    gp_pdl_wait();
     for (int cb0 = 0; cb0 < kb; cb0 += GP_I4_CB) {
 #if GP_I4_PREFETCH
         uint4 wn[GP_I4_U][GP_I4_NC];
@@ -303,7 +300,6 @@ gp_int4_matmul(float* y, const unsigned short* __restrict__ x, const unsigned ch
                const unsigned short* __restrict__ scales, const float* __restrict__ bias,
                int M, int N, int K, int accumulate) {
     __shared__ __align__(16) float xs[GP_I4_ROWS][GP_I4_CB * 36];
-    gp_pdl_trigger();   // a programmatic successor (the next linear) may start its weights
 #if GP_I4_ROWS == 1
     gp_int4_matmul_body<1>(y, x, packed, scales, bias, M, N, K, accumulate, xs);
 #else

@@ -24,7 +24,6 @@ extern "C" __global__ void gp_rmsnorm(float* out, const float* x, const float* _
 extern "C" __global__ void gp_rmsnorm_f16(unsigned short* out, const float* x,
                                           const float* __restrict__ w, int rows, int hidden,
                                           float eps) {
-    gp_pdl_trigger();   // the linear after it may start streaming its weights
     gp_rmsnorm_t(reinterpret_cast<gp_h*>(out), x, w, rows, hidden, eps);
 }
 

@@ -91,7 +91,6 @@ gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict
                        int capacity, int span, int splits) {
     __shared__ float w_s[GP_FD_THREADS];
     __shared__ float scratch[33];
-    gp_pdl_trigger();   // the output projection may start streaming its weights
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
     const int nkeys = gp_paged_nkeys(positions, b, capacity);
     const int ran = min(splits, (nkeys + span - 1) / span);
