@@ -235,24 +235,15 @@ __device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_g
 template <int N_>
 __device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }
 
-// Thread-block clusters (sm_90): without a cluster launch a CTA is rank 0 of a cluster of one.
-__device__ __forceinline__ int gp_cluster_rank() {
+// Thread-block clusters (sm_90): (this CTA's rank, the cluster's size); without a cluster
+// launch a CTA is rank 0 of a cluster of one.
+__device__ __forceinline__ int2 gp_cluster_rank_size() {
+    unsigned rank = 0, size = 1;
 #if __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return (int)r;
-#else
-    return 0;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n"
+                 "mov.u32 %1, %%cluster_nctarank;\n" : "=r"(rank), "=r"(size));
 #endif
-}
-__device__ __forceinline__ int gp_cluster_size() {
-#if __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-    return (int)r;
-#else
-    return 1;
-#endif
+    return make_int2((int)rank, (int)size);
 }
 __device__ __forceinline__ void gp_cluster_sync() {  // every thread of every CTA of the cluster
 #if __CUDA_ARCH__ >= 900
@@ -312,7 +303,8 @@ __device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __r
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int wn = warp % L::WN, wb = warp / L::WN;
     const int KB = K >> 5, KG = K >> 7;  // quant blocks per row, k-groups of 4 of them
-    const int S = gp_cluster_size(), rank = gp_cluster_rank();
+    const int2 cl = gp_cluster_rank_size();
+    const int rank = cl.x, S = cl.y;
     const int row0 = blockIdx.y * L::BN;
     const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
     const int stages = (g1 - g0 + KPS - 1) / KPS;
