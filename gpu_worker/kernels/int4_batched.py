@@ -124,13 +124,14 @@ MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
 def mma_kernel(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> str:
     """Which tensor-core kernel serves an m x n x k linear: "staged" (gp_int4_mma_staged) from
-    STAGED_MIN_ROWS rows where its plan fills the SMs without splitting K, else "warp"
+    STAGED_MIN_ROWS rows where a tile of at least 128 weight rows fills the SMs without splitting
+    K (unsplit_tile), else "warp"
     (gp_int4_mma). On the H200 (int4_batched_bench --staged-sweep) the staged kernel won at 32
     and 64 rows on gate/up and lm_head, and the warp kernel on the 4096- and 6144-row linears,
     where every split cost more than the x it saves."""
     if m < STAGED_MIN_ROWS:
         return "warp"
-    return "staged" if staged_plan(m, n, k, sms)[1] == 1 else "warp"
+    return "staged" if unsplit_tile(m, n, sms) is not None else "warp"
 
 
 def staged_tile(m: int, mt: int) -> tuple[int, int]:
@@ -147,6 +148,15 @@ def staged_shared_bytes(m: int, mt: int, stages: int = STAGES, groups: int = STA
     return stages * groups * (bn * 72 + xr * 256)
 
 
+def unsplit_tile(m: int, n: int, sms: int = SIM_SM_COUNT) -> int | None:
+    """The largest MT whose tile has at least 128 weight rows and whose grid gives SM_FILL of the
+    SMs a CTA without splitting K; None when there is none."""
+    for mt in (4, 2):
+        if ceil_div(n, staged_tile(m, mt)[0]) >= SM_FILL * sms:
+            return mt
+    return None
+
+
 def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
     """(mt, split): the largest weight tile per CTA, of at least 128 weight rows, whose grid
     gives SM_FILL of the SMs a CTA unsplit; else the largest whose grid does with K split over
@@ -154,9 +164,9 @@ def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, i
     a DSMEM sum of the partials (on the H200 more than a smaller tile: gate/up at 32 rows, 2/1
     against 4/2), and a 64-row tile loses to int4_mma (QKV at 64 rows, 1/1)."""
     groups = k // MMA_K_ALIGN
-    for mt in (4, 2):
-        if ceil_div(n, staged_tile(m, mt)[0]) >= SM_FILL * sms:
-            return mt, 1
+    mt = unsplit_tile(m, n, sms)
+    if mt is not None:
+        return mt, 1
     split = 1
     for mt in (4, 2, 1):
         tiles = ceil_div(n, staged_tile(m, mt)[0])

@@ -99,3 +99,53 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
     assert {k[1] * k[2] for k in keys if k[0] == "encode"} >= {20, 80}, keys
     assert np.array_equal(alone[0], together[0]), np.abs(alone[0] - together[0]).max()
     ex.close()
+
+
+@pytest.mark.parametrize(("rows", "out_dim", "entry"), [
+    (40, 28672, "gp_int4_mma_staged"),   # gate/up-wide at a 40-row decode batch: one 256-row tile a CTA
+    (24, 28672, "gp_int4_mma_staged"),
+    (40, 4096, "gp_int4_mma"),           # too few tiles to fill the SMs unsplit: the warp kernel
+    (16, 28672, "gp_int4_mma"),          # 16 rows and below: the warp kernel
+])
+def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, entry) -> None:
+    """ops.py's int4 linear through its binding on the sim: the kernel int4_batched.mma_kernel
+    names is launched (its sim twin checks the grid covers every row) and y is the reference."""
+    from gpu_worker.compile import KernelCompiler
+    from gpu_worker.device import open_device
+    from gpu_worker.kernels import reference as kref
+    from gpu_worker.kernels.selfcheck import KernelHarness
+    from gpu_worker.models.graph import GraphBuilder
+
+    k = 128
+    rng = np.random.default_rng(rows + out_dim)
+    x = rng.standard_normal((rows, k)).astype(np.float16)
+    packed, scales = kref.int4_quantize(rng.standard_normal((out_dim, k)).astype(np.float32) / 16)
+    g = GraphBuilder()
+    g.tensor("x", (rows, k), "f16", "input")
+    g.tensor("w.packed", packed.shape, "u8", "weight")
+    g.tensor("w.scales", scales.shape, "f16", "weight")
+    g.node("lin", "linear_int4", ("x",), (g.tensor("y", (rows, out_dim)),),
+           ("w.packed", "w.scales"))
+    graph = g.build(("y",))
+    node = graph.nodes[0]
+    device = open_device("sim")
+    launched: list[str] = []
+    with KernelHarness(device, KernelCompiler(device.info.arch)) as h:
+        ptrs = {"x": h.put(x), "w.packed": h.put(packed), "w.scales": h.put(scales),
+                "y": h.put(np.zeros((rows, out_dim), np.float32))}
+        binding = ops.OPS["linear_int4"]
+        functions = {kd.name: h.function(kd) for kd in binding.kernels}
+        entries = {id(functions[kd.name]): kd.entry for kd in binding.kernels}
+        real_launch = device.launch
+
+        def recording_launch(function, *a, **kw):
+            launched.append(entries[id(function)])
+            return real_launch(function, *a, **kw)
+
+        device.launch = recording_launch
+        variant = type("V", (), {"function": functions, "workspace_ptr": lambda self, n: 0})()
+        binding.launch(ops.LaunchContext(device, node, graph, variant, ptrs.__getitem__, None))
+        got = h.get(ptrs["y"], (rows, out_dim))
+    device.close()
+    assert launched == [entry]
+    np.testing.assert_allclose(got, kref.int4_matmul(x, packed, scales), rtol=1e-5, atol=1e-5)
