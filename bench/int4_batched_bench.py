@@ -120,7 +120,7 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
     """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
-    staged = mma_kernel(rows, n, k, sm_count(dev)) == "staged"
+    staged = mma_kernel(rows, n, sm_count(dev)) == "staged"
     return _launcher(dev, h.function(INT4_MMA_STAGED if staged else INT4_MMA), weights, x, y,
                      rows, n, k, False, staged=staged)
 

@@ -127,7 +127,7 @@ def _launch_linear(c: LaunchContext) -> None:
     acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            staged = int4_batched.mma_kernel(m, n, k, sm_count(c.device)) == "staged"
+            staged = int4_batched.mma_kernel(m, n, sm_count(c.device)) == "staged"
             launch = (int4_batched.launch_int4_mma_staged if staged
                       else int4_batched.launch_int4_mma)
             launch(c.device, c.fn("int4_mma_staged" if staged else "int4_mma"), c.out(),

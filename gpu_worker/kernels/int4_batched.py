@@ -122,13 +122,13 @@ STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
 MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
 
-def mma_kernel(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> str:
-    """Which tensor-core kernel serves an m x n x k linear: "staged" (gp_int4_mma_staged) from
-    STAGED_MIN_ROWS rows where a tile of at least 128 weight rows fills the SMs without splitting
-    K (unsplit_tile), else "warp"
-    (gp_int4_mma). On the H200 (int4_batched_bench --staged-sweep) the staged kernel won at 32
-    and 64 rows on gate/up and lm_head, and the warp kernel on the 4096- and 6144-row linears,
-    where every split cost more than the x it saves."""
+def mma_kernel(m: int, n: int, sms: int = SIM_SM_COUNT) -> str:
+    """Which tensor-core kernel serves an m-row linear of n outputs: "staged"
+    (gp_int4_mma_staged) from STAGED_MIN_ROWS rows where a tile of at least 128 weight rows fills
+    the SMs without splitting K (unsplit_tile), else "warp" (gp_int4_mma). On the H200
+    (int4_batched_bench --staged-sweep) the staged kernel won at 32 and 64 rows on gate/up and
+    lm_head, and the warp kernel on the 4096- and 6144-row linears, where every split cost more
+    than the x it saves."""
     if m < STAGED_MIN_ROWS:
         return "warp"
     return "staged" if unsplit_tile(m, n, sms) is not None else "warp"

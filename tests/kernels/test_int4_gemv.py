@@ -98,12 +98,12 @@ def test_the_staged_kernel_serves_the_large_linears_of_a_batch_past_16_rows() ->
     from gpu_worker.kernels.int4_batched import mma_kernel, staged_plan, staged_tile
 
     for m in (17, 24, 32, 33, 48, 64):
-        assert mma_kernel(m, 28672, 4096, 132) == "staged", m
-        assert mma_kernel(m, 128256, 4096, 132) == "staged", m
+        assert mma_kernel(m, 28672, 132) == "staged", m
+        assert mma_kernel(m, 128256, 132) == "staged", m
         for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
-            assert mma_kernel(m, n, k, 132) == "warp", (m, n, k)
+            assert mma_kernel(m, n, 132) == "warp", (m, n, k)
     for m in (2, 8, 16):
-        assert mma_kernel(m, 128256, 4096, 132) == "warp", "16 rows and below: int4_mma"
+        assert mma_kernel(m, 128256, 132) == "warp", "16 rows and below: int4_mma"
     mt, split = staged_plan(64, 28672, 4096, 132)
     assert (staged_tile(64, mt)[0], split) == (256, 1), "gate/up at 64 rows: 112 CTAs"
     assert staged_plan(32, 28672, 4096, 132) == (2, 1), "gate/up at 32 rows: 256 rows a CTA"
