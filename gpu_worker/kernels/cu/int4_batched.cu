@@ -219,9 +219,10 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
 // from L2, weights one k-group ahead in registers), this kernel splits a CTA's 8 warps over
 // weight rows (WN) and batch rows (WB) of one K range and streams both operands through a
 // GP_STAGES-deep cp.async pipeline in shared memory: every weight byte and every x byte of the
-// tile is fetched once per CTA, and GP_STAGES - 1 k-groups are in flight while one multiplies.
-// Small N splits K over a thread-block cluster of S CTAs, summed through distributed shared
-// memory in rank order (deterministic, no workspace, no atomics).
+// tile is fetched once per CTA, and GP_STAGES - 1 stages are in flight while one multiplies.
+// K can be split over a thread-block cluster of S CTAs, summed through distributed shared
+// memory in rank order (deterministic, no workspace, no atomics); the launcher's default rule
+// (int4_batched.mma_kernel) runs the kernel only where no split is needed.
 
 __device__ __forceinline__ void gp_cp16(unsigned dst, const void* src, bool in) {  // zeros if !in
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
