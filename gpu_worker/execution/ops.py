@@ -127,12 +127,9 @@ def _launch_linear(c: LaunchContext) -> None:
     acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            staged = int4_batched.mma_kernel(m, n, sm_count(c.device)) == "staged"
-            launch = (int4_batched.launch_int4_mma_staged if staged
-                      else int4_batched.launch_int4_mma)
-            launch(c.device, c.fn("int4_mma_staged" if staged else "int4_mma"), c.out(),
-                   c.inp(0), c.weight(0), c.weight(1), 0, m, n, k, accumulate=acc,
-                   stream=c.stream)
+            kdef = int4_batched.MMA_KERNELS[int4_batched.mma_kernel(m, n, sm_count(c.device))]
+            kdef.launcher(c.device, c.fn(kdef.name), c.out(), c.inp(0), c.weight(0), c.weight(1),
+                          0, m, n, k, accumulate=acc, stream=c.stream)
             return
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
                                   c.weight(1), 0, m, n, k, accumulate=acc, stream=c.stream)
@@ -440,8 +437,8 @@ def _launch_sample(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL, int4_batched.INT4_MMA,
-                              int4_batched.INT4_MMA_STAGED),
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL,
+                              *int4_batched.MMA_KERNELS.values()),
                              _launch_linear,
                              gemms=_linear_gemms, accumulate=True),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),

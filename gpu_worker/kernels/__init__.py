@@ -72,9 +72,13 @@ from gpu_worker.kernels.half import (
 )
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
+    INT4_MMA_ROWS,
+    INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
     MMA_MAX_ROWS,
     launch_int4_mma,
+    launch_int4_mma_rows,
+    launch_int4_mma_rows16,
     launch_int4_mma_staged,
 )
 from gpu_worker.kernels.linear import (
@@ -127,7 +131,8 @@ ALL_KERNELS: list[KernelDef] = [
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
     FLASH_ATTENTION_PREFILL, FLASH_ATTENTION_DECODE_SPLIT, FLASH_ATTENTION_COMBINE,
-    INT4_MMA, INT4_MMA_STAGED, ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
+    INT4_MMA, INT4_MMA_STAGED, INT4_MMA_ROWS, INT4_MMA_ROWS16,
+    ROTARY_ROWS, KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
     FLASH_PREFILL_PAGED,
     SAMPLE,
     RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND,
@@ -165,6 +170,8 @@ __all__ = [
     "INT4_DEQUANT_F16",
     "INT4_MATMUL",
     "INT4_MMA",
+    "INT4_MMA_ROWS",
+    "INT4_MMA_ROWS16",
     "INT4_MMA_STAGED",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
@@ -214,6 +221,8 @@ __all__ = [
     "launch_int4_dequant_f16",
     "launch_int4_matmul",
     "launch_int4_mma",
+    "launch_int4_mma_rows",
+    "launch_int4_mma_rows16",
     "launch_int4_mma_staged",
     "launch_kv_append",
     "launch_kv_append_kv16",

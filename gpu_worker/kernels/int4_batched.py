@@ -77,8 +77,8 @@ SOURCE = cu_source("gp_int4_batched", "int4_batched.cu")
 
 
 def mma_supported(m: int, k: int) -> bool:
-    """Whether gp_int4_mma takes this linear (else the GEMV serves it)."""
-    return 2 <= m <= MMA_MAX_ROWS and k % MMA_K_ALIGN == 0 and k > 0
+    """Whether the tensor-core kernels take this linear (else the GEMV serves it)."""
+    return 1 <= m <= MMA_MAX_ROWS and k % MMA_K_ALIGN == 0 and k > 0
 
 
 def _require_linear(kernel: str, x: int, packed: int, scales: int, m: int, n: int, k: int) -> None:
@@ -115,6 +115,9 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 # tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
 # pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
 # splits K over a thread-block cluster, summed through distributed shared memory in rank order.
+ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
+ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
+ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
 STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
 STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
 STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
@@ -123,14 +126,18 @@ MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
 
 def mma_kernel(m: int, n: int, sms: int = SIM_SM_COUNT) -> str:
-    """Which tensor-core kernel serves an m-row linear of n outputs: "staged"
-    (gp_int4_mma_staged) from STAGED_MIN_ROWS rows where a tile of at least 128 weight rows fills
-    the SMs without splitting K (unsplit_tile), else "warp" (gp_int4_mma). On the H200
-    (int4_batched_bench --staged-sweep) the staged kernel won at 32 and 64 rows on gate/up and
-    lm_head, and the warp kernel on the 4096- and 6144-row linears, where every split cost more
-    than the x it saves."""
-    if m < STAGED_MIN_ROWS:
-        return "warp"
+    """Which tensor-core kernel serves an m-row linear of n outputs (a key of MMA_KERNELS):
+    "rows" (gp_int4_mma_rows) up to 8 rows and "rows16" up to 16; from STAGED_MIN_ROWS rows
+    "staged" (gp_int4_mma_staged) where a tile of at least 128 weight rows fills the SMs without
+    splitting K (unsplit_tile), else "warp" (gp_int4_mma). On the H200 (int4_batched_bench
+    --rows-sweep, --staged-sweep) the rows kernels beat the GEMV and gp_int4_mma at every
+    shape up to 16 rows; the staged kernel won at 32 and 64 rows on gate/up and lm_head, and
+    the warp kernel on the 4096- and 6144-row linears, where every split cost more than the x
+    it saves."""
+    if m <= 8:
+        return "rows"
+    if m <= ROWS_MAX_ROWS:
+        return "rows16"
     return "staged" if unsplit_tile(m, n, sms) is not None else "warp"
 
 
@@ -206,4 +213,48 @@ def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales
 INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
                             reference.int4_matmul, launch_int4_mma_staged)
 
-KERNELS = [INT4_MMA, INT4_MMA_STAGED]
+
+# gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
+# tiles of x), bitwise gp_int4_mma's result (the same K slice per warp, summed in the same
+# order), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
+# ROW_DEPTH k-groups of weights in flight per warp. The 1-row decode linear at HBM pace, and
+# 2..16 rows at nearly the same cost.
+
+
+def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
+                 scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
+                 stream) -> None:
+    _require_linear(kernel, x, packed, scales, m, n, k)
+    require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
+    if m == 0 or n == 0:
+        return
+    device.launch(function, (ceil_div(n, 16), 1, 1), (32 * MMA_WARPS, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream)
+
+
+def launch_int4_mma_rows(device, function, y: int, x: int, packed: int, scales: int, bias: int,
+                         m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows."""
+    _launch_rows("int4_mma_rows", 8, device, function, y, x, packed, scales, bias, m, n, k,
+                 accumulate, stream)
+
+
+def launch_int4_mma_rows16(device, function, y: int, x: int, packed: int, scales: int,
+                           bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                           stream=None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows16, for m <= 16 rows."""
+    _launch_rows("int4_mma_rows16", ROWS_MAX_ROWS, device, function, y, x, packed, scales, bias,
+                 m, n, k, accumulate, stream)
+
+
+INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference.int4_matmul,
+                          launch_int4_mma_rows)
+INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
+                            reference.int4_matmul, launch_int4_mma_rows16)
+
+# mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
+MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "warp": INT4_MMA,
+               "staged": INT4_MMA_STAGED}
+
+KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_ROWS, INT4_MMA_ROWS16]

@@ -105,7 +105,10 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
     (40, 28672, "gp_int4_mma_staged"),   # gate/up-wide at a 40-row decode batch: one 256-row tile a CTA
     (24, 28672, "gp_int4_mma_staged"),
     (40, 4096, "gp_int4_mma"),           # too few tiles to fill the SMs unsplit: the warp kernel
-    (16, 28672, "gp_int4_mma"),          # 16 rows and below: the warp kernel
+    (16, 28672, "gp_int4_mma_rows16"),   # 9..16 rows: the rows kernel of two x tiles
+    (9, 4096, "gp_int4_mma_rows16"),
+    (8, 6144, "gp_int4_mma_rows"),       # 1..8 rows: the rows kernel of one x tile
+    (1, 128256, "gp_int4_mma_rows"),     # the batch-1 decode linear
 ])
 def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, entry) -> None:
     """ops.py's int4 linear through its binding on the sim: the kernel int4_batched.mma_kernel

@@ -1,6 +1,6 @@
 """The batched tensor-core int4 linear (gpu_worker.kernels.int4_batched) on a real device against
 reference.int4_matmul at 8b-int4 shapes (wq 4096x4096, w_gate 14336x4096, w_down 4096x14336, a
-slice of lm_head) and batch 2..64, plus the small shared cases (selfcheck.CASES' int4_mma).
+slice of lm_head) and batch 1..64, plus the small shared cases (selfcheck.CASES' int4_mma*).
 
 Run on the GPU machine:
     python3 -m pytest -m gpu tests/gpu/test_int4_batched.py -v
@@ -16,12 +16,13 @@ from gpu_worker.kernels.selfcheck import (
     Case,
     KernelHarness,
     int4_mma_case,
+    int4_mma_rows_case,
     int4_mma_staged_case,
 )
 
 pytestmark = pytest.mark.gpu
 
-SHARED = [c for c in CASES if c.kernel in ("int4_mma", "int4_mma_staged")]
+SHARED = [c for c in CASES if c.kernel.startswith("int4_mma")]
 MODEL: list[Case] = [
     Case("int4_mma", int4_mma_case, {"m": m, "n": n, "k": k, **extra})
     for m, n, k, extra in ((2, 4096, 4096, {}), (16, 14336, 4096, {"bias": True}),
@@ -52,7 +53,18 @@ STAGED: list[Case] = [
                                                    "split": split, "accumulate": m % 2 == 1})
     for m in (24, 64) for mt in STAGED_MT for split in (1, 3, 8)
 ]
-ALL = SHARED + MODEL + FORCED + STAGED
+# the rows kernels at the decode step's shapes (1, 2, 8 rows on gp_int4_mma_rows, 9 and 16 on
+# rows16), odd N (a partial last block) and K not a power of two
+ROWS: list[Case] = [
+    Case("int4_mma_rows", int4_mma_rows_case, {"m": m, "n": n, "k": k, **extra})
+    for m, n, k, extra in ((1, 6144, 4096, {}), (1, 4096, 14336, {"accumulate": True}),
+                           (1, 16032, 4096, {"bias": True}), (2, 28672, 4096, {}),
+                           (8, 4096, 4096, {"bias": True, "accumulate": True}),
+                           (1, 1001, 4224, {}), (7, 1001, 4224, {"accumulate": True}),
+                           (9, 6144, 4096, {}), (16, 4096, 14336, {"accumulate": True}),
+                           (16, 1009, 4224, {"bias": True}))
+]
+ALL = SHARED + MODEL + FORCED + STAGED + ROWS
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +97,35 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
                                      split=split).got for _ in range(2)]
         assert np.array_equal(outs[0], outs[1]), split
 
+
+
+def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batch_up_to_16(
+        harness) -> None:
+    """gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp order, so their result is
+    gp_int4_mma's bit for bit; each mma output element sums only its own row's products, so a
+    row's bits do not depend on how many rows share the call (1..16)."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import (
+        INT4_MMA,
+        INT4_MMA_ROWS,
+        INT4_MMA_ROWS16,
+        launch_int4_mma,
+    )
+
+    rng = np.random.default_rng(7)
+    n, k = 6144, 4096
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    x = rng.standard_normal((16, k)).astype(np.float16)
+    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
+    firsts = []
+    for m in (1, 2, 8, 9, 16):
+        kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
+        y, y_mma = (harness.put(np.zeros((m, n), np.float32)) for _ in range(2))
+        kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
+        launch_int4_mma(harness.device, harness.function(INT4_MMA), y_mma, xd, pk, sc, 0, m, n, k)
+        got, want = harness.get(y, (m, n)), harness.get(y_mma, (m, n))
+        assert np.array_equal(got, want), (m, np.abs(got - want).max())
+        firsts.append(got[0])
+    harness.close()
+    for m, first in zip((2, 8, 9, 16), firsts[1:]):
+        assert np.array_equal(first, firsts[0]), m

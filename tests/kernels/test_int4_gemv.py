@@ -91,10 +91,11 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
         assert mma_tiles(8 * nt, 1 << 20, 132)[1] in choices, "the default is built"
 
 
-def test_the_staged_kernel_serves_the_large_linears_of_a_batch_past_16_rows() -> None:
+def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_rows() -> None:
     """mma_kernel's rule at the H200's 132 SMs and Llama-3-8B shapes (int4_batched_bench
-    --staged-sweep, docs/kernels.md): gate/up and lm_head on int4_mma_staged from 17 rows, one
-    CTA per 256 weight rows and no K split; every 4096- and 6144-row linear on int4_mma."""
+    --rows-sweep and --staged-sweep, docs/kernels.md): every linear on a rows kernel up to 16
+    rows; from 17 rows gate/up and lm_head on int4_mma_staged, one CTA per 256 weight rows and
+    no K split, and every 4096- and 6144-row linear on int4_mma."""
     from gpu_worker.kernels.int4_batched import mma_kernel, staged_plan, staged_tile
 
     for m in (17, 24, 32, 33, 48, 64):
@@ -102,8 +103,11 @@ def test_the_staged_kernel_serves_the_large_linears_of_a_batch_past_16_rows() ->
         assert mma_kernel(m, 128256, 132) == "staged", m
         for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
             assert mma_kernel(m, n, 132) == "warp", (m, n, k)
-    for m in (2, 8, 16):
-        assert mma_kernel(m, 128256, 132) == "warp", "16 rows and below: int4_mma"
+    for n in (6144, 4096, 28672, 128256):
+        for m in (1, 2, 8):
+            assert mma_kernel(m, n, 132) == "rows", (m, n)
+        for m in (9, 16):
+            assert mma_kernel(m, n, 132) == "rows16", (m, n)
     mt, split = staged_plan(64, 28672, 4096, 132)
     assert (staged_tile(64, mt)[0], split) == (256, 1), "gate/up at 64 rows: 112 CTAs"
     assert staged_plan(32, 28672, 4096, 132) == (2, 1), "gate/up at 32 rows: 256 rows a CTA"

@@ -469,3 +469,123 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
         if (mt == 4) GP_I4MMA_S_TOP(4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
     }
 }
+
+// ---- gp_int4_mma_rows: the same contract for 1..8 rows (one 8-row tile of x) -----------------
+// gp_int4_mma's work split at MT = NT = 1 (a block's 8 warps on the same 16 weight rows, each a
+// contiguous eighth of K, summed in warp order), so its result is bitwise gp_int4_mma's. What
+// changes is how the bytes are kept in flight: gp_int4_mma is one entry for every MT x NT, so
+// every launch gets the 250 registers of its largest tile and one block per SM (2 warps per
+// scheduler, latency-bound at 1 row: 0.2-0.4 of copy). Here a warp holds only its own tile, the
+// registers are bounded for GP_ROW_CTAS blocks per SM, and GP_ROW_DEPTH k-groups of weights
+// are in flight per warp (a ring of register slots: slot d is refilled with k-group
+// kg + GP_ROW_DEPTH as soon as kg has been multiplied).
+#ifndef GP_ROW_DEPTH
+#define GP_ROW_DEPTH 2
+#endif
+#ifndef GP_ROW_CTAS
+#define GP_ROW_CTAS 4
+#endif
+#ifndef GP_ROW16_CTAS
+#define GP_ROW16_CTAS 3
+#endif
+
+struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, scales in both halves
+    uint4 w[2];
+    unsigned s[2];
+};
+
+__device__ __forceinline__ void gp_row_load(GpRowSlot& q, const unsigned char* __restrict__ packed,
+                                            const unsigned short* __restrict__ sc, int row0,
+                                            int g, int t, int KB, int N, int kg) {
+    uint4 w[1][2];
+    unsigned s[1][2];
+    gp_load_w<1>(w, s, packed, sc, row0, g, t, KB, N, kg);
+    q.w[0] = w[0][0]; q.w[1] = w[0][1]; q.s[0] = s[0][0]; q.s[1] = s[0][1];
+}
+
+// acc += the 16 x 128 weight tile of slot q times x's k-group kg, NT 8-row tiles of x (rows
+// past M read as zero).
+template <int NT>
+__device__ __forceinline__ void gp_row_mma(float (&acc)[NT][4], const GpRowSlot& q,
+                                           const unsigned short* __restrict__ x, int g, int t,
+                                           int M, int K, int kg) {
+    uint4 xv[4][NT];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) gp_load_x<NT>(xv[j], x, g, t, M, K, kg, j);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        unsigned a[2][4];
+        gp_dequant(a, gp_word(q.w[0], j), gp_word(q.w[1], j), q.s[0], q.s[1]);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            unsigned b[4];
+            gp_xfrag(b, xv[j][nt]);
+            gp_mma(acc[nt], a[0], b[0], b[1]);
+            gp_mma(acc[nt], a[1], b[2], b[3]);
+        }
+    }
+}
+
+// grid (ceil(N / 16)), 256 threads; M <= 8 NT, K a multiple of 128 (int4_batched.launch_int4_mma_rows).
+template <int NT>
+__device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __restrict__ x,
+                                              const unsigned char* __restrict__ packed,
+                                              const unsigned short* __restrict__ sc,
+                                              const float* __restrict__ bias, int M, int N, int K,
+                                              int accumulate, float (*red)[4 * NT][32]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int KB = K >> 5, KG = K >> 7;
+    const int row0 = blockIdx.x * 16;
+    const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);   // gp_int4_mma's K slices
+    const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    GpRowSlot ring[GP_ROW_DEPTH];
+#pragma unroll
+    for (int d = 0; d < GP_ROW_DEPTH; ++d)
+        if (g0 + d < g1) gp_row_load(ring[d], packed, sc, row0, g, t, KB, N, g0 + d);
+    for (int kb = g0; kb < g1; kb += GP_ROW_DEPTH) {
+#pragma unroll
+        for (int d = 0; d < GP_ROW_DEPTH; ++d) {
+            const int kg = kb + d;
+            if (kg >= g1) break;
+            gp_row_mma<NT>(acc, ring[d], x, g, t, M, K, kg);
+            if (kg + GP_ROW_DEPTH < g1)
+                gp_row_load(ring[d], packed, sc, row0, g, t, KB, N, kg + GP_ROW_DEPTH);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][nt * 4 + e][lane] = acc[nt][e];
+    __syncthreads();
+    if (threadIdx.x >= 128 * NT) return;
+    // thread (nt, e, lane) sums its output over the warps in warp order, as gp_int4_mma does
+    const int c = threadIdx.x >> 5, nt = c >> 2, e = c & 3;
+    float v = red[0][c][lane];
+#pragma unroll
+    for (int w = 1; w < GP_MMA_WARPS; ++w) v += red[w][c][lane];
+    const int r = row0 + g + 8 * (e >> 1), m = nt * 8 + 2 * t + (e & 1);
+    if (r >= N || m >= M) return;
+    if (bias) v += bias[r];
+    float* yp = y + (long long)m * N + r;
+    *yp = accumulate ? *yp + v : v;
+}
+
+// grid (ceil(N / 16)), 256 threads, K a multiple of 128 (int4_batched.launch_int4_mma_rows):
+// gp_int4_mma_rows for M <= 8, gp_int4_mma_rows16 for M <= 16 (each its own registers).
+extern "C" __global__ void __launch_bounds__(256, GP_ROW_CTAS)
+gp_int4_mma_rows(float* y, const unsigned short* __restrict__ x,
+                 const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
+                 const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    __shared__ float red[GP_MMA_WARPS][4][32];
+    gp_i4mma_rows<1>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+}
+extern "C" __global__ void __launch_bounds__(256, GP_ROW16_CTAS)
+gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
+                   const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
+                   const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    __shared__ float red[GP_MMA_WARPS][8][32];
+    gp_i4mma_rows<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+}

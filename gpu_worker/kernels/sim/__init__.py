@@ -17,7 +17,13 @@ from numpy.lib.stride_tricks import as_strided
 from gpu_worker.device.backend import KernelArg
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.int4_batched import MAX_SPLIT, MMA_K_ALIGN, STAGED_MT, staged_tile
+from gpu_worker.kernels.int4_batched import (
+    MAX_SPLIT,
+    MMA_K_ALIGN,
+    ROWS_MAX_ROWS,
+    STAGED_MT,
+    staged_tile,
+)
 
 
 def _vals(args: Sequence[KernelArg]) -> list:
@@ -136,6 +142,26 @@ def _int4_mma_staged(mem, grid, block, args) -> None:
     bn = staged_tile(m, mt)[0]
     assert grid[1] * bn >= n and mt in STAGED_MT and block[0] == 256, (grid, block, mt)
     assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
+                              _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_int4_mma_rows")
+def _int4_mma_rows(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, 8)
+
+
+@register_sim_kernel("gp_int4_mma_rows16")
+def _int4_mma_rows16(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS)
+
+
+def _int4_rows(mem, grid, block, args, max_rows: int) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+    # the CUDA grid covers 16 weight rows per block: a short grid leaves rows unwritten
+    assert grid[0] * 16 >= n and m <= max_rows and block[0] == 256, (grid, block, m)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
