@@ -18,7 +18,9 @@ the median replay / reps (bench/attention_bench.median_replay).
     python3 bench/int4_batched_bench.py [--reps 20 --trials 7 --record]   # on the GPU machine
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
 
-`--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
+`--rows-sweep` times gp_int4_mma_rows / rows16 built with other pipeline depths and blocks per
+SM (ROWS_BUILDS; each build first checked against gp_int4_mma's bits) and gp_int4_mma at 1 / 8 /
+16 rows: the figures int4_batched.ROW_DEPTH and ROW_CTAS are set from. `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
 best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--staged-sweep`
 times int4_mma_staged at every built tile and K split against the warp kernel at 16 / 32 / 64
@@ -49,10 +51,16 @@ from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.half import INT4_DEQUANT_F16, launch_int4_dequant_f16
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
+    INT4_MMA_ROWS,
+    INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
     MAX_SPLIT,
     MMA_K_ALIGN,
+    MMA_KERNELS,
     MT_CHOICES,
+    ROW16_CTAS,
+    ROW_CTAS,
+    ROW_DEPTH,
     STAGE_GROUPS,
     STAGED_MT,
     STAGES,
@@ -99,14 +107,17 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
-              staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS):
+              staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS,
+              kdef=None):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
-    GEMV, gp_int4_mma, or with `staged` gp_int4_mma_staged)."""
+    GEMV, gp_int4_mma, with `staged` gp_int4_mma_staged, or `kdef`'s launcher)."""
     turn = itertools.count()
 
     def launch(stream) -> None:
         packed, scales = weights[next(turn) % len(weights)]
-        if gemv:
+        if kdef is not None:
+            kdef.launcher(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
+        elif gemv:
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
         elif staged:
             launch_int4_mma_staged(dev, function, y, x, packed, scales, 0, rows, n, k,
@@ -120,9 +131,59 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
     """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
-    staged = mma_kernel(rows, n, sm_count(dev)) == "staged"
-    return _launcher(dev, h.function(INT4_MMA_STAGED if staged else INT4_MMA), weights, x, y,
-                     rows, n, k, False, staged=staged)
+    kdef = MMA_KERNELS[mma_kernel(rows, n, sm_count(dev))]
+    return _launcher(dev, h.function(kdef), weights, x, y, rows, n, k, False, kdef=kdef)
+
+
+ROWS_SWEEP_BATCHES = (1, 8, 16)
+ROWS_BUILDS = ((2, 4, 3), (3, 3, 3), (3, 4, 2), (4, 3, 2), (6, 2, 2))  # depth, ctas, rows16 ctas
+
+
+def rows_kernels(depth: int, ctas: int, ctas16: int):
+    """(gp_int4_mma_rows, gp_int4_mma_rows16) built with `depth` k-groups in flight per warp
+    (GP_ROW_DEPTH) and registers bounded for `ctas` / `ctas16` blocks per SM (GP_ROW_CTAS,
+    GP_ROW16_CTAS); the library's build is (ROW_DEPTH, ROW_CTAS, ROW16_CTAS)."""
+    if (depth, ctas, ctas16) == (ROW_DEPTH, ROW_CTAS, ROW16_CTAS):
+        return INT4_MMA_ROWS, INT4_MMA_ROWS16
+    source = dataclasses.replace(
+        INT4_MMA_ROWS.source,
+        module_name=f"{INT4_MMA_ROWS.source.module_name}_rows{depth}_{ctas}_{ctas16}",
+        options=(*INT4_MMA_ROWS.source.options, f"-DGP_ROW_DEPTH={depth}",
+                 f"-DGP_ROW_CTAS={ctas}", f"-DGP_ROW16_CTAS={ctas16}"))
+    return (dataclasses.replace(INT4_MMA_ROWS, source=source),
+            dataclasses.replace(INT4_MMA_ROWS16, source=source))
+
+
+def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
+    """{(rows, build): seconds} of the rows kernels of every ROWS_BUILDS build (build None:
+    gp_int4_mma's default tile). Each build's result is checked against gp_int4_mma's bits
+    first (the kernels promise them): a difference raises WrongBuild."""
+    out = {}
+    y_ref = h.put(np.zeros((max(ROWS_SWEEP_BATCHES), n), np.float32))
+    packed, scales = weights[0]
+    for b in ROWS_SWEEP_BATCHES:
+        launch_int4_mma(dev, h.function(INT4_MMA), y_ref, x, packed, scales, 0, b, n, k)
+        want = h.get(y_ref, (b, n))
+        out[b, None] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
+                                           False), reps, trials)
+        for build in ROWS_BUILDS:
+            kdef = rows_kernels(*build)[0 if b <= 8 else 1]
+            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
+            got = h.get(y, (b, n))
+            if not np.array_equal(got, want):
+                raise WrongBuild(f"{kdef.source.module_name} m={b}: differs from gp_int4_mma by "
+                                 f"{np.abs(got - want).max()}")
+            out[b, build] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
+                                                False, kdef=kdef), reps, trials)
+    return out
+
+
+def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
+    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16; mma = gp_int4_mma):    mma "
+          + " ".join(f"{'/'.join(map(str, b)):>7}" for b in ROWS_BUILDS))
+    for b in ROWS_SWEEP_BATCHES:
+        print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
+              + " ".join(f"{times[b, build] * 1e6:7.1f}" for build in ROWS_BUILDS), flush=True)
 
 
 STAGED_SWEEP_BATCHES = (16, 32, 64)
@@ -239,6 +300,9 @@ def main() -> int:
     add_record_flag(ap)
     ap.add_argument("--mt-sweep", action="store_true",
                     help="time every built MT choice (16-row tiles per warp)")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="time gp_int4_mma_rows / rows16 built with other pipeline depths and "
+                         "blocks per SM, and gp_int4_mma, at 1 / 8 / 16 rows")
     ap.add_argument("--staged-sweep", action="store_true",
                     help="time gp_int4_mma_staged at every built tile and split of K, and the "
                          "warp kernel, at 16 / 32 / 64 rows")
@@ -262,6 +326,7 @@ def main() -> int:
     step_best = {b: 0.0 for b in BATCHES[1:]}
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
     step_staged = {b: 0.0 for b in STAGED_SWEEP_BATCHES}
+    step_rows = {}
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -294,6 +359,11 @@ def main() -> int:
                 step_tensor[b] += uses * ours(dev, _tensor_launcher(
                     dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
                     args.reps, args.trials)
+            if args.rows_sweep:
+                rows_times = rows_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
+                print_rows_sweep(name, n, k, rows_times)
+                for key, t in rows_times.items():
+                    step_rows[key] = step_rows.get(key, 0.0) + uses * t
             if args.staged_sweep:
                 staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                             args.staged_ctas, args.staged_stages,
@@ -340,6 +410,12 @@ def main() -> int:
               flush=True)
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
+    if args.rows_sweep:
+        print("decode step's linears on each rows build (depth/ctas/ctas16; mma = gp_int4_mma), ms:")
+        for b in ROWS_SWEEP_BATCHES:
+            print(f"  batch {b:3d}: " + "  ".join(
+                f"{'mma' if build is None else '/'.join(map(str, build))} {t * 1e3:.3f}"
+                for (bb, build), t in step_rows.items() if bb == b))
     if args.staged_sweep:
         print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
         for b in STAGED_SWEEP_BATCHES:

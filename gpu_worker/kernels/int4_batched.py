@@ -118,6 +118,7 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
 ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
 ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
+ROW16_CTAS = 3         # and the 16-row entry's (GP_ROW16_CTAS)
 STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
 STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
 STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
