@@ -31,8 +31,8 @@ def runtime(kernel_cache_dir):
     rt = WorkerRuntime(WorkerConfig(backend="sim", cache_dir=kernel_cache_dir,
                                     kv_block_tokens=128, kv_swap_host_bytes=HOST_BUDGET,
                                     kv_swap_copy_rate=1e12, kv_swap_prefill_rate=1.0,
-                                    # the swap alone: no one-block buffers pinned ahead for
-                                    # demotions, so the host bytes are the swapped sequence's
+                                    # the swap alone: no free slots pinned ahead for
+                                    # demotions, so the slab is the swapped sequence's
                                     kv_demote=False)).start()
     rt.load_model("a", "decoder", "tiny", 1)
     rt.load_model("b", "decoder", "tiny", 2)        # a second decoder booking in the same budget
@@ -69,6 +69,7 @@ def test_a_swapped_out_sequence_shows_in_the_scheduler_stats_metrics_and_cli(run
     try:
         runtime.reclaimer.on_governor_ask("kv", 8 * GRANULE)   # nothing cached: it preempts
         out = runtime.stats()
+        slab = (sched.kv_swap.host_bytes, sched.kv_swap.spare_bytes)
         registry = CollectorRegistry()      # scraped while the sequence is still out
         registry.register(WorkerCollector(runtime))
         text = generate_latest(registry).decode()
@@ -78,7 +79,9 @@ def test_a_swapped_out_sequence_shows_in_the_scheduler_stats_metrics_and_cli(run
     assert seq.preemptions == 1 and s["kv_swap_outs"] == 1, s
     blocks = s["kv_swapped_out_blocks"]
     block_bytes = sched.pool.block_bytes
-    assert blocks > 0 and s["kv_swap_host_bytes"] == blocks * block_bytes, s
+    # the slab's chunks are what is booked: the swapped blocks' slots and the chunk's free ones
+    assert blocks > 0 and slab[0] - slab[1] == blocks * block_bytes, (s, slab)
+    assert s["kv_swap_host_bytes"] == slab[0] >= blocks * block_bytes, (s, slab)
     assert s["kv_swap_host_bytes"] == runtime.kv_host.budget.in_use, "not the worker's budget"
     assert s["kv_swap_host_budget_bytes"] == HOST_BUDGET
     msg = stats_message(out).scheduler

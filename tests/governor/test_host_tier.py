@@ -85,11 +85,11 @@ def test_a_worker_runtime_reports_its_weights_host_copies_and_host_kv(
 
         def sim_worker():
             return next(w for d in ledger.resources() for w in d.workers if w.worker_id == "sim")
-        # the decoder pins one-block buffers ahead for its demotions (booked host KV)
+        # the decoder's slab pins free slots ahead for its demotions (booked host KV)
         swap = rt._get("a").scheduler.kv_swap
-        assert swap.blocks.wait_ready(swap.blocks.keep, timeout_s=10)
+        assert swap.slab.wait_free(swap.slab.keep, timeout_s=10)
         ahead = rt.kv_host.budget.in_use
-        assert ahead == swap.spare_bytes > 0
+        assert ahead == swap.spare_bytes == swap.host_bytes > 0
         rt.device.report()
         assert wait_for(lambda: (sim_worker().host_weights_bytes, sim_worker().host_kv_bytes)
                         == (host_weights, ahead)), sim_worker()

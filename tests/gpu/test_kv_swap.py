@@ -60,7 +60,8 @@ def test_on_cuda_blocks_swapped_to_pinned_host_and_back_keep_their_bytes(device)
         for b, d in data.items():
             device.to_device(pool.base + b * pool.block_bytes, d)
         rec = swap.swap_out(out, 7 * 16)
-        assert rec is not None and budget.in_use == 7 * geo.block_bytes
+        assert rec is not None and budget.in_use == swap.host_bytes
+        assert swap.host_bytes - swap.spare_bytes == 7 * geo.block_bytes
         for b in out:                    # queued behind the swap-out copies on the stream
             device.memset(pool.base + b * pool.block_bytes, 0, pool.block_bytes)
         into = [blocks[i] for i in (11, 10, 3, 4, 6, 9, 0)]
@@ -108,7 +109,10 @@ def _streams(cache_dir, **cfg) -> tuple[list[list[int]], dict, dict]:
         assert outs == solo, "a stream differs from its solo run"
         stats = rt.stats()
         assert stats["arena"]["faults"] == 0
-        return outs, stats["scheduler"], rt._get("m").scheduler.stats()
+        swap = rt._get("m").scheduler.kv_swap     # a client that saw its end sees it idle
+        trimmable = swap.slab.trimmable_bytes(READY_BLOCKS) if swap is not None else 0
+        return outs, stats["scheduler"], {**rt._get("m").scheduler.stats(),
+                                          "trimmable": trimmable}
     finally:
         rt.close()
 
@@ -120,7 +124,9 @@ def test_on_cuda_the_runtime_swaps_preempted_kv_and_its_streams_equal_their_solo
     print({k: v for k, v in sched.items() if "swap" in k or k == "preemptions"})
     assert stats["preemptions"] > 0 and stats["kv_swapped_out_blocks"] > 0, stats
     assert stats["kv_swapped_in_blocks"] == stats["kv_swapped_out_blocks"]
-    # idle: no swapped sequence's bytes, at most the one-block buffers pinned ahead
-    assert 0 <= sched["kv_swap_host_bytes"] <= READY_BLOCKS * sched["kv_block_bytes"]
+    # idle: no slot holds a swapped sequence, and the slab freed every chunk with no slot out
+    # beyond the free slots it keeps ahead for demotions
+    assert sched["kv_swap_host_bytes"] == sched["kv_swap_host_free_bytes"], sched
+    assert sched["trimmable"] == 0, "idle kept a chunk beyond those ahead"
     assert plain_stats["kv_swapped_out_blocks"] == 0
     assert swapped == plain

@@ -67,6 +67,16 @@ def check(sched: Scheduler, pool: KVBlockPool, budget: HostKVBudget, swap: KVSwa
     assert swap.host_bytes >= held + hosted, "a swapped sequence's or demoted block's bytes unbooked"
 
 
+def settled(sched: Scheduler, budget: HostKVBudget, swap: KVSwap) -> None:
+    """Every copy ran and no sequence is swapped out: the budget books the slab's chunks, the
+    slots out are the demoted blocks', and no chunk beyond the free slots kept ahead is left."""
+    swap.collect(wait=True)
+    assert budget.in_use == swap.host_bytes, "the budget holds bytes that are not the slab's"
+    hosted = sched.host_cache.nbytes if sched.host_cache is not None else 0
+    assert swap.host_bytes - swap.spare_bytes == hosted, "a slot is out for no one"
+    assert swap.slab.trimmable_bytes(swap.slab.keep) == 0, "idle kept a chunk with no slot out"
+
+
 def drain(sched, pool, budget, swap, limit=20_000) -> None:
     steps = 0
     while sched.busy() and steps < limit:
@@ -128,8 +138,7 @@ def test_a_failed_promotion_recomputes_with_the_right_tokens(dev):
     keys = chain_hashes(sched._root, PREFIX, BT)
     assert sched.host_cache.match(keys[2:]) == 0, "a taken host block was kept after its failure"
     assert pool.match(keys) == 4, "the recomputed blocks were not cached again"
-    swap.collect(wait=True)
-    assert budget.in_use == swap.host_bytes == sched.host_cache.nbytes
+    settled(sched, budget, swap)
     sched.close()
     assert budget.in_use == 0
 
@@ -141,8 +150,8 @@ def test_a_failed_demotion_drops_the_block_and_books_nothing(dev):
     run(sched, pool, budget, swap, prompt_of(2, 150), 10)
     stats = sched.stats()
     assert stats["kv_demote_failed"] == 1 and stats["kv_blocks_demoted"] >= 1, stats
-    swap.collect(wait=True)
-    assert budget.in_use == sched.host_cache.nbytes == stats["kv_host_cached_bytes"]
+    settled(sched, budget, swap)
+    assert sched.host_cache.nbytes == stats["kv_host_cached_bytes"]
     assert run(sched, pool, budget, swap, PREFIX + [2, 3]) == solo(PREFIX + [2, 3], 4)
     sched.close()
 
@@ -203,7 +212,9 @@ def test_the_host_budget_bounds_demoted_blocks_oldest_dropped_first_never_a_swap
     pool.on_evict = host.demote
     seq_blocks = pool.allocate(1)
     swapped = swap.swap_out(seq_blocks, BT)         # a preempted sequence's copy: 1 block
-    assert swapped is not None and budget.in_use == GEO.block_bytes
+    assert swapped is not None and budget.in_use == swap.host_bytes == budget.limit_bytes, \
+        "the slab's first chunk is cut to the budget"
+    assert swap.host_bytes - swap.spare_bytes == GEO.block_bytes
     old, old_keys = _named(pool, 1, 3)
     new, new_keys = _named(pool, 2, 3)
     pool.free(old)
@@ -219,7 +230,8 @@ def test_the_host_budget_bounds_demoted_blocks_oldest_dropped_first_never_a_swap
         "not the oldest host blocks were dropped first"
     assert not swapped.released, "a demotion dropped a swapped-out sequence's host copy"
     assert host.counters["kv_host_cache_evictions"] == 3
-    assert budget.in_use == swap.host_bytes == swapped.nbytes + host.nbytes
+    assert budget.in_use == swap.host_bytes
+    assert swap.host_bytes - swap.spare_bytes == swapped.nbytes + host.nbytes
     # a swap-out that does not fit drops host blocks (oldest first) and goes first
     more = again[:2]
     assert host.make_room(2 * GEO.block_bytes) and host.blocks == 1
@@ -306,9 +318,10 @@ def test_a_fuzz_of_starts_cancels_preemptions_and_reclaims_keeps_both_tiers_book
     assert c["kv_blocks_demoted"] > 0 and c["kv_blocks_promoted"] > 0, c
     assert c["kv_host_cache_evictions"] > 0, "the host budget never bounded the demoted blocks"
     assert pool.used_blocks() == 0
-    swap.collect(wait=True)
-    assert budget.in_use == swap.host_bytes == sched.host_cache.nbytes == c["kv_host_cached_bytes"]
-    assert c["kv_swap_host_bytes"] == 0, "a swapped sequence's bytes stayed booked"
+    settled(sched, budget, swap)
+    assert sched.host_cache.nbytes == c["kv_host_cached_bytes"]
+    assert c["kv_swap_host_bytes"] == c["kv_swap_host_free_bytes"], \
+        "a swapped sequence's slots stayed out"
     for i, (p, n, s) in enumerate(live):
         want = solo(p, n)
         if i in cancelled:
@@ -378,10 +391,10 @@ def test_demoted_and_promoted_blocks_show_in_getstats_its_proto_and_the_metrics(
 
 
 def test_with_buffers_pinned_ahead_a_demotion_never_pins_on_the_engine_thread(dev):
-    """The runtime's KVSwap pins one-block buffers ahead on a thread of its own (pinned_blocks.py):
-    an evicted cached block is copied into a ready buffer, and with none ready while the budget
-    has room it is dropped (declined), never pinned on the step path. The prefix still comes
-    back from host, and every host byte is booked and given back."""
+    """The runtime's KVSwap keeps free slots pinned ahead on the slab's own thread
+    (pinned_slab.py): an evicted cached block is copied into a free slot, and with none free
+    while the budget has room it is dropped (declined), never pinned on the step path. The
+    prefix still comes back from host, and every host byte is booked and given back."""
     pool = KVBlockPool(dev.arena, GEO, 12)
     runner = DeviceTokenRunner(dev, pool, GEO, 12, 16)
     budget = HostKVBudget(64 * GEO.block_bytes)
@@ -399,7 +412,7 @@ def test_with_buffers_pinned_ahead_a_demotion_never_pins_on_the_engine_thread(de
                 return seq.generated
             sched.step()
         raise AssertionError("the scheduler never finished")
-    assert swap.blocks.wait_ready(8, timeout_s=10), "not pinned ahead from the start"
+    assert swap.slab.wait_free(8, timeout_s=10), "not pinned ahead from the start"
     assert serve(PREFIX + [1]) == solo(PREFIX + [1], 4)
     serve(prompt_of(2, 150), 10)                 # evicts the prefix's tail: demoted
     before = dict(sched.stats())
@@ -408,7 +421,7 @@ def test_with_buffers_pinned_ahead_a_demotion_never_pins_on_the_engine_thread(de
     assert after["kv_blocks_promoted"] - before["kv_blocks_promoted"] > 0, "nothing came back"
     assert after["kv_blocks_demoted"] > 0 and engine not in pins, \
         "a pinned buffer was allocated on the engine thread"
-    assert swap.blocks.wait_ready(8, timeout_s=10), "idle kept fewer than pinned ahead"
-    assert budget.in_use == swap.host_bytes, "a ready or demoted buffer is not booked"
+    assert swap.slab.wait_free(8, timeout_s=10), "idle kept fewer than pinned ahead"
+    assert budget.in_use == swap.host_bytes, "a free or demoted slot is not booked"
     sched.close()
     assert budget.in_use == swap.host_bytes == 0

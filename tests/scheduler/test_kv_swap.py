@@ -13,6 +13,7 @@ from gpu_worker.engines.scheduler.kv_swap import (
     READY_BLOCKS,
     CopyRates,
     HostKVBudget,
+    HostKVTier,
     KVSwap,
     swap_is_cheaper,
 )
@@ -61,9 +62,19 @@ def check(sched: Scheduler, pool: KVBlockPool, budget: HostKVBudget, swap: KVSwa
 
 
 def hosted(sched: Scheduler) -> int:
-    """Host bytes the demoted prefix blocks hold (kv_demote.py): all that stays booked once
-    every swapped sequence came back."""
+    """Host bytes the demoted prefix blocks hold (kv_demote.py): all that stays out of the
+    slab once every swapped sequence came back."""
     return sched.host_cache.nbytes if sched.host_cache is not None else 0
+
+
+def settled(sched: Scheduler, budget: HostKVBudget, swap: KVSwap) -> None:
+    """Idle, every swapped sequence back or gone: the budget books the slab's chunks and
+    nothing else, no slot is out but the demoted blocks', and no chunk with no slot out is
+    left (these slabs keep no free slots ahead)."""
+    swap.collect(wait=True)
+    assert budget.in_use == swap.host_bytes, "the budget holds bytes that are not the slab's"
+    assert swap.host_bytes - swap.spare_bytes == hosted(sched), "a slot is out for no one"
+    assert swap.slab.trimmable_bytes(0) == 0, "idle kept a chunk with no slot out"
 
 
 def drain(sched, pool, budget, swap, limit=20_000) -> None:
@@ -97,10 +108,14 @@ def test_swap_out_then_in_gives_the_tokens_of_a_run_without_preemption(dev):
     assert c["kv_swap_refused"] == c["kv_swap_failed"] == 0
     for p, s in zip(prompts, seqs, strict=True):
         assert list(s.stream()) == solo(p, 40)
-    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == hosted(sched)
+    assert pool.used_blocks() == 0
+    settled(sched, budget, swap)
     stats = sched.stats()
-    assert stats["kv_swap_host_bytes"] == 0 and stats["kv_swapped_in_blocks"] > 0
-    assert stats["kv_swap_host_us"] > 0
+    assert stats["kv_swap_host_bytes"] == stats["kv_swap_host_free_bytes"], \
+        "a swapped sequence's slots stayed out"
+    assert stats["kv_swapped_in_blocks"] > 0 and stats["kv_swap_host_us"] > 0
+    assert 0 < stats["kv_swap_chunks_pinned"] < stats["kv_swap_outs"], \
+        "the slab pinned per swap instead of once"
     sched.close()
 
 
@@ -145,7 +160,8 @@ def test_a_swap_that_does_not_fit_the_host_budget_recomputes(dev, host_blocks):
         assert c["kv_swapped_out_blocks"] == 0
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
+    assert pool.used_blocks() == 0
+    settled(sched, budget, swap)
     sched.close()
 
 
@@ -161,7 +177,8 @@ def test_a_failed_swap_in_recomputes_and_still_gives_identical_tokens(dev):
     assert sched.counters["kv_swapped_in_blocks"] < sched.counters["kv_swapped_out_blocks"]
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
+    assert pool.used_blocks() == 0
+    settled(sched, budget, swap)
     sched.close()
 
 
@@ -175,7 +192,7 @@ def test_a_failed_swap_out_recomputes_and_books_nothing(dev, call):
     assert sched.counters["kv_swap_failed"] == 1
     for p, s in zip(prompts, seqs, strict=True):
         assert s.generated == solo(p, 40)
-    assert budget.in_use == hosted(sched)
+    settled(sched, budget, swap)
     sched.close()
 
 
@@ -185,17 +202,18 @@ def test_cancelling_a_swapped_out_sequence_frees_its_host_bytes(dev):
     seqs = [sched.submit(p, 40) for p in prompts]
     victim = step_until_swapped(sched, pool, budget, swap)[0]
     held = victim.swapped.nbytes
-    before = budget.in_use
-    assert before >= held > 0
+    assert budget.in_use >= held > 0
     victim.cancel()
     sched.step()                    # reaped: its host copy is released
     check(sched, pool, budget, swap)
     assert victim.state == "finished" and victim.swapped is None
     others = sum(s.swapped.nbytes for s in sched._all() if s.swapped is not None)
-    swap.collect(wait=True)
-    assert budget.in_use == others + hosted(sched)
+    swap.collect()
+    assert swap.host_bytes - swap.spare_bytes == others + hosted(sched), \
+        "the cancelled sequence's slots did not go back"
     drain(sched, pool, budget, swap)
-    assert budget.in_use == hosted(sched) and pool.used_blocks() == 0
+    assert pool.used_blocks() == 0
+    settled(sched, budget, swap)
     for p, s in zip(prompts, seqs, strict=True):
         if s is not victim:
             assert s.generated == solo(p, 40)
@@ -285,7 +303,8 @@ def test_a_seeded_fuzz_of_starts_cancels_preemptions_and_reclaims_leaks_no_block
     c = sched.counters
     assert c["kv_swap_outs"] > 0 and c["kv_swap_ins"] > 0 and c["kv_swap_refused"] > 0, c
     assert c["kv_swap_failed"] > 0, c
-    assert pool.used_blocks() == 0 and budget.in_use == swap.host_bytes == hosted(sched)
+    assert pool.used_blocks() == 0
+    settled(sched, budget, swap)
     for i, (p, n, s) in enumerate(live):
         want = solo(p, n)
         if i in cancelled:
@@ -351,7 +370,10 @@ def _runtime_streams(cache_dir, **cfg) -> tuple[list[list[int]], dict, dict]:
             t.start()
         for t in threads:
             t.join(300)
-        return outs, rt.stats()["scheduler"], rt._get("m").scheduler.stats()
+        swap = rt._get("m").scheduler.kv_swap      # a client that saw its end sees it idle
+        trimmable = swap.slab.trimmable_bytes(READY_BLOCKS) if swap is not None else 0
+        return outs, rt.stats()["scheduler"], {**rt._get("m").scheduler.stats(),
+                                               "trimmable": trimmable}
     finally:
         rt.close()
 
@@ -361,9 +383,10 @@ def test_the_runtime_swaps_preempted_kv_and_its_streams_match_no_swap(kernel_cac
     plain, plain_stats, plain_sched = _runtime_streams(kernel_cache_dir, kv_swap=False)
     assert stats["preemptions"] > 0 and stats["kv_swapped_out_blocks"] > 0, stats
     assert stats["kv_swapped_in_blocks"] == stats["kv_swapped_out_blocks"]
-    # idle: no swapped sequence's bytes, at most the one-block buffers pinned ahead
-    assert 0 <= sched["kv_swap_host_bytes"] <= READY_BLOCKS * sched["kv_block_bytes"]
-    assert sched["kv_swap_host_bytes"] % sched["kv_block_bytes"] == 0
+    # idle: no slot holds a swapped sequence, and the slab freed every chunk with no slot out
+    # beyond the free slots it keeps ahead for demotions
+    assert sched["kv_swap_host_bytes"] == sched["kv_swap_host_free_bytes"], sched
+    assert sched["trimmable"] == 0, "idle kept a chunk beyond those ahead"
     assert sched["kv_swap"] == 1 and sched["kv_swap_h2d_bytes_per_s"] > 0
     assert plain_sched["kv_swap"] == 0 and plain_stats["kv_swapped_out_blocks"] == 0
     assert swapped == plain
@@ -384,7 +407,8 @@ def test_blocks_swapped_to_host_and_back_keep_their_bytes_across_runs_and_gaps(d
     calls = dev.backend.calls["copy_d2h_async"]
     rec = swap.swap_out(out, 7 * 16)
     assert dev.backend.calls["copy_d2h_async"] - calls == 4, "one copy per run of blocks"
-    assert budget.in_use == swap.host_bytes == 7 * GEO.block_bytes
+    assert budget.in_use == swap.host_bytes >= 7 * GEO.block_bytes
+    assert swap.host_bytes - swap.spare_bytes == 7 * GEO.block_bytes
     for b in out:                           # queued behind the swap-out copies
         dev.memset(pool.base + b * pool.block_bytes, 0, pool.block_bytes)
     into = [blocks[i] for i in (11, 10, 3, 4, 6, 9, 0)]
@@ -427,32 +451,111 @@ def test_a_failed_step_drops_every_host_copy_and_the_rest_recompute(dev):
     sched.close()
 
 
-def test_one_block_copies_out_reuse_spare_pinned_buffers_under_load_and_free_them_at_idle(dev):
-    """Demotions copy out one block at a time under pool pressure: a pinned allocation (page
-    pinning) and a free (which synchronizes the context) per block put the host on the step
-    path. A one-block buffer whose copies ran is kept booked as a spare and reused; a larger
-    copy out the budget cannot hold otherwise frees the spares first; idle frees them all."""
+def test_a_busy_decoders_swaps_pin_one_chunk_and_free_nothing_until_idle(dev):
+    """A pinned allocation (page pinning, ~1 ms per 2 MiB on the H200 host) per swap-out and a
+    free (which synchronizes the context) per swap-in put the host on the step path. The slab
+    pins a chunk once; every later copy out, of one block or many, takes free slots."""
     pool = KVBlockPool(dev.arena, GEO, 8)
-    budget = HostKVBudget(4 * pool.block_bytes)
-    swap = KVSwap(dev, pool, budget, FAST)
-    blocks = pool.allocate(4)
-    allocs = []
-    alloc = dev.alloc_pinned
+    budget = HostKVBudget(64 * pool.block_bytes)
+    swap = KVSwap(dev, pool, budget, FAST, chunk_slots=16)
+    blocks = pool.allocate(6)
+    allocs, frees = [], []
+    alloc, free = dev.alloc_pinned, dev.free_pinned
     dev.alloc_pinned = lambda n: (allocs.append(n), alloc(n))[1]
-    for _ in range(20):                      # copy out, drop, copy out: a demotion churn
-        rec = swap.swap_out(blocks[:1], GEO.block_tokens)
+    dev.free_pinned = lambda buf: (frees.append(buf.nbytes), free(buf))[1]
+    for k in range(40):                     # preemptions and demotions, in and out
+        n = 1 + k % 6
+        rec = swap.swap_out(blocks[:n], n * GEO.block_tokens)
+        assert rec is not None
+        if k % 2:
+            swap.swap_in(rec, blocks[:n])
+        else:
+            swap.release(rec)
         dev.synchronize(dev.stream)
-        swap.release(rec)
-        assert budget.in_use == swap.host_bytes == pool.block_bytes
-    assert allocs == [pool.block_bytes], f"{len(allocs)} pinned allocations for 20 copies out"
-    assert swap.spare_reuses == 19 and swap.spare_bytes == pool.block_bytes
-    # a 4-block swap-out fits only with the spare's booked bytes given back
-    rec = swap.swap_out(blocks, 4 * GEO.block_tokens)
-    assert rec is not None and swap.spare_bytes == 0
-    assert budget.in_use == swap.host_bytes == 4 * pool.block_bytes
-    assert swap.swap_out(blocks[:1], GEO.block_tokens) is None, "over the host budget"
-    swap.release(rec)
-    dev.synchronize(dev.stream)
-    assert swap.collect(wait=True) == 4 * pool.block_bytes
+        swap.collect()
+        assert budget.in_use == swap.host_bytes == 16 * pool.block_bytes
+    assert allocs == [16 * pool.block_bytes], f"{len(allocs)} pinned allocations for 40 swaps"
+    assert frees == [], "a chunk was freed while the decoder was busy"
+    assert swap.collect(wait=True) == 16 * pool.block_bytes and frees == [16 * pool.block_bytes]
     assert budget.in_use == swap.host_bytes == swap.spare_bytes == 0
     pool.free(blocks)
+    swap.close()
+    pool.close()
+
+
+def test_a_swap_that_does_not_fit_is_refused_before_anything_is_booked(dev):
+    """The budget's free bytes plus this decoder's free slots must hold the swap, as they did
+    with a pinned buffer per swap; another decoder's chunks with no slot out are freed for it
+    first (its busy slab would otherwise keep them until it goes idle)."""
+    pool = KVBlockPool(dev.arena, GEO, 8)
+    bb = pool.block_bytes
+    budget = HostKVBudget(6 * bb)
+    tier = HostKVTier(budget, copy_rate=1e12)
+    other_pool = KVBlockPool(dev.arena, GEO, 4)
+    other = tier.swap_for(dev, other_pool, demotes=False)
+    swap = tier.swap_for(dev, pool, demotes=False)
+    blocks = pool.allocate(6)
+
+    def refused(n: int) -> None:
+        before = (budget.in_use, swap.host_bytes, other.host_bytes,
+                  dev.backend.calls["alloc_pinned"])
+        assert swap.swap_out(blocks[:n], n * GEO.block_tokens) is None, f"{n} blocks fit"
+        assert (budget.in_use, swap.host_bytes, other.host_bytes,
+                dev.backend.calls["alloc_pinned"]) == before, "a refused swap booked something"
+    their_blocks = other_pool.allocate(2)
+    theirs = other.swap_out(their_blocks, 2 * GEO.block_tokens)
+    assert theirs is not None and budget.in_use == other.host_bytes == 6 * bb, \
+        "the chunk is cut to the budget"
+    refused(2)                                  # the other decoder's chunk has slots out
+    other.release(theirs)
+    dev.synchronize()
+    other.collect()                             # busy: its chunk stays, every slot free
+    assert other.host_bytes == 6 * bb
+    held = swap.swap_out(blocks[:2], 2 * GEO.block_tokens)
+    assert held is not None, "the other decoder's idle chunk was not freed for the swap"
+    assert other.host_bytes == 0 and budget.in_use == swap.host_bytes == 6 * bb
+    refused(5)                                  # 4 free slots, nothing left in the budget
+    rec = swap.swap_out(blocks[2:6], 4 * GEO.block_tokens)
+    assert rec is not None and budget.in_use == swap.host_bytes == 6 * bb
+    for r in (held, rec):
+        swap.release(r)
+    swap.close()
+    other.close()
+    assert budget.in_use == 0
+    pool.free(blocks)
+    other_pool.free(their_blocks)
+    for p in (pool, other_pool):
+        p.close()
+
+
+def test_consecutive_blocks_in_scattered_slots_keep_their_bytes(dev):
+    import numpy as np
+
+    pool = KVBlockPool(dev.arena, GEO, 16)
+    swap = KVSwap(dev, pool, HostKVBudget(16 * GEO.block_bytes), FAST, chunk_slots=4)
+    blocks = pool.allocate(11)
+    a = swap.swap_out(blocks[:3], 3 * 16)               # slots 0-2
+    b = swap.swap_out(blocks[3:6], 3 * 16)              # slots 3-5 (two chunks)
+    swap.release(a)
+    dev.synchronize()
+    swap.collect()                                      # slots 0-2 free again
+    rng = np.random.default_rng(26)
+    out = blocks[6:11]
+    data = {x: rng.integers(0, 256, GEO.block_bytes, dtype=np.uint8) for x in out}
+    for x, d in data.items():
+        dev.to_device(pool.base + x * pool.block_bytes, d)
+    calls = dev.backend.calls["copy_d2h_async"]
+    c = swap.swap_out(out, 5 * 16)
+    assert c.slots == [0, 1, 2, 6, 7], "not the lowest free slots"
+    assert dev.backend.calls["copy_d2h_async"] - calls == 2, "one copy per run of both"
+    for x in out:
+        dev.memset(pool.base + x * pool.block_bytes, 0, pool.block_bytes)
+    swap.swap_in(c, out)
+    dev.synchronize()
+    for x in out:
+        got = dev.from_device(pool.base + x * pool.block_bytes, pool.block_bytes)
+        assert np.array_equal(got, data[x]), f"block {x} lost its bytes"
+    swap.release(b)
+    swap.close()
+    pool.free(blocks)
+    pool.close()

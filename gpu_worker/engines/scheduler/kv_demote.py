@@ -2,25 +2,25 @@
 (DESIGN 6.3; the rule: docs/scheduler.md, "Cached prefix blocks on host").
 
 Hazard: the same as the swap's (kv_swap.py): a copy out that runs after the block was handed to
-another sequence copies that sequence's K/V, a host buffer freed while its copy is queued
-corrupts pinned memory, an unbounded tier takes the host's memory. Two more: a block named by a
+another sequence copies that sequence's K/V, a host slot reused while its copy is queued
+corrupts the K/V it holds, an unbounded tier takes the host's memory. Two more: a block named by a
 step that then failed may never have been written, and a copy queued by the thread that is
 capturing a graph (a reclaim its own commit ran mid-capture) would join the graph.
 Contract:
 - A cached block the pool evicts (for a new block, `KVBlockPool.allocate`; for a reclaim's
   cached-KV step, `shrink(evict_cached=True)`) reaches `demote` with its prefix key before the
   pool hands the block out or decommits its granule, so its copy out is queued on the compute
-  stream behind the steps that wrote it and ahead of any reuse (the KVSwap copy: one pinned
-  buffer and one event per block, inside a gate section). Demoted only when the rule says a
-  round trip costs less device time than prefilling the block's tokens again
-  (`swap_is_cheaper(block_bytes, block_tokens, ...)`, the swap rule's inputs), never on the
-  capturing thread; else dropped, as before.
+  stream behind the steps that wrote it and ahead of any reuse (the KVSwap copy: one slot of
+  the decoder's pinned slab and one event per block, inside a gate section). Demoted only
+  when the rule says a round trip costs less device time than prefilling the block's tokens
+  again (`swap_is_cheaper(block_bytes, block_tokens, ...)`, the swap rule's inputs), never on
+  the capturing thread; else dropped, as before.
 - The host keeps each demoted block under its key in an LRU. Every byte is booked in the
-  worker's HostKVBudget from the copy out until its buffer is freed (after its last copy ran).
-  A demotion that does not fit drops this decoder's oldest host blocks first, then the block
-  itself; a swapped-out sequence's buffer is never dropped for a demotion, and a swap-out that
-  does not fit drops host blocks first (`make_room`: a swapped sequence's positions are sure to
-  be needed, a cached block's only maybe).
+  worker's HostKVBudget (the slab's chunks: pinned_slab.py); its slot goes back to the free
+  list after its last copy ran. A demotion that does not fit drops this decoder's oldest host
+  blocks first, then the block itself; a swapped-out sequence's slots are never taken for a
+  demotion, and a swap-out that does not fit drops host blocks first (`make_room`: a swapped
+  sequence's positions are sure to be needed, a cached block's only maybe).
 - Promotion (`take`, then `promote`): at admission, after the leading run of device-resident
   blocks of a prefix, the leading run of host-resident keys leaves the LRU (so the allocation
   that follows cannot drop them), is copied into fresh blocks (one H2D each, queued before the
@@ -28,8 +28,8 @@ Contract:
   refuses leaves that block and the rest unnamed; the sequence prefills them (never wrong KV).
 - A failed step drops every host block (`clear`): one may be a copy of a block the step never
   wrote.
-Cost: per demoted block a ready pinned buffer (pinned ahead on a thread of its own: none ready
-and the budget has room, the block is dropped as declined) and block_bytes / d2h rate of
+Cost: per demoted block a free slot (pinned ahead on the slab's own thread: none free and the
+budget has room, the block is dropped as declined) and block_bytes / d2h rate of
 compute-stream time between steps; per promoted block block_bytes / h2d rate; a lookup is
 one dict probe per key. Engine-thread only (or a reclaimer holding the model's lock), like the
 pool; `blocks` and `nbytes` may be read from any thread.
@@ -95,9 +95,9 @@ class HostPrefixCache:
                 self.counters["kv_blocks_demoted"] += 1
 
     def _copy_out(self, block: int) -> SwappedKV | None:
-        """Copy `block` out to a host buffer: a ready one (pinned ahead off this thread, or
-        dropped by the oldest host block), never one pinned here while buffers are pinned
-        ahead (kv_swap.py: that cost the host ~1 ms per block on the step path); None when
+        """Copy `block` out to a free slot (pinned ahead off this thread, or given back by
+        the oldest host block), never one pinned here while slots are pinned ahead
+        (pinned_slab.py: pinning costs the host ~1 ms per 2 MiB on the step path); None when
         none can be had (counted)."""
         ahead = self.swap.pins_ahead()
         while True:
@@ -140,7 +140,7 @@ class HostPrefixCache:
         _, rec = self._lru.popitem(last=False)
         self.nbytes -= rec.nbytes
         self.counters["kv_host_cache_evictions"] += 1
-        self.swap.release(rec)             # freed now: its event passed
+        self.swap.release(rec)             # its slot is free now: its event passed
         return True
 
     def make_room(self, nbytes: int) -> bool:
@@ -181,8 +181,8 @@ class HostPrefixCache:
     def promote(self, taken: list[tuple[bytes, SwappedKV]], blocks: list[int]) -> int:
         """Queue each taken copy into its fresh block (in order); returns how many were queued.
         At the first copy the device refuses, that one and the rest are released: their blocks'
-        contents are undefined, the caller prefills from there. Every host buffer is released
-        either way (freed once its copy in ran)."""
+        contents are undefined, the caller prefills from there. Every host copy is released
+        either way (its slot free once its copy in ran)."""
         done = 0
         capturing = self.swap.device.gate.is_capturing_thread()
         for (_, rec), block in zip(taken, blocks, strict=False):

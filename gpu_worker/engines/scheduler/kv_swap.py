@@ -4,46 +4,45 @@ prefill (DESIGN 6.3; the rule: docs/scheduler.md, "KV swap to pinned host").
 
 Hazard: a block's bytes are read and written by the device asynchronously. A swap-out copy that
 runs after the block was handed to another sequence copies the other sequence's K/V; a host
-buffer freed (or reused) while its copy is still queued corrupts pinned memory; an unbounded
-host tier takes the host's memory.
+slot reused while its copy is still queued corrupts the K/V it holds; an unbounded host tier
+takes the host's memory; pinning and freeing host memory on the engine thread put the host on
+the step path (pinned_slab.py).
 Contract:
 - Every copy goes on the device's compute stream, the stream every step of every decoder runs
   on (`device.stream`). A swap-out is queued after the steps that wrote the blocks (launched
   before the preemption) and before any step that writes them again, so the host frees the
   blocks at once, as after a recompute preemption. A swap-in is queued before the step that
   reads the blocks. No cross-stream event and no host wait on the step path.
-- A block is `geometry.block_bytes` contiguous bytes of the pool (every layer, K and V), so a
-  run of consecutive blocks is one copy each way.
-- A host buffer is freed only after an event recorded behind its last copy has passed
-  (`collect`; `collect(wait=True)` waits, at idle and close). One-block buffers come from
-  `PinnedBlocks` (pinned_blocks.py): pinned ahead of need on a thread of its own, and a
-  one-block buffer whose copies ran goes back there (still booked) instead of being freed.
-  Cached-prefix demotions (kv_demote.py) copy out one block per evicted cached block, hundreds
-  a second under pool pressure: a cuMemHostAlloc (~1 ms per 2 MiB on the H200 host) and a
-  synchronizing cuMemFreeHost per block on the engine thread put the host on the step path.
-- Every host byte is booked in the worker's `HostKVBudget` (`--kv-swap-host-bytes`) from the
-  swap-out until its buffer is freed; a swap that does not fit is refused before anything is
-  allocated (the scheduler recomputes instead).
-Cost: one pinned allocation per swap-out of more than one block (a swap is a preemption: rare),
-none on the engine thread for a one-block copy out when PinnedBlocks refills in the background,
-one async copy per run of contiguous blocks each way, bytes over the measured pinned copy rates.
+- A block is `geometry.block_bytes` contiguous bytes of the pool (every layer, K and V), and a
+  host slot of the decoder's `PinnedSlab` (pinned_slab.py) holds one block, so a run of
+  consecutive blocks into consecutive slots of one chunk is one copy each way.
+- A slot goes back to the slab's free list only after an event recorded behind its last copy
+  has passed (`collect`; `collect(wait=True)` waits, at idle and close). The slab pins whole
+  chunks when a copy out finds too few free slots and keeps them while the decoder is busy; it
+  frees chunks with no slot out at idle (down to those kept for demotions) and at close.
+- Every host byte is booked in the worker's `HostKVBudget` (`--kv-swap-host-bytes`): the
+  slab's chunks, from before they are pinned until they are freed. A swap that does not fit
+  (this decoder's free slots plus the budget's free bytes, after the other decoders' idle
+  chunks) is refused before anything is booked (the scheduler recomputes instead).
+Cost: no pinned allocation once the slab holds the decoder's peak (one per chunk before, ~30 ms
+for 64 MiB on the H200 host), no free on the step path, one async copy per run of contiguous
+blocks and slots each way, bytes over the measured pinned copy rates.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from gpu_worker.device.backend import DeviceError
-from gpu_worker.engines.scheduler.pinned_blocks import PinnedBlocks
+from gpu_worker.engines.scheduler.pinned_slab import CHUNK_SLOTS, PinnedSlab
 from services.common.errors import InvalidArgument, ResourceExhausted
 
 PROBE_BYTES = 8 << 20       # what the load-time copy-rate probe moves each way (~160 us on H200)
-READY_BLOCKS = 32           # one-block buffers pinned ahead per decoder (64 MiB at 2 MiB blocks)
-SPARE_BLOCKS = 64           # one-block buffers kept for reuse per decoder, at most
+READY_BLOCKS = 32           # free slots pinned ahead per demoting decoder (64 MiB at 2 MiB blocks)
 
 
 class SwapFailed(RuntimeError):
@@ -147,122 +146,91 @@ def measure_copy_rates(device, nbytes: int = PROBE_BYTES) -> CopyRates:
 
 @dataclass(eq=False)
 class SwappedKV:
-    """One sequence's blocks on the host: `blocks` blocks holding positions [0, positions)."""
+    """One sequence's blocks on the host: `blocks` blocks holding positions [0, positions), in
+    the slab's `slots` (block i in slots[i])."""
 
-    host: np.ndarray        # the pinned buffer (as allocated: freed as a whole)
+    slots: list[int]
     blocks: int
     positions: int
     nbytes: int
-    event: object           # recorded behind the buffer's last queued copy
+    event: object           # recorded behind the slots' last queued copy
     released: bool = False
 
 
-def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:
-    """(index in `blocks`, first block, count) for each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(blocks):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            start, first, n = runs[-1]
-            runs[-1] = (start, first, n + 1)
-        else:
-            runs.append((i, b, 1))
-    return runs
-
-
 class KVSwap:
-    """Block copies between one decoder's KV pool and pinned host, booked in a HostKVBudget.
+    """Block copies between one decoder's KV pool and its pinned slab, booked in a HostKVBudget.
     Engine-thread only (or a reclaimer holding the model's lock), like the pool."""
 
     def __init__(self, device, pool, budget: HostKVBudget, rates: CopyRates,
-                 ready_blocks: int = 0) -> None:
-        """`ready_blocks`: one-block buffers PinnedBlocks keeps pinned ahead on its own thread,
-        from now on (the runtime, when the decoder demotes: READY_BLOCKS); 0: none ahead, a one-block copy out that finds no spare
-        pins its buffer on the caller's thread (deterministic: the scheduler tests)."""
+                 ready_blocks: int = 0, chunk_slots: int = CHUNK_SLOTS,
+                 reclaim: Callable[[PinnedSlab, int], int] | None = None) -> None:
+        """`ready_blocks`: free slots the slab keeps pinned ahead on its own thread, from now on
+        (the runtime, when the decoder demotes: READY_BLOCKS); 0: none ahead, a copy out that
+        finds too few free slots grows the slab on the caller's thread (deterministic: the
+        scheduler tests). `reclaim`: the tier's hook that frees other decoders' idle chunks
+        when the budget is short (HostKVTier)."""
         self.device, self.pool, self.budget, self.rates = device, pool, budget, rates
         self.block_bytes = pool.block_bytes
-        self._held = 0                            # booked by buffers in use or retired
-        self._retired: list[SwappedKV] = []       # released, copies maybe still queued
-        self.blocks = PinnedBlocks(device, pool.block_bytes, budget, keep=ready_blocks,
-                                   cap=max(SPARE_BLOCKS, ready_blocks))
+        self.slab = PinnedSlab(device, pool.block_bytes, budget, chunk_slots=chunk_slots,
+                               keep=ready_blocks, reclaim=reclaim)
         if ready_blocks:
-            self.blocks.start()                  # ready before the first demotion
-        self.spare_reuses = 0                     # one-block copies out that allocated nothing
+            self.slab.start()                    # ready before the first demotion
+        self._retired: list[SwappedKV] = []       # released, copies maybe still queued
         self._events: list[object] = []           # spare events
-        self.swap_seconds = 0.0                   # host time queueing swaps (pinned allocs too)
+        self.swap_seconds = 0.0                   # host time queueing swaps (slab growth too)
 
     def _event(self) -> object:
         return self._events.pop() if self._events else self.device.create_event()
 
-    def _copy(self, blocks: list[int], host: np.ndarray, out: bool, event: object) -> None:
+    def _copy(self, blocks: list[int], slots: list[int], out: bool, event: object) -> None:
         """Queue the copies, then `event`, inside a gate section: never while another
         thread captures on the stream (the copies would join its graph)."""
         bb, base = self.block_bytes, self.pool.base
         with self.device.gate.shared():
-            for index, first, n in _runs(blocks):
-                view = host[index * bb:(index + n) * bb]
+            for first_block, first_slot, n in _runs(blocks, slots, self.slab.same_chunk):
+                view = self.slab.view(first_slot, n)
                 if out:
-                    self.device.copy_from_device_async(view, base + first * bb)
+                    self.device.copy_from_device_async(view, base + first_block * bb)
                 else:
-                    self.device.copy_to_device_async(base + first * bb, view)
+                    self.device.copy_to_device_async(base + first_block * bb, view)
             self.device.record_event(event)
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes this decoder books: its swapped and demoted buffers and its ready ones."""
-        return self._held + self.blocks.nbytes
+        """Host bytes this decoder books: its slab's chunks (swapped, demoted and free slots)."""
+        return self.slab.nbytes
 
     @property
     def spare_bytes(self) -> int:
-        return self.blocks.nbytes
+        """Booked bytes of free slots."""
+        return self.slab.free_bytes
 
     def available(self) -> int:
         """Host bytes a copy out could have now: the budget's free bytes plus this decoder's
-        ready buffers (booked already; a one-block copy takes one, a larger one frees them)."""
-        return self.budget.available() + self.blocks.nbytes
-
-    def _book(self, nbytes: int) -> bool:
-        if self.budget.take(nbytes):
-            return True
-        if self.blocks.nbytes and self.available() >= nbytes:
-            self.blocks.free_all()       # booked bytes this copy can use instead
-            return self.budget.take(nbytes)
-        return False
-
-    def free_spares(self) -> int:
-        """Free every ready buffer and give its bytes back; returns them."""
-        try:
-            return self.blocks.free_all()
-        except DeviceError as exc:
-            raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
+        free slots (booked already)."""
+        return self.budget.available() + self.slab.free_bytes
 
     def swap_out(self, blocks: list[int], positions: int,
                  allocate: bool = True) -> SwappedKV | None:
         """Queue the copy of `blocks` (a table's leading blocks, holding positions
-        [0, positions)) to a pinned buffer (a ready one for one block, else a new one); None
-        when the host budget refuses it (nothing booked), or for one block with
-        `allocate=False` when none is ready. SwapFailed when the device refuses (nothing left
-        booked)."""
-        nbytes = len(blocks) * self.block_bytes
+        [0, positions)) into free slots of the slab, growing it when too few are free; None
+        when the host budget refuses (nothing booked), or with `allocate=False` (never pin on
+        this thread) when too few are free. SwapFailed when the device refuses (the slots, if
+        any were taken, go back)."""
         if not blocks:
             return None
         t = time.perf_counter()
-        host = self.blocks.take() if len(blocks) == 1 else None
-        if host is not None:
-            self._held += nbytes                 # booked since it was pinned
-            self.spare_reuses += 1
-        else:
-            if not allocate or not self._book(nbytes):
-                return None
-            self._held += nbytes
-            try:
-                host = self.device.alloc_pinned(nbytes)
-            except DeviceError as exc:
-                self._held -= nbytes
-                self.budget.give(nbytes)
-                raise SwapFailed(f"pinned host allocation of {nbytes} bytes: {exc}") from exc
-        rec = SwappedKV(host, len(blocks), positions, nbytes, self._event())
         try:
-            self._copy(blocks, host, True, rec.event)
+            slots = self.slab.take(len(blocks), grow=allocate)
+        except DeviceError as exc:
+            raise SwapFailed(f"pinned host allocation for {len(blocks)} KV blocks "
+                             f"({len(blocks) * self.block_bytes} bytes): {exc}") from exc
+        if slots is None:
+            return None
+        rec = SwappedKV(slots, len(blocks), positions, len(blocks) * self.block_bytes,
+                        self._event())
+        try:
+            self._copy(blocks, slots, True, rec.event)
         except DeviceError as exc:
             self.release(rec, fenced=False)
             raise SwapFailed(f"swap-out copy of {len(blocks)} KV blocks: {exc}") from exc
@@ -270,12 +238,12 @@ class KVSwap:
         return rec
 
     def pins_ahead(self) -> bool:
-        """Whether one-block buffers are pinned ahead in the background (else on demand)."""
-        return self.blocks.keep > 0
+        """Whether free slots are pinned ahead in the background (else on demand)."""
+        return self.slab.keep > 0
 
     def swap_in(self, rec: SwappedKV, blocks: list[int]) -> None:
         """Queue the copy of `rec` into `blocks` (fresh, `rec.blocks` of them) before the next
-        step; `rec` is released either way (its buffer freed once the copy ran). SwapFailed
+        step; `rec` is released either way (its slots freed once the copy ran). SwapFailed
         when the device refuses: the blocks' contents are then undefined (the caller frees
         them and recomputes)."""
         if len(blocks) != rec.blocks or rec.released:
@@ -283,7 +251,7 @@ class KVSwap:
                                   f"(released: {rec.released})")
         t = time.perf_counter()
         try:
-            self._copy(blocks, rec.host, False, rec.event)
+            self._copy(blocks, rec.slots, False, rec.event)
         except DeviceError as exc:
             self.release(rec, fenced=False)
             raise SwapFailed(f"swap-in copy of {rec.blocks} KV blocks: {exc}") from exc
@@ -291,9 +259,9 @@ class KVSwap:
         self.swap_seconds += time.perf_counter() - t
 
     def release(self, rec: SwappedKV, fenced: bool = True) -> None:
-        """The host copy is no longer needed (swapped in, cancelled, or given up): its buffer
-        is freed, and its bytes given back, once its last copy ran. `fenced=False`: a copy
-        failed to queue, so the event may not be behind it: the stream is synchronized first."""
+        """The host copy is no longer needed (swapped in, cancelled, or given up): its slots
+        go back to the free list once its last copy ran. `fenced=False`: a copy failed to
+        queue, so the event may not be behind it: the stream is synchronized first."""
         if rec.released:
             return
         rec.released = True
@@ -303,16 +271,17 @@ class KVSwap:
             self._events.append(rec.event)      # re-armed by its next record
             rec.event = None
         self._retired.append(rec)
-        with contextlib.suppress(SwapFailed):   # a lost context: the bytes stay booked
+        with contextlib.suppress(SwapFailed):   # a lost context: the slots stay out
             self.collect()
 
     def collect(self, wait: bool = False) -> int:
-        """Free the released buffers whose copies ran, or give them back to `blocks` (one-block
-        ones, up to SPARE_BLOCKS ready: still booked); with `wait` (idle, close) wait for every
-        copy and free every buffer, the ready ones down to those pinned ahead. Returns the host
-        bytes given back. SwapFailed when the device fails the wait or the
-        free (a lost context): those buffers stay booked, as they may still be copied into."""
-        freed, keep = 0, []
+        """Give the released records' slots back to the free list once their copies ran; with
+        `wait` (idle, close) wait for every copy first, then free the slab's chunks that hold
+        no slot, down to the free slots kept for demotions. Returns the host bytes given back
+        to the budget (0 without `wait`: a give never frees). SwapFailed when the device fails
+        the wait or a free (a lost context): those slots and chunks stay booked, as they may
+        still be copied into."""
+        keep = []
         for i, rec in enumerate(self._retired):
             try:
                 if rec.event is not None and not self.device.event_done(rec.event):
@@ -320,49 +289,58 @@ class KVSwap:
                         keep.append(rec)
                         continue
                     self.device.wait_event(rec.event)
-                if not wait and rec.blocks == 1 and self.blocks.give(rec.host):
-                    self._held -= rec.nbytes         # still booked, as a ready buffer
-                    if rec.event is not None:
-                        self._events.append(rec.event)
-                    continue
-                self.device.free_pinned(rec.host)
             except DeviceError as exc:
                 self._retired = keep + self._retired[i:]
-                raise SwapFailed(f"pinned KV buffers could not be freed ({exc}): "
+                raise SwapFailed(f"a KV swap copy could not be waited for ({exc}): "
                                  f"{self.host_bytes} host bytes stay booked") from exc
+            self.slab.give(rec.slots)
             if rec.event is not None:
                 self._events.append(rec.event)
-            self._held -= rec.nbytes
-            self.budget.give(rec.nbytes)
-            freed += rec.nbytes
         self._retired = keep
-        return freed + (self._trim_spares() if wait else 0)
-
-    def _trim_spares(self) -> int:
-        """At idle: ready buffers down to those pinned ahead (`blocks.keep`: 0 in the tests)."""
+        if not wait:
+            return 0
         try:
-            return self.blocks.trim(self.blocks.keep)
+            return self.slab.trim(self.slab.keep)
         except DeviceError as exc:
-            raise SwapFailed(f"a spare pinned KV buffer could not be freed ({exc})") from exc
+            raise SwapFailed(f"a pinned KV chunk could not be freed ({exc})") from exc
 
     def close(self) -> None:
-        """Wait for every released buffer's copy, free it and the spares, destroy the spare
-        events."""
+        """Wait for every released record's copy, free the slab, destroy the spare events."""
         self.collect(wait=True)
-        self.blocks.close()               # frees the ones pinned ahead too
+        try:
+            self.slab.close()
+        except DeviceError as exc:
+            raise SwapFailed(f"a pinned KV chunk could not be freed ({exc})") from exc
         for event in self._events:
             self.device.destroy_event(event)
         self._events.clear()
 
 
+def _runs(blocks: list[int], slots: list[int],
+          same_chunk: Callable[[int, int], bool]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, count) for each run of consecutive block ids copied to (or
+    from) consecutive slots of one chunk: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for b, s in zip(blocks, slots, strict=True):
+        if runs:
+            fb, fs, n = runs[-1]
+            if fb + n == b and fs + n == s and same_chunk(fs, s):
+                runs[-1] = (fb, fs, n + 1)
+                continue
+        runs.append((b, s, 1))
+    return runs
+
+
 class HostKVTier:
     """The worker's host KV tier: one pinned host budget and one set of copy rates for every
-    decoder (configured, or measured once, at the first decoder's load)."""
+    decoder (configured, or measured once, at the first decoder's load), and the decoders'
+    slabs, so that a swap the budget cannot hold first takes the others' idle chunks."""
 
     def __init__(self, budget: HostKVBudget, copy_rate: float = 0.0) -> None:
         self.budget = budget
         self._rates = CopyRates(copy_rate, copy_rate, "configured") if copy_rate else None
         self._lock = threading.Lock()
+        self._slabs: weakref.WeakSet[PinnedSlab] = weakref.WeakSet()
 
     def rates(self, device) -> CopyRates:
         with self._lock:
@@ -370,15 +348,33 @@ class HostKVTier:
                 self._rates = measure_copy_rates(device)
             return self._rates
 
+    def reclaim(self, asking: PinnedSlab, nbytes: int) -> int:
+        """Free other decoders' chunks that hold no slot (beyond the free slots each keeps for
+        its demotions) until `nbytes` went; returns the bytes freed. On the asking decoder's
+        engine thread, before it refuses a swap: a free synchronizes the context, which is
+        cheaper than the recompute a refusal costs."""
+        with self._lock:
+            others = [s for s in self._slabs if s is not asking]
+        freed = 0
+        for slab in others:
+            if freed >= nbytes:
+                break
+            with contextlib.suppress(DeviceError):      # that chunk stays, booked
+                freed += slab.trim(slab.keep, need_bytes=nbytes - freed)
+        return freed
+
     def swap_for(self, device, pool, demotes: bool = True) -> KVSwap | None:
         """The block copier of one decoder's pool, booking in this tier's budget; None when the
         rates are not known and the probe's device bytes cannot be committed (that decoder
         then recomputes; its stats say `kv_swap` 0; the next load probes again). `demotes`:
-        the decoder demotes cached prefix blocks, so READY_BLOCKS one-block buffers are pinned
-        ahead for them from now on (else none: a swap-out pins its own)."""
+        the decoder demotes cached prefix blocks, so READY_BLOCKS free slots are pinned ahead
+        for them from now on (else none: a swap-out grows the slab itself)."""
         try:
             rates = self.rates(device)
         except ResourceExhausted:
             return None
-        return KVSwap(device, pool, self.budget, rates,
-                      ready_blocks=READY_BLOCKS if demotes else 0)
+        swap = KVSwap(device, pool, self.budget, rates,
+                      ready_blocks=READY_BLOCKS if demotes else 0, reclaim=self.reclaim)
+        with self._lock:
+            self._slabs.add(swap.slab)
+        return swap

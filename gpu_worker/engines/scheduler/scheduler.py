@@ -493,7 +493,7 @@ class Scheduler:
         step = self.counters["steps"]
         if self.kv_swap is not None:
             with contextlib.suppress(SwapFailed):   # the step itself will meet the fault
-                self.kv_swap.collect()      # host buffers whose swap-in copies ran
+                self.kv_swap.collect()      # host slots whose swap-in copies ran
         self._resumed = False
         decodes, prefills = self._plan(step)
         launched: _Launched | None = None
@@ -898,7 +898,7 @@ class Scheduler:
         self.pool.shrink()
         if self._settle is not None:
             self._settle()
-        if self.kv_swap is not None:      # no sequence is swapped out: every buffer goes
+        if self.kv_swap is not None:      # no sequence is swapped out: idle chunks go
             with contextlib.suppress(SwapFailed):    # a lost context: they stay booked
                 self.kv_swap.collect(wait=True)
         with self._cond:
@@ -943,19 +943,20 @@ class Scheduler:
         overlap), `inflight_steps`, `prefix_cache` (1 when on) and the pool's
         `kv_blocks_capacity`, `kv_block_bytes` and `kv_cache_evictions` (cached blocks
         evicted, for a new block or a reclaim). The host KV tier: `kv_swap` (1 when on),
-        `kv_swap_host_bytes` (pinned host bytes this decoder's swapped KV and its spare
-        one-block buffers hold now),
+        `kv_swap_host_bytes` (pinned host bytes of this decoder's slab that demoted blocks do
+        not hold: its swapped KV and its free slots), `kv_swap_host_free_bytes` (the free
+        slots'), `kv_swap_chunks_pinned` (the slab's pinned allocations since the load),
         `kv_swap_outs` / `kv_swap_ins` (sequences), `kv_swap_declined` (preemptions that
         recomputed because that was cheaper, or no prefill rate was known yet),
         `kv_swap_refused` (the host budget was full), `kv_swap_failed` (a copy the device
-        refused: recomputed), `kv_swap_host_us` (engine-thread time queueing swaps, pinned
-        allocations included), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
+        refused: recomputed), `kv_swap_host_us` (engine-thread time queueing swaps, the slab's
+        growth included), and the rates the rule used: `kv_swap_prefill_tokens_per_s`,
         `kv_swap_h2d_bytes_per_s`, `kv_swap_d2h_bytes_per_s`. Cached prefix blocks on host
         (kv_demote.py): `kv_demote` (1 when on), `kv_host_cached_blocks` / `_bytes` (demoted
         blocks held now: `kv_swap_host_bytes` + `kv_host_cached_bytes` is every byte this
         decoder books in the host budget), `kv_blocks_demoted` / `kv_blocks_promoted`,
-        `kv_demote_declined` (dropped: the rule, a capture on this thread, or no pinned buffer
-        ready),
+        `kv_demote_declined` (dropped: the rule, a capture on this thread, or no free slot
+        pinned yet),
         `kv_demote_refused` (dropped: the budget had no room even with no host block left),
         `kv_demote_failed` / `kv_promote_failed` (a copy the device refused: dropped /
         prefilled) and `kv_host_cache_evictions` (host blocks dropped, oldest first, for a
@@ -973,6 +974,8 @@ class Scheduler:
                 "prefix_cache": int(self.prefix_cache), "kv_swap": int(swap is not None),
                 "kv_swap_host_bytes": swap.host_bytes - hosted if swap is not None else 0,
                 "kv_swap_host_us": int(swap.swap_seconds * 1e6) if swap is not None else 0,
+                "kv_swap_host_free_bytes": swap.spare_bytes if swap is not None else 0,
+                "kv_swap_chunks_pinned": swap.slab.growths if swap is not None else 0,
                 "kv_swap_prefill_tokens_per_s": int(self.prefill_rate() or 0),
                 "kv_swap_h2d_bytes_per_s": int(swap.rates.h2d_bytes_per_s) if swap else 0,
                 "kv_swap_d2h_bytes_per_s": int(swap.rates.d2h_bytes_per_s) if swap else 0}
