@@ -56,7 +56,8 @@ KV_TIER_COUNTERS = {
 }
 KV_TIER_GAUGES = {
     "kv_blocks_cached": "Committed KV blocks no sequence uses, kept for prefix hits",
-    "kv_swap_host_bytes": "Pinned host bytes swapped-out KV holds now",
+    "kv_swap_host_bytes": "Pinned KV slab bytes demoted blocks do not hold: swapped-out KV and "
+                          "free slots",
     "kv_swap_host_budget_bytes": "The worker's pinned host budget for swapped KV (0: no host tier)",
     "kv_host_cached_blocks": "Cached prefix blocks held on pinned host",
     "kv_host_cached_bytes": "Pinned host bytes cached prefix blocks hold now",
