@@ -136,7 +136,7 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 
 
 ROWS_SWEEP_BATCHES = (1, 8, 16)
-ROWS_BUILDS = ((2, 4, 3), (3, 3, 3), (3, 4, 2), (4, 3, 2), (6, 2, 2))  # depth, ctas, rows16 ctas
+ROWS_BUILDS = ((2, 4, 3), (2, 4, 4), (3, 4, 4), (3, 3, 3), (4, 4, 2))  # depth, ctas, rows16 ctas
 
 
 def rows_kernels(depth: int, ctas: int, ctas16: int):

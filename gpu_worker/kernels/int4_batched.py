@@ -227,6 +227,8 @@ def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, p
                  stream) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
+    require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
+            f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
     if m == 0 or n == 0:
         return
     device.launch(function, (ceil_div(n, 16), 1, 1), (32 * MMA_WARPS, 1, 1),

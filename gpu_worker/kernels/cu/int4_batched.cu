@@ -1,11 +1,6 @@
 #include "gpuplane_common.cuh"
 #define GP_MMA_WARPS 8
 
-__device__ __forceinline__ unsigned gp_lop_nib(unsigned w) {  // (w & 0x000f000f) | 0x64006400
-    unsigned r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w), "r"(0x000f000fu), "r"(0x64006400u));
-    return r;
-}
 __device__ __forceinline__ unsigned gp_hsub2(unsigned a, unsigned b) {
     unsigned r;
     asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
@@ -25,22 +20,34 @@ __device__ __forceinline__ void gp_mma(float (&d)[4], const unsigned (&a)[4], un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// (w & mask) | magic, one LOP3.
+__device__ __forceinline__ unsigned gp_lop(unsigned w, unsigned mask, unsigned magic) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w), "r"(mask), "r"(magic));
+    return r;
+}
+
 // The 4 A registers of both k16 chunks of one packed word (8 consecutive k from k0) for rows g
 // (word wg, scale sg) and g + 8 (w8, s8), scales fp16 in both halves: chunk 0 = {p0(g), p0(g+8),
 // p1(g), p1(g+8)}, chunk 1 = {p2.., p3..}; p_i holds k (k0 + i, k0 + 4 + i) as
-// f16(scale * (nib - 8)): nib - 8 exact (the fp16 magic 1024 + nib minus 1032), then one rounding
-// of the product, as the reference.
+// f16(scale * (nib - 8)): nib - 8 exact, then one rounding of the product, as the reference.
+// The nibble at bits 0-3 of each half becomes fp16 1024 + nib (magic 0x6400, minus 1032), the
+// one at bits 4-7 fp16 64 + nib (magic 0x5400: its mantissa step there is 1/16; minus 72), so
+// one shift by 8 per word serves all four pairs.
 __device__ __forceinline__ void gp_dequant(unsigned (&a)[2][4], unsigned wg, unsigned w8,
                                            unsigned sg, unsigned s8) {
-    const unsigned bias = 0x64086408u;  // fp16x2 (1032, 1032)
-    a[0][0] = gp_hmul2(gp_hsub2(gp_lop_nib(wg), bias), sg);
-    a[0][1] = gp_hmul2(gp_hsub2(gp_lop_nib(w8), bias), s8);
-    a[0][2] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 4), bias), sg);
-    a[0][3] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 4), bias), s8);
-    a[1][0] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 8), bias), sg);
-    a[1][1] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 8), bias), s8);
-    a[1][2] = gp_hmul2(gp_hsub2(gp_lop_nib(wg >> 12), bias), sg);
-    a[1][3] = gp_hmul2(gp_hsub2(gp_lop_nib(w8 >> 12), bias), s8);
+    const unsigned lo = 0x64086408u, hi = 0x54805480u;  // fp16x2 (1032, 1032), (72, 72)
+    const unsigned lm = 0x000f000fu, lx = 0x64006400u, hm = 0x00f000f0u, hx = 0x54005400u;
+    a[0][0] = gp_hmul2(gp_hsub2(gp_lop(wg, lm, lx), lo), sg);
+    a[0][1] = gp_hmul2(gp_hsub2(gp_lop(w8, lm, lx), lo), s8);
+    a[0][2] = gp_hmul2(gp_hsub2(gp_lop(wg, hm, hx), hi), sg);
+    a[0][3] = gp_hmul2(gp_hsub2(gp_lop(w8, hm, hx), hi), s8);
+    wg >>= 8;
+    w8 >>= 8;
+    a[1][0] = gp_hmul2(gp_hsub2(gp_lop(wg, lm, lx), lo), sg);
+    a[1][1] = gp_hmul2(gp_hsub2(gp_lop(w8, lm, lx), lo), s8);
+    a[1][2] = gp_hmul2(gp_hsub2(gp_lop(wg, hm, hx), hi), sg);
+    a[1][3] = gp_hmul2(gp_hsub2(gp_lop(w8, hm, hx), hi), s8);
 }
 
 // B registers of 8 consecutive fp16 of an x row from k0 (one 16-byte load v): the (k, k + 4)
@@ -494,37 +501,75 @@ struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, 
     unsigned s[2];
 };
 
-__device__ __forceinline__ void gp_row_load(GpRowSlot& q, const unsigned char* __restrict__ packed,
-                                            const unsigned short* __restrict__ sc, int row0,
-                                            int g, int t, int KB, int N, int kg) {
-    uint4 w[1][2];
-    unsigned s[1][2];
-    gp_load_w<1>(w, s, packed, sc, row0, g, t, KB, N, kg);
-    q.w[0] = w[0][0]; q.w[1] = w[0][1]; q.s[0] = s[0][0]; q.s[1] = s[0][1];
-}
-
-// acc += the 16 x 128 weight tile of slot q times x's k-group kg, NT 8-row tiles of x (rows
-// past M read as zero).
+// Lane (g, t)'s offsets at k-group 0, computed once: quant block t of rows g and g + 8 (in
+// 16-byte blocks and in scales; NONE past N) and the 8 halves at k 32 t of x row 8 nt + g (in
+// 16-byte units; NONE past M). K-group kg is 4 blocks further along a weight row and 16 units
+// along x. 32-bit offsets: the launcher bounds N * K / 32 and M * K / 8 below 2^32.
 template <int NT>
-__device__ __forceinline__ void gp_row_mma(float (&acc)[NT][4], const GpRowSlot& q,
-                                           const unsigned short* __restrict__ x, int g, int t,
-                                           int M, int K, int kg) {
-    uint4 xv[4][NT];
+struct GpRowLane {
+    static constexpr unsigned NONE = 0xffffffffu;
+    const uint4* __restrict__ packed;
+    const unsigned short* __restrict__ sc;
+    const uint4* __restrict__ x;
+    unsigned w[2], xo[NT];
+
+    __device__ __forceinline__ GpRowLane(const unsigned char* __restrict__ packed_,
+                                         const unsigned short* __restrict__ sc_,
+                                         const unsigned short* __restrict__ x_, int row0, int g,
+                                         int t, int M, int N, int K)
+        : packed(reinterpret_cast<const uint4*>(packed_)), sc(sc_),
+          x(reinterpret_cast<const uint4*>(x_)) {
+        const unsigned KB = (unsigned)K >> 5;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) gp_load_x<NT>(xv[j], x, g, t, M, K, kg, j);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        unsigned a[2][4];
-        gp_dequant(a, gp_word(q.w[0], j), gp_word(q.w[1], j), q.s[0], q.s[1]);
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + g + 8 * h;
+            w[h] = r < N ? (unsigned)r * KB + t : NONE;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            unsigned b[4];
-            gp_xfrag(b, xv[j][nt]);
-            gp_mma(acc[nt], a[0], b[0], b[1]);
-            gp_mma(acc[nt], a[1], b[2], b[3]);
+            const int m = nt * 8 + g;
+            xo[nt] = m < M ? ((unsigned)m * (unsigned)K >> 3) + 4 * t : NONE;
         }
     }
-}
+
+    // rows past N hold nibble 8 (weight 0) with scale 0
+    __device__ __forceinline__ void load(GpRowSlot& q, int kg) const {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (w[h] != NONE) {
+                q.w[h] = __ldg(packed + (w[h] + 4 * kg));
+                const unsigned v = __ldg(sc + (w[h] + 4 * kg));
+                q.s[h] = v | (v << 16);
+            } else {
+                q.w[h] = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
+                q.s[h] = 0u;
+            }
+        }
+    }
+
+    // acc += the 16 x 128 weight tile of slot q times x's k-group kg (rows past M read as zero)
+    __device__ __forceinline__ void mma(float (&acc)[NT][4], const GpRowSlot& q, int kg) const {
+        uint4 xv[4][NT];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                xv[j][nt] = xo[nt] != NONE ? __ldg(x + (xo[nt] + 16 * kg + j))
+                                           : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            unsigned a[2][4];
+            gp_dequant(a, gp_word(q.w[0], j), gp_word(q.w[1], j), q.s[0], q.s[1]);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned b[4];
+                gp_xfrag(b, xv[j][nt]);
+                gp_mma(acc[nt], a[0], b[0], b[1]);
+                gp_mma(acc[nt], a[1], b[2], b[3]);
+            }
+        }
+    }
+};
 
 // grid (ceil(N / 16)), 256 threads; M <= 8 NT, K a multiple of 128 (int4_batched.launch_int4_mma_rows).
 template <int NT>
@@ -534,25 +579,25 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
                                               const float* __restrict__ bias, int M, int N, int K,
                                               int accumulate, float (*red)[4 * NT][32]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int KB = K >> 5, KG = K >> 7;
+    const int KG = K >> 7;
     const int row0 = blockIdx.x * 16;
     const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);   // gp_int4_mma's K slices
     const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
+    const GpRowLane<NT> lane_at(packed, sc, x, row0, g, t, M, N, K);
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     GpRowSlot ring[GP_ROW_DEPTH];
 #pragma unroll
     for (int d = 0; d < GP_ROW_DEPTH; ++d)
-        if (g0 + d < g1) gp_row_load(ring[d], packed, sc, row0, g, t, KB, N, g0 + d);
+        if (g0 + d < g1) lane_at.load(ring[d], g0 + d);
     for (int kb = g0; kb < g1; kb += GP_ROW_DEPTH) {
 #pragma unroll
         for (int d = 0; d < GP_ROW_DEPTH; ++d) {
             const int kg = kb + d;
             if (kg >= g1) break;
-            gp_row_mma<NT>(acc, ring[d], x, g, t, M, K, kg);
-            if (kg + GP_ROW_DEPTH < g1)
-                gp_row_load(ring[d], packed, sc, row0, g, t, KB, N, kg + GP_ROW_DEPTH);
+            lane_at.mma(acc, ring[d], kg);
+            if (kg + GP_ROW_DEPTH < g1) lane_at.load(ring[d], kg + GP_ROW_DEPTH);
         }
     }
 #pragma unroll
