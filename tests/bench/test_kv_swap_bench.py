@@ -1,5 +1,6 @@
 """bench/kv_swap_bench.py: the pool holds the asked share of the workload, the two workers differ
-only by --no-kv-swap, and a sim run preempts on both sides and prints every target."""
+only by --no-kv-swap, tokens are compared with their references up to the first divergence, and
+a sim run preempts on both sides and prints every target."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,31 @@ def test_every_round_has_prompts_of_its_own():
     assert len(heads) == 17, "two prompts share a first block: the prefix cache would hit"
 
 
+def test_a_stream_is_compared_with_its_reference_up_to_its_first_divergence():
+    assert ksb.divergence([1, 2, 3], [1, 2, 3]) is None
+    assert ksb.divergence([1, 2, 3], [1, 9, 3]) == 1, "after a near tie every token may differ"
+    assert ksb.divergence([1, 2], [1, 2, 3]) == 2, "cut short: where it stops"
+    assert ksb.divergence(None, [1, 2]) == 0 and ksb.divergence([1], None) == 0, "a lost stream"
+    assert ksb.divergences([[5, 6], None, [7]], [[5, 6], [1], [8]]) == [None, 0, 0]
+
+
+def test_the_divergence_figures_count_streams_earliest_token_and_share_before_it(capsys):
+    class Recorded:
+        def __init__(self):
+            self.figures = {}
+
+        def figure(self, name, value, unit):
+            self.figures[name] = (value, unit)
+    t = Recorded()
+    ksb.report_divergence(t, "swap", [None, 6, None, 2], 8)
+    assert t.figures == {"swap: streams that differ": (2, "count"),
+                         "swap: earliest divergence": (2, "token"),
+                         "swap: share of tokens before the first divergence": (24 / 32, "ratio")}
+    ksb.report_divergence(t, "same", [None, None], 8)
+    assert t.figures["same: earliest divergence"] == (8, "token"), "none: the whole stream"
+    assert "first at tokens [2, 6]" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_a_sim_run_preempts_on_both_sides_and_prints_every_target(tmp_path):
     env = {**os.environ, "GPUPLANE_BENCH_DEVICE": "sim"}
@@ -69,7 +95,14 @@ def test_a_sim_run_preempts_on_both_sides_and_prints_every_target(tmp_path):
     assert "kv_swap_bench:" in out and "Traceback" not in out, out[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "sim.jsonl").read_text().splitlines()]
     met = {r["metric"]: r["met"] for r in rows if r["met"] is not None}
-    assert len(met) == 11 and RATIO in met, met
+    assert len(met) == 9 and RATIO in met, met
+    figures = {r["metric"]: r["value"] for r in rows if r["met"] is None}
+    for name in ("swap: trial 1 against unpreempted", "recompute: trial 1 against unpreempted",
+                 "the two workers' unpreempted references"):
+        assert f"{name}: streams that differ" in figures, sorted(figures)
+    # the sim is batch invariant: swapped, recomputed and unpreempted tokens are the same
+    assert figures["swap: trial 1 against unpreempted: streams that differ"] == 0, out[-3000:]
+    assert figures["tokens identical with swap and recompute, every trial (greedy)"] == 1
     # the sim's rates say nothing about the product: only the throughput ratio may miss here
     missed = [name for name, ok in met.items() if not ok and name != RATIO]
     assert not missed, f"{missed}:\n{out[-3000:]}"
