@@ -416,6 +416,10 @@ def main() -> int:
             print(f"  batch {b:3d}: " + "  ".join(
                 f"{'mma' if build is None else '/'.join(map(str, build))} {t * 1e3:.3f}"
                 for (bb, build), t in step_rows.items() if bb == b))
+            for (bb, build), t in step_rows.items():
+                if bb == b and build is not None:
+                    targets.figure(f"decode step int4 linears, {b} rows, rows build "
+                                   f"{'/'.join(map(str, build))}", t * 1e3, "ms")
     if args.staged_sweep:
         print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
         for b in STAGED_SWEEP_BATCHES:
