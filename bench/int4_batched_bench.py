@@ -31,7 +31,6 @@ build stops the run).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import sys
 from pathlib import Path
@@ -69,7 +68,6 @@ from gpu_worker.kernels.int4_batched import (
     launch_int4_mma_staged,
     mma_kernel,
     mma_tiles,
-    row_warps,
     staged_plan,
     staged_shared_bytes,
     x_tiles,
@@ -110,17 +108,14 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
               staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS,
-              kdef=None, warps: int | None = None):
+              kdef=None):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
     GEMV, gp_int4_mma, with `staged` gp_int4_mma_staged, or `kdef`'s launcher)."""
     turn = itertools.count()
 
     def launch(stream) -> None:
         packed, scales = weights[next(turn) % len(weights)]
-        if kdef is not None and warps is not None:
-            kdef.launcher(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
-                          warps=warps)
-        elif kdef is not None:
+        if kdef is not None:
             kdef.launcher(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
         elif gemv:
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
@@ -141,7 +136,7 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 
 
 ROWS_SWEEP_BATCHES = (1, 8, 16)
-ROWS_BUILDS = ((2, 4, 4), (2, 2, 2), (3, 4, 4), (3, 2, 2), (4, 4, 2))  # depth, ctas, rows16 ctas
+ROWS_BUILDS = ((2, 4, 3), (2, 4, 4), (3, 4, 4), (3, 3, 3), (4, 4, 2))  # depth, ctas, rows16 ctas
 
 
 def rows_kernels(depth: int, ctas: int, ctas16: int):
@@ -160,48 +155,35 @@ def rows_kernels(depth: int, ctas: int, ctas16: int):
 
 
 def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
-    """{(rows, build, warps): seconds} of the rows kernels of every ROWS_BUILDS build at the
-    default K split (row_warps), and of the library's build with K over 8 and over 16 warps
-    (build None, warps 0: gp_int4_mma's default tile). Each result is checked first: K over 8
-    warps against gp_int4_mma's bits (the kernels promise them), over 16 against gp_int4_mma
-    within the int4 contract's tolerance; a difference raises WrongBuild."""
+    """{(rows, build): seconds} of the rows kernels of every ROWS_BUILDS build (build None:
+    gp_int4_mma's default tile). Each build's result is checked against gp_int4_mma's bits
+    first (the kernels promise them): a difference raises WrongBuild."""
     out = {}
     y_ref = h.put(np.zeros((max(ROWS_SWEEP_BATCHES), n), np.float32))
     packed, scales = weights[0]
-    library = (ROW_DEPTH, ROW_CTAS, ROW16_CTAS)
-    runs = [(build, row_warps(k)) for build in ROWS_BUILDS]
-    runs += [(library, w) for w in (8, 16) if w != row_warps(k)]
     for b in ROWS_SWEEP_BATCHES:
         launch_int4_mma(dev, h.function(INT4_MMA), y_ref, x, packed, scales, 0, b, n, k)
         want = h.get(y_ref, (b, n))
-        out[b, None, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
-                                              False), reps, trials)
-        for build, warps in runs:
+        out[b, None] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
+                                           False), reps, trials)
+        for build in ROWS_BUILDS:
             kdef = rows_kernels(*build)[0 if b <= 8 else 1]
-            run = functools.partial(kdef.launcher, warps=warps)
-            run(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
+            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
             got = h.get(y, (b, n))
-            err = np.abs(got - want).max()
-            if (err != 0) if warps == 8 else (err > 1e-4 * (1 + np.abs(want).max())):
-                raise WrongBuild(f"{kdef.source.module_name} m={b} warps={warps}: differs from "
-                                 f"gp_int4_mma by {err}")
-            out[b, build, warps] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b,
-                                                       n, k, False, kdef=kdef, warps=warps),
-                                        reps, trials)
+            if not np.array_equal(got, want):
+                raise WrongBuild(f"{kdef.source.module_name} m={b}: differs from gp_int4_mma by "
+                                 f"{np.abs(got - want).max()}")
+            out[b, build] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
+                                                False, kdef=kdef), reps, trials)
     return out
 
 
-def _rows_label(build, warps: int) -> str:
-    return "mma" if build is None else "/".join(map(str, build)) + f" w{warps}"
-
-
 def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
-    cols = sorted({(bd, w) for _, bd, w in times if bd is not None}, key=lambda c: (c[1], c[0]))
-    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16 w<warps over K>; mma = "
-          f"gp_int4_mma):     mma " + " ".join(f"{_rows_label(*c):>11}" for c in cols))
+    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16; mma = gp_int4_mma):    mma "
+          + " ".join(f"{'/'.join(map(str, b)):>7}" for b in ROWS_BUILDS))
     for b in ROWS_SWEEP_BATCHES:
-        print(f"    b{b:<3d} {times[b, None, 0] * 1e6:7.1f} "
-              + " ".join(f"{times[b, bd, w] * 1e6:11.1f}" for bd, w in cols), flush=True)
+        print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
+              + " ".join(f"{times[b, build] * 1e6:7.1f}" for build in ROWS_BUILDS), flush=True)
 
 
 STAGED_SWEEP_BATCHES = (16, 32, 64)
@@ -380,14 +362,8 @@ def main() -> int:
             if args.rows_sweep:
                 rows_times = rows_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_rows_sweep(name, n, k, rows_times)
-                for (b, build, warps), t in rows_times.items():
-                    # a shape runs the library's build at one split only: the rule's for the
-                    # builds' sums, both splits for the "K over 8 / 16 warps" sums
-                    keys = [(b, build, "rule" if warps == row_warps(k) else warps)]
-                    if build == (ROW_DEPTH, ROW_CTAS, ROW16_CTAS):
-                        keys.append((b, "library", warps))
-                    for key in keys:
-                        step_rows[key] = step_rows.get(key, 0.0) + uses * t
+                for key, t in rows_times.items():
+                    step_rows[key] = step_rows.get(key, 0.0) + uses * t
             if args.staged_sweep:
                 staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                             args.staged_ctas, args.staged_stages,
@@ -435,26 +411,15 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
     if args.rows_sweep:
-        print("decode step's linears on each rows build (depth/ctas/ctas16, K split by "
-              "row_warps; mma = gp_int4_mma) and the library build with K over 8 / 16 warps "
-              "everywhere, ms:")
+        print("decode step's linears on each rows build (depth/ctas/ctas16; mma = gp_int4_mma), ms:")
         for b in ROWS_SWEEP_BATCHES:
-            cells = {}
-            for (bb, build, warps), t in step_rows.items():
-                if bb != b or (warps not in ("rule", 0) and build != "library"):
-                    continue
-                if build is None:
-                    label = "mma"
-                elif build == "library":
-                    label = f"K over {warps} warps"
-                else:
-                    label = "build " + "/".join(map(str, build))
-                cells[label] = t
-            print(f"  batch {b:3d}: " + "  ".join(f"{lb} {t * 1e3:.3f}" for lb, t in cells.items()))
-            for label, t in cells.items():
-                if label != "mma":
-                    targets.figure(f"decode step int4 linears, {b} rows, rows {label}", t * 1e3,
-                                   "ms")
+            print(f"  batch {b:3d}: " + "  ".join(
+                f"{'mma' if build is None else '/'.join(map(str, build))} {t * 1e3:.3f}"
+                for (bb, build), t in step_rows.items() if bb == b))
+            for (bb, build), t in step_rows.items():
+                if bb == b and build is not None:
+                    targets.figure(f"decode step int4 linears, {b} rows, rows build "
+                                   f"{'/'.join(map(str, build))}", t * 1e3, "ms")
     if args.staged_sweep:
         print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
         for b in STAGED_SWEEP_BATCHES:

@@ -117,9 +117,8 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 # splits K over a thread-block cluster, summed through distributed shared memory in rank order.
 ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
 ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
-ROW_CTAS = 4           # 256-thread blocks per SM the 8-row entry's registers are bounded for
-ROW16_CTAS = 4         # and the 16-row entry's (GP_ROW_CTAS, GP_ROW16_CTAS; even counts)
-ROW_LONG_K_GROUPS = 64  # k-groups from which a rows block splits K over 16 warps (row_warps)
+ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
+ROW16_CTAS = 3         # and the 16-row entry's (GP_ROW16_CTAS)
 STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
 STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
 STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
@@ -217,52 +216,39 @@ INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
 
 
 # gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
-# tiles of x), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
-# ROW_DEPTH k-groups of weights in flight per warp. With K over 8 warps, bitwise gp_int4_mma's
-# result (the same K slice per warp, summed in the same order); long K splits over 16
-# (row_warps). The 1-row decode linear at HBM pace, and 2..16 rows at nearly the same cost.
-
-
-def row_warps(k: int) -> int:
-    """Warps a rows block splits K over: 16 from ROW_LONG_K_GROUPS k-groups (w_down's K = 14336 at
-    8b shapes: 7 k-groups a warp, not 14; its 256 blocks give 16 warps an SM at 8 a block), else
-    8 (gp_int4_mma's split: its bits). A function of K only, so a row's bits never depend on
-    the batch."""
-    return 16 if k // MMA_K_ALIGN >= ROW_LONG_K_GROUPS else MMA_WARPS
+# tiles of x), bitwise gp_int4_mma's result (the same K slice per warp, summed in the same
+# order), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
+# ROW_DEPTH k-groups of weights in flight per warp. The 1-row decode linear at HBM pace, and
+# 2..16 rows at nearly the same cost.
 
 
 def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                  scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
-                 stream, warps: int | None) -> None:
+                 stream) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
     require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
-    warps = row_warps(k) if warps is None else warps
-    require(warps in (8, 16), f"{kernel}: warps={warps} must be 8 or 16")
     if m == 0 or n == 0:
         return
-    device.launch(function, (ceil_div(n, 16), 1, 1), (32 * warps, 1, 1),
+    device.launch(function, (ceil_div(n, 16), 1, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0)], stream=stream)
 
 
 def launch_int4_mma_rows(device, function, y: int, x: int, packed: int, scales: int, bias: int,
-                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                         warps: int | None = None) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows; `warps` forces
-    the K split of a block (8 or 16; default row_warps)."""
+                         m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows."""
     _launch_rows("int4_mma_rows", 8, device, function, y, x, packed, scales, bias, m, n, k,
-                 accumulate, stream, warps)
+                 accumulate, stream)
 
 
 def launch_int4_mma_rows16(device, function, y: int, x: int, packed: int, scales: int,
                            bias: int, m: int, n: int, k: int, accumulate: bool = False,
-                           stream=None, warps: int | None = None) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_rows16, for m <= 16 rows; `warps` as
-    launch_int4_mma_rows."""
+                           stream=None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows16, for m <= 16 rows."""
     _launch_rows("int4_mma_rows16", ROWS_MAX_ROWS, device, function, y, x, packed, scales, bias,
-                 m, n, k, accumulate, stream, warps)
+                 m, n, k, accumulate, stream)
 
 
 INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference.int4_matmul,

@@ -62,12 +62,7 @@ ROWS: list[Case] = [
                            (8, 4096, 4096, {"bias": True, "accumulate": True}),
                            (1, 1001, 4224, {}), (7, 1001, 4224, {"accumulate": True}),
                            (9, 6144, 4096, {}), (16, 4096, 14336, {"accumulate": True}),
-                           (16, 1009, 4224, {"bias": True}), (1, 4096, 14336, {"warps": 8}),
-                           (8, 4096, 14336, {"warps": 8, "bias": True}))
-] + [   # K over 16 warps forced at odd N and K not a power of two (rows past N, short slices)
-    Case("int4_mma_rows", int4_mma_rows_case, {"m": m, "n": 1001, "k": k, "warps": 16,
-                                               "accumulate": m % 2 == 1})
-    for m in (1, 7, 9, 16) for k in (4224, 1920)
+                           (16, 1009, 4224, {"bias": True}))
 ]
 ALL = SHARED + MODEL + FORCED + STAGED + ROWS
 
@@ -106,39 +101,31 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
 
 def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batch_up_to_16(
         harness) -> None:
-    """With K over 8 warps gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp
-    order, so their result is gp_int4_mma's bit for bit. Each mma output element sums only its
-    own row's products and the K split is a function of K alone (row_warps), so a row's bits do
-    not depend on how many rows (1..16) share the call, at either split."""
+    """gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp order, so their result is
+    gp_int4_mma's bit for bit; each mma output element sums only its own row's products, so a
+    row's bits do not depend on how many rows share the call (1..16)."""
     from gpu_worker.kernels import reference as ref
     from gpu_worker.kernels.int4_batched import (
         INT4_MMA,
         INT4_MMA_ROWS,
         INT4_MMA_ROWS16,
         launch_int4_mma,
-        row_warps,
     )
 
     rng = np.random.default_rng(7)
-    for n, k in ((6144, 4096), (4096, 14336)):
-        packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
-        x = rng.standard_normal((16, k)).astype(np.float16)
-        pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
-        firsts = []
-        for m in (1, 2, 8, 9, 16):
-            kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
-            y, y8, y_mma = (harness.put(np.zeros((m, n), np.float32)) for _ in range(3))
-            kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
-            kdef.launcher(harness.device, harness.function(kdef), y8, xd, pk, sc, 0, m, n, k,
-                          warps=8)
-            launch_int4_mma(harness.device, harness.function(INT4_MMA), y_mma, xd, pk, sc, 0, m,
-                            n, k)
-            got, got8 = harness.get(y, (m, n)), harness.get(y8, (m, n))
-            want = harness.get(y_mma, (m, n))
-            assert np.array_equal(got8, want), (m, k, np.abs(got8 - want).max())
-            if row_warps(k) == 8:
-                assert np.array_equal(got, want), (m, k)
-            firsts.append(got[0])
-        harness.close()
-        for m, first in zip((2, 8, 9, 16), firsts[1:]):
-            assert np.array_equal(first, firsts[0]), (m, k)
+    n, k = 6144, 4096
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    x = rng.standard_normal((16, k)).astype(np.float16)
+    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
+    firsts = []
+    for m in (1, 2, 8, 9, 16):
+        kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
+        y, y_mma = (harness.put(np.zeros((m, n), np.float32)) for _ in range(2))
+        kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
+        launch_int4_mma(harness.device, harness.function(INT4_MMA), y_mma, xd, pk, sc, 0, m, n, k)
+        got, want = harness.get(y, (m, n)), harness.get(y_mma, (m, n))
+        assert np.array_equal(got, want), (m, np.abs(got - want).max())
+        firsts.append(got[0])
+    harness.close()
+    for m, first in zip((2, 8, 9, 16), firsts[1:]):
+        assert np.array_equal(first, firsts[0]), m

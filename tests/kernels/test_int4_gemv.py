@@ -96,7 +96,7 @@ def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_ro
     --rows-sweep and --staged-sweep, docs/kernels.md): every linear on a rows kernel up to 16
     rows; from 17 rows gate/up and lm_head on int4_mma_staged, one CTA per 256 weight rows and
     no K split, and every 4096- and 6144-row linear on int4_mma."""
-    from gpu_worker.kernels.int4_batched import mma_kernel, row_warps, staged_plan, staged_tile
+    from gpu_worker.kernels.int4_batched import mma_kernel, staged_plan, staged_tile
 
     for m in (17, 24, 32, 33, 48, 64):
         assert mma_kernel(m, 28672, 132) == "staged", m
@@ -108,8 +108,6 @@ def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_ro
             assert mma_kernel(m, n, 132) == "rows", (m, n)
         for m in (9, 16):
             assert mma_kernel(m, n, 132) == "rows16", (m, n)
-    # a rows block splits K over 16 warps only at w_down's K (7 k-groups a warp instead of 14)
-    assert [row_warps(k) for k in (4096, 8064, 8192, 14336)] == [8, 8, 16, 16]
     mt, split = staged_plan(64, 28672, 4096, 132)
     assert (staged_tile(64, mt)[0], split) == (256, 1), "gate/up at 64 rows: 112 CTAs"
     assert staged_plan(32, 28672, 4096, 132) == (2, 1), "gate/up at 32 rows: 256 rows a CTA"

@@ -493,7 +493,7 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
 #define GP_ROW_CTAS 4
 #endif
 #ifndef GP_ROW16_CTAS
-#define GP_ROW16_CTAS 4
+#define GP_ROW16_CTAS 3
 #endif
 
 struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, scales in both halves
@@ -571,10 +571,8 @@ struct GpRowLane {
     }
 };
 
-// grid (ceil(N / 16)), 32 W threads; M <= 8 NT, K a multiple of 128 (int4_batched.launch_int4_mma_rows).
-// The W warps of a block take contiguous W-ths of K (W = 8: gp_int4_mma's slices); red holds
-// W x 4 NT x 32 floats.
-template <int NT, int W>
+// grid (ceil(N / 16)), 256 threads; M <= 8 NT, K a multiple of 128 (int4_batched.launch_int4_mma_rows).
+template <int NT>
 __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __restrict__ x,
                                               const unsigned char* __restrict__ packed,
                                               const unsigned short* __restrict__ sc,
@@ -583,8 +581,8 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int KG = K >> 7;
     const int row0 = blockIdx.x * 16;
-    const int g0 = (int)((long long)KG * warp / W);
-    const int g1 = (int)((long long)KG * (warp + 1) / W);
+    const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);   // gp_int4_mma's K slices
+    const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
     const GpRowLane<NT> lane_at(packed, sc, x, row0, g, t, M, N, K);
     float acc[NT][4];
 #pragma unroll
@@ -612,7 +610,7 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     const int c = threadIdx.x >> 5, nt = c >> 2, e = c & 3;
     float v = red[0][c][lane];
 #pragma unroll
-    for (int w = 1; w < W; ++w) v += red[w][c][lane];
+    for (int w = 1; w < GP_MMA_WARPS; ++w) v += red[w][c][lane];
     const int r = row0 + g + 8 * (e >> 1), m = nt * 8 + 2 * t + (e & 1);
     if (r >= N || m >= M) return;
     if (bias) v += bias[r];
@@ -620,32 +618,19 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     *yp = accumulate ? *yp + v : v;
 }
 
-// grid (ceil(N / 16)), 256 or 512 threads (8 or 16 warps over K: int4_batched.row_warps), K a
-// multiple of 128 (int4_batched.launch_int4_mma_rows): gp_int4_mma_rows for M <= 8,
-// gp_int4_mma_rows16 for M <= 16, each with registers of its own, bounded for GP_ROW_CTAS
-// (GP_ROW16_CTAS) blocks of 256 threads per SM (an even count: the bound is in 512-thread blocks).
-template <int NT>
-__device__ __forceinline__ void gp_rows_entry(float* y, const unsigned short* __restrict__ x,
-                                              const unsigned char* __restrict__ packed,
-                                              const unsigned short* __restrict__ sc,
-                                              const float* __restrict__ bias, int M, int N, int K,
-                                              int accumulate, float (*red)[4 * NT][32]) {
-    if (blockDim.x == 512)
-        gp_i4mma_rows<NT, 16>(y, x, packed, sc, bias, M, N, K, accumulate, red);
-    else
-        gp_i4mma_rows<NT, 8>(y, x, packed, sc, bias, M, N, K, accumulate, red);
-}
-extern "C" __global__ void __launch_bounds__(512, GP_ROW_CTAS / 2)
+// grid (ceil(N / 16)), 256 threads, K a multiple of 128 (int4_batched.launch_int4_mma_rows):
+// gp_int4_mma_rows for M <= 8, gp_int4_mma_rows16 for M <= 16 (each its own registers).
+extern "C" __global__ void __launch_bounds__(256, GP_ROW_CTAS)
 gp_int4_mma_rows(float* y, const unsigned short* __restrict__ x,
                  const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                  const float* __restrict__ bias, int M, int N, int K, int accumulate) {
-    __shared__ float red[16][4][32];
-    gp_rows_entry<1>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+    __shared__ float red[GP_MMA_WARPS][4][32];
+    gp_i4mma_rows<1>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }
-extern "C" __global__ void __launch_bounds__(512, GP_ROW16_CTAS / 2)
+extern "C" __global__ void __launch_bounds__(256, GP_ROW16_CTAS)
 gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
                    const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                    const float* __restrict__ bias, int M, int N, int K, int accumulate) {
-    __shared__ float red[16][8][32];
-    gp_rows_entry<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+    __shared__ float red[GP_MMA_WARPS][8][32];
+    gp_i4mma_rows<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }

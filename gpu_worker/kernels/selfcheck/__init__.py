@@ -284,11 +284,9 @@ def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
 
-def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
-                       warps=None) -> Outcome:
+def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
     """The rows tensor-core int4 linear (int4_batched.py) on the entry for m rows
-    (gp_int4_mma_rows up to 8, gp_int4_mma_rows16 up to 16): int4_mma's contract and tolerance.
-    `warps` forces the K split of a block (default: row_warps)."""
+    (gp_int4_mma_rows up to 8, gp_int4_mma_rows16 up to 16): int4_mma's contract and tolerance."""
     packed, scales = _quantized(rng, n, k)
     x = _f32(rng, m, k, scale=scale).astype(np.float16)
     b = _f32(rng, n) if bias else None
@@ -296,7 +294,7 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
     y = h.put(y0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
     kdef.launcher(h.device, h.function(kdef), y, h.put(x), h.put(packed), h.put(scales),
-                  h.put(b) if bias else 0, m, n, k, accumulate, warps=warps)
+                  h.put(b) if bias else 0, m, n, k, accumulate)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
@@ -599,8 +597,6 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
-    C("int4_mma_rows", int4_mma_rows_case, m=5, n=33, k=2176, accumulate=True, warps=16),
-    C("int4_mma_rows16", int4_mma_rows_case, m=12, n=40, k=1152, bias=True, warps=16),
     C("int4_mma_staged", int4_mma_staged_case, m=17, n=48, k=128),
     C("int4_mma_staged", int4_mma_staged_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_staged", int4_mma_staged_case, m=40, n=300, k=640, scale=300.0),
