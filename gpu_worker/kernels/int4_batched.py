@@ -1,11 +1,13 @@
-"""Batched int4 linear on tensor cores for 2..64 rows (a decode batch): y = x @ dequant(W)^T that
-reads the int4 weight once per call, whatever the row count.
+"""The int4 linear on tensor cores for 1..64 rows (a decode batch): y = x @ dequant(W)^T that
+reads the int4 weight once per call, whatever the row count. Three kernels, one contract:
+gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
+registers of their own) and gp_int4_mma_staged (x staged per CTA); mma_kernel picks one.
 
 Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
 (N, K/32) fp16 in the reference layout (unchanged: checkpoints and GPTQ map onto it), y (M, N)
 f32, optional bias, `accumulate` adds into y. K a multiple of 128, M <= 64 (launcher refuses
 others; ops.py then keeps the GEMV). Each weight enters the mma as f16(scale * (nib - 8)): the
-integer nib - 8 made exactly (fp16 1024 + nib magic, two per LOP3, one HSUB2), then one
+integer nib - 8 made exactly (fp16 1024 + nib or 64 + nib magic, two per LOP3, one HSUB2), then one
 `mul.rn.f16x2` by the block's scale, the single rounding the reference applies; x enters as
 stored; the mma sums in f32. So the result equals the GEMV's and the prefill's dequant tile +
 cuBLAS up to f32 summation order, and a stream's tokens do not depend on its batch.
@@ -111,14 +113,16 @@ def launch_int4_mma(device, function, y: int, x: int, packed: int, scales: int, 
 INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, launch_int4_mma)
 
 
-# gp_int4_mma_staged: the same contract for STAGED_MIN_ROWS..64 rows. A CTA's 8 warps split its
-# tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
-# pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
-# splits K over a thread-block cluster, summed through distributed shared memory in rank order.
+# gp_int4_mma_rows / rows16 (below): up to 8 / 16 rows, registers bounded per entry.
 ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
 ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
 ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
 ROW16_CTAS = 3         # and the 16-row entry's (GP_ROW16_CTAS)
+
+# gp_int4_mma_staged: the same contract for STAGED_MIN_ROWS..64 rows. A CTA's 8 warps split its
+# tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
+# pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
+# splits K over a thread-block cluster, summed through distributed shared memory in rank order.
 STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
 STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
 STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
@@ -225,6 +229,7 @@ INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
 def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                  scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
                  stream) -> None:
+    """Both rows entries: grid ceil(n / 16) blocks of 8 warps (16 weight rows, K over the warps)."""
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
     require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
