@@ -12,6 +12,14 @@ Every call that can synchronize the device or change what a capture sees runs in
 gate section (DESIGN 2.1); `capture()` holds the exclusive side from begin to end, always ends the
 capture (even on error) and books the graph memory it measured (cuMemGetInfo around capture and
 instantiate, while nothing else can allocate) in the `graphs` zone.
+
+Streams: `stream` is the one compute stream every model shares, `copy_stream` the page-in
+stream. A capture of the shared stream records on `capture_stream` instead, and every call the
+capturing thread makes for the shared stream (launches, copies, events, BLAS) goes there until
+the capture ends (`stream_for`). Hazard it closes: the gate holds back synchronizing calls
+during a capture, not launches, so a capture on the shared stream would record another model's
+step, launched by another thread meanwhile, into its graph instead of running it. Cost: one
+stream per device; a captured graph replays on whatever stream it is launched on.
 """
 from __future__ import annotations
 
@@ -68,6 +76,8 @@ class Device:
             backend.attach_gate(self.gate)
         self.stream = backend.create_stream()
         self.copy_stream = backend.create_stream()
+        self.capture_stream = backend.create_stream()
+        self._capturer: int | None = None   # thread ident while it captures the shared stream
         free, total = backend.mem_get_info()
         self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
         # The context baseline (streams included) is device memory this process pays for: booked,
@@ -78,6 +88,8 @@ class Device:
         self._context_bytes = max(0, (total - free) - backend.others_used_bytes())
         self.ledger.adopt("context", self._context_bytes)
         self.ledger.add_content("context", self._context_bytes)
+        # The streams work runs on, which releases fence on; never the capture stream, which only
+        # records (nothing enqueued on it ever executes).
         self._streams = [self.stream, self.copy_stream]
         self.queue = ReleaseQueue(backend, self.gate)
         reserve = reserve_bytes or 2 * total
@@ -193,18 +205,30 @@ class Device:
         c = None if cluster is None else _dim3(cluster, "cluster")
         if c is not None and any(gi % ci for gi, ci in zip(g, c)):
             raise ValueError(f"launch: grid {g} is not a whole number of clusters {c}")
-        self.backend.launch(function, g, b, args, self.stream if stream is None else stream,
-                            shared_bytes, c)
+        self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c)
+
+    def stream_for(self, stream: object = None) -> object:
+        """The stream work asked for on `stream` (None: the shared stream) really goes to: the
+        capture stream while this thread captures the shared stream, else `stream` itself."""
+        s = self.stream if stream is None else stream
+        if s is self.stream and self._capturer == threading.get_ident():
+            return self.capture_stream
+        return s
 
     # -- graphs --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def capture(self, stream: object = None) -> Iterator[Capture]:
-        """Capture work on `stream` (THREAD_LOCAL) into a graph exec; see the module note."""
-        stream = self.stream if stream is None else stream
+        """Capture work on `stream` (THREAD_LOCAL) into a graph exec; see the module note. A
+        capture of the shared stream (the default) records on `capture_stream`; `cap.stream`
+        names the stream being recorded."""
         guard = self.gate.exclusive()
+        shared = stream is None or stream is self.stream
+        stream = self.capture_stream if shared else stream
         cap = Capture(stream)
         graph = None
         try:
+            if shared:
+                self._capturer = threading.get_ident()
             free0, _ = self.backend.mem_get_info()
             self.backend.begin_capture(stream)
             try:
@@ -227,6 +251,8 @@ class Device:
             with self._lock:
                 self._graphs[id(cap.graph_exec)] = cap.graph_bytes
         finally:
+            if shared:
+                self._capturer = None
             if graph is not None:
                 self.backend.destroy_graph(graph)
             guard.release()
@@ -241,7 +267,7 @@ class Device:
             raise
 
     def replay(self, graph_exec: object, stream: object = None) -> None:
-        self.backend.launch_graph(graph_exec, self.stream if stream is None else stream)
+        self.backend.launch_graph(graph_exec, self.stream_for(stream))
 
     def destroy_graph_exec(self, graph_exec: object) -> None:
         with self._lock:
@@ -273,7 +299,7 @@ class Device:
         self.backend.destroy_event(event)
 
     def record_event(self, event: object, stream: object = None) -> None:
-        self.backend.record_event(event, self.stream if stream is None else stream)
+        self.backend.record_event(event, self.stream_for(stream))
 
     def wait_event(self, event: object) -> None:
         """Block the host until `event` completed (gated like a stream sync), then run the
@@ -308,14 +334,14 @@ class Device:
     def copy_to_device_async(self, dst_ptr: int, pinned: np.ndarray, stream: object = None) -> None:
         """Stream-ordered copy from `pinned` (from alloc_pinned): no synchronization. The host
         must not rewrite `pinned` until an event recorded after this copy has completed."""
-        self.backend.copy_h2d_async(dst_ptr, pinned, self.stream if stream is None else stream)
+        self.backend.copy_h2d_async(dst_ptr, pinned, self.stream_for(stream))
 
     def copy_from_device_async(self, pinned: np.ndarray, src_ptr: int, stream: object = None) -> None:
         """Stream-ordered copy into `pinned`; read it only after an event recorded after it."""
-        self.backend.copy_d2h_async(pinned, src_ptr, self.stream if stream is None else stream)
+        self.backend.copy_d2h_async(pinned, src_ptr, self.stream_for(stream))
 
     def copy_device_async(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: object = None) -> None:
-        self.backend.copy_d2d_async(dst_ptr, src_ptr, nbytes, self.stream if stream is None else stream)
+        self.backend.copy_d2d_async(dst_ptr, src_ptr, nbytes, self.stream_for(stream))
 
     def from_device(self, ptr: int, nbytes: int) -> np.ndarray:
         out = np.empty(nbytes, dtype=np.uint8)
@@ -325,7 +351,7 @@ class Device:
         return out
 
     def memset(self, dst_ptr: int, byte: int, nbytes: int, stream: object = None) -> None:
-        self.backend.memset_async(dst_ptr, byte, nbytes, self.stream if stream is None else stream)
+        self.backend.memset_async(dst_ptr, byte, nbytes, self.stream_for(stream))
 
     # -- truth ---------------------------------------------------------------------------------
     def truth(self) -> tuple[int, int]:
@@ -377,7 +403,7 @@ class Device:
         self.arena.close()
         self.queue.close()
         with self.gate.shared():
-            for s in self._streams:
+            for s in [*self._streams, self.capture_stream]:
                 self.backend.destroy_stream(s)
         self.ledger.uncommit("context", self._context_bytes)
         self.ledger.remove_content("context", self._context_bytes)

@@ -79,8 +79,7 @@ class Blas(ABC):
         if m == 0 or n == 0:
             return
         self.calls += 1
-        self._gemm(y, x, w, m, n, k, ldy, accumulate, out_dtype,
-                   self.device.stream if stream is None else stream)
+        self._gemm(y, x, w, m, n, k, ldy, accumulate, out_dtype, self.device.stream_for(stream))
 
     def is_warm(self, shape: tuple) -> bool:
         return shape in self._warm

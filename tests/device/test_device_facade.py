@@ -248,12 +248,6 @@ def test_a_cluster_launch_must_tile_the_grid_and_fit_the_device() -> None:
         d.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known hazard, not fixed: every model's work goes to device.stream, and a capture records "
-    "whatever any thread enqueues on its stream while it is open, so another model's step "
-    "lands in the capturing model's graph instead of running (seen once as test_reclaim's "
-    "cuEventElapsedTime NOT_READY on the sim). A fix captures on a stream of the capturing "
-    "thread's own; it needs its GPU run first."))
 def test_another_threads_launch_on_the_default_stream_runs_while_a_capture_is_open(dev):
     fn = dev.get_function(dev.load_module(IMAGE), "add_one")
     mine, theirs = dev.arena.alloc(4096, "activations"), dev.arena.alloc(4096, "activations")
