@@ -117,7 +117,17 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
 ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
 ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
-ROW16_CTAS = 3         # and the 16-row entry's (GP_ROW16_CTAS)
+ROW16_CTAS = 4         # and the 16-row entry's (GP_ROW16_CTAS)
+ROW_LONG_K_GROUPS = 64  # from this many k-groups of 128 (K 8192) a rows block runs ROW_LONG_K_WARPS
+ROW_LONG_K_WARPS = 16   # warps, each a contiguous 1/16 of K (GP_ROW_MAX_WARPS bounds it)
+
+
+def row_warps(k: int) -> int:
+    """Warps of one rows block for K = k: ROW_LONG_K_WARPS for a long K (the down projection's
+    14336: its 256 blocks of 8 warps left the SMs starved of loads in flight), else 8 (each
+    warp gp_int4_mma's K slice). A function of K only, so a row's bits never depend on the
+    batch."""
+    return ROW_LONG_K_WARPS if k // MMA_K_ALIGN >= ROW_LONG_K_GROUPS else MMA_WARPS
 
 # gp_int4_mma_staged: the same contract for STAGED_MIN_ROWS..64 rows. A CTA's 8 warps split its
 # tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
@@ -220,40 +230,46 @@ INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
 
 
 # gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
-# tiles of x), bitwise gp_int4_mma's result (the same K slice per warp, summed in the same
-# order), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
+# tiles of x), bitwise gp_int4_mma's result below ROW_LONG_K_GROUPS k-groups (the same K slice
+# per warp, summed in the same order; from there K over ROW_LONG_K_WARPS warps), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
 # ROW_DEPTH k-groups of weights in flight per warp. The 1-row decode linear at HBM pace, and
 # 2..16 rows at nearly the same cost.
 
 
 def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                  scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
-                 stream) -> None:
-    """Both rows entries: grid ceil(n / 16) blocks of 8 warps (16 weight rows, K over the warps)."""
+                 stream, warps: int | None) -> None:
+    """Both rows entries: grid ceil(n / 16) blocks of `warps` warps (default row_warps(k)), 16
+    weight rows a block, K over its warps."""
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
+    warps = row_warps(k) if warps is None else warps
+    require(warps in (MMA_WARPS, ROW_LONG_K_WARPS),
+            f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
     require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
     if m == 0 or n == 0:
         return
-    device.launch(function, (ceil_div(n, 16), 1, 1), (32 * MMA_WARPS, 1, 1),
+    device.launch(function, (ceil_div(n, 16), 1, 1), (32 * warps, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0)], stream=stream)
 
 
 def launch_int4_mma_rows(device, function, y: int, x: int, packed: int, scales: int, bias: int,
-                         m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows."""
+                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
+                         warps: int | None = None) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows; `warps` forces
+    the block's warps (8 or 16; default row_warps(k))."""
     _launch_rows("int4_mma_rows", 8, device, function, y, x, packed, scales, bias, m, n, k,
-                 accumulate, stream)
+                 accumulate, stream, warps)
 
 
 def launch_int4_mma_rows16(device, function, y: int, x: int, packed: int, scales: int,
                            bias: int, m: int, n: int, k: int, accumulate: bool = False,
-                           stream=None) -> None:
+                           stream=None, warps: int | None = None) -> None:
     """int4_mma's contract and arguments on gp_int4_mma_rows16, for m <= 16 rows."""
     _launch_rows("int4_mma_rows16", ROWS_MAX_ROWS, device, function, y, x, packed, scales, bias,
-                 m, n, k, accumulate, stream)
+                 m, n, k, accumulate, stream, warps)
 
 
 INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference.int4_matmul,

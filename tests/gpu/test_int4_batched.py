@@ -129,3 +129,32 @@ def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batc
     harness.close()
     for m, first in zip((2, 8, 9, 16), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m
+
+
+def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harness) -> None:
+    """From ROW_LONG_K_GROUPS k-groups the rows blocks split K over 16 warps (row_warps: K
+    only), so at the down projection's K a row's bits are the same at 1..16 rows, and the
+    16-warp sum agrees with the 8-warp one within the contract's f32 tolerance."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, row_warps
+
+    rng = np.random.default_rng(11)
+    n, k = 4096, 14336
+    assert row_warps(k) == 16
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    x = rng.standard_normal((16, k)).astype(np.float16)
+    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
+    firsts = []
+    for m in (1, 2, 8, 9, 16):
+        kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
+        y = harness.put(np.zeros((m, n), np.float32))
+        kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
+        firsts.append(harness.get(y, (m, n))[0])
+    y8 = harness.put(np.zeros((1, n), np.float32))
+    INT4_MMA_ROWS.launcher(harness.device, harness.function(INT4_MMA_ROWS), y8, xd, pk, sc, 0, 1,
+                           n, k, warps=8)
+    eight = harness.get(y8, (1, n))[0]
+    harness.close()
+    for m, first in zip((2, 8, 9, 16), firsts[1:]):
+        assert np.array_equal(first, firsts[0]), m
+    assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max())

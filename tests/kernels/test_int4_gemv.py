@@ -150,3 +150,34 @@ def test_the_staged_launch_takes_its_cluster_and_shared_memory_from_the_plan() -
     with pytest.raises(InvalidArgument, match="mt=3"):
         launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=3)
     assert len(calls) == 2, "a refused launch launches nothing"
+
+
+def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_batch() -> None:
+    """The rows entries run 16 warps a block from ROW_LONG_K_GROUPS k-groups (the down
+    projection), 8 below (gp_int4_mma's split); the warps come from K only, for 1..16 rows, and
+    any other warp count is refused before anything launches."""
+    from gpu_worker.kernels.common import InvalidArgument
+    from gpu_worker.kernels.int4_batched import (
+        ROW_LONG_K_GROUPS,
+        launch_int4_mma_rows,
+        launch_int4_mma_rows16,
+        row_warps,
+    )
+
+    assert row_warps(4096) == 8 and row_warps(128 * (ROW_LONG_K_GROUPS - 1)) == 8
+    assert row_warps(14336) == 16 and row_warps(128 * ROW_LONG_K_GROUPS) == 16
+    blocks: list = []
+
+    class Recorder:
+        def launch(self, fn, grid, block, args, stream=None):
+            blocks.append(block)
+
+    for k in (4096, 14336):
+        for m in (1, 8):
+            launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, m, 4096, k)
+        for m in (9, 16):
+            launch_int4_mma_rows16(Recorder(), None, 0, 0, 0, 0, 0, m, 4096, k)
+    assert blocks == [(256, 1, 1)] * 4 + [(512, 1, 1)] * 4
+    with pytest.raises(InvalidArgument, match="warps=12 not built"):
+        launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, 1, 4096, 4096, warps=12)
+    assert len(blocks) == 8, "a refused launch launches nothing"

@@ -485,7 +485,10 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
 // scheduler, latency-bound at 1 row: 0.2-0.4 of copy). Here a warp holds only its own tile, the
 // registers are bounded for GP_ROW_CTAS blocks per SM, and GP_ROW_DEPTH k-groups of weights
 // are in flight per warp (a ring of register slots: slot d is refilled with k-group
-// kg + GP_ROW_DEPTH as soon as kg has been multiplied).
+// kg + GP_ROW_DEPTH as soon as kg has been multiplied). A long K (int4_batched.row_warps: the
+// down projection's 14336) runs 16 warps a block, each a contiguous sixteenth of K, so the
+// 256 blocks of a 4096-row linear keep twice the warps in flight; the split, and so a row's
+// bits, depends on K only, never on the row count.
 #ifndef GP_ROW_DEPTH
 #define GP_ROW_DEPTH 2
 #endif
@@ -493,8 +496,11 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
 #define GP_ROW_CTAS 4
 #endif
 #ifndef GP_ROW16_CTAS
-#define GP_ROW16_CTAS 3
+#define GP_ROW16_CTAS 4
 #endif
+#define GP_ROW_MAX_WARPS 16
+// registers a thread for `ctas` blocks of 256 threads per SM, in the allocation's steps of 8
+#define GP_ROW_REGS(ctas) ((65536 / (256 * (ctas))) & ~7)
 
 struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, scales in both halves
     uint4 w[2];
@@ -571,7 +577,8 @@ struct GpRowLane {
     }
 };
 
-// grid (ceil(N / 16)), 256 threads; M <= 8 NT, K a multiple of 128 (int4_batched.launch_int4_mma_rows).
+// grid (ceil(N / 16)), 8 or 16 warps (blockDim), M <= 8 NT, K a multiple of 128
+// (int4_batched.launch_int4_mma_rows).
 template <int NT>
 __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __restrict__ x,
                                               const unsigned char* __restrict__ packed,
@@ -579,10 +586,11 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
                                               const float* __restrict__ bias, int M, int N, int K,
                                               int accumulate, float (*red)[4 * NT][32]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int warps = blockDim.x >> 5;
     const int KG = K >> 7;
     const int row0 = blockIdx.x * 16;
-    const int g0 = (int)((long long)KG * warp / GP_MMA_WARPS);   // gp_int4_mma's K slices
-    const int g1 = (int)((long long)KG * (warp + 1) / GP_MMA_WARPS);
+    const int g0 = (int)((long long)KG * warp / warps);   // at 8 warps gp_int4_mma's K slices
+    const int g1 = (int)((long long)KG * (warp + 1) / warps);
     const GpRowLane<NT> lane_at(packed, sc, x, row0, g, t, M, N, K);
     float acc[NT][4];
 #pragma unroll
@@ -609,8 +617,7 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     // thread (nt, e, lane) sums its output over the warps in warp order, as gp_int4_mma does
     const int c = threadIdx.x >> 5, nt = c >> 2, e = c & 3;
     float v = red[0][c][lane];
-#pragma unroll
-    for (int w = 1; w < GP_MMA_WARPS; ++w) v += red[w][c][lane];
+    for (int w = 1; w < warps; ++w) v += red[w][c][lane];
     const int r = row0 + g + 8 * (e >> 1), m = nt * 8 + 2 * t + (e & 1);
     if (r >= N || m >= M) return;
     if (bias) v += bias[r];
@@ -618,19 +625,20 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     *yp = accumulate ? *yp + v : v;
 }
 
-// grid (ceil(N / 16)), 256 threads, K a multiple of 128 (int4_batched.launch_int4_mma_rows):
-// gp_int4_mma_rows for M <= 8, gp_int4_mma_rows16 for M <= 16 (each its own registers).
-extern "C" __global__ void __launch_bounds__(256, GP_ROW_CTAS)
+// grid (ceil(N / 16)), 256 or 512 threads, K a multiple of 128 (int4_batched.launch_int4_mma_rows):
+// gp_int4_mma_rows for M <= 8, gp_int4_mma_rows16 for M <= 16 (each its own registers, bounded
+// for GP_ROW_CTAS / GP_ROW16_CTAS blocks of 256 threads per SM).
+extern "C" __global__ void __maxnreg__(GP_ROW_REGS(GP_ROW_CTAS))
 gp_int4_mma_rows(float* y, const unsigned short* __restrict__ x,
                  const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                  const float* __restrict__ bias, int M, int N, int K, int accumulate) {
-    __shared__ float red[GP_MMA_WARPS][4][32];
+    __shared__ float red[GP_ROW_MAX_WARPS][4][32];
     gp_i4mma_rows<1>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }
-extern "C" __global__ void __launch_bounds__(256, GP_ROW16_CTAS)
+extern "C" __global__ void __maxnreg__(GP_ROW_REGS(GP_ROW16_CTAS))
 gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
                    const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                    const float* __restrict__ bias, int M, int N, int K, int accumulate) {
-    __shared__ float red[GP_MMA_WARPS][8][32];
+    __shared__ float red[GP_ROW_MAX_WARPS][8][32];
     gp_i4mma_rows<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }

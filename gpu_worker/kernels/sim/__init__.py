@@ -161,7 +161,7 @@ def _int4_mma_rows16(mem, grid, block, args) -> None:
 def _int4_rows(mem, grid, block, args, max_rows: int) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
     # the CUDA grid covers 16 weight rows per block: a short grid leaves rows unwritten
-    assert grid[0] * 16 >= n and m <= max_rows and block[0] == 256, (grid, block, m)
+    assert grid[0] * 16 >= n and m <= max_rows and block[0] in (256, 512), (grid, block, m)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
