@@ -18,7 +18,9 @@ from gpu_worker.config import (
     DEFAULT_MAX_PLANS,
     DEFAULT_MIN_PREFILL_SHARE,
     DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_ORDER,
     DEFAULT_VARIANTS_PER_NODE,
+    PREFILL_ORDERS,
     WorkerConfig,
     default_worker_id,
 )
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--min-prefill-share", "GPUPLANE_MIN_PREFILL_SHARE", DEFAULT_MIN_PREFILL_SHARE,
              "smallest prefill chunk a step gives a prompt (tokens): fewer, larger chunks per "
              "step (each chunk reads every weight once) against earlier first tokens", type=int)
+    env_flag(serve, "--prefill-order", "GPUPLANE_PREFILL_ORDER", DEFAULT_PREFILL_ORDER,
+             "who a step's prefill tokens go to first: fair (max-min fair shares) or shortest "
+             "(the shortest remaining prompt first; the oldest prompt still gets its floor)",
+             choices=PREFILL_ORDERS)
     env_flag(serve, "--max-queued", "GPUPLANE_MAX_QUEUED", 1024,
              "waiting Generate requests per model; beyond it RESOURCE_EXHAUSTED", type=int)
     env_flag(serve, "--kv-block-tokens", "GPUPLANE_KV_BLOCK_TOKENS", 16,
@@ -174,6 +180,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         max_batch_size=args.max_batch_size,
         max_step_tokens=args.max_step_tokens,
         min_prefill_share=args.min_prefill_share,
+        prefill_order=args.prefill_order,
         max_queued=args.max_queued,
         kv_block_tokens=args.kv_block_tokens,
         kv_pool_bytes=args.kv_pool_bytes,
@@ -201,6 +208,8 @@ def flag_problem(args: argparse.Namespace) -> str:
                "--embed-max-batch-tokens at least 1"
     if min(args.max_batch_size, args.max_step_tokens, args.max_queued) < 1:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
+    if args.prefill_order not in PREFILL_ORDERS:      # the environment's value is not checked
+        return f"--prefill-order (GPUPLANE_PREFILL_ORDER) must be {' or '.join(PREFILL_ORDERS)}"
     if args.max_step_tokens < args.max_batch_size:
         return "--max-step-tokens must be at least --max-batch-size (a full batch of decodes)"
     if not math.isfinite(args.load_timeout_seconds) or not 0 < args.load_timeout_seconds <= 86400:

@@ -25,6 +25,10 @@ DEFAULT_PREFILL_CHUNK = 2048       # prompt tokens per prefill chunk
 # step"): each chunk is one graph replay over every weight, so a floor keeps a step from splitting
 # its token budget into many small chunks.
 DEFAULT_MIN_PREFILL_SHARE = 256
+# Who a step's prefill tokens go to first (the same section): max-min fair shares, or the shortest
+# remaining prompt first with the oldest prompt still given its floor.
+PREFILL_ORDERS = ("fair", "shortest")
+DEFAULT_PREFILL_ORDER = "fair"
 DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
 # Pinned host bytes all decoders' swapped KV may hold: 4 GiB (a 2,000-token sequence of an 8b
 # model is 256 MiB of fp16 KV), small beside a serving host's memory and never allocated ahead.
@@ -67,6 +71,7 @@ class WorkerConfig:
     max_batch_size: int = 64            # running sequences per decoder
     max_step_tokens: int = 2048         # decode rows + prefill chunk tokens per engine step
     min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE  # a step's smallest prefill chunk (tokens)
+    prefill_order: str = DEFAULT_PREFILL_ORDER  # fair | shortest (PREFILL_ORDERS)
     max_queued: int = 1024              # waiting requests per decoder; beyond: RESOURCE_EXHAUSTED
     kv_block_tokens: int = 16           # tokens per paged KV block
     kv_pool_bytes: int = 0              # KV pool VA per decoder; 0 = max_batch_size full contexts
@@ -114,5 +119,8 @@ class WorkerConfig:
         if not math.isfinite(self.load_timeout_s) or not 0 < self.load_timeout_s <= 86400:
             raise InvalidArgument(f"WorkerConfig.load_timeout_s={self.load_timeout_s} must be in "
                                   "(0, 86400] seconds")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise InvalidArgument(f"WorkerConfig.prefill_order={self.prefill_order!r}: use "
+                                  f"{' or '.join(PREFILL_ORDERS)}")
         if self.backend not in ("auto", "cuda", "sim"):
             raise InvalidArgument(f"WorkerConfig.backend={self.backend!r}: use auto, cuda or sim")

@@ -127,7 +127,7 @@ class ModelLoader:
             loaded.scheduler = Scheduler(
                 model, model.pool, max_batch_size=c.max_batch_size,
                 max_step_tokens=c.max_step_tokens, max_queued=c.max_queued,
-                min_prefill_share=c.min_prefill_share,
+                min_prefill_share=c.min_prefill_share, prefill_order=c.prefill_order,
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
                 pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
                 overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info),

@@ -1,19 +1,27 @@
 """The engine off the critical path (issue 23), on the real paged decoder over the sim backend:
 overlapped steps give the tokens serial steps give, the decode ladder is fine enough, a step
 neither synchronizes the stream nor grows its host work with context, and a long prompt does not
-hold up the decoding streams or a later short prompt."""
+hold up the decoding streams or a later short prompt. Then the prefill orders (fair shares and
+shortest first): their share functions, and what each changes in a trace (when, never what)."""
 from __future__ import annotations
 
+import random
+import statistics
 import sys
 
 import pytest
 
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import Scheduler, prefill_shares
+from gpu_worker.engines.scheduler.scheduler import (
+    Scheduler,
+    prefill_shares,
+    shortest_first_shares,
+)
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.paged import DECODE_LADDER, PagedDecoderModel, decode_bucket
+from services.common.errors import InvalidArgument
 from tests.scheduler.runners import TokenPoolRunner, solo
 from tests.sim_fixtures import compiler, device, kernel_cache_dir  # noqa: F401
 
@@ -211,3 +219,142 @@ def test_a_long_prompt_arriving_while_8_streams_decode_holds_them_up_by_one_chun
 def test_prefill_shares_are_max_min_fair_within_the_budget_and_floor(demands, budget, floor, want):
     got = prefill_shares(demands, budget, floor)
     assert got == want and sum(got) <= budget
+
+
+@pytest.mark.parametrize("demands,remaining,budget,floor,oldest,want", [
+    ([256, 30, 128], [900, 30, 128], 504, 64, 0, [256, 30, 128]),   # everyone fits
+    ([256, 30, 128], [900, 30, 128], 200, 64, 0, [64, 30, 106]),    # the oldest's floor first
+    ([256, 256, 100], [2000, 300, 100], 400, 64, 0, [64, 236, 100]),
+    ([256, 100, 100], [2000, 100, 100], 150, 64, 0, [64, 86, 0]),   # ties: candidate order
+    ([256, 200, 224], [1000, 200, 224], 300, 64, 2, [0, 200, 100]),  # 36 left < the floor
+    ([0, 256], [0, 500], 256, 64, 1, [0, 256]),       # a swapped-in decoder needs nothing
+    ([], [], 10, 4, 0, []),
+])
+def test_shortest_first_serves_the_oldest_floor_then_the_shortest_remaining_prompt(
+        demands, remaining, budget, floor, oldest, want):
+    assert shortest_first_shares(demands, remaining, budget, floor, oldest) == want
+
+
+def test_shortest_first_never_grants_more_than_the_budget_nor_a_chunk_below_the_floor():
+    rng = random.Random(7)
+    for _ in range(2000):
+        n, chunk, floor = rng.randint(1, 9), rng.choice([32, 256, 2048]), rng.choice([1, 16, 256])
+        remaining = [rng.randint(1, 3000) for _ in range(n)]
+        demands = [min(chunk, r) for r in remaining]
+        budget, oldest = rng.randint(1, 2048), rng.randrange(n)
+        got = shortest_first_shares(demands, remaining, budget, floor, oldest)
+        case = (demands, remaining, budget, floor, oldest, got)
+        assert sum(got) <= budget, f"the budget was exceeded: {case}"
+        assert all(0 <= g <= d for g, d in zip(got, demands)), f"more than a demand: {case}"
+        assert got[oldest] >= min(demands[oldest], floor, budget), f"the oldest starved: {case}"
+        assert all(g == 0 or g >= min(d, floor) for i, (g, d) in enumerate(zip(got, demands))
+                   if i != oldest), f"a chunk below the floor: {case}"
+        order = sorted(range(n), key=lambda i: remaining[i])
+        for k, i in enumerate(order):
+            if got[i] and i != oldest:
+                shorter = order[:k]
+                assert all(got[j] == demands[j] for j in shorter), \
+                    f"a longer prompt was served before a shorter one was whole: {case}"
+
+
+def test_negative_control_without_the_oldest_floor_the_long_prompt_gets_nothing():
+    """The floor goes to `oldest`: pointed at the short prompt instead, the long one is left out
+    (what a plain shortest-first order does to it every step while shorter prompts keep coming)."""
+    long_, short = 0, 1
+    guarded = shortest_first_shares([256, 224], [1000, 224], 256, 64, long_)
+    unguarded = shortest_first_shares([256, 224], [1000, 224], 256, 64, short)
+    assert guarded == [64, 192] and unguarded == [0, 224]
+
+
+GEO = KVGeometry(layers=2, kv_heads=2, head_dim=16, block_tokens=16, max_context=4096)
+# (arrival step, prompt tokens, max_new_tokens, sampling): 8 prompts arriving together, then more
+MIXED = [(0, 1500, 6, GREEDY), (0, 300, 8, SEEDED), (0, 2000, 4, GREEDY), (0, 128, 10, GREEDY),
+         (0, 700, 5, SEEDED), (0, 40, 12, GREEDY), (0, 1100, 3, GREEDY), (0, 450, 7, SEEDED),
+         (3, 90, 6, GREEDY), (5, 1800, 4, SEEDED), (6, 200, 9, GREEDY), (9, 60, 5, GREEDY)]
+
+
+def run_orders(device, trace, capacity: int, **kw):  # noqa: F811
+    """The trace through a 512-token step (floor 64, chunk 256) on a pool of `capacity` blocks;
+    the sequences, the prefill chunks launched and the preemptions."""
+    pool = KVBlockPool(device.arena, GEO, capacity)
+    runner = TokenPoolRunner(GEO, capacity, 256)
+    sched = Scheduler(runner, pool, thread=False, max_step_tokens=512, min_prefill_share=64, **kw)
+    seqs, step = {}, 0
+    while step < 2000 and (step <= max(t[0] for t in trace) or sched.busy()):
+        for i, (at, n, new, sampling) in enumerate(trace):
+            if at == step:
+                seqs[i] = sched.submit(prompt_of(i, n), new, sampling)
+        sched.step()
+        step += 1
+    assert not sched.busy(), "the engine never went idle"
+    preemptions = sched.counters["preemptions"]
+    sched.close()
+    return [seqs[i] for i in range(len(trace))], runner.prefill_calls, preemptions
+
+
+def test_the_fair_order_is_unchanged(device):  # noqa: F811
+    """Pinned from the scheduler before the order option: each stream's first-token step, the
+    chunks launched and the preemptions, on a roomy pool and on one that preempts."""
+    pinned = {512: ([14, 4, 16, 1, 8, 0, 11, 5, 4, 16, 8, 9], 85, 0),
+              200: ([20, 4, 29, 1, 8, 0, 35, 36, 4, 42, 35, 26], 138, 16)}
+    for capacity, want in pinned.items():
+        for kw in ({}, {"prefill_order": "fair"}):
+            seqs, chunks, preemptions = run_orders(device, MIXED, capacity, **kw)
+            got = ([s.token_steps[0] for s in seqs], len(chunks), preemptions)
+            assert got == want, f"the fair order planned differently ({capacity} blocks, {kw})"
+
+
+def test_tokens_per_stream_are_identical_under_both_orders(device):  # noqa: F811
+    """The order changes when each stream's prefill runs, never what it computes: greedy and
+    seeded streams, with preemptions reordering the waiting queue under both orders."""
+    for capacity in (512, 200):
+        runs = {order: run_orders(device, MIXED, capacity, prefill_order=order)
+                for order in ("fair", "shortest")}
+        for order, (seqs, _, _) in runs.items():
+            for i, (seq, (_, n, new, sampling)) in enumerate(zip(seqs, MIXED, strict=True)):
+                assert seq.generated == solo(prompt_of(i, n), new, sampling), \
+                    f"stream {i} differs from its solo run under {order} ({capacity} blocks)"
+        assert capacity == 512 or runs["shortest"][2] > 0, "no preemption under shortest"
+
+
+def test_shortest_first_gives_prompts_arriving_together_an_earlier_median_first_token(device):  # noqa: F811
+    together = [t for t in MIXED if t[0] == 0]
+    first = {order: [s.token_steps[0]
+                     for s in run_orders(device, together, 512, prefill_order=order)[0]]
+             for order in ("fair", "shortest")}
+    assert statistics.median(first["shortest"]) < statistics.median(first["fair"]), first
+    shortest = min(range(len(together)), key=lambda i: together[i][1])
+    assert first["shortest"][shortest] == 0, "the shortest prompt did not go first"
+
+
+@pytest.mark.parametrize("order", ["fair", "shortest"])
+def test_the_oldest_prompt_advances_by_its_floor_every_step_behind_a_stream_of_short_ones(
+        device, order):  # noqa: F811
+    """A 1,000-token prompt, then a 240-token one every step (budget 256, floor 64): under
+    shortest first each short prompt is shorter than what the long one has left and they alone
+    would fill every step, yet the long one gets at least its floor each step, so its prefill
+    ends within 1000 / 64 steps."""
+    pool = KVBlockPool(device.arena, GEO, 512)
+    runner = TokenPoolRunner(GEO, 512, 256)
+    sched = Scheduler(runner, pool, thread=False, max_step_tokens=256, min_prefill_share=64,
+                      prefill_order=order)
+    long_ = sched.submit(prompt_of(0, 1000), 2)
+    for step in range(16):
+        sched.submit(prompt_of(step + 1, 240), 1)
+        before = long_.computed
+        sched.step()
+        if long_.prefilled:
+            break
+        assert long_.computed - before >= 64, f"step {step}: the oldest prompt got less than its floor"
+    assert long_.prefilled, "the oldest prompt's prefill did not end within 1000 / 64 steps"
+    while sched.busy():
+        sched.step()
+    assert long_.generated == solo(prompt_of(0, 1000), 2)
+    sched.close()
+
+
+def test_an_unknown_prefill_order_is_refused(device):  # noqa: F811
+    pool = KVBlockPool(device.arena, GEO, 64)
+    with pytest.raises(InvalidArgument, match="prefill_order must be fair or shortest"):
+        Scheduler(TokenPoolRunner(GEO, 64, 256), pool, thread=False, prefill_order="sjf")
+    pool.close()

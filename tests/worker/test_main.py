@@ -97,24 +97,44 @@ def test_an_abbreviated_serve_flag_is_refused(capsys: pytest.CaptureFixture[str]
     assert exit_.value.code == 2, "an abbreviation of --max-batch-size was accepted"
 
 
-def test_min_prefill_share_reaches_every_decoders_scheduler(monkeypatch, kernels) -> None:
-    """--min-prefill-share (GPUPLANE_MIN_PREFILL_SHARE) is the scheduler's prefill floor; below 1
-    the config refuses it."""
+def test_min_prefill_share_and_prefill_order_reach_every_decoders_scheduler(monkeypatch,
+                                                                           kernels) -> None:
+    """--min-prefill-share (GPUPLANE_MIN_PREFILL_SHARE) is the scheduler's prefill floor and
+    --prefill-order (GPUPLANE_PREFILL_ORDER) its order; a floor below 1 and an unknown order
+    are refused."""
     from gpu_worker import WorkerRuntime
     from gpu_worker.__main__ import worker_config
     from services.common.errors import InvalidArgument
     monkeypatch.setenv("GPUPLANE_MIN_PREFILL_SHARE", "1024")
+    monkeypatch.setenv("GPUPLANE_PREFILL_ORDER", "shortest")
     config = worker_config(build_parser().parse_args(["serve", "--backend", "sim",
                                                       "--cache-dir", str(kernels)]))
-    assert config.min_prefill_share == 1024
+    assert (config.min_prefill_share, config.prefill_order) == (1024, "shortest")
     runtime = WorkerRuntime(config).start()
     try:
         runtime.load_model("m", "decoder", "tiny", 1)
-        assert runtime._get("m").scheduler.min_prefill_share == 1024
+        scheduler = runtime._get("m").scheduler
+        assert (scheduler.min_prefill_share, scheduler.prefill_order) == (1024, "shortest")
     finally:
         runtime.close()
     with pytest.raises(InvalidArgument, match="min_prefill_share"):
         worker_config(build_parser().parse_args(["serve", "--min-prefill-share", "0"]))
+    assert worker_config(build_parser().parse_args(
+        ["serve", "--prefill-order", "fair"])).prefill_order == "fair", "the flag beats the env"
+
+
+def test_an_unknown_prefill_order_is_refused_by_the_flag_the_environment_and_the_config(
+        monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpu_worker.__main__ import flag_problem
+    from gpu_worker.config import WorkerConfig
+    from services.common.errors import InvalidArgument
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--prefill-order", "sjf"])
+    assert exit_.value.code == 2 and "fair" in capsys.readouterr().err
+    monkeypatch.setenv("GPUPLANE_PREFILL_ORDER", "sjf")     # argparse checks no default
+    assert "--prefill-order" in flag_problem(build_parser().parse_args(["serve"]))
+    with pytest.raises(InvalidArgument, match="prefill_order='sjf': use fair or shortest"):
+        WorkerConfig(prefill_order="sjf")
 
 
 def test_the_prefix_cache_and_kv_swap_switches_default_to_the_environment(monkeypatch) -> None:

@@ -19,10 +19,13 @@ be an OOM, and the host must not sit between two steps on the device. Contract, 
    sequences and the waiting ones admitted now (FCFS, while the batch bound and free blocks
    allow; admission never preempts), max-min fair with a floor of `min_prefill_share` tokens,
    each at most one chunk (`prefill_shares`): a short prompt arriving behind a long one gets its
-   whole prompt in the next step instead of waiting for the long one's last chunk. With the
-   prefix cache on (the default) an admitted sequence first takes, shared, every cached full
-   block of its prefix (kv_pool.py, prefix_cache.py) and prefills from the first block not
-   cached; each block a prefill chunk completes is named for later sequences at its launch;
+   whole prompt in the next step instead of waiting for the long one's last chunk. With
+   `prefill_order="shortest"` the shortest remaining prompt goes first instead, after the
+   oldest prompt's floor (`shortest_first_shares`), and admission may pass over a longer
+   waiting one. With the prefix cache on (the default) an admitted sequence first takes,
+   shared, every cached full block of its prefix (kv_pool.py, prefix_cache.py) and prefills
+   from the first block not cached; each block a prefill chunk completes is named for later
+   sequences at its launch;
 4. launch: one batched decode over the decoding sequences' slots, then the prefill chunks, then
    the readback of every slot's token (StepRunner.end_step);
 5. complete: with `overlap` (the default) the tokens read back are the previous step's, read
@@ -55,7 +58,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gpu_worker.config import DEFAULT_MIN_PREFILL_SHARE
+from gpu_worker.config import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_demote import COUNTERS as HOST_COUNTERS
 from gpu_worker.engines.scheduler.kv_demote import HostPrefixCache
@@ -91,6 +94,33 @@ def prefill_shares(demands: list[int], budget: int, floor: int) -> list[int]:
         if left <= 0:
             break
         extra = min(left, demands[i] - grants[i])
+        grants[i] += extra
+        left -= extra
+    return grants
+
+
+def shortest_first_shares(demands: list[int], remaining: list[int], budget: int, floor: int,
+                          oldest: int) -> list[int]:
+    """Tokens for each prefilling sequence this step under `prefill_order="shortest"`, in
+    candidate order. First the `oldest` candidate (the earliest submitted) gets min(demand, floor,
+    budget); then, by ascending `remaining` prompt tokens (ties in candidate order), each gets
+    min(its demand, what is left), stopping at the first whose floor (min(demand, floor)) no
+    longer fits. Shortest first finishes short prompts in the fewest steps, where fair shares
+    finish prompts that arrived together at about the same late step. The oldest's floor is the
+    starvation bound: once a prompt is the oldest still prefilling it advances by at least
+    min(need, floor, budget) tokens every step, however many shorter prompts keep arriving.
+    The scheduler admits the waiting candidates given tokens in queue order and leaves those
+    given none queued in place: strict FCFS admission would make the shortest of prompts that
+    arrive together wait for every one ahead of it, the very case this order is for."""
+    grants = [0] * len(demands)
+    if not demands:
+        return grants
+    grants[oldest] = min(demands[oldest], floor, budget)
+    left = budget - grants[oldest]
+    for i in sorted(range(len(demands)), key=lambda i: remaining[i]):
+        if not grants[i] and left < min(demands[i], floor):
+            break
+        extra = min(demands[i] - grants[i], left)
         grants[i] += extra
         left -= extra
     return grants
@@ -324,6 +354,7 @@ class Scheduler:
                  settle: Callable[[], None] | None = None,
                  thread: bool = True, name: str = "model", overlap: bool = True,
                  min_prefill_share: int = DEFAULT_MIN_PREFILL_SHARE,
+                 prefill_order: str = DEFAULT_PREFILL_ORDER,
                  prefix_cache: bool = True, prefix_key: str = "",
                  kv_swap: KVSwap | None = None, prefill_tokens_per_s: float = 0.0,
                  kv_demote: bool = True) -> None:
@@ -331,6 +362,9 @@ class Scheduler:
                             ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
                 raise InvalidArgument(f"{flag} must be >= 1, got {value}")
+        if prefill_order not in PREFILL_ORDERS:
+            raise InvalidArgument(f"prefill_order must be {' or '.join(PREFILL_ORDERS)}, "
+                                  f"got {prefill_order!r}")
         if max_step_tokens < max_batch_size:
             # a full batch of decodes would leave no budget for a prefilling member: it starves
             raise InvalidArgument(f"max_step_tokens ({max_step_tokens}) must be at least "
@@ -346,7 +380,7 @@ class Scheduler:
         self.runner, self.pool = runner, pool
         self.max_batch_size, self.max_step_tokens = max_batch_size, max_step_tokens
         self.max_queued, self.overlap = max_queued, overlap
-        self.min_prefill_share = min_prefill_share
+        self.min_prefill_share, self.prefill_order = min_prefill_share, prefill_order
         # the prefix cache: `prefix_key` names the model (its K/V depend on its weights)
         self.prefix_cache = prefix_cache
         self._root = root_key(prefix_key or name, runner.geometry.block_tokens)
@@ -554,20 +588,22 @@ class Scheduler:
         hits = [0 if s.swapped is not None else self._cached_prefix(s) for s in admit]
         starts = [s.computed for s in prefilling] + [
             s.swapped.positions if s.swapped is not None else h * bt for s, h in zip(admit, hits)]
-        demands = [min(self.runner.prefill_chunk, s.prefill_target - start)
-                   for s, start in zip(cands, starts, strict=True)]
-        shares = prefill_shares(demands, budget, self.min_prefill_share) if cands else []
+        shares = self._shares(cands, starts, budget)
         prefills: list[tuple[Sequence, int]] = []
         for seq, n in zip(cands[:len(prefilling)], shares, strict=False):
             if n > 0 and seq.state == "running" and self._reserve(seq, seq.computed + n):
                 prefills.append((seq, n))
+        passed: list[Sequence] = []     # "shortest": waiting ones with no share, left queued
         for seq, n, hit in zip(admit, shares[len(prefilling):], hits, strict=True):
             swapped = seq.swapped is not None
             resumes_decoding = swapped and seq.swapped.positions == seq.prefill_target
             if n <= 0 and not resumes_decoding:
-                break
+                if self.prefill_order == "fair":
+                    break
+                passed.append(seq)
+                continue
             with self._cond:    # a preemption above may have put a victim in front of it
-                if not self._waiting or self._waiting[0] is not seq:
+                if list(itertools.islice(self._waiting, len(passed) + 1)) != [*passed, seq]:
                     break
             # the hit again, now taken: an allocation above may have evicted part of it
             shared = self.pool.acquire(seq.keys[:hit]) if hit else []
@@ -585,7 +621,7 @@ class Scheduler:
                 if hosted:
                     self.host_cache.put_back(hosted)
                 if not self._running:   # nothing will ever free a block for it
-                    self._pop_waiting()
+                    self._take_waiting(seq)
                     self._finish(seq, "", error=ResourceExhausted(
                         "no KV blocks can be committed for this request (the kv zone is full)",
                         asked_bytes=seq.table.blocks_needed(n) * self.pool.block_bytes,
@@ -594,7 +630,7 @@ class Scheduler:
                 break
             if hosted:      # copied in before this step's prefill reads them
                 start = (len(shared) + self._promote(hosted, got)) * bt
-            self._pop_waiting()
+            self._take_waiting(seq)
             seq.state = "running"
             seq.slot = heapq.heappop(self._free_slots)
             self.runner.assign(seq.slot, seq.sampling)
@@ -617,6 +653,19 @@ class Scheduler:
         prefills = [(s, n) for s, n in prefills if s.state == "running"]
         self.counters["peak_batch_size"] = max(self.counters["peak_batch_size"], len(decodes))
         return decodes, prefills
+
+    def _shares(self, cands: list[Sequence], starts: list[int], budget: int) -> list[int]:
+        """The prefill candidates' tokens this step (their prefill goes on from `starts`), by
+        `prefill_order`; each at most one chunk."""
+        if not cands:
+            return []
+        remaining = [s.prefill_target - start for s, start in zip(cands, starts, strict=True)]
+        demands = [min(self.runner.prefill_chunk, r) for r in remaining]
+        if self.prefill_order == "fair":
+            return prefill_shares(demands, budget, self.min_prefill_share)
+        # a swapped sequence that resumes decoding needs no prefill: the floor goes to the next
+        oldest = min(range(len(cands)), key=lambda i: (demands[i] == 0, cands[i].submitted))
+        return shortest_first_shares(demands, remaining, budget, self.min_prefill_share, oldest)
 
     def _keys(self, seq: Sequence, blocks: int) -> list[bytes]:
         """The prefix-cache keys of `seq`'s first `blocks` blocks (hashed once, then kept: the
@@ -788,9 +837,9 @@ class Scheduler:
         if self.host_cache is not None:
             self.host_cache.clear()
 
-    def _pop_waiting(self) -> Sequence:
+    def _take_waiting(self, seq: Sequence) -> None:
         with self._cond:
-            return self._waiting.popleft()
+            self._waiting.remove(seq)
 
     def _all(self) -> list[Sequence]:
         """Running then waiting (a snapshot: request threads append to the queue)."""
