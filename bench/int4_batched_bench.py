@@ -55,6 +55,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
+    INT4_WGMMA,
     MAX_SPLIT,
     MMA_K_ALIGN,
     MMA_KERNELS,
@@ -214,6 +215,28 @@ def staged_kernel(ctas: int, stages: int, groups: int):
     return dataclasses.replace(INT4_MMA_STAGED, source=source), (STAGED_MT if ctas == 1 else (1, 2))
 
 
+WGMMA_BATCHES = (32, 48, 64)
+
+
+def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
+    """{rows: seconds} of gp_int4_wgmma at WGMMA_BATCHES rows, each first checked against the
+    default kernel's result within the contract's tolerance (they differ by f32 summation
+    order); a difference raises WrongBuild."""
+    out = {}
+    packed, scales = weights[0]
+    y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
+    for b in WGMMA_BATCHES:
+        _default(dev, h, weights[:1], x, y_ref, b, n, k)(None)
+        INT4_WGMMA.launcher(dev, h.function(INT4_WGMMA), y, x, packed, scales, 0, b, n, k)
+        got, want = h.get(y, (b, n)), h.get(y_ref, (b, n))
+        if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
+            raise WrongBuild(f"gp_int4_wgmma m={b} n={n} k={k}: differs from the default kernel "
+                             f"by {np.abs(got - want).max()}")
+        out[b] = ours(dev, _launcher(dev, h.function(INT4_WGMMA), weights, x, y, b, n, k, False,
+                                     kdef=INT4_WGMMA), reps, trials)
+    return out
+
+
 class WrongBuild(RuntimeError):
     """A tuning build's result differs from the reference: its times mean nothing."""
 
@@ -316,6 +339,9 @@ def main() -> int:
     ap.add_argument("--staged-sweep", action="store_true",
                     help="time gp_int4_mma_staged at every built tile and split of K, and the "
                          "warp kernel, at 16 / 32 / 64 rows")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="time gp_int4_wgmma (warpgroup MMA) against the default kernel at "
+                         "32 / 48 / 64 rows")
     ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
                     help="--staged-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--staged-stages", type=int, default=STAGES,
@@ -337,6 +363,9 @@ def main() -> int:
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
     step_staged = {b: 0.0 for b in STAGED_SWEEP_BATCHES}
     step_rows = {}
+    step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
+    step_wgmma_best = {b: 0.0 for b in WGMMA_BATCHES}
+    step_default = {b: 0.0 for b in WGMMA_BATCHES}
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -374,6 +403,16 @@ def main() -> int:
                 print_rows_sweep(name, n, k, rows_times)
                 for key, t in rows_times.items():
                     step_rows[key] = step_rows.get(key, 0.0) + uses * t
+            if args.wgmma:
+                wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials)
+                for b, t in wg.items():
+                    base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
+                                args.trials)
+                    print(f"  {name} n={n} k={k} b{b}: wgmma {t * 1e6:7.1f} us, default "
+                          f"({mma_kernel(b, n, sms)}) {base * 1e6:7.1f} us", flush=True)
+                    step_wgmma[b] += uses * t
+                    step_wgmma_best[b] += uses * min(t, base)
+                    step_default[b] += uses * base
             if args.staged_sweep:
                 staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                             args.staged_ctas, args.staged_stages,
@@ -431,6 +470,16 @@ def main() -> int:
                 if bb == b and build is not None:
                     targets.figure(f"decode step int4 linears, {b} rows, rows build "
                                    f"{'/'.join(map(str, build))}", t * 1e3, "ms")
+    if args.wgmma:
+        print("decode step's linears on gp_int4_wgmma, and on the faster of it and the default "
+              "per shape, ms:")
+        for b in WGMMA_BATCHES:
+            print(f"  batch {b:3d}: wgmma {step_wgmma[b] * 1e3:8.3f}, faster per shape "
+                  f"{step_wgmma_best[b] * 1e3:8.3f} (default {step_default[b] * 1e3:8.3f})")
+            targets.figure(f"decode step int4 linears, {b} rows, wgmma", step_wgmma[b] * 1e3,
+                           "ms")
+            targets.figure(f"decode step int4 linears, {b} rows, wgmma where faster",
+                           step_wgmma_best[b] * 1e3, "ms")
     if args.staged_sweep:
         print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
         for b in STAGED_SWEEP_BATCHES:

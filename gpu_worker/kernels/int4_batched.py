@@ -29,9 +29,12 @@ times per call: the price of keeping the whole block on one row range (see docs/
 """
 from __future__ import annotations
 
+import dataclasses
+
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.common import (
+    NVRTC_OPTIONS,
     SIM_SM_COUNT,
     KernelDef,
     ceil_div,
@@ -277,8 +280,40 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
 
+# gp_int4_wgmma (cu/int4_wgmma.cu): the same contract on Hopper's warpgroup MMA, one warpgroup per
+# WGMMA_ROWS weight rows over the whole of K, x (up to 64 rows) read by the tensor cores from
+# shared memory. Its module is built for sm_90a alone (the last --gpu-architecture wins), so it
+# runs only on a device of compute capability 9.0 (wgmma_supported).
+WGMMA_ROWS = 64            # weight rows per CTA (one wgmma m64)
+WGMMA_ARCH = "sm_90a"
+SOURCE_WGMMA = dataclasses.replace(cu_source("gp_int4_wgmma", "int4_wgmma.cu"),
+                                   options=(*NVRTC_OPTIONS, f"--gpu-architecture={WGMMA_ARCH}"))
+
+
+def wgmma_supported(arch: str) -> bool:
+    """Whether gp_int4_wgmma loads on a device of `arch` (its sm_90a image: sm_90 devices only)."""
+    return arch in ("sm_90", "sm_90a")
+
+
+def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
+                      m: int, n: int, k: int, accumulate: bool = False, stream=None) -> None:
+    """int4_mma's contract and arguments on gp_int4_wgmma: grid ceil(n / 64) warpgroups, each
+    64 weight rows by the whole of K; 1 <= m <= 64."""
+    kernel = "int4_wgmma"
+    _require_linear(kernel, x, packed, scales, m, n, k)
+    if m == 0 or n == 0:
+        return
+    require(ceil_div(n, WGMMA_ROWS) < 2**31, f"{kernel}: n={n} too large")
+    device.launch(function, (ceil_div(n, WGMMA_ROWS), 1, 1), (128, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream)
+
+
+INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.int4_matmul,
+                       launch_int4_wgmma)
+
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "warp": INT4_MMA,
                "staged": INT4_MMA_STAGED}
 
-KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_ROWS, INT4_MMA_ROWS16]
+KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]

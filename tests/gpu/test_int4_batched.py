@@ -18,6 +18,7 @@ from gpu_worker.kernels.selfcheck import (
     int4_mma_case,
     int4_mma_rows_case,
     int4_mma_staged_case,
+    int4_wgmma_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +65,14 @@ ROWS: list[Case] = [
                            (9, 6144, 4096, {}), (16, 4096, 14336, {"accumulate": True}),
                            (16, 1009, 4224, {"bias": True}))
 ]
-ALL = SHARED + MODEL + FORCED + STAGED + ROWS
+# the warpgroup-MMA kernel at the decode step's shapes from 17 to 64 rows, odd N and K
+WGMMA: list[Case] = [
+    Case("int4_wgmma", int4_wgmma_case, {"m": m, "n": n, "k": k, **extra})
+    for m, n, k, extra in ((64, 28672, 4096, {}), (64, 128256, 4096, {"bias": True}),
+                           (33, 6144, 4096, {"accumulate": True}), (48, 4096, 14336, {}),
+                           (17, 1009, 4224, {"bias": True, "accumulate": True}), (1, 100, 128, {}))
+]
+ALL = SHARED + MODEL + FORCED + STAGED + ROWS + WGMMA
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +166,24 @@ def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harn
     for m, first in zip((2, 8, 9, 16), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m
     assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max())
+
+
+def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:
+    """gp_int4_wgmma always multiplies 64 rows of x (zeros past M) over the whole K in one
+    warpgroup, so a row's result is the same bits at any row count."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import INT4_WGMMA
+
+    rng = np.random.default_rng(5)
+    n, k = 6144, 4096
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
+    firsts = []
+    for m in (1, 17, 33, 64):
+        y = harness.put(np.zeros((m, n), np.float32))
+        INT4_WGMMA.launcher(harness.device, harness.function(INT4_WGMMA), y, xd, pk, sc, 0, m, n, k)
+        firsts.append(harness.get(y, (m, n))[0])
+    harness.close()
+    for m, first in zip((17, 33, 64), firsts[1:]):
+        assert np.array_equal(first, firsts[0]), m

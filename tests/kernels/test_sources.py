@@ -11,7 +11,7 @@ from gpu_worker.compile.nvrtc import compile_program, nvrtc_version
 from gpu_worker.device.sim_kernels import lookup_sim_kernel
 from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES, COMMON_HEADER_NAME
 
-_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s+)?'
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+(?:void\s+)?(?:(?:__launch_bounds__|__maxnreg__)\([^)]*\)\s+)?'
                     r'(?:void\s+)?(\w+)\s*\(')
 
 

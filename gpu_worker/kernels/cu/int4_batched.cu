@@ -501,6 +501,8 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
 #define GP_ROW_MAX_WARPS 16
 // registers a thread for `ctas` blocks of 256 threads per SM, in the allocation's steps of 8
 #define GP_ROW_REGS(ctas) ((65536 / (256 * (ctas))) & ~7)
+#define GP_ROW_MAXNREG GP_ROW_REGS(GP_ROW_CTAS)
+#define GP_ROW16_MAXNREG GP_ROW_REGS(GP_ROW16_CTAS)
 
 struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, scales in both halves
     uint4 w[2];
@@ -628,14 +630,14 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
 // grid (ceil(N / 16)), 256 or 512 threads, K a multiple of 128 (int4_batched.launch_int4_mma_rows):
 // gp_int4_mma_rows for M <= 8, gp_int4_mma_rows16 for M <= 16 (each its own registers, bounded
 // for GP_ROW_CTAS / GP_ROW16_CTAS blocks of 256 threads per SM).
-extern "C" __global__ void __maxnreg__(GP_ROW_REGS(GP_ROW_CTAS))
+extern "C" __global__ void __maxnreg__(GP_ROW_MAXNREG)
 gp_int4_mma_rows(float* y, const unsigned short* __restrict__ x,
                  const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                  const float* __restrict__ bias, int M, int N, int K, int accumulate) {
     __shared__ float red[GP_ROW_MAX_WARPS][4][32];
     gp_i4mma_rows<1>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }
-extern "C" __global__ void __maxnreg__(GP_ROW_REGS(GP_ROW16_CTAS))
+extern "C" __global__ void __maxnreg__(GP_ROW16_MAXNREG)
 gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
                    const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
                    const float* __restrict__ bias, int M, int N, int K, int accumulate) {

@@ -53,6 +53,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
+    INT4_WGMMA,
     STAGE_GROUPS,
     STAGES,
     launch_int4_mma,
@@ -295,6 +296,19 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
     kdef.launcher(h.device, h.function(kdef), y, h.put(x), h.put(packed), h.put(scales),
                   h.put(b) if bias else 0, m, n, k, accumulate)
+    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
+    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+
+
+def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
+    """The warpgroup-MMA int4 linear (sm_90 devices only): int4_mma's contract and tolerance."""
+    packed, scales = _quantized(rng, n, k)
+    x = _f32(rng, m, k, scale=scale).astype(np.float16)
+    b = _f32(rng, n) if bias else None
+    y0 = _f32(rng, m, n)
+    y = h.put(y0)
+    INT4_WGMMA.launcher(h.device, h.function(INT4_WGMMA), y, h.put(x), h.put(packed),
+                        h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
@@ -597,6 +611,8 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
+    C("int4_wgmma", int4_wgmma_case, m=64, n=100, k=256, bias=True, accumulate=True),
+    C("int4_wgmma", int4_wgmma_case, m=33, n=70, k=384, scale=300.0),
     C("int4_mma_staged", int4_mma_staged_case, m=17, n=48, k=128),
     C("int4_mma_staged", int4_mma_staged_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_staged", int4_mma_staged_case, m=40, n=300, k=640, scale=300.0),

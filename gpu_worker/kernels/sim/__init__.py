@@ -20,8 +20,10 @@ from gpu_worker.kernels import reference
 from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
     MMA_K_ALIGN,
+    MMA_MAX_ROWS,
     ROWS_MAX_ROWS,
     STAGED_MT,
+    WGMMA_ROWS,
     staged_tile,
 )
 
@@ -156,6 +158,17 @@ def _int4_mma_rows(mem, grid, block, args) -> None:
 @register_sim_kernel("gp_int4_mma_rows16")
 def _int4_mma_rows16(mem, grid, block, args) -> None:
     _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS)
+
+
+@register_sim_kernel("gp_int4_wgmma")
+def _int4_wgmma(mem, grid, block, args) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+    # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
+    assert grid[0] * WGMMA_ROWS >= n and m <= MMA_MAX_ROWS and block[0] == 128, (grid, block, m)
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
+                              _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
 
 
 def _int4_rows(mem, grid, block, args, max_rows: int) -> None:
