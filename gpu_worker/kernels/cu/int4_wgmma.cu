@@ -16,8 +16,12 @@
 // Shared layout of one k-group's x (16 KiB), the no-swizzle K-major canonical layout: slice
 // s = 2j + c of 2 KiB, in it n-octet o (8 rows of x) at 256 o, core matrix q at + 128 q, row r at
 // + 16 r, word t at + 4 t; so the descriptor's leading byte offset (K step) is 128 and its stride
-// byte offset (N step) 256 (the reading tests/gpu/test_wgmma_sm90a.py established). Two buffers:
-// the next k-group's x is stored while this one's wgmmas run.
+// byte offset (N step) 256 (the reading tests/gpu/test_wgmma_sm90a.py established).
+//
+// Pipeline: x arrives by cp.async in GP_WG_STAGES raw 16 KiB stages (GP_WG_STAGES - 1 k-groups
+// ahead; each thread copies, and later permutes, its own 8 chunks, so no barrier sits between a
+// copy landing and its permute), is permuted into one of two wgmma buffers while the other's
+// wgmmas run, and the weights come straight to registers two k-groups ahead.
 //
 // Sums: f32 in the tensor cores, over the whole K in one warpgroup (no split), so a row's bits
 // do not depend on how many rows share the call; they differ from gp_int4_mma's by f32
@@ -26,6 +30,9 @@
 
 #define GP_WG_THREADS 128
 #define GP_WG_XBUF 16384   // bytes of one k-group's x tile
+#ifndef GP_WG_STAGES
+#define GP_WG_STAGES 3     // raw x stages (int4_batched.WGMMA_STAGES)
+#endif
 
 __device__ __forceinline__ unsigned gp_wg_hsub2(unsigned a, unsigned b) {
     unsigned r;
@@ -87,24 +94,31 @@ __device__ __forceinline__ unsigned long long gp_wg_desc(unsigned addr) {
            | ((unsigned long long)(256 >> 4) << 32);
 }
 
-// This thread's 8 x chunks of k-group kg: chunk i = tid + 128 q is row m = i / 16 and the 8
-// halves at k 8 (i % 16) of the k-group (zeros past M).
-__device__ __forceinline__ void gp_wg_load_x(uint4 (&xr)[8], const unsigned short* __restrict__ x,
-                                             int tid, int M, int K, int kg) {
+// This thread's 8 x chunks of k-group kg into raw stage `raw` (shared address), one commit group:
+// chunk i = tid + 128 q is row m = i / 16 and the 8 halves at k 8 (i % 16) of the k-group, at
+// byte 16 i of the stage (zeros past M). An empty group when kg is past K keeps the count even.
+__device__ __forceinline__ void gp_wg_copy_x(unsigned raw, const unsigned short* __restrict__ x,
+                                             int tid, int M, int K, int kg, int KG) {
+    if (kg < KG) {
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-        const int i = tid + GP_WG_THREADS * q, m = i >> 4, ch = i & 15;
-        xr[q] = m < M ? __ldg(reinterpret_cast<const uint4*>(x + (long long)m * K + kg * 128 + 8 * ch))
-                      : make_uint4(0u, 0u, 0u, 0u);
+        for (int q = 0; q < 8; ++q) {
+            const int i = tid + GP_WG_THREADS * q, m = i >> 4, ch = i & 15;
+            const bool in = m < M;
+            const unsigned short* src = x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                         ::"r"(raw + 16 * i), "l"(src), "r"(in ? 16 : 0) : "memory");
+        }
     }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// ... and into the k-group's tile at `buf` in the permuted layout (see the top note).
-__device__ __forceinline__ void gp_wg_store_x(unsigned char* buf, const uint4 (&xr)[8], int tid) {
+// ... and from the raw stage into the k-group's wgmma tile `buf` in the permuted layout (the
+// top note); then the fence that lets the tensor cores (the async proxy) read those stores.
+__device__ __forceinline__ void gp_wg_permute_x(unsigned char* buf, const unsigned char* raw, int tid) {
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
         const int i = tid + GP_WG_THREADS * q, m = i >> 4, ch = i & 15, t = ch >> 2, j = ch & 3;
-        const uint4 v = xr[q];
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + 16 * i);
         const unsigned b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
         const unsigned b2 = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
         unsigned char* row = buf + (m >> 3) * 256 + (m & 7) * 16 + t * 4;
@@ -113,6 +127,7 @@ __device__ __forceinline__ void gp_wg_store_x(unsigned char* buf, const uint4 (&
         *reinterpret_cast<unsigned*>(row + (2 * j + 1) * 2048) = b2;
         *reinterpret_cast<unsigned*>(row + (2 * j + 1) * 2048 + 128) = b3;
     }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Pin registers across an asynchronous wgmma: the compiler sees the asm read `a` and write `d` at
@@ -152,13 +167,17 @@ __device__ __forceinline__ void gp_wg_load_w(GpWgSlot& q, const unsigned char* _
     }
 }
 
-// grid (ceil(N / 64)), 128 threads, 32 KiB of static shared memory; M <= 64, K a multiple of 128
-// (int4_batched.launch_int4_wgmma).
+// grid (ceil(N / 64)), 128 threads, dynamic shared memory (GP_WG_STAGES + 2) x 16 KiB
+// (int4_batched.wgmma_shared_bytes); M <= 64, K a multiple of 128 (launch_int4_wgmma).
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS)
 gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
               int K, int accumulate) {
-    __shared__ __align__(128) unsigned char xs[2][GP_WG_XBUF];
+    extern __shared__ __align__(128) unsigned char gp_wg_smem[];
+    unsigned char* tiles = gp_wg_smem;                      // 2 wgmma tiles
+    unsigned char* raws = gp_wg_smem + 2 * GP_WG_XBUF;      // GP_WG_STAGES raw stages
+    const unsigned tiles_at = (unsigned)__cvta_generic_to_shared(tiles);
+    const unsigned raws_at = tiles_at + 2 * GP_WG_XBUF;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int KB = K >> 5, KG = K >> 7;
     const int row0 = blockIdx.x * 64 + warp * 16;
@@ -170,24 +189,24 @@ gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned cha
     GpWgSlot ring[2];
     gp_wg_load_w(ring[0], packed, scales, rows, N, KB, 0, t);
     if (KG > 1) gp_wg_load_w(ring[1], packed, scales, rows, N, KB, 1, t);
-    uint4 xr[8];
-    gp_wg_load_x(xr, x, tid, M, K, 0);
-    gp_wg_store_x(xs[0], xr, tid);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#pragma unroll
+    for (int st = 0; st < GP_WG_STAGES - 1; ++st)
+        gp_wg_copy_x(raws_at + st * GP_WG_XBUF, x, tid, M, K, st, KG);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_WG_STAGES - 2) : "memory");
+    gp_wg_permute_x(tiles, raws, tid);
     __syncthreads();
-    const unsigned base = (unsigned)__cvta_generic_to_shared(&xs[0][0]);
 
-    // one k-group: A from ring slot `cur`, x from buffer kg & 1; then `cur` refilled with kg + 2
-    // and the next k-group's x stored (the other buffer was last read by kg - 1's wgmmas, which
-    // were waited for)
+    // one k-group: A from ring slot `cur`, x from tile kg & 1; meanwhile x of kg + STAGES - 1 is
+    // copied, `cur` refilled with kg + 2, and x of kg + 1 permuted into the other tile (last
+    // read by kg - 1's wgmmas, which were waited for)
     auto step = [&](GpWgSlot& cur, int kg) {
-        const bool more = kg + 1 < KG;
-        if (more) gp_wg_load_x(xr, x, tid, M, K, kg + 1);      // in flight while we multiply
+        gp_wg_copy_x(raws_at + ((kg + GP_WG_STAGES - 1) % GP_WG_STAGES) * GP_WG_XBUF, x, tid, M, K,
+                     kg + GP_WG_STAGES - 1, KG);
         unsigned a[4][2][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             gp_wg_dequant(a[j], gp_wg_word(cur.w[0], j), gp_wg_word(cur.w[1], j), cur.s[0], cur.s[1]);
-        const unsigned buf = base + (kg & 1) * GP_WG_XBUF;
+        const unsigned buf = tiles_at + (kg & 1) * GP_WG_XBUF;
         gp_wg_keep(acc);
         gp_wg_keep(a);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -197,19 +216,21 @@ gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned cha
             for (int c = 0; c < 2; ++c) gp_wgmma_64x64(acc, a[j][c], gp_wg_desc(buf + (2 * j + c) * 2048));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         if (kg + 2 < KG) gp_wg_load_w(cur, packed, scales, rows, N, KB, kg + 2, t);
-        if (more) {
-            gp_wg_store_x(xs[(kg + 1) & 1], xr, tid);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (kg + 1 < KG) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_WG_STAGES - 2) : "memory");
+            gp_wg_permute_x(tiles + ((kg + 1) & 1) * GP_WG_XBUF,
+                            raws + ((kg + 1) % GP_WG_STAGES) * GP_WG_XBUF, tid);
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         gp_wg_keep(acc);
         gp_wg_keep(a);
-        __syncthreads();   // every thread's x of k-group kg + 1 is stored
+        __syncthreads();   // every thread's part of tile kg + 1 is stored
     };
     for (int kg = 0; kg < KG; kg += 2) {   // ring slots by name: no dynamic index into registers
         step(ring[0], kg);
         if (kg + 1 < KG) step(ring[1], kg + 1);
     }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
     // acc[4i + e]: weight row g + 8 (e >> 1) of this warp's 16, row of x 8i + 2t + (e & 1)
 #pragma unroll
