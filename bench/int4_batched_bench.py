@@ -32,6 +32,7 @@ build stops the run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -66,8 +67,10 @@ from gpu_worker.kernels.int4_batched import (
     STAGE_GROUPS,
     STAGED_MT,
     STAGES,
+    WGMMA_STAGES,
     launch_int4_mma,
     launch_int4_mma_staged,
+    launch_int4_wgmma,
     mma_kernel,
     mma_tiles,
     row_warps,
@@ -218,22 +221,36 @@ def staged_kernel(ctas: int, stages: int, groups: int):
 WGMMA_BATCHES = (32, 48, 64)
 
 
-def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
-    """{rows: seconds} of gp_int4_wgmma at WGMMA_BATCHES rows, each first checked against the
-    default kernel's result within the contract's tolerance (they differ by f32 summation
-    order); a difference raises WrongBuild."""
+def wgmma_kernel(stages: int):
+    """gp_int4_wgmma built with `stages` raw x stages (GP_WG_STAGES); the library's is
+    WGMMA_STAGES."""
+    if stages == WGMMA_STAGES:
+        return INT4_WGMMA
+    source = dataclasses.replace(
+        INT4_WGMMA.source, module_name=f"{INT4_WGMMA.source.module_name}_stages{stages}",
+        options=(*INT4_WGMMA.source.options, f"-DGP_WG_STAGES={stages}"))
+    kdef = dataclasses.replace(INT4_WGMMA, source=source)
+    return dataclasses.replace(kdef, launcher=functools.partial(launch_int4_wgmma, stages=stages))
+
+
+def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
+                stages: int = WGMMA_STAGES) -> dict:
+    """{rows: seconds} of gp_int4_wgmma (built with `stages`) at WGMMA_BATCHES rows, each first
+    checked against the default kernel's result within the contract's tolerance (they differ by
+    f32 summation order); a difference raises WrongBuild."""
+    kdef = wgmma_kernel(stages)
     out = {}
     packed, scales = weights[0]
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
         _default(dev, h, weights[:1], x, y_ref, b, n, k)(None)
-        INT4_WGMMA.launcher(dev, h.function(INT4_WGMMA), y, x, packed, scales, 0, b, n, k)
+        kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
         got, want = h.get(y, (b, n)), h.get(y_ref, (b, n))
         if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
             raise WrongBuild(f"gp_int4_wgmma m={b} n={n} k={k}: differs from the default kernel "
                              f"by {np.abs(got - want).max()}")
-        out[b] = ours(dev, _launcher(dev, h.function(INT4_WGMMA), weights, x, y, b, n, k, False,
-                                     kdef=INT4_WGMMA), reps, trials)
+        out[b] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
+                                     kdef=kdef), reps, trials)
     return out
 
 
@@ -342,6 +359,8 @@ def main() -> int:
     ap.add_argument("--wgmma", action="store_true",
                     help="time gp_int4_wgmma (warpgroup MMA) against the default kernel at "
                          "32 / 48 / 64 rows")
+    ap.add_argument("--wgmma-stages", type=int, default=WGMMA_STAGES,
+                    help="--wgmma on the kernel built with this many raw x stages")
     ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
                     help="--staged-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--staged-stages", type=int, default=STAGES,
@@ -404,7 +423,8 @@ def main() -> int:
                 for key, t in rows_times.items():
                     step_rows[key] = step_rows.get(key, 0.0) + uses * t
             if args.wgmma:
-                wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials)
+                wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
+                                 args.wgmma_stages)
                 for b, t in wg.items():
                     base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
                                 args.trials)

@@ -196,39 +196,47 @@ gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned cha
     gp_wg_permute_x(tiles, raws, tid);
     __syncthreads();
 
-    // one k-group: A from ring slot `cur`, x from tile kg & 1; meanwhile x of kg + STAGES - 1 is
-    // copied, `cur` refilled with kg + 2, and x of kg + 1 permuted into the other tile (last
-    // read by kg - 1's wgmmas, which were waited for)
-    auto step = [&](GpWgSlot& cur, int kg) {
-        gp_wg_copy_x(raws_at + ((kg + GP_WG_STAGES - 1) % GP_WG_STAGES) * GP_WG_XBUF, x, tid, M, K,
-                     kg + GP_WG_STAGES - 1, KG);
-        unsigned a[4][2][4];
+    // One k-group: its wgmmas (A set `cur`, made the step before; x tile kg & 1); while they run,
+    // x of kg + STAGES - 1 is copied, ring slot `wkg` (k-group kg's weights, already made into
+    // `cur`) refilled with kg + 2, k-group kg + 1's A made into `nxt` from ring slot `wnx`, and
+    // its x permuted into the other tile (last read by kg - 1's wgmmas, waited for). The next
+    // wgmmas are issued only after this group's wait, so no instruction defines a wgmma input
+    // while wgmmas that precede it are in flight (ptxas would serialize them, C7513).
+    unsigned a0[4][2][4], a1[4][2][4];
+    auto dequant = [&](unsigned (&a)[4][2][4], const GpWgSlot& w) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            gp_wg_dequant(a[j], gp_wg_word(cur.w[0], j), gp_wg_word(cur.w[1], j), cur.s[0], cur.s[1]);
+            gp_wg_dequant(a[j], gp_wg_word(w.w[0], j), gp_wg_word(w.w[1], j), w.s[0], w.s[1]);
+    };
+    auto step = [&](GpWgSlot& wkg, const GpWgSlot& wnx, unsigned (&cur)[4][2][4],
+                    unsigned (&nxt)[4][2][4], int kg) {
+        gp_wg_copy_x(raws_at + ((kg + GP_WG_STAGES - 1) % GP_WG_STAGES) * GP_WG_XBUF, x, tid, M, K,
+                     kg + GP_WG_STAGES - 1, KG);
         const unsigned buf = tiles_at + (kg & 1) * GP_WG_XBUF;
         gp_wg_keep(acc);
-        gp_wg_keep(a);
+        gp_wg_keep(cur);
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) gp_wgmma_64x64(acc, a[j][c], gp_wg_desc(buf + (2 * j + c) * 2048));
+            for (int c = 0; c < 2; ++c) gp_wgmma_64x64(acc, cur[j][c], gp_wg_desc(buf + (2 * j + c) * 2048));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        if (kg + 2 < KG) gp_wg_load_w(cur, packed, scales, rows, N, KB, kg + 2, t);
+        if (kg + 2 < KG) gp_wg_load_w(wkg, packed, scales, rows, N, KB, kg + 2, t);
         if (kg + 1 < KG) {
+            dequant(nxt, wnx);
             asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_WG_STAGES - 2) : "memory");
             gp_wg_permute_x(tiles + ((kg + 1) & 1) * GP_WG_XBUF,
                             raws + ((kg + 1) % GP_WG_STAGES) * GP_WG_XBUF, tid);
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         gp_wg_keep(acc);
-        gp_wg_keep(a);
+        gp_wg_keep(cur);
         __syncthreads();   // every thread's part of tile kg + 1 is stored
     };
-    for (int kg = 0; kg < KG; kg += 2) {   // ring slots by name: no dynamic index into registers
-        step(ring[0], kg);
-        if (kg + 1 < KG) step(ring[1], kg + 1);
+    dequant(a0, ring[0]);
+    for (int kg = 0; kg < KG; kg += 2) {   // ring slots and A sets by name: no dynamic index
+        step(ring[0], ring[1], a0, a1, kg);
+        if (kg + 1 < KG) step(ring[1], ring[0], a1, a0, kg + 1);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
