@@ -280,12 +280,14 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
 
-# gp_int4_wgmma (cu/int4_wgmma.cu): the same contract on Hopper's warpgroup MMA, one warpgroup per
-# WGMMA_ROWS weight rows over the whole of K, x (up to 64 rows) read by the tensor cores from
-# shared memory. Its module is built for sm_90a alone (the last --gpu-architecture wins), so it
-# runs only on a device of compute capability 9.0 (wgmma_supported).
-WGMMA_ROWS = 64            # weight rows per CTA (one wgmma m64)
-WGMMA_STAGES = 3           # raw x stages of 16 KiB in flight (GP_WG_STAGES in the source)
+# gp_int4_wgmma (cu/int4_wgmma.cu): the same contract on Hopper's warpgroup MMA, WGMMA_GROUPS
+# warpgroups per CTA, each on 64 weight rows over the whole of K, sharing each x tile; x and the
+# weights stream through a WGMMA_STAGES-deep cp.async pipeline. Its module is built for sm_90a
+# alone (the last --gpu-architecture wins), so it runs only on a device of compute capability
+# 9.0 (wgmma_supported).
+WGMMA_GROUPS = 2           # warpgroups per CTA (GP_WG_GROUPS)
+WGMMA_ROWS = 64 * WGMMA_GROUPS   # weight rows per CTA
+WGMMA_STAGES = 4           # k-groups in the pipeline (GP_WG_STAGES)
 WGMMA_ARCH = "sm_90a"
 SOURCE_WGMMA = dataclasses.replace(cu_source("gp_int4_wgmma", "int4_wgmma.cu"),
                                    options=(*NVRTC_OPTIONS, f"--gpu-architecture={WGMMA_ARCH}"))
@@ -296,27 +298,29 @@ def wgmma_supported(arch: str) -> bool:
     return arch in ("sm_90", "sm_90a")
 
 
-def wgmma_shared_bytes(stages: int = WGMMA_STAGES) -> int:
-    """Dynamic shared memory of one gp_int4_wgmma CTA: two permuted x tiles and `stages` raw
-    stages, 16 KiB each (64 rows x 128 k of fp16)."""
-    return (stages + 2) * 16384
+def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
+    """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x 16 KiB + the CTA's weight
+    rows' 64 bytes and 4 fp16 scales each)."""
+    return stages * (16384 + 64 * groups * 72)
 
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                      stages: int = WGMMA_STAGES) -> None:
-    """int4_mma's contract and arguments on gp_int4_wgmma: grid ceil(n / 64) warpgroups, each
-    64 weight rows by the whole of K; 1 <= m <= 64. `stages`: the GP_WG_STAGES `function` was
-    built with (a tuning build of the benchmark; the library's is WGMMA_STAGES)."""
+                      stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> None:
+    """int4_mma's contract and arguments on gp_int4_wgmma: grid ceil(n / (64 groups)) CTAs of
+    `groups` warpgroups, each 64 weight rows by the whole of K; 1 <= m <= 64. `stages`, `groups`:
+    the GP_WG_STAGES, GP_WG_GROUPS `function` was built with (a tuning build of the benchmark;
+    the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
     kernel = "int4_wgmma"
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
-    require(ceil_div(n, WGMMA_ROWS) < 2**31, f"{kernel}: n={n} too large")
-    device.launch(function, (ceil_div(n, WGMMA_ROWS), 1, 1), (128, 1, 1),
+    rows = 64 * groups
+    require(ceil_div(n, rows) < 2**31, f"{kernel}: n={n} too large")
+    device.launch(function, (ceil_div(n, rows), 1, 1), (128 * groups, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0)], stream=stream,
-                  shared_bytes=wgmma_shared_bytes(stages))
+                  shared_bytes=wgmma_shared_bytes(stages, groups))
 
 
 INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.int4_matmul,

@@ -23,7 +23,6 @@ from gpu_worker.kernels.int4_batched import (
     MMA_MAX_ROWS,
     ROWS_MAX_ROWS,
     STAGED_MT,
-    WGMMA_ROWS,
     staged_tile,
 )
 
@@ -164,7 +163,7 @@ def _int4_mma_rows16(mem, grid, block, args) -> None:
 def _int4_wgmma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
     # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
-    assert grid[0] * WGMMA_ROWS >= n and m <= MMA_MAX_ROWS and block[0] == 128, (grid, block, m)
+    assert grid[0] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, (grid, block, m)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
