@@ -107,31 +107,35 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
 
 
 
+def _weights_and_x(harness, seed: int, n: int, k: int, rows: int):
+    """Device copies of a quantized n x k weight and `rows` rows of fp16 x."""
+    from gpu_worker.kernels import reference as ref
+
+    rng = np.random.default_rng(seed)
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    x = rng.standard_normal((rows, k)).astype(np.float16)
+    return harness.put(packed), harness.put(scales), harness.put(x)
+
+
+def _rows_result(harness, kdef, pk: int, sc: int, xd: int, m: int, n: int, k: int, **kw):
+    y = harness.put(np.zeros((m, n), np.float32))
+    kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k, **kw)
+    return harness.get(y, (m, n))
+
+
 def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batch_up_to_16(
         harness) -> None:
     """gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp order, so their result is
     gp_int4_mma's bit for bit; each mma output element sums only its own row's products, so a
     row's bits do not depend on how many rows share the call (1..16)."""
-    from gpu_worker.kernels import reference as ref
-    from gpu_worker.kernels.int4_batched import (
-        INT4_MMA,
-        INT4_MMA_ROWS,
-        INT4_MMA_ROWS16,
-        launch_int4_mma,
-    )
+    from gpu_worker.kernels.int4_batched import INT4_MMA, INT4_MMA_ROWS, INT4_MMA_ROWS16
 
-    rng = np.random.default_rng(7)
     n, k = 6144, 4096
-    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
-    x = rng.standard_normal((16, k)).astype(np.float16)
-    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
+    pk, sc, xd = _weights_and_x(harness, 7, n, k, 16)
     firsts = []
     for m in (1, 2, 8, 9, 16):
-        kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
-        y, y_mma = (harness.put(np.zeros((m, n), np.float32)) for _ in range(2))
-        kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
-        launch_int4_mma(harness.device, harness.function(INT4_MMA), y_mma, xd, pk, sc, 0, m, n, k)
-        got, want = harness.get(y, (m, n)), harness.get(y_mma, (m, n))
+        got = _rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m, n, k)
+        want = _rows_result(harness, INT4_MMA, pk, sc, xd, m, n, k)
         assert np.array_equal(got, want), (m, np.abs(got - want).max())
         firsts.append(got[0])
     harness.close()
@@ -143,25 +147,14 @@ def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harn
     """From ROW_LONG_K_GROUPS k-groups the rows blocks split K over 16 warps (row_warps: K
     only), so at the down projection's K a row's bits are the same at 1..16 rows, and the
     16-warp sum agrees with the 8-warp one within the contract's f32 tolerance."""
-    from gpu_worker.kernels import reference as ref
     from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, row_warps
 
-    rng = np.random.default_rng(11)
     n, k = 4096, 14336
     assert row_warps(k) == 16
-    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
-    x = rng.standard_normal((16, k)).astype(np.float16)
-    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
-    firsts = []
-    for m in (1, 2, 8, 9, 16):
-        kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
-        y = harness.put(np.zeros((m, n), np.float32))
-        kdef.launcher(harness.device, harness.function(kdef), y, xd, pk, sc, 0, m, n, k)
-        firsts.append(harness.get(y, (m, n))[0])
-    y8 = harness.put(np.zeros((1, n), np.float32))
-    INT4_MMA_ROWS.launcher(harness.device, harness.function(INT4_MMA_ROWS), y8, xd, pk, sc, 0, 1,
-                           n, k, warps=8)
-    eight = harness.get(y8, (1, n))[0]
+    pk, sc, xd = _weights_and_x(harness, 11, n, k, 16)
+    firsts = [_rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m, n,
+                           k)[0] for m in (1, 2, 8, 9, 16)]
+    eight = _rows_result(harness, INT4_MMA_ROWS, pk, sc, xd, 1, n, k, warps=8)[0]
     harness.close()
     for m, first in zip((2, 8, 9, 16), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m
@@ -171,19 +164,11 @@ def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harn
 def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:
     """gp_int4_wgmma always multiplies 64 rows of x (zeros past M) over the whole K in one
     warpgroup, so a row's result is the same bits at any row count."""
-    from gpu_worker.kernels import reference as ref
     from gpu_worker.kernels.int4_batched import INT4_WGMMA
 
-    rng = np.random.default_rng(5)
     n, k = 6144, 4096
-    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
-    x = rng.standard_normal((64, k)).astype(np.float16)
-    pk, sc, xd = harness.put(packed), harness.put(scales), harness.put(x)
-    firsts = []
-    for m in (1, 17, 33, 64):
-        y = harness.put(np.zeros((m, n), np.float32))
-        INT4_WGMMA.launcher(harness.device, harness.function(INT4_WGMMA), y, xd, pk, sc, 0, m, n, k)
-        firsts.append(harness.get(y, (m, n))[0])
+    pk, sc, xd = _weights_and_x(harness, 5, n, k, 64)
+    firsts = [_rows_result(harness, INT4_WGMMA, pk, sc, xd, m, n, k)[0] for m in (1, 17, 33, 64)]
     harness.close()
     for m, first in zip((17, 33, 64), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m

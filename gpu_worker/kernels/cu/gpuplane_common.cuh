@@ -72,3 +72,17 @@ __device__ __forceinline__ float gp_block_max(float v, float* scratch) {
     __syncthreads();
     return scratch[32];
 }
+
+// cp.async (sm_80+): a 16- or 8-byte global -> shared copy (zeros when !in), its commit group and
+// the wait for all but N_ groups.
+__device__ __forceinline__ void gp_cp16(unsigned dst, const void* src, bool in) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void gp_cp8(unsigned dst, const void* src, bool in) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 8 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N_>
+__device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }

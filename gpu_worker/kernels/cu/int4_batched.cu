@@ -231,17 +231,6 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
 // memory in rank order (deterministic, no workspace, no atomics); the launcher's default rule
 // (int4_batched.mma_kernel) runs the kernel only where no split is needed.
 
-__device__ __forceinline__ void gp_cp16(unsigned dst, const void* src, bool in) {  // zeros if !in
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void gp_cp8(unsigned dst, const void* src, bool in) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 8 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N_>
-__device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }
 
 // Thread-block clusters (sm_90): (this CTA's rank, the cluster's size); without a cluster
 // launch a CTA is rank 0 of a cluster of one.

@@ -39,15 +39,6 @@
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
 #define GP_WG_STAGE (GP_WG_X + GP_WG_W + GP_WG_ROWS * 8)
 
-__device__ __forceinline__ void gp_wg_cp16(unsigned dst, const void* src, bool in) {  // zeros if !in
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void gp_wg_cp8(unsigned dst, const void* src, bool in) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(in ? 8 : 0)
-                 : "memory");
-}
-
 // One A register: byte t of packed word w (k 2t, 2t + 1 of its 8) as f16(scale * (nib - 8)) x 2.
 __device__ __forceinline__ unsigned gp_wg_pair(unsigned w, unsigned sel, unsigned s2) {
     unsigned r, p;
@@ -106,21 +97,21 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* _
             const int m = c >> 4, ch = c & 15;
             const bool in = m < M;
             const unsigned dst = st + (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
-            gp_wg_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
+            gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
         }
 #pragma unroll
         for (int c = tid; c < GP_WG_ROWS * 4; c += GP_WG_THREADS) {   // weights: row, quant block
             const int rl = c >> 2, b = c & 3, r = row0 + rl;
             const bool in = r < N;
-            gp_wg_cp16(st + GP_WG_X + c * 16, packed + (in ? ((long long)r * KB + kg * 4 + b) * 16 : 0), in);
+            gp_cp16(st + GP_WG_X + c * 16, packed + (in ? ((long long)r * KB + kg * 4 + b) * 16 : 0), in);
         }
         for (int rl = tid; rl < GP_WG_ROWS; rl += GP_WG_THREADS) {   // scales: a row's 4
             const int r = row0 + rl;
             const bool in = r < N;
-            gp_wg_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? (long long)r * KB + kg * 4 : 0), in);
+            gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? (long long)r * KB + kg * 4 : 0), in);
         }
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    gp_cp_commit();
 }
 
 // grid (ceil(N / GP_WG_ROWS)), GP_WG_THREADS threads, dynamic shared memory GP_WG_STAGES x
@@ -145,7 +136,7 @@ gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned cha
     for (int i = 0; i < GP_WG_STAGES - 1; ++i)
         gp_wg_issue(base + i * GP_WG_STAGE, x, packed, scales, tid, row0, M, N, K, i, KG);
     for (int kg = 0; kg < KG; ++kg) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(GP_WG_STAGES - 2) : "memory");
+        gp_cp_wait<GP_WG_STAGES - 2>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the tensor cores
         __syncthreads();   // every thread's copies of kg landed; stage (kg - 1) % S is free
         gp_wg_issue(base + ((kg + GP_WG_STAGES - 1) % GP_WG_STAGES) * GP_WG_STAGE, x, packed, scales,
@@ -184,7 +175,7 @@ gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned cha
         gp_wg_keep(acc);
         gp_wg_keep(a);
     }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    gp_cp_wait<0>();
 
     // acc[4i + e]: weight row g + 8 (e >> 1) of this warp's 16, row of x 8i + 2t + (e & 1)
 #pragma unroll
