@@ -28,7 +28,7 @@ DEFAULT_MIN_PREFILL_SHARE = 256
 # Who a step's prefill tokens go to first (the same section): max-min fair shares, or the shortest
 # remaining prompt first with the oldest prompt still given its floor.
 PREFILL_ORDERS = ("fair", "shortest")
-DEFAULT_PREFILL_ORDER = "fair"
+DEFAULT_PREFILL_ORDER = "shortest"
 DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
 # Pinned host bytes all decoders' swapped KV may hold: 4 GiB (a 2,000-token sequence of an 8b
 # model is 256 MiB of fp16 KV), small beside a serving host's memory and never allocated ahead.

@@ -40,14 +40,22 @@ def runtime(kernel_cache_dir):
 
 
 def fill_cache(rt: WorkerRuntime) -> None:
-    """16 concurrent streams of distinct 900-token prompts: 7 named blocks each, then cached."""
+    """16 concurrent streams of distinct 900-token prompts: 7 named blocks each, then cached.
+
+    Concurrent in the pool, whatever the prefill order: queued together while the engine is held,
+    each decoding 16 tokens (still 8 blocks), so none ends before the last is admitted (fair
+    admits 8 a step, shortest first 2 whole prompts) and the pool commits two granules for them.
+    A cached block is reused before the pool grows (kv_pool.allocate), so streams that never hold
+    their blocks at once leave only their peak footprint cached: streams of 2 new tokens each,
+    under shortest first, held at most 6 at once (48 blocks, one granule), and the later
+    admissions evicted the earlier prompts' cached blocks."""
     prompts = [[random.Random(i).randrange(CFG.vocab_size) for _ in range(900)] for i in range(16)]
-    threads = [threading.Thread(target=generate, args=(rt, "a", p, 2)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    pool = rt._get("a").scheduler.pool
+    loaded = rt._get("a")
+    with loaded.lock:       # between two steps: all 16 are queued before the next one plans
+        streams = [rt.generate("a", p, 16) for p in prompts]
+    for stream in streams:
+        assert len(list(stream)) == 16
+    pool = loaded.scheduler.pool
     assert pool.cached_blocks() > 0
     assert pool.cached_releasable_bytes() >= GRANULE, "the cached blocks fill no whole granule"
 

@@ -298,10 +298,9 @@ def test_the_fair_order_is_unchanged(device):  # noqa: F811
     pinned = {512: ([14, 4, 16, 1, 8, 0, 11, 5, 4, 16, 8, 9], 85, 0),
               200: ([20, 4, 29, 1, 8, 0, 35, 36, 4, 42, 35, 26], 138, 16)}
     for capacity, want in pinned.items():
-        for kw in ({}, {"prefill_order": "fair"}):
-            seqs, chunks, preemptions = run_orders(device, MIXED, capacity, **kw)
-            got = ([s.token_steps[0] for s in seqs], len(chunks), preemptions)
-            assert got == want, f"the fair order planned differently ({capacity} blocks, {kw})"
+        seqs, chunks, preemptions = run_orders(device, MIXED, capacity, prefill_order="fair")
+        got = ([s.token_steps[0] for s in seqs], len(chunks), preemptions)
+        assert got == want, f"the fair order planned differently ({capacity} blocks)"
 
 
 def test_tokens_per_stream_are_identical_under_both_orders(device):  # noqa: F811

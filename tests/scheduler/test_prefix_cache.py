@@ -272,3 +272,68 @@ def test_a_fuzz_of_starts_cancels_preemptions_and_reclaims_never_leaks_a_block(d
     assert sched.counters["preemptions"] > 0 and pool.evictions > 0, "the fuzz never squeezed"
     sched.close()
     off.close()
+
+
+def run_together(dev, order: str, lengths, max_new: int = 2):
+    """Distinct prompts of `lengths` submitted together, chunks that start mid-block (a 256-token
+    step, a floor of 40 on 16-token blocks), drained; the scheduler, its pool, the prefill chunks'
+    start positions, and per sequence how many of its prompt's full blocks were cached (parked)
+    right after it ended."""
+    sched, runner, pool = make(dev, capacity=256, chunk=128, max_step_tokens=256,
+                               min_prefill_share=40, prefill_order=order)
+    starts: list[int] = []
+    prefill = runner.prefill
+
+    def record(tokens_, start, table, sampling, sample):
+        starts.append(start)
+        return prefill(tokens_, start, table, sampling, sample)
+    runner.prefill = record
+    parked: dict[int, int] = {}
+    finish = sched._finish
+
+    def spy(seq, reason, error=None):
+        blocks = list(seq.table.blocks[:len(seq.prompt) // BT])
+        finish(seq, reason, error)
+        parked[id(seq)] = sum(pool.index.is_parked(b) for b in blocks)
+    sched._finish = spy
+    prompts = [tokens(60 + i, n) for i, n in enumerate(lengths)]
+    seqs = [sched.submit(p, max_new) for p in prompts]
+    drain(sched)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.generated == solo(prompt, max_new)
+    return sched, pool, starts, [parked[id(s)] for s in seqs]
+
+
+@pytest.mark.parametrize("order", ["fair", "shortest"])
+def test_a_prompts_completed_full_blocks_are_named_and_cached_at_its_end_whatever_the_chunks(
+        dev, order):
+    """Every full block a prefill chunk completes is named at its launch and cached when its
+    sequence ends, under either prefill order, with chunks that start and end mid-block: a cached
+    block leaves the cache only by eviction (a later allocation takes it before the pool grows)."""
+    lengths = (300, 37, 150, 90, 221, 64, 16, 130, 100, 75)
+    sched, pool, starts, parked = run_together(dev, order, lengths)
+    assert any(s % BT for s in starts), "no chunk started mid-block: the test proves nothing"
+    assert parked == [n // BT for n in lengths], "a completed full block was not cached at its end"
+    assert len(pool.index) == pool.cached_blocks() == sum(n // BT for n in lengths) - pool.evictions
+    check_states(pool)
+    sched.close()
+
+
+def test_the_cache_keeps_only_what_the_pools_peak_committed_so_prompts_that_never_coexist_leave_less(
+        dev):
+    """Why a burst of short-lived streams leaves fewer cached blocks under shortest first than
+    under fair shares, though both cache every full block at each end: a cached block is reused
+    before the pool grows (kv_pool.allocate), so what stays cached is bounded by the blocks the
+    pool committed, which is the burst's peak footprint. Fair shares start 6 prompts a step (6
+    floors of 40 in 256 tokens), so all 12 hold their blocks at once; shortest first prefills
+    about 2.5 whole prompts a step, the first ending while the last still wait: a smaller peak,
+    and the later admissions take the earlier prompts' cached blocks."""
+    lengths = (100,) * 12           # 6 full blocks and a partial one each
+    sched_f, fair, _, parked_f = run_together(dev, "fair", lengths)
+    sched_s, short, _, parked_s = run_together(dev, "shortest", lengths)
+    assert parked_f == parked_s == [6] * 12
+    assert fair.evictions == 0 and fair.cached_blocks() == 72
+    assert short.usable_blocks < fair.usable_blocks, "shortest first's peak was not smaller"
+    assert short.evictions > 0 and short.cached_blocks() + short.evictions == 72
+    for sched in (sched_f, sched_s):
+        sched.close()

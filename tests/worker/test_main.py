@@ -106,21 +106,22 @@ def test_min_prefill_share_and_prefill_order_reach_every_decoders_scheduler(monk
     from gpu_worker.__main__ import worker_config
     from services.common.errors import InvalidArgument
     monkeypatch.setenv("GPUPLANE_MIN_PREFILL_SHARE", "1024")
-    monkeypatch.setenv("GPUPLANE_PREFILL_ORDER", "shortest")
+    monkeypatch.setenv("GPUPLANE_PREFILL_ORDER", "fair")     # not the default
     config = worker_config(build_parser().parse_args(["serve", "--backend", "sim",
                                                       "--cache-dir", str(kernels)]))
-    assert (config.min_prefill_share, config.prefill_order) == (1024, "shortest")
+    assert (config.min_prefill_share, config.prefill_order) == (1024, "fair")
     runtime = WorkerRuntime(config).start()
     try:
         runtime.load_model("m", "decoder", "tiny", 1)
         scheduler = runtime._get("m").scheduler
-        assert (scheduler.min_prefill_share, scheduler.prefill_order) == (1024, "shortest")
+        assert (scheduler.min_prefill_share, scheduler.prefill_order) == (1024, "fair")
     finally:
         runtime.close()
     with pytest.raises(InvalidArgument, match="min_prefill_share"):
         worker_config(build_parser().parse_args(["serve", "--min-prefill-share", "0"]))
     assert worker_config(build_parser().parse_args(
-        ["serve", "--prefill-order", "fair"])).prefill_order == "fair", "the flag beats the env"
+        ["serve", "--prefill-order", "shortest"])).prefill_order == "shortest", \
+        "the flag beats the env"
 
 
 def test_an_unknown_prefill_order_is_refused_by_the_flag_the_environment_and_the_config(

@@ -17,16 +17,16 @@ be an OOM, and the host must not sit between two steps on the device. Contract, 
    greedy, or sampling keyed by (seed, position);
 3. prefill: what is left of `max_step_tokens` after the decode rows is shared by the prefilling
    sequences and the waiting ones admitted now (FCFS, while the batch bound and free blocks
-   allow; admission never preempts), by `prefill_order`: "fair" (the default) shares max-min
-   fairly over the FCFS prefix whose floors (`min_prefill_share` tokens) fit
-   (`prefill_shares`); "shortest" gives the oldest prompt its floor, then the shortest
-   remaining prompts what they need (`shortest_first_shares`; admission may pass over a longer
-   waiting one). Each
+   allow; admission never preempts), by `prefill_order`: "shortest" (the default) gives the
+   oldest prompt its floor of `min_prefill_share` tokens, then the shortest remaining prompts
+   what they need (`shortest_first_shares`; admission may pass over a longer waiting one);
+   "fair" shares max-min fairly over the FCFS prefix whose floors fit (`prefill_shares`). Each
    gets at most one chunk: a short prompt arriving behind a long one gets its whole prompt in
-   the next step instead of waiting for the long one's last chunk. With the prefix cache on (the default) an admitted sequence first takes,
-   shared, every cached full block of its prefix (kv_pool.py, prefix_cache.py) and prefills
-   from the first block not cached; each block a prefill chunk completes is named for later
-   sequences at its launch;
+   the next step instead of waiting for the long one's last chunk. With the prefix cache on
+   (the default) an admitted sequence first takes, shared, every cached full block of its
+   prefix (kv_pool.py, prefix_cache.py) and prefills from the first block not cached; each
+   block a prefill chunk completes is named for later sequences at its launch, whatever the
+   chunk boundaries, and cached when its last sequence ends;
 4. launch: one batched decode over the decoding sequences' slots, then the prefill chunks, then
    the readback of every slot's token (StepRunner.end_step);
 5. complete: with `overlap` (the default) the tokens read back are the previous step's, read
