@@ -1,7 +1,8 @@
 """Cached prefix blocks demoted to pinned host instead of dropped (kv_demote.py, sim backend):
 the device-token runner keeps each token in the pool's device memory, so a promoted block
 carries its prefix only if the copies really moved its bytes. Tokens are the same with demotion
-on and off, a prefix evicted from the device and hit again is promoted instead of prefilled,
+on and off, a prefix used again and evicted from the device is promoted on its next hit
+instead of prefilled, a prefix seen once is dropped (no evidence of reuse),
 the host budget bounds the demoted blocks (oldest dropped first, never a swapped sequence's
 copy), a refused copy falls back to drop or prefill, and no block nor host byte leaks."""
 from __future__ import annotations
@@ -95,12 +96,20 @@ def run(sched, pool, budget, swap, prompt, max_new=4):
 PREFIX = prompt_of(1, 4 * BT)       # four full blocks
 
 
-def evict_and_hit(dev, demote: bool, fail: str | None = None):
-    """A 4-block prefix runs, an unrelated 10-block request evicts its tail from the 12-block
-    pool (LRU: tail first), then the prefix is asked again. Returns the last stream, the
-    scheduler's counters around the hit, and the scheduler."""
-    sched, pool, budget, swap = make(dev, demote=demote)
+def run_shared_prefix(sched, pool, budget, swap) -> list[int]:
+    """PREFIX + [1], then PREFIX + [4], which shares its four cached blocks: the evidence of
+    reuse the host tier asks before it demotes a block. The first stream."""
     first = run(sched, pool, budget, swap, PREFIX + [1])
+    run(sched, pool, budget, swap, PREFIX + [4])
+    return first
+
+
+def evict_and_hit(dev, demote: bool, fail: str | None = None):
+    """A 4-block prefix runs twice, an unrelated 10-block request evicts its tail from the
+    12-block pool (LRU: tail first), then the prefix is asked again. Returns the last stream,
+    the scheduler's counters around the hit, and the scheduler."""
+    sched, pool, budget, swap = make(dev, demote=demote)
+    first = run_shared_prefix(sched, pool, budget, swap)
     assert first == solo(PREFIX + [1], 4)
     assert pool.cached_blocks() == 4
     run(sched, pool, budget, swap, prompt_of(2, 150), 10)
@@ -145,7 +154,7 @@ def test_a_failed_promotion_recomputes_with_the_right_tokens(dev):
 
 def test_a_failed_demotion_drops_the_block_and_books_nothing(dev):
     sched, pool, budget, swap = make(dev)
-    run(sched, pool, budget, swap, PREFIX + [1])
+    run_shared_prefix(sched, pool, budget, swap)
     dev.backend.fail_next("copy_d2h_async")
     run(sched, pool, budget, swap, prompt_of(2, 150), 10)
     stats = sched.stats()
@@ -154,6 +163,33 @@ def test_a_failed_demotion_drops_the_block_and_books_nothing(dev):
     assert sched.host_cache.nbytes == stats["kv_host_cached_bytes"]
     assert run(sched, pool, budget, swap, PREFIX + [2, 3]) == solo(PREFIX + [2, 3], 4)
     sched.close()
+
+
+def test_a_prefix_seen_once_is_dropped_at_eviction_and_demoted_once_it_comes_back(dev):
+    """No evidence of reuse, no copy: a prompt's blocks that no later sequence shared are
+    dropped when evicted, their keys remembered; when the prefix comes back it is prefilled
+    again, and its next eviction demotes it, so the third time it is promoted."""
+    sched, pool, budget, swap = make(dev)
+    keys = chain_hashes(sched._root, PREFIX, BT)
+    assert run(sched, pool, budget, swap, PREFIX + [1]) == solo(PREFIX + [1], 4)
+    run(sched, pool, budget, swap, prompt_of(2, 150), 10)       # evicts the prefix's tail
+    stats = sched.stats()
+    assert pool.match(keys) < 4, "the prefix was not evicted"
+    assert stats["kv_blocks_demoted"] == 0 and stats["kv_demote_declined"] >= 2, stats
+    assert sched.host_cache.blocks == 0
+    swap.collect(wait=True)
+    assert swap.host_bytes == swap.spare_bytes, "a dropped block holds a host slot"
+    assert run(sched, pool, budget, swap, PREFIX + [2, 3]) == solo(PREFIX + [2, 3], 4)
+    assert sched.stats()["kv_blocks_promoted"] == 0, "promoted what was never demoted"
+    run(sched, pool, budget, swap, prompt_of(3, 150), 10)       # evicts it again: demoted now
+    assert sched.stats()["kv_blocks_demoted"] >= 2
+    assert sched.host_cache.match(keys[pool.match(keys):]) > 0, "the tail is not on host"
+    before = sched.stats()["kv_blocks_promoted"]
+    assert run(sched, pool, budget, swap, PREFIX + [5]) == solo(PREFIX + [5], 4)
+    assert sched.stats()["kv_blocks_promoted"] > before, "the demoted tail was not promoted"
+    check(sched, pool, budget, swap)
+    sched.close()
+    assert budget.in_use == 0
 
 
 def test_demotion_is_declined_when_the_round_trip_costs_more_than_the_prefill(dev):
@@ -262,7 +298,7 @@ def test_no_demotion_while_this_thread_captures(dev):
 
 def test_a_failed_step_drops_every_host_block(dev):
     sched, pool, budget, swap = make(dev)
-    run(sched, pool, budget, swap, PREFIX + [1])
+    run_shared_prefix(sched, pool, budget, swap)
     run(sched, pool, budget, swap, prompt_of(2, 150), 10)
     assert sched.host_cache.blocks > 0
     runner = sched.runner.inner
@@ -414,6 +450,7 @@ def test_with_buffers_pinned_ahead_a_demotion_never_pins_on_the_engine_thread(de
         raise AssertionError("the scheduler never finished")
     assert swap.slab.wait_free(8, timeout_s=10), "not pinned ahead from the start"
     assert serve(PREFIX + [1]) == solo(PREFIX + [1], 4)
+    serve(PREFIX + [4])                          # shares the prefix: evidence of reuse
     serve(prompt_of(2, 150), 10)                 # evicts the prefix's tail: demoted
     before = dict(sched.stats())
     assert serve(PREFIX + [2, 3]) == solo(PREFIX + [2, 3], 4)

@@ -149,6 +149,26 @@ def test_a_shared_block_is_reference_counted_and_cached_only_when_unreferenced(d
     sched.close()
 
 
+def test_a_named_block_counts_as_reused_once_a_later_sequence_shares_it_until_named_again(dev):
+    """KVBlockPool.reused, the host tier's evidence: a prompt's blocks are not reused when named,
+    are once a later sequence acquires them, and stop being when the block holds a new name."""
+    sched, _, pool = make(dev)
+    prefix = tokens(9, 2 * BT)
+    keys = chain_hashes(sched._root, prefix, BT)
+    run_all(sched, [prefix + [1]], 1)
+    blocks = pool.index.lookup(keys)
+    assert len(blocks) == 2 and not any(pool.reused(b) for b in blocks)
+    run_all(sched, [prefix + [2]], 1)
+    assert pool.index.lookup(keys) == blocks and all(pool.reused(b) for b in blocks)
+    pool.forget()
+    assert not any(pool.reused(b) for b in blocks), "a forgotten name kept its evidence"
+    got = pool.allocate(1)
+    pool.name(got[0], b"another prefix")
+    assert not pool.reused(got[0])
+    pool.free(got)
+    sched.close()
+
+
 def test_eviction_takes_free_blocks_first_then_the_least_recently_cached(dev):
     pool = KVBlockPool(dev.arena, GEO, capacity_blocks=16)
     root = root_key("m", BT)

@@ -15,6 +15,12 @@ Contract:
   when the rule says a round trip costs less device time than prefilling the block's tokens
   again (`swap_is_cheaper(block_bytes, block_tokens, ...)`, the swap rule's inputs), never on
   the capturing thread; else dropped, as before.
+- Admission needs evidence of reuse: a block is demoted only when its prefix was used again
+  since it was named (a later sequence shared it on the device, or it came back from host:
+  `KVBlockPool.reused`), or when its key was evicted and dropped before (the prefix came back
+  and was prefilled again). Any other block is dropped and its key remembered (the last
+  `remembered` keys), so a prompt seen once costs no copy: in a workload without reuse every
+  demotion was a copy out never copied back.
 - The host keeps each demoted block under its key in an LRU. Every byte is booked in the
   worker's HostKVBudget (the slab's chunks: pinned_slab.py); its slot goes back to the free
   list after its last copy ran. A demotion that does not fit drops this decoder's oldest host
@@ -51,9 +57,17 @@ class HostPrefixCache:
     """One decoder's demoted prefix blocks: key -> its pinned copy, least recently used first."""
 
     def __init__(self, swap: KVSwap, block_tokens: int,
-                 prefill_rate: Callable[[], float | None]) -> None:
+                 prefill_rate: Callable[[], float | None],
+                 reused: Callable[[int], bool] = lambda block: True,
+                 remembered: int = 4096) -> None:
+        """`reused(block)`: whether an evicted block's prefix was used again since it was
+        named (the pool's `reused`; by default every block counts as reused); `remembered`:
+        how many keys of dropped blocks are kept as evidence for their next eviction."""
         self.swap, self.block_tokens = swap, block_tokens
         self._prefill_rate = prefill_rate
+        self._reused = reused
+        self._dropped: collections.OrderedDict[bytes, bool] = collections.OrderedDict()
+        self._remembered = max(0, remembered)
         self._lru: collections.OrderedDict[bytes, SwappedKV] = collections.OrderedDict()
         self.nbytes = 0                        # booked by the blocks in the LRU
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -79,8 +93,13 @@ class HostPrefixCache:
         for block, key in evicted:
             if key in self._lru:           # the same key holds the same K/V: one copy is enough
                 self._lru.move_to_end(key)
-            else:
-                todo.append((block, key))
+            elif self._reused(block) or self._dropped.pop(key, False):
+                todo.append((block, key))  # used again, or evicted before and come back
+            else:                          # no evidence of reuse yet: dropped, key remembered
+                self.counters["kv_demote_declined"] += 1
+                self._dropped[key] = True
+                if len(self._dropped) > self._remembered:
+                    self._dropped.popitem(last=False)
         # more than the budget can hold even without the older host blocks: the most recently
         # used of the evicted ones go (copying the others would only drop them again)
         fit = self._room(len(todo) * self.swap.block_bytes) // self.swap.block_bytes

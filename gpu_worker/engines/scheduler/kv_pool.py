@@ -92,6 +92,9 @@ class KVBlockPool:
         self._free: list[int] = []          # min-heap of free blocks below usable_blocks
         self._refs: dict[int, int] = {}     # used blocks -> the block tables naming them
         self.index = PrefixIndex()          # named blocks; the unreferenced ones are cached
+        # named blocks a later sequence shared (acquire) or that were copied back from host since
+        # they were named: the host tier's evidence of reuse (kv_demote.py)
+        self._reused: set[int] = set()
         self._lock = threading.Lock()
         # set while granules are being committed: a reclaim the commit's refusal runs on this
         # thread must not shrink under the growth (it would decommit the granules just added)
@@ -190,14 +193,27 @@ class KVBlockPool:
                 if refs == 0:
                     self.index.unpark(b)
                 self._refs[b] = refs + 1
+            self._reused.update(blocks)
         return blocks
 
-    def name(self, block: int, key: bytes) -> bool:
+    def name(self, block: int, key: bytes, reused: bool = False) -> bool:
         """A used, full block whose K/V are written (or launched) holds the prefix `key` now;
-        False when another block holds it already (this one stays unnamed)."""
+        False when another block holds it already (this one stays unnamed). `reused`: the
+        prefix has been used again already (a block copied back from host)."""
         assert block in self._refs, f"KV block {block} named while not in use"
         with self._lock:
-            return self.index.name(block, key)
+            named = self.index.name(block, key)
+            if named and reused:
+                self._reused.add(block)
+            elif named:
+                self._reused.discard(block)
+            return named
+
+    def reused(self, block: int) -> bool:
+        """Whether the prefix a named block holds was used again since it was named: a later
+        sequence shared the block, or it was copied back from host. Read by the eviction
+        callback before the block is named again."""
+        return block in self._reused
 
     def forget(self) -> None:
         """Forget every name: cached blocks become free, shared ones stay with their tables
@@ -205,6 +221,7 @@ class KVBlockPool:
         with self._lock:
             for b in self.index.clear():
                 heapq.heappush(self._free, b)
+            self._reused.clear()
 
     # -- growth and shrink -------------------------------------------------------------------------
     def _grow(self, blocks: int) -> bool:

@@ -395,7 +395,8 @@ class Scheduler:
         # evicted cached prefix blocks demoted to pinned host (kv_demote.py) instead of dropped:
         # with the host KV tier and the prefix cache on, unless `kv_demote` is False
         self.host_cache = (HostPrefixCache(kv_swap, runner.geometry.block_tokens,
-                                           self.prefill_rate)
+                                           self.prefill_rate, reused=pool.reused,
+                                           remembered=2 * pool.capacity_blocks)
                            if kv_swap is not None and prefix_cache and kv_demote else None)
         if self.host_cache is not None:
             pool.on_evict = self.host_cache.demote
@@ -683,7 +684,7 @@ class Scheduler:
         them; returns how many were copied (at a refused copy the rest are prefilled)."""
         done = self.host_cache.promote(hosted, got[:len(hosted)])
         for (key, _), block in zip(hosted[:done], got, strict=False):
-            self.pool.name(block, key)
+            self.pool.name(block, key, reused=True)
         return done
 
     def _cached_prefix(self, seq: Sequence) -> int:
