@@ -25,7 +25,9 @@ ROW_CTAS, ROW16_CTAS and ROW_LONG_K_WARPS are set from. `--mt-sweep` also times,
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
 best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--staged-sweep`
 times int4_mma_staged at every built tile and K split against the warp kernel at 16 / 32 / 64
-rows (the figures int4_batched.mma_kernel's rule is set from); `--staged-ctas`, `--staged-stages`
+rows (the figures int4_batched.mma_kernel's rule is set from); `--xa-sweep` likewise times
+gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default kernel at
+24 / 32 / 48 / 64 rows, on a tuning build with `--xa-ctas` / `--xa-stages`; `--staged-ctas`, `--staged-stages`
 and `--staged-kps` sweep a tuning build instead, checked against the reference first (a wrong
 build stops the run).
 """
@@ -56,6 +58,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
+    INT4_MMA_XA,
     INT4_WGMMA,
     MAX_SPLIT,
     MMA_K_ALIGN,
@@ -68,6 +71,9 @@ from gpu_worker.kernels.int4_batched import (
     STAGED_MT,
     STAGES,
     WGMMA_STAGES,
+    XA_CTAS,
+    XA_NT,
+    XA_STAGES,
     launch_int4_mma,
     launch_int4_mma_staged,
     launch_int4_wgmma,
@@ -77,9 +83,11 @@ from gpu_worker.kernels.int4_batched import (
     staged_plan,
     staged_shared_bytes,
     x_tiles,
+    xa_plan,
+    xa_shared_bytes,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
-from gpu_worker.kernels.selfcheck import KernelHarness, int4_mma_staged_case
+from gpu_worker.kernels.selfcheck import KernelHarness, int4_mma_staged_case, int4_mma_xa_case
 
 # (name, n, k, uses per decode step)
 SHAPES = [("qkv", 6144, 4096, 32), ("wo", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
@@ -114,15 +122,15 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
               staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS,
-              kdef=None, warps: int | None = None):
+              kdef=None, warps: int | None = None, kw: dict | None = None):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
-    GEMV, gp_int4_mma, with `staged` gp_int4_mma_staged, or `kdef`'s launcher)."""
+    GEMV, gp_int4_mma, with `staged` gp_int4_mma_staged, or `kdef`'s launcher with `kw`)."""
     turn = itertools.count()
+    extra = dict(kw or {}, **({} if warps is None else {"warps": warps}))
 
     def launch(stream) -> None:
         packed, scales = weights[next(turn) % len(weights)]
         if kdef is not None:
-            extra = {} if warps is None else {"warps": warps}
             kdef.launcher(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
                           **extra)
         elif gemv:
@@ -310,6 +318,67 @@ def print_staged_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None
               flush=True)
 
 
+XA_SWEEP_BATCHES = (24, 32, 48, 64)
+XA_SPLITS = (1, 2, 3, 4, 6, 8)
+
+
+def xa_kernel(ctas: int, stages: int):
+    """gp_int4_mma_xa with registers bounded for `ctas` CTAs per SM (GP_XA_CTAS) and a
+    `stages`-deep pipeline (GP_XA_STAGES); the library's build is XA_CTAS, XA_STAGES."""
+    if (ctas, stages) == (XA_CTAS, XA_STAGES):
+        return INT4_MMA_XA
+    source = dataclasses.replace(
+        INT4_MMA_XA.source, module_name=f"{INT4_MMA_XA.source.module_name}_xa{ctas}_{stages}",
+        options=(*INT4_MMA_XA.source.options, f"-DGP_XA_CTAS={ctas}", f"-DGP_XA_STAGES={stages}"))
+    return dataclasses.replace(INT4_MMA_XA, source=source)
+
+
+def xa_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int, ctas: int = XA_CTAS,
+             stages: int = XA_STAGES) -> dict:
+    """{(rows, nt, split): seconds} of gp_int4_mma_xa (a tuning build first checked against the
+    reference: a wrong build raises WrongBuild) over every built tile and the splits XA_SPLITS
+    the K range allows, with (rows, 0, 0) the default kernel (int4_batched.mma_kernel) and
+    (rows, -1, -1) xa's own plan."""
+    kdef = xa_kernel(ctas, stages)
+    if kdef is not INT4_MMA_XA:
+        for m in (24, 63):
+            for nt in XA_NT:
+                for split in (1, 3):
+                    failure = int4_mma_xa_case(h, np.random.default_rng(m + nt + split), m,
+                                               1000 + m, 4224, nt=nt, split=split, kernel=kdef,
+                                               stages=stages).failure()
+                    if failure is not None:
+                        raise WrongBuild(f"{kdef.source.module_name} m={m} nt={nt} "
+                                         f"split={split}: {failure}")
+    out = {}
+    for b in XA_SWEEP_BATCHES:
+        out[b, 0, 0] = ours(dev, _default(dev, h, weights, x, y, b, n, k), reps, trials)
+        out[b, -1, -1] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
+                                             kdef=kdef, kw={"stages": stages}), reps, trials)
+        for nt in XA_NT:
+            if xa_shared_bytes(b, nt, stages) > MAX_SHARED_BYTES:
+                continue
+            for split in XA_SPLITS:
+                if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
+                    out[b, nt, split] = ours(dev, _launcher(
+                        dev, h.function(kdef), weights, x, y, b, n, k, False, kdef=kdef,
+                        kw={"nt": nt, "split": split, "stages": stages}), reps, trials)
+    return out
+
+
+def print_xa_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
+    cols = sorted({(nt, s) for _, nt, s in times if nt > 0})
+    print(f"  {name} n={n} k={k} xa sweep, us (nt/split; default = mma_kernel's, plan = "
+          f"xa_plan's):  default    plan " + " ".join(f"{f'{nt}/{s}':>7}" for nt, s in cols))
+    for b in XA_SWEEP_BATCHES:
+        best = min((t, nt, s) for (bb, nt, s), t in times.items() if bb == b and nt > 0)
+        print(f"    b{b:<3d} {times[b, 0, 0] * 1e6:7.1f} {times[b, -1, -1] * 1e6:7.1f} "
+              + " ".join(f"{times[b, nt, s] * 1e6:7.1f}" if (b, nt, s) in times else f"{'-':>7}"
+                         for nt, s in cols)
+              + f"   best {best[1]}/{best[2]}, plan {'/'.join(map(str, xa_plan(b, n, k, sms)))}",
+              flush=True)
+
+
 def _tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y: int, tile: int,
                      tile_bytes: int, rows: int, n: int, k: int):
     """launch(stream): the prefill path at `rows` rows (execution/ops.py's tensor-core linear):
@@ -361,6 +430,13 @@ def main() -> int:
                          "32 / 48 / 64 rows")
     ap.add_argument("--wgmma-stages", type=int, default=WGMMA_STAGES,
                     help="--wgmma on the kernel built with this many raw x stages")
+    ap.add_argument("--xa-sweep", action="store_true",
+                    help="time gp_int4_mma_xa at every built tile and split of K against the "
+                         "default kernel at 24 / 32 / 48 / 64 rows")
+    ap.add_argument("--xa-ctas", type=int, default=XA_CTAS, choices=(1, 2, 3),
+                    help="--xa-sweep on the kernel built for this many CTAs per SM")
+    ap.add_argument("--xa-stages", type=int, default=XA_STAGES,
+                    help="--xa-sweep on the kernel built with this many pipeline stages")
     ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
                     help="--staged-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--staged-stages", type=int, default=STAGES,
@@ -382,6 +458,7 @@ def main() -> int:
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
     step_staged = {b: 0.0 for b in STAGED_SWEEP_BATCHES}
     step_rows = {}
+    step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
     step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
     step_wgmma_best = {b: 0.0 for b in WGMMA_BATCHES}
     step_default = {b: 0.0 for b in WGMMA_BATCHES}
@@ -441,6 +518,15 @@ def main() -> int:
                 for b in STAGED_SWEEP_BATCHES:
                     step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()
                                                  if bb == b)
+            if args.xa_sweep:
+                xa_times = xa_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
+                                    args.xa_ctas, args.xa_stages)
+                print_xa_sweep(name, n, k, xa_times, sms)
+                for b in XA_SWEEP_BATCHES:
+                    step_xa[b, "default"] += uses * xa_times[b, 0, 0]
+                    step_xa[b, "plan"] += uses * xa_times[b, -1, -1]
+                    step_xa[b, "best"] += uses * min(t for (bb, _, _), t in xa_times.items()
+                                                     if bb == b)
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_sweep(name, n, k, swept, sms)
@@ -506,6 +592,17 @@ def main() -> int:
             print(f"  batch {b:3d}: {step_staged[b] * 1e3:8.3f} (default {step[b] * 1e3:8.3f})")
             targets.figure(f"decode step int4 linears, {b} rows, best swept staged or warp",
                            step_staged[b] * 1e3, "ms")
+    if args.xa_sweep:
+        build = f"ctas {args.xa_ctas}, stages {args.xa_stages}"
+        print(f"decode step's linears on gp_int4_mma_xa ({build}) at its plan, and on the best "
+              "swept of xa and the default per shape, ms:")
+        for b in XA_SWEEP_BATCHES:
+            print(f"  batch {b:3d}: xa plan {step_xa[b, 'plan'] * 1e3:8.3f}, best "
+                  f"{step_xa[b, 'best'] * 1e3:8.3f} (default {step_xa[b, 'default'] * 1e3:8.3f})")
+            targets.figure(f"decode step int4 linears, {b} rows, xa plan ({build})",
+                           step_xa[b, "plan"] * 1e3, "ms")
+            targets.figure(f"decode step int4 linears, {b} rows, best swept xa or default "
+                           f"({build})", step_xa[b, "best"] * 1e3, "ms")
     if args.mt_sweep:
         print("decode step's linears with the best swept mt per shape, ms:")
         for b in BATCHES[1:]:

@@ -232,6 +232,71 @@ INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
                             reference.int4_matmul, launch_int4_mma_staged)
 
 
+# gp_int4_mma_xa: the same contract with x as the mma's A operand (16 batch rows per mma, by
+# ldmatrix) and the weight as B (8 weight rows), so a dequantized weight register serves 16 rows
+# of x per mma instead of 8; weights, scales and x through an XA_STAGES-deep cp.async pipeline,
+# K split over a cluster where N is small. For 17..64 rows.
+XA_MIN_ROWS = 17
+XA_NT = (2, 4)    # 8-row weight tiles per warp built (a CTA: 8 warps, 64 NT weight rows)
+XA_STAGES = 3     # k-groups in the pipeline (GP_XA_STAGES)
+XA_CTAS = 2       # CTAs per SM its registers and shared memory are bounded for (GP_XA_CTAS)
+
+
+def xa_tile(m: int, nt: int) -> tuple[int, int]:
+    """(weight rows, x rows) of one gp_int4_mma_xa CTA: 8 warps of nt 8-row weight tiles, by
+    x in 16-row tiles (2 up to 32 rows, 4 above)."""
+    return MMA_WARPS * 8 * nt, 32 if m <= 32 else 64
+
+
+def xa_shared_bytes(m: int, nt: int, stages: int = XA_STAGES) -> int:
+    """Dynamic shared memory of one gp_int4_mma_xa CTA: `stages` x (weights 64 B + scales 8 B
+    per weight row, x 256 B per x row) per k-group (GpXa in the source)."""
+    bn, xr = xa_tile(m, nt)
+    return stages * (bn * 72 + xr * 256)
+
+
+def xa_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
+    """(nt, split) of gp_int4_mma_xa: the larger weight tile whose grid gives every SM a CTA
+    unsplit; else nt 2 with K split over the fewest CTAs of a cluster (up to MAX_SPLIT, at
+    least 2 k-groups each) that do. The split depends on N and K only, never on m."""
+    for nt in (4, 2):
+        if ceil_div(n, xa_tile(m, nt)[0]) >= sms:
+            return nt, 1
+    tiles = ceil_div(n, xa_tile(m, 2)[0])
+    return 2, max(1, min(MAX_SPLIT, (k // MMA_K_ALIGN) // 2, ceil_div(sms, tiles)))
+
+
+def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: int, bias: int,
+                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
+                       nt: int | None = None, split: int | None = None,
+                       stages: int = XA_STAGES) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_xa, for 17 <= m <= 64 rows; `nt` and
+    `split` force the weight tile and the K split (default: xa_plan); `stages` is the
+    GP_XA_STAGES `function` was built with (a tuning build of the benchmark)."""
+    kernel = "int4_mma_xa"
+    _require_linear(kernel, x, packed, scales, m, n, k)
+    require(m >= XA_MIN_ROWS or m == 0, f"{kernel}: m={m} rows < {XA_MIN_ROWS} (the rows kernels serve them)")
+    if m == 0 or n == 0:
+        return
+    plan_nt, plan_split = xa_plan(m, n, k, sm_count(device))
+    nt = plan_nt if nt is None else nt
+    split = plan_split if split is None else split
+    require(nt in XA_NT, f"{kernel}: nt={nt} not built (choices {XA_NT})")
+    require(1 <= split <= min(MAX_SPLIT, k // MMA_K_ALIGN),
+            f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
+    tiles = ceil_div(n, xa_tile(m, nt)[0])
+    require(tiles < 65536, f"{kernel}: n={n} too large")
+    device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0), i32(nt)], stream=stream,
+                  shared_bytes=xa_shared_bytes(m, nt, stages),
+                  cluster=(split, 1, 1) if split > 1 else None)
+
+
+INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE, reference.int4_matmul,
+                        launch_int4_mma_xa)
+
+
 # gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
 # tiles of x), bitwise gp_int4_mma's result below ROW_LONG_K_GROUPS k-groups (the same K slice
 # per warp, summed in the same order; from there K over ROW_LONG_K_WARPS warps), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
@@ -328,6 +393,6 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "warp": INT4_MMA,
-               "staged": INT4_MMA_STAGED}
+               "staged": INT4_MMA_STAGED, "xa": INT4_MMA_XA}
 
-KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]
+KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]

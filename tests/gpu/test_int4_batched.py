@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.int4_batched import MT_CHOICES, STAGED_MT, x_tiles
+from gpu_worker.kernels.int4_batched import MT_CHOICES, STAGED_MT, XA_NT, x_tiles
 from gpu_worker.kernels.selfcheck import (
     CASES,
     Case,
@@ -18,6 +18,7 @@ from gpu_worker.kernels.selfcheck import (
     int4_mma_case,
     int4_mma_rows_case,
     int4_mma_staged_case,
+    int4_mma_xa_case,
     int4_wgmma_case,
 )
 
@@ -54,6 +55,19 @@ STAGED: list[Case] = [
                                                    "split": split, "accumulate": m % 2 == 1})
     for m in (24, 64) for mt in STAGED_MT for split in (1, 3, 8)
 ]
+# the x-as-A kernel at the decode step's shapes on its default plan (17..64 rows: both x tile
+# counts), then every weight tile forced with K split over 1, 3 and 8 CTAs, odd N and K
+XA: list[Case] = [
+    Case("int4_mma_xa", int4_mma_xa_case, {"m": m, "n": n, "k": k, **extra})
+    for m, n, k, extra in ((17, 6144, 4096, {"bias": True}), (32, 4096, 4096, {}),
+                           (33, 28672, 4096, {"accumulate": True}), (64, 4096, 14336, {}),
+                           (64, 6144, 4096, {"bias": True, "accumulate": True}),
+                           (64, 128256, 4096, {}), (48, 1000, 4224, {}), (64, 28672, 4096, {}))
+] + [
+    Case("int4_mma_xa", int4_mma_xa_case, {"m": m, "n": 1000 + m, "k": 4224, "nt": nt,
+                                           "split": split, "accumulate": m % 2 == 1})
+    for m in (24, 63) for nt in XA_NT for split in (1, 3, 8)
+]
 # the rows kernels at the decode step's shapes (1, 2, 8 rows on gp_int4_mma_rows, 9 and 16 on
 # rows16), odd N (a partial last block) and K not a power of two
 ROWS: list[Case] = [
@@ -72,7 +86,7 @@ WGMMA: list[Case] = [
                            (33, 6144, 4096, {"accumulate": True}), (48, 4096, 14336, {}),
                            (17, 1009, 4224, {"bias": True, "accumulate": True}), (1, 100, 128, {}))
 ]
-ALL = SHARED + MODEL + FORCED + STAGED + ROWS + WGMMA
+ALL = SHARED + MODEL + FORCED + STAGED + XA + ROWS + WGMMA
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +118,9 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
         outs = [int4_mma_staged_case(harness, np.random.default_rng(1), 64, 4096, 4096,
                                      split=split).got for _ in range(2)]
         assert np.array_equal(outs[0], outs[1]), split
+        outs = [int4_mma_xa_case(harness, np.random.default_rng(1), 64, 4096, 4096,
+                                 split=split).got for _ in range(2)]
+        assert np.array_equal(outs[0], outs[1]), ("xa", split)
 
 
 
@@ -172,3 +189,20 @@ def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> 
     harness.close()
     for m, first in zip((17, 33, 64), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m
+
+
+def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_17_to_64(harness) -> None:
+    """gp_int4_mma_xa's plan depends on N and K only and an mma output element sums only its own
+    row's products, so a row's bits are the same at every row count it serves (17..64), split or
+    not."""
+    from gpu_worker.kernels.common import sm_count
+    from gpu_worker.kernels.int4_batched import INT4_MMA_XA, xa_plan
+
+    for n, k in ((6144, 4096), (28672, 4096)):
+        assert len({xa_plan(m, n, k, sm_count(harness.device)) for m in range(17, 65)}) == 1
+        pk, sc, xd = _weights_and_x(harness, 13, n, k, 64)
+        firsts = [_rows_result(harness, INT4_MMA_XA, pk, sc, xd, m, n, k)[0]
+                  for m in (17, 24, 32, 33, 64)]
+        harness.close()
+        for m, first in zip((24, 32, 33, 64), firsts[1:]):
+            assert np.array_equal(first, firsts[0]), (n, m)

@@ -263,6 +263,29 @@ __device__ __forceinline__ float gp_ld_cluster(unsigned local, int rank) {
 #endif
 }
 
+// Split K's last step, for S CTAs of a cluster whose partials are in shared memory (window
+// address `base`) as [m][row] with a stride of `ps` floats: rank q sums its 1/S of the M x bn
+// outputs over ranks 0..S-1 in rank order (deterministic) and writes y (+ bias, + y). Every
+// thread of every CTA of the cluster calls it; it begins and ends with a cluster barrier.
+__device__ __noinline__ void gp_cluster_sum_store(float* y, const float* __restrict__ bias, int M,
+                                                  int N, int row0, int bn, int ps, int accumulate,
+                                                  unsigned base, int rank, int S) {
+    gp_cluster_sync();
+    const int total = M * bn;
+    const int lo = (int)((long long)total * rank / S), hi = (int)((long long)total * (rank + 1) / S);
+    for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
+        const int m = idx / bn, rl = idx - m * bn, r = row0 + rl;
+        if (r >= N) continue;
+        const unsigned off = base + 4u * (unsigned)(m * ps + rl);
+        float v = 0.f;
+        for (int s = 0; s < S; ++s) v += gp_ld_cluster(off, s);
+        if (bias) v += bias[r];
+        float* yp = y + (long long)m * N + r;
+        *yp = accumulate ? *yp + v : v;
+    }
+    gp_cluster_sync();  // no CTA leaves while another still reads its shared memory
+}
+
 #ifndef GP_STAGES
 #define GP_STAGES 4   // int4_batched.STAGES (int4_batched_bench --staged-stages builds others)
 #endif
@@ -423,20 +446,7 @@ __device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __r
                 const int m = wb * NT * 8 + nt * 8 + 2 * t + (e & 1);
                 ps[m * PS + rl] = acc[mt][nt][e];
             }
-    gp_cluster_sync();
-    const int total = M * L::BN;
-    const int lo = (int)((long long)total * rank / S), hi = (int)((long long)total * (rank + 1) / S);
-    for (int idx = lo + tid; idx < hi; idx += THREADS) {
-        const int m = idx / L::BN, rl = idx - m * L::BN, r = row0 + rl;
-        if (r >= N) continue;
-        const unsigned off = base + 4u * (unsigned)(m * PS + rl);
-        float v = 0.f;
-        for (int s = 0; s < S; ++s) v += gp_ld_cluster(off, s);
-        if (bias) v += bias[r];
-        float* yp = y + (long long)m * N + r;
-        *yp = accumulate ? *yp + v : v;
-    }
-    gp_cluster_sync();  // no CTA leaves while another still reads its shared memory
+    gp_cluster_sum_store(y, bias, M, N, row0, L::BN, PS, accumulate, base, rank, S);
 }
 
 // grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
@@ -463,6 +473,197 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
         if (mt == 4) GP_I4MMA_S_TOP(4, 1); else if (mt == 2) GP_I4MMA_S(2, 4, 1); else GP_I4MMA_S(1, 4, 1);
     } else {
         if (mt == 4) GP_I4MMA_S_TOP(4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
+    }
+}
+
+// ---- gp_int4_mma_xa: x as the A operand, for 17..64 rows -------------------------------------
+// The kernels above put the weight on the mma's 16-row A side and the batch on its 8-row B side,
+// so one weight register serves 8 rows of x per mma and its dequantization (4 instructions per
+// fp16x2) is paid once per 8 batch rows: at 64 rows, 7.9 instructions per mma, issue-bound. Here
+// x is A (16 batch rows, fetched by ldmatrix from a swizzled shared tile in natural k order) and
+// the weight is B (8 weight rows x 16 k): one dequantized register serves 16 batch rows per mma
+// and MX = ceil(M / 16) mmas. B's k slots of lane (g, t) are (2t, 2t + 1) and (2t + 8, 2t + 9),
+// byte t of two consecutive packed words (nibbles = consecutive k, low nibble first): one PRMT
+// puts byte t in both halves, one LOP3 makes fp16 (1024 + lo, 1024 + 16 hi), one HFMA2 by
+// (1, 1/16) minus (1032, 72) the exact integers nib - 8, one HMUL2 the scale (the contract's
+// single rounding). A CTA is 8 warps over weight rows (NT 8-row tiles each) and all MX x tiles
+// of one K range; weights, scales and x stream through a GP_XA_STAGES-deep cp.async pipeline
+// and K can be split over a cluster (gp_cluster_sum_store), as in the staged kernel.
+#ifndef GP_XA_STAGES
+#define GP_XA_STAGES 3   // int4_batched.XA_STAGES (int4_batched_bench --xa-sweep builds others)
+#endif
+#ifndef GP_XA_CTAS
+#define GP_XA_CTAS 2     // CTAs per SM the registers are bounded for (int4_batched.XA_CTAS)
+#endif
+
+__device__ __forceinline__ unsigned gp_hfma2(unsigned a, unsigned b, unsigned c) {
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// fp16x2 f16(scale * (nib - 8)) of the two nibbles of the byte `sel` puts in bytes 0 and 2 of
+// word w (low nibble in the low half); s2: the scale in both halves.
+__device__ __forceinline__ unsigned gp_dq_byte(unsigned w, unsigned sel, unsigned s2) {
+    const unsigned v = gp_lop(__byte_perm(w, 0u, sel), 0x00f0000fu, 0x64006400u);
+    return gp_hmul2(gp_hfma2(v, 0x2c003c00u, 0xd480e408u), s2);   // * (1, 1/16) - (1032, 72)
+}
+
+__device__ __forceinline__ void gp_ldsm_x4(unsigned (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
+// One pipeline stage (a k-group of 128 k), byte offsets:
+//   W  [BN rows][4 quant blocks] x 16 bytes, block q of row r at slot q ^ ((r >> 1) & 3) (the 8
+//      rows g of an n-tile read 8 distinct 16-byte bank groups);
+//   S  [BN rows][4] fp16 scales;
+//   X  [XR rows][16 chunks of 8 halves], chunk c of row r at c ^ (r & 7) (ldmatrix's 8 rows of
+//      one 8x8 matrix hit 8 distinct bank groups); zeros past M.
+template <int MX, int NT>
+struct GpXa {
+    static constexpr int BN = GP_MMA_WARPS * NT * 8;   // weight rows per CTA
+    static constexpr int XR = MX * 16;                  // x rows per CTA
+    static constexpr int SW = 0, SS = BN * 64, SX = SS + BN * 8;
+    static constexpr int STAGE = SX + XR * 256;
+    static constexpr int PS = BN + 8;                   // split partials' row stride (floats)
+};
+
+template <int MX, int NT>
+__device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __restrict__ x,
+                                         const unsigned char* __restrict__ packed,
+                                         const unsigned short* __restrict__ sc,
+                                         const float* __restrict__ bias, int M, int N, int K,
+                                         int accumulate, unsigned char* smem) {
+    using L = GpXa<MX, NT>;
+    constexpr int THREADS = GP_MMA_WARPS * 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int KB = K >> 5, KG = K >> 7;
+    const int2 cl = gp_cluster_rank_size();
+    const int rank = cl.x, S = cl.y;
+    const int row0 = blockIdx.y * L::BN;
+    const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
+    const int stages = g1 - g0;
+    const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+
+    auto issue = [&](int i) {
+        if (i < stages) {
+            const int kg = g0 + i;
+            const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
+#pragma unroll 1
+            for (int c = tid; c < L::BN * 4; c += THREADS) {
+                const int rl = c >> 2, q = c & 3, row = row0 + rl;
+                const bool in = row < N;
+                gp_cp16(st + L::SW + rl * 64 + ((q ^ ((rl >> 1) & 3)) << 4),
+                        packed + ((long long)(in ? row : 0) * KB + kg * 4 + q) * 16, in);
+            }
+#pragma unroll 1
+            for (int c = tid; c < L::BN; c += THREADS) {
+                const bool in = row0 + c < N;
+                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row0 + c : 0) * KB + kg * 4, in);
+            }
+#pragma unroll 1
+            for (int c = tid; c < L::XR * 16; c += THREADS) {
+                const int m = c >> 4, ch = c & 15;
+                const bool in = m < M;
+                gp_cp16(st + L::SX + m * 256 + ((ch ^ (m & 7)) << 4),
+                        x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
+            }
+        }
+        gp_cp_commit();
+    };
+
+    // ldmatrix: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of x tile mt, chunk 2 s + (l >> 4)
+    const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = lane >> 4;
+    const unsigned sel = 0x4040u | ((unsigned)t * 0x0101u);   // byte t -> bytes 0 and 2
+    const int wrow = warp * NT * 8 + g;                         // this lane's weight row, n-tile 0
+    const int wsw = (g >> 1) & 3;                               // its slot swizzle (every n-tile)
+
+    float acc[MX][NT][4];
+#pragma unroll
+    for (int i = 0; i < MX; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue(i);
+    for (int i = 0; i < stages; ++i) {
+        gp_cp_wait<GP_XA_STAGES - 2>();   // this thread's copies of stage i have landed
+        __syncthreads();                  // everyone's have, and buffer (i - 1) % STAGES is free
+        issue(i + GP_XA_STAGES - 1);
+        const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
+        const unsigned char* sp = smem + (i % GP_XA_STAGES) * L::STAGE;
+        unsigned s2[NT];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {          // k16 step s: k 16 s .. 16 s + 15 of the k-group
+            unsigned b[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int r = wrow + nt * 8;
+                if ((s & 1) == 0) {
+                    const unsigned sv = *reinterpret_cast<const unsigned short*>(sp + L::SS + r * 8 + (s >> 1) * 2);
+                    s2[nt] = sv | (sv << 16);
+                }
+                const uint2 w = *reinterpret_cast<const uint2*>(
+                    sp + L::SW + r * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8);
+                b[nt][0] = gp_dq_byte(w.x, sel, s2[nt]);
+                b[nt][1] = gp_dq_byte(w.y, sel, s2[nt]);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MX; ++mt) {
+                unsigned a[4];
+                gp_ldsm_x4(a, st + L::SX + (mt * 16 + lr) * 256 + (((2 * s + lc) ^ (lr & 7)) << 4));
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) gp_mma(acc[mt][nt], a, b[nt][0], b[nt][1]);
+            }
+        }
+    }
+    gp_cp_wait<0>();
+    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+
+    // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), weight row 8 nt + 2 t + (e & 1) of the warp's
+    if (S == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int m = mt * 16 + g + 8 * (e >> 1);
+                    const int r = row0 + warp * NT * 8 + nt * 8 + 2 * t + (e & 1);
+                    if (r >= N || m >= M) continue;
+                    float v = acc[mt][nt][e];
+                    if (bias) v += bias[r];
+                    float* yp = y + (long long)m * N + r;
+                    *yp = accumulate ? *yp + v : v;
+                }
+        return;
+    }
+    float* ps = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                *reinterpret_cast<float2*>(ps + (mt * 16 + g + 8 * h) * L::PS + warp * NT * 8 + nt * 8 + 2 * t) =
+                    make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+    gp_cluster_sum_store(y, bias, M, N, row0, L::BN, L::PS, accumulate, base, rank, S);
+}
+
+// grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
+// shared memory GP_XA_STAGES * GpXa::STAGE (int4_batched.xa_shared_bytes); MX = 2 x tiles of 16
+// rows up to 32 rows of x, 4 above; nt = NT 8-row weight tiles per warp (2 or 4).
+#define GP_I4MMA_XA(MX_, NT_) \
+    gp_i4mma_xa<MX_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xa_smem)
+extern "C" __global__ void __launch_bounds__(256, GP_XA_CTAS)
+gp_int4_mma_xa(float* y, const unsigned short* __restrict__ x,
+               const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
+               const float* __restrict__ bias, int M, int N, int K, int accumulate, int nt) {
+    extern __shared__ __align__(16) unsigned char gp_xa_smem[];
+    if (M <= 32) {
+        if (nt == 4) GP_I4MMA_XA(2, 4); else GP_I4MMA_XA(2, 2);
+    } else {
+        if (nt == 4) GP_I4MMA_XA(4, 4); else GP_I4MMA_XA(4, 2);
     }
 }
 

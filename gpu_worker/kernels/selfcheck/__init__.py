@@ -53,11 +53,14 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
     INT4_MMA_STAGED,
+    INT4_MMA_XA,
     INT4_WGMMA,
     STAGE_GROUPS,
     STAGES,
+    XA_STAGES,
     launch_int4_mma,
     launch_int4_mma_staged,
+    launch_int4_mma_xa,
 )
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
@@ -252,19 +255,26 @@ def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
-def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None) -> Outcome:
-    """The batched tensor-core int4 linear (int4_batched.py): same contract and tolerance as the
-    GEMV (fp16 x, fp16-rounded weights, f32 sums). `scale` sizes x; `mt` forces the 16-row tiles
-    per warp (default: the launcher's choice)."""
+def _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, launch) -> Outcome:
+    """One int4 linear of the contract (fp16 x sized by `scale`, fp16-rounded weights, f32 sums)
+    through `launch(y, x, packed, scales, bias)` (device pointers; bias 0 when absent), against
+    reference.int4_matmul at the GEMV's tolerance."""
     packed, scales = _quantized(rng, n, k)
     x = _f32(rng, m, k, scale=scale).astype(np.float16)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
-    launch_int4_mma(h.device, h.function(INT4_MMA), y, h.put(x), h.put(packed), h.put(scales),
-                    h.put(b) if bias else 0, m, n, k, accumulate, mt=mt)
+    launch(y, h.put(x), h.put(packed), h.put(scales), h.put(b) if bias else 0)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+
+
+def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None) -> Outcome:
+    """The batched tensor-core int4 linear (int4_batched.py): same contract and tolerance as the
+    GEMV (fp16 x, fp16-rounded weights, f32 sums). `scale` sizes x; `mt` forces the 16-row tiles
+    per warp (default: the launcher's choice)."""
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma(
+        h.device, h.function(INT4_MMA), *p, m, n, k, accumulate, mt=mt))
 
 
 def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None,
@@ -273,44 +283,32 @@ def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.
     """The staged tensor-core int4 linear (int4_batched.py): int4_mma's contract and tolerance;
     `mt` and `split` force the weight tile and the cluster's K split (default: staged_plan);
     `kernel`, `stages` and `groups` name a tuning build (bench/int4_batched_bench.py)."""
-    packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k, scale=scale).astype(np.float16)
-    b = _f32(rng, n) if bias else None
-    y0 = _f32(rng, m, n)
-    y = h.put(y0)
-    launch_int4_mma_staged(h.device, h.function(kernel), y, h.put(x), h.put(packed),
-                           h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate, mt=mt,
-                           split=split, stages=stages, groups=groups)
-    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
-    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma_staged(
+        h.device, h.function(kernel), *p, m, n, k, accumulate, mt=mt, split=split,
+        stages=stages, groups=groups))
+
+
+def int4_mma_xa_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=None,
+                     split=None, kernel=INT4_MMA_XA, stages=XA_STAGES) -> Outcome:
+    """The x-as-A tensor-core int4 linear (gp_int4_mma_xa, 17..64 rows): int4_mma's contract and
+    tolerance; `nt` and `split` force the weight tile and the cluster's K split (default:
+    xa_plan); `kernel` and `stages` name a tuning build (bench/int4_batched_bench.py)."""
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma_xa(
+        h.device, h.function(kernel), *p, m, n, k, accumulate, nt=nt, split=split, stages=stages))
 
 
 def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
     """The rows tensor-core int4 linear (int4_batched.py) on the entry for m rows
     (gp_int4_mma_rows up to 8, gp_int4_mma_rows16 up to 16): int4_mma's contract and tolerance."""
-    packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k, scale=scale).astype(np.float16)
-    b = _f32(rng, n) if bias else None
-    y0 = _f32(rng, m, n)
-    y = h.put(y0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
-    kdef.launcher(h.device, h.function(kdef), y, h.put(x), h.put(packed), h.put(scales),
-                  h.put(b) if bias else 0, m, n, k, accumulate)
-    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
-    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
+        h.device, h.function(kdef), *p, m, n, k, accumulate))
 
 
 def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
     """The warpgroup-MMA int4 linear (sm_90 devices only): int4_mma's contract and tolerance."""
-    packed, scales = _quantized(rng, n, k)
-    x = _f32(rng, m, k, scale=scale).astype(np.float16)
-    b = _f32(rng, n) if bias else None
-    y0 = _f32(rng, m, n)
-    y = h.put(y0)
-    INT4_WGMMA.launcher(h.device, h.function(INT4_WGMMA), y, h.put(x), h.put(packed),
-                        h.put(scales), h.put(b) if bias else 0, m, n, k, accumulate)
-    want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
-    return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: INT4_WGMMA.launcher(
+        h.device, h.function(INT4_WGMMA), *p, m, n, k, accumulate))
 
 
 def int4_linear_case(h, rng, m, n, k) -> Outcome:
@@ -613,6 +611,10 @@ CASES: list[Case] = [
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
     C("int4_wgmma", int4_wgmma_case, m=64, n=100, k=256, bias=True, accumulate=True),
     C("int4_wgmma", int4_wgmma_case, m=33, n=70, k=384, scale=300.0),
+    C("int4_mma_xa", int4_mma_xa_case, m=17, n=48, k=128),
+    C("int4_mma_xa", int4_mma_xa_case, m=32, n=100, k=1024, bias=True, accumulate=True),
+    C("int4_mma_xa", int4_mma_xa_case, m=40, n=300, k=640, scale=300.0, nt=4),
+    C("int4_mma_xa", int4_mma_xa_case, m=64, n=40, k=1152, accumulate=True, split=3),
     C("int4_mma_staged", int4_mma_staged_case, m=17, n=48, k=128),
     C("int4_mma_staged", int4_mma_staged_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_staged", int4_mma_staged_case, m=40, n=300, k=640, scale=300.0),

@@ -23,7 +23,10 @@ from gpu_worker.kernels.int4_batched import (
     MMA_MAX_ROWS,
     ROWS_MAX_ROWS,
     STAGED_MT,
+    XA_MIN_ROWS,
+    XA_NT,
     staged_tile,
+    xa_tile,
 )
 
 
@@ -143,6 +146,19 @@ def _int4_mma_staged(mem, grid, block, args) -> None:
     bn = staged_tile(m, mt)[0]
     assert grid[1] * bn >= n and mt in STAGED_MT and block[0] == 256, (grid, block, mt)
     assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
+    pk, sc = _int4_weight(mem, packed, scales, n, k)
+    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
+                              _arr(mem, bias, n) if bias else None)
+    _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_int4_mma_xa")
+def _int4_mma_xa(mem, grid, block, args) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate, nt = _vals(args)
+    # the CUDA grid is (split, tiles of xa_tile rows): a short grid leaves rows unwritten
+    assert grid[1] * xa_tile(m, nt)[0] >= n and nt in XA_NT and block[0] == 256, (grid, block, nt)
+    assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
+    assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
