@@ -147,7 +147,7 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
 
 def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
     """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
-    kdef = MMA_KERNELS[mma_kernel(rows, n, sm_count(dev))]
+    kdef = MMA_KERNELS[mma_kernel(rows)]
     return _launcher(dev, h.function(kdef), weights, x, y, rows, n, k, False, kdef=kdef)
 
 
@@ -506,7 +506,7 @@ def main() -> int:
                     base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
                                 args.trials)
                     print(f"  {name} n={n} k={k} b{b}: wgmma {t * 1e6:7.1f} us, default "
-                          f"({mma_kernel(b, n, sms)}) {base * 1e6:7.1f} us", flush=True)
+                          f"({mma_kernel(b)}) {base * 1e6:7.1f} us", flush=True)
                     step_wgmma[b] += uses * t
                     step_wgmma_best[b] += uses * min(t, base)
                     step_default[b] += uses * base

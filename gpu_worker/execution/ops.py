@@ -41,7 +41,6 @@ from gpu_worker.kernels import (
     rotary,
     sampling,
 )
-from gpu_worker.kernels.common import sm_count
 from gpu_worker.models.graph import Graph, Node
 
 DEQUANT_TILE_BYTES = DEFAULT_DEQUANT_TILE_BYTES   # the default bound; WorkerConfig.dequant_tile_bytes
@@ -127,7 +126,7 @@ def _launch_linear(c: LaunchContext) -> None:
     acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            kdef = int4_batched.MMA_KERNELS[int4_batched.mma_kernel(m, n, sm_count(c.device))]
+            kdef = int4_batched.MMA_KERNELS[int4_batched.mma_kernel(m)]
             kdef.launcher(c.device, c.fn(kdef.name), c.out(), c.inp(0), c.weight(0), c.weight(1),
                           0, m, n, k, accumulate=acc, stream=c.stream)
             return

@@ -143,20 +143,17 @@ STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
 MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
 
 
-def mma_kernel(m: int, n: int, sms: int = SIM_SM_COUNT) -> str:
-    """Which tensor-core kernel serves an m-row linear of n outputs (a key of MMA_KERNELS):
-    "rows" (gp_int4_mma_rows) up to 8 rows and "rows16" up to 16; from STAGED_MIN_ROWS rows
-    "staged" (gp_int4_mma_staged) where a tile of at least 128 weight rows fills the SMs without
-    splitting K (unsplit_tile), else "warp" (gp_int4_mma). On the H200 (int4_batched_bench
-    --rows-sweep, --staged-sweep) the rows kernels beat the GEMV and gp_int4_mma at every
-    shape up to 16 rows; the staged kernel won at 32 and 64 rows on gate/up and lm_head, and
-    the warp kernel on the 4096- and 6144-row linears, where every split cost more than the x
-    it saves."""
+def mma_kernel(m: int) -> str:
+    """Which tensor-core kernel serves an m-row linear (a key of MMA_KERNELS): "rows"
+    (gp_int4_mma_rows) up to 8 rows, "rows16" up to 16, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS.
+    On the H200 (int4_batched_bench --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernels
+    beat the GEMV and gp_int4_mma at every 8b shape up to 16 rows, and gp_int4_mma_xa on its
+    plan beat gp_int4_mma and gp_int4_mma_staged from 24 to 64 rows in the decode step's sum."""
     if m <= 8:
         return "rows"
     if m <= ROWS_MAX_ROWS:
         return "rows16"
-    return "staged" if unsplit_tile(m, n, sms) is not None else "warp"
+    return "xa"
 
 
 def staged_tile(m: int, mt: int) -> tuple[int, int]:
@@ -255,15 +252,23 @@ def xa_shared_bytes(m: int, nt: int, stages: int = XA_STAGES) -> int:
     return stages * (bn * 72 + xr * 256)
 
 
+XA_FILL = 0.7     # of the CTA slots (XA_CTAS per SM) the plan's grid fills at least
+
+
 def xa_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
-    """(nt, split) of gp_int4_mma_xa: the larger weight tile whose grid gives every SM a CTA
-    unsplit; else nt 2 with K split over the fewest CTAs of a cluster (up to MAX_SPLIT, at
-    least 2 k-groups each) that do. The split depends on N and K only, never on m."""
-    for nt in (4, 2):
-        if ceil_div(n, xa_tile(m, nt)[0]) >= sms:
-            return nt, 1
-    tiles = ceil_div(n, xa_tile(m, 2)[0])
-    return 2, max(1, min(MAX_SPLIT, (k // MMA_K_ALIGN) // 2, ceil_div(sms, tiles)))
+    """(nt, split) of gp_int4_mma_xa: nt 4 (256 weight rows a CTA) where its grid alone fills
+    every CTA slot (lm_head), else nt 2; K split over the fewest CTAs of a cluster (up to
+    MAX_SPLIT, at least 2 k-groups each) whose grid fills XA_FILL of the slots (8b shapes:
+    gate/up unsplit, QKV split 4, wo and w_down 6; int4_batched_bench --xa-sweep times every
+    tile and split against it, docs/kernels.md). The plan depends on N and K only, never on m,
+    so a row's bits do not depend on its batch."""
+    slots = XA_CTAS * sms
+    nt = 4 if ceil_div(n, xa_tile(m, 4)[0]) >= slots else 2
+    tiles = ceil_div(n, xa_tile(m, nt)[0])
+    split = 1
+    while tiles * split < XA_FILL * slots and split < min(MAX_SPLIT, k // MMA_K_ALIGN // 2):
+        split += 1
+    return nt, split
 
 
 def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: int, bias: int,
@@ -392,7 +397,6 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
                        launch_int4_wgmma)
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
-MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "warp": INT4_MMA,
-               "staged": INT4_MMA_STAGED, "xa": INT4_MMA_XA}
+MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "xa": INT4_MMA_XA}
 
 KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]

@@ -102,9 +102,10 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
 
 
 @pytest.mark.parametrize(("rows", "out_dim", "entry"), [
-    (40, 28672, "gp_int4_mma_staged"),   # gate/up-wide at a 40-row decode batch: one 256-row tile a CTA
-    (24, 28672, "gp_int4_mma_staged"),
-    (40, 4096, "gp_int4_mma"),           # too few tiles to fill the SMs unsplit: the warp kernel
+    (40, 28672, "gp_int4_mma_xa"),       # 17..64 rows: x as the mma's A operand
+    (24, 28672, "gp_int4_mma_xa"),
+    (40, 4096, "gp_int4_mma_xa"),        # K = 128: no split (a CTA keeps 2 k-groups)
+    (17, 4096, "gp_int4_mma_xa"),
     (16, 28672, "gp_int4_mma_rows16"),   # 9..16 rows: the rows kernel of two x tiles
     (9, 4096, "gp_int4_mma_rows16"),
     (8, 6144, "gp_int4_mma_rows"),       # 1..8 rows: the rows kernel of one x tile

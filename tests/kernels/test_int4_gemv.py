@@ -92,35 +92,61 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
 
 
 def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_rows() -> None:
-    """mma_kernel's rule at the H200's 132 SMs and Llama-3-8B shapes (int4_batched_bench
-    --rows-sweep and --staged-sweep, docs/kernels.md): every linear on a rows kernel up to 16
-    rows; from 17 rows gate/up and lm_head on int4_mma_staged, one CTA per 256 weight rows and
-    no K split, and every 4096- and 6144-row linear on int4_mma."""
-    from gpu_worker.kernels.int4_batched import mma_kernel, staged_plan, staged_tile
+    """mma_kernel's rule (int4_batched_bench --rows-sweep and --xa-sweep, docs/kernels.md):
+    a rows kernel up to 16 rows, gp_int4_mma_xa from 17; and xa_plan at the H200's 132 SMs and
+    Llama-3-8B shapes: gate/up unsplit on 224 CTAs of 128 weight rows, lm_head on 256-row CTAs,
+    QKV split 4 and the 4096-row linears split 6 (192 CTAs: 0.7 of 2 CTA slots per SM)."""
+    from gpu_worker.kernels.int4_batched import mma_kernel, xa_plan, xa_tile
 
-    for m in (17, 24, 32, 33, 48, 64):
-        assert mma_kernel(m, 28672, 132) == "staged", m
-        assert mma_kernel(m, 128256, 132) == "staged", m
-        for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
-            assert mma_kernel(m, n, 132) == "warp", (m, n, k)
-    for n in (6144, 4096, 28672, 128256):
-        for m in (1, 2, 8):
-            assert mma_kernel(m, n, 132) == "rows", (m, n)
-        for m in (9, 16):
-            assert mma_kernel(m, n, 132) == "rows16", (m, n)
-    mt, split = staged_plan(64, 28672, 4096, 132)
-    assert (staged_tile(64, mt)[0], split) == (256, 1), "gate/up at 64 rows: 112 CTAs"
-    assert staged_plan(32, 28672, 4096, 132) == (2, 1), "gate/up at 32 rows: 256 rows a CTA"
+    assert [mma_kernel(m) for m in (1, 8, 9, 16, 17, 33, 64)] == \
+        ["rows", "rows", "rows16", "rows16", "xa", "xa", "xa"]
+    for m in (17, 32, 33, 64):
+        assert xa_plan(m, 28672, 4096, 132) == (2, 1) and xa_tile(m, 2)[0] == 128
+        assert xa_plan(m, 128256, 4096, 132) == (4, 1)
+        assert xa_plan(m, 6144, 4096, 132) == (2, 4)
+        assert xa_plan(m, 4096, 4096, 132) == xa_plan(m, 4096, 14336, 132) == (2, 6)
 
 
-def test_the_staged_plan_depends_on_the_row_count_only_through_the_warp_layout() -> None:
-    """A CTA's tile (hence its K order) is fixed across 17..32 rows and across 33..64 rows, so
-    within each range a row's result does not depend on how many rows share its call."""
-    from gpu_worker.kernels.int4_batched import staged_plan
+def test_the_xa_plan_never_depends_on_the_row_count_and_keeps_two_k_groups_a_cta() -> None:
+    """gp_int4_mma_xa's K order is fixed by its plan, so a plan of N and K alone keeps a row's
+    result the same bits at every row count from 17 to 64; a split never leaves a CTA fewer than
+    2 k-groups and never exceeds a portable cluster."""
+    from gpu_worker.kernels.int4_batched import MAX_SPLIT, MMA_K_ALIGN, xa_plan
 
-    for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (1000, 4224)):
-        assert len({staged_plan(m, n, k, 132) for m in range(17, 33)}) == 1, (n, k)
-        assert len({staged_plan(m, n, k, 132) for m in range(33, 65)}) == 1, (n, k)
+    for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (1000, 4224),
+                 (16, 256), (48, 128)):
+        plans = {xa_plan(m, n, k, sms) for m in range(17, 65) for sms in (132,)}
+        assert len(plans) == 1, (n, k, plans)
+        (nt, split), = plans
+        assert nt in (2, 4) and 1 <= split <= MAX_SPLIT
+        assert split == 1 or k // MMA_K_ALIGN // split >= 2, (n, k, split)
+
+
+def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> None:
+    from gpu_worker.kernels.common import InvalidArgument
+    from gpu_worker.kernels.int4_batched import launch_int4_mma_xa, xa_shared_bytes
+
+    calls: list = []
+
+    class Recorder:
+        info = type("Info", (), {"ordinal": 0})()
+        name = "sim"
+
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
+            calls.append((grid, block, shared_bytes, cluster))
+
+    launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096)
+    grid, block, shared, cluster = calls[-1]
+    assert grid == (6, 32, 1) and cluster == (6, 1, 1) and block == (256, 1, 1)
+    assert shared == xa_shared_bytes(64, 2) and 2 * (shared + 1024) <= 228 << 10, "2 CTAs an SM"
+    launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 24, 28672, 4096)
+    assert calls[-1][0] == (1, 224, 1) and calls[-1][3] is None, "no split, no cluster"
+    assert calls[-1][2] == xa_shared_bytes(24, 2) < shared, "32 rows of x staged, not 64"
+    for bad, kw in (("split=9", {"split": 9}), ("nt=3", {"nt": 3}), ("m=16", {})):
+        with pytest.raises(InvalidArgument, match=bad):
+            launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 16 if bad == "m=16" else 64,
+                               4096, 4096, **kw)
+    assert len(calls) == 2, "a refused launch launches nothing"
 
 
 def test_the_staged_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> None:

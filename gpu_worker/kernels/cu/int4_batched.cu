@@ -504,9 +504,11 @@ __device__ __forceinline__ unsigned gp_hfma2(unsigned a, unsigned b, unsigned c)
 
 // fp16x2 f16(scale * (nib - 8)) of the two nibbles of the byte `sel` puts in bytes 0 and 2 of
 // word w (low nibble in the low half); s2: the scale in both halves.
-__device__ __forceinline__ unsigned gp_dq_byte(unsigned w, unsigned sel, unsigned s2) {
+// `k116`: fp16x2 (1, 1/16) in a register (HFMA2 takes one immediate operand; a value the compiler
+// cannot prove constant stays in its register instead of being rematerialised before each HFMA2).
+__device__ __forceinline__ unsigned gp_dq_byte(unsigned w, unsigned sel, unsigned s2, unsigned k116) {
     const unsigned v = gp_lop(__byte_perm(w, 0u, sel), 0x00f0000fu, 0x64006400u);
-    return gp_hmul2(gp_hfma2(v, 0x2c003c00u, 0xd480e408u), s2);   // * (1, 1/16) - (1032, 72)
+    return gp_hmul2(gp_hfma2(v, k116, 0xd480e408u), s2);   // * (1, 1/16) - (1032, 72)
 }
 
 __device__ __forceinline__ void gp_ldsm_x4(unsigned (&a)[4], unsigned addr) {
@@ -573,9 +575,15 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
         gp_cp_commit();
     };
 
-    // ldmatrix: lane l gives row (l & 7) + 8 ((l >> 3) & 1) of x tile mt, chunk 2 s + (l >> 4)
-    const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = lane >> 4;
+    // ldmatrix: lane l gives row lr = (l & 7) + 8 ((l >> 3) & 1) of x tile mt, chunk 2 s + (l >> 4)
+    // at (2 s + (l >> 4)) ^ (l & 7): for s = 4 h + q that is 8 h + ((2 q + (l >> 4)) ^ (l & 7)),
+    // so four lane offsets (xoff[q]) and immediates (128 h, 4096 mt) address every ldmatrix.
+    const int lr = (lane & 7) + ((lane >> 3) & 1) * 8;
+    unsigned xoff[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xoff[q] = L::SX + lr * 256 + (((2 * q + (lane >> 4)) ^ (lane & 7)) << 4);
     const unsigned sel = 0x4040u | ((unsigned)t * 0x0101u);   // byte t -> bytes 0 and 2
+    const unsigned k116 = 0x2c003c00u | ((unsigned)K >> 31);   // K >= 0: a register, not an immediate
     const int wrow = warp * NT * 8 + g;                         // this lane's weight row, n-tile 0
     const int wsw = (g >> 1) & 3;                               // its slot swizzle (every n-tile)
 
@@ -605,13 +613,14 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
                 }
                 const uint2 w = *reinterpret_cast<const uint2*>(
                     sp + L::SW + r * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8);
-                b[nt][0] = gp_dq_byte(w.x, sel, s2[nt]);
-                b[nt][1] = gp_dq_byte(w.y, sel, s2[nt]);
+                b[nt][0] = gp_dq_byte(w.x, sel, s2[nt], k116);
+                b[nt][1] = gp_dq_byte(w.y, sel, s2[nt], k116);
             }
+            const unsigned xs = st + xoff[s & 3];
 #pragma unroll
             for (int mt = 0; mt < MX; ++mt) {
                 unsigned a[4];
-                gp_ldsm_x4(a, st + L::SX + (mt * 16 + lr) * 256 + (((2 * s + lc) ^ (lr & 7)) << 4));
+                gp_ldsm_x4(a, xs + (s >> 2) * 128 + mt * 4096);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) gp_mma(acc[mt][nt], a, b[nt][0], b[nt][1]);
             }
