@@ -1,7 +1,8 @@
 """The int4 linear on tensor cores for 1..64 rows (a decode batch): y = x @ dequant(W)^T that
-reads the int4 weight once per call, whatever the row count. Three kernels, one contract:
+reads the int4 weight once per call, whatever the row count. Kernels of one contract:
 gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
-registers of their own) and gp_int4_mma_staged (x staged per CTA); mma_kernel picks one.
+registers of their own), gp_int4_mma_xa (x as the mma's A operand, 17..64 rows),
+gp_int4_mma_staged and gp_int4_wgmma (measured, not routed); mma_kernel picks one.
 
 Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
 (N, K/32) fp16 in the reference layout (unchanged: checkpoints and GPTQ map onto it), y (M, N)
