@@ -257,15 +257,16 @@ XA_FILL = 0.7     # of the CTA slots (XA_CTAS per SM) the plan's grid fills at l
 
 
 def xa_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
-    """(nt, split) of gp_int4_mma_xa: nt 4 (256 weight rows a CTA) where its grid alone fills
-    every CTA slot (lm_head), else nt 2; K split over the fewest CTAs of a cluster (up to
-    MAX_SPLIT, at least 2 k-groups each) whose grid fills XA_FILL of the slots (8b shapes:
-    gate/up unsplit, QKV split 4, wo and w_down 6; int4_batched_bench --xa-sweep times every
-    tile and split against it, docs/kernels.md). The plan depends on N and K only, never on m,
-    so a row's bits do not depend on its batch."""
+    """(nt, split) of gp_int4_mma_xa: nt 4 (256 weight rows a CTA) up to 32 rows where its grid
+    alone fills every CTA slot (lm_head; at 4 x tiles that build spills), else nt 2; K split
+    over the fewest CTAs of a cluster (up to MAX_SPLIT, at least 2 k-groups each) whose nt-2
+    grid fills XA_FILL of the slots (8b shapes: gate/up unsplit, QKV split 4, wo and w_down 6;
+    int4_batched_bench --xa-sweep times every tile and split against it, docs/kernels.md).
+    The split depends on N and K only and nt changes no output's summation order, so a row's
+    bits do not depend on its batch."""
     slots = XA_CTAS * sms
-    nt = 4 if ceil_div(n, xa_tile(m, 4)[0]) >= slots else 2
-    tiles = ceil_div(n, xa_tile(m, nt)[0])
+    nt = 4 if m <= 32 and ceil_div(n, xa_tile(m, 4)[0]) >= slots else 2
+    tiles = ceil_div(n, xa_tile(m, 2)[0])
     split = 1
     while tiles * split < XA_FILL * slots and split < min(MAX_SPLIT, k // MMA_K_ALIGN // 2):
         split += 1

@@ -192,14 +192,14 @@ def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> 
 
 
 def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_17_to_64(harness) -> None:
-    """gp_int4_mma_xa's plan depends on N and K only and an mma output element sums only its own
-    row's products, so a row's bits are the same at every row count it serves (17..64), split or
-    not."""
+    """gp_int4_mma_xa's split depends on N and K only, its weight tile changes no summation
+    order, and an mma output element sums only its own row's products, so a row's bits are the
+    same at every row count it serves (17..64), split or not."""
     from gpu_worker.kernels.common import sm_count
     from gpu_worker.kernels.int4_batched import INT4_MMA_XA, xa_plan
 
-    for n, k in ((6144, 4096), (28672, 4096)):
-        assert len({xa_plan(m, n, k, sm_count(harness.device)) for m in range(17, 65)}) == 1
+    for n, k in ((6144, 4096), (128256, 4096)):
+        assert len({xa_plan(m, n, k, sm_count(harness.device))[1] for m in range(17, 65)}) == 1
         pk, sc, xd = _weights_and_x(harness, 13, n, k, 64)
         firsts = [_rows_result(harness, INT4_MMA_XA, pk, sc, xd, m, n, k)[0]
                   for m in (17, 24, 32, 33, 64)]

@@ -548,29 +548,37 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     const int stages = g1 - g0;
     const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
 
+    // This thread's copies, the same every k-group but for the k offset: weight rows
+    // tid / 4 + 64 j at slot tid & 3, x rows tid / 16 + 16 j at chunk tid & 15, the scales of row
+    // tid. Sources are clamped to a valid row (a row past N or M is zero-filled, never read), so
+    // a copy is one 64-bit add and a cp.async at an immediate shared offset (+ 4096 j).
+    constexpr int WJ = L::BN / 64, XJ = L::XR / 16;
+    const unsigned char* wsrc[WJ];
+    bool win[WJ];
+#pragma unroll
+    for (int j = 0; j < WJ; ++j) {
+        const int row = row0 + (tid >> 2) + 64 * j;
+        win[j] = row < N;
+        wsrc[j] = packed + ((long long)min(row, N - 1) * KB + g0 * 4 + (tid & 3)) * 16;
+    }
+    const unsigned short* xsrc[XJ];
+#pragma unroll
+    for (int j = 0; j < XJ; ++j)
+        xsrc[j] = x + (long long)min((tid >> 4) + 16 * j, M - 1) * K + g0 * 128 + 8 * (tid & 15);
+    const bool sin = tid < L::BN && row0 + tid < N;
+    const unsigned short* ssrc = sc + (long long)min(row0 + min(tid, L::BN - 1), N - 1) * KB + g0 * 4;
+    const unsigned wdst = L::SW + (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);
+    const unsigned xdst = L::SX + (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
+
     auto issue = [&](int i) {
         if (i < stages) {
-            const int kg = g0 + i;
             const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
-#pragma unroll 1
-            for (int c = tid; c < L::BN * 4; c += THREADS) {
-                const int rl = c >> 2, q = c & 3, row = row0 + rl;
-                const bool in = row < N;
-                gp_cp16(st + L::SW + rl * 64 + ((q ^ ((rl >> 1) & 3)) << 4),
-                        packed + ((long long)(in ? row : 0) * KB + kg * 4 + q) * 16, in);
-            }
-#pragma unroll 1
-            for (int c = tid; c < L::BN; c += THREADS) {
-                const bool in = row0 + c < N;
-                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row0 + c : 0) * KB + kg * 4, in);
-            }
-#pragma unroll 1
-            for (int c = tid; c < L::XR * 16; c += THREADS) {
-                const int m = c >> 4, ch = c & 15;
-                const bool in = m < M;
-                gp_cp16(st + L::SX + m * 256 + ((ch ^ (m & 7)) << 4),
-                        x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
-            }
+#pragma unroll
+            for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * 64, win[j]);
+            if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * 4, sin);
+#pragma unroll
+            for (int j = 0; j < XJ; ++j)
+                gp_cp16(st + xdst + 4096 * j, xsrc[j] + i * 128, (tid >> 4) + 16 * j < M);
         }
         gp_cp_commit();
     };
