@@ -23,12 +23,10 @@ SM, with a long K over 8 or 16 warps (ROWS_BUILDS; each build first checked agai
 gp_int4_mma's result) and gp_int4_mma at 1 / 8 / 16 rows: the figures int4_batched.ROW_DEPTH,
 ROW_CTAS, ROW16_CTAS and ROW_LONG_K_WARPS are set from. `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
-best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--staged-sweep`
-times int4_mma_staged at every built tile and K split against the warp kernel at 16 / 32 / 64
-rows (the figures int4_batched.mma_kernel's rule is set from); `--xa-sweep` likewise times
-gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default kernel at
-24 / 32 / 48 / 64 rows, on a tuning build with `--xa-ctas` / `--xa-stages`; `--staged-ctas`, `--staged-stages`
-and `--staged-kps` sweep a tuning build instead, checked against the reference first (a wrong
+best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--xa-sweep`
+times gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default
+kernel at 24 / 32 / 48 / 64 rows (the figures int4_batched.xa_plan's rule is set from), on a
+tuning build with `--xa-ctas` / `--xa-stages`, checked against the reference first (a wrong
 build stops the run).
 """
 from __future__ import annotations
@@ -57,7 +55,6 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
-    INT4_MMA_STAGED,
     INT4_MMA_XA,
     INT4_WGMMA,
     MAX_SPLIT,
@@ -67,27 +64,21 @@ from gpu_worker.kernels.int4_batched import (
     ROW16_CTAS,
     ROW_CTAS,
     ROW_DEPTH,
-    STAGE_GROUPS,
-    STAGED_MT,
-    STAGES,
     WGMMA_STAGES,
     XA_CTAS,
     XA_NT,
     XA_STAGES,
     launch_int4_mma,
-    launch_int4_mma_staged,
     launch_int4_wgmma,
     mma_kernel,
     mma_tiles,
     row_warps,
-    staged_plan,
-    staged_shared_bytes,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
 )
 from gpu_worker.kernels.linear import INT4_MATMUL, launch_int4_matmul
-from gpu_worker.kernels.selfcheck import KernelHarness, int4_mma_staged_case, int4_mma_xa_case
+from gpu_worker.kernels.selfcheck import KernelHarness, int4_mma_xa_case
 
 # (name, n, k, uses per decode step)
 SHAPES = [("qkv", 6144, 4096, 32), ("wo", 4096, 4096, 32), ("gate_up", 28672, 4096, 32),
@@ -121,10 +112,9 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
 
 def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, rows: int, n: int,
               k: int, gemv: bool, mt: int | None = None, split: int | None = None,
-              staged: bool = False, stages: int = STAGES, groups: int = STAGE_GROUPS,
               kdef=None, warps: int | None = None, kw: dict | None = None):
     """launch(stream): the linear at `rows` rows, on the next weight copy at every call (the
-    GEMV, gp_int4_mma, with `staged` gp_int4_mma_staged, or `kdef`'s launcher with `kw`)."""
+    GEMV, gp_int4_mma, or `kdef`'s launcher with `kw`)."""
     turn = itertools.count()
     extra = dict(kw or {}, **({} if warps is None else {"warps": warps}))
 
@@ -135,10 +125,6 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
                           **extra)
         elif gemv:
             launch_int4_matmul(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream)
-        elif staged:
-            launch_int4_mma_staged(dev, function, y, x, packed, scales, 0, rows, n, k,
-                                   stream=stream, mt=mt, split=split, stages=stages,
-                                   groups=groups)
         else:
             launch_int4_mma(dev, function, y, x, packed, scales, 0, rows, n, k, stream=stream,
                             mt=mt)
@@ -208,24 +194,6 @@ def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
               + " ".join(f"{times[b, build] * 1e6:7.1f}" for build in ROWS_BUILDS), flush=True)
 
 
-STAGED_SWEEP_BATCHES = (16, 32, 64)
-
-
-def staged_kernel(ctas: int, stages: int, groups: int):
-    """gp_int4_mma_staged with registers bounded for `ctas` CTAs per SM (GP_I4S_CTAS; at 2, mt 4
-    is not built), a `stages`-deep pipeline (GP_STAGES) of `groups` k-groups each (GP_I4S_KPS),
-    and the tiles it is built for; the library's build is 1 CTA, STAGES and STAGE_GROUPS."""
-    if (ctas, stages, groups) == (1, STAGES, STAGE_GROUPS):
-        return INT4_MMA_STAGED, STAGED_MT
-    source = dataclasses.replace(
-        INT4_MMA_STAGED.source,
-        module_name=(f"{INT4_MMA_STAGED.source.module_name}_ctas{ctas}_stages{stages}"
-                     f"_kps{groups}"),
-        options=(*INT4_MMA_STAGED.source.options, f"-DGP_I4S_CTAS={ctas}",
-                 f"-DGP_STAGES={stages}", f"-DGP_I4S_KPS={groups}"))
-    return dataclasses.replace(INT4_MMA_STAGED, source=source), (STAGED_MT if ctas == 1 else (1, 2))
-
-
 WGMMA_BATCHES = (32, 48, 64)
 
 
@@ -264,58 +232,6 @@ def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
 
 class WrongBuild(RuntimeError):
     """A tuning build's result differs from the reference: its times mean nothing."""
-
-
-def check_build(h, kdef, mts, stages: int, groups: int) -> None:
-    """Every tile of a tuning build, K split over 1 and 3 CTAs, at 24 and 64 rows and odd N and
-    K, against the NumPy reference (the library's build has its GPU tests)."""
-    for m in (24, 64):
-        for mt in mts:
-            if staged_shared_bytes(m, mt, stages, groups) > MAX_SHARED_BYTES:
-                continue
-            for split in (1, 3):
-                failure = int4_mma_staged_case(
-                    h, np.random.default_rng(m + mt + split), m, 1000 + m, 4224, mt=mt,
-                    split=split, kernel=kdef, stages=stages, groups=groups).failure()
-                if failure is not None:
-                    raise WrongBuild(f"{kdef.source.module_name} m={m} mt={mt} split={split}: "
-                                     f"{failure}")
-
-
-def staged_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
-                 ctas: int = 1, stages: int = STAGES, groups: int = STAGE_GROUPS) -> dict:
-    """{(rows, mt, split): seconds} of gp_int4_mma_staged over every built tile (that fits the
-    shared memory) and the splits 1, 2, 4, 8 (the K range allowing), with (rows, 0, 0) the warp
-    kernel's default."""
-    kdef, mts = staged_kernel(ctas, stages, groups)
-    if kdef is not INT4_MMA_STAGED:
-        check_build(h, kdef, mts, stages, groups)
-    out = {}
-    for b in STAGED_SWEEP_BATCHES:
-        out[b, 0, 0] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
-                                           False), reps, trials)
-        for mt in mts:
-            if staged_shared_bytes(b, mt, stages, groups) > MAX_SHARED_BYTES:
-                continue
-            for split in (1, 2, 4, 8):
-                if split <= min(MAX_SPLIT, k // MMA_K_ALIGN):
-                    out[b, mt, split] = ours(dev, _launcher(
-                        dev, h.function(kdef), weights, x, y, b, n, k, False, mt,
-                        split, staged=True, stages=stages, groups=groups), reps, trials)
-    return out
-
-
-def print_staged_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
-    cols = sorted({(mt, s) for _, mt, s in times if mt})
-    print(f"  {name} n={n} k={k} staged sweep, us (mt/split; warp = gp_int4_mma's default):  warp "
-          + " ".join(f"{f'{mt}/{s}':>7}" for mt, s in cols))
-    for b in STAGED_SWEEP_BATCHES:
-        best = min((t, mt, s) for (bb, mt, s), t in times.items() if bb == b)
-        print(f"    b{b:<3d} {times[b, 0, 0] * 1e6:7.1f} "
-              + " ".join(f"{times[b, mt, s] * 1e6:7.1f}" if (b, mt, s) in times else f"{'-':>7}"
-                         for mt, s in cols)
-              + f"   best {best[1]}/{best[2]}, plan {'/'.join(map(str, staged_plan(b, n, k, sms)))}",
-              flush=True)
 
 
 XA_SWEEP_BATCHES = (24, 32, 48, 64)
@@ -422,9 +338,6 @@ def main() -> int:
     ap.add_argument("--rows-sweep", action="store_true",
                     help="time gp_int4_mma_rows / rows16 built with other pipeline depths and "
                          "blocks per SM, and gp_int4_mma, at 1 / 8 / 16 rows")
-    ap.add_argument("--staged-sweep", action="store_true",
-                    help="time gp_int4_mma_staged at every built tile and split of K, and the "
-                         "warp kernel, at 16 / 32 / 64 rows")
     ap.add_argument("--wgmma", action="store_true",
                     help="time gp_int4_wgmma (warpgroup MMA) against the default kernel at "
                          "32 / 48 / 64 rows")
@@ -437,12 +350,6 @@ def main() -> int:
                     help="--xa-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--xa-stages", type=int, default=XA_STAGES,
                     help="--xa-sweep on the kernel built with this many pipeline stages")
-    ap.add_argument("--staged-ctas", type=int, default=1, choices=(1, 2),
-                    help="--staged-sweep on the kernel built for this many CTAs per SM")
-    ap.add_argument("--staged-stages", type=int, default=STAGES,
-                    help="--staged-sweep on the kernel built with this many pipeline stages")
-    ap.add_argument("--staged-kps", type=int, default=STAGE_GROUPS,
-                    help="--staged-sweep on the kernel built with this many k-groups per stage")
     args = ap.parse_args()
     div = 64 if args.small else 1
     limits = bench_limits.measure() if args.backend == "cuda" else None
@@ -456,7 +363,6 @@ def main() -> int:
     step_torch = {b: 0.0 for b in BATCHES}
     step_best = {b: 0.0 for b in BATCHES[1:]}
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
-    step_staged = {b: 0.0 for b in STAGED_SWEEP_BATCHES}
     step_rows = {}
     step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
     step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
@@ -510,14 +416,6 @@ def main() -> int:
                     step_wgmma[b] += uses * t
                     step_wgmma_best[b] += uses * min(t, base)
                     step_default[b] += uses * base
-            if args.staged_sweep:
-                staged_times = staged_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                            args.staged_ctas, args.staged_stages,
-                                            args.staged_kps)
-                print_staged_sweep(name, n, k, staged_times, sms)
-                for b in STAGED_SWEEP_BATCHES:
-                    step_staged[b] += uses * min(t for (bb, _, _), t in staged_times.items()
-                                                 if bb == b)
             if args.xa_sweep:
                 xa_times = xa_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                     args.xa_ctas, args.xa_stages)
@@ -586,12 +484,6 @@ def main() -> int:
                            "ms")
             targets.figure(f"decode step int4 linears, {b} rows, wgmma where faster",
                            step_wgmma_best[b] * 1e3, "ms")
-    if args.staged_sweep:
-        print("decode step's linears with the best swept kernel, tile and split per shape, ms:")
-        for b in STAGED_SWEEP_BATCHES:
-            print(f"  batch {b:3d}: {step_staged[b] * 1e3:8.3f} (default {step[b] * 1e3:8.3f})")
-            targets.figure(f"decode step int4 linears, {b} rows, best swept staged or warp",
-                           step_staged[b] * 1e3, "ms")
     if args.xa_sweep:
         build = f"ctas {args.xa_ctas}, stages {args.xa_stages}"
         print(f"decode step's linears on gp_int4_mma_xa ({build}) at its plan, and on the best "

@@ -2,7 +2,7 @@
 reads the int4 weight once per call, whatever the row count. Kernels of one contract:
 gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
 registers of their own), gp_int4_mma_xa (x as the mma's A operand, 17..64 rows),
-gp_int4_mma_staged and gp_int4_wgmma (measured, not routed); mma_kernel picks one.
+and gp_int4_wgmma (measured, not routed); mma_kernel picks one.
 
 Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
 (N, K/32) fp16 in the reference layout (unchanged: checkpoints and GPTQ map onto it), y (M, N)
@@ -133,15 +133,7 @@ def row_warps(k: int) -> int:
     batch."""
     return ROW_LONG_K_WARPS if k // MMA_K_ALIGN >= ROW_LONG_K_GROUPS else MMA_WARPS
 
-# gp_int4_mma_staged: the same contract for STAGED_MIN_ROWS..64 rows. A CTA's 8 warps split its
-# tile over weight rows and batch rows, and both operands stream through a STAGES-deep cp.async
-# pipeline in shared memory (each weight and x byte of the tile fetched once per CTA); small N
-# splits K over a thread-block cluster, summed through distributed shared memory in rank order.
-STAGED_MIN_ROWS = 17   # at or above: the staged kernel (mma_kernel)
-STAGES = 4             # stages in the pipeline (GP_STAGES in the source)
-STAGE_GROUPS = 1       # k-groups of 128 k per stage (GP_I4S_KPS)
-STAGED_MT = (1, 2, 4)  # 16-row weight tiles per warp built
-MAX_SPLIT = 8          # CTAs per cluster (the portable cluster size)
+MAX_SPLIT = 8          # CTAs per cluster splitting K (the portable cluster size)
 
 
 def mma_kernel(m: int) -> str:
@@ -149,85 +141,12 @@ def mma_kernel(m: int) -> str:
     (gp_int4_mma_rows) up to 8 rows, "rows16" up to 16, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS.
     On the H200 (int4_batched_bench --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernels
     beat the GEMV and gp_int4_mma at every 8b shape up to 16 rows, and gp_int4_mma_xa on its
-    plan beat gp_int4_mma and gp_int4_mma_staged from 24 to 64 rows in the decode step's sum."""
+    plan beat every earlier kernel from 24 to 64 rows in the decode step's sum."""
     if m <= 8:
         return "rows"
     if m <= ROWS_MAX_ROWS:
         return "rows16"
     return "xa"
-
-
-def staged_tile(m: int, mt: int) -> tuple[int, int]:
-    """(weight rows, x rows) of one CTA of the staged kernel: 8 warps over weight rows up to 32
-    rows of x, 4 x 2 (weight rows x x rows) above."""
-    wb = 1 if m <= 32 else 2
-    return (MMA_WARPS // wb) * 16 * mt, wb * 32
-
-
-def staged_shared_bytes(m: int, mt: int, stages: int = STAGES, groups: int = STAGE_GROUPS) -> int:
-    """Dynamic shared memory of one staged CTA: `stages` x `groups` x (weights 64 B + scales 8 B
-    per row, x 256 B per row) per k-group (GpStaged in the source)."""
-    bn, xr = staged_tile(m, mt)
-    return stages * groups * (bn * 72 + xr * 256)
-
-
-def unsplit_tile(m: int, n: int, sms: int = SIM_SM_COUNT) -> int | None:
-    """The largest MT whose tile has at least 128 weight rows and whose grid gives SM_FILL of the
-    SMs a CTA without splitting K; None when there is none."""
-    for mt in (4, 2):
-        if ceil_div(n, staged_tile(m, mt)[0]) >= SM_FILL * sms:
-            return mt
-    return None
-
-
-def staged_plan(m: int, n: int, k: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
-    """(mt, split): the largest weight tile per CTA, of at least 128 weight rows, whose grid
-    gives SM_FILL of the SMs a CTA unsplit; else the largest whose grid does with K split over
-    up to MAX_SPLIT CTAs of a cluster. Larger tiles fetch x fewer times per call; a split costs
-    a DSMEM sum of the partials (on the H200 more than a smaller tile: gate/up at 32 rows, 2/1
-    against 4/2), and a 64-row tile loses to int4_mma (QKV at 64 rows, 1/1)."""
-    groups = k // MMA_K_ALIGN
-    mt = unsplit_tile(m, n, sms)
-    if mt is not None:
-        return mt, 1
-    split = 1
-    for mt in (4, 2, 1):
-        tiles = ceil_div(n, staged_tile(m, mt)[0])
-        split = 1 if tiles >= SM_FILL * sms else max(1, min(MAX_SPLIT, sms // tiles, groups))
-        if tiles * split >= SM_FILL * sms:
-            return mt, split
-    return 1, split
-
-
-def launch_int4_mma_staged(device, function, y: int, x: int, packed: int, scales: int, bias: int,
-                           m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                           mt: int | None = None, split: int | None = None,
-                           stages: int = STAGES, groups: int = STAGE_GROUPS) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_staged; `mt` and `split` force the
-    weight tile and the K split (default: staged_plan); `stages` and `groups` are the
-    GP_STAGES and GP_I4S_KPS `function` was built with (a tuning build of the benchmark; the
-    library's are STAGES and STAGE_GROUPS)."""
-    kernel = "int4_mma_staged"
-    _require_linear(kernel, x, packed, scales, m, n, k)
-    if m == 0 or n == 0:
-        return
-    plan_mt, plan_split = staged_plan(m, n, k, sm_count(device))
-    mt = plan_mt if mt is None else mt
-    split = plan_split if split is None else split
-    require(mt in STAGED_MT, f"{kernel}: mt={mt} not built (choices {STAGED_MT})")
-    require(1 <= split <= min(MAX_SPLIT, k // MMA_K_ALIGN),
-            f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
-    tiles = ceil_div(n, staged_tile(m, mt)[0])
-    require(tiles < 65536, f"{kernel}: n={n} too large")
-    device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
-                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-                   i32(1 if accumulate else 0), i32(mt)], stream=stream,
-                  shared_bytes=staged_shared_bytes(m, mt, stages, groups),
-                  cluster=(split, 1, 1) if split > 1 else None)
-
-
-INT4_MMA_STAGED = KernelDef("int4_mma_staged", "gp_int4_mma_staged", SOURCE,
-                            reference.int4_matmul, launch_int4_mma_staged)
 
 
 # gp_int4_mma_xa: the same contract with x as the mma's A operand (16 batch rows per mma, by
@@ -401,4 +320,4 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "xa": INT4_MMA_XA}
 
-KERNELS = [INT4_MMA, INT4_MMA_STAGED, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]
+KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]

@@ -10,14 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.int4_batched import MT_CHOICES, STAGED_MT, XA_NT, x_tiles
+from gpu_worker.kernels.int4_batched import MT_CHOICES, XA_NT, x_tiles
 from gpu_worker.kernels.selfcheck import (
     CASES,
     Case,
     KernelHarness,
     int4_mma_case,
     int4_mma_rows_case,
-    int4_mma_staged_case,
     int4_mma_xa_case,
     int4_wgmma_case,
 )
@@ -42,19 +41,6 @@ FORCED: list[Case] = [
     for m in (5, 16, 24, 64) for mt in MT_CHOICES[x_tiles(m)]
 ]
 
-# the staged kernel at the decode step's shapes on its default plan, then every weight tile forced
-# with K split over 1, 3 and 8 CTAs of a cluster, at odd N and K not a power of two
-STAGED: list[Case] = [
-    Case("int4_mma_staged", int4_mma_staged_case, {"m": m, "n": n, "k": k, **extra})
-    for m, n, k, extra in ((17, 6144, 4096, {"bias": True}), (32, 4096, 4096, {}),
-                           (33, 28672, 4096, {"accumulate": True}), (64, 4096, 14336, {}),
-                           (64, 6144, 4096, {"bias": True, "accumulate": True}),
-                           (64, 16032, 4096, {}), (48, 1000, 4224, {}))
-] + [
-    Case("int4_mma_staged", int4_mma_staged_case, {"m": m, "n": 1000 + m, "k": 4224, "mt": mt,
-                                                   "split": split, "accumulate": m % 2 == 1})
-    for m in (24, 64) for mt in STAGED_MT for split in (1, 3, 8)
-]
 # the x-as-A kernel at the decode step's shapes on its default plan (17..64 rows: both x tile
 # counts), then every weight tile forced with K split over 1, 3 and 8 CTAs, odd N and K
 XA: list[Case] = [
@@ -86,7 +72,7 @@ WGMMA: list[Case] = [
                            (33, 6144, 4096, {"accumulate": True}), (48, 4096, 14336, {}),
                            (17, 1009, 4224, {"bias": True, "accumulate": True}), (1, 100, 128, {}))
 ]
-ALL = SHARED + MODEL + FORCED + STAGED + XA + ROWS + WGMMA
+ALL = SHARED + MODEL + FORCED + XA + ROWS + WGMMA
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +100,7 @@ def test_int4_mma_is_deterministic_run_to_run(harness) -> None:
     for m in (16, 64):
         outs = [int4_mma_case(harness, np.random.default_rng(1), m, 4096, 4096).got for _ in range(2)]
         assert np.array_equal(outs[0], outs[1]), m
-    for split in (1, 8):   # the staged kernel's cluster sum is in rank order
-        outs = [int4_mma_staged_case(harness, np.random.default_rng(1), 64, 4096, 4096,
-                                     split=split).got for _ in range(2)]
-        assert np.array_equal(outs[0], outs[1]), split
+    for split in (1, 8):   # the xa kernel's cluster sum is in rank order
         outs = [int4_mma_xa_case(harness, np.random.default_rng(1), 64, 4096, 4096,
                                  split=split).got for _ in range(2)]
         assert np.array_equal(outs[0], outs[1]), ("xa", split)

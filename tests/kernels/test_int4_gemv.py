@@ -151,35 +151,6 @@ def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> No
     assert len(calls) == 2, "a refused launch launches nothing"
 
 
-def test_the_staged_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> None:
-    from gpu_worker.kernels.common import InvalidArgument
-    from gpu_worker.kernels.int4_batched import (
-        launch_int4_mma_staged,
-        staged_shared_bytes,
-    )
-
-    calls: list = []
-
-    class Recorder:
-        info = type("Info", (), {"ordinal": 0})()
-        name = "sim"
-
-        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
-            calls.append((grid, block, shared_bytes, cluster))
-
-    launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=4, split=8)
-    grid, block, shared, cluster = calls[-1]
-    assert grid == (8, 16, 1) and cluster == (8, 1, 1) and block == (256, 1, 1)
-    assert shared == staged_shared_bytes(64, 4) <= 227 << 10
-    launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 28672, 4096, mt=4, split=1)
-    assert calls[-1][3] is None, "no split, no cluster"
-    with pytest.raises(InvalidArgument, match="split=9"):
-        launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, split=9)
-    with pytest.raises(InvalidArgument, match="mt=3"):
-        launch_int4_mma_staged(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096, mt=3)
-    assert len(calls) == 2, "a refused launch launches nothing"
-
-
 def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_batch() -> None:
     """The rows entries run 16 warps a block from ROW_LONG_K_GROUPS k-groups (the down
     projection), 8 below (gp_int4_mma's split); the warps come from K only, for 1..16 rows, and

@@ -221,16 +221,9 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
     }
 }
 
-// ---- gp_int4_mma_staged: the same contract, for 17..64 rows ----------------------------------
-// Where gp_int4_mma gives each warp its own weight rows over a K slice (x re-read by every warp
-// from L2, weights one k-group ahead in registers), this kernel splits a CTA's 8 warps over
-// weight rows (WN) and batch rows (WB) of one K range and streams both operands through a
-// GP_STAGES-deep cp.async pipeline in shared memory: every weight byte and every x byte of the
-// tile is fetched once per CTA, and GP_STAGES - 1 stages are in flight while one multiplies.
-// K can be split over a thread-block cluster of S CTAs, summed through distributed shared
-// memory in rank order (deterministic, no workspace, no atomics); the launcher's default rule
-// (int4_batched.mma_kernel) runs the kernel only where no split is needed.
-
+// ---- K split over a thread-block cluster (gp_int4_mma_xa) ------------------------------------
+// S CTAs of a cluster each sum a contiguous 1/S of K; their partials meet through distributed
+// shared memory, summed in rank order (deterministic, no workspace, no atomics).
 
 // Thread-block clusters (sm_90): (this CTA's rank, the cluster's size); without a cluster
 // launch a CTA is rank 0 of a cluster of one.
@@ -286,196 +279,6 @@ __device__ __noinline__ void gp_cluster_sum_store(float* y, const float* __restr
     gp_cluster_sync();  // no CTA leaves while another still reads its shared memory
 }
 
-#ifndef GP_STAGES
-#define GP_STAGES 4   // int4_batched.STAGES (int4_batched_bench --staged-stages builds others)
-#endif
-#ifndef GP_I4S_KPS
-#define GP_I4S_KPS 1  // k-groups per stage: int4_batched.STAGE_GROUPS (--staged-kps builds others)
-#endif
-
-// One pipeline stage (KPS k-groups: 128 KPS k) in shared memory, byte offsets:
-//   W  [BN rows][4 KPS quant blocks] x 16 bytes, a row's KPS * 64 contiguous global bytes (the
-//      longer the run per row, the fewer DRAM rows opened per byte); for KPS > 1 a row's slot s
-//      sits at s ^ 4 on odd rows, so a quarter warp's loads of quant block t of rows g, g + 1
-//      hit 8 distinct 16-byte bank groups;
-//   S  [BN rows][4 KPS] fp16 scales;
-//   X  [XR rows][16 KPS slots] x 16 bytes: in k-group q of the stage, the 8 halves at
-//      k 32t + 8j go to slot 16q + 4j + t, XOR 4 on odd rows (conflict-free likewise).
-template <int MT, int NT, int WB>
-struct GpStaged {
-    static constexpr int KPS = GP_I4S_KPS;
-    static constexpr int WN = GP_MMA_WARPS / WB;   // warps over weight rows
-    static constexpr int BN = WN * 16 * MT;        // weight rows per CTA
-    static constexpr int XR = WB * NT * 8;         // x rows per CTA (zeros past M)
-    static constexpr int WS = 4 * KPS;             // 16-byte weight slots per row
-    static constexpr int SW = 0, SS = BN * 64 * KPS, SX = SS + BN * 8 * KPS;
-    static constexpr int STAGE = SX + XR * 256 * KPS;
-};
-
-template <int MT, int NT, int WB>
-__device__ __noinline__ void gp_i4mma_staged(float* y, const unsigned short* __restrict__ x,
-                                             const unsigned char* __restrict__ packed,
-                                             const unsigned short* __restrict__ sc,
-                                             const float* __restrict__ bias, int M, int N, int K,
-                                             int accumulate, unsigned char* smem) {
-    using L = GpStaged<MT, NT, WB>;
-    constexpr int THREADS = GP_MMA_WARPS * 32, KPS = L::KPS;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int wn = warp % L::WN, wb = warp / L::WN;
-    const int KB = K >> 5, KG = K >> 7;  // quant blocks per row, k-groups of 4 of them
-    const int2 cl = gp_cluster_rank_size();
-    const int rank = cl.x, S = cl.y;
-    const int row0 = blockIdx.y * L::BN;
-    const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
-    const int stages = (g1 - g0 + KPS - 1) / KPS;
-    const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
-
-    // k-groups g0 + KPS i .. of stage i into buffer i % GP_STAGES (nothing past the range: a
-    // k-group past g1 is never read), then one commit group.
-    auto issue = [&](int i) {
-        if (i < stages) {
-            const int kg0 = g0 + i * KPS;
-            const unsigned st = base + (i % GP_STAGES) * L::STAGE;
-#pragma unroll
-            for (int c = tid; c < L::BN * L::WS; c += THREADS) {
-                const int rl = c / L::WS, slot = c % L::WS, row = row0 + rl;
-                const bool in = row < N && kg0 * 4 + slot < KB;
-                const int at = KPS > 1 ? slot ^ ((rl & 1) << 2) : slot;
-                gp_cp16(st + L::SW + (rl * L::WS + at) * 16,
-                        packed + ((long long)(in ? row : 0) * KB + (in ? kg0 * 4 + slot : 0)) * 16, in);
-            }
-#pragma unroll
-            for (int c = tid; c < L::BN * KPS; c += THREADS) {
-                const int rl = c / KPS, q = c % KPS, row = row0 + rl;
-                const bool in = row < N && kg0 + q < KG;
-                gp_cp8(st + L::SS + c * 8, sc + (long long)(in ? row : 0) * KB + (in ? (kg0 + q) * 4 : 0), in);
-            }
-#pragma unroll
-            for (int c = tid; c < L::XR * 16 * KPS; c += THREADS) {
-                const int m = c / (16 * KPS), q = (c >> 4) % KPS, ch = c & 15;
-                const bool in = m < M && kg0 + q < KG;
-                const int slot = q * 16 + ((((ch & 3) << 2) | (ch >> 2)) ^ ((m & 1) << 2));
-                gp_cp16(st + L::SX + (m * 16 * KPS + slot) * 16,
-                        x + (in ? (long long)m * K + (kg0 + q) * 128 + 8 * ch : 0), in);
-            }
-        }
-        gp_cp_commit();
-    };
-
-    float acc[MT][NT][4];
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-#pragma unroll
-    for (int i = 0; i < GP_STAGES - 1; ++i) issue(i);
-    for (int i = 0; i < stages; ++i) {
-        gp_cp_wait<GP_STAGES - 2>();   // this thread's copies of stage i have landed
-        __syncthreads();               // everyone's have, and buffer (i - 1) % GP_STAGES is free
-        issue(i + GP_STAGES - 1);
-        const unsigned char* st = smem + (i % GP_STAGES) * L::STAGE;
-#pragma unroll
-        for (int q = 0; q < KPS; ++q) {
-            if (KPS > 1 && g0 + i * KPS + q >= g1) break;   // the range's tail (CTA-uniform)
-            uint4 wv[MT][2];
-            unsigned s2[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = wn * 16 * MT + mt * 16 + g + 8 * h;
-                    const int at = KPS > 1 ? (q * 4 + t) ^ ((r & 1) << 2) : t;
-                    wv[mt][h] = *reinterpret_cast<const uint4*>(st + L::SW + (r * L::WS + at) * 16);
-                    const unsigned sv = *reinterpret_cast<const unsigned short*>(
-                        st + L::SS + (r * KPS + q) * 8 + t * 2);
-                    s2[mt][h] = sv | (sv << 16);
-                }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                unsigned b[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int m = wb * NT * 8 + nt * 8 + g;
-                    const int slot = q * 16 + ((j * 4 + t) ^ ((g & 1) << 2));
-                    gp_xfrag(b[nt], *reinterpret_cast<const uint4*>(st + L::SX + (m * 16 * KPS + slot) * 16));
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    unsigned a[2][4];
-                    gp_dequant(a, gp_word(wv[mt][0], j), gp_word(wv[mt][1], j), s2[mt][0], s2[mt][1]);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        gp_mma(acc[mt][nt], a[0], b[nt][0], b[nt][1]);
-                        gp_mma(acc[mt][nt], a[1], b[nt][2], b[nt][3]);
-                    }
-                }
-            }
-        }
-    }
-    gp_cp_wait<0>();
-    __syncthreads();   // every warp is done with the stages: the partials may reuse them
-
-    if (S == 1) {  // whole sums: each warp writes its own outputs
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = row0 + wn * 16 * MT + mt * 16 + g + 8 * (e >> 1);
-                    const int m = wb * NT * 8 + nt * 8 + 2 * t + (e & 1);
-                    if (r >= N || m >= M) continue;
-                    float v = acc[mt][nt][e];
-                    if (bias) v += bias[r];
-                    float* yp = y + (long long)m * N + r;
-                    *yp = accumulate ? *yp + v : v;
-                }
-        return;
-    }
-    // Split K: partials to shared memory as [m][row] (stride BN + 4: conflict-free stores), then
-    // rank q sums its 1/S of the outputs over ranks 0..S-1 in rank order and writes y.
-    constexpr int PS = L::BN + 4;
-    float* ps = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int rl = wn * 16 * MT + mt * 16 + g + 8 * (e >> 1);
-                const int m = wb * NT * 8 + nt * 8 + 2 * t + (e & 1);
-                ps[m * PS + rl] = acc[mt][nt][e];
-            }
-    gp_cluster_sum_store(y, bias, M, N, row0, L::BN, PS, accumulate, base, rank, S);
-}
-
-// grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
-// shared memory GP_STAGES * GpStaged::STAGE (int4_batched.staged_shared_bytes); WB = 1 for
-// M <= 32 (the 8 warps over 8 * 16 * mt weight rows), 2 above (4 warps over rows x 2 over x).
-// GP_I4S_CTAS: CTAs per SM the registers are bounded for (the tuning knob of int4_batched_bench
-// --staged-ctas; at 2 the 128-register bound leaves mt 4 unbuilt: it then runs mt 2).
-#ifndef GP_I4S_CTAS
-#define GP_I4S_CTAS 1
-#endif
-#define GP_I4MMA_S(MT_, NT_, WB_) \
-    gp_i4mma_staged<MT_, NT_, WB_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_i4s_smem)
-#if GP_I4S_CTAS == 1
-#define GP_I4MMA_S_TOP(NT_, WB_) GP_I4MMA_S(4, NT_, WB_)
-#else
-#define GP_I4MMA_S_TOP(NT_, WB_) GP_I4MMA_S(2, NT_, WB_)
-#endif
-extern "C" __global__ void __launch_bounds__(256, GP_I4S_CTAS)
-gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
-                   const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-                   const float* __restrict__ bias, int M, int N, int K, int accumulate, int mt) {
-    extern __shared__ __align__(16) unsigned char gp_i4s_smem[];
-    if (M <= 32) {
-        if (mt == 4) GP_I4MMA_S_TOP(4, 1); else if (mt == 2) GP_I4MMA_S(2, 4, 1); else GP_I4MMA_S(1, 4, 1);
-    } else {
-        if (mt == 4) GP_I4MMA_S_TOP(4, 2); else if (mt == 2) GP_I4MMA_S(2, 4, 2); else GP_I4MMA_S(1, 4, 2);
-    }
-}
-
 // ---- gp_int4_mma_xa: x as the A operand, for 17..64 rows -------------------------------------
 // The kernels above put the weight on the mma's 16-row A side and the batch on its 8-row B side,
 // so one weight register serves 8 rows of x per mma and its dequantization (4 instructions per
@@ -488,7 +291,7 @@ gp_int4_mma_staged(float* y, const unsigned short* __restrict__ x,
 // (1, 1/16) minus (1032, 72) the exact integers nib - 8, one HMUL2 the scale (the contract's
 // single rounding). A CTA is 8 warps over weight rows (NT 8-row tiles each) and all MX x tiles
 // of one K range; weights, scales and x stream through a GP_XA_STAGES-deep cp.async pipeline
-// and K can be split over a cluster (gp_cluster_sum_store), as in the staged kernel.
+// and K can be split over a cluster (gp_cluster_sum_store).
 #ifndef GP_XA_STAGES
 #define GP_XA_STAGES 3   // int4_batched.XA_STAGES (int4_batched_bench --xa-sweep builds others)
 #endif

@@ -52,14 +52,10 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
-    INT4_MMA_STAGED,
     INT4_MMA_XA,
     INT4_WGMMA,
-    STAGE_GROUPS,
-    STAGES,
     XA_STAGES,
     launch_int4_mma,
-    launch_int4_mma_staged,
     launch_int4_mma_xa,
 )
 from gpu_worker.kernels.linear import (
@@ -275,17 +271,6 @@ def int4_mma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=N
     per warp (default: the launcher's choice)."""
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma(
         h.device, h.function(INT4_MMA), *p, m, n, k, accumulate, mt=mt))
-
-
-def int4_mma_staged_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, mt=None,
-                         split=None, kernel=INT4_MMA_STAGED, stages=STAGES,
-                         groups=STAGE_GROUPS) -> Outcome:
-    """The staged tensor-core int4 linear (int4_batched.py): int4_mma's contract and tolerance;
-    `mt` and `split` force the weight tile and the cluster's K split (default: staged_plan);
-    `kernel`, `stages` and `groups` name a tuning build (bench/int4_batched_bench.py)."""
-    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma_staged(
-        h.device, h.function(kernel), *p, m, n, k, accumulate, mt=mt, split=split,
-        stages=stages, groups=groups))
 
 
 def int4_mma_xa_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=None,
@@ -615,10 +600,6 @@ CASES: list[Case] = [
     C("int4_mma_xa", int4_mma_xa_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_xa", int4_mma_xa_case, m=40, n=300, k=640, scale=300.0, nt=4),
     C("int4_mma_xa", int4_mma_xa_case, m=64, n=40, k=1152, accumulate=True, split=3),
-    C("int4_mma_staged", int4_mma_staged_case, m=17, n=48, k=128),
-    C("int4_mma_staged", int4_mma_staged_case, m=32, n=100, k=1024, bias=True, accumulate=True),
-    C("int4_mma_staged", int4_mma_staged_case, m=40, n=300, k=640, scale=300.0),
-    C("int4_mma_staged", int4_mma_staged_case, m=64, n=40, k=1152, accumulate=True, split=3),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

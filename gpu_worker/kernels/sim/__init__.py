@@ -22,10 +22,8 @@ from gpu_worker.kernels.int4_batched import (
     MMA_K_ALIGN,
     MMA_MAX_ROWS,
     ROWS_MAX_ROWS,
-    STAGED_MT,
     XA_MIN_ROWS,
     XA_NT,
-    staged_tile,
     xa_tile,
 )
 
@@ -133,19 +131,6 @@ def _int4_mma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
     # the CUDA grid covers 16 * mt weight rows per block: a short grid leaves rows unwritten
     assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                              _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
-
-
-@register_sim_kernel("gp_int4_mma_staged")
-def _int4_mma_staged(mem, grid, block, args) -> None:
-    y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
-    # the CUDA grid is (split, tiles of staged_tile rows): a short grid leaves rows unwritten
-    bn = staged_tile(m, mt)[0]
-    assert grid[1] * bn >= n and mt in STAGED_MT and block[0] == 256, (grid, block, mt)
-    assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
