@@ -36,7 +36,8 @@ from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.paged_attention import (
-    FLASH_DECODE_PAGED,
+    FLASH_COMBINE_PAGED,
+    FLASH_DECODE_SPLIT_PAGED,
     launch_flash_decode_paged,
     paged_decode_span,
     paged_decode_splits,
@@ -108,15 +109,13 @@ class Bench:
         q = h.put(np.resize(self.noise, batch * HEADS * HD))
         out = h.put(np.zeros(batch * HEADS * HD, np.float16))
         splits = paged_decode_splits(max_blocks, BT, span)
-        # zeros: the arrival counters at the workspace's tail must start at zero (every launch
-        # leaves them there), so one workspace serves every layer's launch and every replay
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fn = h.function(FLASH_DECODE_PAGED)
+        fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
-                dev, fn, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
+                dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
                 max_blocks, span=span, stream=s)
 
         t = self._time([one(i) for i in range(layers)])

@@ -41,13 +41,13 @@ from gpu_worker.kernels import (
     launch_flash_attention_prefill,
 )
 from gpu_worker.kernels.paged_attention import (
-    FLASH_DECODE_PAGED,
+    FLASH_COMBINE_PAGED,
+    FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     launch_flash_decode_paged,
     launch_flash_prefill_paged,
     paged_decode_span,
     paged_decode_splits,
-    paged_decode_workspace_bytes,
 )
 from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 from gpu_worker.kernels.selfcheck import KernelHarness
@@ -100,12 +100,11 @@ class Bench:
         span = paged_decode_span(max_blocks, bt, batch, HEADS, KVH)
         splits = paged_decode_splits(max_blocks, bt, span)
         q, out = self.f16(batch * HEADS * HD), self.buf(2 * batch * HEADS * HD)
-        # zero bytes: the arrival counters at the workspace's tail start (and stay) at zero
-        ws = self.buf(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD, splits=splits))
+        ws = self.buf(flash_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD, splits=splits))
         pos = h.put(np.full(batch, ctx - 1, np.int32))   # ctx keys: positions 0..ctx-1
-        fn = h.function(FLASH_DECODE_PAGED)
+        fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
         t = self.time(lambda s: launch_flash_decode_paged(
-            dev, fn, out, ws, q, pool, pos, table, batch, HEADS, KVH, HD, 0, 1, bt, max_blocks,
+            dev, fs, fc, out, ws, q, pool, pos, table, batch, HEADS, KVH, HD, 0, 1, bt, max_blocks,
             span=span, stream=s))
         self.h.close()
         return t

@@ -312,8 +312,7 @@ class ModelExecutor:
         # Weight slots are keyed per device; the namespace (the model id) keeps two models'
         # "embed" from colliding on one worker.
         self.weight_namespace = weight_namespace
-        self.kernels = KernelCache(device.arena, variants_per_node,
-                                   zero=lambda ptr, nbytes: device.memset(ptr, 0, nbytes))
+        self.kernels = KernelCache(device.arena, variants_per_node)
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream))
         self._weights: dict[str, tuple[int, int]] = {}   # key -> (address, bytes), load order
@@ -552,7 +551,7 @@ class ModelExecutor:
         if binding.gemms(node, graph, 1 << 62):
             self._ensure_tile()
         return VariantSpec(function={k.name: self.function(k) for k in binding.kernels},
-                           workspace_bytes=binding.workspace(node, graph), zeroed=binding.zeroed)
+                           workspace_bytes=binding.workspace(node, graph))
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, key: Hashable, build_graph: Callable[[], Graph], inputs: dict[str, np.ndarray],

@@ -10,10 +10,7 @@ Contract:
 - an eviction first resets every captured graph registered as a holder of the variant (a graph
   bakes workspace pointers; replaying it after the free is a use-after-free), then frees each
   workspace through the arena's fenced, deferred release (kernels in flight finish first); a
-  variant whose graph cannot be reset is quarantined (kept allocated and booked), never freed;
-- a workspace the spec names in `zeroed` (state a kernel expects zero and leaves zero, such as the
-  paged decode's arrival counters) is zeroed once, right after its allocation, on the stream the
-  cache was given (`zero`): stream-ordered before any launch that uses it.
+  variant whose graph cannot be reset is quarantined (kept allocated and booked), never freed.
 Cost: one dict lookup per node per eager run; a captured plan does not consult the cache at all.
 """
 from __future__ import annotations
@@ -39,7 +36,6 @@ class VariantSpec:
     function: object                     # the loaded kernel function(s) the launcher takes
     workspace_bytes: dict[str, int] = field(default_factory=dict)
     launch: dict[str, object] = field(default_factory=dict)   # static launch parameters
-    zeroed: frozenset[str] = frozenset()   # workspaces that must start as zero bytes
 
 
 @dataclass(eq=False)
@@ -64,10 +60,8 @@ class KernelVariant:
 class KernelCache:
     """Bounded per-node LRU of kernel variants. Thread-safe; builders run under the lock."""
 
-    def __init__(self, arena, variants_per_node: int | None = None,
-                 zero: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, arena, variants_per_node: int | None = None) -> None:
         self.arena = arena
-        self.zero = zero   # (ptr, nbytes) -> zero bytes, stream-ordered: the device's memset
         self.bound = DEFAULT_VARIANTS_PER_NODE if variants_per_node is None else variants_per_node
         if self.bound < 1:
             raise ValueError(f"variants_per_node must be >= 1, got {self.bound}")
@@ -96,11 +90,6 @@ class KernelCache:
                 for name, nbytes in spec.workspace_bytes.items():
                     if nbytes > 0:
                         workspaces[name] = self.arena.alloc(nbytes, "workspace", role="workspace")
-                for name in spec.zeroed:
-                    if name in workspaces:
-                        assert self.zero is not None, \
-                            f"workspace {name!r} must start zeroed: KernelCache needs `zero`"
-                        self.zero(workspaces[name].ptr, workspaces[name].size)
             except BaseException:
                 for alloc in workspaces.values():
                     self.arena.free(alloc)

@@ -78,9 +78,6 @@ class OpBinding:
     kernels: tuple                                       # KernelDefs the op launches
     launch: Callable[[LaunchContext], None]
     workspace: Callable[[Node, Graph], dict[str, int]] = lambda node, graph: {}
-    # Workspaces that must be zero before the op's first launch, zeroed once when the kernel
-    # cache allocates them (the op's kernels leave them zero again: the paged decode's counters)
-    zeroed: frozenset[str] = frozenset()
     # GEMM shapes (m, n, k) the op hands to the device's BLAS for this node (warmed up before capture)
     gemms: Callable[[Node, Graph, int], list[tuple[int, int, int]]] = lambda node, graph, tile: []
     # The op honours a node's `accumulate` attribute: y += x @ W^T into its output, which the
@@ -407,7 +404,6 @@ def _paged_decode_splits(node: Node, graph: Graph) -> int:
 
 
 def _paged_decode_workspace(node: Node, graph: Graph) -> dict[str, int]:
-    """The split slots and the arrival counters (zeroed at allocation: OpBinding.zeroed)."""
     a = node.attributes
     return {"splits": paged_attention.paged_decode_workspace_bytes(
         batch=graph.tensors[node.inputs[0]].shape[0], heads=int(a["heads"]),
@@ -418,9 +414,10 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
     g = _paged(c.node.attributes)
     batch = c.shape(0)[0]
     paged_attention.launch_flash_decode_paged(
-        c.device, c.fn("flash_decode_paged"), c.out(), c.variant.workspace_ptr("splits"),
-        c.inp(0), c.inp(1), c.inp(2), c.inp(3), batch, int(c.node.attributes["heads"]),
-        g["kv_heads"], g["head_dim"], g["layer"], g["layers"], g["block_tokens"], g["max_blocks"],
+        c.device, c.fn("flash_decode_split_paged"), c.fn("flash_combine_paged"), c.out(),
+        c.variant.workspace_ptr("splits"), c.inp(0), c.inp(1), c.inp(2), c.inp(3), batch,
+        int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"], g["layer"], g["layers"],
+        g["block_tokens"], g["max_blocks"],
         span=_paged_decode_span(c.node, c.graph), stream=c.stream)
 
 
@@ -470,10 +467,10 @@ OPS: dict[str, OpBinding] = {
     # continuous batching over the paged KV pool (the issue-13 contract)
     "rotary_rows": OpBinding((rotary.ROTARY_ROWS,), _launch_rotary_rows),
     "kv_append_paged": OpBinding((paged_attention.KV_APPEND_PAGED,), _launch_kv_append_paged),
-    "flash_attention_decode_paged": OpBinding((paged_attention.FLASH_DECODE_PAGED,),
+    "flash_attention_decode_paged": OpBinding((paged_attention.FLASH_DECODE_SPLIT_PAGED,
+                                               paged_attention.FLASH_COMBINE_PAGED),
                                               _launch_flash_decode_paged,
-                                              workspace=_paged_decode_workspace,
-                                              zeroed=frozenset({"splits"})),
+                                              workspace=_paged_decode_workspace),
     "flash_attention_prefill_paged": OpBinding((paged_attention.FLASH_PREFILL_PAGED,),
                                                _launch_flash_prefill_paged),
     "sample": OpBinding((sampling.SAMPLE,), _launch_sample),

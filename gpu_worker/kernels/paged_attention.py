@@ -18,17 +18,10 @@ Decode splits by the actual length (DESIGN 6.2): a split is a fixed span of keys
 paged_decode_span), so a row of n keys has ceil(n / span) splits wherever it sits in the batch,
 and a batch of 64 short rows gets as much split-K as one long row. The grid and the workspace are
 sized for the longest row the table holds (a function of the graph's shape: a captured graph stays
-valid as rows grow); a split block past its row's length exits before reading anything. One
-kernel (gp_flash_decode_paged) splits and merges: each split writes its partial state into the
-workspace, and the last of a row's splits to arrive (a per-row, per-head-group counter in the
-workspace) merges the splits that ran, in split order, into out, so a stale slot is never merged.
-A row with no key (a padding row) comes out zero. What the empty blocks of short rows cost (the
-grid is sized for the longest) is measured in docs/kernels.md.
-
-Hazard: the arrival counters must be zero before the first launch (paged_decode_counters_offset:
-the workspace's tail; the op binding zeroes that workspace once, when the kernel cache allocates
-it); every launch leaves them zero again, so graph replays need nothing between them. Two
-launches that share a workspace must not overlap (one stream, as the decoder runs).
+valid as rows grow); a split block past its row's length exits before reading anything, and the
+combine (gp_flash_combine_paged) reads only the splits that ran, so a stale slot is never merged.
+A row with no key (a padding row) comes out zero. What the empty blocks of short rows cost
+(the grid is sized for the longest) is measured in docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -65,7 +58,7 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # keys per decode split by the blocks of one split slice (batch * kv_heads * head groups), measured
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
-MAX_DECODE_SPLITS = 128    # workspace slots per row: the merge gives each split a thread
+MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives each split a thread
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
@@ -129,19 +122,10 @@ def paged_decode_splits(max_blocks: int, block_tokens: int, span: int) -> int:
     return ceil_div(max_blocks * block_tokens, span)
 
 
-def paged_decode_counters_offset(*, batch: int, heads: int, head_dim: int, splits: int = 1,
-                                 **_: int) -> int:
-    """Where the arrival counters start in the workspace: after the fp32 (max, sum,
-    acc[head_dim]) of every (row, query head, split slot)."""
-    return 4 * batch * heads * splits * (head_dim + 2)
-
-
 def paged_decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, splits: int = 1,
                                  **_: int) -> int:
-    """The split slots, then one uint32 arrival counter per (row, query head) (a block of heads
-    uses its first head's), which must be zero before the first launch."""
-    return paged_decode_counters_offset(batch=batch, heads=heads, head_dim=head_dim,
-                                        splits=splits) + 4 * batch * heads
+    """fp32 (max, sum, acc[head_dim]) per (row, query head, split slot)."""
+    return 4 * batch * heads * splits * (head_dim + 2)
 
 
 def _check_decode(kernel: str, batch: int, span: int, splits: int) -> None:
@@ -153,34 +137,65 @@ def _check_decode(kernel: str, batch: int, span: int, splits: int) -> None:
     require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
 
 
-def launch_flash_decode_paged(device, function, out: int, workspace: int, q: int, pool: int,
-                              positions: int, table: int, batch: int, heads: int, kv_heads: int,
-                              head_dim: int, layer: int, layers: int, block_tokens: int,
-                              max_blocks: int, *, span: int | None = None,
-                              scale: float | None = None, stream=None) -> None:
-    """Paged split-K decode split by the rows' actual lengths, into fp16 out: one launch whose
-    splits write their partial state into `workspace` (paged_decode_workspace_bytes with
-    paged_decode_splits(max_blocks, block_tokens, span) slots, its counters zero) and whose last
-    split of each row merges them."""
-    kernel = "flash_decode_paged"
+def launch_flash_decode_split_paged(device, function, workspace: int, q: int, pool: int,
+                                    positions: int, table: int, batch: int, heads: int,
+                                    kv_heads: int, head_dim: int, layer: int, layers: int,
+                                    block_tokens: int, max_blocks: int, *, span: int,
+                                    scale: float | None = None, stream=None) -> None:
+    """The split half of the paged decode: the partial state of each split of `span` keys that
+    holds a key of its row into `workspace` (paged_decode_splits slots per row and head)."""
+    kernel = "flash_decode_split_paged"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
-    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
     _check_decode(kernel, batch, span, splits)
     require(workspace and workspace % 4 == 0 and positions and table,
             f"{kernel}: needs a 4-byte aligned workspace, positions and a table")
-    require(out and out % 2 == 0, f"{kernel}: needs a 2-byte aligned out")
     for name, p in (("q", q), ("pool", pool)):
         require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
     if batch == 0:
         return
     hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
     device.launch(function, (kv_heads * hgroups, batch, splits), (DECODE_THREADS, 1, 1),
-                  [ptr(out), ptr(workspace), ptr(q), ptr(pool), ptr(positions), ptr(table),
-                   i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
-                   i32(layers), i32(block_tokens), i32(max_blocks), i32(span),
-                   f32(_scale(head_dim, scale))],
+                  [ptr(workspace), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
+                   i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
+                   i32(block_tokens), i32(max_blocks), i32(span), f32(_scale(head_dim, scale))],
                   stream=stream)
+
+
+def launch_flash_combine_paged(device, function, out: int, workspace: int, positions: int,
+                               batch: int, heads: int, head_dim: int, block_tokens: int,
+                               max_blocks: int, *, span: int, stream=None) -> None:
+    """Merge the splits that ran for each row (ceil(nkeys / span)) into fp16 out."""
+    kernel = "flash_combine_paged"
+    require_sizes(kernel, heads=heads, head_dim=head_dim, max_blocks=max_blocks,
+                  block_tokens=block_tokens)
+    splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
+    _check_decode(kernel, batch, span, splits)
+    require(workspace and workspace % 4 == 0 and positions,
+            f"{kernel}: needs a 4-byte aligned workspace and positions")
+    require(out % 2 == 0 and heads < 65536, f"{kernel}: out 2-byte aligned, heads < 65536")
+    if batch == 0:
+        return
+    device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
+                  [ptr(out), ptr(workspace), ptr(positions), i32(batch), i32(heads),
+                   i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits)],
+                  stream=stream)
+
+
+def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
+                              q: int, pool: int, positions: int, table: int, batch: int,
+                              heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
+                              block_tokens: int, max_blocks: int, *, span: int | None = None,
+                              scale: float | None = None, stream=None) -> None:
+    """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
+    of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
+    paged_decode_splits(max_blocks, block_tokens, span) slots."""
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
+    launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
+                                    batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
+                                    max_blocks, span=span, scale=scale, stream=stream)
+    launch_flash_combine_paged(device, combine_function, out, workspace, positions, batch, heads,
+                               head_dim, block_tokens, max_blocks, span=span, stream=stream)
 
 
 def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, start: int,
@@ -206,10 +221,13 @@ def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, st
 
 KV_APPEND_PAGED = KernelDef("kv_append_paged", "gp_kv_append_paged", SOURCE, kv_append_paged,
                             launch_kv_append_paged)
-FLASH_DECODE_PAGED = KernelDef("flash_decode_paged", "gp_flash_decode_paged", SOURCE,
-                               flash_decode_paged, launch_flash_decode_paged,
-                               workspace=paged_decode_workspace_bytes)
+FLASH_DECODE_SPLIT_PAGED = KernelDef("flash_decode_split_paged", "gp_flash_decode_split_paged",
+                                     SOURCE, flash_decode_paged_partials,
+                                     launch_flash_decode_split_paged,
+                                     workspace=paged_decode_workspace_bytes)
+FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged", SOURCE,
+                                flash_decode_paged_combine, launch_flash_combine_paged)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
 
-KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_PAGED, FLASH_PREFILL_PAGED]
+KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED, FLASH_PREFILL_PAGED]

@@ -138,24 +138,3 @@ def test_a_variant_whose_graph_cannot_be_reset_is_quarantined_not_freed():
         cache.resolve("attn", ((9, 64),), spec)
     assert v.workspaces["scratch"].ptr in arena.live, "freed a workspace a live graph may still use"
     assert cache.stats()["quarantined"] == 1
-
-
-def test_a_workspace_named_zeroed_is_zeroed_once_at_allocation_and_no_other_is():
-    log: list = []
-    zeroed: list = []
-    cache = KernelCache(RecordingArena(log), variants_per_node=4,
-                        zero=lambda ptr, nbytes: zeroed.append((ptr, nbytes)))
-    v = cache.resolve("attn", ((1,),), lambda: VariantSpec("fn", {"slots": 64, "scratch": 32},
-                                                           zeroed=frozenset({"slots"})))
-    assert zeroed == [(v.workspaces["slots"].ptr, 64)], zeroed
-    cache.resolve("attn", ((1,),), lambda: pytest.fail("a hit must not rebuild"))
-    assert len(zeroed) == 1, "a cache hit must not zero the workspace again"
-
-
-def test_a_zeroed_workspace_without_a_zero_function_is_refused_and_freed():
-    arena = RecordingArena([])
-    cache = KernelCache(arena, variants_per_node=4)
-    with pytest.raises(AssertionError, match="must start zeroed"):
-        cache.resolve("attn", ((1,),), lambda: VariantSpec("fn", {"slots": 64},
-                                                           zeroed=frozenset({"slots"})))
-    assert not arena.live, "the workspace allocated before the refusal must be freed"

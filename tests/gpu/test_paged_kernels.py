@@ -16,6 +16,7 @@ from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 from gpu_worker.kernels.selfcheck import Case, KernelHarness
 from gpu_worker.kernels.selfcheck.paged import (
     APPEND,
+    COMBINE,
     DECODE,
     PAGED_CASES,
     PREFILL,
@@ -53,25 +54,27 @@ MODEL_CASES: list[Case] = [
     Case(APPEND, kv_append_paged_case, {"positions": list(range(100, 2148)), "table_rows": 1,
                                         "kv_heads": 8, "head_dim": 128, "block_tokens": 64,
                                         "max_blocks": 40, "layers": 1, "layer": 0}),
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191], "block_tokens": 16}),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191], "block_tokens": 16}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B32, "block_tokens": 64,
-                                     "max_blocks": 128, "capacity": 512}),
+                                     "max_blocks": 128, "capacity": 512}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64, "block_tokens": 16,
-                                     "max_blocks": 128, "capacity": 1024}),
+                                     "max_blocks": 128, "capacity": 1024}, COMBINE),
     Case(DECODE, paged_decode_case, {"heads": 32, "kv_heads": 8, "head_dim": 64, "layers": 1,
                                      "layer": 0, "positions": [0, 999, 4000, 8191],
-                                     "block_tokens": 128}),
+                                     "block_tokens": 128}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": [1023, 7], "block_tokens": 32,
-                                     "max_blocks": 256, "replay_positions": [[4095, -1], [8191, 8]]}),
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8, **_T8K, "capacity": 1024}),
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64L, **_T8K, "capacity": 2048}),
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64S, **_T8K, "capacity": 512}),
+                                     "max_blocks": 256, "replay_positions": [[4095, -1], [8191, 8]]},
+         COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8, **_T8K, "capacity": 1024}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64L, **_T8K, "capacity": 2048}, COMBINE),
+    Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64S, **_T8K, "capacity": 512}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191, 0, 300, 7], "block_tokens": 64,
-                                     "max_blocks": 128, "span": 512}),
+                                     "max_blocks": 128, "span": 512}, COMBINE),
     # one captured graph replayed as the rows' lengths change: short, long, mixed, shrunk
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8[::-1], **_T8K, "capacity": 1024,
                                      "replay_positions": [[4] * 8, [8191] * 8, _B8,
-                                                          [300, -1, 2, 9, 8000, 1, 511, 77]]}),
+                                                          [300, -1, 2, 9, 8000, 1, 511, 77]]},
+         COMBINE),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 0, "chunk_len": 2048,
                                        "block_tokens": 16, "rows": 64}),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 512, "start": 1536, "chunk_len": 512,
@@ -110,19 +113,6 @@ def test_cuda_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c.id[:100] for c in MODEL_CASES])
 def test_cuda_paged_kernel_at_model_shapes_matches_its_numpy_reference(harness, case) -> None:
-    _check(harness, case)
-
-
-@pytest.mark.parametrize("positions", [[8191], _B8], ids=["batch1", "batch8"])
-def test_one_captured_decode_replayed_many_times_keeps_its_counters_zero(harness, positions) -> None:
-    """The merge's arrival counters: one graph replayed eight times at the target shapes (8192-key
-    table), lengths changing and repeating; after every replay each counter is back at zero, the
-    output matches the reference, and a repeat of earlier lengths gives the same bits (the last
-    split to arrive differs between replays; the merge runs in split order regardless)."""
-    short = [p if p < 0 else p % 300 for p in positions]
-    steps = [positions, short, positions, [8191] * len(positions), positions, short, positions]
-    case = Case(DECODE, paged_decode_case, {**LLAMA, "positions": positions, **_T8K,
-                                            "capacity": 1024, "replay_positions": steps})
     _check(harness, case)
 
 

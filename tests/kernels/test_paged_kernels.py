@@ -49,7 +49,7 @@ def test_sim_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
 def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(paged_log) -> None:
     """Prefill <= 168 registers (3 blocks of 4 warps per SM), decode <= 128 (4 blocks): the
     paged addresser must not cost the flash kernels their occupancy."""
-    for entry, budget in (("gp_flash_prefill_paged", 168), ("gp_flash_decode_paged", 128),
+    for entry, budget in (("gp_flash_prefill_paged", 168), ("gp_flash_decode_split_paged", 128),
                           ("gp_kv_append_paged", 255)):
         section = paged_log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
         assert "0 bytes spill stores, 0 bytes spill loads" in section, f"{entry} spills:\n{section}"
@@ -97,7 +97,7 @@ def test_paged_decode_launcher_refuses_bad_shapes_before_the_device(harness, kwa
     args = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 64, "layer": 0, "layers": 2,
             "block_tokens": 16, "max_blocks": 4, "span": 16, **kwargs}
     with pytest.raises(InvalidArgument, match=match):
-        pa.launch_flash_decode_paged(harness.device, None, 256, 256, 256, 256, 256, 256, **args)
+        pa.launch_flash_decode_split_paged(harness.device, None, 256, 256, 256, 256, 256, **args)
 
 
 def test_a_split_is_a_fixed_span_of_keys_so_every_batch_splits_by_its_rows_lengths() -> None:
@@ -116,37 +116,17 @@ def test_a_split_is_a_fixed_span_of_keys_so_every_batch_splits_by_its_rows_lengt
                <= pa.MAX_DECODE_SPLITS for mb in (1, 100, 512, 8192) for b in (1, 8, 64, 300))
 
 
-def _with_sim_kernel(monkeypatch, tmp_path, kernel, run) -> None:
-    """Run `run(harness)` on a fresh sim device whose gp_flash_decode_paged is `kernel` (a
-    function binds its sim kernel when looked up)."""
+def test_a_split_kernel_that_writes_slots_past_a_rows_length_is_caught(monkeypatch, tmp_path) -> None:
+    """Negative control: a split kernel that also writes the (empty) state of the splits past a
+    row's length leaves no NaN there, and the case reports it."""
     from gpu_worker.device import sim_kernels
-
-    monkeypatch.setitem(sim_kernels._REGISTRY, "gp_flash_decode_paged", kernel)
-    device = open_device("sim")
-    h = KernelHarness(device, KernelCompiler(device.info.arch, cache_dir=tmp_path))
-    try:
-        run(h)
-    finally:
-        h.close()
-        device.close()
-
-
-def _real_decode():
-    from gpu_worker.device import sim_kernels
-
-    return sim_kernels.lookup_sim_kernel("gp_flash_decode_paged")
-
-
-def test_a_decode_that_writes_slots_past_a_rows_length_is_caught(monkeypatch, tmp_path) -> None:
-    """Negative control: a kernel that also writes the (empty) state of the splits past a row's
-    length leaves no NaN there, and the case reports it."""
     from gpu_worker.kernels import reference
 
-    real = _real_decode()
+    real = sim_kernels.lookup_sim_kernel("gp_flash_decode_split_paged")
 
     def writes_every_slot(mem, grid, block, args) -> None:
         vals = [a.value for a in args]
-        ws, batch, heads, head_dim = vals[1], vals[6], vals[7], vals[9]
+        ws, batch, heads, head_dim = vals[0], vals[5], vals[6], vals[8]
         empty = reference.attention_partial_f16(np.zeros((heads, head_dim), np.float16),
                                                 np.zeros((0, 1, head_dim), np.float16),
                                                 np.zeros((0, 1, head_dim), np.float16))
@@ -154,57 +134,16 @@ def test_a_decode_that_writes_slots_past_a_rows_length_is_caught(monkeypatch, tm
         part.reshape(batch, heads, grid[2], head_dim + 2)[:] = empty[None, :, None]
         real(mem, grid, block, args)
 
-    def run(h) -> None:
-        out = paged_decode_case(h, np.random.default_rng(5), 4, 2, 16, [40, 3], span=16)
-        assert out.failure() is not None, "a write past a row's length must not pass"
-
-    _with_sim_kernel(monkeypatch, tmp_path, writes_every_slot, run)
-
-
-def test_a_decode_that_leaves_a_counter_nonzero_is_caught(monkeypatch, tmp_path) -> None:
-    """Negative control: a kernel whose last split does not leave its row's counter at zero
-    (the next launch or graph replay would merge early) fails the case, launched once and
-    replayed."""
-    real = _real_decode()
-
-    def leaves_a_count(mem, grid, block, args) -> None:
-        real(mem, grid, block, args)
-        vals = [a.value for a in args]
-        ws, batch, heads, head_dim = vals[1], vals[6], vals[7], vals[9]
-        at = pa.paged_decode_counters_offset(batch=batch, heads=heads, head_dim=head_dim,
-                                             splits=grid[2])
-        mem.view(ws + at, 4).view(np.uint32)[0] = 1
-
-    def run(h) -> None:
-        for replay in (None, [[40, 3], [40, 3]]):
-            out = paged_decode_case(h, np.random.default_rng(6), 4, 2, 16, [40, 3], span=16,
-                                    replay_positions=replay)
-            assert out.failure() is not None, f"a counter left at 1 must not pass ({replay=})"
-
-    _with_sim_kernel(monkeypatch, tmp_path, leaves_a_count, run)
-
-
-def test_counters_not_zeroed_before_the_first_launch_give_a_wrong_output(harness) -> None:
-    """The workspace contract: a garbage counter (here NaN's bits, what the workspace held before
-    the zeroing) makes a row merge before its other splits wrote their slots, or never merge."""
-    rng = np.random.default_rng(7)
-    batch, heads, kv_heads, hd, bt, mb, span = 2, 4, 2, 16, 16, 4, 16
-    splits = pa.paged_decode_splits(mb, bt, span)
-    pool = rng.standard_normal((8, 1, 2, bt, kv_heads, hd), dtype=np.float32).astype(np.float16)
-    table = rng.integers(0, 8, (batch, mb)).astype(np.int32)
-    q = rng.standard_normal((batch, heads * hd), dtype=np.float32).astype(np.float16)
-    positions = np.array([40, 50], np.int32)
-    nbytes = pa.paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=hd, splits=splits)
-    out = harness.put(np.zeros((batch, heads * hd), np.float16))
-    ws = harness.put(np.full(nbytes // 4, np.nan, np.float32))
-    pa.launch_flash_decode_paged(harness.device, harness.function(pa.FLASH_DECODE_PAGED), out, ws,
-                                 harness.put(q), harness.put(pool), harness.put(positions),
-                                 harness.put(table), batch, heads, kv_heads, hd, 0, 1, bt, mb,
-                                 span=span)
-    got = harness.get(out, (batch, heads * hd), np.float16).astype(np.float32)
-    want = pa.flash_decode_paged(q, pool, positions, table, 0, heads).astype(np.float32)
-    assert not np.allclose(got, want, rtol=1e-2, atol=2e-3), \
-        "garbage counters must not pass: the zeroing at allocation is what makes the output right"
+    monkeypatch.setitem(sim_kernels._REGISTRY, "gp_flash_decode_split_paged", writes_every_slot)
+    device = open_device("sim")   # a fresh harness: functions bind their sim kernel when looked up
+    h = KernelHarness(device, KernelCompiler(device.info.arch, cache_dir=tmp_path))
+    try:
+        rng = np.random.default_rng(5)
+        assert paged_decode_case(h, rng, 4, 2, 16, [40, 3], span=16).failure() is not None, \
+            "a write past a row's length must not pass"
+    finally:
+        h.close()
+        device.close()
 
 
 def test_kv_append_launcher_refuses_a_table_of_the_wrong_row_count(harness) -> None:

@@ -46,103 +46,70 @@ __device__ __forceinline__ int gp_paged_nkeys(const int* positions, int b, int c
     return max(0, min(positions[b] + 1, capacity));
 }
 
-// The merge of the `ran` splits of nh query heads of one row (part: head 0's slot 0, a head every
-// `stride` floats, a split every head_dim + 2): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M)
-// l_s, in split order whichever block merges, so the result is bit-identical from launch to launch.
-// Thread s owns split s's weight (ran <= 128 threads). The slots come through __ldcg (L2): other
-// blocks wrote them, and a line of them in this SM's L1 could be stale.
-__device__ __forceinline__ void gp_fd_merge_paged(unsigned short* __restrict__ out,
-                                                  const float* part, int nh, int ran,
-                                                  int head_dim, int stride, float* smem) {
-    static_assert(GP_FD_SMEM >= GP_FD_HPB * (GP_FD_THREADS + 1) + 33, "merge scratch > smem");
-    float* w_s = smem;                                   // [GP_FD_HPB][GP_FD_THREADS]
-    float* inv_s = smem + GP_FD_HPB * GP_FD_THREADS;     // [GP_FD_HPB]
-    float* scratch = inv_s + GP_FD_HPB;                  // [33]
-    const int tid = threadIdx.x, width = head_dim + 2;
-    for (int i = 0; i < nh; ++i) {
-        const float* p = part + (long long)i * stride;
-        const float ms = tid < ran ? __ldcg(p + tid * width) : -INFINITY;
-        const float ls = tid < ran ? __ldcg(p + tid * width + 1) : 0.f;
-        const float mx = gp_block_max(ms, scratch);
-        const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;
-        const float l = gp_block_sum(ls * w, scratch);
-        w_s[i * GP_FD_THREADS + tid] = w;
-        if (tid == 0) inv_s[i] = l > 0.f ? 1.f / l : 0.f;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < nh * head_dim; idx += blockDim.x) {
-        const int i = idx / head_dim, d = idx % head_dim;
-        const float* p = part + (long long)i * stride + 2 + d;
-        const float* w = w_s + i * GP_FD_THREADS;
-        float acc = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < ran; ++s) acc = fmaf(__ldcg(p + s * width), w[s], acc);
-        out[idx] = gp_f2h(acc * inv_s[i]);
-    }
-}
-
-// grid (kv_heads * ceil(group / 4), batch, splits), 128 threads: flash decode over paged K/V,
-// split by the row's actual length, the merge folded in. Split z covers keys [z * span, (z + 1) *
-// span); the grid holds the splits of the longest row the table can hold (splits = ceil(max_blocks
-// * block_tokens / span), the workspace's slots per row), and a split past its row's length
-// returns before reading anything else: it writes no slot. Of the ran = ceil(nkeys / span) splits
-// of a row, each writes its partial state into its slot; the last to arrive at the row's counter
-// for its heads merges them into fp16 out (gp_fd_merge_paged) and leaves the counter at zero for
-// the next launch (atomicInc wraps at ran - 1). A row with no key (a padding row): split 0 writes
-// zeros. ws: batch * heads * splits * (head_dim + 2) floats, then batch * heads arrival counters
-// (unsigned, zero before the first launch; the block of heads h0.. uses counter b * heads + h0).
+// grid (kv_heads * ceil(group / 4), batch, splits), 128 threads: flash decode's split kernel
+// over paged K/V, split by the row's actual length. Split z covers keys [z * span, (z + 1) * span);
+// the grid holds the splits of the longest row the table can hold (splits = ceil(max_blocks *
+// block_tokens / span), the workspace's slots per row), and a split past its row's length
+// returns before reading anything else: it writes no slot, and the combine reads none.
 extern "C" __global__ void __launch_bounds__(128, 4)
-gp_flash_decode_paged(unsigned short* __restrict__ out, float* __restrict__ ws,
-                      const unsigned short* __restrict__ q, const unsigned short* __restrict__ pool,
-                      const int* __restrict__ positions, const int* __restrict__ table, int batch,
-                      int heads, int kv_heads, int head_dim, int layer, int layers,
-                      int block_tokens, int max_blocks, int span, float scale) {
+gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __restrict__ q,
+                            const unsigned short* __restrict__ pool,
+                            const int* __restrict__ positions, const int* __restrict__ table,
+                            int batch, int heads, int kv_heads, int head_dim, int layer,
+                            int layers, int block_tokens, int max_blocks, int span, float scale) {
     const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
     const int j0 = sp * span;
+    if (j0 >= nkeys) return;  // past the row's length (a padding row has no split at all)
+    const int j1 = min(j0 + span, nkeys);
     const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
     const int hk = blockIdx.x / hgroups, hg = blockIdx.x % hgroups;
     const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
-    unsigned short* o = out + ((long long)b * heads + h0) * head_dim;
-    if (j0 >= nkeys) {  // past the row's length
-        if (nkeys == 0 && sp == 0)
-            for (int idx = threadIdx.x; idx < nh * head_dim; idx += blockDim.x) o[idx] = 0;
-        return;
-    }
-    const int j1 = min(j0 + span, nkeys);
     const int* trow = table + (long long)b * max_blocks;
     const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
     const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
     const unsigned short* qq = q + (long long)b * heads * head_dim + (long long)h0 * head_dim;
-    float* row = ws + ((long long)b * heads + h0) * splits * (head_dim + 2);
+    float* part = ws + (((long long)b * heads + h0) * splits + sp) * (head_dim + 2);
     const int stride = splits * (head_dim + 2);
-    float* slot = row + sp * (head_dim + 2);
     const float sl = scale * GP_FA_LOG2E;
     __shared__ float smem[GP_FD_SMEM];
-    __shared__ unsigned last_s;
     if (head_dim == 128)
-        gp_fd_split_block<128>(slot, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
     else if (head_dim == 64)
-        gp_fd_split_block<64>(slot, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
     else
-        gp_fd_split_block<16>(slot, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-    const int ran = (nkeys + span - 1) / span;
-    if (ran > 1) {
-        // Every thread's slot stores reach L2 before thread 0 announces the block's arrival.
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned* count = reinterpret_cast<unsigned*>(ws + (long long)batch * heads * stride)
-                              + (long long)b * heads + h0;
-            last_s = atomicInc(count, ran - 1) == (unsigned)(ran - 1);
-        }
-        __syncthreads();
-        if (!last_s) return;
-        __threadfence();  // the other blocks' slots are read after their arrivals were seen
-    } else {
-        __syncthreads();  // the one split: this block's own slot stores, seen by all its threads
+        gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+}
+
+// grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+// over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
+// hold stale state); a row with no key (a padding row) is zeros. Thread s owns split s's weight
+// (splits <= 128 threads), so the loop over splits per dim has no dependent loads.
+extern "C" __global__ void __launch_bounds__(128)
+gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
+                       const int* __restrict__ positions, int batch, int heads, int head_dim,
+                       int capacity, int span, int splits) {
+    __shared__ float w_s[GP_FD_THREADS];
+    __shared__ float scratch[33];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
+    const int nkeys = gp_paged_nkeys(positions, b, capacity);
+    const int ran = min(splits, (nkeys + span - 1) / span);
+    const float* part = ws + ((long long)b * heads + h) * splits * width;
+    const float ms = tid < ran ? part[tid * width] : -INFINITY;
+    const float ls = tid < ran ? part[tid * width + 1] : 0.f;
+    const float mx = gp_block_max(ms, scratch);
+    const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;
+    const float l = gp_block_sum(ls * w, scratch);
+    w_s[tid] = w;
+    __syncthreads();
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    unsigned short* o = out + ((long long)b * heads + h) * head_dim;
+    for (int d = tid; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < ran; ++s) acc = fmaf(part[s * width + 2 + d], w_s[s], acc);
+        o[d] = gp_f2h(acc * inv);
     }
-    gp_fd_merge_paged(o, row, nh, ran, head_dim, stride, smem);
 }
 
 // grid (ceil(tokens / 64), heads), 128 threads: one prefill chunk of one sequence. Token t <

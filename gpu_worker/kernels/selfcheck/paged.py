@@ -12,13 +12,13 @@ import numpy as np
 
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.paged_attention import (
-    FLASH_DECODE_PAGED,
+    FLASH_COMBINE_PAGED,
+    FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
     launch_flash_decode_paged,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
-    paged_decode_counters_offset,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
@@ -70,16 +70,12 @@ def kv_append_paged_case(h: KernelHarness, rng, positions, table_rows, layers=2,
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
                       span=None, replay_positions=None) -> Outcome:
-    """Split-K paged decode (one kernel: the splits, then the merge by the last split of each
-    row), split by each row's actual length, for a batch at per-row positions (-1 rows must come
-    out zero). The workspace's slots start as NaN and its arrival counters as zero, and both are
+    """Split-K paged decode (split kernel + combine), split by each row's actual length, for a
+    batch at per-row positions (-1 rows must come out zero). The workspace starts as NaN and is
     compared too: the slot of every split that holds a key must carry its partial state, every
-    other slot must still be NaN (a block past its row's length wrote nothing; the output shows
-    the merge read no such slot), and every counter must be back at zero. With
-    `replay_positions`, the launch is captured once and replayed after each change of the device
-    positions (the graph must not bake them); between replays only the slots go back to NaN, the
-    counters are left as the last replay left them, and a step that repeats an earlier step's
-    positions must reproduce its output bit for bit (the merge runs in split order)."""
+    other slot must still be NaN (a block past its row's length wrote nothing) and the output
+    shows the combine read no such slot. With `replay_positions`, the launches are captured once
+    and replayed after each change of the device positions (the graph must not bake them)."""
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
@@ -91,18 +87,16 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     table = _tables(rng, batch, max_blocks, capacity)
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
     out = h.put(np.full((batch, heads * head_dim), np.nan, H))
-    shapes = {"batch": batch, "heads": heads, "head_dim": head_dim, "splits": splits}
-    counters_at = paged_decode_counters_offset(**shapes)
-    ws_init = np.zeros(paged_decode_workspace_bytes(**shapes) // 4, np.float32)
-    ws_init[:counters_at // 4] = np.nan
-    ws = h.put(ws_init)
+    ws_bytes = paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
+    nan_ws = np.full(ws_bytes // 4, np.nan, np.float32)
+    ws = h.put(nan_ws)
     pos = h.put(steps[0])
     qp, pp, tp = h.put(q), h.put(pool), h.put(table)
     dev = h.device
-    fn = h.function(FLASH_DECODE_PAGED)
+    fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
     def launch(stream=None) -> None:
-        launch_flash_decode_paged(dev, fn, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
+        launch_flash_decode_paged(dev, fs, fc, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
                                   head_dim, layer, layers, block_tokens, max_blocks, span=span,
                                   stream=stream)
 
@@ -112,12 +106,6 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     def got_out() -> np.ndarray:
         return h.get(out, (batch, heads * head_dim), H).astype(np.float32)
 
-    def counters() -> np.ndarray:
-        """1.0 per counter back at zero, 0.0 per counter left nonzero (compared against ones)."""
-        c = h.get(ws + counters_at, (batch * heads,), np.uint32)
-        return (c == 0).astype(np.float32)
-
-    ones = np.ones(batch * heads, np.float32)
     if replay_positions is None:
         launch()
         wp = flash_decode_paged_partials(q, pool, steps[0], table, layer, heads, span, splits)
@@ -125,28 +113,23 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
         ran = ~np.isnan(wp)
         # an unrun slot compares as 1 (still NaN) against 1; a run slot by value
         got = np.concatenate([got_out().reshape(-1),
-                              np.where(ran, gp, np.isnan(gp)).reshape(-1), counters()])
-        wanted = np.concatenate([want(steps[0]).reshape(-1), np.where(ran, wp, 1.0).reshape(-1),
-                                 ones])
+                              np.where(ran, gp, np.isnan(gp)).reshape(-1)])
+        wanted = np.concatenate([want(steps[0]).reshape(-1), np.where(ran, wp, 1.0).reshape(-1)])
         return Outcome(got.astype(np.float32), wanted.astype(np.float32), RTOL, ATOL)
     with dev.capture() as cap:
         launch(cap.stream)
-    got, wanted, first = [], [], {}
+    got, wanted = [], []
     try:
         for step in steps:
             dev.to_device(pos, step)
-            dev.to_device(ws, ws_init[:counters_at // 4])  # the slots only: stale ones would hide a bad read
+            dev.to_device(ws, nan_ws)   # stale slots from a longer step would hide a bad read
             dev.replay(cap.graph_exec)
-            o = got_out()
-            seen = first.setdefault(step.tobytes(), o)
-            # 1.0 where the output equals (bitwise, NaN included) the first of these positions'
-            same = (o.view(np.uint32) == seen.view(np.uint32)).astype(np.float32)
-            got += [o.reshape(-1), counters(), same.reshape(-1)]
-            wanted += [want(step).reshape(-1), ones, np.ones(same.size, np.float32)]
+            got.append(got_out())
+            wanted.append(want(step))
     finally:
         dev.synchronize()
         dev.destroy_graph_exec(cap.graph_exec)
-    return Outcome(np.concatenate(got), np.concatenate(wanted), RTOL, ATOL)
+    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
 
 
 def paged_prefill_case(h: KernelHarness, rng, tokens, heads, kv_heads, head_dim, start,
@@ -214,7 +197,8 @@ def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
     return Case(kernel, fn, shapes, covers)
 
 
-APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_paged", "flash_prefill_paged"
+APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
+COMBINE = ("flash_combine_paged",)
 
 # (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
 # a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
@@ -230,22 +214,21 @@ PAGED_CASES: list[Case] = [
        kv_heads=1, block_tokens=32, max_blocks=2),
     _c(APPEND, kv_append_paged_case, positions=[130, -1], table_rows=2, head_dim=128,
        block_tokens=128, layers=3, layer=0, max_blocks=2),
-    _c(DECODE, paged_decode_case, heads=4, kv_heads=2, head_dim=16, positions=[0, 17, -1, 40]),
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16, positions=[0, 17, -1, 40]),
     # spans of 16 / 32 keys: rows of 1..7 splits in one batch, slots past each row left unwritten
-    _c(DECODE, paged_decode_case, heads=4, kv_heads=2, head_dim=16,
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16,
        positions=[0, 17, -1, 40, 111, 15, 16], span=16),
-    _c(DECODE, paged_decode_case, heads=8, kv_heads=2, head_dim=64, positions=[100, 3],
+    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=2, head_dim=64, positions=[100, 3],
        block_tokens=32, span=32),
-    _c(DECODE, paged_decode_case, heads=8, kv_heads=1, head_dim=128,
+    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=1, head_dim=128,
        positions=[300, -1, 64, 31], block_tokens=64, span=32),
-    _c(DECODE, paged_decode_case, heads=4, kv_heads=4, head_dim=64, positions=[255],
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=4, head_dim=64, positions=[255],
        block_tokens=256, layers=1, layer=0),
     # GQA group of 6 (two head groups per KV head), odd lengths
-    _c(DECODE, paged_decode_case, heads=12, kv_heads=2, head_dim=64, positions=[76, 0, 33],
+    _c(DECODE, paged_decode_case, COMBINE, heads=12, kv_heads=2, head_dim=64, positions=[76, 0, 33],
        span=16),
-    # one graph replayed: the counters stay zero, a repeated step reproduces its output exactly
-    _c(DECODE, paged_decode_case, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
-       span=16, replay_positions=[[21, -1], [90, 6], [3, 70], [90, 6]]),
+    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
+       span=16, replay_positions=[[21, -1], [90, 6], [3, 70]]),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

@@ -12,7 +12,6 @@ import numpy as np
 
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference, sampling
-from gpu_worker.kernels.flash_attention import DECODE_HEADS_PER_BLOCK
 from gpu_worker.kernels.sim import _arr, _strided, _vals
 
 H = np.float16
@@ -63,44 +62,41 @@ def _kv_append_paged(mem, grid, block, args) -> None:
                 blk[layer, i, position % block_tokens] = src[r].reshape(kv_heads, head_dim).astype(H)
 
 
-@register_sim_kernel("gp_flash_decode_paged")
-def _flash_decode_paged(mem, grid, block, args) -> None:
-    """As the CUDA kernel's blocks, in split order: each split that holds a key of its row writes
-    its slot (and nothing past the row's length is written or read), then arrives at its row's
-    counter for its block of heads (atomicInc, wrapping at ran - 1); the arrival that finds
-    ran - 1 merges the row's slots into out, so counters left nonzero by anything else show up
-    as a merge of unwritten slots or an out never written. A lone split merges without the
-    counter; a row without keys gets zeros from split 0."""
-    (out, ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+@register_sim_kernel("gp_flash_decode_split_paged")
+def _flash_decode_split_paged(mem, grid, block, args) -> None:
+    """Writes the slots of the splits that hold a key of their row, and nothing else (as the
+    CUDA kernel, whose blocks past a row's length exit at once)."""
+    (ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
      block_tokens, max_blocks, span, scale) = _vals(args)
-    splits, width, group = grid[2], head_dim + 2, heads // kv_heads
-    hpb = DECODE_HEADS_PER_BLOCK
-    blocks = [(hk * group + hg * hpb, min(hpb, group - hg * hpb))
-              for hk in range(kv_heads) for hg in range(-(-group // hpb))]
+    splits, width = grid[2], head_dim + 2
     pos = _arr(mem, positions, batch, np.int32)
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
-    counters = _arr(mem, ws + 4 * batch * heads * splits * width, batch * heads, np.uint32)
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
     for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
-        ran = -(-int(nkeys) // span)
-        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        kb, vb = p.gather(tab[b], layer, int(nkeys))
+        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        part = _strided(mem, ws + 4 * b * heads * splits * width, (splits, heads, width),
+                        (width, splits * width, 1))
+        for sp in range(-(-int(nkeys) // span)):
+            j0, j1 = sp * span, min((sp + 1) * span, int(nkeys))
+            part[sp] = reference.attention_partial_f16(qb, kb[j0:j1], vb[j0:j1], scale)
+
+
+@register_sim_kernel("gp_flash_combine_paged")
+def _flash_combine_paged(mem, grid, block, args) -> None:
+    """Reads only the slots of the splits that ran (a slot past a row's length is never viewed)."""
+    out, ws, positions, batch, heads, head_dim, capacity, span, splits = _vals(args)
+    width = head_dim + 2
+    pos = _arr(mem, positions, batch, np.int32)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, capacity)):
+        ran = min(splits, -(-int(nkeys) // span))
+        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
         if ran == 0:
             o[:] = 0
             continue
-        kb, vb = p.gather(tab[b], layer, int(nkeys))
-        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
         part = _strided(mem, ws + 4 * b * heads * splits * width, (ran, heads, width),
                         (width, splits * width, 1))
-        for sp in range(ran):
-            j0, j1 = sp * span, min((sp + 1) * span, int(nkeys))
-            part[sp] = reference.attention_partial_f16(qb, kb[j0:j1], vb[j0:j1], scale)
-            for h0, nh in blocks:
-                if ran > 1:
-                    old = int(counters[b * heads + h0])
-                    counters[b * heads + h0] = 0 if old >= ran - 1 else old + 1
-                    if old != ran - 1:
-                        continue
-                o[h0:h0 + nh] = reference.attention_combine_f16(np.array(part[:, h0:h0 + nh]))
+        o[:] = reference.attention_combine_f16(np.array(part)).reshape(-1)
 
 
 @register_sim_kernel("gp_flash_prefill_paged")
