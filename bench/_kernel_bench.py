@@ -19,14 +19,18 @@ def kernel_bench_parser(doc: str, trials: bool = True) -> argparse.ArgumentParse
     if trials:
         ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--small", action="store_true", help="tiny shapes (a smoke run on the sim)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch every kernel serialized (Device.dependent_launch off)")
     return ap
 
 
 def open_bench_device(args: argparse.Namespace) -> tuple[object, KernelCompiler]:
     """The device `args.backend` names and a compiler for its arch; prints what the run is."""
     dev = open_device(args.backend)
+    dev.dependent_launch = dev.dependent_launch and not getattr(args, "no_pdl", False)
     compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
     trials = f", trials {args.trials} (median)" if hasattr(args, "trials") else ""
     print(f"device: {dev.info.name} ({dev.info.arch}), backend {args.backend}, "
-          f"reps {args.reps}{trials}", flush=True)
+          f"reps {args.reps}{trials}, dependent launch {'on' if dev.dependent_launch else 'off'}",
+          flush=True)
     return dev, compiler

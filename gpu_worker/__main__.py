@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
              "prompt tokens per prefill chunk (a longer prompt runs as several chunks)", type=int)
     env_flag(serve, "--dequant-tile-bytes", "GPUPLANE_DEQUANT_TILE_BYTES", DEFAULT_DEQUANT_TILE_BYTES,
              "one model's fp16 dequantization tile for int4 prefill linears", type=int)
+    env_switch(serve, "--dependent-launch", "GPUPLANE_DEPENDENT_LAUNCH", True,
+               "on sm_90: a kernel that waits for its inputs itself starts while the kernel before "
+               "it ends (docs/kernels.md); --no-dependent-launch serializes every launch")
     env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
              "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
              "sequences at full context", type=int)
@@ -192,6 +195,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         kv_swap_prefill_rate=args.kv_swap_prefill_rate,
         prefill_chunk=args.prefill_chunk,
         dequant_tile_bytes=args.dequant_tile_bytes,
+        dependent_launch=args.dependent_launch,
     )
 
 

@@ -64,6 +64,8 @@ class WorkerConfig:
     lease_chunk_bytes: int = 64 << 20            # governor lease growth unit (see its client)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK   # prompt tokens per prefill chunk
     dequant_tile_bytes: int = DEFAULT_DEQUANT_TILE_BYTES  # prefill linears' fp16 tile per model
+    # programmatic dependent launch (sm_90): a step's kernels start while the one before ends
+    dependent_launch: bool = True
     embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
     embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
     embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)

@@ -79,6 +79,7 @@ class WorkerRuntime:
             self.budget = open_budget(cfg, backend)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)
             self.device.weights.host_budget_bytes = cfg.host_pinned_budget_bytes
+            self.device.dependent_launch = self.device.dependent_launch and cfg.dependent_launch
             self.reclaimer = wire_reclaim(cfg, self.device, self.budget, self._candidates,
                                           self.kv_host)
             self.cache_client, self.compiler = open_compiler(cfg, self.device.info.arch)

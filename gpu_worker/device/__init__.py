@@ -78,6 +78,10 @@ class Device:
         self.copy_stream = backend.create_stream()
         self.capture_stream = backend.create_stream()
         self._capturer: int | None = None   # thread ident while it captures the shared stream
+        # Programmatic dependent launch (sm_90 on): launch(..., pdl=True) lets a kernel start
+        # while the previous one runs. Off, every launch waits for the one before it (the
+        # benchmarks' --no-pdl measures the difference).
+        self.dependent_launch = int(self.info.arch.removeprefix("sm_").rstrip("a")) >= 90
         free, total = backend.mem_get_info()
         self.ledger = Ledger(budget or local_budget(max(1, int(free * 0.9)) + (total - free)))
         # The context baseline (streams included) is device memory this process pays for: booked,
@@ -198,14 +202,17 @@ class Device:
 
     def launch(self, function: object, grid: Sequence[int], block: Sequence[int],
                args: list[KernelArg], stream: object = None, shared_bytes: int = 0,
-               cluster: Sequence[int] | None = None) -> None:
+               cluster: Sequence[int] | None = None, pdl: bool = False) -> None:
         """Launch `function`; `shared_bytes` of dynamic shared memory (above the 48 KiB default
-        the function's limit is raised first), `cluster` thread-block cluster dims (sm_90)."""
+        the function's limit is raised first), `cluster` thread-block cluster dims (sm_90).
+        `pdl`: the kernel waits for the previous one itself (gp_pdl_wait, gpuplane_common.cuh),
+        so it may be launched while that one runs; honoured while `dependent_launch` is on."""
         g, b = _dim3(grid, "grid"), _dim3(block, "block")
         c = None if cluster is None else _dim3(cluster, "cluster")
         if c is not None and any(gi % ci for gi, ci in zip(g, c)):
             raise ValueError(f"launch: grid {g} is not a whole number of clusters {c}")
-        self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c)
+        self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c,
+                            pdl and self.dependent_launch)
 
     def stream_for(self, stream: object = None) -> object:
         """The stream work asked for on `stream` (None: the shared stream) really goes to: the

@@ -189,9 +189,12 @@ class Backend(ABC):
         stream: object,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
+        pdl: bool = False,
     ) -> None:
         """Above 48 KiB of `shared_bytes` the backend raises the function's dynamic shared
-        memory limit first; `cluster` launches thread-block clusters of those dims."""
+        memory limit first; `cluster` launches thread-block clusters of those dims; `pdl`: a
+        programmatic dependent launch (the kernel may start before the previous one on the
+        stream ends, and waits for it with griddepcontrol.wait)."""
 
     # -- graphs --------------------------------------------------------------------------------
     @abstractmethod

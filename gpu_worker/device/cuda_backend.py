@@ -76,6 +76,21 @@ def cuda_device_count() -> int:
 
 
 DEFAULT_SHARED_BYTES = 48 << 10   # dynamic shared memory a launch may use without opting in
+_pdl: Any = None
+
+
+def _pdl_attribute() -> Any:
+    """The launch attribute of a programmatic dependent launch (made once: it never changes)."""
+    global _pdl
+    if _pdl is None:
+        d = _drv()
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        _pdl = attr
+    return _pdl
+
+
 _ARG_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
@@ -305,6 +320,7 @@ class CudaBackend(Backend):
         stream: Any,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
+        pdl: bool = False,
     ) -> None:
         self._current()
         d = _drv()
@@ -315,20 +331,25 @@ class CudaBackend(Backend):
                 function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         # The launch copies the argument values (also into a graph node), so `vals` may die after.
-        if cluster is None or cluster == (1, 1, 1):
+        attrs = []
+        if cluster is not None and cluster != (1, 1, 1):
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            attrs.append(attr)
+        if pdl:
+            attrs.append(_pdl_attribute())
+        if not attrs:
             check(d.cuLaunchKernel(function, *grid, *block, shared_bytes, stream,
                                    ctypes.addressof(params), 0), "cuLaunchKernel")
             return
-        attr = d.CUlaunchAttribute()
-        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
         config = d.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared_bytes
         config.hStream = stream
-        config.attrs = [attr]
-        config.numAttrs = 1
+        config.attrs = attrs
+        config.numAttrs = len(attrs)
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
     # -- graphs --------------------------------------------------------------------------------

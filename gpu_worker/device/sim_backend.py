@@ -521,7 +521,9 @@ class SimBackend(Backend):
         stream: SimStream,
         shared_bytes: int = 0,
         cluster: tuple[int, int, int] | None = None,
+        pdl: bool = False,
     ) -> None:
+        # pdl changes nothing here: sim kernels run one after another, each whole.
         self._enter("launch")
         if shared_bytes > SIM_MAX_SHARED_BYTES:
             raise DeviceError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE ({shared_bytes} bytes of "

@@ -28,7 +28,7 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
         return
     device.launch(function, grid_1d(device, rows * cols), BLOCK,
                   [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
-                  stream=stream)
+                  stream=stream, pdl=True)
 
 
 def launch_silu_gate_f16(device, function, out: int, gate: int, up: int, rows: int, cols: int,
@@ -43,7 +43,7 @@ def launch_silu_gate_f16(device, function, out: int, gate: int, up: int, rows: i
         return
     device.launch(function, grid_1d(device, rows * cols), BLOCK,
                   [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
-                  stream=stream)
+                  stream=stream, pdl=True)
 
 
 def launch_gelu(device, function, out: int, x: int, n: int, stream=None, exact: bool = False) -> None:

@@ -29,7 +29,7 @@ def launch_embedding_gather(device, function, out: int, table: int, ids: int, ro
         return
     device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
                   [ptr(out), ptr(table), ptr(ids), i32(rows), i32(hidden), i32(vocab),
-                   i32(1 if accumulate else 0)], stream=stream)
+                   i32(1 if accumulate else 0)], stream=stream, pdl=True)
 
 
 EMBEDDING_GATHER = KernelDef("embedding_gather", "gp_embedding_gather", SOURCE,

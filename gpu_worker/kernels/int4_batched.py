@@ -216,7 +216,7 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), i32(nt)], stream=stream,
                   shared_bytes=xa_shared_bytes(m, nt, stages),
-                  cluster=(split, 1, 1) if split > 1 else None)
+                  cluster=(split, 1, 1) if split > 1 else None, pdl=True)
 
 
 INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE, reference.int4_matmul,
@@ -246,7 +246,7 @@ def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, p
         return
     device.launch(function, (ceil_div(n, 16), 1, 1), (32 * warps, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-                   i32(1 if accumulate else 0)], stream=stream)
+                   i32(1 if accumulate else 0)], stream=stream, pdl=True)
 
 
 def launch_int4_mma_rows(device, function, y: int, x: int, packed: int, scales: int, bias: int,

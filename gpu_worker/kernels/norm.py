@@ -21,7 +21,8 @@ def launch_rmsnorm(device, function, out: int, x: int, weight: int, rows: int, h
     if rows == 0 or hidden == 0:
         return
     device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
-                  [ptr(out), ptr(x), ptr(weight), i32(rows), i32(hidden), f32(eps)], stream=stream)
+                  [ptr(out), ptr(x), ptr(weight), i32(rows), i32(hidden), f32(eps)], stream=stream,
+                  pdl=True)
 
 
 def launch_rmsnorm_f16(device, function, out: int, x: int, weight: int, rows: int, hidden: int,
@@ -31,7 +32,8 @@ def launch_rmsnorm_f16(device, function, out: int, x: int, weight: int, rows: in
     if rows == 0 or hidden == 0:
         return
     device.launch(function, (min(rows, max_grid_1d(device)), 1, 1), BLOCK,
-                  [ptr(out), ptr(x), ptr(weight), i32(rows), i32(hidden), f32(eps)], stream=stream)
+                  [ptr(out), ptr(x), ptr(weight), i32(rows), i32(hidden), f32(eps)], stream=stream,
+                  pdl=True)
 
 
 def launch_layernorm(device, function, out: int, x: int, weight: int, bias: int, rows: int,

@@ -159,7 +159,7 @@ def launch_flash_decode_split_paged(device, function, workspace: int, q: int, po
                   [ptr(workspace), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
                    i32(block_tokens), i32(max_blocks), i32(span), f32(_scale(head_dim, scale))],
-                  stream=stream)
+                  stream=stream, pdl=True)
 
 
 def launch_flash_combine_paged(device, function, out: int, workspace: int, positions: int,
@@ -179,7 +179,7 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
     device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(workspace), ptr(positions), i32(batch), i32(heads),
                    i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits)],
-                  stream=stream)
+                  stream=stream, pdl=True)
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
@@ -216,7 +216,7 @@ def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, st
                   [ptr(out), ptr(q), ptr(pool), ptr(start), ptr(chunk_len), ptr(table),
                    i32(tokens), i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
                    i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
-                  stream=stream)
+                  stream=stream, pdl=True)
 
 
 KV_APPEND_PAGED = KernelDef("kv_append_paged", "gp_kv_append_paged", SOURCE, kv_append_paged,

@@ -66,7 +66,7 @@ def launch_qkv_rope_append_paged(device, function, q_out: int, pool: int, qkv: i
                   [ptr(q_out), ptr(pool), ptr(qkv), ptr(bias), ptr(positions), ptr(table),
                    i32(rows), i32(table_rows), i32(heads), i32(kv_heads), i32(head_dim),
                    f32(theta), ptr(inv_freq), i32(layer), i32(layers), i32(block_tokens),
-                   i32(max_blocks)], stream=stream)
+                   i32(max_blocks)], stream=stream, pdl=True)
 
 
 def launch_qkv_rope_append(device, function, q_out: int, k_cache: int, v_cache: int, qkv: int,

@@ -113,7 +113,7 @@ def launch_sample(device, function, out: int, logits: int, positions: int, tempe
         return
     device.launch(function, (rows, 1, 1), (SAMPLE_THREADS, 1, 1),
                   [ptr(out), ptr(logits), ptr(positions), ptr(temperature), ptr(top_p),
-                   ptr(top_k), ptr(seed), i32(rows), i32(vocab)], stream=stream)
+                   ptr(top_k), ptr(seed), i32(rows), i32(vocab)], stream=stream, pdl=True)
 
 
 SAMPLE = KernelDef("sample", "gp_sample", SOURCE, sample, launch_sample)

@@ -106,3 +106,21 @@ def test_on_cuda_overlapped_steps_give_the_same_tokens_as_serial_ones(runtime) -
     after = sched.stats()
     assert after["step_device_us"] > before["step_device_us"] > 0, "no device time was measured"
     assert runtime.stats()["arena"]["faults"] == 0
+
+
+def test_on_cuda_dependent_launches_give_the_same_tokens_as_serialized_ones(runtime,
+                                                                           tmp_path) -> None:
+    """The decode and prefill graphs captured with programmatic dependent launch (every kernel
+    waits for its predecessor itself: gpuplane_common.cuh) against a worker whose launches are
+    all serialized: same streams, same tokens, bit for bit (the int4 kernels are deterministic)."""
+    assert runtime.device.dependent_launch, "sm_90's default is dependent launch on"
+    overlapped = mixed_round(runtime)
+    serial_rt = WorkerRuntime(WorkerConfig(backend="cuda", cache_dir=tmp_path,
+                                           dependent_launch=False)).start()
+    try:
+        assert not serial_rt.device.dependent_launch
+        serial_rt.load_model("m", "decoder", "small", 3)
+        serialized = mixed_round(serial_rt)
+    finally:
+        serial_rt.close()
+    assert overlapped == serialized, "dependent launches gave different tokens"

@@ -134,8 +134,10 @@ def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> No
         info = type("Info", (), {"ordinal": 0})()
         name = "sim"
 
-        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None,
+                   pdl=False):
             calls.append((grid, block, shared_bytes, cluster))
+            assert pdl, "the xa kernel waits for its inputs itself (gp_pdl_wait)"
 
     launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 64, 4096, 4096)
     grid, block, shared, cluster = calls[-1]
@@ -168,7 +170,7 @@ def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_bat
     blocks: list = []
 
     class Recorder:
-        def launch(self, fn, grid, block, args, stream=None):
+        def launch(self, fn, grid, block, args, stream=None, pdl=False):
             blocks.append(block)
 
     for k in (4096, 14336):

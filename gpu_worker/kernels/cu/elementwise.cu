@@ -15,12 +15,14 @@ __device__ __forceinline__ void gp_silu_gate_t(T* out, const float* gate, const 
 
 extern "C" __global__ void gp_silu_gate(float* out, const float* gate, const float* up, int rows,
                                         int cols, int gate_stride, int up_stride) {
+    GP_PDL_ENTRY();
     gp_silu_gate_t(out, gate, up, rows, cols, gate_stride, up_stride);
 }
 
 extern "C" __global__ void gp_silu_gate_f16(unsigned short* out, const float* gate,
                                             const float* up, int rows, int cols, int gate_stride,
                                             int up_stride) {
+    GP_PDL_ENTRY();
     gp_silu_gate_t(reinterpret_cast<gp_h*>(out), gate, up, rows, cols, gate_stride, up_stride);
 }
 

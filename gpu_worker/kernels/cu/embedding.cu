@@ -3,6 +3,7 @@
 extern "C" __global__ void gp_embedding_gather(float* out, const unsigned short* __restrict__ table,
                                                const int* __restrict__ ids, int rows, int hidden,
                                                int vocab, int accumulate) {
+    GP_PDL_ENTRY();
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const int id = ids[r];
         const bool valid = id >= 0 && id < vocab;

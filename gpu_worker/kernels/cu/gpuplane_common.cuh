@@ -86,3 +86,45 @@ __device__ __forceinline__ void gp_cp8(unsigned dst, const void* src, bool in) {
 __device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N_>
 __device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }
+
+// ---- Programmatic dependent launch (sm_90) ----------------------------------------------------
+// Hazard: a kernel launched with Device.launch(..., pdl=True) may start while the kernel before it
+// on the stream is still running. Contract: before gp_pdl_wait() such a kernel touches only what
+// no kernel of the step writes (weights); gp_pdl_wait() returns once the previous kernel has
+// completed and its writes are visible (at once for a launch without the attribute, and below
+// sm_90, where both calls compile to nothing). gp_pdl_release() lets the next kernel, if it was
+// launched with pdl, start its own prologue; every kernel that releases has waited first, so at
+// most two kernels of a stream overlap. Cost: one instruction each; what it buys is the launch
+// latency between kernels and, for the int4 linears, weight bytes streamed while the kernel
+// before them (a norm, the attention) runs.
+__device__ __forceinline__ void gp_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gp_pdl_release() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// the first statement of a pdl kernel with nothing to do before its inputs are ready
+#define GP_PDL_ENTRY() \
+    do {                 \
+        gp_pdl_wait();   \
+        gp_pdl_release(); \
+    } while (0)
+
+// Ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from global `p`, asynchronously: one
+// instruction (the TMA unit's bulk prefetch, sm_90) for a whole weight tile, no registers held.
+__device__ __forceinline__ void gp_prefetch_l2(const void* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+// gp_prefetch_l2 over the 16-byte-aligned part of [p, p + bytes) (a hint: the ragged ends are
+// left to the loads themselves).
+__device__ __forceinline__ void gp_prefetch_l2_range(const void* p, unsigned long long bytes) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    const unsigned long long lo = (a + 15) & ~15ull, hi = (a + bytes) & ~15ull;
+    if (hi > lo) gp_prefetch_l2(reinterpret_cast<const void*>(lo), (unsigned)(hi - lo));
+}

@@ -1,5 +1,8 @@
 #include "gpuplane_common.cuh"
 #define GP_MMA_WARPS 8
+#ifndef GP_PREFETCH_L2
+#define GP_PREFETCH_L2 1   // the rows and xa kernels ask the L2 for their whole weight tile first
+#endif
 
 __device__ __forceinline__ unsigned gp_hsub2(unsigned a, unsigned b) {
     unsigned r;
@@ -373,12 +376,19 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     const unsigned wdst = L::SW + (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);
     const unsigned xdst = L::SX + (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
 
-    auto issue = [&](int i) {
+    // Stage i's weights and scales, then its x and the commit: a stage's group holds both (the
+    // first group also the weights of the stages issued ahead of gp_pdl_wait).
+    auto issue_w = [&](int i) {
         if (i < stages) {
             const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
 #pragma unroll
             for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * 64, win[j]);
             if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * 4, sin);
+        }
+    };
+    auto issue_x = [&](int i) {
+        if (i < stages) {
+            const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
 #pragma unroll
             for (int j = 0; j < XJ; ++j)
                 gp_cp16(st + xdst + 4096 * j, xsrc[j] + i * 128, (tid >> 4) + 16 * j < M);
@@ -403,12 +413,23 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     for (int i = 0; i < MX; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+#if GP_PREFETCH_L2
+    if (sin) {   // this row's k-groups g0..g1 to the L2 at once (row tid of the CTA's BN)
+        gp_prefetch_l2_range(packed + ((long long)(row0 + tid) * KB + g0 * 4) * 16, (long long)stages * 64);
+        gp_prefetch_l2_range(sc + (long long)(row0 + tid) * KB + g0 * 4, (long long)stages * 8);
+    }
+#endif
 #pragma unroll
-    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue(i);
+    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue_w(i);
+    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
+    gp_pdl_release();
+#pragma unroll
+    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue_x(i);
     for (int i = 0; i < stages; ++i) {
         gp_cp_wait<GP_XA_STAGES - 2>();   // this thread's copies of stage i have landed
         __syncthreads();                  // everyone's have, and buffer (i - 1) % STAGES is free
-        issue(i + GP_XA_STAGES - 1);
+        issue_w(i + GP_XA_STAGES - 1);
+        issue_x(i + GP_XA_STAGES - 1);
         const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
         const unsigned char* sp = smem + (i % GP_XA_STAGES) * L::STAGE;
         unsigned s2[NT];
@@ -607,10 +628,19 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#if GP_PREFETCH_L2
+    if (threadIdx.x == 0) {   // the block's whole tile to the L2 at once: rows row0.. (< N), all K
+        const long long rows = min(16, N - row0);
+        gp_prefetch_l2_range(packed + (long long)row0 * (K >> 1), rows * (K >> 1));
+        gp_prefetch_l2_range(sc + (long long)row0 * (K >> 5), rows * (K >> 5) * 2);
+    }
+#endif
     GpRowSlot ring[GP_ROW_DEPTH];
 #pragma unroll
     for (int d = 0; d < GP_ROW_DEPTH; ++d)
         if (g0 + d < g1) lane_at.load(ring[d], g0 + d);
+    gp_pdl_wait();   // the weights above are in flight; x, y and the next kernel wait for this
+    gp_pdl_release();
     for (int kb = g0; kb < g1; kb += GP_ROW_DEPTH) {
 #pragma unroll
         for (int d = 0; d < GP_ROW_DEPTH; ++d) {

@@ -18,12 +18,14 @@ __device__ __forceinline__ void gp_rmsnorm_t(T* out, const float* x, const float
 
 extern "C" __global__ void gp_rmsnorm(float* out, const float* x, const float* __restrict__ w,
                                       int rows, int hidden, float eps) {
+    GP_PDL_ENTRY();
     gp_rmsnorm_t(out, x, w, rows, hidden, eps);
 }
 
 extern "C" __global__ void gp_rmsnorm_f16(unsigned short* out, const float* x,
                                           const float* __restrict__ w, int rows, int hidden,
                                           float eps) {
+    GP_PDL_ENTRY();
     gp_rmsnorm_t(reinterpret_cast<gp_h*>(out), x, w, rows, hidden, eps);
 }
 

@@ -57,6 +57,7 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
                             const int* __restrict__ positions, const int* __restrict__ table,
                             int batch, int heads, int kv_heads, int head_dim, int layer,
                             int layers, int block_tokens, int max_blocks, int span, float scale) {
+    GP_PDL_ENTRY();
     const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
     const int j0 = sp * span;
@@ -89,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
                        const int* __restrict__ positions, int batch, int heads, int head_dim,
                        int capacity, int span, int splits) {
+    GP_PDL_ENTRY();
     __shared__ float w_s[GP_FD_THREADS];
     __shared__ float scratch[33];
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
@@ -120,6 +122,7 @@ gp_flash_prefill_paged(unsigned short* out, const unsigned short* __restrict__ q
                        const int* __restrict__ chunk_len, const int* __restrict__ table,
                        int tokens, int heads, int kv_heads, int head_dim, int layer, int layers,
                        int block_tokens, int max_blocks, float scale) {
+    GP_PDL_ENTRY();
     __shared__ __align__(16) unsigned short k_s[GP_FA_BN * (128 + GP_FA_PAD)];
     __shared__ __align__(16) unsigned short v_s[GP_FA_BN * (128 + GP_FA_PAD)];
     const int t0 = (gridDim.x - 1 - blockIdx.x) * GP_FA_BM, h = blockIdx.y;

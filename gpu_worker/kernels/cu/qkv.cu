@@ -31,6 +31,7 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
         int table_rows, int heads, int kv_heads, int head_dim, float theta,
         const float* __restrict__ inv_freq, int layer, int layers, int block_tokens,
         int max_blocks) {
+    GP_PDL_ENTRY();
     const int half = head_dim >> 1;
     const int qw = heads * head_dim, kvw = kv_heads * head_dim, stride = qw + 2 * kvw;
     const int pairs = (heads + kv_heads) * half, per_row = pairs + kvw;

@@ -54,6 +54,7 @@ extern "C" __global__ void __launch_bounds__(GP_SAMPLE_THREADS)
 gp_sample(int* __restrict__ out, const float* __restrict__ logits, const int* __restrict__ positions,
           const float* __restrict__ temperature, const float* __restrict__ top_p,
           const int* __restrict__ top_k, const int* __restrict__ seed, int rows, int vocab) {
+    GP_PDL_ENTRY();
     __shared__ float scratch[33];
     __shared__ float sv[32];
     __shared__ int si[33];
