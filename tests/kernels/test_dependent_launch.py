@@ -21,18 +21,18 @@ from tests.sim_fixtures import compiler, device, kernel_cache_dir  # noqa: F401
 
 _WAITS = ("gp_pdl_wait", "GP_PDL_ENTRY")
 _ATTRIBUTES = {"__launch_bounds__", "__maxnreg__", "__align__"}
-_MACRO = re.compile(r"^\s*#define\s+(\w+)\([^)]*\)((?:[^\n]*\\\n)*[^\n]*)$", re.M)
+_MACRO = re.compile(r"^\s*#define\s+(\w+)\([^)]*\)((?:[^\n]*\\\n)*[^\n]*)$", re.MULTILINE)
 _IDENT = re.compile(r"\b([A-Za-z_]\w*)\s*(?:<[^<>;{}]*>)?\s*\(")
 
 
 def _functions(text: str) -> dict[str, str]:
     """Every top-level function and function-like macro of a CUDA text: name -> body (template
     specializations and overloads merged). Good enough for our sources: no braces in strings."""
-    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
     # a function-like macro is a function whose body is its replacement text
     out: dict[str, str] = {m[0]: m[1] for m in _MACRO.findall(text)}
     text = _MACRO.sub("", text)
-    text = re.sub(r"^\s*#.*$", "", text, flags=re.M)   # the other preprocessor lines
+    text = re.sub(r"^\s*#.*$", "", text, flags=re.MULTILINE)   # the other preprocessor lines
     depth, start, header_from = 0, 0, 0
     for i, ch in enumerate(text):
         if ch == "{":
