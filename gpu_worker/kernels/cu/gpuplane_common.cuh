@@ -114,17 +114,3 @@ __device__ __forceinline__ void gp_pdl_release() {
         gp_pdl_release(); \
     } while (0)
 
-// Ask the L2 for `bytes` (a multiple of 16, 16-byte aligned) from global `p`, asynchronously: one
-// instruction (the TMA unit's bulk prefetch, sm_90) for a whole weight tile, no registers held.
-__device__ __forceinline__ void gp_prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-// gp_prefetch_l2 over the 16-byte-aligned part of [p, p + bytes) (a hint: the ragged ends are
-// left to the loads themselves).
-__device__ __forceinline__ void gp_prefetch_l2_range(const void* p, unsigned long long bytes) {
-    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
-    const unsigned long long lo = (a + 15) & ~15ull, hi = (a + bytes) & ~15ull;
-    if (hi > lo) gp_prefetch_l2(reinterpret_cast<const void*>(lo), (unsigned)(hi - lo));
-}

@@ -1,8 +1,5 @@
 #include "gpuplane_common.cuh"
 #define GP_MMA_WARPS 8
-#ifndef GP_PREFETCH_L2
-#define GP_PREFETCH_L2 1   // the rows and xa kernels ask the L2 for their whole weight tile first
-#endif
 
 __device__ __forceinline__ unsigned gp_hsub2(unsigned a, unsigned b) {
     unsigned r;
@@ -413,12 +410,6 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     for (int i = 0; i < MX; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-#if GP_PREFETCH_L2
-    if (sin) {   // this row's k-groups g0..g1 to the L2 at once (row tid of the CTA's BN)
-        gp_prefetch_l2_range(packed + ((long long)(row0 + tid) * KB + g0 * 4) * 16, (long long)stages * 64);
-        gp_prefetch_l2_range(sc + (long long)(row0 + tid) * KB + g0 * 4, (long long)stages * 8);
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue_w(i);
     gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
@@ -628,13 +619,6 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#if GP_PREFETCH_L2
-    if (threadIdx.x == 0) {   // the block's whole tile to the L2 at once: rows row0.. (< N), all K
-        const long long rows = min(16, N - row0);
-        gp_prefetch_l2_range(packed + (long long)row0 * (K >> 1), rows * (K >> 1));
-        gp_prefetch_l2_range(sc + (long long)row0 * (K >> 5), rows * (K >> 5) * 2);
-    }
-#endif
     GpRowSlot ring[GP_ROW_DEPTH];
 #pragma unroll
     for (int d = 0; d < GP_ROW_DEPTH; ++d)
