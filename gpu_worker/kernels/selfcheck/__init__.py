@@ -563,6 +563,9 @@ CASES: list[Case] = [
     C("rmsnorm", rmsnorm_case, rows=33, hidden=1000),
     C("rmsnorm_f16", rmsnorm_f16_case, rows=1, hidden=7),
     C("rmsnorm_f16", rmsnorm_f16_case, rows=65, hidden=1000),
+    C("rmsnorm", rmsnorm_case, rows=3, hidden=8192),       # two float4 chunks a thread
+    C("rmsnorm", rmsnorm_case, rows=2, hidden=5000),       # a ragged second chunk
+    C("rmsnorm_f16", rmsnorm_f16_case, rows=3, hidden=8196),
     C("layernorm", layernorm_case, rows=7, hidden=33),
     C("layernorm", layernorm_case, rows=5, hidden=1024, bias=False),
     C("int4_dequant", int4_dequant_case, n=7, k=33),
