@@ -17,6 +17,13 @@ from gpu_worker.kernels.common import BLOCK, KernelDef, cu_source, grid_1d, requ
 SOURCE = cu_source("gp_elementwise", "elementwise.cu")
 
 
+def _silu_items(out: int, gate: int, up: int, rows: int, cols: int, gs: int, us: int) -> int:
+    """Threads the silu kernels want: 4 columns each where every row is 16-byte aligned (the
+    kernel's own test), else one."""
+    vec = (cols | gs | us) % 4 == 0 and (out | gate | up) % 16 == 0
+    return rows * cols // 4 if vec else rows * cols
+
+
 def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, cols: int,
                      gate_stride: int | None = None, up_stride: int | None = None,
                      stream=None) -> None:
@@ -26,7 +33,7 @@ def launch_silu_gate(device, function, out: int, gate: int, up: int, rows: int, 
                   elements=rows * cols)
     if rows * cols == 0:
         return
-    device.launch(function, grid_1d(device, rows * cols), BLOCK,
+    device.launch(function, grid_1d(device, _silu_items(out, gate, up, rows, cols, gs, us)), BLOCK,
                   [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
                   stream=stream, pdl=True)
 
@@ -41,7 +48,7 @@ def launch_silu_gate_f16(device, function, out: int, gate: int, up: int, rows: i
                   elements=rows * cols)
     if rows * cols == 0:
         return
-    device.launch(function, grid_1d(device, rows * cols), BLOCK,
+    device.launch(function, grid_1d(device, _silu_items(out, gate, up, rows, cols, gs, us)), BLOCK,
                   [ptr(out), ptr(gate), ptr(up), i32(rows), i32(cols), i32(gs), i32(us)],
                   stream=stream, pdl=True)
 

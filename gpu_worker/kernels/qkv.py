@@ -31,8 +31,14 @@ from gpu_worker.kernels.common import BLOCK, KernelDef, cu_source, grid_1d, requ
 SOURCE = cu_source("gp_qkv", "qkv.cu")
 
 
-def _items(rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    return rows * ((heads + kv_heads) * (head_dim // 2) + kv_heads * head_dim)
+ROPE_HEADS = 8   # heads the paged kernel rotates a thread at one (row, j) (GP_ROPE_HEADS)
+
+
+def _items(rows: int, heads: int, kv_heads: int, head_dim: int, rope_heads: int = 1) -> int:
+    """Threads a kernel wants: per row, a rotary item per pair j of `rope_heads` heads, then
+    one per v element."""
+    groups = -(-(heads + kv_heads) // rope_heads)
+    return rows * (groups * (head_dim // 2) + kv_heads * head_dim)
 
 
 def _check(kernel: str, rows: int, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -62,7 +68,8 @@ def launch_qkv_rope_append_paged(device, function, q_out: int, pool: int, qkv: i
             f"{kernel}: needs a 2-byte aligned pool and q, positions and a table")
     if rows == 0:
         return
-    device.launch(function, grid_1d(device, _items(rows, heads, kv_heads, head_dim)), BLOCK,
+    device.launch(function, grid_1d(device, _items(rows, heads, kv_heads, head_dim, ROPE_HEADS)),
+                  BLOCK,
                   [ptr(q_out), ptr(pool), ptr(qkv), ptr(bias), ptr(positions), ptr(table),
                    i32(rows), i32(table_rows), i32(heads), i32(kv_heads), i32(head_dim),
                    f32(theta), ptr(inv_freq), i32(layer), i32(layers), i32(block_tokens),

@@ -31,6 +31,14 @@ __device__ __forceinline__ float gp_ld(const gp_h* p) { return gp_half_to_float(
 __device__ __forceinline__ void gp_st(float* p, float v) { *p = v; }
 __device__ __forceinline__ void gp_st(gp_h* p, float v) { p->x = gp_float_to_half(v); }
 
+// Four consecutive values at once (p 16-byte aligned for float, 8 for gp_h).
+__device__ __forceinline__ void gp_st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void gp_st4(gp_h* p, float4 v) {
+    const unsigned lo = gp_float_to_half(v.x) | ((unsigned)gp_float_to_half(v.y) << 16);
+    const unsigned hi = gp_float_to_half(v.z) | ((unsigned)gp_float_to_half(v.w) << 16);
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}
+
 __device__ __forceinline__ float gp_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

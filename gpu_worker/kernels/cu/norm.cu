@@ -8,13 +8,6 @@
 // between the sum and the scaling. Rows, x, w and out not 16-byte aligned take the scalar loop.
 #define GP_NORM_VEC 4
 
-__device__ __forceinline__ void gp_st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-__device__ __forceinline__ void gp_st4(gp_h* p, float4 v) {
-    const unsigned lo = gp_float_to_half(v.x) | ((unsigned)gp_float_to_half(v.y) << 16);
-    const unsigned hi = gp_float_to_half(v.z) | ((unsigned)gp_float_to_half(v.w) << 16);
-    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
-}
-
 __device__ __forceinline__ float gp_sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
 
 template <typename T>

@@ -9,17 +9,29 @@
 
 // The pair (x1, x2) = dims (j, j + head_dim / 2) rotated at position p: the float math of
 // gp_rotary / gp_rotary_rows (double angle, float rotation), so the result is theirs.
-__device__ __forceinline__ void gp_rope_pair(float x1, float x2, int p, int j, int head_dim,
-                                             float theta, const float* __restrict__ inv_freq,
-                                             float* y1, float* y2) {
+__device__ __forceinline__ void gp_rope_sincos(int p, int j, int head_dim, float theta,
+                                               const float* __restrict__ inv_freq, float* s,
+                                               float* c) {
     const double inv = inv_freq ? (double)inv_freq[j]
                                 : pow((double)theta, -((double)(2 * j) / (double)head_dim));
     double sd, cd;
     sincos((double)p * inv, &sd, &cd);
-    const float s = (float)sd, c = (float)cd;
+    *s = (float)sd;
+    *c = (float)cd;
+}
+
+__device__ __forceinline__ void gp_rope_pair(float x1, float x2, int p, int j, int head_dim,
+                                             float theta, const float* __restrict__ inv_freq,
+                                             float* y1, float* y2) {
+    float s, c;
+    gp_rope_sincos(p, j, head_dim, theta, inv_freq, &s, &c);
     *y1 = x1 * c - x2 * s;
     *y2 = x2 * c + x1 * s;
 }
+
+// Heads one thread of the paged kernel rotates at one (row, j): the double-precision angle is
+// the costly part (pow + sincos), and every q and k head of a row shares it.
+#define GP_ROPE_HEADS 8
 
 // The paged KV pool (paged_attention.py's layout): row r at positions[r] (-1: a padding row, its
 // q comes out zero and it appends nothing; past the table: q rotated, nothing appended), through
@@ -32,9 +44,9 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
         const float* __restrict__ inv_freq, int layer, int layers, int block_tokens,
         int max_blocks) {
     GP_PDL_ENTRY();
-    const int half = head_dim >> 1;
+    const int half = head_dim >> 1, nh = heads + kv_heads;
     const int qw = heads * head_dim, kvw = kv_heads * head_dim, stride = qw + 2 * kvw;
-    const int pairs = (heads + kv_heads) * half, per_row = pairs + kvw;
+    const int pairs = (nh + GP_ROPE_HEADS - 1) / GP_ROPE_HEADS * half, per_row = pairs + kvw;
     const long long plane = (long long)block_tokens * kvw;
     const long long capacity = (long long)max_blocks * block_tokens;
     GP_GRID_STRIDE(i, (long long)rows * per_row) {
@@ -48,22 +60,32 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
             kv = pool + blk * layers * 2 * plane + 2 * layer * plane
                  + (long long)(p % block_tokens) * kvw;
         }
-        if (e < pairs) {
-            const int h = e / half, j = e % half, col = h * head_dim + j;
-            float x1 = src[col], x2 = src[col + half];
-            if (bias) { x1 += bias[col]; x2 += bias[col + half]; }
-            if (h < heads) {
-                unsigned short* qo = q_out + (size_t)r * qw + col;
-                if (p < 0) { qo[0] = 0; qo[half] = 0; continue; }
-                float y1, y2;
-                gp_rope_pair(x1, x2, p, j, head_dim, theta, inv_freq, &y1, &y2);
-                qo[0] = gp_float_to_half(y1);
-                qo[half] = gp_float_to_half(y2);
-            } else if (kv) {
-                float y1, y2;
-                gp_rope_pair(x1, x2, p, j, head_dim, theta, inv_freq, &y1, &y2);
-                kv[col - qw] = gp_float_to_half(y1);
-                kv[col - qw + half] = gp_float_to_half(y2);
+        if (e < pairs) {   // pair j of heads h0 .. h0 + GP_ROPE_HEADS (q heads, then k heads)
+            const int j = e % half, h0 = e / half * GP_ROPE_HEADS;
+            float s = 0.f, c = 1.f;
+            if (p >= 0) gp_rope_sincos(p, j, head_dim, theta, inv_freq, &s, &c);
+            float x1[GP_ROPE_HEADS], x2[GP_ROPE_HEADS];
+#pragma unroll
+            for (int u = 0; u < GP_ROPE_HEADS; ++u) {
+                const int col = (h0 + u) * head_dim + j;
+                if (h0 + u >= nh) break;
+                x1[u] = src[col];
+                x2[u] = src[col + half];
+                if (bias) { x1[u] += bias[col]; x2[u] += bias[col + half]; }
+            }
+#pragma unroll
+            for (int u = 0; u < GP_ROPE_HEADS; ++u) {
+                const int h = h0 + u, col = h * head_dim + j;
+                if (h >= nh) break;
+                const float y1 = x1[u] * c - x2[u] * s, y2 = x2[u] * c + x1[u] * s;
+                if (h < heads) {
+                    unsigned short* qo = q_out + (size_t)r * qw + col;
+                    qo[0] = p < 0 ? (unsigned short)0 : gp_float_to_half(y1);
+                    qo[half] = p < 0 ? (unsigned short)0 : gp_float_to_half(y2);
+                } else if (kv) {
+                    kv[col - qw] = gp_float_to_half(y1);
+                    kv[col - qw + half] = gp_float_to_half(y2);
+                }
             }
         } else if (kv) {
             const int c = e - pairs;

@@ -644,6 +644,8 @@ CASES: list[Case] = [
       head_dim=16, past=40, kv16=True),
     C("silu_gate", silu_gate_case, rows=7, cols=33),
     C("silu_gate_f16", silu_gate_f16_case, rows=1, cols=7),
+    C("silu_gate", silu_gate_case, rows=5, cols=1028),       # 4 columns a thread
+    C("silu_gate_f16", silu_gate_f16_case, rows=3, cols=516),
     C("silu_gate_f16", silu_gate_f16_case, rows=65, cols=1001),
     C("gelu", gelu_case, n=1001),
     C("gelu", gelu_case, n=1001, exact=True),

@@ -104,6 +104,8 @@ QKV_CASES: list[Case] = [
        head_dim=128, block_tokens=128, layers=3, layer=0, max_blocks=2, table=True),
     _c(PAGED, qkv_rope_append_paged_case, positions=[3, 2, 1], heads=3, kv_heads=3, head_dim=10,
        bias=True, table=True),
+    _c(PAGED, qkv_rope_append_paged_case, positions=[0, 511, -1, 4000, 77], heads=32, kv_heads=8,
+       head_dim=128, block_tokens=16, max_blocks=256, table=True),   # Llama-3-8B: 5 head groups
     _c(SINGLE, qkv_rope_append_case, tokens=1, start=0, heads=4, kv_heads=2, head_dim=16),
     _c(SINGLE, qkv_rope_append_case, tokens=7, start=5, heads=4, kv_heads=2, head_dim=16,
        q_half=False, bias=True),
