@@ -10,6 +10,7 @@ from gpuplane.kernelcache.v1 import kernel_cache_pb2, kernel_cache_pb2_grpc
 
 from cache_service.client import KernelCacheClient
 from gpu_worker.compile import KernelCompiler
+from gpu_worker.compile.single_flight import CLAIM_WAIT_ENV
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.kernels import ALL_SOURCES
 from gpu_worker.stack.processes import Stack
@@ -17,6 +18,7 @@ from tests.polling import wait_until
 
 TOKEN = "single-flight-token"
 HOSTS = 3
+WAIT_S = 150   # within the cache service's longest claim (300 s)
 pytestmark = pytest.mark.slow
 
 
@@ -28,7 +30,10 @@ def cache_claims(address: str) -> kernel_cache_pb2.ClaimStats:
 
 def test_worker_processes_loading_the_same_model_at_once_compile_each_module_once(
         tmp_path: pathlib.Path) -> None:
-    with Stack(tmp_path) as stack:
+    # A loaded 2-core CI machine can put tens of seconds between two hosts reaching the first
+    # module, more than a host's default claim wait (20 s): each waits up to WAIT_S here, and the
+    # gate's claim outlives the test's own wait for them.
+    with Stack(tmp_path, env={CLAIM_WAIT_ENV: str(WAIT_S)}) as stack:
         cache = stack.start_cache(write_token=TOKEN)
         workers = [stack.start_worker(f"host{i}", backend="sim", cache=cache.address,
                                       cache_write_token=TOKEN) for i in range(HOSTS)]
@@ -38,7 +43,7 @@ def test_worker_processes_loading_the_same_model_at_once_compile_each_module_onc
         # compile until every host waits on it, then gives it back: from there on it is theirs.
         first_key = KernelCompiler("sm_90", cache_dir=tmp_path / "keys").keys(ALL_SOURCES[0])[0]
         gate = KernelCacheClient(cache.address, write_token=TOKEN, deadline_s=5.0)
-        assert gate.claim(first_key, "", "test-gate", ttl_s=120.0).outcome == "granted"
+        assert gate.claim(first_key, "", "test-gate", ttl_s=2 * WAIT_S).outcome == "granted"
         results: dict[int, object] = {}
 
         def load(i: int) -> None:
@@ -47,7 +52,7 @@ def test_worker_processes_loading_the_same_model_at_once_compile_each_module_onc
         threads = [threading.Thread(target=load, args=(i,)) for i in range(HOSTS)]
         for t in threads:
             t.start()
-        all_waiting = wait_until(lambda: cache_claims(cache.address).waiting == HOSTS, 120.0)
+        all_waiting = wait_until(lambda: cache_claims(cache.address).waiting == HOSTS, WAIT_S)
         assert gate.release_claim(first_key, "", "test-gate"), "the gate claim was lost"
         gate.close()
         for t in threads:
