@@ -92,6 +92,8 @@ PLAN: tuple[Run, ...] = (
         "is transformers (static cache, torch.compile) faster than the shared peer?"),
     Run("decode_bench", "decode_bench.py", ("--steps", "64", "--trials", "3"), 160,
         ("--steps", "32", "--trials", "3"), 100, "DecoderModel and the paged path at batch 1"),
+    Run("step_anatomy_bench", "step_anatomy_bench.py", (), 70, ("--batches", "1,64"), 50,
+        "where a decode step's device time goes, per kernel family (45 s on 2026-12-04)"),
     Run("prefill_bench", "prefill_bench.py", ("--reps", "3"), 170,
         ("--reps", "3", "--skip", "linears"), 110),
     Run("kernels_bench", "kernels_bench.py", ("--reps", "10", "--samples", "5"), 100,
