@@ -175,3 +175,24 @@ def test_no_kv_demote_keeps_swap_but_drops_evicted_cached_blocks(monkeypatch, ke
         assert scheduler.kv_swap is not None and scheduler.host_cache is None
     finally:
         runtime.close()
+
+
+def test_no_dependent_launch_reaches_the_device_and_the_default_is_on_for_sm_90(monkeypatch,
+                                                                               kernels) -> None:
+    """--no-dependent-launch (GPUPLANE_DEPENDENT_LAUNCH) serializes every launch of the worker's
+    device; by default an sm_90 device (the sim models an H200) launches with it."""
+    from gpu_worker import WorkerRuntime
+    from gpu_worker.__main__ import worker_config
+    base = ["serve", "--backend", "sim", "--cache-dir", str(kernels)]
+    on = worker_config(build_parser().parse_args(base))
+    assert on.dependent_launch
+    monkeypatch.setenv("GPUPLANE_DEPENDENT_LAUNCH", "0")
+    off = worker_config(build_parser().parse_args(base))
+    assert not off.dependent_launch
+    assert worker_config(build_parser().parse_args([*base, "--dependent-launch"])).dependent_launch
+    for config, want in ((on, True), (off, False)):
+        runtime = WorkerRuntime(config).start()
+        try:
+            assert runtime.device.dependent_launch is want
+        finally:
+            runtime.close()
