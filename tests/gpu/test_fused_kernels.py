@@ -31,6 +31,7 @@ _rng = np.random.default_rng(24)
 _B64 = [int(x) for x in _rng.integers(0, 1024, 64)]
 _B64[7] = _B64[40] = -1
 _B8 = [0, 15, 16, 255, 4097, 8191, -1, 1000]
+_B20, _B32 = _B64[:20], _B64[32:]   # 2 and 4 heads a thread (qkv.rope_heads on 132 SMs)
 
 MODEL_CASES: list[Case] = [
     Case(PAGED, qkv_rope_append_paged_case, {**LLAMA, "positions": [8191], "layers": 2,
@@ -39,6 +40,10 @@ MODEL_CASES: list[Case] = [
                                              "block_tokens": 16, "max_blocks": 512,
                                              "table": True}),
     Case(PAGED, qkv_rope_append_paged_case, {**LLAMA, "positions": _B64, "layers": 1,
+                                             "layer": 0, "block_tokens": 16, "max_blocks": 64}),
+    Case(PAGED, qkv_rope_append_paged_case, {**LLAMA, "positions": _B20, "layers": 1,
+                                             "layer": 0, "block_tokens": 16, "max_blocks": 64}),
+    Case(PAGED, qkv_rope_append_paged_case, {**LLAMA, "positions": _B32, "layers": 1,
                                              "layer": 0, "block_tokens": 16, "max_blocks": 64}),
     # a prefill chunk of 2048 rows through a one-row table, Qwen2-7B-like biases (28 heads, 4 KV)
     Case(PAGED, qkv_rope_append_paged_case, {"heads": 28, "kv_heads": 4, "head_dim": 128,

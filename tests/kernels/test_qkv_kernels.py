@@ -8,6 +8,7 @@ import pytest
 
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
+from gpu_worker.kernels import qkv
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.selfcheck import KernelHarness
 from gpu_worker.kernels.selfcheck.qkv import QKV_CASES
@@ -47,3 +48,15 @@ def test_the_paged_reference_is_bias_add_rotary_rows_kv_append_and_to_f16_bit_fo
     np.testing.assert_array_equal(q16, ref.to_f16(q.reshape(4, -1)))
     np.testing.assert_array_equal(got_pool, want_pool)
     assert not q16[2].any(), "a padding row's q is zero"
+
+
+def test_paged_rope_rotates_one_head_a_thread_while_every_angle_fits_the_gpu() -> None:
+    """Decode batch 1 computes every angle at once (latency); wider batches share each angle
+    between more heads (throughput), never more than the kernel's register arrays hold."""
+    device = open_device("sim")   # models an H200: 132 multiprocessors
+    try:
+        llama = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+        chosen = {rows: qkv.rope_heads(device, rows, **llama) for rows in (1, 8, 20, 32, 64, 2048)}
+        assert chosen == {1: 1, 8: 1, 20: 2, 32: 4, 64: 8, 2048: qkv.ROPE_HEADS}
+    finally:
+        device.close()

@@ -60,3 +60,30 @@ def test_weight_sizes_match_the_generated_tensors_without_generating_them(name):
     cfg = CONFIGS[name]
     assert W.weight_sizes(cfg) == [a.nbytes for _, a in W.generate(cfg, 0)]
     assert sum(W.weight_sizes(cfg)) == cfg.weight_bytes()
+
+
+def test_weights_do_not_depend_on_how_many_threads_draw_them(monkeypatch):
+    cfg = CONFIGS["small"]
+    monkeypatch.setattr(W, "GENERATE_THREADS", 1)
+    serial = list(W.generate(cfg, 7))
+    monkeypatch.setattr(W, "GENERATE_THREADS", 4)
+    monkeypatch.setattr(W, "GENERATE_AHEAD", 1)
+    threaded = list(W.generate(cfg, 7))
+    assert [k for k, _ in threaded] == [k for k, _ in serial] == W.weight_names(cfg)
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(serial, threaded))
+
+
+def test_a_linear_draws_exactly_the_bytes_generator_bytes_would():
+    """The fast raw draw must not change any model's weights (checkpoints, references)."""
+    for n in (8, 4096, 3 * 1024 * 1024):
+        fast, slow = W._rng(1, "x"), W._rng(1, "x")
+        assert np.array_equal(W._random_bytes(fast, n), np.frombuffer(slow.bytes(n), np.uint8))
+        assert np.array_equal(fast.uniform(size=4), slow.uniform(size=4)), "state diverged"
+
+
+def test_a_consumer_that_stops_early_leaves_no_thread_behind():
+    import threading
+    gen = W.generate(CONFIGS["small"], 2)
+    next(gen)
+    gen.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("weights")]

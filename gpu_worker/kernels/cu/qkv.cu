@@ -29,8 +29,10 @@ __device__ __forceinline__ void gp_rope_pair(float x1, float x2, int p, int j, i
     *y2 = x2 * c + x1 * s;
 }
 
-// Heads one thread of the paged kernel rotates at one (row, j): the double-precision angle is
-// the costly part (pow + sincos), and every q and k head of a row shares it.
+// Most heads one thread of the paged kernel rotates at one (row, j): the double-precision angle
+// is the costly part (pow + sincos), and every q and k head of a row shares it. The launcher
+// picks rope_heads in [1, GP_ROPE_HEADS] by rows (qkv.py's rope_heads: 1 is lowest latency
+// while every angle fits the GPU at once; more heads a thread compute fewer angles).
 #define GP_ROPE_HEADS 8
 
 // The paged KV pool (paged_attention.py's layout): row r at positions[r] (-1: a padding row, its
@@ -42,11 +44,11 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
         const int* __restrict__ positions, const int* __restrict__ table, int rows,
         int table_rows, int heads, int kv_heads, int head_dim, float theta,
         const float* __restrict__ inv_freq, int layer, int layers, int block_tokens,
-        int max_blocks) {
+        int max_blocks, int rope_heads) {
     GP_PDL_ENTRY();
     const int half = head_dim >> 1, nh = heads + kv_heads;
     const int qw = heads * head_dim, kvw = kv_heads * head_dim, stride = qw + 2 * kvw;
-    const int pairs = (nh + GP_ROPE_HEADS - 1) / GP_ROPE_HEADS * half, per_row = pairs + kvw;
+    const int pairs = (nh + rope_heads - 1) / rope_heads * half, per_row = pairs + kvw;
     const long long plane = (long long)block_tokens * kvw;
     const long long capacity = (long long)max_blocks * block_tokens;
     GP_GRID_STRIDE(i, (long long)rows * per_row) {
@@ -60,15 +62,15 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
             kv = pool + blk * layers * 2 * plane + 2 * layer * plane
                  + (long long)(p % block_tokens) * kvw;
         }
-        if (e < pairs) {   // pair j of heads h0 .. h0 + GP_ROPE_HEADS (q heads, then k heads)
-            const int j = e % half, h0 = e / half * GP_ROPE_HEADS;
+        if (e < pairs) {   // pair j of heads h0 .. h0 + rope_heads (q heads, then k heads)
+            const int j = e % half, h0 = e / half * rope_heads;
             float s = 0.f, c = 1.f;
             if (p >= 0) gp_rope_sincos(p, j, head_dim, theta, inv_freq, &s, &c);
             float x1[GP_ROPE_HEADS], x2[GP_ROPE_HEADS];
 #pragma unroll
             for (int u = 0; u < GP_ROPE_HEADS; ++u) {
                 const int col = (h0 + u) * head_dim + j;
-                if (h0 + u >= nh) break;
+                if (u >= rope_heads || h0 + u >= nh) break;
                 x1[u] = src[col];
                 x2[u] = src[col + half];
                 if (bias) { x1[u] += bias[col]; x2[u] += bias[col + half]; }
@@ -76,7 +78,7 @@ extern "C" __global__ void gp_qkv_rope_append_paged(
 #pragma unroll
             for (int u = 0; u < GP_ROPE_HEADS; ++u) {
                 const int h = h0 + u, col = h * head_dim + j;
-                if (h >= nh) break;
+                if (u >= rope_heads || h >= nh) break;
                 const float y1 = x1[u] * c - x2[u] * s, y2 = x2[u] * c + x1[u] * s;
                 if (h < heads) {
                     unsigned short* qo = q_out + (size_t)r * qw + col;

@@ -26,7 +26,9 @@ def _rows(mem, qkv: int, bias: int, rows: int, width: int) -> tuple[np.ndarray, 
 @register_sim_kernel("gp_qkv_rope_append_paged")
 def _qkv_rope_append_paged(mem, grid, block, args) -> None:
     (q_out, pool, qkv, bias, positions, table, rows, table_rows, heads, kv_heads, head_dim,
-     theta, inv_freq, layer, layers, block_tokens, max_blocks) = _vals(args)
+     theta, inv_freq, layer, layers, block_tokens, max_blocks, rope_heads) = _vals(args)
+    if not 1 <= rope_heads <= 8:   # GP_ROPE_HEADS: the CUDA kernel's register arrays
+        raise ValueError(f"gp_qkv_rope_append_paged: rope_heads={rope_heads} not in [1, 8]")
     qw, kvw = heads * head_dim, kv_heads * head_dim
     x, b = _rows(mem, qkv, bias, rows, qw + 2 * kvw)
     pos = np.array(_arr(mem, positions, rows, np.int32))
