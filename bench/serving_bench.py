@@ -230,6 +230,22 @@ def run_level(client: WorkerClient, work: list[list[tuple[list[int], int]]]) -> 
             "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results]}
 
 
+def engine_time(before, after, wall: float) -> str:
+    """Where a trial's wall time went in the worker, from two GetStats scheduler snapshots: its
+    steps, tokens a step, the engine thread's host work and wait and the device's span a step,
+    and the share of the wall the device was busy (low: the worker starved it)."""
+    steps = after.steps - before.steps
+    if steps <= 0:
+        return "engine: no steps"
+    prefill = after.prefill_tokens - before.prefill_tokens
+    decode = after.decode_tokens - before.decode_tokens
+    host, wait, device = ((getattr(after, f) - getattr(before, f)) / 1e3
+                          for f in ("step_host_us", "step_wait_us", "step_device_us"))
+    return (f"engine: {steps} steps, {prefill / steps:.0f} prefill + {decode / steps:.1f} decode "
+            f"tokens a step; a step {host / steps:.2f} ms host + {wait / steps:.2f} ms wait, "
+            f"device {device / steps:.2f} ms; device busy {device / 1e3 / wall:.0%} of the wall")
+
+
 def peer_level(model, cfg, jobs: list[list[tuple[int, int]]], trials: int) -> list[dict]:
     """The same trace through PeerServer, `trials` times: trial t's very prompts (burst_work)."""
     server = bench_peer.PeerServer(model, len(jobs))
@@ -333,6 +349,7 @@ def main() -> int:
         for b in args.concurrency:
             levels[b] = []
             for trial in range(args.trials):
+                before = client.stats().scheduler
                 r = run_level(client, burst_work(jobs[b], cfg.vocab_size, trial))
                 levels[b].append(r)
                 s = client.stats().scheduler
@@ -340,7 +357,8 @@ def main() -> int:
                       f"tok/s ({r['tokens']} tokens in {r['wall']:.1f} s); TTFT p50/p99 "
                       f"{pct(r['ttft'], .5) * 1e3:.0f}/{pct(r['ttft'], .99) * 1e3:.0f} ms; "
                       f"preemptions so far {s.preemptions}, peak batch {s.peak_batch_size}, lost "
-                      f"{r['lost']} {r['errors'] or ''}", flush=True)
+                      f"{r['lost']} {r['errors'] or ''}\n    {engine_time(before, s, r['wall'])}",
+                      flush=True)
         if arrivals:
             open_loop = run_arrivals(client, arrivals)
             s = client.stats().scheduler

@@ -163,3 +163,16 @@ def test_burst_prompts_are_their_own_per_trial_stream_and_request_and_the_same_f
     assert len(set(firsts)) == len(firsts), "two burst prompts share their first block"
     assert sb.burst_work(jobs, 1000, 1) == trials[1], "the peer would get other prompts"
     assert [[(len(p), new) for p, new in stream] for stream in trials[0]] == jobs
+
+
+def test_engine_time_splits_a_trial_into_steps_host_wait_and_device():
+    from types import SimpleNamespace as NS
+    zero = dict(steps=0, prefill_tokens=0, decode_tokens=0, step_host_us=0, step_wait_us=0,
+                step_device_us=0)
+    after = NS(**{**zero, "steps": 100, "prefill_tokens": 150_000, "decode_tokens": 6_400,
+                  "step_host_us": 200_000, "step_wait_us": 1_800_000, "step_device_us": 1_500_000})
+    line = sb.engine_time(NS(**zero), after, wall=3.0)
+    assert "100 steps, 1500 prefill + 64.0 decode tokens a step" in line, line
+    assert "2.00 ms host + 18.00 ms wait, device 15.00 ms" in line, line
+    assert "device busy 50% of the wall" in line, line
+    assert sb.engine_time(after, after, 1.0) == "engine: no steps"
