@@ -167,8 +167,8 @@ def test_burst_prompts_are_their_own_per_trial_stream_and_request_and_the_same_f
 
 def test_engine_time_splits_a_trial_into_steps_host_wait_and_device():
     from types import SimpleNamespace as NS
-    zero = dict(steps=0, prefill_tokens=0, decode_tokens=0, step_host_us=0, step_wait_us=0,
-                step_device_us=0)
+    zero = {f: 0 for f in ("steps", "prefill_tokens", "decode_tokens", "step_host_us",
+                           "step_wait_us", "step_device_us")}
     after = NS(**{**zero, "steps": 100, "prefill_tokens": 150_000, "decode_tokens": 6_400,
                   "step_host_us": 200_000, "step_wait_us": 1_800_000, "step_device_us": 1_500_000})
     line = sb.engine_time(NS(**zero), after, wall=3.0)
