@@ -14,7 +14,7 @@ By default every prompt length is its own prefill shape (`--bucketing off`), whi
 that broke the original system; `--bucketing on` runs the product path (lengths rounded up onto the
 plan ladder, at most five shapes here).
 
-    python bench/replay_bench.py                      # GPU: 8b-int4, bounds 4 and 1000
+    python bench/replay_bench.py                      # GPU: 8b-int4, bounds 16 and 1000
     python bench/replay_bench.py --backend sim --config small --lengths 40,90,130,200
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker import WorkerConfig, WorkerRuntime
+from gpu_worker.config import DEFAULT_VARIANTS_PER_NODE
 from gpu_worker.device.backend import DeviceError
 from services.common.errors import ResourceExhausted
 
@@ -119,7 +120,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="auto")
     p.add_argument("--config", default="8b-int4")
-    p.add_argument("--bounds", default="4,1000", help="per-node variant bounds, run in this order")
+    p.add_argument("--bounds", default=f"{DEFAULT_VARIANTS_PER_NODE},1000",
+                   help="per-node variant bounds, run in this order (the first: the default)")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--max-plans", type=int, default=2)

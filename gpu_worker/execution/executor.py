@@ -81,9 +81,9 @@ class ShapePlan:
     def resolve(self, nodes=None) -> list[tuple[object, KernelVariant]]:
         steps = []
         for node in self.graph.nodes[:self.split] if nodes is None else nodes:
-            shapes = self.graph.shapes_of(node.inputs)
+            key, shapes = self.executor.variant_key(node, self.graph)
             variant = self.executor.kernels.resolve(
-                node.name, shapes, lambda node=node: self.executor.variant_spec(node, self.graph))
+                key, shapes, lambda node=node: self.executor.variant_spec(node, self.graph))
             steps.append((node, variant))
         return steps
 
@@ -545,6 +545,18 @@ class ModelExecutor:
         """Workspace bytes outside the kernel cache: the dequantization tile (the device's
         BLAS workspace is the device's: Device.blas.stats())."""
         return self.tile.size if self.tile is not None else 0
+
+    def variant_key(self, node, graph: Graph) -> tuple[Hashable, tuple]:
+        """(key, shapes) of `node` in the kernel cache: its name and input shapes, or for an op
+        with workspaces ("scratch", op) and the shapes with the workspace sizes, so every node
+        of the op (a model's layers) shares one variant and one scratch per shape, all under one
+        bound: a plan's nodes run one after another on one stream, and a kernel launched with
+        dependent launch waits for the one before it before it touches memory."""
+        shapes = graph.shapes_of(node.inputs)
+        sizes = OPS[node.op].workspace(node, graph)
+        if not sizes:
+            return node.name, shapes
+        return ("scratch", node.op), (shapes, tuple(sorted(sizes.items())))
 
     def variant_spec(self, node, graph: Graph) -> VariantSpec:
         binding = OPS[node.op]

@@ -4,13 +4,21 @@ Hazard (DESIGN 1.1): a cache keyed by input shapes that never evicts grows by on
 per new prompt length, and every variant owns device workspaces (attention scratch, dequantization
 scratch) that the ledger never saw: 38 -> 72 GiB and OOM over 12 requests.
 Contract:
-- at most `variants_per_node` variants per node (`--variants-per-node`, default 4),
+- at most `variants_per_node` variants per node (`--variants-per-node`, default 16: a serving
+  decoder's 11 decode rungs and a few prefill buckets),
   LRU per node (not FIFO, not global), so the decode shape survives a run of new prefill shapes;
 - every workspace is allocated through the arena in the `workspace` zone, so the ledger sees it;
-- an eviction first resets every captured graph registered as a holder of the variant (a graph
-  bakes workspace pointers; replaying it after the free is a use-after-free), then frees each
-  workspace through the arena's fenced, deferred release (kernels in flight finish first); a
-  variant whose graph cannot be reset is quarantined (kept allocated and booked), never freed.
+- an eviction of a variant with workspaces first resets every captured graph registered as a
+  holder of it (a graph bakes workspace pointers; replaying it after the free is a
+  use-after-free), then frees each workspace through the arena's fenced, deferred release
+  (kernels in flight finish first); a variant whose graph cannot be reset is quarantined (kept
+  allocated and booked), never freed. A variant without workspaces frees nothing (its kernel
+  functions live as long as the process), so its eviction leaves the graphs that baked it alone:
+  a serving worker's decode rungs and prefill buckets outnumber the bound, and resetting those
+  graphs made it capture them again step after step;
+- the node key is the caller's: the executor keys a variant with workspaces by its op, not its
+  node, with the workspace sizes in its shapes, so a model's layers share one scratch per shape
+  (they run one after another on one stream: `ModelExecutor.variant_key`).
 Cost: one dict lookup per node per eager run; a captured plan does not consult the cache at all.
 """
 from __future__ import annotations
@@ -113,8 +121,9 @@ class KernelCache:
 
     def _evict(self, victim: KernelVariant) -> None:
         # Order matters: reset every graph that may replay with these pointers, then free.
+        # Without workspaces nothing is freed, so the graphs stay valid and are kept.
         try:
-            for holder in list(victim.holders):
+            for holder in list(victim.holders) if victim.workspaces else ():
                 holder.reset_graph()
         except BaseException:
             # A graph that may still hold the pointers survives: never free under it. The

@@ -43,7 +43,7 @@ def test_kernel_variants_stay_bounded_under_24_distinct_shapes_with_correct_resu
         want = ref.embed(np.array(seqs(batch, seq)))
         assert np.allclose(got, want, atol=ATOL), f"wrong embeddings at shape {(batch, seq)}"
         s = ex.kernels.stats()
-        assert s["max_variants_per_node"] <= 4, f"variant bound broken at {(batch, seq)}: {s}"
+        assert s["max_variants_per_node"] <= ex.kernels.bound, f"variant bound broken at {(batch, seq)}: {s}"
         shared = ex.shared_workspace_bytes() + device.blas_stats()["workspace_bytes"]
         assert zone_content(device, "workspace") == s["workspace_bytes"] + shared, \
             "the ledger's workspace zone must hold exactly the kernel cache's workspaces, the " \
@@ -71,16 +71,19 @@ def test_a_plan_rebuilt_after_eviction_gives_bit_identical_output(device, compil
     assert np.array_equal(first, again), "a rebuilt plan changed the output bits"
 
 
-def test_variant_eviction_resets_the_graphs_that_hold_its_workspaces(device, compiler):
-    # small-encoder: its dequantization workspaces are >= 1 granule, so a free really unmaps
+def test_evicting_variants_without_workspaces_keeps_the_graphs_that_baked_them(device, compiler):
+    # the encoder's ops own no workspace (the dequantization tile is the model's): an eviction
+    # frees nothing, so plan A's graph stays valid and replays with the same bits
     ex, model, ref = encoder(device, compiler, config="small-encoder", variants_per_node=1)
     a, b = seqs(2, 20), seqs(1, 30, salt=3)
     first = model.embed(a)
     plan_a = ex.plans.get(("encode", 2, 20))
-    assert plan_a.graph_exec is not None
+    graph = plan_a.graph_exec
+    assert graph is not None
     model.embed(b)                                  # evicts every variant plan A's graph baked
-    assert plan_a.graph_exec is None, "eviction left a graph holding freed workspace pointers"
-    again = model.embed(a)                          # recaptured against fresh workspaces
+    assert ex.kernels.stats()["evictions"] > 0 and ex.kernels.stats()["workspace_bytes"] == 0
+    assert plan_a.graph_exec is graph, "a graph was reset though nothing it baked was freed"
+    again = model.embed(a)                          # a replay of the same graph
     device.synchronize()
     assert np.array_equal(first, again) and np.allclose(first, ref.embed(np.array(a)), atol=ATOL)
 

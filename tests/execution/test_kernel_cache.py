@@ -92,9 +92,9 @@ def test_kernel_cache_limit_one_thousand_lifts_the_bound():
     assert cache.stats()["entries"] == 24 and cache.stats()["evictions"] == 0
 
 
-def test_kernel_cache_bound_defaults_to_4_and_the_environment_is_read_only_at_the_edge(monkeypatch):
+def test_kernel_cache_bound_defaults_to_16_and_the_environment_is_read_only_at_the_edge(monkeypatch):
     monkeypatch.setenv("GPUPLANE_KERNEL_VARIANTS_PER_NODE", "7")   # the serve flag's default
-    assert KernelCache(RecordingArena([])).bound == 4, "the core read the environment"
+    assert KernelCache(RecordingArena([])).bound == 16, "the core read the environment"
     assert KernelCache(RecordingArena([]), 7).bound == 7
 
 
@@ -138,3 +138,16 @@ def test_a_variant_whose_graph_cannot_be_reset_is_quarantined_not_freed():
         cache.resolve("attn", ((9, 64),), spec)
     assert v.workspaces["scratch"].ptr in arena.live, "freed a workspace a live graph may still use"
     assert cache.stats()["quarantined"] == 1
+
+
+def test_evicting_a_variant_without_workspaces_leaves_the_graphs_that_baked_it():
+    """Nothing is freed, so nothing a graph baked dangles: resetting it would only make the
+    next step capture it again (a serving worker's rungs outnumber the bound)."""
+    log: list = []
+    cache = KernelCache(RecordingArena(log), variants_per_node=1)
+    v = cache.resolve("wqkv", ((8, 64),), lambda: VariantSpec("fn"))
+    holder = Holder(log)
+    cache.hold(v, holder)
+    cache.resolve("wqkv", ((9, 64),), lambda: VariantSpec("fn"))
+    assert v.evicted and cache.stats()["evictions"] == 1
+    assert ("reset", id(holder)) not in log, "a graph was reset though nothing it baked was freed"

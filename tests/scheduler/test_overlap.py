@@ -162,6 +162,29 @@ def _calls_per_step(sched: Scheduler, steps: int) -> list[int]:
     return counts
 
 
+def test_a_serving_mix_of_decode_rungs_and_prefill_buckets_captures_each_graph_once(model):
+    """Batches wandering over more decode rungs than the kernel cache keeps variants of a node,
+    between prefill chunks of two buckets: the second pass of the same trace captures nothing
+    (no graph reset by a kernel variant's eviction) and gives the same tokens. The attention
+    scratch of every layer is one variant per rung."""
+    trace = [(i // 3, prompt_of(i, 9 + 13 * (i % 4)), 3 + 5 * (i % 7), GREEDY) for i in range(30)]
+    gate = model.executor.device.gate.stats
+    first, stats = run_trace(model, True, trace)
+    rungs = {decode_bucket(b) for b in range(1, stats["peak_batch_size"] + 1)}
+    assert len(rungs) > 4, f"the trace must wander over more than 4 rungs, got {sorted(rungs)}"
+    captured = gate.captures
+    again, _ = run_trace(model, True, trace)
+    assert gate.captures == captured, \
+        f"{gate.captures - captured} graphs captured again: a variant eviction reset live graphs"
+    assert [list(s.generated) for s in again] == [list(s.generated) for s in first]
+    kernels = model.executor.kernels
+    scratch = [k for k in kernels._nodes if isinstance(k, tuple) and k[0] == "scratch"]
+    assert scratch and all(len(kernels.variants(k)) <= len(DECODE_LADDER) for k in scratch)
+    assert kernels.stats()["workspace_bytes"] == sum(
+        v.workspace_bytes for k in scratch for v in kernels._nodes[k].values()), \
+        "only the shared attention scratch holds workspaces"
+
+
 def test_the_python_work_of_a_decode_step_does_not_grow_with_context(model):
     """Counted, not timed: the engine thread's Python calls per decode step (sim kernels run on
     the sim stream's thread, which the profile does not see) at 40 and at 900 tokens of context."""
@@ -357,3 +380,23 @@ def test_an_unknown_prefill_order_is_refused(device):  # noqa: F811
     with pytest.raises(InvalidArgument, match="prefill_order must be fair or shortest"):
         Scheduler(TokenPoolRunner(GEO, 64, 256), pool, thread=False, prefill_order="sjf")
     pool.close()
+
+
+def test_evicting_the_attention_scratch_resets_the_decode_graph_that_baked_it(device, compiler):  # noqa: F811
+    """At a bound of one variant, a batch of 2 evicts the 1-row rung's attention scratch: the
+    1-row decode graph is reset before the scratch is freed, then captured again, same tokens."""
+    m = PagedDecoderModel(ModelExecutor(device, compiler, variants_per_node=1), CFG, 5,
+                          max_batch_size=64, prefill_chunk=32)
+    m.load()
+    try:
+        solo_trace = [(0, prompt_of(1, 9), 6, GREEDY)]
+        first, _ = run_trace(m, True, solo_trace)
+        plan = m.executor.plans.get(("paged_decode", 1))
+        assert plan is not None and plan.graph_exec is not None
+        run_trace(m, True, [(0, prompt_of(2, 9), 6, GREEDY), (0, prompt_of(3, 11), 6, GREEDY)])
+        assert plan.graph_exec is None, "a graph kept the pointers of a freed attention scratch"
+        again, _ = run_trace(m, True, solo_trace)
+        assert list(again[0].generated) == list(first[0].generated)
+    finally:
+        m.executor.close()
+        m.close()
