@@ -25,16 +25,8 @@ items; bytes moved are the qkv rows once, q once and K/V once.
 from __future__ import annotations
 
 from gpu_worker.device.backend import f32, i32, ptr
-from gpu_worker.kernels import reference
-from gpu_worker.kernels.common import (
-    BLOCK,
-    KernelDef,
-    cu_source,
-    grid_1d,
-    require,
-    require_sizes,
-    sm_count,
-)
+from gpu_worker.kernels import common, reference
+from gpu_worker.kernels.common import BLOCK, KernelDef, cu_source, grid_1d, require, require_sizes
 
 SOURCE = cu_source("gp_qkv", "qkv.cu")
 
@@ -49,7 +41,7 @@ def rope_heads(device, rows: int, heads: int, kv_heads: int, head_dim: int) -> i
     one double-precision angle (pow + sincos, the kernel's cost): at decode batch 1 every angle
     in parallel is quickest (1 head: 99 us a Llama-3-8B step on the H200, 8 heads: 123 us), at 64
     rows computing an eighth of the angles is (8 heads: 156 us, 1 head: 218 us)."""
-    budget = ROPE_ITEMS_PER_SM * sm_count(device)
+    budget = ROPE_ITEMS_PER_SM * common.sm_count(device)
     for h in (1, 2, 4):
         if rows * -(-(heads + kv_heads) // h) * (head_dim // 2) <= budget:
             return h
