@@ -78,7 +78,7 @@ def test_flash_decode_graph_replays_as_the_cache_grows_past_split_boundaries(dev
     assert got == reference_tokens(prompt, 20)
 
 
-def test_flash_decode_workspace_is_booked_per_variant_and_fixed_by_max_context(device, compiler):
+def test_flash_decode_workspace_is_booked_once_for_the_layers_and_fixed_by_max_context(device, compiler):
     ex, model = load(device, compiler)
     before = device.ledger.snapshot()["workspace"][1]
     model.decode(1, 0)
@@ -86,8 +86,9 @@ def test_flash_decode_workspace_is_booked_per_variant_and_fixed_by_max_context(d
     want = flash_decode_workspace_bytes(batch=1, heads=HD64.heads, head_dim=64, splits=splits)
     assert splits == 4
     held = ex.kernels.stats()
-    # one split-K workspace per layer's decode attention, nothing else in a decode graph
-    assert HD64.layers * want <= held["workspace_bytes"] < HD64.layers * (want + 4096), held
+    # one split-K workspace that every layer's decode attention shares (they run one after
+    # another), nothing else in a decode graph
+    assert want <= held["workspace_bytes"] < want + 4096, held
     assert device.ledger.snapshot()["workspace"][1] - before >= held["workspace_bytes"], \
         "the split-K workspace must be booked in the ledger's workspace zone"
     model.decode(2, 300)                                       # a longer cache: same variants
