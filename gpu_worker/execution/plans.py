@@ -15,7 +15,8 @@ Contract:
   before the new one is built, so two plans' arenas never coexist beyond the bound;
 - prefill lengths are bucketed onto a small ladder, so a model holds few distinct shapes;
 - a plan class with a finite shape set of its own (the batched decoder's graphs, one per rung of
-  its batch ladder: `bound_class("paged_decode", 7)`) is counted against its own bound, not
+  its batch ladder: `bound_class("paged_decode", 7)`; its prefill graphs, one per chunk bucket:
+  `bound_class("paged_prefill", 8)`) is counted against its own bound, not
   `max_plans`: a continuous-batching step alternates a decode graph with prefill chunks, and with
   all of them under one bound of 2 every change of batch rung or chunk shape evicted the graph
   the next step needed and captured it again. The class's shapes are finite, so its number and

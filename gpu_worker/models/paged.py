@@ -28,7 +28,7 @@ from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import DecodeRow
-from gpu_worker.execution.plans import seq_bucket
+from gpu_worker.execution.plans import SEQ_LADDER, seq_bucket
 from gpu_worker.execution.staging import StepStaging
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import check_prompt
@@ -239,6 +239,11 @@ class PagedDecoderModel:
         # the next step replays (gpu_worker/execution/plans.py, the plan-class bound).
         rungs = DECODE_LADDER.index(decode_bucket(min(self.slots, GROUP))) + 1
         executor.plans.bound_class("paged_decode", rungs * self.groups)
+        # Likewise one prefill graph per chunk bucket a step can use (the ladder's rungs below
+        # the chunk, and the chunk): under --max-plans (2) a serving worker's chunks of mixed
+        # lengths evicted one another every few steps, each eviction a stream synchronize and
+        # each return a capture (a py-spy profile of 64 streams on the H200).
+        executor.plans.bound_class("paged_prefill", self.prefill_buckets())
         n = self.groups * GROUP
         self._temperature = np.zeros(n, np.float32)     # per-slot sampling knobs (host)
         self._top_p = np.ones(n, np.float32)
@@ -322,6 +327,10 @@ class PagedDecoderModel:
 
     def _prefill_rows(self, n: int) -> int:
         return min(seq_bucket(n), max(self.prefill_chunk, n))
+
+    def prefill_buckets(self) -> int:
+        """Distinct row counts of the prefill graphs a chunk of 1..prefill_chunk tokens uses."""
+        return sum(1 for r in SEQ_LADDER if r < self.prefill_chunk) + 1
 
     def assign(self, slot: int, sampling: SamplingParams) -> None:
         """`slot` now holds a sequence sampled with `sampling` (its knobs for every decode)."""

@@ -162,27 +162,39 @@ def _calls_per_step(sched: Scheduler, steps: int) -> list[int]:
     return counts
 
 
-def test_a_serving_mix_of_decode_rungs_and_prefill_buckets_captures_each_graph_once(model):
-    """Batches wandering over more decode rungs than the kernel cache keeps variants of a node,
-    between prefill chunks of two buckets: the second pass of the same trace captures nothing
-    (no graph reset by a kernel variant's eviction) and gives the same tokens. The attention
-    scratch of every layer is one variant per rung."""
-    trace = [(i // 3, prompt_of(i, 9 + 13 * (i % 4)), 3 + 5 * (i % 7), GREEDY) for i in range(30)]
-    gate = model.executor.device.gate.stats
-    first, stats = run_trace(model, True, trace)
-    rungs = {decode_bucket(b) for b in range(1, stats["peak_batch_size"] + 1)}
-    assert len(rungs) > 4, f"the trace must wander over more than 4 rungs, got {sorted(rungs)}"
-    captured = gate.captures
-    again, _ = run_trace(model, True, trace)
-    assert gate.captures == captured, \
-        f"{gate.captures - captured} graphs captured again: a variant eviction reset live graphs"
-    assert [list(s.generated) for s in again] == [list(s.generated) for s in first]
-    kernels = model.executor.kernels
-    scratch = [k for k in kernels._nodes if isinstance(k, tuple) and k[0] == "scratch"]
-    assert scratch and all(len(kernels.variants(k)) <= len(DECODE_LADDER) for k in scratch)
-    assert kernels.stats()["workspace_bytes"] == sum(
-        v.workspace_bytes for k in scratch for v in kernels._nodes[k].values()), \
-        "only the shared attention scratch holds workspaces"
+def test_a_serving_mix_of_decode_rungs_and_prefill_buckets_captures_each_graph_once(
+        device, compiler):  # noqa: F811
+    """Batches wandering over more decode rungs than the kernel cache's default bound of 4
+    once was, between prefill chunks of all four buckets of a 128-token chunk (more than
+    --max-plans): the second pass of the same trace captures nothing (no graph reset by a
+    kernel variant's eviction, no prefill plan evicted) and gives the same tokens. The
+    attention scratch of every layer is one variant per rung."""
+    m = PagedDecoderModel(ModelExecutor(device, compiler), CFG, 5, max_batch_size=64,
+                          prefill_chunk=128)
+    m.load()
+    try:
+        trace = [(i // 3, prompt_of(i, 9 + 37 * (i % 5)), 3 + 5 * (i % 7), GREEDY)
+                 for i in range(30)]
+        gate = m.executor.device.gate.stats
+        first, stats = run_trace(m, True, trace)
+        rungs = {decode_bucket(b) for b in range(1, stats["peak_batch_size"] + 1)}
+        assert len(rungs) > 4, f"the trace must wander over more than 4 rungs, got {sorted(rungs)}"
+        buckets = {k[1] for k in m.executor.plans.keys() if k[0] == "paged_prefill"}  # noqa: SIM118 - PlanCache, not a dict
+        assert buckets == {16, 32, 64, 128} and m.prefill_buckets() == 4, buckets
+        captured = gate.captures
+        again, _ = run_trace(m, True, trace)
+        assert gate.captures == captured, \
+            f"{gate.captures - captured} graphs captured again: a live graph was reset or evicted"
+        assert [list(s.generated) for s in again] == [list(s.generated) for s in first]
+        kernels = m.executor.kernels
+        scratch = [k for k in kernels._nodes if isinstance(k, tuple) and k[0] == "scratch"]
+        assert scratch and all(len(kernels.variants(k)) <= len(DECODE_LADDER) for k in scratch)
+        assert kernels.stats()["workspace_bytes"] == sum(
+            v.workspace_bytes for k in scratch for v in kernels._nodes[k].values()), \
+            "only the shared attention scratch holds workspaces"
+    finally:
+        m.executor.close()
+        m.close()
 
 
 def test_the_python_work_of_a_decode_step_does_not_grow_with_context(model):
