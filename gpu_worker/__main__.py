@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_switch(serve, "--dependent-launch", "GPUPLANE_DEPENDENT_LAUNCH", True,
                "on sm_90: a kernel that waits for its inputs itself starts while the kernel before "
                "it ends (docs/kernels.md); --no-dependent-launch serializes every launch")
+    env_flag(serve, "--step-trace", "GPUPLANE_STEP_TRACE", "",
+             "append one JSON line per decoder engine step to this file: decode rows, prefill "
+             "chunks, device span, host and wait time (docs/scheduler.md); empty: off")
     env_flag(serve, "--kv-pool-bytes", "GPUPLANE_KV_POOL_BYTES", 0,
              "largest KV pool per decoder (virtual; committed as it grows); 0 = max-batch-size "
              "sequences at full context", type=int)
@@ -196,6 +199,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         prefill_chunk=args.prefill_chunk,
         dequant_tile_bytes=args.dequant_tile_bytes,
         dependent_launch=args.dependent_launch,
+        step_trace=pathlib.Path(args.step_trace) if args.step_trace else None,
     )
 
 

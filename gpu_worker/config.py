@@ -90,6 +90,7 @@ class WorkerConfig:
     # False: decoders load as the single-sequence DecoderModel (one contiguous KV cache, requests
     # serialized by the model lock, greedy only): the per-sequence benchmarks measure that path
     batching: bool = True
+    step_trace: pathlib.Path | None = None   # a JSON line per decoder engine step (None: off)
 
     def __post_init__(self) -> None:
         at_least_one = ("variants_per_node", "max_plans", "checkpoint_context", "lease_chunk_bytes",

@@ -29,6 +29,7 @@ from gpu_worker.models.decoder import DecoderModel
 from gpu_worker.models.encoder import EncoderModel, padded_shape
 from gpu_worker.models.paged import PagedDecoderModel
 from gpu_worker.telemetry.spans import span
+from gpu_worker.telemetry.step_trace import StepTrace
 from services.common.errors import DeadlineExceeded
 
 
@@ -54,12 +55,14 @@ class ModelLoader:
     def __init__(self, config: WorkerConfig, device, compiler, reclaimer,
                  embed_stats: EmbedBatchStats, settle_releases: Callable[[], None],
                  embed_run: Callable[[LoadedModel, list[list[int]]], object],
-                 kv_host: HostKVTier | None = None) -> None:
+                 kv_host: HostKVTier | None = None,
+                 step_trace: StepTrace | None = None) -> None:
         self.config, self.device, self.compiler, self.reclaimer = config, device, compiler, reclaimer
         self.kv_host = kv_host           # None: no host KV tier (preemption recomputes)
         self.embed_stats = embed_stats
         self.settle_releases = settle_releases
         self.embed_run = embed_run       # one padded batch through an encoder, under its lock
+        self.step_trace = step_trace     # --step-trace's file (None: off)
 
     def build(self, model_id: str, spec: LoadSpec) -> tuple[LoadedModel, LoadResult]:
         from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
@@ -131,7 +134,9 @@ class ModelLoader:
                 eos_token_ids=loaded.eos_token_ids, model_lock=loaded.lock,
                 pin=loaded.executor.resident, settle=model.settle, name=loaded.model_id,
                 overlap=c.overlap, prefix_cache=c.prefix_cache, prefix_key=prefix_key(loaded.info),
-                kv_swap=swap, kv_demote=c.kv_demote, prefill_tokens_per_s=c.kv_swap_prefill_rate)
+                kv_swap=swap, kv_demote=c.kv_demote, prefill_tokens_per_s=c.kv_swap_prefill_rate,
+                step_trace=(self.step_trace.writer(loaded.model_id)
+                            if self.step_trace is not None else None))
         elif isinstance(model, EncoderModel):
             max_context = loaded.cfg.max_context
 

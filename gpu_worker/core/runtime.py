@@ -42,6 +42,7 @@ from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.serial import SerialRequest, serial_tokens
 from gpu_worker.models.configs import WEIGHT_FORMATS, get_config
 from gpu_worker.telemetry.spans import span
+from gpu_worker.telemetry.step_trace import StepTrace
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -69,6 +70,7 @@ class WorkerRuntime:
         self.kv_host = (HostKVTier(HostKVBudget(config.kv_swap_host_bytes),
                                    config.kv_swap_copy_rate)
                         if config.kv_swap and config.kv_swap_host_bytes > 0 else None)
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
@@ -108,6 +110,8 @@ class WorkerRuntime:
         if self.budget is not None:
             self.budget.close()
             self.budget = None
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     def _started(self):
         if self.device is None:
@@ -172,7 +176,7 @@ class WorkerRuntime:
     def _loader(self) -> ModelLoader:
         return ModelLoader(self.config, self._started(), self.compiler, self.reclaimer,
                            self.embed_batch_stats, self._settle_releases, self._embed_batch,
-                           self.kv_host)
+                           self.kv_host, self.step_trace)
 
     def model_info(self, model_id: str) -> ModelInfo:
         """The loaded model's facts (NOT_FOUND for an unknown id): one lookup, no other lock."""

@@ -2,6 +2,7 @@
 paged decoder): concurrent streams, the queue bound, sampling, finish reasons, cancels, stats."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -247,3 +248,23 @@ def test_gpuplane_stats_prints_the_step_split(worker, capsys):
     line = next((ln for ln in out.splitlines() if ln.startswith("steps:")), None)
     assert line is not None, f"no steps line:\n{out}"
     assert "ms on the device; end to end / device " in line, line
+
+
+def test_the_step_trace_accounts_for_every_token_the_engine_computed(tmp_path, kernels):
+    trace = tmp_path / "steps.jsonl"
+    _, server, client = start_worker(kernels, max_plans=8, step_trace=trace)
+    try:
+        prompts = [prompt_of(i, 20 + 30 * i) for i in range(4)]
+        results = concurrently([lambda p=p: client.generate(MODEL, p, 6) for p in prompts])
+        assert all(r.finish_reason == "length" for r in results)
+        s = client.stats().scheduler
+    finally:
+        client.close()
+        server.stop(grace=5.0)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) == s.steps, "one record per launched step"
+    assert {r["model"] for r in records} == {MODEL}
+    assert sum(r["decode_rows"] for r in records) == s.decode_tokens
+    assert sum(sum(r["chunks"]) for r in records) == s.prefill_tokens
+    assert sorted(r["step"] for r in records) == list(range(s.steps))
+    assert all(r["device_us"] >= 0 and r["host_us"] > 0 for r in records)

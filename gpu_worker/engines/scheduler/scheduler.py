@@ -341,6 +341,16 @@ class _Launched:
     step: int
     prefill_tokens: int = 0
     decode_rows: int = 0
+    chunks: tuple[int, ...] = ()      # the prefill chunks' lengths, in launch order
+
+
+def trace_record(batch: _Launched, host_s: float, wait_s: float) -> dict[str, object]:
+    """A read-back step as one --step-trace record: its composition (decode rows, prefill chunk
+    lengths), its device span, and the engine iteration that read it back (host work, wait).
+    With overlap that iteration launched the next step: its host time is the next step's."""
+    return {"step": batch.step, "decode_rows": batch.decode_rows, "chunks": list(batch.chunks),
+            "device_us": round(batch.handle.device_s * 1e6), "host_us": round(host_s * 1e6),
+            "wait_us": round(wait_s * 1e6)}
 
 
 class Scheduler:
@@ -358,7 +368,8 @@ class Scheduler:
                  prefill_order: str = DEFAULT_PREFILL_ORDER,
                  prefix_cache: bool = True, prefix_key: str = "",
                  kv_swap: KVSwap | None = None, prefill_tokens_per_s: float = 0.0,
-                 kv_demote: bool = True) -> None:
+                 kv_demote: bool = True,
+                 step_trace: Callable[[dict[str, object]], None] | None = None) -> None:
         for flag, value in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
                             ("max_queued", max_queued), ("min_prefill_share", min_prefill_share)):
             if value < 1:
@@ -426,6 +437,8 @@ class Scheduler:
         self.step_time = Histogram(STEP_BUCKETS)
         self.step_host_time = Histogram(STEP_BUCKETS)
         self.step_device_time = Histogram(STEP_BUCKETS)
+        # one record per read-back step (`trace_record`), for --step-trace
+        self.step_trace = step_trace
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -566,6 +579,8 @@ class Scheduler:
             self.step_host_time.observe(wall - wait)
             self.counters["step_host_us"] += int((wall - wait) * 1e6)
             self.counters["step_wait_us"] += int(wait * 1e6)
+            if self.step_trace is not None and previous is not None:
+                self.step_trace(trace_record(previous, wall - wait, wait))
         return done
 
     def _plan(self, step: int) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
@@ -878,7 +893,8 @@ class Scheduler:
                     rows.append((seq, seq.epoch))
                 else:   # recomputed: its next decode appends its last known token
                     runner.set_token(seq.slot, seq.generated[-1])
-        return _Launched(runner.end_step(), rows, step, sum(n for _, n in prefills), len(decodes))
+        return _Launched(runner.end_step(), rows, step, sum(n for _, n in prefills), len(decodes),
+                         tuple(n for _, n in prefills))
 
     def _complete(self, batch: _Launched) -> float:
         """Read a launched step's tokens back and stream them; returns the seconds waited."""

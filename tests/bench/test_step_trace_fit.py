@@ -1,0 +1,29 @@
+"""bench/step_trace_fit.py: the fit recovers the costs a trace was made with."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+
+from bench.step_trace_fit import fit, load
+
+
+def test_the_fit_recovers_known_per_pass_and_per_token_costs(tmp_path):
+    rng = random.Random(3)
+    path = tmp_path / "steps.jsonl"
+    truth = (1500.0, 60.0, 2500.0, 20.0)    # decode pass, per row, per chunk, per prefill token
+    with path.open("w") as f:
+        for step in range(400):
+            decode = rng.choice([0, 8, 36, 64])
+            chunks = [rng.randint(16, 600) for _ in range(rng.randint(0 if decode else 1, 3))]
+            us = (truth[0] * (decode > 0) + truth[1] * decode + truth[2] * len(chunks)
+                  + truth[3] * sum(chunks) + rng.uniform(-50, 50))
+            f.write(json.dumps({"model": "m", "step": step, "decode_rows": decode,
+                                "chunks": chunks, "device_us": round(us), "host_us": 900,
+                                "wait_us": 100}) + "\n")
+    records = load(path, skip=10)
+    assert len(records) == 390, "the first --skip steps (warm-up) are left out"
+    coef, r2 = fit(records)
+    assert np.allclose(coef, truth, rtol=0.05), coef
+    assert r2 > 0.99
