@@ -359,6 +359,10 @@ def main() -> int:
                       f"preemptions so far {s.preemptions}, peak batch {s.peak_batch_size}, lost "
                       f"{r['lost']} {r['errors'] or ''}\n    {engine_time(before, s, r['wall'])}",
                       flush=True)
+        p = client.stats().plans
+        print(f"worker plans: {p.entries} held, {p.evictions} evicted, {p.misses} built; graphs "
+              f"{p.graph_bytes / 2**20:.0f} MiB, activations {p.activation_bytes / 2**30:.2f} GiB",
+              flush=True)
         if arrivals:
             open_loop = run_arrivals(client, arrivals)
             s = client.stats().scheduler
