@@ -351,6 +351,23 @@ class PagedDecoderModel:
         """`slot`'s next input is `token`, known on the host (a preempted sequence resuming)."""
         self._tokens[slot] = int(token)
 
+    def move_slot(self, src: int, dst: int) -> None:
+        """Slot `src`'s sequence moves to the free slot `dst` (the scheduler keeps its running
+        sequences on the lowest slots, so a decode's rung covers few padding rows): its token
+        and table row are copied on the device, behind the steps already queued (the token the
+        last of them sampled comes along), its knobs and pending host writes re-keyed. Two
+        device-to-device copies; inside a step, before its decode."""
+        assert self._in_step and not self._decoded, "move_slot() inside a step, before decode()"
+        device, mb = self.executor.device, self.geometry.max_blocks
+        tokens, tables = self.executor.state_ptr(SLOT_TOKENS), self.executor.state_ptr(SLOT_TABLES)
+        device.copy_device_async(tokens + dst * 4, tokens + src * 4, 4)
+        device.copy_device_async(tables + dst * mb * 4, tables + src * mb * 4, mb * 4)
+        for knob in (self._temperature, self._top_p, self._top_k, self._seed):
+            knob[dst] = knob[src]
+        for pending in (self._tables, self._tokens):
+            if src in pending:
+                pending[dst] = pending.pop(src)
+
     def begin_step(self) -> None:
         assert self._staging is not None, "load() first"
         assert not self._in_step, "begin_step() twice"
@@ -370,11 +387,12 @@ class PagedDecoderModel:
             device.copy_to_device_async(base + (slot * mb + lo) * 4, region)
         self._tables.clear()
 
-    def decode(self, rows: list[tuple[int, int]]) -> None:
+    def decode(self, rows: list[tuple[int, int]]) -> int:
         """Enqueue one decode of the slots in `rows` ((slot, position) pairs): per group, the
         smallest rung covering its highest slot; other slots of the rung are padding rows. Runs
         before the step's prefills: a padding row's sample writes -1 to its slot, and a prefill
-        finishing in this step writes its slot's first token after it."""
+        finishing in this step writes its slot's first token after it. Returns the graph rows
+        run (the rungs' sum)."""
         assert self._in_step and not self._decoded, "decode() once per step, before prefills"
         self._decoded = True
         self._flush_tables()
@@ -382,6 +400,7 @@ class PagedDecoderModel:
         for slot, position in rows:
             by_group.setdefault(slot // GROUP, []).append((slot - slot // GROUP * GROUP, position))
         take = self._staging.take
+        graph_rows = 0
         for g, local in sorted(by_group.items()):
             size = decode_bucket(max(s for s, _ in local) + 1)
             pos = np.full(size, -1, np.int32)
@@ -394,6 +413,8 @@ class PagedDecoderModel:
             key = ("paged_decode", size) if g == 0 else ("paged_decode", size, g)
             self.executor.launch(key, self._graph(size, "decode", g), inputs, take,
                                  capture=self.capture)
+            graph_rows += size
+        return graph_rows
 
     def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
                 sampling: SamplingParams = GREEDY, sample: bool = True) -> None:

@@ -144,6 +144,35 @@ def test_a_batch_of_33_replays_the_40_rung_not_64(model):
     solo_run.close()
 
 
+def test_streams_left_on_high_slots_move_down_so_the_tail_replays_small_rungs(model):
+    # stream i holds slot i and outlives every stream before it: without compaction the last
+    # one decodes alone on slot 9, i.e. on the 16-row graph
+    records: list[dict] = []
+    sched = engine(model, True, step_trace=records.append)
+    sampling = [GREEDY, SEEDED]
+    news = [3 + 4 * i for i in range(9)] + [50]
+    seqs = [sched.submit(prompt_of(i, 4 + i), news[i], sampling[i % 2]) for i in range(10)]
+    while sched.busy():
+        sched.step()
+    stats = sched.stats()
+    sched.close()
+    lone = [r["decode_graph_rows"] for r in records if r["decode_rows"] == 1 and not r["chunks"]]
+    assert len(lone) >= 8, "the trace has no tail of one stream"
+    assert max(lone) <= 2 and lone.count(1) >= len(lone) - 1, \
+        f"a lone stream ran {lone} graph rows: it stayed on a high slot"
+    assert stats["slot_moves"] >= 5, f"only {stats['slot_moves']} slot moves"
+    for r in records:     # no decode graph ran rows beyond the batch's rung and the finishers'
+        if r["decode_rows"]:
+            assert r["decode_graph_rows"] <= decode_bucket(min(64, 2 * r["decode_rows"] + 1))
+    for i in (0, 5, 9):   # a moved stream's tokens are its solo tokens
+        solo_run = engine(model, True)
+        alone = solo_run.submit(prompt_of(i, 4 + i), news[i], sampling[i % 2])
+        while solo_run.busy():
+            solo_run.step()
+        solo_run.close()
+        assert seqs[i].generated == alone.generated, f"stream {i} changed when it moved slot"
+
+
 def _calls_per_step(sched: Scheduler, steps: int) -> list[int]:
     counts = []
     for _ in range(steps):

@@ -168,10 +168,16 @@ class StepRunner(Protocol):
     def set_token(self, slot: int, token: int) -> None:
         """The slot's next input token is known on the host (a recomputed sequence)."""
 
+    def move_slot(self, src: int, dst: int) -> None:
+        """The sequence of slot `src` now holds the free slot `dst`: its next input token, its
+        table row (pending entries too) and its sampling knobs go with it. Inside a step,
+        before its decode; queued behind the steps before (their tokens reach `dst`)."""
+
     def begin_step(self) -> None: ...
 
-    def decode(self, rows: list[tuple[int, int]]) -> None:
-        """Enqueue one decode of (slot, position) rows; before any prefill of the step."""
+    def decode(self, rows: list[tuple[int, int]]) -> int:
+        """Enqueue one decode of (slot, position) rows; before any prefill of the step.
+        Returns the graph rows it runs (real rows and the rungs' padding rows)."""
 
     def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
                 sampling: SamplingParams, sample: bool) -> None:
@@ -218,6 +224,13 @@ class HostStepRunner:
     def set_token(self, slot: int, token: int) -> None:
         self._host[slot] = token
 
+    def move_slot(self, src: int, dst: int) -> None:
+        self._tokens[dst], self._tables[dst] = self._tokens[src], self._tables[src]
+        self._sampling[dst] = self._sampling[src]
+        for pending in (self._dirty, self._host):
+            if src in pending:
+                pending[dst] = pending.pop(src)
+
     def _flush(self) -> None:
         for slot, (row, lo, hi) in self._dirty.items():
             self._tables[slot, lo:hi] = row[lo:hi]
@@ -226,7 +239,7 @@ class HostStepRunner:
     def begin_step(self) -> None:
         pass
 
-    def decode(self, rows: list[tuple[int, int]]) -> None:
+    def decode(self, rows: list[tuple[int, int]]) -> int:
         self._flush()
         out = self.inner.decode([DecodeRow(int(self._tokens[s]), p, self._tables[s], self._sampling[s])
                                  for s, p in rows])
@@ -234,6 +247,7 @@ class HostStepRunner:
         self._tokens[:top + 1] = -1          # padding rows of the rung
         for (s, _), token in zip(rows, out, strict=True):
             self._tokens[s] = token
+        return top + 1
 
     def prefill(self, slot, tokens, start, table, sampling, sample) -> None:
         token = self.inner.prefill(tokens, start, table, sampling, sample)
@@ -334,21 +348,24 @@ class Sequence:
 
 @dataclass(eq=False)
 class _Launched:
-    """A step on the device: its handle and the (sequence, epoch) rows whose tokens it makes."""
+    """A step on the device: its handle and the (sequence, epoch, slot) rows whose tokens it
+    makes (the slot at launch: a sequence may move to a lower slot before it is read back)."""
 
     handle: StepHandle
-    rows: list[tuple[Sequence, int]]
+    rows: list[tuple[Sequence, int, int]]
     step: int
     prefill_tokens: int = 0
     decode_rows: int = 0
     chunks: tuple[int, ...] = ()      # the prefill chunks' lengths, in launch order
+    graph_rows: int = 0               # decode graph rows run: decode rows + the rungs' padding
 
 
 def trace_record(batch: _Launched, host_s: float, wait_s: float) -> dict[str, object]:
     """A read-back step as one --step-trace record: its composition (decode rows, prefill chunk
     lengths), its device span, and the engine iteration that read it back (host work, wait).
     With overlap that iteration launched the next step: its host time is the next step's."""
-    return {"step": batch.step, "decode_rows": batch.decode_rows, "chunks": list(batch.chunks),
+    return {"step": batch.step, "decode_rows": batch.decode_rows,
+            "decode_graph_rows": batch.graph_rows, "chunks": list(batch.chunks),
             "device_us": round(batch.handle.device_s * 1e6), "host_us": round(host_s * 1e6),
             "wait_us": round(wait_s * 1e6)}
 
@@ -430,7 +447,7 @@ class Scheduler:
                                        "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
                                        "kv_swapped_out_blocks", "kv_swapped_in_blocks",
                                        "kv_swap_outs", "kv_swap_ins", "kv_swap_declined",
-                                       "kv_swap_refused", "kv_swap_failed"), 0)
+                                       "kv_swap_refused", "kv_swap_failed", "slot_moves"), 0)
         self.ttft, self.tpot, self.queue_time = Histogram(), Histogram(), Histogram()
         # per engine step: wall time, the host's part (wall less the wait for the device) and
         # the device's span between the step's first and last event (CUDA events on cuda)
@@ -562,7 +579,7 @@ class Scheduler:
             failed = [s for s, _ in prefills] + decodes
             for batch in (self._inflight, launched):
                 if batch is not None:
-                    failed += [s for s, _ in batch.rows]
+                    failed += [s for s, _, _ in batch.rows]
             self._inflight = None
             self.pool.forget()      # a launched block may never have been written
             self._unswap_all()      # nor may a block swapped out behind a failed step
@@ -867,14 +884,16 @@ class Scheduler:
                 step: int) -> _Launched:
         """Enqueue the step: the decode, then the chunks, then the readback."""
         runner = self.runner
-        rows: list[tuple[Sequence, int]] = []
+        rows: list[tuple[Sequence, int, int]] = []
         runner.begin_step()
+        self._compact_slots()
+        graph_rows = 0
         if decodes:
-            runner.decode([(s.slot, s.computed) for s in decodes])
+            graph_rows = runner.decode([(s.slot, s.computed) for s in decodes])
             for seq in decodes:
                 seq.computed += 1
                 seq.pending += 1
-                rows.append((seq, seq.epoch))
+                rows.append((seq, seq.epoch, seq.slot))
             self.counters["decode_tokens"] += len(decodes)
         for seq, n in prefills:
             start = seq.computed
@@ -890,11 +909,26 @@ class Scheduler:
                 seq.prefilled = True
                 if fresh:
                     seq.pending += 1
-                    rows.append((seq, seq.epoch))
+                    rows.append((seq, seq.epoch, seq.slot))
                 else:   # recomputed: its next decode appends its last known token
                     runner.set_token(seq.slot, seq.generated[-1])
         return _Launched(runner.end_step(), rows, step, sum(n for _, n in prefills), len(decodes),
-                         tuple(n for _, n in prefills))
+                         tuple(n for _, n in prefills), graph_rows)
+
+    def _compact_slots(self) -> None:
+        """Keep the running sequences on the lowest slots: while a free slot lies below the
+        highest held one, that slot's sequence moves down. A decode graph's rung covers its
+        group's highest decoding slot, so without this a batch's tail of few streams left on
+        high slots ran the 64-row graph (9.5 ms a step at 64 streams on the H200 where the
+        batch needed 2.5-5). At most one move per slot freed since the last step."""
+        held = {s.slot: s for s in self._running if s.slot >= 0}
+        while self._free_slots and held and self._free_slots[0] < max(held):
+            top = max(held)
+            seq, dst = held.pop(top), heapq.heappop(self._free_slots)
+            self.runner.move_slot(top, dst)
+            seq.slot, held[dst] = dst, seq
+            heapq.heappush(self._free_slots, top)
+            self.counters["slot_moves"] += 1
 
     def _complete(self, batch: _Launched) -> float:
         """Read a launched step's tokens back and stream them; returns the seconds waited."""
@@ -904,12 +938,12 @@ class Scheduler:
         self.step_device_time.observe(batch.handle.device_s)
         self._observe(batch)
         self.counters["step_device_us"] += int(batch.handle.device_s * 1e6)
-        for seq, epoch in batch.rows:
+        for seq, epoch, slot in batch.rows:
             if seq.state != "running" or seq.epoch != epoch:
                 self.counters["dropped_tokens"] += 1    # finished, cancelled or preempted since
                 continue
             seq.pending -= 1
-            self._emit(seq, int(tokens[seq.slot]), batch.step)
+            self._emit(seq, int(tokens[slot]), batch.step)
         return waited
 
     def _emit(self, seq: Sequence, token: int, step: int) -> None:
@@ -1005,7 +1039,7 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Gauges and counters. Beyond GetStatsResponse.scheduler's fields: `dropped_tokens`
         (speculative tokens of sequences that stopped, were cancelled or preempted one step
-        earlier), `step_host_us` / `step_wait_us` / `step_device_us` (totals over steps: the
+        earlier), `slot_moves` (sequences moved to a lower decode slot, `_compact_slots`), `step_host_us` / `step_wait_us` / `step_device_us` (totals over steps: the
         host's work, the host's wait for the device, the device's span), `overlap` (1 when steps
         overlap), `inflight_steps`, `prefix_cache` (1 when on) and the pool's
         `kv_blocks_capacity`, `kv_block_bytes` and `kv_cache_evictions` (cached blocks
