@@ -113,12 +113,20 @@ def linears(device, lengths, reps: int, torch_ok: bool) -> None:
                 launch_int4_dequant(device, fns["int4_dequant"], w32.ptr, pk.ptr, sc.ptr, n, k)
                 launch_matmul_nt_large(device, fns["matmul_nt_large"], y.ptr, x.ptr, w32.ptr, 0, m, n, k)
 
+            def dequant(n=n, k=k, rows=rows, pk=pk, sc=sc) -> None:
+                for r0 in range(0, n, rows):
+                    launch_int4_dequant_f16(device, fns["int4_dequant_f16"], tile.ptr, pk.ptr, sc.ptr,
+                                            r0, min(rows, n - r0), n, k)
+
             blas.warm({(m, min(rows, n), k)}, tensor)
             flop = 2.0 * m * n * k
             t_tc = median_time(tensor, reps, device.synchronize)
             t_32 = median_time(f32, max(1, reps // 3), device.synchronize)
+            t_dq = median_time(dequant, reps, device.synchronize)
             line = (f"  m={m:5d} n={n:5d} k={k:5d}: tensor {flop / t_tc / 1e12:6.1f}, "
-                    f"f32 {flop / t_32 / 1e12:5.1f} ({t_32 / t_tc:5.1f}x slower)")
+                    f"f32 {flop / t_32 / 1e12:5.1f} ({t_32 / t_tc:5.1f}x slower); its dequant "
+                    f"{t_dq * 1e6:6.0f} us = {t_dq / t_tc:4.0%} ({2 * n * k / t_dq / 1e9:5.0f} GB/s "
+                    "of fp16 written)")
             if wt is not None:
                 xt = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 t_pt = median_time(lambda xt=xt, wt=wt: xt @ wt.T, reps, torch.cuda.synchronize)

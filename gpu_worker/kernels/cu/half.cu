@@ -1,26 +1,40 @@
 #include "gpuplane_common.cuh"
 // w16[r - row0, c] = fp16((nib(r, c) - 8) * scale(r, c / 32)) for r in [row0, row0 + rows)
+// Quant block b of a row (16 packed bytes = 32 weights, k 2j and 2j + 1 in byte j's low and high
+// nibble) -> 32 halves, one thread a block. Byte j of a word goes to both halves of a register
+// (PRMT); one LOP3 makes fp16 (1024 + lo, 1024 + 16 hi); one HFMA2 by (1, 1/16) plus
+// (-1032, -72) gives the exact integers (lo - 8, hi - 8); one HMUL2 by the scale rounds the
+// exact product once to nearest even: bit-equal to (nib - 8) * scale in f32 then cvt.rn.f16.
+__device__ __forceinline__ unsigned gp_dq_pair(unsigned word, unsigned j, unsigned s2) {
+    const unsigned t = __byte_perm(word, 0u, 0x4040u | (j << 8) | j);
+    unsigned v, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(v) : "r"(t), "r"(0x00F0000Fu), "r"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(v), "r"(0x2C003C00u), "r"(0xD480E408u));
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(v) : "r"(r), "r"(s2));
+    return v;
+}
+
+// Rows [row0, row0 + rows) of the int4 weight into w16 (rows x k halves). K % 32 == 0 (every
+// Llama-shaped weight): one thread per quant block, a 16-byte load and four 16-byte stores, 32-bit
+// index math (the launcher bounds rows * blocks below 2^31). Other K: one thread per weight.
 extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                                                const unsigned char* __restrict__ packed,
                                                const unsigned short* __restrict__ scales,
                                                int row0, int rows, int k) {
     const int kb = (k + 31) >> 5;
-    if ((k & 7) == 0) {
-        const int words = k >> 3;                       // 8 weights per 32-bit word
-        GP_GRID_STRIDE(i, (long long)rows * words) {
-            const int r = (int)(i / words), wd = (int)(i % words);
-            const size_t gr = (size_t)(row0 + r);
-            const unsigned int q = reinterpret_cast<const unsigned int*>(packed + gr * kb * 16)[wd];
-            const float s = gp_half_to_float(scales[gr * kb + (wd >> 2)]);
-            unsigned int h[4];
+    if ((k & 31) == 0) {
+        const unsigned total = (unsigned)rows * (unsigned)kb, ukb = (unsigned)kb;
+        for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+            const unsigned r = i / ukb, b = i - r * ukb;
+            const size_t src = (size_t)(row0 + (int)r) * ukb + b;
+            const uint4 q = __ldg(reinterpret_cast<const uint4*>(packed) + src);
+            const unsigned s = __ldg(scales + src), s2 = s | (s << 16);
+            uint4* dst = reinterpret_cast<uint4*>(w16 + (size_t)r * k + (size_t)b * 32);
+            const unsigned words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float lo = (float)((int)((q >> (8 * j)) & 15u) - 8) * s;
-                const float hi = (float)((int)((q >> (8 * j + 4)) & 15u) - 8) * s;
-                h[j] = (unsigned int)gp_float_to_half(lo) | ((unsigned int)gp_float_to_half(hi) << 16);
-            }
-            *reinterpret_cast<uint4*>(w16 + (size_t)r * k + (size_t)wd * 8) =
-                make_uint4(h[0], h[1], h[2], h[3]);
+            for (int w = 0; w < 4; ++w)
+                dst[w] = make_uint4(gp_dq_pair(words[w], 0, s2), gp_dq_pair(words[w], 1, s2),
+                                    gp_dq_pair(words[w], 2, s2), gp_dq_pair(words[w], 3, s2));
         }
     } else {
         GP_GRID_STRIDE(i, (long long)rows * k) {
