@@ -4,9 +4,10 @@ The prefill linear y = x @ W^T runs on tensor cores through cuBLAS (gpu_worker.d
 operands must be fp16. These kernels produce them:
 - `int4_dequant_f16` expands rows [row0, row0 + rows) of the int4 weight into fp16, each row
   k halves, into a bounded dequantization tile (the per-model workspace of execution.ops): one
-  thread per quant block (16 packed bytes, 32 weights), four 16-byte stores of 8 halves, the
-  integers nib - 8 made exactly in fp16 (magic 1024 + nib, one HFMA2) and one HMUL2 by the
-  scale: the exact product rounded once to nearest even, what NumPy's
+  thread per packed 32-bit word (8 weights of one quant block), one 16-byte store of 8 halves
+  (a warp's loads and stores each contiguous), the integers nib - 8 made exactly in fp16 (magic
+  1024 + nib, one HFMA2) and one HMUL2 by the scale: the exact product rounded once to nearest
+  even, what NumPy's
   astype(float16) of the f32 product does, so the result is bit-exact against
   reference.int4_dequantize_f16. It runs once per prefill chunk over every weight, so its
   bandwidth is a fixed cost of each chunk.
@@ -15,7 +16,7 @@ operands must be fp16. These kernels produce them:
   kernels (gpu_worker.kernels.flash_attention).
 
 Layout as gpu_worker.kernels.linear: packed (N, 16 * ceil(K/32)) u8, scales (N, ceil(K/32)) fp16.
-The quant-block path needs K % 32 == 0 (Llama-shaped weights); other K take a scalar path.
+The word path needs K % 8 == 0 (Llama-shaped weights); other K take a scalar path.
 """
 from __future__ import annotations
 
@@ -40,12 +41,11 @@ def launch_int4_dequant_f16(device, function, w16: int, packed: int, scales: int
     require(row0 + rows <= n, f"int4_dequant_f16: rows [{row0}, {row0 + rows}) outside n={n}")
     require(packed % 16 == 0 and w16 % 16 == 0,
             "int4_dequant_f16: packed weight and tile must be 16-byte aligned")
-    require(rows * reference.int4_blocks(k) < 2**31,
-            f"int4_dequant_f16: {rows} rows x {reference.int4_blocks(k)} quant blocks must be "
-            "< 2^31 (split the rows)")
+    require(rows * k // 8 < 2**31,
+            f"int4_dequant_f16: {rows} rows x {k // 8} packed words must be < 2^31 (split the rows)")
     if rows == 0 or k == 0:
         return
-    device.launch(function, grid_1d(device, rows * k // 32 if k % 32 == 0 else rows * k), BLOCK,
+    device.launch(function, grid_1d(device, rows * k // 8 if k % 8 == 0 else rows * k), BLOCK,
                   [ptr(w16), ptr(packed), ptr(scales), i32(row0), i32(rows), i32(k)],
                   stream=stream)
 

@@ -1,10 +1,10 @@
 #include "gpuplane_common.cuh"
 // w16[r - row0, c] = fp16((nib(r, c) - 8) * scale(r, c / 32)) for r in [row0, row0 + rows)
-// Quant block b of a row (16 packed bytes = 32 weights, k 2j and 2j + 1 in byte j's low and high
-// nibble) -> 32 halves, one thread a block. Byte j of a word goes to both halves of a register
-// (PRMT); one LOP3 makes fp16 (1024 + lo, 1024 + 16 hi); one HFMA2 by (1, 1/16) plus
-// (-1032, -72) gives the exact integers (lo - 8, hi - 8); one HMUL2 by the scale rounds the
-// exact product once to nearest even: bit-equal to (nib - 8) * scale in f32 then cvt.rn.f16.
+// Byte j of a packed word (k 2j and 2j + 1 in its low and high nibble) -> one fp16x2: byte j
+// goes to both halves of a register (PRMT); one LOP3 makes fp16 (1024 + lo, 1024 + 16 hi); one
+// HFMA2 by (1, 1/16) plus (-1032, -72) gives the exact integers (lo - 8, hi - 8); one HMUL2 by
+// the scale rounds the exact product once to nearest even: bit-equal to (nib - 8) * scale in
+// f32 then cvt.rn.f16.
 __device__ __forceinline__ unsigned gp_dq_pair(unsigned word, unsigned j, unsigned s2) {
     const unsigned t = __byte_perm(word, 0u, 0x4040u | (j << 8) | j);
     unsigned v, r;
@@ -14,27 +14,26 @@ __device__ __forceinline__ unsigned gp_dq_pair(unsigned word, unsigned j, unsign
     return v;
 }
 
-// Rows [row0, row0 + rows) of the int4 weight into w16 (rows x k halves). K % 32 == 0 (every
-// Llama-shaped weight): one thread per quant block, a 16-byte load and four 16-byte stores, 32-bit
-// index math (the launcher bounds rows * blocks below 2^31). Other K: one thread per weight.
+// Rows [row0, row0 + rows) of the int4 weight into w16 (rows x k halves). K % 8 == 0 (every
+// Llama-shaped weight): one thread per packed 32-bit word (8 weights), so a warp loads 128
+// contiguous bytes and stores 512 (both fully coalesced), with 32-bit index math (the launcher
+// bounds rows * k / 8 below 2^31). Other K: one thread per weight.
 extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                                                const unsigned char* __restrict__ packed,
                                                const unsigned short* __restrict__ scales,
                                                int row0, int rows, int k) {
     const int kb = (k + 31) >> 5;
-    if ((k & 31) == 0) {
-        const unsigned total = (unsigned)rows * (unsigned)kb, ukb = (unsigned)kb;
+    if ((k & 7) == 0) {
+        const unsigned words = (unsigned)k >> 3, total = (unsigned)rows * words;
+        const unsigned* src = reinterpret_cast<const unsigned*>(packed);
         for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-            const unsigned r = i / ukb, b = i - r * ukb;
-            const size_t src = (size_t)(row0 + (int)r) * ukb + b;
-            const uint4 q = __ldg(reinterpret_cast<const uint4*>(packed) + src);
-            const unsigned s = __ldg(scales + src), s2 = s | (s << 16);
-            uint4* dst = reinterpret_cast<uint4*>(w16 + (size_t)r * k + (size_t)b * 32);
-            const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int w = 0; w < 4; ++w)
-                dst[w] = make_uint4(gp_dq_pair(words[w], 0, s2), gp_dq_pair(words[w], 1, s2),
-                                    gp_dq_pair(words[w], 2, s2), gp_dq_pair(words[w], 3, s2));
+            const unsigned r = i / words, wd = i - r * words;
+            const size_t gr = (size_t)(row0 + (int)r);
+            const unsigned q = __ldg(src + gr * kb * 4 + wd);
+            const unsigned s = __ldg(scales + gr * kb + (wd >> 2)), s2 = s | (s << 16);
+            *reinterpret_cast<uint4*>(w16 + (size_t)i * 8) =
+                make_uint4(gp_dq_pair(q, 0, s2), gp_dq_pair(q, 1, s2), gp_dq_pair(q, 2, s2),
+                           gp_dq_pair(q, 3, s2));
         }
     } else {
         GP_GRID_STRIDE(i, (long long)rows * k) {
