@@ -6,8 +6,8 @@ Fits each step's device span by least squares on its composition:
     device_us ~ decode_pass * [decode rows > 0] + per_decode_row * decode_rows
               + per_chunk * prefill chunks + per_prefill_token * prefill tokens
 so `per_chunk` is what one more forward pass costs beyond its tokens (every weight read once
-more, the launches), and prints the mean step split into those parts, and the steps grouped
-by how many chunks they ran. An analysis tool, not a benchmark: it has no targets and records
+more, the launches), and prints the mean step split into those parts, the steps grouped by how
+many chunks they ran, and the decode-only steps by the rows their decode graphs ran. An analysis tool, not a benchmark: it has no targets and records
 nothing. The first `--skip` steps (captures, warm-up) are left out.
 """
 from __future__ import annotations
@@ -69,6 +69,15 @@ def main() -> int:
         print(f"  {k} chunks: {len(g):5d} steps, {np.mean([r['decode_rows'] for r in g]):5.1f} "
               f"decode, {np.mean([sum(r['chunks']) for r in g]):7.1f} prefill, "
               f"{np.mean([r['device_us'] for r in g]) / 1e3:6.2f} ms")
+    rungs: dict[int, list[int]] = collections.defaultdict(list)
+    for r in records:
+        if r["decode_rows"] and not r["chunks"]:
+            rungs[r.get("decode_graph_rows", r["decode_rows"])].append(r["device_us"])
+    if rungs:
+        print("decode-only steps by decode graph rows: steps, median device ms")
+        for rows in sorted(rungs):
+            print(f"  {rows:3d} rows: {len(rungs[rows]):5d} steps, "
+                  f"{np.median(rungs[rows]) / 1e3:6.2f} ms")
     return 0
 
 

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from bench.step_trace_fit import fit, load
+from bench.step_trace_fit import fit, load, main
 
 
 def test_the_fit_recovers_known_per_pass_and_per_token_costs(tmp_path):
@@ -20,10 +20,28 @@ def test_the_fit_recovers_known_per_pass_and_per_token_costs(tmp_path):
             us = (truth[0] * (decode > 0) + truth[1] * decode + truth[2] * len(chunks)
                   + truth[3] * sum(chunks) + rng.uniform(-50, 50))
             f.write(json.dumps({"model": "m", "step": step, "decode_rows": decode,
-                                "chunks": chunks, "device_us": round(us), "host_us": 900,
+                                "decode_graph_rows": decode, "chunks": chunks, "device_us": round(us), "host_us": 900,
                                 "wait_us": 100}) + "\n")
     records = load(path, skip=10)
     assert len(records) == 390, "the first --skip steps (warm-up) are left out"
     coef, r2 = fit(records)
     assert np.allclose(coef, truth, rtol=0.05), coef
     assert r2 > 0.99
+
+
+def test_the_report_splits_the_mean_step_and_lists_decode_steps_by_graph_rows(tmp_path, capsys,
+                                                                             monkeypatch):
+    path = tmp_path / "steps.jsonl"
+    with path.open("w") as f:
+        for step in range(40):
+            decode, chunks = (8, []) if step % 4 else (16, [300])
+            f.write(json.dumps({"model": "m", "step": step, "decode_rows": decode,
+                                "decode_graph_rows": decode, "chunks": chunks,
+                                "device_us": 3000 + 100 * decode + 9000 * len(chunks)
+                                + 25 * sum(chunks) + step % 3, "host_us": 900,
+                                "wait_us": 100}) + "\n")
+    monkeypatch.setattr("sys.argv", ["step_trace_fit.py", str(path), "--skip", "0"])
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert "40 steps; mean device span" in out
+    assert "  8 rows:    30 steps" in out, out
