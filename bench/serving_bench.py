@@ -41,7 +41,9 @@ at 32 streams of the mixed trace) under any scheduler.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import random
 import statistics
 import sys
@@ -246,6 +248,22 @@ def engine_time(before, after, wall: float) -> str:
             f"device {device / steps:.2f} ms; device busy {device / 1e3 / wall:.0%} of the wall")
 
 
+def step_costs(path: pathlib.Path, lo: int, hi: int) -> str:
+    """What the worker's steps lo..hi-1 (one level's trials) cost on the device, from its step
+    trace: bench/step_trace_fit.py's least-squares split (the trace's last lines may still be
+    in the worker's buffer: it writes a line per step read back)."""
+    from bench.step_trace_fit import TERMS, fit
+    records = [r for r in (json.loads(line) for line in path.read_text().splitlines() if line)
+               if lo <= r["step"] < hi and r["device_us"] > 0]
+    if len(records) < 8:
+        return f"step trace: {len(records)} steps, too few to fit"
+    coef, r2 = fit(records)
+    chunks = sum(len(r["chunks"]) for r in records)
+    parts = ", ".join(f"{name} {c / 1e3:.3f} ms" for name, c in zip(TERMS, coef, strict=True))
+    return (f"step trace: {len(records)} steps, {chunks} prefill chunks; fit (R² {r2:.2f}): "
+            f"{parts}")
+
+
 def peer_level(model, cfg, jobs: list[list[tuple[int, int]]], trials: int) -> list[dict]:
     """The same trace through PeerServer, `trials` times: trial t's very prompts (burst_work)."""
     server = bench_peer.PeerServer(model, len(jobs))
@@ -305,6 +323,9 @@ def main() -> int:
                    help="start the worker with --NAME VALUE (repeatable; printed as a change from "
                         "the defaults), e.g. --worker-flag min-prefill-share=1024")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--step-trace", type=pathlib.Path, default=None, metavar="FILE",
+                   help="start the worker with --step-trace FILE and print, per burst level, "
+                        "where its device time went (bench/step_trace_fit.py's fit)")
     p.add_argument("--arrival-rate", type=float, default=ARRIVAL_RATE, metavar="R",
                    help="after the burst levels, the open loop: Poisson arrivals at R "
                         "requests/s (seeded), the same trace through the peer; its TTFT p99 is "
@@ -333,6 +354,11 @@ def main() -> int:
     levels: dict[int, list[dict]] = {}
     changed = {flag: (value, "set by --worker-flag (an experiment, not the default)")
                for flag, value in args.worker_flag}
+    if args.step_trace is not None:
+        args.step_trace = args.step_trace.resolve()     # the worker runs elsewhere
+        args.step_trace.unlink(missing_ok=True)
+        why = "observability only: a JSON line per engine step, read back per level below"
+        changed["--step-trace"] = (str(args.step_trace), why)
     with served_worker(args.backend, changed) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
         longest = args.prompt_range[1]
@@ -348,6 +374,7 @@ def main() -> int:
               f"chunk ({chunk}) {unloaded[chunk] * 1e3:.1f} ms", flush=True)
         for b in args.concurrency:
             levels[b] = []
+            first_step = client.stats().scheduler.steps
             for trial in range(args.trials):
                 before = client.stats().scheduler
                 r = run_level(client, burst_work(jobs[b], cfg.vocab_size, trial))
@@ -359,6 +386,8 @@ def main() -> int:
                       f"preemptions so far {s.preemptions}, peak batch {s.peak_batch_size}, lost "
                       f"{r['lost']} {r['errors'] or ''}\n    {engine_time(before, s, r['wall'])}",
                       flush=True)
+            if args.step_trace is not None:
+                print(f"    {step_costs(args.step_trace, first_step, s.steps)}", flush=True)
         p = client.stats().plans
         print(f"worker plans: {p.entries} held, {p.evictions} evicted, {p.misses} built; graphs "
               f"{p.graph_bytes / 2**20:.0f} MiB, activations {p.activation_bytes / 2**30:.2f} GiB",

@@ -4,6 +4,7 @@ times whatever is still in flight, and the TTFT target counts only the steady st
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import threading
@@ -176,3 +177,21 @@ def test_engine_time_splits_a_trial_into_steps_host_wait_and_device():
     assert "2.00 ms host + 18.00 ms wait, device 15.00 ms" in line, line
     assert "device busy 50% of the wall" in line, line
     assert sb.engine_time(after, after, 1.0) == "engine: no steps"
+
+
+def test_step_costs_fit_only_the_steps_of_the_level(tmp_path):
+    from bench.serving_bench import step_costs
+    path = tmp_path / "steps.jsonl"
+    lines = []
+    for step in range(60):
+        decode, chunks = (8 + step % 5, [] if step % 3 else [100 + step])
+        us = 3000 + 100 * decode + 9000 * len(chunks) + 25 * sum(chunks)
+        if step < 20:
+            us *= 10          # another level's steps: outside the range, they must not count
+        lines.append(json.dumps({"model": "m", "step": step, "decode_rows": decode,
+                                 "chunks": chunks, "device_us": us, "host_us": 1, "wait_us": 1}))
+    path.write_text("\n".join(lines) + "\n")
+    line = step_costs(path, 20, 60)
+    assert line.startswith("step trace: 40 steps, 13 prefill chunks; fit (R² 1.00)"), line
+    assert "per_chunk 9.000 ms" in line and "per_prefill_token 0.025 ms" in line, line
+    assert "too few" in step_costs(path, 55, 60)
