@@ -4,8 +4,9 @@ step's time goes (docs/scheduler.md, "Step trace").
 Each line is `scheduler.trace_record` plus the model id:
     {"model": "m", "step": 812, "decode_rows": 36, "chunks": [212, 48], "device_us": 17215,
      "host_us": 8650, "wait_us": 7102}
-Cost: one `json.dumps` and a buffered write per step on the engine thread (a few µs beside a
-step's milliseconds); off unless the flag names a file.
+Cost: one `json.dumps` and a line write per step on the engine thread (a few µs beside a
+step's milliseconds); off unless the flag names a file. A write that fails (a full disk) is
+counted and logged by `survived` and the step goes on: the trace never fails a stream.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import pathlib
 import threading
 from collections.abc import Callable
+
+from gpu_worker.telemetry.survived import survived
 
 
 class StepTrace:
@@ -28,8 +31,13 @@ class StepTrace:
         def write(record: dict[str, object]) -> None:
             line = json.dumps({"model": model_id, **record}, separators=(",", ":"))
             with self._lock:
-                if not self._file.closed:
+                if self._file.closed:
+                    return
+                try:
                     self._file.write(line + "\n")
+                except OSError as exc:   # a full disk loses trace lines, never a step
+                    survived("step_trace", exc, "a --step-trace line was not written",
+                             path=str(self.path))
         return write
 
     def close(self) -> None:

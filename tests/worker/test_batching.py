@@ -268,3 +268,24 @@ def test_the_step_trace_accounts_for_every_token_the_engine_computed(tmp_path, k
     assert sum(sum(r["chunks"]) for r in records) == s.prefill_tokens
     assert sorted(r["step"] for r in records) == list(range(s.steps))
     assert all(r["device_us"] >= 0 and r["host_us"] > 0 for r in records)
+
+
+class _FullDisk:
+    closed = False
+
+    def write(self, line: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_step_trace_that_cannot_be_written_fails_no_stream(tmp_path, kernels):
+    runtime, server, client = start_worker(kernels, max_plans=8, step_trace=tmp_path / "t.jsonl")
+    try:
+        runtime.step_trace._file = _FullDisk()
+        r = client.generate(MODEL, prompt_of(1, 9), 6)
+        assert r.finish_reason == "length" and r.tokens == reference(prompt_of(1, 9), 6)
+    finally:
+        client.close()
+        server.stop(grace=5.0)
