@@ -34,8 +34,9 @@ from bench.targets import Targets
 from gpu_worker.device import Device
 from gpu_worker.device.sim_backend import SimBackend
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.runner import DecodeRow
 from gpu_worker.engines.scheduler.sampling import GREEDY
-from gpu_worker.engines.scheduler.scheduler import DecodeRow, Scheduler
+from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.paged import decode_inputs, prefill_inputs
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.runner import DecodeRow
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import DecodeRow
 from gpu_worker.execution.plans import SEQ_LADDER, seq_bucket
 from gpu_worker.execution.staging import StepStaging
 from gpu_worker.models.configs import ModelConfig

@@ -14,8 +14,8 @@ import hashlib
 import numpy as np
 
 from gpu_worker.engines.scheduler.kv_pool import KVGeometry
+from gpu_worker.engines.scheduler.runner import DecodeRow
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import DecodeRow
 
 VOCAB = 1000
 

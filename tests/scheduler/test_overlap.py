@@ -13,11 +13,8 @@ import pytest
 
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.engines.scheduler.scheduler import (
-    Scheduler,
-    prefill_shares,
-    shortest_first_shares,
-)
+from gpu_worker.engines.scheduler.scheduler import Scheduler
+from gpu_worker.engines.scheduler.shares import prefill_shares, shortest_first_shares
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.paged import DECODE_LADDER, PagedDecoderModel, decode_bucket
