@@ -38,6 +38,7 @@ GPU = [
     ("int4_batched_bench.py", ["--reps", "10", "--trials", "5"]),
     ("decode_bench.py", ["--steps", "64"]),
     ("prefill_bench.py", ["--reps", "3"]),
+    ("prefill_linear_bench.py", ["--reps", "10", "--trials", "5"]),
     ("replay_bench.py", []),
     ("encoder_bench.py", ["--requests", "60"]),
     ("embed_batch_bench.py", ["--requests", "1024"]),

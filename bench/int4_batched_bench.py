@@ -50,7 +50,7 @@ from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 from gpu_worker.device.sim_backend import SIM_MAX_SHARED_BYTES as MAX_SHARED_BYTES
 from gpu_worker.execution.ops import tile_rows
 from gpu_worker.kernels.common import sm_count
-from gpu_worker.kernels.half import INT4_DEQUANT_F16, launch_int4_dequant_f16
+from gpu_worker.kernels.half import INT4_DEQUANT_F16
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
@@ -295,10 +295,12 @@ def print_xa_sweep(name: str, n: int, k: int, times: dict, sms: int) -> None:
               flush=True)
 
 
-def _tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y: int, tile: int,
-                     tile_bytes: int, rows: int, n: int, k: int):
+def tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y: int, tile: int,
+                    tile_bytes: int, rows: int, n: int, k: int, dequant=INT4_DEQUANT_F16,
+                    gemm: bool = True):
     """launch(stream): the prefill path at `rows` rows (execution/ops.py's tensor-core linear):
-    each tile of weight rows dequantized to fp16, then one cuBLAS GEMM into its columns of y."""
+    each tile of weight rows dequantized to fp16 (`dequant`'s build, `function` its entry), then
+    one cuBLAS GEMM into its columns of y (without `gemm`: the dequantization alone)."""
     turn = itertools.count()
     per_tile = tile_rows(n, k, tile_bytes)
 
@@ -306,9 +308,9 @@ def _tensor_launcher(dev, function, weights: list[tuple[int, int]], x16: int, y:
         packed, scales = weights[next(turn) % len(weights)]
         for r0 in range(0, n, per_tile):
             part = min(per_tile, n - r0)
-            launch_int4_dequant_f16(dev, function, tile, packed, scales, r0, part, n, k,
-                                    stream=stream)
-            dev.blas.gemm_nt(y + 4 * r0, x16, tile, rows, part, k, ldy=n, stream=stream)
+            dequant.launcher(dev, function, tile, packed, scales, r0, part, n, k, stream=stream)
+            if gemm:
+                dev.blas.gemm_nt(y + 4 * r0, x16, tile, rows, part, k, ldy=n, stream=stream)
     return launch
 
 
@@ -397,7 +399,7 @@ def main() -> int:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
                     have_torch = torch_times[b] is not None
             for b in TENSOR_BATCHES:
-                step_tensor[b] += uses * ours(dev, _tensor_launcher(
+                step_tensor[b] += uses * ours(dev, tensor_launcher(
                     dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
                     args.reps, args.trials)
             if args.rows_sweep:

@@ -1,17 +1,14 @@
 """Prefill at the 8b-int4 shapes (Llama-3-8B) against plain PyTorch fp16 (SDPA causal + cuBLAS), in
-the same run, plus the first token of the same prompts through WorkerService (issue 12).
+the same run, plus the first token of the same prompts through WorkerService (issue 12). The
+int4 linears alone (their dequantization, tile sizes, against torch) are bench/prefill_linear_bench.py.
 
-[1] prefill linears: ours on tensor cores (x -> fp16, the int4 weight dequantized to fp16 one
-    bounded tile at a time, cuBLAS GemmEx with fp32 accumulation) vs ours in f32 (int4_dequant +
-    the NVRTC tiled matmul_nt_large) vs torch fp16 `x @ w.T` (weight already fp16, no dequant);
-    TFLOP/s of each, ratios. This is the measurement behind the linear path (docs/kernels.md).
-[2] prefill of 469 / 2048 / 5502 tokens: ours through the executor (chunked prefill, captured
+[1] prefill of 469 / 2048 / 5502 tokens: ours through the executor (chunked prefill, captured
     plans, warm) vs the shared peer's fp16 prefill (bench/peer.py: SDPA causal with enable_gqa,
     last-row logits and argmax, the faster of eager and a CUDA graph per length); both timed from
     the host call to the token on the host, median of --reps.
-[3] where the time goes: one prefill chunk of ours node by node (eager, synchronized after each
+[2] where the time goes: one prefill chunk of ours node by node (eager, synchronized after each
     node), summed per op.
-[4] first token through WorkerService (a real gRPC server on loopback, the same runtime):
+[3] first token through WorkerService (a real gRPC server on loopback, the same runtime):
     Generate(max_new_tokens=1), client-side time to the first token, median of --reps.
 
 Targets (issue 12, H200): prefill 5502 and 2048 within 1.5x the peer, 469 within 2x; first token
@@ -27,12 +24,10 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np
 
 from bench.record import add_record_flag
 from bench.targets import Targets
@@ -55,93 +50,7 @@ def median_time(fn, reps: int, sync) -> float:
     return statistics.median(times)
 
 
-# -- [1] linears --------------------------------------------------------------------------------
-def linears(device, lengths, reps: int, torch_ok: bool) -> None:
-    from gpu_worker.compile import KernelCompiler
-    from gpu_worker.execution.ops import DEQUANT_TILE_BYTES, tile_rows
-    from gpu_worker.kernels import (
-        INT4_DEQUANT,
-        INT4_DEQUANT_F16,
-        MATMUL_NT_LARGE,
-        TO_F16,
-        launch_int4_dequant,
-        launch_int4_dequant_f16,
-        launch_matmul_nt_large,
-        launch_to_f16,
-    )
-    from gpu_worker.kernels import reference as ref
-
-    compiler = KernelCompiler(device.info.arch, cache_dir=tempfile.mkdtemp(prefix="prefill-bench-"))
-    fns = {}
-    for kdef in (INT4_DEQUANT, INT4_DEQUANT_F16, MATMUL_NT_LARGE, TO_F16):
-        fns[kdef.name] = device.get_function(compiler.load(device, kdef.source), kdef.entry)
-    blas = device.acquire_blas()
-    rng = np.random.default_rng(0)
-    mmax, nmax, kmax = max(lengths), max(n for n, _ in LINEAR_SHAPES), max(k for _, k in LINEAR_SHAPES)
-    x = device.arena.alloc(mmax * kmax * 4, "activations")
-    x16 = device.arena.alloc(mmax * kmax * 2, "activations")
-    y = device.arena.alloc(mmax * nmax * 4, "activations")
-    tile = device.arena.alloc(DEQUANT_TILE_BYTES, "workspace")
-    w32 = device.arena.alloc(nmax * kmax * 4, "workspace")
-    device.to_device(x.ptr, rng.standard_normal(mmax * kmax, dtype=np.float32))
-    print("\n[1] prefill linears, 8b-int4 shapes: TFLOP/s (median of "
-          f"{reps}); ours tensor cores (fp16 dequant tiles + cuBLAS) vs ours f32 NVRTC tiled vs torch fp16")
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    for n, k in LINEAR_SHAPES:
-        packed, scales = ref.int4_quantize(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
-        pk = device.arena.alloc(packed.nbytes, "activations")
-        sc = device.arena.alloc(scales.nbytes, "activations")
-        device.to_device(pk.ptr, packed)
-        device.to_device(sc.ptr, scales)
-        rows = tile_rows(n, k, DEQUANT_TILE_BYTES)
-        wt = None
-        if torch_ok and torch is not None:
-            wt = torch.from_numpy(ref.int4_dequantize_f16(packed, scales, k)).cuda()
-        for m in lengths:
-            def tensor(m=m, n=n, k=k, rows=rows, pk=pk, sc=sc) -> None:
-                launch_to_f16(device, fns["to_f16"], x16.ptr, x.ptr, m * k)
-                for r0 in range(0, n, rows):
-                    part = min(rows, n - r0)
-                    launch_int4_dequant_f16(device, fns["int4_dequant_f16"], tile.ptr, pk.ptr, sc.ptr,
-                                            r0, part, n, k)
-                    blas.gemm_nt(y.ptr + 4 * r0, x16.ptr, tile.ptr, m, part, k, ldy=n)
-
-            def f32(m=m, n=n, k=k, pk=pk, sc=sc) -> None:
-                launch_int4_dequant(device, fns["int4_dequant"], w32.ptr, pk.ptr, sc.ptr, n, k)
-                launch_matmul_nt_large(device, fns["matmul_nt_large"], y.ptr, x.ptr, w32.ptr, 0, m, n, k)
-
-            def dequant(n=n, k=k, rows=rows, pk=pk, sc=sc) -> None:
-                for r0 in range(0, n, rows):
-                    launch_int4_dequant_f16(device, fns["int4_dequant_f16"], tile.ptr, pk.ptr, sc.ptr,
-                                            r0, min(rows, n - r0), n, k)
-
-            blas.warm({(m, min(rows, n), k)}, tensor)
-            flop = 2.0 * m * n * k
-            t_tc = median_time(tensor, reps, device.synchronize)
-            t_32 = median_time(f32, max(1, reps // 3), device.synchronize)
-            t_dq = median_time(dequant, reps, device.synchronize)
-            line = (f"  m={m:5d} n={n:5d} k={k:5d}: tensor {flop / t_tc / 1e12:6.1f}, "
-                    f"f32 {flop / t_32 / 1e12:5.1f} ({t_32 / t_tc:5.1f}x slower); its dequant "
-                    f"{t_dq * 1e6:6.0f} us = {t_dq / t_tc:4.0%} ({2 * n * k / t_dq / 1e9:5.0f} GB/s "
-                    "of fp16 written)")
-            if wt is not None:
-                xt = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                t_pt = median_time(lambda xt=xt, wt=wt: xt @ wt.T, reps, torch.cuda.synchronize)
-                line += f", torch fp16 {flop / t_pt / 1e12:6.1f} (ours/torch time {t_tc / t_pt:4.2f}x)"
-            print(line, flush=True)
-        device.arena.free(pk)
-        device.arena.free(sc)
-        del wt
-    device.synchronize()
-    for a in (x, x16, y, tile, w32):
-        device.arena.free(a)
-    device.release_blas()
-
-
-# -- [2] the PyTorch peer -----------------------------------------------------------------------
+# -- [1] the PyTorch peer -----------------------------------------------------------------------
 def torch_peer(cfg, lengths: list[int], reps: int):
     """The shared peer's prefill (bench/peer.py: fused QKV and gate/up, SDPA causal with
     enable_gqa, flash) per length, eager and from a CUDA graph captured per length, as ours is;
@@ -175,7 +84,7 @@ def torch_peer(cfg, lengths: list[int], reps: int):
     return out
 
 
-# -- [3] breakdown ------------------------------------------------------------------------------
+# -- [2] breakdown ------------------------------------------------------------------------------
 def breakdown(rt, executor, key) -> None:
     from gpu_worker.execution.ops import OPS, LaunchContext
 
@@ -191,7 +100,7 @@ def breakdown(rt, executor, key) -> None:
         device.synchronize()
         per_op[node.op] = per_op.get(node.op, 0.0) + time.perf_counter() - t0
     total = sum(per_op.values())
-    print(f"\n[3] one prefill chunk {key} node by node (eager, synchronized per node): "
+    print(f"\n[2] one prefill chunk {key} node by node (eager, synchronized per node): "
           f"{total * 1e3:.1f} ms")
     for op, t in sorted(per_op.items(), key=lambda kv: -kv[1]):
         print(f"  {op:26s} {t * 1e3:8.1f} ms  {100 * t / total:5.1f} %")
@@ -204,7 +113,7 @@ def main() -> int:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: linears,grpc")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: grpc")
     add_record_flag(p)
     args = p.parse_args()
     targets = Targets("prefill_bench", args=args)
@@ -221,8 +130,6 @@ def main() -> int:
     rt = WorkerRuntime(WorkerConfig(backend=args.backend, batching=False)).start()
     print(f"device: {rt.device.info.name}; config {cfg.name}; lengths {lengths}; reps {args.reps}",
           flush=True)
-    if "linears" not in skip:
-        linears(rt.device, lengths, args.reps, not args.no_torch)
     server = None
     try:
         t0 = time.perf_counter()
@@ -233,7 +140,7 @@ def main() -> int:
         peer = None if args.no_torch else torch_peer(cfg, lengths, args.reps)
         prompts = {n: [(i * 31 + 7) % cfg.vocab_size for i in range(n)] for n in lengths}
         ours, theirs = {}, {}
-        print(f"\n[2] prefill (host call to first token on the host), median of {args.reps}; "
+        print(f"\n[1] prefill (host call to first token on the host), median of {args.reps}; "
               f"chunk {model.prefill_chunk}")
         for n in lengths:
             ours[n] = median_time(lambda n=n: model.prefill(prompts[n]), args.reps, lambda: None)
@@ -256,7 +163,7 @@ def main() -> int:
         if "grpc" not in skip:
             server = serve_worker(rt, "127.0.0.1:0", TracerProvider())
             client = WorkerClient(server.address, deadline_s=600.0)
-            print(f"\n[4] first token through WorkerService (gRPC, loopback), median of {args.reps}")
+            print(f"\n[3] first token through WorkerService (gRPC, loopback), median of {args.reps}")
             for n in lengths:
                 client.generate("m", prompts[n], 1)       # warm: plans captured
                 times = [client.generate("m", prompts[n], 1).client_first_token_seconds

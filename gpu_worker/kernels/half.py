@@ -3,14 +3,15 @@
 The prefill linear y = x @ W^T runs on tensor cores through cuBLAS (gpu_worker.device.blas): both
 operands must be fp16. These kernels produce them:
 - `int4_dequant_f16` expands rows [row0, row0 + rows) of the int4 weight into fp16, each row
-  k halves, into a bounded dequantization tile (the per-model workspace of execution.ops): one
-  thread per packed 32-bit word (8 weights of one quant block), one 16-byte store of 8 halves
-  (a warp's loads and stores each contiguous), the integers nib - 8 made exactly in fp16 (magic
-  1024 + nib, one HFMA2) and one HMUL2 by the scale: the exact product rounded once to nearest
-  even, what NumPy's
-  astype(float16) of the f32 product does, so the result is bit-exact against
-  reference.int4_dequantize_f16. It runs once per prefill chunk over every weight, so its
-  bandwidth is a fixed cost of each chunk.
+  k halves, into a bounded dequantization tile (the per-model workspace of execution.ops): a
+  thread takes `DEQUANT_WORDS` packed 32-bit words (8 weights of one quant block each) a pass,
+  its loads issued before its stores, one 16-byte store of 8 halves per word (a warp's loads and
+  stores each contiguous), the integers nib - 8 made exactly in fp16 (magic 1024 + nib, one
+  HFMA2) and one HMUL2 by the scale: the exact product rounded once to nearest even, what
+  NumPy's astype(float16) of the f32 product does, so the result is bit-exact against
+  reference.int4_dequantize_f16 whatever the build. It runs once per prefill chunk over every
+  weight, so its bandwidth is a fixed cost of each chunk. `dequant_build(words)` is the kernel
+  built for another words-per-thread count (bench/prefill_linear_bench.py times each).
 - `to_f16` converts activations f32 -> fp16 (round to nearest even, bit-exact against NumPy);
   it disappears once activations are fp16 end to end. It also casts q for the flash attention
   kernels (gpu_worker.kernels.flash_attention).
@@ -20,23 +21,44 @@ The word path needs K % 8 == 0 (Llama-shaped weights); other K take a scalar pat
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from gpu_worker.device.backend import i32, i64, ptr
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.common import (
     BLOCK,
+    THREADS,
     KernelDef,
+    ceil_div,
     cu_source,
     grid_1d,
+    max_grid_1d,
     require,
     require_sizes,
 )
 
-SOURCE = cu_source("gp_half", "half.cu")
+# Packed words a thread of int4_dequant_f16 dequantizes per pass (GP_DQ_WORDS): its loads in
+# flight. 1 is the build every figure so far was measured on.
+DEQUANT_WORDS = 1
+DEQUANT_WORDS_CHOICES = (1, 2, 4, 8)
+
+
+def _source(words: int):
+    base = cu_source("gp_half", "half.cu")
+    name = base.module_name if words == DEQUANT_WORDS else f"{base.module_name}_w{words}"
+    return dataclasses.replace(base, module_name=name,
+                               options=(*base.options, f"-DGP_DQ_WORDS={words}"))
+
+
+SOURCE = _source(DEQUANT_WORDS)
 
 
 def launch_int4_dequant_f16(device, function, w16: int, packed: int, scales: int, row0: int,
-                            rows: int, n: int, k: int, stream=None) -> None:
-    """Rows [row0, row0 + rows) of the (n, k) int4 weight into `w16` (rows * k fp16)."""
+                            rows: int, n: int, k: int, stream=None,
+                            words: int = DEQUANT_WORDS) -> None:
+    """Rows [row0, row0 + rows) of the (n, k) int4 weight into `w16` (rows * k fp16); `words`:
+    the build's words per thread (it sizes the grid; any grid gives the same result)."""
     require_sizes("int4_dequant_f16", row0=row0, rows=rows, n=n, k=k, elements=rows * k)
     require(row0 + rows <= n, f"int4_dequant_f16: rows [{row0}, {row0 + rows}) outside n={n}")
     require(packed % 16 == 0 and w16 % 16 == 0,
@@ -45,7 +67,11 @@ def launch_int4_dequant_f16(device, function, w16: int, packed: int, scales: int
             f"int4_dequant_f16: {rows} rows x {k // 8} packed words must be < 2^31 (split the rows)")
     if rows == 0 or k == 0:
         return
-    device.launch(function, grid_1d(device, rows * k // 8 if k % 8 == 0 else rows * k), BLOCK,
+    if k % 8 == 0:
+        grid = (max(1, min(ceil_div(rows * k // 8, THREADS * words), max_grid_1d(device))), 1, 1)
+    else:
+        grid = grid_1d(device, rows * k)
+    device.launch(function, grid, BLOCK,
                   [ptr(w16), ptr(packed), ptr(scales), i32(row0), i32(rows), i32(k)],
                   stream=stream)
 
@@ -66,5 +92,15 @@ INT4_DEQUANT_F16 = KernelDef("int4_dequant_f16", "gp_int4_dequant_f16", SOURCE,
                              reference.int4_dequantize_f16, launch_int4_dequant_f16,
                              workspace=_tile_workspace)
 TO_F16 = KernelDef("to_f16", "gp_to_f16", SOURCE, reference.to_f16, launch_to_f16)
+
+
+def dequant_build(words: int) -> KernelDef:
+    """INT4_DEQUANT_F16 built and launched with `words` packed words per thread."""
+    require(words in DEQUANT_WORDS_CHOICES,
+            f"int4_dequant_f16: words={words!r} must be one of {DEQUANT_WORDS_CHOICES}")
+    if words == DEQUANT_WORDS:
+        return INT4_DEQUANT_F16
+    return dataclasses.replace(INT4_DEQUANT_F16, source=_source(words),
+                               launcher=functools.partial(launch_int4_dequant_f16, words=words))
 
 KERNELS = [INT4_DEQUANT_F16, TO_F16]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.kernels import ALL_KERNELS, ALL_SOURCES
+from gpu_worker.kernels.half import DEQUANT_WORDS_CHOICES
 from gpu_worker.kernels.selfcheck import (
     CASES,
     Case,
@@ -41,6 +42,10 @@ MODEL_CASES: list[Case] = [
                                                      "rows": 1027, "wide": True}),
     Case("int4_dequant_f16", int4_dequant_f16_case, {"n": 301, "k": 4104, "row0": 7,
                                                      "rows": 250, "wide": True}),
+    # every words-per-thread build: a pass that ends inside the tile, rows not a multiple of it
+    *(Case("int4_dequant_f16", int4_dequant_f16_case, {"n": 4096, "k": 14336, "row0": 13,
+                                                       "rows": 1027, "wide": True, "words": w})
+      for w in DEQUANT_WORDS_CHOICES),
     Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 14336, "k": 4096,
                                                "tile_rows": 4096}),
     Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 4096, "k": 14336,

@@ -14,10 +14,17 @@ __device__ __forceinline__ unsigned gp_dq_pair(unsigned word, unsigned j, unsign
     return v;
 }
 
+#ifndef GP_DQ_WORDS
+#error "GP_DQ_WORDS: packed words a thread dequantizes per pass (gpu_worker/kernels/half.py sets it)"
+#endif
+
 // Rows [row0, row0 + rows) of the int4 weight into w16 (rows x k halves). K % 8 == 0 (every
-// Llama-shaped weight): one thread per packed 32-bit word (8 weights), so a warp loads 128
-// contiguous bytes and stores 512 (both fully coalesced), with 32-bit index math (the launcher
-// bounds rows * k / 8 below 2^31). Other K: one thread per weight.
+// Llama-shaped weight): a pass of a block covers GP_DQ_WORDS x blockDim consecutive packed words
+// (8 weights each), thread t taking words t, t + blockDim, ...: every load and store of a warp
+// is contiguous (128 bytes in, 512 out), and a thread issues all its words' loads before its
+// first store, so GP_DQ_WORDS loads are in flight per thread. Any grid is correct (a
+// grid-stride loop over passes); the launcher sizes it for the build's GP_DQ_WORDS.
+// 32-bit index math (the launcher bounds rows * k / 8 below 2^31). Other K: a thread per weight.
 extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                                                const unsigned char* __restrict__ packed,
                                                const unsigned short* __restrict__ scales,
@@ -26,14 +33,29 @@ extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
     if ((k & 7) == 0) {
         const unsigned words = (unsigned)k >> 3, total = (unsigned)rows * words;
         const unsigned* src = reinterpret_cast<const unsigned*>(packed);
-        for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-            const unsigned r = i / words, wd = i - r * words;
-            const size_t gr = (size_t)(row0 + (int)r);
-            const unsigned q = __ldg(src + gr * kb * 4 + wd);
-            const unsigned s = __ldg(scales + gr * kb + (wd >> 2)), s2 = s | (s << 16);
-            *reinterpret_cast<uint4*>(w16 + (size_t)i * 8) =
-                make_uint4(gp_dq_pair(q, 0, s2), gp_dq_pair(q, 1, s2), gp_dq_pair(q, 2, s2),
-                           gp_dq_pair(q, 3, s2));
+        const unsigned pass = blockDim.x * GP_DQ_WORDS;
+        for (unsigned first = blockIdx.x * pass + threadIdx.x; first < total; first += gridDim.x * pass) {
+            unsigned q[GP_DQ_WORDS], s[GP_DQ_WORDS];
+#pragma unroll
+            for (int u = 0; u < GP_DQ_WORDS; ++u) {
+                const unsigned i = first + u * blockDim.x;
+                if (i < total) {
+                    const unsigned r = i / words, wd = i - r * words;
+                    const size_t gr = (size_t)(row0 + (int)r);
+                    q[u] = __ldg(src + gr * kb * 4 + wd);
+                    s[u] = __ldg(scales + gr * kb + (wd >> 2));
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GP_DQ_WORDS; ++u) {
+                const unsigned i = first + u * blockDim.x;
+                if (i < total) {
+                    const unsigned s2 = s[u] | (s[u] << 16);
+                    *reinterpret_cast<uint4*>(w16 + (size_t)i * 8) =
+                        make_uint4(gp_dq_pair(q[u], 0, s2), gp_dq_pair(q[u], 1, s2),
+                                   gp_dq_pair(q[u], 2, s2), gp_dq_pair(q[u], 3, s2));
+                }
+            }
         }
     } else {
         GP_GRID_STRIDE(i, (long long)rows * k) {

@@ -45,6 +45,7 @@ from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gath
 from gpu_worker.kernels.half import (
     INT4_DEQUANT_F16,
     TO_F16,
+    dequant_build,
     launch_int4_dequant_f16,
     launch_to_f16,
 )
@@ -308,17 +309,19 @@ def int4_linear_case(h, rng, m, n, k) -> Outcome:
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
-def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None, wide=False) -> Outcome:
+def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None, wide=False, words=None) -> Outcome:
     """`wide`: fp16 scales of either sign from subnormal to 8191 (subnormal products, the top
-    exponents): the one rounding of the product must match the reference's bit for bit."""
+    exponents): the one rounding of the product must match the reference's bit for bit.
+    `words`: the build with that many packed words per thread (half.dequant_build), else the
+    library's."""
+    kdef = INT4_DEQUANT_F16 if words is None else dequant_build(words)
     packed, scales = _quantized(rng, n, k)
     if wide:
         bits = rng.integers(0, 0x7000, scales.shape, dtype=np.uint16)   # |8 * scale| < 65504
         scales = (bits | (rng.integers(0, 2, scales.shape, dtype=np.uint16) << 15)).view(np.float16)
     rows = n - row0 if rows is None else rows
-    tile = h.put(np.full(INT4_DEQUANT_F16.workspace_bytes(rows=rows, k=k) // 2, np.nan, np.float16))
-    launch_int4_dequant_f16(h.device, h.function(INT4_DEQUANT_F16), tile, h.put(packed),
-                            h.put(scales), row0, rows, n, k)
+    tile = h.put(np.full(kdef.workspace_bytes(rows=rows, k=k) // 2, np.nan, np.float16))
+    kdef.launcher(h.device, h.function(kdef), tile, h.put(packed), h.put(scales), row0, rows, n, k)
     want = ref.int4_dequantize_f16(packed, scales, k)[row0:row0 + rows]
     return Outcome(h.get(tile, (rows, k), np.uint16), want.view(np.uint16))   # bit-exact
 
@@ -613,6 +616,7 @@ CASES: list[Case] = [
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),
     C("int4_dequant_f16", int4_dequant_f16_case, n=97, k=96, row0=5, rows=61, wide=True),
     C("int4_dequant_f16", int4_dequant_f16_case, n=40, k=72, row0=3, rows=30, wide=True),
+    C("int4_dequant_f16", int4_dequant_f16_case, n=97, k=96, row0=5, rows=61, wide=True, words=4),
     C("to_f16", to_f16_case, n=1),
     C("to_f16", to_f16_case, n=70001),
     C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,
