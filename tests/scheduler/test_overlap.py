@@ -284,19 +284,20 @@ def test_prefill_shares_are_max_min_fair_within_the_budget_and_floor(demands, bu
 
 @pytest.mark.parametrize("demands,remaining,budget,floor,oldest,want", [
     ([256, 30, 128], [900, 30, 128], 504, 64, 0, [256, 30, 128]),   # everyone fits
-    ([256, 30, 128], [900, 30, 128], 200, 64, 0, [64, 30, 106]),    # the oldest's floor first
-    ([256, 256, 100], [2000, 300, 100], 400, 64, 0, [64, 236, 100]),
-    ([256, 100, 100], [2000, 100, 100], 150, 64, 0, [64, 86, 0]),   # ties: candidate order
-    ([256, 200, 224], [1000, 200, 224], 300, 64, 2, [0, 200, 100]),  # 36 left < the floor
+    ([256, 30, 128], [900, 30, 128], 200, 64, 0, [170, 30, 0]),     # 128 does not fit whole
+    ([256, 256, 100], [2000, 300, 100], 400, 64, 0, [256, 0, 100]),
+    ([256, 100, 100], [2000, 100, 100], 150, 64, 0, [150, 0, 0]),   # neither 100 fits in 86
+    ([256, 100, 100], [2000, 100, 100], 300, 64, 0, [100, 100, 100]),  # ties: candidate order
+    ([256, 200, 224], [1000, 200, 224], 300, 64, 2, [0, 200, 100]),  # the oldest may be split
     ([0, 256], [0, 500], 256, 64, 1, [0, 256]),       # a swapped-in decoder needs nothing
     ([], [], 10, 4, 0, []),
 ])
-def test_shortest_first_serves_the_oldest_floor_then_the_shortest_remaining_prompt(
+def test_shortest_first_serves_the_oldest_floor_then_whole_shortest_prompts(
         demands, remaining, budget, floor, oldest, want):
     assert shortest_first_shares(demands, remaining, budget, floor, oldest) == want
 
 
-def test_shortest_first_never_grants_more_than_the_budget_nor_a_chunk_below_the_floor():
+def test_shortest_first_splits_no_prompt_but_the_oldest_and_never_exceeds_the_budget():
     rng = random.Random(7)
     for _ in range(2000):
         n, chunk, floor = rng.randint(1, 9), rng.choice([32, 256, 2048]), rng.choice([1, 16, 256])
@@ -308,14 +309,16 @@ def test_shortest_first_never_grants_more_than_the_budget_nor_a_chunk_below_the_
         assert sum(got) <= budget, f"the budget was exceeded: {case}"
         assert all(0 <= g <= d for g, d in zip(got, demands)), f"more than a demand: {case}"
         assert got[oldest] >= min(demands[oldest], floor, budget), f"the oldest starved: {case}"
-        assert all(g == 0 or g >= min(d, floor) for i, (g, d) in enumerate(zip(got, demands))
-                   if i != oldest), f"a chunk below the floor: {case}"
+        assert all(g in (0, d) for i, (g, d) in enumerate(zip(got, demands)) if i != oldest), \
+            f"a prompt other than the oldest was split: {case}"
+        assert got[oldest] == demands[oldest] or sum(got) == budget, \
+            f"the oldest was cut short while tokens were left: {case}"
         order = sorted(range(n), key=lambda i: remaining[i])
         for k, i in enumerate(order):
             if got[i] and i != oldest:
-                shorter = order[:k]
+                shorter = [j for j in order[:k] if j != oldest]
                 assert all(got[j] == demands[j] for j in shorter), \
-                    f"a longer prompt was served before a shorter one was whole: {case}"
+                    f"a longer prompt was served before a shorter one: {case}"
 
 
 def test_negative_control_without_the_oldest_floor_the_long_prompt_gets_nothing():
@@ -324,7 +327,7 @@ def test_negative_control_without_the_oldest_floor_the_long_prompt_gets_nothing(
     long_, short = 0, 1
     guarded = shortest_first_shares([256, 224], [1000, 224], 256, 64, long_)
     unguarded = shortest_first_shares([256, 224], [1000, 224], 256, 64, short)
-    assert guarded == [64, 192] and unguarded == [0, 224]
+    assert guarded == [256, 0] and unguarded == [0, 224]
 
 
 GEO = KVGeometry(layers=2, kv_heads=2, head_dim=16, block_tokens=16, max_context=4096)

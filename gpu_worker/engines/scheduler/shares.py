@@ -37,11 +37,17 @@ def shortest_first_shares(demands: list[int], remaining: list[int], budget: int,
                           oldest: int) -> list[int]:
     """Tokens for each prefilling sequence this step under `prefill_order="shortest"`, in
     candidate order. First the `oldest` candidate (the earliest submitted) gets min(demand, floor,
-    budget); then, by ascending `remaining` prompt tokens (ties in candidate order), each gets
-    min(its demand, what is left), stopping at the first whose floor (min(demand, floor)) no
-    longer fits. Shortest first finishes short prompts in the fewest steps, where fair shares
-    finish prompts that arrived together at about the same late step. The oldest's floor is the
-    starvation bound: once a prompt is the oldest still prefilling it advances by at least
+    budget); then, by ascending `remaining` prompt tokens (ties in candidate order), each other
+    candidate gets its whole demand if it fits in what is left, else nothing, and the oldest, at
+    its place in that order and again at the end, whatever is left up to its demand.
+
+    Why whole demands: each chunk is a forward pass over every weight, and at 8b-int4 on the H200
+    a pass costs ~9 ms beyond its tokens (docs/scheduler.md, "Mixed traffic"), so a prompt split
+    to fill a step's last tokens pays that twice and finishes no earlier (its rest runs the next
+    step either way). Only the oldest may be split: its chunk runs anyway, so more of its tokens
+    cost no extra pass. Shortest first finishes short prompts in the fewest steps, where fair
+    shares finish prompts that arrived together at about the same late step. The oldest's floor
+    is the starvation bound: once a prompt is the oldest still prefilling it advances by at least
     min(need, floor, budget) tokens every step, however many shorter prompts keep arriving.
     The scheduler admits the waiting candidates given tokens in queue order and leaves those
     given none queued in place: strict FCFS admission would make the shortest of prompts that
@@ -52,9 +58,13 @@ def shortest_first_shares(demands: list[int], remaining: list[int], budget: int,
     grants[oldest] = min(demands[oldest], floor, budget)
     left = budget - grants[oldest]
     for i in sorted(range(len(demands)), key=lambda i: remaining[i]):
-        if not grants[i] and left < min(demands[i], floor):
-            break
-        extra = min(demands[i] - grants[i], left)
+        if i == oldest:
+            extra = min(demands[i] - grants[i], left)
+        elif demands[i] <= left:
+            extra = demands[i]
+        else:
+            continue
         grants[i] += extra
         left -= extra
+    grants[oldest] += min(demands[oldest] - grants[oldest], left)
     return grants

@@ -1,0 +1,69 @@
+"""bench/serving_model.py: serving_bench's traffic through the real Scheduler on a modeled clock.
+Its time is exactly the sum of its steps' modeled costs, every requested token is generated,
+and the what-ifs move the figures the way they say."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import serving_model as sm
+
+SMALL = ["--concurrency", "6", "--requests", "2", "--prompt-range", "64,700",
+         "--new-range", "4,24", "--arrival-requests", "6", "--arrival-rate", "20"]
+
+
+@pytest.fixture(scope="module")
+def levels():
+    return sm.main(SMALL)
+
+
+def test_every_requested_token_is_generated_and_every_prompt_is_chunked(levels):
+    burst, arrivals = levels
+    for level in levels:
+        assert level.tokens == level.requested > 0, level
+        assert level.chunks >= level.prompts and level.prefill_steps <= level.chunks
+        assert len(level.ttft) == level.prompts and all(t > 0 for t in level.ttft)
+    assert burst.name == "6 streams" and arrivals.name == "20 req/s"
+
+
+def test_the_modeled_time_is_the_sum_of_the_steps_costs():
+    args = sm.parse_args(SMALL)
+    replay = sm.Replay(args, sm.H200_COSTS, 2)
+    import random
+    rng = random.Random(1)
+    seqs = [replay.submit(300, 5, rng), replay.submit(90, 3, rng)]
+    while any(s.state != "finished" for s in seqs):
+        replay.step()
+    level = replay.close(sm.Level("two", prompts=2, requested=8))
+    want = sum(sm.H200_COSTS.step_s(r) for r in replay.records)
+    assert level.seconds == pytest.approx(want) and level.tokens == 8
+    assert [sum(r["chunks"]) for r in replay.records if r["chunks"]] == [390], \
+        "both prompts whole in the first step"
+
+
+def test_packing_or_a_cheaper_chunk_never_costs_more_and_a_free_chunk_costs_only_tokens(levels):
+    base = levels[0]
+    packed = sm.main([*SMALL, "--packed"])[0]
+    half = sm.main([*SMALL, "--chunk-scale", "0.5"])[0]
+    assert packed.steps == base.steps, "a what-if of the costs changes no scheduling"
+    assert packed.seconds < base.seconds and half.seconds < base.seconds
+    record = {"decode_rows": 3, "chunks": [100, 50]}
+    c = sm.H200_COSTS
+    assert c.step_s(record) - c.step_s(record, packed=True) == pytest.approx(c.per_chunk)
+
+
+def test_costs_fitted_from_a_step_trace_recover_its_coefficients(tmp_path):
+    truth = (3000.0, 100.0, 9000.0, 30.0)      # µs: pass, per row, per chunk, per token
+    lines = []
+    for step in range(80):
+        rows, chunks = step % 17, [64 * (step % 5 + 1)] * (step % 3)
+        us = (truth[0] * (rows > 0) + truth[1] * rows + truth[2] * len(chunks)
+              + truth[3] * sum(chunks))
+        lines.append(json.dumps({"model": "m", "step": step, "decode_rows": rows, "chunks": chunks,
+                                 "device_us": us, "host_us": 1.0, "wait_us": 0.0}))
+    path = tmp_path / "steps.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    got = sm.StepCosts.fitted(path, skip=0)
+    assert (got.decode_pass, got.per_decode_row, got.per_chunk, got.per_prefill_token) == \
+        pytest.approx(tuple(t / 1e6 for t in truth), rel=1e-6)
