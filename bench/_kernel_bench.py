@@ -7,6 +7,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from bench import limits as bench_limits
+from bench.targets import Targets
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 
@@ -34,3 +36,14 @@ def open_bench_device(args: argparse.Namespace) -> tuple[object, KernelCompiler]
           f"reps {args.reps}{trials}, dependent launch {'on' if dev.dependent_launch else 'off'}",
           flush=True)
     return dev, compiler
+
+
+def open_kernel_bench(args: argparse.Namespace, name: str):
+    """(limits, device, compiler, targets) of a kernel benchmark's run: the device's limits
+    measured first (cuda only, else None) and recorded as figures of `name`, then the device."""
+    limits = bench_limits.measure() if args.backend == "cuda" else None
+    targets = Targets(name, args=args)
+    if limits:
+        limits.record(targets)
+    dev, compiler = open_bench_device(args)
+    return limits, dev, compiler, targets

@@ -42,10 +42,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import limits as bench_limits
-from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench._kernel_bench import kernel_bench_parser, open_kernel_bench
 from bench.attention_bench import median_replay, ours
 from bench.record import add_record_flag
-from bench.targets import Targets
 from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 from gpu_worker.device.sim_backend import SIM_MAX_SHARED_BYTES as MAX_SHARED_BYTES
 from gpu_worker.execution.ops import tile_rows
@@ -354,11 +353,7 @@ def main() -> int:
                     help="--xa-sweep on the kernel built with this many pipeline stages")
     args = ap.parse_args()
     div = 64 if args.small else 1
-    limits = bench_limits.measure() if args.backend == "cuda" else None
-    dev, compiler = open_bench_device(args)
-    targets = Targets("int4_batched_bench", args=args)
-    if limits:
-        limits.record(targets)
+    limits, dev, compiler, targets = open_kernel_bench(args, "int4_batched_bench")
     rng = np.random.default_rng(0)
     step = {b: 0.0 for b in BATCHES}
     step_gemv1 = step_bytes = 0.0

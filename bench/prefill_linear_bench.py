@@ -31,10 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import limits as bench_limits
-from bench import peer as bench_peer
-from bench._kernel_bench import kernel_bench_parser, open_bench_device
-from bench.attention_bench import median_replay, ours
-from bench.int4_batched_bench import tensor_launcher
+from bench._kernel_bench import kernel_bench_parser, open_kernel_bench
+from bench.attention_bench import ours
+from bench.int4_batched_bench import tensor_launcher, torch_matmul
 from bench.record import add_record_flag
 from bench.targets import Targets
 from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
@@ -53,25 +52,6 @@ LAYERS = 32
 def int4_bytes(n: int, k: int) -> int:
     """Packed weight + fp16 scales of an (n, k) int4 weight (K a multiple of 32)."""
     return n * k // 2 + n * (k // 32) * 2
-
-
-def torch_linear(rows: int, n: int, k: int, reps: int, trials: int) -> float | None:
-    """torch fp16 x @ W^T (cuBLAS), W rotated beyond L2 like ours; None without torch."""
-    if not bench_peer.available():
-        return None
-    torch = bench_peer.torch
-    copies = bench_limits.rotation(2 * n * k)
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
-
-    def run():
-        for i in range(reps):
-            x @ ws[i % copies].t()
-    graph = bench_peer.capture(run, warmup=1).graph
-    t = median_replay(graph.replay, torch.cuda.synchronize, reps, trials)
-    del graph
-    torch.cuda.empty_cache()
-    return t
 
 
 def exact_builds(h, rng, targets: Targets) -> list[int]:
@@ -93,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_flag(ap)
     args = ap.parse_args(argv)
     div = 32 if args.small else 1
-    limits = bench_limits.measure() if args.backend == "cuda" else None
-    dev, compiler = open_bench_device(args)
-    targets = Targets("prefill_linear_bench", args=args)
-    if limits:
-        limits.record(targets)
+    limits, dev, compiler, targets = open_kernel_bench(args, "prefill_linear_bench")
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     rng = np.random.default_rng(0)
     shapes = [(name, max(64, n // div), max(128, k // div // 128 * 128)) for name, n, k in SHAPES]
@@ -145,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     layer[rows, tb] += t
                     line += f" {tb / MiB:3g} MiB {t * 1e6:7.1f} us"
                 if have_torch:
-                    tt = torch_linear(rows, n, k, args.reps, args.trials)
+                    tt = torch_matmul(rows, n, k, args.reps, args.trials)
                     have_torch = tt is not None
                 if have_torch:
                     layer_torch[rows] += tt
