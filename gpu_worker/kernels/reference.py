@@ -220,6 +220,11 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a + b).astype(np.float32)
 
 
+def add_i32(values: np.ndarray, delta: int) -> np.ndarray:
+    """values + delta as int32 (a device position or length counter advanced in place)."""
+    return (np.asarray(values) + delta).astype(np.int32)
+
+
 def bias_add(x: np.ndarray, bias: np.ndarray) -> np.ndarray:
     return (x + bias[None, :]).astype(np.float32)
 
@@ -410,3 +415,69 @@ def rmsnorm_f16(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 def silu_gate_f16(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu_gate rounded to fp16 (the down projection's tensor-core operand)."""
     return to_f16(silu_gate(gate, up))
+
+
+# -- sampling (sampling.py): the per-row sampler's exact oracle (its module docstring) --------
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def uniform(seed: int, position: int, tokens: np.ndarray) -> np.ndarray:
+    """The device's u in (0, 1) for these token indices (float32, exact)."""
+    with np.errstate(over="ignore"):
+        s = _fmix32(np.array([seed + 0x632BE5AB], np.int64).astype(np.uint32))
+        ps = _fmix32(np.array([position], np.int64).astype(np.uint32) * np.uint32(0x85EBCA77) + s)
+        h = _fmix32(np.asarray(tokens, np.int64).astype(np.uint32) * np.uint32(0x9E3779B1) + ps)
+    return (((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5))
+            * np.float32(5.9604644775390625e-8)).astype(np.float32)
+
+
+def fkey(z: np.ndarray) -> np.ndarray:
+    u = np.asarray(z, np.float32).view(np.uint32)
+    return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def sample_row(x: np.ndarray, position: int, temperature: float, top_p: float, top_k: int,
+               seed: int) -> int:
+    """One row of `sample` (see the module docstring)."""
+    x = np.asarray(x, np.float32)
+    vocab = x.shape[0]
+    if position < 0:
+        return -1
+    if not np.float32(temperature) > 0:
+        return int(np.argmax(x))
+    z = (x / np.float32(temperature)).astype(np.float32)
+    keys = fkey(z)
+    kmax = int(keys.max())
+    thr = 0
+    if 0 < top_k < vocab:
+        thr = int(np.sort(keys)[vocab - top_k])
+    if np.float32(top_p) < 1:
+        # fixed-point masses, as the device sums them: floor(exp(z - max z) * 2^32), exact sums
+        e = np.exp((z - z.max()).astype(np.float32)).astype(np.float64)
+        e = np.where(keys >= thr, np.floor(e * 4294967296.0), 0.0).astype(np.uint64)
+        target = float(np.float32(top_p)) * float(e.sum())
+        order = np.argsort(-keys.astype(np.int64), kind="stable")
+        sk, mass = keys[order], np.cumsum(e[order]).astype(np.float64)
+        # mass(t) for t = a key value counts every token with key >= t: the last of its ties.
+        last = np.searchsorted(-sk.astype(np.int64), -sk.astype(np.int64), side="right") - 1
+        reach = np.flatnonzero(mass[last] >= target)
+        t = int(sk[reach[0]]) if reach.size else 0
+        thr = max(thr, t)
+    thr = min(thr, kmax)
+    kept = np.flatnonzero(keys >= thr)
+    u = uniform(int(seed), int(position), kept)
+    g = (z[kept] - np.log(-np.log(u))).astype(np.float32)
+    return int(kept[int(np.argmax(g))])
+
+
+def sample(logits: np.ndarray, positions: np.ndarray, temperature: np.ndarray, top_p: np.ndarray,
+           top_k: np.ndarray, seed: np.ndarray) -> np.ndarray:
+    """next_token (B,) int32 for logits (B, vocab) f32 and the per-row parameters."""
+    return np.array([sample_row(logits[r], int(positions[r]), float(temperature[r]),
+                                float(top_p[r]), int(top_k[r]), int(seed[r]))
+                     for r in range(logits.shape[0])], np.int32)

@@ -11,7 +11,6 @@ from gpu_worker.device import open_device
 from gpu_worker.execution.ops import OPS, LaunchContext
 from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import reference as ref
-from gpu_worker.kernels import sampling
 from gpu_worker.kernels.selfcheck import KernelHarness
 from gpu_worker.models.graph import GraphBuilder
 
@@ -112,7 +111,7 @@ def test_a_paged_decode_step_through_the_op_bindings_matches_the_references(harn
     assert np.allclose(got_a.astype(np.float32), want_a.astype(np.float32), rtol=1e-2, atol=2e-3)
     assert not got_a[1].any(), "a padding row's attention output is zero"
     got_next = harness.get(ptrs["next"], (rows,), np.int32)
-    assert list(got_next) == list(sampling.sample(logits, positions, *params))
+    assert list(got_next) == list(ref.sample(logits, positions, *params))
     assert got_next[0] == int(np.argmax(logits[0])) and got_next[1] == -1
 
 

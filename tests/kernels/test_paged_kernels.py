@@ -13,7 +13,7 @@ from gpu_worker.compile import KernelCompiler
 from gpu_worker.compile.nvrtc import compile_program
 from gpu_worker.device import open_device
 from gpu_worker.kernels import paged_attention as pa
-from gpu_worker.kernels import sampling
+from gpu_worker.kernels import reference, sampling
 from gpu_worker.kernels.selfcheck import KernelHarness
 from gpu_worker.kernels.selfcheck.paged import PAGED_CASES, paged_decode_case, paged_prefill_case
 from services.common.errors import InvalidArgument
@@ -120,7 +120,6 @@ def test_a_split_kernel_that_writes_slots_past_a_rows_length_is_caught(monkeypat
     """Negative control: a split kernel that also writes the (empty) state of the splits past a
     row's length leaves no NaN there, and the case reports it."""
     from gpu_worker.device import sim_kernels
-    from gpu_worker.kernels import reference
 
     real = sim_kernels.lookup_sim_kernel("gp_flash_decode_split_paged")
 
@@ -153,11 +152,11 @@ def test_kv_append_launcher_refuses_a_table_of_the_wrong_row_count(harness) -> N
 
 
 def test_sampling_hash_is_a_function_of_seed_position_and_token_only() -> None:
-    u = sampling.uniform(7, 12, np.arange(1000))
+    u = reference.uniform(7, 12, np.arange(1000))
     assert np.all((u > 0) & (u < 1))
-    assert np.array_equal(u[500:], sampling.uniform(7, 12, np.arange(500, 1000)))
-    assert not np.array_equal(u, sampling.uniform(8, 12, np.arange(1000)))
-    assert not np.array_equal(u, sampling.uniform(7, 13, np.arange(1000)))
+    assert np.array_equal(u[500:], reference.uniform(7, 12, np.arange(500, 1000)))
+    assert not np.array_equal(u, reference.uniform(8, 12, np.arange(1000)))
+    assert not np.array_equal(u, reference.uniform(7, 13, np.arange(1000)))
 
 
 def test_seeded_sampling_draws_from_the_softmax_of_the_kept_tokens() -> None:
@@ -167,7 +166,7 @@ def test_seeded_sampling_draws_from_the_softmax_of_the_kept_tokens() -> None:
     n = 4000
 
     def freq(**kw):
-        picks = [sampling.sample_row(logits, 3, kw.get("t", 1.0), kw.get("p", 1.0),
+        picks = [reference.sample_row(logits, 3, kw.get("t", 1.0), kw.get("p", 1.0),
                                      kw.get("k", 0), s) for s in range(n)]
         return np.bincount(picks, minlength=logits.size) / n
 
@@ -186,7 +185,7 @@ def test_sampling_a_row_does_not_depend_on_the_rest_of_the_batch() -> None:
     logits = rng.standard_normal((6, 500), dtype=np.float32) * 2
     args = [np.arange(6, dtype=np.int32), np.full(6, 0.9, np.float32), np.full(6, 0.95, np.float32),
             np.full(6, 50, np.int32), np.arange(6, dtype=np.int32) + 100]
-    whole = sampling.sample(logits, *args)
+    whole = reference.sample(logits, *args)
     for r in range(6):
-        alone = sampling.sample(logits[r:r + 1], *(a[r:r + 1] for a in args))
+        alone = reference.sample(logits[r:r + 1], *(a[r:r + 1] for a in args))
         assert alone[0] == whole[r]

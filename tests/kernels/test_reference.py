@@ -136,3 +136,13 @@ def test_gelu_and_silu_gate_match_their_closed_forms() -> None:
     assert np.max(np.abs(ref.gelu(x) - exact)) < 1e-3, "tanh-GELU strays from GELU"
     assert np.allclose(ref.silu_gate(x, np.full_like(x, 2.0)), 2 * x / (1 + np.exp(-x.astype(np.float64))),
                        rtol=1e-6, atol=1e-6), "silu_gate != silu(gate) * up"
+
+
+def test_every_kernels_oracle_lives_in_reference_py() -> None:
+    """The package's rule: one place holds every NumPy oracle, so a kernel family's module is
+    only its launchers and shape helpers."""
+    from gpu_worker.kernels import ALL_KERNELS
+
+    elsewhere = {k.name: k.reference.__module__ for k in ALL_KERNELS
+                 if k.reference.__module__ != ref.__name__}
+    assert not elsewhere, f"oracles outside gpu_worker/kernels/reference.py: {elsewhere}"

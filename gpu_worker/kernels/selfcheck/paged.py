@@ -30,7 +30,7 @@ from gpu_worker.kernels.reference import (
     kv_append_paged,
 )
 from gpu_worker.kernels.rotary import ROTARY_ROWS, launch_rotary_rows
-from gpu_worker.kernels.sampling import SAMPLE, launch_sample, sample
+from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 from gpu_worker.kernels.selfcheck import Case, KernelHarness, Outcome
 from gpu_worker.kernels.selfcheck.flash import ATOL, RTOL, sample_rows
 
@@ -190,7 +190,7 @@ def sample_case(h: KernelHarness, rng, vocab, params, scale=3.0) -> Outcome:
     out = h.put(np.full(rows, -7, np.int32))
     launch_sample(h.device, h.function(SAMPLE), out, h.put(logits), *(h.put(c) for c in cols),
                   rows, vocab)
-    return Outcome(h.get(out, (rows,), np.int32), sample(logits, *cols), 0, 0)
+    return Outcome(h.get(out, (rows,), np.int32), ref.sample(logits, *cols), 0, 0)
 
 
 def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.device.sim_kernels import register_sim_kernel
-from gpu_worker.kernels import reference, sampling
+from gpu_worker.kernels import reference
 from gpu_worker.kernels.sim import _arr, _strided, _vals
 
 H = np.float16
@@ -131,7 +131,7 @@ def _rotary_rows(mem, grid, block, args) -> None:
 @register_sim_kernel("gp_sample")
 def _sample(mem, grid, block, args) -> None:
     out, logits, positions, temperature, top_p, top_k, seed, rows, vocab = _vals(args)
-    r = sampling.sample(_arr(mem, logits, rows * vocab).reshape(rows, vocab),
+    r = reference.sample(_arr(mem, logits, rows * vocab).reshape(rows, vocab),
                         _arr(mem, positions, rows, np.int32), _arr(mem, temperature, rows),
                         _arr(mem, top_p, rows), _arr(mem, top_k, rows, np.int32),
                         _arr(mem, seed, rows, np.int32))
