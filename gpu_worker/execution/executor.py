@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 
+from gpu_worker.execution.class_arena import ClassArenas
 from gpu_worker.execution.kernel_cache import KernelCache, KernelVariant, VariantSpec
 from gpu_worker.execution.layout import plan_layout
 from gpu_worker.execution.ops import OPS, LaunchContext, tile_bytes_for
@@ -52,8 +53,12 @@ class ShapePlan:
         self.executor, self.key, self.graph = executor, key, graph
         self.layout = plan_layout(graph)
         device = executor.device
-        self.arena_alloc = device.arena.alloc(self.layout.nbytes, "activations", role="plan")
-        self.activation_bytes = self.arena_alloc.size
+        # a class's shared arena (class_arena.py), else the plan's own
+        shared = executor.arenas.acquire(key, self.layout.nbytes)
+        self._shared_arena = shared is not None
+        self.arena_alloc = shared if self._shared_arena else \
+            device.arena.alloc(self.layout.nbytes, "activations", role="plan")
+        self.activation_bytes = 0 if self._shared_arena else self.arena_alloc.size
         self.graph_exec: object | None = None
         self.whole_graph_bytes = 0
         self.steps: list[tuple[object, KernelVariant]] | None = None
@@ -290,9 +295,11 @@ class ShapePlan:
             if self.streamed is not None:
                 self.streamed.close()
                 self.streamed = None
-            if self.arena_alloc is not None:
+            if self.arena_alloc is not None and self._shared_arena:
+                freed += self.executor.arenas.release(self.key)
+            elif self.arena_alloc is not None:
                 self.executor.device.arena.free(self.arena_alloc)
-                self.arena_alloc = None
+            self.arena_alloc = None
             self.activation_bytes = 0
             return freed
 
@@ -313,8 +320,10 @@ class ModelExecutor:
         # "embed" from colliding on one worker.
         self.weight_namespace = weight_namespace
         self.kernels = KernelCache(device.arena, variants_per_node)
+        self.arenas = ClassArenas(device.arena)   # plan classes sharing one activation arena
         self.plans = PlanCache(max_plans, max_plan_bytes,
-                               synchronize=lambda: device.synchronize(device.stream))
+                               synchronize=lambda: device.synchronize(device.stream),
+                               shared_bytes=self.arenas.bytes)
         self._weights: dict[str, tuple[int, int]] = {}   # key -> (address, bytes), load order
         self._slot_of: dict[str, str] = {}            # key -> its weight slot's name
         self._slot_names: list[str] = []              # the model's slots, load order

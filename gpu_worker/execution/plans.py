@@ -63,12 +63,16 @@ class PlanCache:
     """LRU of warm plans for one model."""
 
     def __init__(self, max_plans: int | None = None, max_bytes: int | None = None,
-                 synchronize: Callable[[], None] = lambda: None) -> None:
+                 synchronize: Callable[[], None] = lambda: None,
+                 shared_bytes: Callable[[], int] = lambda: 0) -> None:
+        """`shared_bytes`: activation bytes the plans hold in arenas they share
+        (class_arena.py), counted once, beside each plan's own."""
         self.max_plans = DEFAULT_MAX_PLANS if max_plans is None else max_plans
         if self.max_plans < 1:
             raise ValueError(f"max_plans must be >= 1, got {self.max_plans}")
         self.max_bytes = max_bytes
         self._synchronize = synchronize
+        self._shared_bytes = shared_bytes
         self._plans: OrderedDict[Hashable, Plan] = OrderedDict()
         self._class_bounds: dict[Hashable, int] = {}
         self._lock = threading.RLock()
@@ -176,7 +180,8 @@ class PlanCache:
             return self._plans.get(key)
 
     def total_bytes(self) -> int:
-        return sum(p.activation_bytes + p.graph_bytes for p in self._plans.values())
+        return (sum(p.activation_bytes + p.graph_bytes for p in self._plans.values())
+                + self._shared_bytes())
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -186,5 +191,6 @@ class PlanCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "graph_bytes": sum(p.graph_bytes for p in self._plans.values()),
-                "activation_bytes": sum(p.activation_bytes for p in self._plans.values()),
+                "activation_bytes": (sum(p.activation_bytes for p in self._plans.values())
+                                     + self._shared_bytes()),
             }

@@ -10,7 +10,7 @@ pool grows and shrinks):
   host. Slots without a decoding sequence are padding rows (position -1: no KV written, their
   slot's token becomes -1, which the embedding reads as a zero row). The shapes do not depend on
   any context length, so each (B, group) is captured once and replayed.
-- prefill(S): one chunk of one sequence (S = the chunk bucketed onto the plan ladder, at most the
+- prefill(S): one chunk of one sequence (S = the chunk bucketed onto PREFILL_LADDER, at most the
   prefill chunk), positions start..start+n-1 (padding rows -1), attending causally to the
   sequence's earlier blocks; `last_index` picks the last real row for the sampler.
 Sampling is per row on the device: greedy at temperature <= 0, else top-k/top-p with a
@@ -28,7 +28,8 @@ from gpu_worker.config import DEFAULT_PREFILL_CHUNK
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
 from gpu_worker.engines.scheduler.runner import DecodeRow
 from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
-from gpu_worker.execution.plans import SEQ_LADDER, seq_bucket
+from gpu_worker.execution.layout import plan_layout
+from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.execution.staging import StepStaging
 from gpu_worker.models.configs import ModelConfig
 from gpu_worker.models.decoder import check_prompt
@@ -40,6 +41,13 @@ from services.common.errors import InvalidArgument
 # public engines' 8-apart graph sizes (research/SERVING.md); 11 graphs at --max-batch-size 64.
 DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 GROUP = DECODE_LADDER[-1]      # decode slots per group: one decode graph covers one group
+# Prefill chunk buckets: powers of two to 256 rows, then every PREFILL_STEP rows. A chunk's
+# linears compute every row of its bucket (cuBLAS's M is the graph's), so on powers of two a
+# served chunk ran 35-40 % padding rows (bench/serving_model.py over serving_bench's traffic);
+# 128 apart, 6-8 %. The buckets' graphs share one activation arena (class_arena.py), so more of
+# them cost no activation memory.
+PREFILL_STEP = 128
+PREFILL_LADDER = (16, 32, 64, 128, 256) + tuple(range(384, 8192 + 1, PREFILL_STEP))
 POOL = "kv.pool"
 SLOT_TOKENS = "decode.slot_tokens"    # int32 [slots]: each slot's next input token, on the device
 SLOT_TABLES = "decode.slot_tables"    # int32 [slots, max_blocks]: each slot's block table
@@ -244,6 +252,8 @@ class PagedDecoderModel:
         # lengths evicted one another every few steps, each eviction a stream synchronize and
         # each return a capture (a py-spy profile of 64 streams on the H200).
         executor.plans.bound_class("paged_prefill", self.prefill_buckets())
+        executor.arenas.share("paged_prefill", lambda: plan_layout(
+            self._graph(self._prefill_rows(self.prefill_chunk), "prefill")()).nbytes)
         n = self.groups * GROUP
         self._temperature = np.zeros(n, np.float32)     # per-slot sampling knobs (host)
         self._top_p = np.ones(n, np.float32)
@@ -326,11 +336,11 @@ class PagedDecoderModel:
                                          group)
 
     def _prefill_rows(self, n: int) -> int:
-        return min(seq_bucket(n), max(self.prefill_chunk, n))
+        return min(seq_bucket(n, PREFILL_LADDER), max(self.prefill_chunk, n))
 
     def prefill_buckets(self) -> int:
         """Distinct row counts of the prefill graphs a chunk of 1..prefill_chunk tokens uses."""
-        return sum(1 for r in SEQ_LADDER if r < self.prefill_chunk) + 1
+        return sum(1 for r in PREFILL_LADDER if r < self.prefill_chunk) + 1
 
     def assign(self, slot: int, sampling: SamplingParams) -> None:
         """`slot` now holds a sequence sampled with `sampling` (its knobs for every decode)."""

@@ -16,6 +16,7 @@ from gpu_worker.engines.scheduler.sampling import GREEDY, SamplingParams
 from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.engines.scheduler.shares import prefill_shares, shortest_first_shares
 from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.execution.layout import plan_layout
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.paged import DECODE_LADDER, PagedDecoderModel, decode_bucket
 from services.common.errors import InvalidArgument
@@ -218,6 +219,33 @@ def test_a_serving_mix_of_decode_rungs_and_prefill_buckets_captures_each_graph_o
         assert kernels.stats()["workspace_bytes"] == sum(
             v.workspace_bytes for k in scratch for v in kernels._nodes[k].values()), \
             "only the shared attention scratch holds workspaces"
+    finally:
+        m.executor.close()
+        m.close()
+
+
+def test_the_prefill_buckets_share_one_activation_arena_and_free_it_with_the_last(
+        device, compiler):  # noqa: F811
+    """Chunks of five buckets of a 512-token chunk (16 .. 384 .. 512 rows): their graphs bake
+    one arena, the size of the largest bucket's layout, booked once; it goes with the plans."""
+    m = PagedDecoderModel(ModelExecutor(device, compiler), CFG, 5, max_batch_size=64,
+                          prefill_chunk=512)
+    m.load()
+    try:
+        trace = [(i, prompt_of(i, n), 2, GREEDY) for i, n in enumerate((9, 30, 100, 300, 500))]
+        run_trace(m, True, trace)
+        plans = m.executor.plans
+        keys = plans.keys()      # PlanCache.keys(): LRU order, not a dict
+        prefill = [plans.get(k) for k in keys if k[0] == "paged_prefill"]
+        assert sorted(p.key[1] for p in prefill) == [16, 32, 128, 384, 512]
+        assert len({p.arena_alloc.ptr for p in prefill}) == 1, "each bucket baked its own arena"
+        largest = plan_layout(m._graph(512, "prefill")()).nbytes
+        arena = prefill[0].arena_alloc.size
+        assert largest <= arena < largest + (2 << 20)
+        own = sum(plans.get(k).activation_bytes for k in keys)
+        assert plans.stats()["activation_bytes"] == own + arena, "the shared arena counted once"
+        plans.evict_all()
+        assert m.executor.arenas.bytes() == 0
     finally:
         m.executor.close()
         m.close()
