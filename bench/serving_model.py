@@ -7,11 +7,14 @@ to aggregate tok/s and TTFT, in seconds on a CPU. A model, not a measurement: it
     python bench/serving_model.py --chunk-scale 0.5      # what if a chunk's fixed cost halved
     python bench/serving_model.py --packed               # what if a step's chunks ran as one pass
     python bench/serving_model.py --decode-scale 0.8     # what if the decode pass were 20 % faster
+    python bench/serving_model.py --ladder pow2          # prefill buckets of powers of two
 
 Model: a step's device time is bench/step_trace_fit.py's terms,
     decode_pass * [decode rows > 0] + per_decode_row * decode rows
-    + per_chunk * prefill chunks + per_prefill_token * prefill tokens,
-with the coefficients of `--fit FILE` or `H200_COSTS` (fitted on the H200 at 64 streams). The
+    + per_chunk * prefill chunks + per_prefill_row * prefill graph rows,
+where a chunk's graph rows are its bucket on `--ladder` (the paged decoder's PREFILL_LADDER by
+default: its linears compute every row of the bucket), with the coefficients of `--fit FILE`
+or `H200_COSTS` (fitted on the H200 at 64 streams). The
 device is taken as the bottleneck, as it was there (~100 % busy; the host 1.8 ms of a 12.4 ms
 step), so a level's time is the sum of its steps. The Scheduler is the worker's, on a sim
 device's arena with a host-only runner (bench/scheduler_host_bench.HostOnlyRunner), the 8b-int4
@@ -46,8 +49,11 @@ from gpu_worker.config import (
 from gpu_worker.device import Device
 from gpu_worker.device.sim_backend import SimBackend
 from gpu_worker.engines.scheduler.kv_pool import KVBlockPool, KVGeometry
+from gpu_worker.engines.scheduler.runner import HostStepRunner
 from gpu_worker.engines.scheduler.scheduler import PREFILL_ORDERS, Scheduler
+from gpu_worker.execution.plans import SEQ_LADDER, seq_bucket
 from gpu_worker.models.configs import get_config
+from gpu_worker.models.paged import PREFILL_LADDER
 
 MODEL = "8b-int4"
 
@@ -58,14 +64,14 @@ class StepCosts:
     decode_pass: float
     per_decode_row: float
     per_chunk: float
-    per_prefill_token: float
+    per_prefill_row: float
 
     def step_s(self, record: dict, packed: bool = False) -> float:
         """One traced step's modeled device seconds; `packed`: its chunks as one pass."""
         rows, chunks = record["decode_rows"], record["chunks"]
         n = min(1, len(chunks)) if packed else len(chunks)
         return (self.decode_pass * (rows > 0) + self.per_decode_row * rows + self.per_chunk * n
-                + self.per_prefill_token * sum(chunks))
+                + self.per_prefill_row * step_trace_fit.prefill_rows(record))
 
     @classmethod
     def fitted(cls, path: pathlib.Path, skip: int = 50) -> StepCosts:
@@ -74,10 +80,27 @@ class StepCosts:
 
 
 # The fit of the step trace of serving_bench at 64 streams, H200, commit 7144f3b, 2026-12-04
-# (docs/scheduler.md, "Mixed traffic"); the modeled 64-stream level of seed 0 gives 2,819 tok/s
-# against the 2,842 serving_bench measured there.
+# (docs/scheduler.md, "Mixed traffic"). That trace had chunk tokens, not graph rows: its 28.5 us
+# a prefill token is taken as 21.0 us a graph row, the same total over that level's chunks on
+# the buckets of then (powers of two: 188,192 rows for 138,961 tokens in this model's replay).
+# The modeled 64-stream level of the scheduler of then (`--ladder pow2`, prompts split to fill
+# a step) gives 2,820 tok/s against the 2,842 serving_bench measured.
 H200_COSTS = StepCosts(decode_pass=3.1e-3, per_decode_row=0.11e-3, per_chunk=9.2e-3,
-                       per_prefill_token=28.5e-6)
+                       per_prefill_row=28.5e-6 * 138_961 / 188_192)
+LADDERS = {"worker": PREFILL_LADDER, "pow2": SEQ_LADDER}
+
+
+class BucketedRunner(HostStepRunner):
+    """The host-only runner with the paged decoder's answer to `prefill`: the chunk's graph
+    rows, its bucket on `ladder` (PagedDecoderModel._prefill_rows)."""
+
+    def __init__(self, inner, slots: int, ladder: tuple[int, ...], chunk: int) -> None:
+        super().__init__(inner, slots)
+        self.ladder, self.chunk = ladder, chunk
+
+    def prefill(self, slot, tokens, start, table, sampling, sample) -> int:
+        super().prefill(slot, tokens, start, table, sampling, sample)
+        return min(seq_bucket(len(tokens), self.ladder), max(self.chunk, len(tokens)))
 
 
 @dataclass
@@ -123,7 +146,9 @@ class Replay:
         self.pool = KVBlockPool(self.dev.arena, self.geo, pool_prompts * need)
         self.costs, self.packed, self.clock = costs, args.packed, 0.0
         self.records: list[dict] = []
-        self.sched = Scheduler(HostOnlyRunner(self.geo, args.prefill_chunk), self.pool,
+        runner = BucketedRunner(HostOnlyRunner(self.geo, args.prefill_chunk), args.max_batch_size,
+                                LADDERS[args.ladder], args.prefill_chunk)
+        self.sched = Scheduler(runner, self.pool,
                                thread=False, max_batch_size=args.max_batch_size,
                                max_step_tokens=args.max_step_tokens,
                                min_prefill_share=args.min_prefill_share,
@@ -220,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-prefill-share", type=int, default=DEFAULT_MIN_PREFILL_SHARE)
     ap.add_argument("--prefill-order", default=DEFAULT_PREFILL_ORDER, choices=PREFILL_ORDERS)
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    ap.add_argument("--ladder", default="worker", choices=sorted(LADDERS),
+                    help="prefill chunk buckets: the worker's PREFILL_LADDER, or powers of two")
     ap.add_argument("--fit", type=pathlib.Path, default=None, metavar="FILE",
                     help="fit the step costs on a worker's --step-trace file")
     ap.add_argument("--chunk-scale", type=float, default=1.0,
@@ -241,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[Level]:
     print(f"modeled step costs: decode pass {costs.decode_pass * 1e3:.2f} ms + "
           f"{costs.per_decode_row * 1e3:.3f} ms a decode row + {costs.per_chunk * 1e3:.2f} ms a "
           f"chunk{' (one a step: --packed)' if args.packed else ''} + "
-          f"{costs.per_prefill_token * 1e6:.1f} us a prefill token; --prefill-order "
+          f"{costs.per_prefill_row * 1e6:.1f} us a prefill row ({args.ladder} buckets); "
+          f"--prefill-order "
           f"{args.prefill_order}, --max-step-tokens {args.max_step_tokens}, "
           f"--min-prefill-share {args.min_prefill_share}, chunk {args.prefill_chunk}", flush=True)
     levels = [burst(args, costs, int(c)) for c in args.concurrency.split(",") if c]

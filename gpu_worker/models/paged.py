@@ -427,10 +427,10 @@ class PagedDecoderModel:
         return graph_rows
 
     def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
-                sampling: SamplingParams = GREEDY, sample: bool = True) -> None:
+                sampling: SamplingParams = GREEDY, sample: bool = True) -> int:
         """Enqueue one chunk of `slot`'s sequence; when `sample`, the token sampled after its
         last position becomes the slot's next input on the device (and comes back with the
-        step's readback)."""
+        step's readback). Returns the chunk's graph rows (its PREFILL_LADDER bucket)."""
         assert self._in_step, "prefill() inside a step"
         self._decoded = True      # a decode after a prefill would overwrite its sampled token
         rows = self._prefill_rows(len(tokens))
@@ -443,6 +443,7 @@ class PagedDecoderModel:
                              prefill_inputs(tokens, start, table, rows, sampling),
                              self._staging.take, capture=self.capture,
                              after=keep_token if sample else None)
+        return rows
 
     def end_step(self) -> StepHandle:
         """Enqueue the host-known tokens, the readback of every slot's token and the step's end

@@ -2,8 +2,8 @@
 step's time goes (docs/scheduler.md, "Step trace").
 
 Each line is `scheduler.trace_record` plus the model id:
-    {"model": "m", "step": 812, "decode_rows": 36, "chunks": [212, 48], "device_us": 17215,
-     "host_us": 8650, "wait_us": 7102}
+    {"model": "m", "step": 812, "decode_rows": 36, "decode_graph_rows": 40, "chunks": [212, 48],
+     "chunk_rows": [256, 64], "device_us": 17215, "host_us": 8650, "wait_us": 7102}
 Cost: one `json.dumps` and a line write per step on the engine thread (a few µs beside a
 step's milliseconds); off unless the flag names a file. A write that fails (a full disk) is
 counted and logged by `survived` and the step goes on: the trace never fails a stream.

@@ -193,5 +193,5 @@ def test_step_costs_fit_only_the_steps_of_the_level(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     line = step_costs(path, 20, 60)
     assert line.startswith("step trace: 40 steps, 13 prefill chunks; fit (R² 1.00)"), line
-    assert "per_chunk 9.000 ms" in line and "per_prefill_token 0.025 ms" in line, line
+    assert "per_chunk 9.000 ms" in line and "per_prefill_row 0.025 ms" in line, line
     assert "too few" in step_costs(path, 55, 60)

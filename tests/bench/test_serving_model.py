@@ -42,6 +42,13 @@ def test_the_modeled_time_is_the_sum_of_the_steps_costs():
         "both prompts whole in the first step"
 
 
+def test_buckets_of_powers_of_two_pad_more_rows_than_the_workers_ladder(levels):
+    pow2 = sm.main([*SMALL, "--ladder", "pow2"])[0]
+    assert pow2.steps == levels[0].steps and pow2.chunks == levels[0].chunks, \
+        "the ladder changes what a chunk costs, not how the scheduler plans"
+    assert pow2.seconds > levels[0].seconds
+
+
 def test_packing_or_a_cheaper_chunk_never_costs_more_and_a_free_chunk_costs_only_tokens(levels):
     base = levels[0]
     packed = sm.main([*SMALL, "--packed"])[0]
@@ -65,5 +72,5 @@ def test_costs_fitted_from_a_step_trace_recover_its_coefficients(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_text("\n".join(lines) + "\n")
     got = sm.StepCosts.fitted(path, skip=0)
-    assert (got.decode_pass, got.per_decode_row, got.per_chunk, got.per_prefill_token) == \
+    assert (got.decode_pass, got.per_decode_row, got.per_chunk, got.per_prefill_row) == \
         pytest.approx(tuple(t / 1e6 for t in truth), rel=1e-6)

@@ -45,3 +45,28 @@ def test_the_report_splits_the_mean_step_and_lists_decode_steps_by_graph_rows(tm
     out = capsys.readouterr().out
     assert "40 steps; mean device span" in out
     assert "  8 rows:    30 steps" in out, out
+
+
+def test_with_graph_rows_recorded_the_fit_charges_a_chunks_padding_rows(tmp_path, capsys,
+                                                                       monkeypatch):
+    """Steps whose cost follows each chunk's bucket (its graph rows), not its tokens: the fit
+    on `chunk_rows` recovers the per-row cost exactly; on tokens it cannot."""
+    rng = random.Random(5)
+    path = tmp_path / "steps.jsonl"
+    with path.open("w") as f:
+        for step in range(200):
+            decode = rng.choice([0, 8, 64])
+            chunks = [rng.randint(20, 1000) for _ in range(rng.randint(0 if decode else 1, 2))]
+            rows = [1 << (n - 1).bit_length() for n in chunks]
+            us = 1500 * (decode > 0) + 60 * decode + 2500 * len(chunks) + 20 * sum(rows)
+            f.write(json.dumps({"model": "m", "step": step, "decode_rows": decode,
+                                "decode_graph_rows": decode, "chunks": chunks,
+                                "chunk_rows": rows, "device_us": us, "host_us": 900,
+                                "wait_us": 100}) + "\n")
+    records = load(path, skip=0)
+    coef, r2 = fit(records)
+    assert np.allclose(coef[2:], (2500.0, 20.0), rtol=1e-6) and r2 > 0.9999
+    assert fit(records, padded=False)[1] < r2
+    monkeypatch.setattr("sys.argv", ["step_trace_fit.py", str(path), "--skip", "0"])
+    assert main() == 0
+    assert "fit on prefill graph rows (R² 1.000; on tokens" in capsys.readouterr().out

@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpu_worker.edge.client import WorkerClient
 from gpu_worker.edge.metrics import WorkerCollector
+from gpu_worker.execution.plans import seq_bucket
 from gpu_worker.models.configs import get_config
+from gpu_worker.models.paged import PREFILL_LADDER
 from gpu_worker.models.reference import DecoderReference
 from gpu_worker.models.weights import load_host
 
@@ -266,6 +268,9 @@ def test_the_step_trace_accounts_for_every_token_the_engine_computed(tmp_path, k
     assert {r["model"] for r in records} == {MODEL}
     assert sum(r["decode_rows"] for r in records) == s.decode_tokens
     assert sum(sum(r["chunks"]) for r in records) == s.prefill_tokens
+    chunks = [(n, rows) for r in records for n, rows in zip(r["chunks"], r["chunk_rows"], strict=True)]
+    assert chunks and all(rows == seq_bucket(n, PREFILL_LADDER) for n, rows in chunks), \
+        f"a chunk's graph rows are its bucket: {chunks}"
     assert sorted(r["step"] for r in records) == list(range(s.steps))
     assert all(r["device_us"] >= 0 and r["host_us"] > 0 for r in records)
 

@@ -64,9 +64,10 @@ class StepRunner(Protocol):
         Returns the graph rows it runs (real rows and the rungs' padding rows)."""
 
     def prefill(self, slot: int, tokens: list[int], start: int, table: np.ndarray,
-                sampling: SamplingParams, sample: bool) -> None:
+                sampling: SamplingParams, sample: bool) -> int:
         """Enqueue the KV of `tokens` at positions start..; when `sample`, the token after the
-        last one becomes the slot's next input."""
+        last one becomes the slot's next input. Returns the graph rows it runs (the tokens and
+        their bucket's padding rows)."""
 
     def end_step(self) -> StepHandle: ...
 
@@ -133,10 +134,11 @@ class HostStepRunner:
             self._tokens[s] = token
         return top + 1
 
-    def prefill(self, slot, tokens, start, table, sampling, sample) -> None:
+    def prefill(self, slot, tokens, start, table, sampling, sample) -> int:
         token = self.inner.prefill(tokens, start, table, sampling, sample)
         if sample:
             self._tokens[slot] = token
+        return len(tokens)
 
     def end_step(self) -> _HostHandle:
         self._flush()

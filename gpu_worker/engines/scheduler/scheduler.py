@@ -175,14 +175,17 @@ class _Launched:
     decode_rows: int = 0
     chunks: tuple[int, ...] = ()      # the prefill chunks' lengths, in launch order
     graph_rows: int = 0               # decode graph rows run: decode rows + the rungs' padding
+    chunk_rows: tuple[int, ...] = ()  # each chunk's graph rows: its tokens + its bucket's padding
 
 
 def trace_record(batch: _Launched, host_s: float, wait_s: float) -> dict[str, object]:
     """A read-back step as one --step-trace record: its composition (decode rows, prefill chunk
-    lengths), its device span, and the engine iteration that read it back (host work, wait).
-    With overlap that iteration launched the next step: its host time is the next step's."""
+    lengths and graph rows), its device span, and the engine iteration that read it back (host
+    work, wait). With overlap that iteration launched the next step: its host time is the next
+    step's."""
     return {"step": batch.step, "decode_rows": batch.decode_rows,
             "decode_graph_rows": batch.graph_rows, "chunks": list(batch.chunks),
+            "chunk_rows": list(batch.chunk_rows),
             "device_us": round(batch.handle.device_s * 1e6), "host_us": round(host_s * 1e6),
             "wait_us": round(wait_s * 1e6)}
 
@@ -712,12 +715,13 @@ class Scheduler:
                 seq.pending += 1
                 rows.append((seq, seq.epoch, seq.slot))
             self.counters["decode_tokens"] += len(decodes)
+        chunk_rows = []
         for seq, n in prefills:
             start = seq.computed
             last = start + n == seq.prefill_target
             fresh = not seq.generated
-            runner.prefill(seq.slot, seq.token_slice(start, start + n), start, seq.table.row(),
-                           seq.sampling, last and fresh)
+            chunk_rows.append(runner.prefill(seq.slot, seq.token_slice(start, start + n), start,
+                                             seq.table.row(), seq.sampling, last and fresh))
             seq.computed += n
             self.counters["prefill_tokens"] += n
             if self.prefix_cache:
@@ -730,7 +734,7 @@ class Scheduler:
                 else:   # recomputed: its next decode appends its last known token
                     runner.set_token(seq.slot, seq.generated[-1])
         return _Launched(runner.end_step(), rows, step, sum(n for _, n in prefills), len(decodes),
-                         tuple(n for _, n in prefills), graph_rows)
+                         tuple(n for _, n in prefills), graph_rows, tuple(chunk_rows))
 
     def _compact_slots(self) -> None:
         """Keep the running sequences on the lowest slots: while a free slot lies below the
