@@ -36,11 +36,14 @@ extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
         const unsigned pass = blockDim.x * GP_DQ_WORDS;
         for (unsigned first = blockIdx.x * pass + threadIdx.x; first < total; first += gridDim.x * pass) {
             unsigned q[GP_DQ_WORDS], s[GP_DQ_WORDS];
+            unsigned r = first / words, wd = first - r * words;   // one division a pass
 #pragma unroll
             for (int u = 0; u < GP_DQ_WORDS; ++u) {
-                const unsigned i = first + u * blockDim.x;
-                if (i < total) {
-                    const unsigned r = i / words, wd = i - r * words;
+                if (u) {                                 // word first + u * blockDim: step on
+                    wd += blockDim.x;
+                    while (wd >= words) { wd -= words; ++r; }
+                }
+                if (first + u * blockDim.x < total) {
                     const size_t gr = (size_t)(row0 + (int)r);
                     q[u] = __ldg(src + gr * kb * 4 + wd);
                     s[u] = __ldg(scales + gr * kb + (wd >> 2));
