@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the config never imports grpc; the channels do, in the clie
     from services.common.tls import ChannelTLS
 
 DEFAULT_VARIANTS_PER_NODE = 16     # kernel shape variants kept per graph node (DESIGN 1.1): the
-                                   # paged decoder's 11 decode rungs and room for prefill buckets
+                                   # paged decoder's 11 decode rungs' attention scratch and room
 DEFAULT_MAX_PLANS = 2              # warm shape plans kept per model (DESIGN 1.2)
 DEFAULT_PREFILL_CHUNK = 2048       # prompt tokens per prefill chunk
 # The smallest prefill chunk a step gives a prompt (docs/scheduler.md "Prefill and decode share the
