@@ -33,6 +33,7 @@ import argparse
 import os
 import pathlib
 import random
+import statistics
 import sys
 from dataclasses import dataclass, replace
 
@@ -53,30 +54,55 @@ from gpu_worker.engines.scheduler.runner import HostStepRunner
 from gpu_worker.engines.scheduler.scheduler import PREFILL_ORDERS, Scheduler
 from gpu_worker.execution.plans import SEQ_LADDER, seq_bucket
 from gpu_worker.models.configs import get_config
-from gpu_worker.models.paged import PREFILL_LADDER
+from gpu_worker.models.paged import PREFILL_LADDER, decode_bucket
 
 MODEL = "8b-int4"
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds per term of a step (bench/step_trace_fit.TERMS)."""
+    """Seconds per term of a step (bench/step_trace_fit.TERMS), and the measured decode pass
+    per decode graph rung where there is one (`rungs`: rung -> seconds): a pass costs its rung,
+    not its rows (the int4 linears compute 64 rows of x from 33 rows up, for one)."""
     decode_pass: float
     per_decode_row: float
     per_chunk: float
     per_prefill_row: float
+    rungs: tuple[tuple[int, float], ...] = ()
+
+    def decode_s(self, record: dict) -> float:
+        rows = record["decode_rows"]
+        if not rows:
+            return 0.0
+        rung = decode_bucket(record.get("decode_graph_rows", rows))
+        return dict(self.rungs).get(rung, self.decode_pass + self.per_decode_row * rows)
 
     def step_s(self, record: dict, packed: bool = False) -> float:
         """One traced step's modeled device seconds; `packed`: its chunks as one pass."""
-        rows, chunks = record["decode_rows"], record["chunks"]
+        chunks = record["chunks"]
         n = min(1, len(chunks)) if packed else len(chunks)
-        return (self.decode_pass * (rows > 0) + self.per_decode_row * rows + self.per_chunk * n
+        return (self.decode_s(record) + self.per_chunk * n
                 + self.per_prefill_row * step_trace_fit.prefill_rows(record))
+
+    def scaled(self, chunk: float = 1.0, decode: float = 1.0) -> StepCosts:
+        """A what-if: each chunk's fixed cost times `chunk`, the decode pass times `decode`."""
+        return replace(self, per_chunk=self.per_chunk * chunk,
+                       decode_pass=self.decode_pass * decode,
+                       per_decode_row=self.per_decode_row * decode,
+                       rungs=tuple((r, t * decode) for r, t in self.rungs))
 
     @classmethod
     def fitted(cls, path: pathlib.Path, skip: int = 50) -> StepCosts:
-        coef, _ = step_trace_fit.fit(step_trace_fit.load(path, skip))
-        return cls(*(float(c) / 1e6 for c in coef))
+        """The fit of a worker's --step-trace file, with the median decode-only step per rung."""
+        records = step_trace_fit.load(path, skip)
+        coef, _ = step_trace_fit.fit(records)
+        by_rung: dict[int, list[float]] = {}
+        for r in records:
+            if r["decode_rows"] and not r["chunks"]:
+                rung = decode_bucket(r.get("decode_graph_rows", r["decode_rows"]))
+                by_rung.setdefault(rung, []).append(r["device_us"] / 1e6)
+        return cls(*(float(c) / 1e6 for c in coef),
+                   rungs=tuple((k, statistics.median(v)) for k, v in sorted(by_rung.items())))
 
 
 # The fit of the step trace of serving_bench at 64 streams, H200, commit 7144f3b, 2026-12-04
@@ -85,8 +111,13 @@ class StepCosts:
 # the buckets of then (powers of two: 188,192 rows for 138,961 tokens in this model's replay).
 # The modeled 64-stream level of the scheduler of then (`--ladder pow2`, prompts split to fill
 # a step) gives 2,820 tok/s against the 2,842 serving_bench measured.
+# Its decode-only steps by rung (median ms, contexts of ~1,300 tokens) are `rungs`: with them
+# the model is 3 % low at 32 streams (2,434 against 2,513.5) and 0.4 % at 64.
 H200_COSTS = StepCosts(decode_pass=3.1e-3, per_decode_row=0.11e-3, per_chunk=9.2e-3,
-                       per_prefill_row=28.5e-6 * 138_961 / 188_192)
+                       per_prefill_row=28.5e-6 * 138_961 / 188_192,
+                       rungs=tuple((r, ms / 1e3) for r, ms in (
+                           (1, 2.52), (2, 2.64), (4, 2.90), (8, 3.58), (16, 4.93), (24, 5.07),
+                           (32, 5.97), (40, 7.70), (48, 8.06), (56, 8.89), (64, 9.40))))
 LADDERS = {"worker": PREFILL_LADDER, "pow2": SEQ_LADDER}
 
 
@@ -262,10 +293,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Level]:
     args = parse_args(argv)
     costs = StepCosts.fitted(args.fit) if args.fit else H200_COSTS
-    costs = replace(costs, per_chunk=costs.per_chunk * args.chunk_scale,
-                    decode_pass=costs.decode_pass * args.decode_scale,
-                    per_decode_row=costs.per_decode_row * args.decode_scale)
-    print(f"modeled step costs: decode pass {costs.decode_pass * 1e3:.2f} ms + "
+    costs = costs.scaled(chunk=args.chunk_scale, decode=args.decode_scale)
+    decode = (f"decode pass by rung {', '.join(f'{r}: {t * 1e3:.2f}' for r, t in costs.rungs)} "
+              "ms, else " if costs.rungs else "")
+    print(f"modeled step costs: {decode}decode pass {costs.decode_pass * 1e3:.2f} ms + "
           f"{costs.per_decode_row * 1e3:.3f} ms a decode row + {costs.per_chunk * 1e3:.2f} ms a "
           f"chunk{' (one a step: --packed)' if args.packed else ''} + "
           f"{costs.per_prefill_row * 1e6:.1f} us a prefill row ({args.ladder} buckets); "

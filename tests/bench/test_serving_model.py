@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import serving_model as sm
+from gpu_worker.models.paged import DECODE_LADDER
 
 SMALL = ["--concurrency", "6", "--requests", "2", "--prompt-range", "64,700",
          "--new-range", "4,24", "--arrival-requests", "6", "--arrival-rate", "20"]
@@ -74,3 +75,7 @@ def test_costs_fitted_from_a_step_trace_recover_its_coefficients(tmp_path):
     got = sm.StepCosts.fitted(path, skip=0)
     assert (got.decode_pass, got.per_decode_row, got.per_chunk, got.per_prefill_row) == \
         pytest.approx(tuple(t / 1e6 for t in truth), rel=1e-6)
+    rungs = dict(got.rungs)
+    assert set(rungs) <= set(DECODE_LADDER) and rungs, "decode-only steps priced by rung"
+    assert got.decode_s({"decode_rows": 1, "decode_graph_rows": 1}) == rungs[1]
+    assert got.scaled(decode=0.5).decode_s({"decode_rows": 1}) == pytest.approx(rungs[1] / 2)
