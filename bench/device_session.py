@@ -94,8 +94,8 @@ PLAN: tuple[Run, ...] = (
         ("--steps", "32", "--trials", "3"), 100, "DecoderModel and the paged path at batch 1"),
     Run("step_anatomy_bench", "step_anatomy_bench.py", (), 70, ("--batches", "1,64"), 50,
         "where a decode step's device time goes, per kernel family (45 s on 2026-12-04)"),
-    Run("prefill_linear_bench", "prefill_linear_bench.py", ("--reps", "10", "--trials", "5"), 90,
-        ("--reps", "10", "--trials", "3"), 70,
+    Run("prefill_linear_bench", "prefill_linear_bench.py", ("--reps", "10", "--trials", "5"), 120,
+        ("--reps", "10", "--trials", "3"), 90,
         "the prefill chunk's fixed cost: int4_dequant_f16 per words-a-thread build (sets "
         "half.DEQUANT_WORDS) and tile size (sets --dequant-tile-bytes); never run yet, a guess"),
     Run("prefill_bench", "prefill_bench.py", ("--reps", "3"), 110, None, 110),

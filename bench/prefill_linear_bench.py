@@ -8,9 +8,11 @@ fp16 `x @ W^T` with the weight already fp16, and the dequantization alone agains
     fp16 written) per second as a fraction of this run's D2D copy rate (read + write counted:
     the same bytes-per-second meaning). The dequantization runs over every weight once per
     prefill chunk, whatever the chunk's length: it is the fixed cost of a chunk.
-[2] the whole linear at 128 / 512 / 2048 rows with tiles of 8 / 16 / 32 / 64 MiB (the library
-    build) against torch, and one layer's four linears summed per row count: what a chunk's
-    linears cost a layer (x 32 layers: a chunk of the 8b-int4 model).
+[2] the whole linear at 128 / 384 / 512 / 1152 / 2048 rows (buckets of the paged prefill's
+    ladder, 128 rows apart) with tiles of 8 / 16 / 32 / 64 MiB (the library build) against
+    torch, and one layer's four linears summed per row count: what a chunk's linears cost a
+    layer (x 32 layers: a chunk of the 8b-int4 model), and the cost of one more row between
+    row counts (PREFILL_LADDER assumes a chunk's cost grows with its bucket's rows).
 
 Timing, the same on both sides: one CUDA graph of `--reps` launches replayed `--trials` times,
 the median replay / reps (bench/attention_bench.ours); each launch takes the next of enough
@@ -44,7 +46,7 @@ MiB = 1 << 20
 # (name, n, k): one decoder layer's linears as the prefill graph runs them (qkv and gate/up fused)
 SHAPES = (("qkv", 6144, 4096), ("wo", 4096, 4096), ("gate_up", 28672, 4096),
           ("w_down", 4096, 14336))
-ROWS = (128, 512, 2048)
+ROWS = (128, 384, 512, 1152, 2048)
 TILE_MIB = (8, 16, 32, 64)
 LAYERS = 32
 
@@ -131,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
           *linear_lines, sep="\n", flush=True)
     print(f"\n    one layer's four linears (qkv + wo + gate_up + w_down), per tile size; x {LAYERS} "
           "layers in ms: a prefill chunk's linears", flush=True)
-    for rows in rows_list:
+    for i, rows in enumerate(rows_list):
         line = f"  m={rows:5d}:"
+        if i:
+            prev = rows_list[i - 1]
+            per_row = (layer[rows, default_tile] - layer[prev, default_tile]) / (rows - prev)
+            line += f" (+{per_row * 1e6:6.2f} us a row from m={prev})"
         for tb in tiles:
             t = layer[rows, tb]
             line += f" {tb / MiB:3g} MiB {t * 1e6:7.1f} us ({t * LAYERS * 1e3:5.2f} ms)"
