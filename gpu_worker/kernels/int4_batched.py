@@ -161,8 +161,8 @@ XA_CTAS = 2       # CTAs per SM its registers and shared memory are bounded for 
 
 def xa_tile(m: int, nt: int) -> tuple[int, int]:
     """(weight rows, x rows) of one gp_int4_mma_xa CTA: 8 warps of nt 8-row weight tiles, by
-    x in 16-row tiles (2 up to 32 rows, 4 above)."""
-    return MMA_WARPS * 8 * nt, 32 if m <= 32 else 64
+    x in 16-row tiles (2 up to 32 rows, 3 up to 48, 4 above)."""
+    return MMA_WARPS * 8 * nt, 32 if m <= 32 else 48 if m <= 48 else 64
 
 
 def xa_shared_bytes(m: int, nt: int, stages: int = XA_STAGES) -> int:

@@ -41,8 +41,8 @@ FORCED: list[Case] = [
     for m in (5, 16, 24, 64) for mt in MT_CHOICES[x_tiles(m)]
 ]
 
-# the x-as-A kernel at the decode step's shapes on its default plan (17..64 rows: both x tile
-# counts), then every weight tile forced with K split over 1, 3 and 8 CTAs, odd N and K
+# the x-as-A kernel at the decode step's shapes on its default plan (17..64 rows: every x tile
+# count), then every weight tile forced with K split over 1, 3 and 8 CTAs, odd N and K
 XA: list[Case] = [
     Case("int4_mma_xa", int4_mma_xa_case, {"m": m, "n": n, "k": k, **extra})
     for m, n, k, extra in ((17, 6144, 4096, {"bias": True}), (32, 4096, 4096, {}),
@@ -52,7 +52,7 @@ XA: list[Case] = [
 ] + [
     Case("int4_mma_xa", int4_mma_xa_case, {"m": m, "n": 1000 + m, "k": 4224, "nt": nt,
                                            "split": split, "accumulate": m % 2 == 1})
-    for m in (24, 63) for nt in XA_NT for split in (1, 3, 8)
+    for m in (24, 40, 63) for nt in XA_NT for split in (1, 3, 8)
 ]
 # the rows kernels at the decode step's shapes (1, 2, 8 rows on gp_int4_mma_rows, 9 and 16 on
 # rows16), odd N (a partial last block) and K not a power of two
@@ -185,7 +185,7 @@ def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_17_to_64(h
         assert len({xa_plan(m, n, k, sm_count(harness.device))[1] for m in range(17, 65)}) == 1
         pk, sc, xd = _weights_and_x(harness, 13, n, k, 64)
         firsts = [_rows_result(harness, INT4_MMA_XA, pk, sc, xd, m, n, k)[0]
-                  for m in (17, 24, 32, 33, 64)]
+                  for m in (17, 24, 32, 33, 48, 49, 64)]
         harness.close()
-        for m, first in zip((24, 32, 33, 64), firsts[1:]):
+        for m, first in zip((24, 32, 33, 48, 49, 64), firsts[1:]):
             assert np.array_equal(first, firsts[0]), (n, m)
