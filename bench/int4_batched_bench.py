@@ -20,8 +20,10 @@ the median replay / reps (bench/attention_bench.median_replay).
 
 `--rows-sweep` times gp_int4_mma_rows / rows16 built with other pipeline depths and blocks per
 SM, with a long K over 8 or 16 warps (ROWS_BUILDS; each build first checked against
-gp_int4_mma's result) and gp_int4_mma at 1 / 8 / 16 rows: the figures int4_batched.ROW_DEPTH,
-ROW_CTAS, ROW16_CTAS and ROW_LONG_K_WARPS are set from. `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
+gp_int4_mma's result), gp_int4_mma_rows(16)_async in every ROW_ASYNC_BUILDS build (checked
+against the library rows kernels' bits) and gp_int4_mma at 1 / 8 / 16 rows: the figures
+int4_batched.ROW_DEPTH, ROW_CTAS, ROW16_CTAS, ROW_LONG_K_WARPS and ROW_ASYNC_* are set from,
+and what says whether mma_kernel should route 1..16 rows to the async kernels. `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
 best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--xa-sweep`
 times gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default
@@ -61,6 +63,7 @@ from gpu_worker.kernels.int4_batched import (
     MMA_KERNELS,
     MT_CHOICES,
     ROW16_CTAS,
+    ROW_ASYNC_BUILDS,
     ROW_CTAS,
     ROW_DEPTH,
     WGMMA_STAGES,
@@ -72,6 +75,7 @@ from gpu_worker.kernels.int4_batched import (
     mma_kernel,
     mma_tiles,
     row_warps,
+    rows_async_build,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -181,16 +185,29 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
                                  f"gp_int4_mma by {np.abs(got - want).max()}")
             out[b, build] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
                                                 False, kdef=kdef, warps=warps), reps, trials)
+        rows_kdef = INT4_MMA_ROWS if b <= 8 else INT4_MMA_ROWS16
+        rows_kdef.launcher(dev, h.function(rows_kdef), y_ref, x, packed, scales, 0, b, n, k)
+        want = h.get(y_ref, (b, n))
+        for stages, ctas in ROW_ASYNC_BUILDS:
+            kdef = rows_async_build(stages, ctas)[0 if b <= 8 else 1]
+            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
+            got = h.get(y, (b, n))
+            if not np.array_equal(got, want):   # the rows kernels' split and sums: their bits
+                raise WrongBuild(f"{kdef.name} {kdef.source.module_name} m={b}: differs from "
+                                 f"{rows_kdef.name} by {np.abs(got - want).max()}")
+            out[b, ("async", stages, ctas)] = ours(dev, _launcher(
+                dev, h.function(kdef), weights, x, y, b, n, k, False, kdef=kdef), reps, trials)
     return out
 
 
 def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
-    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps; mma = "
-          f"gp_int4_mma):    mma "
-          + " ".join(f"{'/'.join(map(str, b)):>7}" for b in ROWS_BUILDS))
+    builds = [*ROWS_BUILDS, *(("async", s, c) for s, c in ROW_ASYNC_BUILDS)]
+    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps; async/stages/"
+          f"ctas: gp_int4_mma_rows(16)_async; mma = gp_int4_mma):    mma "
+          + " ".join(f"{'/'.join(map(str, b)):>11}" for b in builds))
     for b in ROWS_SWEEP_BATCHES:
         print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
-              + " ".join(f"{times[b, build] * 1e6:7.1f}" for build in ROWS_BUILDS), flush=True)
+              + " ".join(f"{times[b, build] * 1e6:11.1f}" for build in builds), flush=True)
 
 
 WGMMA_BATCHES = (32, 48, 64)
@@ -461,8 +478,8 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
     if args.rows_sweep:
-        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps; mma = "
-              "gp_int4_mma), ms:")
+        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps; "
+              "async/stages/ctas; mma = gp_int4_mma), ms:")
         for b in ROWS_SWEEP_BATCHES:
             print(f"  batch {b:3d}: " + "  ".join(
                 f"{'mma' if build is None else '/'.join(map(str, build))} {t * 1e3:.3f}"

@@ -31,6 +31,7 @@ times per call: the price of keeping the whole block on one row range (see docs/
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
@@ -271,6 +272,97 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
 
+# gp_int4_mma_rows_async / rows16_async: the rows kernels' warps, K slices and warp-order sums
+# (so their bits at the same warps), with each warp's weights and scales streamed through a ring
+# of ROW_ASYNC_STAGES k-groups in shared memory by cp.async (no registers held for bytes in
+# flight), on a persistent grid whose rings run on from one 16-row tile to the next. Checked
+# against the rows kernels' bits; not routed until `int4_batched_bench --rows-sweep` says it is
+# faster (docs/kernels.md).
+ROW_ASYNC_STAGES = 4      # k-groups a warp's ring holds (GP_RA_STAGES)
+ROW_ASYNC_CTAS = 4        # blocks of 8 warps per SM its registers are bounded for (GP_RA_CTAS)
+ROW_ASYNC_WARP_STAGE = 1152   # one warp's k-group: 1 KiB of weights, 128 bytes of scales
+SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on sm_90, 1 KiB of it reserved per block
+
+
+def rows_async_shared_bytes(m: int, warps: int, stages: int = ROW_ASYNC_STAGES) -> int:
+    """Dynamic shared memory of one rows-async block: each warp's ring, then the warps' partials
+    of two tiles (double-buffered: one barrier a tile)."""
+    nt = 1 if m <= 8 else 2
+    return warps * (stages * ROW_ASYNC_WARP_STAGE + 2 * 4 * nt * 32 * 4)
+
+
+def rows_async_grid(m: int, n: int, warps: int, sms: int, stages: int = ROW_ASYNC_STAGES,
+                    ctas: int = ROW_ASYNC_CTAS) -> int:
+    """Blocks of the persistent grid: as many as are resident at once (registers bounded for
+    `ctas` blocks of 8 warps, threads, shared memory), at most one per 16-row tile. Any count
+    gives the same result; this one keeps every block's ring streaming."""
+    per_sm = min(ctas * MMA_WARPS // warps, 2048 // (32 * warps),
+                 SM_SHARED_BYTES // (rows_async_shared_bytes(m, warps, stages) + 1024))
+    return max(1, min(ceil_div(n, 16), per_sm * sms))
+
+
+def _launch_rows_async(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
+                       scales: int, bias: int, m: int, n: int, k: int, accumulate: bool, stream,
+                       warps: int | None, grid: int | None, stages: int, ctas: int) -> None:
+    _require_linear(kernel, x, packed, scales, m, n, k)
+    require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
+    warps = row_warps(k) if warps is None else warps
+    require(warps in (MMA_WARPS, ROW_LONG_K_WARPS),
+            f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
+    require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
+            f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
+    if m == 0 or n == 0:
+        return
+    blocks = rows_async_grid(m, n, warps, sm_count(device), stages, ctas) if grid is None else grid
+    require(1 <= blocks <= ceil_div(n, 16), f"{kernel}: grid={blocks} must be 1..{ceil_div(n, 16)}")
+    device.launch(function, (blocks, 1, 1), (32 * warps, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0)], stream=stream,
+                  shared_bytes=rows_async_shared_bytes(m, warps, stages), pdl=True)
+
+
+def launch_int4_mma_rows_async(device, function, y: int, x: int, packed: int, scales: int,
+                               bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                               stream=None, warps: int | None = None, grid: int | None = None,
+                               stages: int = ROW_ASYNC_STAGES, ctas: int = ROW_ASYNC_CTAS) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_rows_async, for m <= 8 rows; `warps` as
+    the rows kernels', `grid` forces the block count (default rows_async_grid), `stages` and
+    `ctas` are the GP_RA_STAGES / GP_RA_CTAS `function` was built with (a tuning build)."""
+    _launch_rows_async("int4_mma_rows_async", 8, device, function, y, x, packed, scales, bias,
+                       m, n, k, accumulate, stream, warps, grid, stages, ctas)
+
+
+def launch_int4_mma_rows16_async(device, function, y: int, x: int, packed: int, scales: int,
+                                 bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                                 stream=None, warps: int | None = None, grid: int | None = None,
+                                 stages: int = ROW_ASYNC_STAGES,
+                                 ctas: int = ROW_ASYNC_CTAS) -> None:
+    """launch_int4_mma_rows_async for m <= 16 rows (gp_int4_mma_rows16_async)."""
+    _launch_rows_async("int4_mma_rows16_async", ROWS_MAX_ROWS, device, function, y, x, packed,
+                       scales, bias, m, n, k, accumulate, stream, warps, grid, stages, ctas)
+
+
+INT4_MMA_ROWS_ASYNC = KernelDef("int4_mma_rows_async", "gp_int4_mma_rows_async", SOURCE,
+                                reference.int4_matmul, launch_int4_mma_rows_async)
+INT4_MMA_ROWS16_ASYNC = KernelDef("int4_mma_rows16_async", "gp_int4_mma_rows16_async", SOURCE,
+                                  reference.int4_matmul, launch_int4_mma_rows16_async)
+ROW_ASYNC_BUILDS = ((3, 4), (4, 4), (6, 3), (8, 2))   # (stages, ctas) int4_batched_bench sweeps
+
+
+def rows_async_build(stages: int, ctas: int) -> tuple[KernelDef, KernelDef]:
+    """(rows_async, rows16_async) built with GP_RA_STAGES = `stages`, GP_RA_CTAS = `ctas` and
+    launched accordingly; the library's build is (ROW_ASYNC_STAGES, ROW_ASYNC_CTAS)."""
+    require(2 <= stages <= 8 and 1 <= ctas <= 8,
+            f"int4_mma_rows_async: stages={stages} (2..8), ctas={ctas} (1..8)")
+    if (stages, ctas) == (ROW_ASYNC_STAGES, ROW_ASYNC_CTAS):
+        return INT4_MMA_ROWS_ASYNC, INT4_MMA_ROWS16_ASYNC
+    source = dataclasses.replace(
+        SOURCE, module_name=f"{SOURCE.module_name}_ra{stages}_{ctas}",
+        options=(*SOURCE.options, f"-DGP_RA_STAGES={stages}", f"-DGP_RA_CTAS={ctas}"))
+    return tuple(dataclasses.replace(kdef, source=source, launcher=functools.partial(
+        kdef.launcher, stages=stages, ctas=ctas))
+        for kdef in (INT4_MMA_ROWS_ASYNC, INT4_MMA_ROWS16_ASYNC))
+
 # gp_int4_wgmma (cu/int4_wgmma.cu): the same contract on Hopper's warpgroup MMA, WGMMA_GROUPS
 # warpgroups per CTA, each on 64 weight rows over the whole of K, sharing each x tile; x and the
 # weights stream through a WGMMA_STAGES-deep cp.async pipeline. Its module is built for sm_90a
@@ -320,4 +412,5 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "xa": INT4_MMA_XA}
 
-KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_WGMMA]
+KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_ASYNC,
+           INT4_MMA_ROWS16_ASYNC, INT4_WGMMA]

@@ -10,12 +10,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.kernels.int4_batched import MT_CHOICES, XA_NT, x_tiles
+from gpu_worker.kernels.int4_batched import (
+    MT_CHOICES,
+    ROW_ASYNC_BUILDS,
+    XA_NT,
+    rows_async_build,
+    x_tiles,
+)
 from gpu_worker.kernels.selfcheck import (
     CASES,
     Case,
     KernelHarness,
     int4_mma_case,
+    int4_mma_rows_async_case,
     int4_mma_rows_case,
     int4_mma_xa_case,
     int4_wgmma_case,
@@ -65,6 +72,23 @@ ROWS: list[Case] = [
                            (9, 6144, 4096, {}), (16, 4096, 14336, {"accumulate": True}),
                            (16, 1009, 4224, {"bias": True}))
 ]
+# the rows kernels' split with cp.async weights on a persistent grid: the decode step's shapes
+# on its default grid, then few blocks (many tiles a block: the rings run on across tiles) and
+# every tuning build
+ROWS_ASYNC: list[Case] = [
+    Case("int4_mma_rows_async", int4_mma_rows_async_case, {"m": m, "n": n, "k": k, **extra})
+    for m, n, k, extra in ((1, 6144, 4096, {}), (1, 4096, 14336, {"accumulate": True}),
+                           (1, 128256, 4096, {"bias": True}), (2, 28672, 4096, {}),
+                           (8, 4096, 4096, {"bias": True, "accumulate": True}),
+                           (1, 1001, 4224, {"grid": 7}), (7, 1001, 4224, {"grid": 1}),
+                           (9, 6144, 4096, {"grid": 5}), (16, 4096, 14336, {"accumulate": True}),
+                           (16, 1009, 4224, {"bias": True, "grid": 3}), (3, 128, 128, {}))
+] + [
+    Case("int4_mma_rows_async", int4_mma_rows_async_case,
+         {"m": m, "n": 1001, "k": 4224, "grid": 9, "stages": stages, "ctas": ctas,
+          "kernels": rows_async_build(stages, ctas)})
+    for stages, ctas in ROW_ASYNC_BUILDS for m in (1, 16)
+]
 # the warpgroup-MMA kernel at the decode step's shapes from 17 to 64 rows, odd N and K
 WGMMA: list[Case] = [
     Case("int4_wgmma", int4_wgmma_case, {"m": m, "n": n, "k": k, **extra})
@@ -72,7 +96,7 @@ WGMMA: list[Case] = [
                            (33, 6144, 4096, {"accumulate": True}), (48, 4096, 14336, {}),
                            (17, 1009, 4224, {"bias": True, "accumulate": True}), (1, 100, 128, {}))
 ]
-ALL = SHARED + MODEL + FORCED + XA + ROWS + WGMMA
+ALL = SHARED + MODEL + FORCED + XA + ROWS + ROWS_ASYNC + WGMMA
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +183,28 @@ def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harn
     for m, first in zip((2, 8, 9, 16), firsts[1:]):
         assert np.array_equal(first, firsts[0]), m
     assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max())
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1009, 4224)])
+def test_the_async_rows_kernels_give_the_rows_kernels_bits_on_any_grid_and_build(harness, n,
+                                                                                   k) -> None:
+    """gp_int4_mma_rows(16)_async keep the rows kernels' warps, K slices, mma order and warp-order
+    sums; only how the weights arrive and which block takes a tile change. So at 1..16 rows,
+    on the default grid, on a grid of 3 blocks (each many tiles, the ring running on across
+    them) and in every tuning build, the result is the rows kernels' bit for bit."""
+    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16
+
+    pk, sc, xd = _weights_and_x(harness, 13, n, k, 16)
+    for m in (1, 2, 8, 9, 16):
+        want = _rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m,
+                            n, k)
+        for stages, ctas in ROW_ASYNC_BUILDS:   # the library's build among them
+            kdef = rows_async_build(stages, ctas)[0 if m <= 8 else 1]
+            for grid in (None, 3):
+                got = _rows_result(harness, kdef, pk, sc, xd, m, n, k, grid=grid)
+                assert np.array_equal(got, want), (m, stages, ctas, grid,
+                                                   np.abs(got - want).max())
+    harness.close()
 
 
 def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:

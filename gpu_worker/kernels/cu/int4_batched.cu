@@ -671,3 +671,153 @@ gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
     __shared__ float red[GP_ROW_MAX_WARPS][8][32];
     gp_i4mma_rows<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }
+
+// ---- gp_int4_mma_rows_async: the rows kernels' K slices and sums, weights by cp.async ---------
+// gp_int4_mma_rows keeps GP_ROW_DEPTH k-groups of weights a warp in flight in registers, so its
+// bytes in flight are bounded by registers (deeper rings measured slower), and each block is one
+// 16-row tile: a block's loads drain at its end and the next block's start cold (3.4 waves at
+// gate/up). Here the same warps, K slices, mma order and warp-order sums (so the same bits as
+// gp_int4_mma_rows / rows16 at the same warps) take their weights and scales through a
+// per-warp ring of GP_RA_STAGES k-groups in shared memory filled by cp.async, and the grid is
+// persistent: a block takes tiles blockIdx.x, + gridDim.x, ... and its ring runs on across
+// tiles, so the next tile's weights stream while a tile's partials are summed. A warp's ring
+// is its own (each lane reads what its quad copied), so a warp waits for its copies alone;
+// the block meets once a tile, to sum its warps' partials (double-buffered, one barrier).
+// Before gp_pdl_wait the first GP_RA_STAGES - 1 k-groups of weights are in flight: at the
+// 8b shapes of wo and QKV that is every weight byte of the call, loaded while the kernel
+// before it runs.
+#ifndef GP_RA_STAGES
+#define GP_RA_STAGES 4
+#endif
+#ifndef GP_RA_CTAS
+#define GP_RA_CTAS 4
+#endif
+#define GP_RA_MAXNREG GP_ROW_REGS(GP_RA_CTAS)
+// one warp's k-group: weights [2 row halves][32 lanes] x 16 bytes (lane (g, t): quant block
+// 4 kg + t of row g, then of row g + 8; a half's 512 bytes read conflict-free), then scales
+// [16 rows][4 quant blocks] fp16
+#define GP_RA_STAGE 1152
+#define GP_RA_SCALES 1024
+
+template <int NT>
+__device__ __forceinline__ void gp_i4mma_rows_async(float* y, const unsigned short* __restrict__ x,
+                                                    const unsigned char* __restrict__ packed,
+                                                    const unsigned short* __restrict__ sc,
+                                                    const float* __restrict__ bias, int M, int N,
+                                                    int K, int accumulate, unsigned char* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int warps = blockDim.x >> 5;
+    const int KG = K >> 7, KB = K >> 5;
+    const int g0 = (int)((long long)KG * warp / warps);   // gp_int4_mma_rows's K slices
+    const int g1 = (int)((long long)KG * (warp + 1) / warps);
+    const int tiles = (N + 15) >> 4;
+    const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int items = mine * (g1 - g0);                   // this warp's k-groups over its tiles
+    const unsigned ring = (unsigned)__cvta_generic_to_shared(smem) + warp * (GP_RA_STAGES * GP_RA_STAGE);
+    const unsigned char* ringp = smem + warp * (GP_RA_STAGES * GP_RA_STAGE);
+    float* red = reinterpret_cast<float*>(smem + warps * (GP_RA_STAGES * GP_RA_STAGE));  // [2][warps][4 NT][32]
+    const GpRowLane<NT> lane_at(packed, sc, x, 0, g, t, M, N, K);   // x offsets and the mma
+
+    // The issue cursor: the next item's tile and k-group, its rows' sources (clamped to a valid
+    // row; a row past N is zero-filled, and only its own outputs, never stored, read it).
+    int issued = 0, it = blockIdx.x, ik = g0, is = 0;
+    const unsigned char* wsrc[2];
+    bool win[2];
+    const unsigned short* ssrc = sc;
+    bool sin = false;
+    auto aim = [&]() {   // sources for tile `it`, k-group g0
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = it * 16 + g + 8 * h;
+            win[h] = r < N;
+            wsrc[h] = packed + ((long long)min(r, N - 1) * KB + 4 * g0 + t) * 16;
+        }
+        const int rs = it * 16 + g + 8 * (t & 1);
+        sin = t < 2 && rs < N;
+        ssrc = sc + (long long)min(rs, N - 1) * KB + 4 * g0;
+    };
+    auto issue = [&]() {   // the next item into stage `is`, and one commit group (maybe empty)
+        if (issued < items) {
+            const unsigned st = ring + is * GP_RA_STAGE;
+            const int dk = ik - g0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) gp_cp16(st + h * 512 + lane * 16, wsrc[h] + dk * 64, win[h]);
+            if (t < 2) gp_cp8(st + GP_RA_SCALES + (g + 8 * t) * 8, ssrc + dk * 4, sin);
+            if (++ik == g1) {
+                ik = g0;
+                it += gridDim.x;
+                if (it < tiles) aim();
+            }
+            is = is + 1 == GP_RA_STAGES ? 0 : is + 1;
+        }
+        gp_cp_commit();
+        ++issued;
+    };
+
+    if (items > 0) aim();
+#pragma unroll
+    for (int s = 0; s < GP_RA_STAGES - 1; ++s) issue();
+    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
+    gp_pdl_release();
+
+    int cs = 0, parity = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        for (int kg = g0; kg < g1; ++kg) {
+            gp_cp_wait<GP_RA_STAGES - 2>();   // this lane's copies of the item have landed
+            __syncwarp();                     // its quad's too; the stage before it is free
+            issue();
+            const unsigned char* sp = ringp + cs * GP_RA_STAGE;
+            GpRowSlot q;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                q.w[h] = *reinterpret_cast<const uint4*>(sp + h * 512 + lane * 16);
+                const unsigned v = *reinterpret_cast<const unsigned short*>(
+                    sp + GP_RA_SCALES + (g + 8 * h) * 8 + t * 2);
+                q.s[h] = v | (v << 16);
+            }
+            lane_at.mma(acc, q, kg);
+            cs = cs + 1 == GP_RA_STAGES ? 0 : cs + 1;
+        }
+        float* rb = red + parity * (warps * 4 * NT * 32);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rb[(warp * 4 * NT + nt * 4 + e) * 32 + lane] = acc[nt][e];
+        // One barrier a tile: the other buffer's readers (the tile before) passed it already.
+        __syncthreads();
+        if (threadIdx.x < 128 * NT) {
+            // thread (nt, e, lane) sums its output over the warps in warp order, as the rows kernels
+            const int c = threadIdx.x >> 5, nt = c >> 2, e = c & 3, l = threadIdx.x & 31;
+            float v = rb[c * 32 + l];
+            for (int w = 1; w < warps; ++w) v += rb[(w * 4 * NT + c) * 32 + l];
+            const int r = tile * 16 + (l >> 2) + 8 * (e >> 1), m = nt * 8 + 2 * (l & 3) + (e & 1);
+            if (r < N && m < M) {
+                if (bias) v += bias[r];
+                float* yp = y + (long long)m * N + r;
+                *yp = accumulate ? *yp + v : v;
+            }
+        }
+    }
+    gp_cp_wait<0>();
+}
+
+// grid min(ceil(N / 16), resident blocks) (persistent), 8 or 16 warps, dynamic shared memory
+// warps * (GP_RA_STAGES * GP_RA_STAGE + 2 * 4 NT * 32 * 4) (int4_batched.rows_async_shared_bytes),
+// K a multiple of 128: gp_int4_mma_rows_async for M <= 8, gp_int4_mma_rows16_async for M <= 16.
+extern "C" __global__ void __maxnreg__(GP_RA_MAXNREG)
+gp_int4_mma_rows_async(float* y, const unsigned short* __restrict__ x,
+                       const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
+                       const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    extern __shared__ __align__(16) unsigned char gp_ra_smem[];
+    gp_i4mma_rows_async<1>(y, x, packed, sc, bias, M, N, K, accumulate, gp_ra_smem);
+}
+extern "C" __global__ void __maxnreg__(GP_RA_MAXNREG)
+gp_int4_mma_rows16_async(float* y, const unsigned short* __restrict__ x,
+                         const unsigned char* __restrict__ packed, const unsigned short* __restrict__ sc,
+                         const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    extern __shared__ __align__(16) unsigned char gp_ra_smem[];
+    gp_i4mma_rows_async<2>(y, x, packed, sc, bias, M, N, K, accumulate, gp_ra_smem);
+}

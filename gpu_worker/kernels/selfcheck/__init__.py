@@ -53,8 +53,12 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
+    INT4_MMA_ROWS16_ASYNC,
+    INT4_MMA_ROWS_ASYNC,
     INT4_MMA_XA,
     INT4_WGMMA,
+    ROW_ASYNC_CTAS,
+    ROW_ASYNC_STAGES,
     XA_STAGES,
     launch_int4_mma,
     launch_int4_mma_xa,
@@ -289,6 +293,18 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
         h.device, h.function(kdef), *p, m, n, k, accumulate))
+
+
+def int4_mma_rows_async_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
+                             grid=None, kernels=None, stages=ROW_ASYNC_STAGES,
+                             ctas=ROW_ASYNC_CTAS) -> Outcome:
+    """The rows kernels' split with weights by cp.async on a persistent grid (gp_int4_mma_rows_async
+    up to 8 rows, rows16_async up to 16): int4_mma's contract and tolerance. `grid` forces the
+    block count (few blocks: many tiles a block); `kernels` (8-row, 16-row entries), `stages`
+    and `ctas` name a tuning build (bench/int4_batched_bench.py)."""
+    kdef = (kernels or (INT4_MMA_ROWS_ASYNC, INT4_MMA_ROWS16_ASYNC))[0 if m <= 8 else 1]
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
+        h.device, h.function(kdef), *p, m, n, k, accumulate, grid=grid, stages=stages, ctas=ctas))
 
 
 def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
@@ -605,6 +621,11 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
+    C("int4_mma_rows_async", int4_mma_rows_async_case, m=1, n=48, k=128),
+    C("int4_mma_rows_async", int4_mma_rows_async_case, m=8, n=100, k=1024, bias=True,
+      accumulate=True, grid=2),
+    C("int4_mma_rows16_async", int4_mma_rows_async_case, m=13, n=40, k=1152, accumulate=True,
+      grid=1),
     C("int4_wgmma", int4_wgmma_case, m=64, n=100, k=256, bias=True, accumulate=True),
     C("int4_wgmma", int4_wgmma_case, m=33, n=70, k=384, scale=300.0),
     C("int4_mma_xa", int4_mma_xa_case, m=17, n=48, k=128),

@@ -160,6 +160,16 @@ def _int4_mma_rows16(mem, grid, block, args) -> None:
     _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS)
 
 
+@register_sim_kernel("gp_int4_mma_rows_async")
+def _int4_mma_rows_async(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, 8, persistent=True)
+
+
+@register_sim_kernel("gp_int4_mma_rows16_async")
+def _int4_mma_rows16_async(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS, persistent=True)
+
+
 @register_sim_kernel("gp_int4_wgmma")
 def _int4_wgmma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
@@ -171,10 +181,13 @@ def _int4_wgmma(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
-def _int4_rows(mem, grid, block, args, max_rows: int) -> None:
+def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
-    # the CUDA grid covers 16 weight rows per block: a short grid leaves rows unwritten
-    assert grid[0] * 16 >= n and m <= max_rows and block[0] in (256, 512), (grid, block, m)
+    # the CUDA grid covers 16 weight rows per block: a short grid leaves rows unwritten (a
+    # persistent grid's blocks loop over the tiles: at most one block per tile)
+    tiles = -(-n // 16)
+    covered = 1 <= grid[0] <= tiles if persistent else grid[0] * 16 >= n
+    assert covered and m <= max_rows and block[0] in (256, 512), (grid, block, m)
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
