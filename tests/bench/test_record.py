@@ -11,7 +11,7 @@ import sys
 
 import bench.__main__ as bench_main
 from bench import report
-from bench.record import FIELDS, Recorder, add_record_flag, command, read
+from bench.record import FIELDS, RESULTS, Recorder, add_record_flag, command, read
 from bench.targets import Targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -105,6 +105,32 @@ def test_the_report_shows_the_latest_figure_with_its_history_and_how_much_it_mis
         "three runs of a metric get a plot"
     assert report.main(["--results", str(results), "--out", str(out), "--strict"]) == 1, \
         "--strict fails on a latest figure that MISSED"
+
+
+def test_a_retired_metric_leaves_the_missed_list_and_says_why(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    results.mkdir()
+    write_runs(results / "nvidia-h200.jsonl", [0.22, 0.30], [False, False])
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert report.main(["--results", str(results), "--out", str(out), "--strict"]) == 1
+    metric = "batch 64: gpuplane / pytorch fp16 graph"
+    monkeypatch.setitem(report.RETIRED, ("batching_bench", metric), "renamed to something else")
+    assert report.main(["--results", str(results), "--out", str(out), "--strict"]) == 0, \
+        "a retired metric's last miss no longer fails --strict"
+    text = out.read_text()
+    assert "Latest figures that MISSED their target: 0" in text
+    assert "batch 64: gpuplane / pytorch fp16 graph: renamed to something else" in text
+    row = next(x for x in text.splitlines() if x.startswith("| batch 64"))
+    assert "| retired |" in row and "0.22 (2026-12-01)" in row, "its figures stay, marked"
+
+
+def test_every_retired_metric_is_recorded_and_named_by_no_benchmark_any_more():
+    recorded = {(r["bench"], r["metric"]) for r in read(sorted(RESULTS.glob("*.jsonl")))}
+    sources = "\n".join(p.read_text() for p in (ROOT / "bench").glob("*.py")
+                        if p.name != "report.py")   # RETIRED itself names them
+    for bench, metric in report.RETIRED:
+        assert (bench, metric) in recorded, f"{bench}: {metric!r} is not in the record"
+        assert metric not in sources, f"{bench}: {metric!r} is still named by a benchmark"
 
 
 def test_the_report_check_fails_when_the_page_is_out_of_date(tmp_path):
