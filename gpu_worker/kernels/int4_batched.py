@@ -231,11 +231,9 @@ INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE, reference.int4_
 # 2..16 rows at nearly the same cost.
 
 
-def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
-                 scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
-                 stream, warps: int | None) -> None:
-    """Both rows entries: grid ceil(n / 16) blocks of `warps` warps (default row_warps(k)), 16
-    weight rows a block, K over its warps."""
+def _rows_warps(kernel: str, max_rows: int, x: int, packed: int, scales: int, m: int, n: int,
+                k: int, warps: int | None) -> int:
+    """The rows kernels' (and their async builds') argument checks; the block's warps."""
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
     warps = row_warps(k) if warps is None else warps
@@ -243,6 +241,15 @@ def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, p
             f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
     require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
+    return warps
+
+
+def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
+                 scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
+                 stream, warps: int | None) -> None:
+    """Both rows entries: grid ceil(n / 16) blocks of `warps` warps (default row_warps(k)), 16
+    weight rows a block, K over its warps."""
+    warps = _rows_warps(kernel, max_rows, x, packed, scales, m, n, k, warps)
     if m == 0 or n == 0:
         return
     device.launch(function, (ceil_div(n, 16), 1, 1), (32 * warps, 1, 1),
@@ -304,13 +311,7 @@ def rows_async_grid(m: int, n: int, warps: int, sms: int, stages: int = ROW_ASYN
 def _launch_rows_async(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                        scales: int, bias: int, m: int, n: int, k: int, accumulate: bool, stream,
                        warps: int | None, grid: int | None, stages: int, ctas: int) -> None:
-    _require_linear(kernel, x, packed, scales, m, n, k)
-    require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
-    warps = row_warps(k) if warps is None else warps
-    require(warps in (MMA_WARPS, ROW_LONG_K_WARPS),
-            f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
-    require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
-            f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
+    warps = _rows_warps(kernel, max_rows, x, packed, scales, m, n, k, warps)
     if m == 0 or n == 0:
         return
     blocks = rows_async_grid(m, n, warps, sm_count(device), stages, ctas) if grid is None else grid
