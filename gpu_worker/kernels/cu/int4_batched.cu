@@ -821,3 +821,219 @@ gp_int4_mma_rows16_async(float* y, const unsigned short* __restrict__ x,
     extern __shared__ __align__(16) unsigned char gp_ra_smem[];
     gp_i4mma_rows_async<2>(y, x, packed, sc, bias, M, N, K, accumulate, gp_ra_smem);
 }
+
+// ---- gp_int4_mma_xk: gp_int4_mma_xa's operands with K, not N, over a block's warps ------------
+// In gp_int4_mma_xa every warp owns its own NT 8-row weight tiles and reads the whole x tile of
+// each k-group from shared memory (ldmatrix), so x is read 8 times a k-group a block: at 64 rows
+// and NT 2 that is 272 bytes of shared memory a mma (512 / NT of x + 64 / MX of weights), about
+// 38 us of gate/up's 66 at the SMs' 128 bytes a clock, and `ncu` saw the shared-memory pipe
+// (L1 wavefronts) 61 % busy. Here the block's 8 warps share one tile of BN = 8 NT weight rows
+// and split each k-group's 8 k16 steps among them (warp w: step w), so each byte of x and of
+// the weights a stage holds is read from shared memory once, and a dequantized weight register
+// still serves MX mmas; at NT 8 and 64 rows, 80 bytes a mma. Each warp's accumulators are the
+// whole M x BN tile over its k slices (NT 8, MX 4: 128 floats, one block of 8 warps per SM);
+// at the end the warps' partials are summed in a fixed tree through shared memory (w + 4, then
+// + 2, then + 1), then over a cluster's K splits in rank order (gp_cluster_sum_store). The
+// summation order depends on N and K only (xk_plan), never on M: a row's bits are the same
+// at every row count from 17 to 64. Weights and scales are dequantized as gp_int4_mma_xa's
+// (gp_dq_byte); stages, copies and swizzles are GpXa's.
+#ifndef GP_XK_STAGES
+#define GP_XK_STAGES 4   // int4_batched.XK_STAGES
+#endif
+
+template <int MX, int NT>
+__device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __restrict__ x,
+                                         const unsigned char* __restrict__ packed,
+                                         const unsigned short* __restrict__ sc,
+                                         const float* __restrict__ bias, int M, int N, int K,
+                                         int accumulate, unsigned char* smem) {
+    using L = GpXa<MX, NT>;                                 // its stage layout; BN is 8 NT here
+    constexpr int BN = NT * 8, XR = MX * 16;
+    constexpr int SW = 0, SS = BN * 64, SX = SS + BN * 8, STAGE = SX + XR * 256;
+    constexpr int PS = BN + 4;                              // partials' row stride (floats)
+    static_assert(L::XR == XR, "x rows");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int KB = K >> 5, KG = K >> 7;
+    const int2 cl = gp_cluster_rank_size();
+    const int rank = cl.x, S = cl.y;
+    const int row0 = blockIdx.y * BN;
+    const int g0 = (int)((long long)KG * rank / S), g1 = (int)((long long)KG * (rank + 1) / S);
+    const int stages = g1 - g0;
+    const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+
+    // This thread's copies, the same every k-group but for the k offset (sources clamped to a
+    // valid row; a row past N or M is zero-filled, never read): weight chunk tid + 256 j (row
+    // c / 4, slot c & 3), x rows tid / 16 + 16 j at chunk tid & 15, the scales of row tid.
+    // Sources are 32-bit offsets from the kernel's pointers (the launcher bounds N * K / 2 and
+    // M * K below 2^31), so a thread keeps 6 registers of them, not 12: at 255 registers the
+    // compiler otherwise recomputes 64-bit sources for every copy of every k-group.
+    constexpr int WJ = (BN * 4 + 255) / 256, XJ = XR / 16;
+    unsigned wsrc[WJ], wdst[WJ];
+    bool win[WJ], wdo[WJ];
+#pragma unroll
+    for (int j = 0; j < WJ; ++j) {
+        const int c = tid + 256 * j, rl = c >> 2, row = row0 + rl;
+        wdo[j] = c < BN * 4;
+        win[j] = row < N;
+        wsrc[j] = ((unsigned)min(row, N - 1) * (unsigned)KB + g0 * 4 + (c & 3)) * 16u;
+        wdst[j] = SW + rl * 64 + (((c & 3) ^ ((rl >> 1) & 3)) << 4);
+    }
+    // x row tid / 16 + 16 j at chunk tid & 15: one offset, j rows of 16 apart (a row past M
+    // reads row tid / 16's address, < 16 <= M, and is zero-filled)
+    const unsigned xsrc = (unsigned)(tid >> 4) * (unsigned)K + g0 * 128 + 8 * (tid & 15);
+    const bool sin = tid < BN && row0 + tid < N;
+    const unsigned ssrc = (unsigned)min(row0 + min(tid, BN - 1), N - 1) * (unsigned)KB + g0 * 4;
+    const unsigned xdst = SX + (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
+
+    auto issue_w = [&](int i) {   // stage i's weights and scales
+        if (i < stages) {
+            const unsigned st = base + (i % GP_XK_STAGES) * STAGE;
+#pragma unroll
+            for (int j = 0; j < WJ; ++j)
+                if (wdo[j]) gp_cp16(st + wdst[j], packed + (wsrc[j] + i * 64u), win[j]);
+            if (tid < BN) gp_cp8(st + SS + tid * 8, sc + (ssrc + i * 4u), sin);
+        }
+    };
+    auto issue_x = [&](int i) {   // stage i's x, and the commit of its group
+        if (i < stages) {
+            const unsigned st = base + (i % GP_XK_STAGES) * STAGE;
+#pragma unroll
+            for (int j = 0; j < XJ; ++j) {
+                const bool in = (tid >> 4) + 16 * j < M;
+                gp_cp16(st + xdst + 4096 * j,
+                        x + (xsrc + (in ? 16u * j * (unsigned)K : 0u) + i * 128u), in);
+            }
+        }
+        gp_cp_commit();
+    };
+
+    // warp w multiplies k16 step s = w of every k-group: its ldmatrix lane offset (GpXa's
+    // swizzle, as gp_int4_mma_xa's step s), its weight slot and scale within a row.
+    const int s = warp;
+    const int lr = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const unsigned xoff = SX + lr * 256 + (((2 * (s & 3) + (lane >> 4)) ^ (lane & 7)) << 4) + (s >> 2) * 128;
+    const unsigned sel = 0x4040u | ((unsigned)t * 0x0101u);    // byte t -> bytes 0 and 2
+    const unsigned k116 = 0x2c003c00u | ((unsigned)K >> 31);    // K >= 0: a register
+    const int wsw = (g >> 1) & 3;                                // row g + 8 nt's slot swizzle
+    const unsigned woff = SW + g * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8;
+    const unsigned soff = SS + g * 8 + (s >> 1) * 2;
+
+    float acc[MX][NT][4];
+#pragma unroll
+    for (int i = 0; i < MX; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+#pragma unroll
+    for (int i = 0; i < GP_XK_STAGES - 1; ++i) issue_w(i);
+    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
+    gp_pdl_release();
+#pragma unroll
+    for (int i = 0; i < GP_XK_STAGES - 1; ++i) issue_x(i);
+    for (int i = 0; i < stages; ++i) {
+        gp_cp_wait<GP_XK_STAGES - 2>();   // this thread's copies of stage i have landed
+        __syncthreads();                  // everyone's have, and buffer (i - 1) % STAGES is free
+        issue_w(i + GP_XK_STAGES - 1);
+        issue_x(i + GP_XK_STAGES - 1);
+        const unsigned st = base + (i % GP_XK_STAGES) * STAGE;
+        const unsigned char* sp = smem + (i % GP_XK_STAGES) * STAGE;
+        unsigned a[MX][4];
+#pragma unroll
+        for (int mt = 0; mt < MX; ++mt) gp_ldsm_x4(a[mt], st + xoff + mt * 4096);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const unsigned sv = *reinterpret_cast<const unsigned short*>(sp + soff + nt * 64);
+            const unsigned s2 = sv | (sv << 16);
+            const uint2 w = *reinterpret_cast<const uint2*>(sp + woff + nt * 512);
+            const unsigned b0 = gp_dq_byte(w.x, sel, s2, k116);
+            const unsigned b1 = gp_dq_byte(w.y, sel, s2, k116);
+#pragma unroll
+            for (int mt = 0; mt < MX; ++mt) gp_mma(acc[mt][nt], a[mt], b0, b1);
+        }
+    }
+    gp_cp_wait<0>();
+    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+
+    // The warps' partials, summed in a fixed tree: w += w + 4 (w < 4), w += w + 2 (w < 2),
+    // w += w + 1 (w = 0); slot q of the buffer holds one warp's M x BN partial ([m][rl], PS).
+    // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), weight row 8 nt + 2 t + (e & 1).
+    float* part = reinterpret_cast<float*>(smem);
+    constexpr int SLOT = XR * PS;
+#pragma unroll
+    for (int half = 4; half >= 1; half >>= 1) {
+        if (warp >= half && warp < 2 * half) {
+            float* p = part + (warp - half) * SLOT;
+#pragma unroll
+            for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        *reinterpret_cast<float2*>(p + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t) =
+                            make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+        }
+        __syncthreads();
+        if (warp < half) {
+            const float* p = part + warp * SLOT;
+#pragma unroll
+            for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float2 v = *reinterpret_cast<const float2*>(
+                            p + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t);
+                        acc[mt][nt][2 * h] += v.x;
+                        acc[mt][nt][2 * h + 1] += v.y;
+                    }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {   // the block's sum, into slot 0 for the store (or the cluster's sum)
+#pragma unroll
+        for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<float2*>(part + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t) =
+                        make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+    }
+    if (S > 1) {
+        gp_cluster_sum_store(y, bias, M, N, row0, BN, PS, accumulate, base, rank, S);
+        return;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < M * BN; idx += 256) {
+        const int m = idx / BN, rl = idx - m * BN, r = row0 + rl;
+        if (r >= N) continue;
+        float v = part[m * PS + rl];
+        if (bias) v += bias[r];
+        float* yp = y + (long long)m * N + r;
+        *yp = accumulate ? *yp + v : v;
+    }
+}
+
+// grid (S, ceil(N / (8 NT)), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
+// shared memory max(GP_XK_STAGES * stage, 4 partials) (int4_batched.xk_shared_bytes); MX = 2 x
+// tiles of 16 rows up to 32 rows of x, 3 up to 48, 4 above. gp_int4_mma_xk8: NT 8 (64 weight
+// rows a block, one block per SM); gp_int4_mma_xk4: NT 4 (32, two blocks per SM).
+#define GP_I4MMA_XK(MX_, NT_) \
+    gp_i4mma_xk<MX_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xk_smem)
+extern "C" __global__ void __launch_bounds__(256, 1)
+gp_int4_mma_xk8(float* y, const unsigned short* __restrict__ x,
+                const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
+                const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    extern __shared__ __align__(16) unsigned char gp_xk_smem[];
+    if (M <= 32) GP_I4MMA_XK(2, 8);
+    else if (M <= 48) GP_I4MMA_XK(3, 8);
+    else GP_I4MMA_XK(4, 8);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+gp_int4_mma_xk4(float* y, const unsigned short* __restrict__ x,
+                const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
+                const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+    extern __shared__ __align__(16) unsigned char gp_xk_smem[];
+    if (M <= 32) GP_I4MMA_XK(2, 4);
+    else if (M <= 48) GP_I4MMA_XK(3, 4);
+    else GP_I4MMA_XK(4, 4);
+}

@@ -60,6 +60,7 @@ from gpu_worker.kernels.int4_batched import (
     ROW_ASYNC_CTAS,
     ROW_ASYNC_STAGES,
     XA_STAGES,
+    XK_KERNELS,
     launch_int4_mma,
     launch_int4_mma_xa,
 )
@@ -293,6 +294,16 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
         h.device, h.function(kdef), *p, m, n, k, accumulate))
+
+
+def int4_mma_xk_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=8, split=None,
+                     kernels=None) -> Outcome:
+    """The K-over-warps tensor-core int4 linear (gp_int4_mma_xk4 / xk8, 17..64 rows): int4_mma's
+    contract and tolerance; `split` forces the cluster's K split (default xk_plan); `kernels`
+    (nt -> KernelDef, int4_batched.xk_build) names a tuning build."""
+    kdef = (kernels or XK_KERNELS)[nt]
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
+        h.device, h.function(kdef), *p, m, n, k, accumulate, split=split))
 
 
 def int4_mma_rows_async_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
@@ -621,6 +632,9 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
+    C("int4_mma_xk8", int4_mma_xk_case, m=17, n=100, k=1152, bias=True),
+    C("int4_mma_xk8", int4_mma_xk_case, m=64, n=72, k=640, accumulate=True, split=3),
+    C("int4_mma_xk4", int4_mma_xk_case, m=40, n=33, k=512, nt=4, bias=True, accumulate=True),
     C("int4_mma_rows_async", int4_mma_rows_async_case, m=1, n=48, k=128),
     C("int4_mma_rows_async", int4_mma_rows_async_case, m=8, n=100, k=1024, bias=True,
       accumulate=True, grid=2),

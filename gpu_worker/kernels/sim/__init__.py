@@ -150,6 +150,24 @@ def _int4_mma_xa(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
+def _int4_mma_xk(nt: int):
+    def run(mem, grid, block, args) -> None:
+        y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+        # the CUDA grid is (split, tiles of 8 nt rows): a short grid leaves rows unwritten
+        assert grid[1] * 8 * nt >= n and block[0] == 256, (grid, block, nt)
+        assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
+        assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
+        pk, sc = _int4_weight(mem, packed, scales, n, k)
+        r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
+                                  _arr(mem, bias, n) if bias else None)
+        _store(mem, y, m, n, r, accumulate)
+    return run
+
+
+register_sim_kernel("gp_int4_mma_xk4")(_int4_mma_xk(4))
+register_sim_kernel("gp_int4_mma_xk8")(_int4_mma_xk(8))
+
+
 @register_sim_kernel("gp_int4_mma_rows")
 def _int4_mma_rows(mem, grid, block, args) -> None:
     _int4_rows(mem, grid, block, args, 8)
