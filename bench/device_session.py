@@ -102,10 +102,10 @@ PLAN: tuple[Run, ...] = (
     Run("kernels_bench", "kernels_bench.py", ("--reps", "10", "--samples", "5"), 100,
         ("--reps", "10", "--samples", "3", "--linear-only"), 50),
     Run("int4_batched_bench", "int4_batched_bench.py",
-        ("--reps", "10", "--trials", "5", "--rows-sweep"), 160,
-        ("--reps", "10", "--trials", "3", "--rows-sweep"), 110,
-        "with --rows-sweep: the async rows kernels' builds against the rows kernels (a guess: "
-        "100 s without the sweep, 9 builds x 5 shapes x 3 row counts more)"),
+        ("--reps", "10", "--trials", "5", "--rows-sweep", "--xk"), 190,
+        ("--reps", "10", "--trials", "3", "--rows-sweep", "--xk"), 130,
+        "with --rows-sweep and --xk: the async rows kernels' builds against the rows kernels, "
+        "the K-over-warps kernels against xa (a guess: 100 s without them)"),
     Run("paged_attention_bench", "paged_attention_bench.py", ("--reps", "10", "--trials", "5"),
         70, ("--reps", "10", "--trials", "3"), 45),
     Run("attention_bench", "attention_bench.py", ("--reps", "20", "--trials", "7"), 90,
