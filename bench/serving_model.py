@@ -6,6 +6,7 @@ to aggregate tok/s and TTFT, in seconds on a CPU. A model, not a measurement: it
     python bench/serving_model.py --fit steps.jsonl      # costs fitted from a worker's --step-trace
     python bench/serving_model.py --chunk-scale 0.5      # what if a chunk's fixed cost halved
     python bench/serving_model.py --packed               # what if a step's chunks ran as one pass
+    python bench/serving_model.py --fold                 # what if its decode rows rode that pass
     python bench/serving_model.py --decode-scale 0.8     # what if the decode pass were 20 % faster
     python bench/serving_model.py --ladder pow2          # prefill buckets of powers of two
 
@@ -69,6 +70,17 @@ class StepCosts:
     per_chunk: float
     per_prefill_row: float
     rungs: tuple[tuple[int, float], ...] = ()
+    linears: tuple[tuple[int, float], ...] = ()   # the decode pass's int4 linears by rung
+
+    def fold_saving(self, record: dict) -> float:
+        """What riding a prefill pass saves a step's decode rows (`--fold`): their rung's
+        linears, less the prefill pass's cost of as many more rows (attention, norms and
+        sampling stay). Zero for a step without both, or without `linears`."""
+        rows = record["decode_rows"]
+        if not rows or not record["chunks"] or not self.linears:
+            return 0.0
+        rung = decode_bucket(record.get("decode_graph_rows", rows))
+        return max(0.0, dict(self.linears)[rung] - self.per_prefill_row * rows)
 
     def decode_s(self, record: dict) -> float:
         rows = record["decode_rows"]
@@ -77,19 +89,22 @@ class StepCosts:
         rung = decode_bucket(record.get("decode_graph_rows", rows))
         return dict(self.rungs).get(rung, self.decode_pass + self.per_decode_row * rows)
 
-    def step_s(self, record: dict, packed: bool = False) -> float:
-        """One traced step's modeled device seconds; `packed`: its chunks as one pass."""
+    def step_s(self, record: dict, packed: bool = False, fold: bool = False) -> float:
+        """One traced step's modeled device seconds; `packed`: its chunks as one pass; `fold`:
+        its decode rows in a prefill pass (fold_saving)."""
         chunks = record["chunks"]
         n = min(1, len(chunks)) if packed else len(chunks)
         return (self.decode_s(record) + self.per_chunk * n
-                + self.per_prefill_row * step_trace_fit.prefill_rows(record))
+                + self.per_prefill_row * step_trace_fit.prefill_rows(record)
+                - (self.fold_saving(record) if fold else 0.0))
 
     def scaled(self, chunk: float = 1.0, decode: float = 1.0) -> StepCosts:
         """A what-if: each chunk's fixed cost times `chunk`, the decode pass times `decode`."""
         return replace(self, per_chunk=self.per_chunk * chunk,
                        decode_pass=self.decode_pass * decode,
                        per_decode_row=self.per_decode_row * decode,
-                       rungs=tuple((r, t * decode) for r, t in self.rungs))
+                       rungs=tuple((r, t * decode) for r, t in self.rungs),
+                       linears=tuple((r, t * decode) for r, t in self.linears))
 
     @classmethod
     def fitted(cls, path: pathlib.Path, skip: int = 50) -> StepCosts:
@@ -102,8 +117,16 @@ class StepCosts:
                 rung = decode_bucket(r.get("decode_graph_rows", r["decode_rows"]))
                 by_rung.setdefault(rung, []).append(r["device_us"] / 1e6)
         return cls(*(float(c) / 1e6 for c in coef),
-                   rungs=tuple((k, statistics.median(v)) for k, v in sorted(by_rung.items())))
+                   rungs=tuple((k, statistics.median(v)) for k, v in sorted(by_rung.items())),
+                   linears=DECODE_LINEARS)   # a trace times steps, not their linears
 
+
+# The decode step's int4 linears by rung, ms (int4_batched_bench, H200, 2026-12-04: 1 / 2 / 8 / 16
+# / 32 / 64 rows recorded; 4 and 24 between their neighbours; 40 and 48 the 48-row figure of
+# `0c64bc6`, when they ran the 4-x-tile build; 56 the 64-row one).
+DECODE_LINEARS = tuple((r, ms / 1e3) for r, ms in (
+    (1, 1.93), (2, 2.00), (4, 2.15), (8, 2.44), (16, 3.60), (24, 3.55), (32, 3.50), (40, 5.10),
+    (48, 5.10), (56, 5.06), (64, 5.06)))
 
 # The fit of the step trace of serving_bench at 64 streams, H200, commit 7144f3b, 2026-12-04
 # (docs/scheduler.md, "Mixed traffic"). That trace had chunk tokens, not graph rows: its 28.5 us
@@ -117,7 +140,8 @@ H200_COSTS = StepCosts(decode_pass=3.1e-3, per_decode_row=0.11e-3, per_chunk=9.2
                        per_prefill_row=28.5e-6 * 138_961 / 188_192,
                        rungs=tuple((r, ms / 1e3) for r, ms in (
                            (1, 2.52), (2, 2.64), (4, 2.90), (8, 3.58), (16, 4.93), (24, 5.07),
-                           (32, 5.97), (40, 7.70), (48, 8.06), (56, 8.89), (64, 9.40))))
+                           (32, 5.97), (40, 7.70), (48, 8.06), (56, 8.89), (64, 9.40))),
+                       linears=DECODE_LINEARS)
 LADDERS = {"worker": PREFILL_LADDER, "pow2": SEQ_LADDER}
 
 
@@ -175,7 +199,7 @@ class Replay:
         self.dev = Device(SimBackend(granule_bytes=2 << 20))
         need = self.geo.blocks_for(args.prompt_range[1] + args.new_range[1] + 1)
         self.pool = KVBlockPool(self.dev.arena, self.geo, pool_prompts * need)
-        self.costs, self.packed, self.clock = costs, args.packed, 0.0
+        self.costs, self.packed, self.fold, self.clock = costs, args.packed, args.fold, 0.0
         self.records: list[dict] = []
         runner = BucketedRunner(HostOnlyRunner(self.geo, args.prefill_chunk), args.max_batch_size,
                                 LADDERS[args.ladder], args.prefill_chunk)
@@ -190,7 +214,7 @@ class Replay:
 
     def _traced(self, record: dict) -> None:
         self.records.append(record)
-        self.clock += self.costs.step_s(record, self.packed)
+        self.clock += self.costs.step_s(record, self.packed, self.fold)
 
     def submit(self, n: int, new: int, rng: random.Random) -> object:
         seq = self.sched.submit([rng.randrange(1000) for _ in range(n)], new)
@@ -285,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-scale", type=float, default=1.0,
                     help="scale the decode pass and per-row costs (what if the decode kernels "
                          "were faster)")
+    ap.add_argument("--fold", action="store_true",
+                    help="a step's decode rows ride its prefill pass: their linears cost prefill "
+                         "rows, not the decode pass's (its attention, norms, sampling stay)")
     ap.add_argument("--packed", action="store_true",
                     help="one fixed chunk cost per step, however many chunks it carries")
     return ap.parse_args(argv)
@@ -299,6 +326,7 @@ def main(argv: list[str] | None = None) -> list[Level]:
     print(f"modeled step costs: {decode}decode pass {costs.decode_pass * 1e3:.2f} ms + "
           f"{costs.per_decode_row * 1e3:.3f} ms a decode row + {costs.per_chunk * 1e3:.2f} ms a "
           f"chunk{' (one a step: --packed)' if args.packed else ''} + "
+          f"{'(decode rows in the prefill pass: --fold) ' if args.fold else ''}"
           f"{costs.per_prefill_row * 1e6:.1f} us a prefill row ({args.ladder} buckets); "
           f"--prefill-order "
           f"{args.prefill_order}, --max-step-tokens {args.max_step_tokens}, "

@@ -61,6 +61,20 @@ def test_packing_or_a_cheaper_chunk_never_costs_more_and_a_free_chunk_costs_only
     assert c.step_s(record) - c.step_s(record, packed=True) == pytest.approx(c.per_chunk)
 
 
+def test_folding_saves_a_mixed_steps_decode_linears_less_their_prefill_rows(levels):
+    base = levels[0]
+    folded = sm.main([*SMALL, "--fold"])[0]
+    both = sm.main([*SMALL, "--fold", "--packed"])[0]
+    assert folded.steps == base.steps and folded.seconds < base.seconds
+    assert both.seconds < folded.seconds
+    c = sm.H200_COSTS
+    mixed = {"decode_rows": 40, "decode_graph_rows": 40, "chunks": [300]}
+    saving = dict(c.linears)[40] - 40 * c.per_prefill_row
+    assert c.step_s(mixed) - c.step_s(mixed, fold=True) == pytest.approx(saving)
+    for only in ({"decode_rows": 40, "chunks": []}, {"decode_rows": 0, "chunks": [300]}):
+        assert c.step_s(only, fold=True) == c.step_s(only), "nothing to fold"
+
+
 def test_costs_fitted_from_a_step_trace_recover_its_coefficients(tmp_path):
     truth = (3000.0, 100.0, 9000.0, 30.0)      # µs: pass, per row, per chunk, per token
     lines = []
