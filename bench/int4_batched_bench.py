@@ -29,8 +29,9 @@ best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--
 times gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default
 kernel at 24 / 32 / 48 / 64 rows (the figures int4_batched.xa_plan's rule is set from), on a
 tuning build with `--xa-ctas` / `--xa-stages`, checked against the reference first (a wrong
-build stops the run). `--xk` times gp_int4_mma_xk4 / xk8 (each k-group's k16 steps over a
-block's warps, so shared memory is read once a stage; `--xk-stages` builds) on xk_plan's split
+build stops the run). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over weight rows and
+each k-group's k16 steps, so x is read from shared memory fewer times a stage; every build
+(nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
 whether mma_kernel should route 17..64 rows to one of them.
 """
@@ -73,7 +74,7 @@ from gpu_worker.kernels.int4_batched import (
     XA_CTAS,
     XA_NT,
     XA_STAGES,
-    XK_NT,
+    XK_BUILDS,
     XK_STAGES,
     launch_int4_mma,
     launch_int4_wgmma,
@@ -258,9 +259,10 @@ XK_BATCHES = (24, 32, 48, 64)
 
 def xk_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
              stages: int = XK_STAGES) -> dict:
-    """{(rows, nt): seconds} of gp_int4_mma_xk4 / xk8 (built with `stages`) on xk_plan's split
-    at XK_BATCHES rows, each first checked against the default kernel's result within the
-    contract's tolerance (they differ by f32 summation order); a difference raises WrongBuild."""
+    """{(rows, (nt, wk)): seconds} of every gp_int4_mma_xk build (XK_BUILDS, built with
+    `stages`) on xk_plan's split at XK_BATCHES rows, each first checked against the default
+    kernel's result within the contract's tolerance (they differ by f32 summation order); a
+    difference raises WrongBuild."""
     kdefs = xk_build(stages)
     out = {}
     packed, scales = weights[0]
@@ -268,14 +270,16 @@ def xk_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
     for b in XK_BATCHES:
         _default(dev, h, weights[:1], x, y_ref, b, n, k)(None)
         want = h.get(y_ref, (b, n))
-        for nt, kdef in kdefs.items():
-            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
+        for nt, wk in XK_BUILDS:
+            kdef = kdefs[nt]
+            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k, wk=wk)
             got = h.get(y, (b, n))
             if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
-                raise WrongBuild(f"{kdef.name} ({kdef.source.module_name}) m={b} n={n} k={k}: "
-                                 f"differs from the default kernel by {np.abs(got - want).max()}")
-            out[b, nt] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
-                                             kdef=kdef), reps, trials)
+                raise WrongBuild(f"{kdef.name} wk={wk} ({kdef.source.module_name}) m={b} n={n} "
+                                 f"k={k}: differs from the default kernel by "
+                                 f"{np.abs(got - want).max()}")
+            out[b, (nt, wk)] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
+                                                   False, kdef=kdef, kw={"wk": wk}), reps, trials)
     return out
 
 
@@ -418,7 +422,7 @@ def main() -> int:
     step_rows = {}
     step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
     step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
-    step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_NT, "best", "default")}
+    step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_BUILDS, "best", "default")}
     step_wgmma_best = {b: 0.0 for b in WGMMA_BATCHES}
     step_default = {b: 0.0 for b in WGMMA_BATCHES}
     have_torch = args.backend == "cuda"
@@ -476,12 +480,12 @@ def main() -> int:
                     base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
                                 args.trials)
                     print(f"  {name} n={n} k={k} b{b}: "
-                          + ", ".join(f"xk{nt} (split {xk_plan(b, n, k, nt, sms)}) "
-                                      f"{xk[b, nt] * 1e6:7.1f} us" for nt in XK_NT)
+                          + ", ".join(f"xk {nt}/{wk} (split {xk_plan(b, n, k, nt, wk, sms)}) "
+                                      f"{xk[b, (nt, wk)] * 1e6:7.1f} us" for nt, wk in XK_BUILDS)
                           + f", default ({mma_kernel(b)}) {base * 1e6:7.1f} us", flush=True)
-                    for nt in XK_NT:
-                        step_xk[b, nt] += uses * xk[b, nt]
-                    step_xk[b, "best"] += uses * min(base, *(xk[b, nt] for nt in XK_NT))
+                    for build in XK_BUILDS:
+                        step_xk[b, build] += uses * xk[b, build]
+                    step_xk[b, "best"] += uses * min(base, *(xk[b, bd] for bd in XK_BUILDS))
                     step_xk[b, "default"] += uses * base
             if args.xa_sweep:
                 xa_times = xa_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
@@ -552,16 +556,17 @@ def main() -> int:
             targets.figure(f"decode step int4 linears, {b} rows, wgmma where faster",
                            step_wgmma_best[b] * 1e3, "ms")
     if args.xk:
-        print(f"decode step's linears on gp_int4_mma_xk4 / xk8 (stages {args.xk_stages}) at "
-              "their plan, and on the fastest of them and the default per shape, ms:")
+        print(f"decode step's linears on each gp_int4_mma_xk build (nt/wk, stages "
+              f"{args.xk_stages}) at its plan, and on the fastest of them and the default per "
+              "shape, ms:")
         for b in XK_BATCHES:
-            print(f"  batch {b:3d}: " + ", ".join(f"xk{nt} {step_xk[b, nt] * 1e3:8.3f}"
-                                                  for nt in XK_NT)
+            print(f"  batch {b:3d}: " + ", ".join(f"xk {nt}/{wk} {step_xk[b, (nt, wk)] * 1e3:8.3f}"
+                                                  for nt, wk in XK_BUILDS)
                   + f", fastest per shape {step_xk[b, 'best'] * 1e3:8.3f} (default "
                     f"{step_xk[b, 'default'] * 1e3:8.3f})")
-            for nt in XK_NT:
-                targets.figure(f"decode step int4 linears, {b} rows, xk{nt} (stages "
-                               f"{args.xk_stages})", step_xk[b, nt] * 1e3, "ms")
+            for nt, wk in XK_BUILDS:
+                targets.figure(f"decode step int4 linears, {b} rows, xk {nt}/{wk} (stages "
+                               f"{args.xk_stages})", step_xk[b, (nt, wk)] * 1e3, "ms")
             targets.figure(f"decode step int4 linears, {b} rows, xk or default where faster "
                            f"(stages {args.xk_stages})", step_xk[b, "best"] * 1e3, "ms")
     if args.xa_sweep:

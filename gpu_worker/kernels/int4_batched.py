@@ -279,31 +279,37 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
 
-# gp_int4_mma_xk4 / xk8: gp_int4_mma_xa's operands with the block's 8 warps splitting each
-# k-group's k16 steps instead of owning weight rows, so each byte of a stage is read from shared
-# memory once (xa reads x 8 times a k-group a block); 8 NT weight rows a block (NT 4: two blocks
-# per SM, NT 8: one), the warps' partials summed in a fixed tree, K split over a cluster as xa.
-# Checked against the reference; not routed until `int4_batched_bench --xa-sweep` times it
-# faster than xa (docs/kernels.md).
-XK_NT = (4, 8)
+# gp_int4_mma_xk4 / xk8: gp_int4_mma_xa's operands with a block's 8 warps as WN = 8 / wk groups over
+# the weight rows by wk over each k-group's k16 steps, so x is read from shared memory WN times
+# a stage (xa: 8). Builds (XK_BUILDS, (nt, wk)): 8/4 (128 weight rows a block, one block per
+# SM), 8/8 (64), 4/4 (64, two blocks per SM); a group's warps summed in a fixed tree, K split
+# over a cluster as xa. Checked against the reference; not routed until `int4_batched_bench
+# --xk` times one faster than xa (docs/kernels.md).
+XK_BUILDS = ((8, 4), (8, 8), (4, 4))   # (nt, wk)
 XK_STAGES = 4      # k-groups in the pipeline (GP_XK_STAGES)
-XK_CTAS = {4: 2, 8: 1}   # blocks per SM each entry's registers are bounded for
+XK_CTAS = {4: 2, 8: 1}   # blocks per SM each entry's registers are bounded for, by nt
 
 
-def xk_shared_bytes(m: int, nt: int, stages: int = XK_STAGES) -> int:
+def xk_rows(nt: int, wk: int) -> int:
+    """Weight rows of one gp_int4_mma_xk block: 8 / wk groups of nt 8-row tiles."""
+    return 8 * nt * (MMA_WARPS // wk)
+
+
+def xk_shared_bytes(m: int, nt: int, wk: int, stages: int = XK_STAGES) -> int:
     """Dynamic shared memory of one gp_int4_mma_xk block: `stages` x (weights 64 B + scales 8 B
-    per weight row, x 256 B per x row) per k-group, and at least the 4 warp partials of the
-    final sum (x rows x (8 nt + 4) floats each)."""
-    bn, xr = 8 * nt, xa_tile(m, 2)[1]
-    return max(stages * (bn * 72 + xr * 256), 4 * xr * (bn + 4) * 4)
+    per weight row, x 256 B per x row) per k-group, and at least the final sums' room: the
+    block's M x BN sum, then a slot per warp the tree's first round stores."""
+    bn, xr = xk_rows(nt, wk), xa_tile(m, 2)[1]
+    final = xr * (bn + 4) + (MMA_WARPS // 2) * xr * (8 * nt + 4)
+    return max(stages * (bn * 72 + xr * 256), 4 * final)
 
 
-def xk_plan(m: int, n: int, k: int, nt: int, sms: int = SIM_SM_COUNT) -> int:
-    """The K split of gp_int4_mma_xk at `nt`: the fewest CTAs of a cluster (up to MAX_SPLIT, at
-    least 2 k-groups each) whose grid fills XA_FILL of the blocks the SMs hold at once. A
-    function of N, K and nt only: a row's bits do not depend on its batch."""
+def xk_plan(m: int, n: int, k: int, nt: int, wk: int, sms: int = SIM_SM_COUNT) -> int:
+    """The K split of gp_int4_mma_xk's (nt, wk) build: the fewest CTAs of a cluster (up to
+    MAX_SPLIT, at least 2 k-groups each) whose grid fills XA_FILL of the blocks the SMs hold at
+    once. A function of N, K and the build only: a row's bits do not depend on its batch."""
     slots = XK_CTAS[nt] * sms
-    tiles = ceil_div(n, 8 * nt)
+    tiles = ceil_div(n, xk_rows(nt, wk))
     split = 1
     while tiles * split < XA_FILL * slots and split < min(MAX_SPLIT, k // MMA_K_ALIGN // 2):
         split += 1
@@ -311,45 +317,46 @@ def xk_plan(m: int, n: int, k: int, nt: int, sms: int = SIM_SM_COUNT) -> int:
 
 
 def _launch_xk(nt: int, device, function, y: int, x: int, packed: int, scales: int, bias: int,
-               m: int, n: int, k: int, accumulate: bool, stream, split: int | None,
+               m: int, n: int, k: int, accumulate: bool, stream, wk: int, split: int | None,
                stages: int) -> None:
-    """Both xk entries: grid (split, ceil(n / (8 nt))) in clusters of split."""
+    """Both xk entries: grid (split, ceil(n / xk_rows)) in clusters of split."""
     kernel = f"int4_mma_xk{nt}"
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m >= XA_MIN_ROWS or m == 0, f"{kernel}: m={m} rows < {XA_MIN_ROWS} (the rows kernels serve them)")
-    require(nt in XK_NT, f"{kernel}: nt={nt} not built (choices {XK_NT})")
+    require((nt, wk) in XK_BUILDS, f"{kernel}: wk={wk} not built (builds {XK_BUILDS})")
     require(n * k // 2 < 2**31 and m * k < 2**31,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets")
     if m == 0 or n == 0:
         return
-    split = xk_plan(m, n, k, nt, sm_count(device)) if split is None else split
+    split = xk_plan(m, n, k, nt, wk, sm_count(device)) if split is None else split
     require(1 <= split <= min(MAX_SPLIT, k // MMA_K_ALIGN),
             f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
-    tiles = ceil_div(n, 8 * nt)
+    tiles = ceil_div(n, xk_rows(nt, wk))
     require(tiles < 65536, f"{kernel}: n={n} too large")
     device.launch(function, (split, tiles, 1), (32 * MMA_WARPS, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-                   i32(1 if accumulate else 0)], stream=stream,
-                  shared_bytes=xk_shared_bytes(m, nt, stages),
+                   i32(1 if accumulate else 0), i32(wk)], stream=stream,
+                  shared_bytes=xk_shared_bytes(m, nt, wk, stages),
                   cluster=(split, 1, 1) if split > 1 else None, pdl=True)
 
 
 def launch_int4_mma_xk4(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                        split: int | None = None, stages: int = XK_STAGES) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_xk4 (32 weight rows a block), for
-    17 <= m <= 64 rows; `split` forces the cluster's K split (default xk_plan); `stages` is the
-    GP_XK_STAGES `function` was built with (a tuning build of the benchmark)."""
+                        wk: int = 4, split: int | None = None, stages: int = XK_STAGES) -> None:
+    """int4_mma's contract and arguments on gp_int4_mma_xk4 (nt 4, wk 4: 64 weight rows a
+    block, two blocks per SM), for 17 <= m <= 64 rows; `split` forces the cluster's K split
+    (default xk_plan); `stages` is the GP_XK_STAGES `function` was built with (a tuning build)."""
     _launch_xk(4, device, function, y, x, packed, scales, bias, m, n, k, accumulate, stream,
-               split, stages)
+               wk, split, stages)
 
 
 def launch_int4_mma_xk8(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                        split: int | None = None, stages: int = XK_STAGES) -> None:
-    """launch_int4_mma_xk4 on gp_int4_mma_xk8 (64 weight rows a block, one block per SM)."""
+                        wk: int = 4, split: int | None = None, stages: int = XK_STAGES) -> None:
+    """launch_int4_mma_xk4 on gp_int4_mma_xk8 (nt 8, one block per SM): wk 4 (128 weight rows
+    a block) or 8 (64)."""
     _launch_xk(8, device, function, y, x, packed, scales, bias, m, n, k, accumulate, stream,
-               split, stages)
+               wk, split, stages)
 
 
 INT4_MMA_XK4 = KernelDef("int4_mma_xk4", "gp_int4_mma_xk4", SOURCE, reference.int4_matmul,
@@ -360,7 +367,7 @@ XK_KERNELS = {4: INT4_MMA_XK4, 8: INT4_MMA_XK8}
 
 
 def xk_build(stages: int) -> dict[int, KernelDef]:
-    """XK_KERNELS built with GP_XK_STAGES = `stages` and launched accordingly."""
+    """XK_KERNELS (by nt) built with GP_XK_STAGES = `stages` and launched accordingly."""
     require(2 <= stages <= 8, f"int4_mma_xk: stages={stages} must be 2..8")
     if stages == XK_STAGES:
         return XK_KERNELS

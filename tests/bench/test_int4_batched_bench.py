@@ -1,4 +1,4 @@
-"""bench/int4_batched_bench.py's --xk on the sim at a small shape: both K-over-warps entries are
+"""bench/int4_batched_bench.py's --xk on the sim at a small shape: every K-over-warps build is
 checked against the default kernel, then timed at every row count; a result that differs stops
 the run (WrongBuild) instead of timing. (The tuning builds' sweeps compile a module a build,
 ~7 s each with NVRTC: `python bench/int4_batched_bench.py --backend sim --small --rows-sweep
@@ -15,7 +15,7 @@ from bench import int4_batched_bench as bench
 from gpu_worker.compile import KernelCompiler
 from gpu_worker.device import open_device
 from gpu_worker.kernels import reference as ref
-from gpu_worker.kernels.int4_batched import XK_NT
+from gpu_worker.kernels.int4_batched import XK_BUILDS
 from gpu_worker.kernels.selfcheck import KernelHarness
 
 N, K = 96, 384
@@ -38,7 +38,7 @@ def setup():
 def test_the_xk_times_cover_both_entries_and_a_wrong_result_stops_them(setup, monkeypatch) -> None:
     dev, h, weights, x, y = setup
     times = bench.xk_times(dev, h, weights, x, y, N, K, 1, 1)
-    assert {key for key in times} == {(b, nt) for b in bench.XK_BATCHES for nt in XK_NT}
+    assert set(times) == {(b, build) for b in bench.XK_BATCHES for build in XK_BUILDS}
     real, calls = h.get, iter(range(1 << 30))
 
     def get(p, shape, *a, **kw):   # every second read (an xk result, not the default's) is off

@@ -14,10 +14,9 @@ from gpu_worker.kernels.int4_batched import (
     MT_CHOICES,
     ROW_ASYNC_BUILDS,
     XA_NT,
-    XK_NT,
+    XK_BUILDS,
     rows_async_build,
     x_tiles,
-    xk_build,
 )
 from gpu_worker.kernels.selfcheck import (
     CASES,
@@ -76,22 +75,22 @@ ROWS: list[Case] = [
                            (16, 1009, 4224, {"bias": True}))
 ]
 # the K-over-warps kernels at the decode step's shapes on their plan (every x tile count), then
-# every entry with K split over 1, 3 and 8 CTAs at odd N and K, and a stages build
+# every build with K split over 1, 3 and 8 CTAs at odd N and K, and stages builds
 XK: list[Case] = [
-    Case("int4_mma_xk", int4_mma_xk_case, {"m": m, "n": n, "k": k, "nt": nt, **extra})
-    for nt in XK_NT
+    Case("int4_mma_xk", int4_mma_xk_case, {"m": m, "n": n, "k": k, "nt": nt, "wk": wk, **extra})
+    for nt, wk in XK_BUILDS
     for m, n, k, extra in ((17, 6144, 4096, {"bias": True}), (32, 4096, 4096, {}),
                            (33, 28672, 4096, {"accumulate": True}), (64, 4096, 14336, {}),
                            (64, 6144, 4096, {"bias": True, "accumulate": True}),
                            (64, 128256, 4096, {}), (48, 1000, 4224, {}))
 ] + [
-    Case("int4_mma_xk", int4_mma_xk_case, {"m": m, "n": 1000 + m, "k": 4224, "nt": nt,
+    Case("int4_mma_xk", int4_mma_xk_case, {"m": m, "n": 1000 + m, "k": 4224, "nt": nt, "wk": wk,
                                            "split": split, "accumulate": m % 2 == 1})
-    for m in (24, 40, 63) for nt in XK_NT for split in (1, 3, 8)
+    for m in (24, 40, 63) for nt, wk in XK_BUILDS for split in (1, 3, 8)
 ] + [
-    Case("int4_mma_xk", int4_mma_xk_case, {"m": 64, "n": 1009, "k": 4224, "nt": nt,
-                                           "kernels": xk_build(stages)})
-    for nt in XK_NT for stages in (3, 6)
+    Case("int4_mma_xk", int4_mma_xk_case, {"m": 64, "n": 1009, "k": 4224, "nt": nt, "wk": wk,
+                                           "stages": stages})
+    for nt, wk in XK_BUILDS for stages in (3, 6)
 ]
 # the rows kernels' split with cp.async weights on a persistent grid: the decode step's shapes
 # on its default grid, then few blocks (many tiles a block: the rings run on across tiles) and
@@ -106,8 +105,7 @@ ROWS_ASYNC: list[Case] = [
                            (16, 1009, 4224, {"bias": True, "grid": 3}), (3, 128, 128, {}))
 ] + [
     Case("int4_mma_rows_async", int4_mma_rows_async_case,
-         {"m": m, "n": 1001, "k": 4224, "grid": 9, "stages": stages, "ctas": ctas,
-          "kernels": rows_async_build(stages, ctas)})
+         {"m": m, "n": 1001, "k": 4224, "grid": 9, "stages": stages, "ctas": ctas})
     for stages, ctas in ROW_ASYNC_BUILDS for m in (1, 16)
 ]
 # the warpgroup-MMA kernel at the decode step's shapes from 17 to 64 rows, odd N and K
@@ -206,18 +204,19 @@ def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harn
     assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max())
 
 
-@pytest.mark.parametrize("nt", XK_NT)
-def test_a_rows_bits_on_the_xk_kernels_do_not_depend_on_the_batch_and_repeat(harness, nt) -> None:
-    """gp_int4_mma_xk's summation order (each warp's k16 steps, the warps' fixed tree, the
-    cluster's ranks) depends on N and K only: a row's bits are the same at 17..64 rows (every x
-    tile count), and two runs give the same bits."""
+@pytest.mark.parametrize("nt,wk", XK_BUILDS)
+def test_a_rows_bits_on_the_xk_kernels_do_not_depend_on_the_batch_and_repeat(harness, nt,
+                                                                             wk) -> None:
+    """gp_int4_mma_xk's summation order (each warp's k16 steps, a group's fixed tree, the
+    cluster's ranks) depends on N, K and the build only: a row's bits are the same at 17..64
+    rows (every x tile count), and two runs give the same bits."""
     from gpu_worker.kernels.int4_batched import XK_KERNELS
 
     for n, k in ((6144, 4096), (4096, 14336)):
         pk, sc, xd = _weights_and_x(harness, 17, n, k, 64)
-        firsts = [_rows_result(harness, XK_KERNELS[nt], pk, sc, xd, m, n, k)[0]
+        firsts = [_rows_result(harness, XK_KERNELS[nt], pk, sc, xd, m, n, k, wk=wk)[0]
                   for m in (17, 32, 33, 48, 49, 64)]
-        again = _rows_result(harness, XK_KERNELS[nt], pk, sc, xd, 64, n, k)[0]
+        again = _rows_result(harness, XK_KERNELS[nt], pk, sc, xd, 64, n, k, wk=wk)[0]
         harness.close()
         for m, first in zip((32, 33, 48, 49, 64), firsts[1:]):
             assert np.array_equal(first, firsts[0]), (n, k, m)

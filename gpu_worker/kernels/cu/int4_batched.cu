@@ -822,37 +822,37 @@ gp_int4_mma_rows16_async(float* y, const unsigned short* __restrict__ x,
     gp_i4mma_rows_async<2>(y, x, packed, sc, bias, M, N, K, accumulate, gp_ra_smem);
 }
 
-// ---- gp_int4_mma_xk: gp_int4_mma_xa's operands with K, not N, over a block's warps ------------
-// In gp_int4_mma_xa every warp owns its own NT 8-row weight tiles and reads the whole x tile of
-// each k-group from shared memory (ldmatrix), so x is read 8 times a k-group a block: at 64 rows
-// and NT 2 that is 272 bytes of shared memory a mma (512 / NT of x + 64 / MX of weights), about
-// 38 us of gate/up's 66 at the SMs' 128 bytes a clock, and `ncu` saw the shared-memory pipe
-// (L1 wavefronts) 61 % busy. Here the block's 8 warps share one tile of BN = 8 NT weight rows
-// and split each k-group's 8 k16 steps among them (warp w: step w), so each byte of x and of
-// the weights a stage holds is read from shared memory once, and a dequantized weight register
-// still serves MX mmas; at NT 8 and 64 rows, 80 bytes a mma. Each warp's accumulators are the
-// whole M x BN tile over its k slices (NT 8, MX 4: 128 floats, one block of 8 warps per SM);
-// at the end the warps' partials are summed in a fixed tree through shared memory (w + 4, then
-// + 2, then + 1), then over a cluster's K splits in rank order (gp_cluster_sum_store). The
-// summation order depends on N and K only (xk_plan), never on M: a row's bits are the same
-// at every row count from 17 to 64. Weights and scales are dequantized as gp_int4_mma_xa's
-// (gp_dq_byte); stages, copies and swizzles are GpXa's.
+// ---- gp_int4_mma_xk: gp_int4_mma_xa's operands with K, too, over a block's warps -------------
+// In gp_int4_mma_xa every warp owns NT 8-row weight tiles and multiplies all 8 k16 steps of a
+// k-group, so it reads the whole x tile of every stage from shared memory: a block reads x 8
+// times a stage (at 64 rows and NT 2, shared-memory traffic of 1.1 KB a weight row a k-group,
+// cp.async writes included; `ncu` saw the shared-memory pipe 61 % busy). Here the block's 8
+// warps are WN = 8 / WK groups over the weight rows (NT 8-row tiles each) by WK over each
+// k-group's k16 steps (warp (wn, wk): steps wk, wk + WK, ...), so x is read WN times a stage,
+// not 8: at WK 4 and NT 8 (128 weight rows a block, x read twice) 0.5 KB a weight row; the
+// x bytes a block streams from L2 per weight row stay xa's (128 rows a block). Each warp
+// accumulates its group's M x 8 NT tile over its k16 steps (NT 8, MX 4: 128 floats, one block
+// per SM); at the end the WK warps of a group are summed in a fixed tree through shared
+// memory (wk + WK / 2, ..., + 1), then over a cluster's K splits in rank order
+// (gp_cluster_sum_store). The order depends on N, K and the build (WK, NT: xk_plan), never on
+// M: a row's bits are the same at every row count from 17 to 64. Stage layout, copies,
+// swizzles and dequantization are gp_int4_mma_xa's (GpXa, gp_dq_byte).
 #ifndef GP_XK_STAGES
 #define GP_XK_STAGES 4   // int4_batched.XK_STAGES
 #endif
 
-template <int MX, int NT>
+template <int MX, int NT, int WK>
 __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __restrict__ x,
                                          const unsigned char* __restrict__ packed,
                                          const unsigned short* __restrict__ sc,
                                          const float* __restrict__ bias, int M, int N, int K,
                                          int accumulate, unsigned char* smem) {
-    using L = GpXa<MX, NT>;                                 // its stage layout; BN is 8 NT here
-    constexpr int BN = NT * 8, XR = MX * 16;
+    constexpr int WN = GP_MMA_WARPS / WK, STEPS = 8 / WK;   // warp groups over N; k16 steps a warp
+    constexpr int BW = NT * 8, BN = WN * BW, XR = MX * 16;   // a group's rows; the block's
     constexpr int SW = 0, SS = BN * 64, SX = SS + BN * 8, STAGE = SX + XR * 256;
-    constexpr int PS = BN + 4;                              // partials' row stride (floats)
-    static_assert(L::XR == XR, "x rows");
+    constexpr int PW = BW + 4, PS = BN + 4;   // partial row strides (floats): a warp's, the block's
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wn = warp / WK, wk = warp % WK;
     const int KB = K >> 5, KG = K >> 7;
     const int2 cl = gp_cluster_rank_size();
     const int rank = cl.x, S = cl.y;
@@ -865,9 +865,8 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
     // valid row; a row past N or M is zero-filled, never read): weight chunk tid + 256 j (row
     // c / 4, slot c & 3), x rows tid / 16 + 16 j at chunk tid & 15, the scales of row tid.
     // Sources are 32-bit offsets from the kernel's pointers (the launcher bounds N * K / 2 and
-    // M * K below 2^31), so a thread keeps 6 registers of them, not 12: at 255 registers the
-    // compiler otherwise recomputes 64-bit sources for every copy of every k-group.
-    constexpr int WJ = (BN * 4 + 255) / 256, XJ = XR / 16;
+    // M * K below 2^31).
+    constexpr int WJ = (BN * 4 + 255) / 256, XJ = XR / 16, SJ = (BN + 255) / 256;
     unsigned wsrc[WJ], wdst[WJ];
     bool win[WJ], wdo[WJ];
 #pragma unroll
@@ -878,11 +877,9 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
         wsrc[j] = ((unsigned)min(row, N - 1) * (unsigned)KB + g0 * 4 + (c & 3)) * 16u;
         wdst[j] = SW + rl * 64 + (((c & 3) ^ ((rl >> 1) & 3)) << 4);
     }
-    // x row tid / 16 + 16 j at chunk tid & 15: one offset, j rows of 16 apart (a row past M
-    // reads row tid / 16's address, < 16 <= M, and is zero-filled)
+    // x row tid / 16 + 16 j at chunk tid & 15: one offset, its rows 16 apart (a row past M reads
+    // row tid / 16's address, < 16 < M, and is zero-filled)
     const unsigned xsrc = (unsigned)(tid >> 4) * (unsigned)K + g0 * 128 + 8 * (tid & 15);
-    const bool sin = tid < BN && row0 + tid < N;
-    const unsigned ssrc = (unsigned)min(row0 + min(tid, BN - 1), N - 1) * (unsigned)KB + g0 * 4;
     const unsigned xdst = SX + (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
 
     auto issue_w = [&](int i) {   // stage i's weights and scales
@@ -891,7 +888,14 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
 #pragma unroll
             for (int j = 0; j < WJ; ++j)
                 if (wdo[j]) gp_cp16(st + wdst[j], packed + (wsrc[j] + i * 64u), win[j]);
-            if (tid < BN) gp_cp8(st + SS + tid * 8, sc + (ssrc + i * 4u), sin);
+#pragma unroll
+            for (int j = 0; j < SJ; ++j) {
+                const int rl = tid + 256 * j;
+                if (rl < BN)
+                    gp_cp8(st + SS + rl * 8,
+                           sc + ((unsigned)min(row0 + rl, N - 1) * (unsigned)KB + (g0 + i) * 4u),
+                           row0 + rl < N);
+            }
         }
     };
     auto issue_x = [&](int i) {   // stage i's x, and the commit of its group
@@ -907,16 +911,21 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
         gp_cp_commit();
     };
 
-    // warp w multiplies k16 step s = w of every k-group: its ldmatrix lane offset (GpXa's
-    // swizzle, as gp_int4_mma_xa's step s), its weight slot and scale within a row.
-    const int s = warp;
+    // warp (wn, wk)'s k16 steps s = wk + WK q: ldmatrix lane offsets (gp_int4_mma_xa's at step
+    // s), weight slots and scales of row 8 nt + g of its group
     const int lr = (lane & 7) + ((lane >> 3) & 1) * 8;
-    const unsigned xoff = SX + lr * 256 + (((2 * (s & 3) + (lane >> 4)) ^ (lane & 7)) << 4) + (s >> 2) * 128;
     const unsigned sel = 0x4040u | ((unsigned)t * 0x0101u);    // byte t -> bytes 0 and 2
     const unsigned k116 = 0x2c003c00u | ((unsigned)K >> 31);    // K >= 0: a register
     const int wsw = (g >> 1) & 3;                                // row g + 8 nt's slot swizzle
-    const unsigned woff = SW + g * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8;
-    const unsigned soff = SS + g * 8 + (s >> 1) * 2;
+    const int grow = wn * BW + g;                                // the group's row g
+    unsigned xoff[STEPS], woff[STEPS], soff[STEPS];
+#pragma unroll
+    for (int q = 0; q < STEPS; ++q) {
+        const int s = wk + WK * q;
+        xoff[q] = SX + lr * 256 + (((2 * (s & 3) + (lane >> 4)) ^ (lane & 7)) << 4) + (s >> 2) * 128;
+        woff[q] = SW + grow * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8;
+        soff[q] = SS + grow * 8 + (s >> 1) * 2;
+    }
 
     float acc[MX][NT][4];
 #pragma unroll
@@ -936,44 +945,49 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
         issue_x(i + GP_XK_STAGES - 1);
         const unsigned st = base + (i % GP_XK_STAGES) * STAGE;
         const unsigned char* sp = smem + (i % GP_XK_STAGES) * STAGE;
-        unsigned a[MX][4];
 #pragma unroll
-        for (int mt = 0; mt < MX; ++mt) gp_ldsm_x4(a[mt], st + xoff + mt * 4096);
+        for (int q = 0; q < STEPS; ++q) {
+            unsigned a[MX][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const unsigned sv = *reinterpret_cast<const unsigned short*>(sp + soff + nt * 64);
-            const unsigned s2 = sv | (sv << 16);
-            const uint2 w = *reinterpret_cast<const uint2*>(sp + woff + nt * 512);
-            const unsigned b0 = gp_dq_byte(w.x, sel, s2, k116);
-            const unsigned b1 = gp_dq_byte(w.y, sel, s2, k116);
+            for (int mt = 0; mt < MX; ++mt) gp_ldsm_x4(a[mt], st + xoff[q] + mt * 4096);
 #pragma unroll
-            for (int mt = 0; mt < MX; ++mt) gp_mma(acc[mt][nt], a[mt], b0, b1);
+            for (int nt = 0; nt < NT; ++nt) {
+                const unsigned sv = *reinterpret_cast<const unsigned short*>(sp + soff[q] + nt * 64);
+                const unsigned s2 = sv | (sv << 16);
+                const uint2 w = *reinterpret_cast<const uint2*>(sp + woff[q] + nt * 512);
+                const unsigned b0 = gp_dq_byte(w.x, sel, s2, k116);
+                const unsigned b1 = gp_dq_byte(w.y, sel, s2, k116);
+#pragma unroll
+                for (int mt = 0; mt < MX; ++mt) gp_mma(acc[mt][nt], a[mt], b0, b1);
+            }
         }
     }
     gp_cp_wait<0>();
     __syncthreads();   // every warp is done with the stages: the partials may reuse them
 
-    // The warps' partials, summed in a fixed tree: w += w + 4 (w < 4), w += w + 2 (w < 2),
-    // w += w + 1 (w = 0); slot q of the buffer holds one warp's M x BN partial ([m][rl], PS).
-    // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), weight row 8 nt + 2 t + (e & 1).
+    // A group's WK warps summed in a fixed tree: wk += wk + half for half = WK / 2 .. 1; slot
+    // (wn, wk - half) holds one warp's M x BW partial ([m][rl], stride PW), after it the
+    // block's sum ([m][rl] over BN, stride PS, at the start of shared memory).
+    // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), group row 8 nt + 2 t + (e & 1).
     float* part = reinterpret_cast<float*>(smem);
-    constexpr int SLOT = XR * PS;
+    float* slots = part + XR * PS;
+    constexpr int SLOT = XR * PW;
 #pragma unroll
-    for (int half = 4; half >= 1; half >>= 1) {
-        if (warp >= half && warp < 2 * half) {
-            float* p = part + (warp - half) * SLOT;
+    for (int half = WK / 2; half >= 1; half >>= 1) {
+        if (wk >= half && wk < 2 * half) {
+            float* p = slots + (wn * (WK / 2) + wk - half) * SLOT;
 #pragma unroll
             for (int mt = 0; mt < MX; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
-                        *reinterpret_cast<float2*>(p + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t) =
+                        *reinterpret_cast<float2*>(p + (mt * 16 + g + 8 * h) * PW + nt * 8 + 2 * t) =
                             make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
         }
         __syncthreads();
-        if (warp < half) {
-            const float* p = part + warp * SLOT;
+        if (wk < half) {
+            const float* p = slots + (wn * (WK / 2) + wk) * SLOT;
 #pragma unroll
             for (int mt = 0; mt < MX; ++mt)
 #pragma unroll
@@ -981,21 +995,21 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const float2 v = *reinterpret_cast<const float2*>(
-                            p + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t);
+                            p + (mt * 16 + g + 8 * h) * PW + nt * 8 + 2 * t);
                         acc[mt][nt][2 * h] += v.x;
                         acc[mt][nt][2 * h + 1] += v.y;
                     }
         }
         __syncthreads();
     }
-    if (warp == 0) {   // the block's sum, into slot 0 for the store (or the cluster's sum)
+    if (wk == 0) {   // each group's sum, into the block's [m][rl] for the store (or the cluster's)
 #pragma unroll
         for (int mt = 0; mt < MX; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    *reinterpret_cast<float2*>(part + (mt * 16 + g + 8 * h) * PS + nt * 8 + 2 * t) =
+                    *reinterpret_cast<float2*>(part + (mt * 16 + g + 8 * h) * PS + wn * BW + nt * 8 + 2 * t) =
                         make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
     }
     if (S > 1) {
@@ -1013,27 +1027,29 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
     }
 }
 
-// grid (S, ceil(N / (8 NT)), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
-// shared memory max(GP_XK_STAGES * stage, 4 partials) (int4_batched.xk_shared_bytes); MX = 2 x
-// tiles of 16 rows up to 32 rows of x, 3 up to 48, 4 above. gp_int4_mma_xk8: NT 8 (64 weight
-// rows a block, one block per SM); gp_int4_mma_xk4: NT 4 (32, two blocks per SM).
-#define GP_I4MMA_XK(MX_, NT_) \
-    gp_i4mma_xk<MX_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xk_smem)
+// grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
+// shared memory int4_batched.xk_shared_bytes; MX = 2 x tiles of 16 rows up to 32 rows of x, 3
+// up to 48, 4 above; `wk` warps over K, so BN = 8 NT x 8 / wk weight rows a block.
+// gp_int4_mma_xk8: NT 8, wk 4 or 8 (one block per SM); gp_int4_mma_xk4: NT 4, wk 4 (two).
+#define GP_I4MMA_XK(MX_, NT_, WK_) \
+    gp_i4mma_xk<MX_, NT_, WK_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xk_smem)
+#define GP_I4MMA_XK_ROWS(NT_, WK_)                      \
+    do {                                                \
+        if (M <= 32) GP_I4MMA_XK(2, NT_, WK_);          \
+        else if (M <= 48) GP_I4MMA_XK(3, NT_, WK_);     \
+        else GP_I4MMA_XK(4, NT_, WK_);                  \
+    } while (0)
 extern "C" __global__ void __launch_bounds__(256, 1)
 gp_int4_mma_xk8(float* y, const unsigned short* __restrict__ x,
                 const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-                const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+                const float* __restrict__ bias, int M, int N, int K, int accumulate, int wk) {
     extern __shared__ __align__(16) unsigned char gp_xk_smem[];
-    if (M <= 32) GP_I4MMA_XK(2, 8);
-    else if (M <= 48) GP_I4MMA_XK(3, 8);
-    else GP_I4MMA_XK(4, 8);
+    if (wk == 8) GP_I4MMA_XK_ROWS(8, 8); else GP_I4MMA_XK_ROWS(8, 4);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
 gp_int4_mma_xk4(float* y, const unsigned short* __restrict__ x,
                 const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-                const float* __restrict__ bias, int M, int N, int K, int accumulate) {
+                const float* __restrict__ bias, int M, int N, int K, int accumulate, int wk) {
     extern __shared__ __align__(16) unsigned char gp_xk_smem[];
-    if (M <= 32) GP_I4MMA_XK(2, 4);
-    else if (M <= 48) GP_I4MMA_XK(3, 4);
-    else GP_I4MMA_XK(4, 4);
+    GP_I4MMA_XK_ROWS(4, 4);   // wk 4 only: at NT 4 and wk 8 a block is 32 rows, x from L2 4x xa's
 }

@@ -53,16 +53,16 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
-    INT4_MMA_ROWS16_ASYNC,
-    INT4_MMA_ROWS_ASYNC,
     INT4_MMA_XA,
     INT4_WGMMA,
     ROW_ASYNC_CTAS,
     ROW_ASYNC_STAGES,
     XA_STAGES,
-    XK_KERNELS,
+    XK_STAGES,
     launch_int4_mma,
     launch_int4_mma_xa,
+    rows_async_build,
+    xk_build,
 )
 from gpu_worker.kernels.linear import (
     INT4_DEQUANT,
@@ -296,26 +296,25 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0)
         h.device, h.function(kdef), *p, m, n, k, accumulate))
 
 
-def int4_mma_xk_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=8, split=None,
-                     kernels=None) -> Outcome:
-    """The K-over-warps tensor-core int4 linear (gp_int4_mma_xk4 / xk8, 17..64 rows): int4_mma's
-    contract and tolerance; `split` forces the cluster's K split (default xk_plan); `kernels`
-    (nt -> KernelDef, int4_batched.xk_build) names a tuning build."""
-    kdef = (kernels or XK_KERNELS)[nt]
+def int4_mma_xk_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=8, wk=4,
+                     split=None, stages=XK_STAGES) -> Outcome:
+    """The K-over-warps tensor-core int4 linear (gp_int4_mma_xk4 / xk8, 17..64 rows; build
+    (nt, wk) of int4_batched.XK_BUILDS): int4_mma's contract and tolerance; `split` forces the
+    cluster's K split (default xk_plan); `stages` names a tuning build (int4_batched.xk_build)."""
+    kdef = xk_build(stages)[nt]
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
-        h.device, h.function(kdef), *p, m, n, k, accumulate, split=split))
+        h.device, h.function(kdef), *p, m, n, k, accumulate, wk=wk, split=split))
 
 
 def int4_mma_rows_async_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
-                             grid=None, kernels=None, stages=ROW_ASYNC_STAGES,
-                             ctas=ROW_ASYNC_CTAS) -> Outcome:
+                             grid=None, stages=ROW_ASYNC_STAGES, ctas=ROW_ASYNC_CTAS) -> Outcome:
     """The rows kernels' split with weights by cp.async on a persistent grid (gp_int4_mma_rows_async
     up to 8 rows, rows16_async up to 16): int4_mma's contract and tolerance. `grid` forces the
-    block count (few blocks: many tiles a block); `kernels` (8-row, 16-row entries), `stages`
-    and `ctas` name a tuning build (bench/int4_batched_bench.py)."""
-    kdef = (kernels or (INT4_MMA_ROWS_ASYNC, INT4_MMA_ROWS16_ASYNC))[0 if m <= 8 else 1]
+    block count (few blocks: many tiles a block); `stages` and `ctas` name a tuning build
+    (int4_batched.rows_async_build)."""
+    kdef = rows_async_build(stages, ctas)[0 if m <= 8 else 1]
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
-        h.device, h.function(kdef), *p, m, n, k, accumulate, grid=grid, stages=stages, ctas=ctas))
+        h.device, h.function(kdef), *p, m, n, k, accumulate, grid=grid))
 
 
 def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
@@ -632,8 +631,8 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
-    C("int4_mma_xk8", int4_mma_xk_case, m=17, n=100, k=1152, bias=True),
-    C("int4_mma_xk8", int4_mma_xk_case, m=64, n=72, k=640, accumulate=True, split=3),
+    C("int4_mma_xk8", int4_mma_xk_case, m=17, n=200, k=1152, bias=True),
+    C("int4_mma_xk8", int4_mma_xk_case, m=64, n=72, k=640, wk=8, accumulate=True, split=3),
     C("int4_mma_xk4", int4_mma_xk_case, m=40, n=33, k=512, nt=4, bias=True, accumulate=True),
     C("int4_mma_rows_async", int4_mma_rows_async_case, m=1, n=48, k=128),
     C("int4_mma_rows_async", int4_mma_rows_async_case, m=8, n=100, k=1024, bias=True,

@@ -24,7 +24,9 @@ from gpu_worker.kernels.int4_batched import (
     ROWS_MAX_ROWS,
     XA_MIN_ROWS,
     XA_NT,
+    XK_BUILDS,
     xa_tile,
+    xk_rows,
 )
 
 
@@ -152,9 +154,10 @@ def _int4_mma_xa(mem, grid, block, args) -> None:
 
 def _int4_mma_xk(nt: int):
     def run(mem, grid, block, args) -> None:
-        y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
-        # the CUDA grid is (split, tiles of 8 nt rows): a short grid leaves rows unwritten
-        assert grid[1] * 8 * nt >= n and block[0] == 256, (grid, block, nt)
+        y, x, packed, scales, bias, m, n, k, accumulate, wk = _vals(args)
+        # the CUDA grid is (split, tiles of xk_rows): a short grid leaves rows unwritten
+        assert (nt, wk) in XK_BUILDS, (nt, wk)
+        assert grid[1] * xk_rows(nt, wk) >= n and block[0] == 256, (grid, block, nt, wk)
         assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
         assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
         pk, sc = _int4_weight(mem, packed, scales, n, k)
