@@ -2,7 +2,9 @@
 reads the int4 weight once per call, whatever the row count. Kernels of one contract:
 gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
 registers of their own), gp_int4_mma_xa (x as the mma's A operand, 17..64 rows),
-and gp_int4_wgmma (measured, not routed); mma_kernel picks one.
+and, measured or to be measured and not routed, gp_int4_wgmma, gp_int4_mma_rows(16)_async and
+gp_int4_mma_xk4 / xk8; mma_kernel picks one. CUDA: cu/int4_batched.cu (the weight as A),
+cu/int4_xa.cu (x as A), cu/int4_wgmma.cu, sharing cu/int4_mma.cuh.
 
 Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
 (N, K/32) fp16 in the reference layout (unchanged: checkpoints and GPTQ map onto it), y (M, N)
@@ -80,7 +82,11 @@ def mma_tiles(m: int, n: int, sms: int = SIM_SM_COUNT) -> tuple[int, int]:
     return nt, 1
 
 
+# Two NVRTC modules of one contract: the weight as the mma's A operand (gp_int4_mma, the rows
+# kernels) and x as A (gp_int4_mma_xa, gp_int4_mma_xk), sharing cu/int4_mma.cuh; a tuning build
+# of one recompiles only its own.
 SOURCE = cu_source("gp_int4_batched", "int4_batched.cu")
+SOURCE_XA = cu_source("gp_int4_xa", "int4_xa.cu")
 
 
 def mma_supported(m: int, k: int) -> bool:
@@ -220,7 +226,7 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
                   cluster=(split, 1, 1) if split > 1 else None, pdl=True)
 
 
-INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE, reference.int4_matmul,
+INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE_XA, reference.int4_matmul,
                         launch_int4_mma_xa)
 
 
@@ -359,9 +365,9 @@ def launch_int4_mma_xk8(device, function, y: int, x: int, packed: int, scales: i
                wk, split, stages)
 
 
-INT4_MMA_XK4 = KernelDef("int4_mma_xk4", "gp_int4_mma_xk4", SOURCE, reference.int4_matmul,
+INT4_MMA_XK4 = KernelDef("int4_mma_xk4", "gp_int4_mma_xk4", SOURCE_XA, reference.int4_matmul,
                          launch_int4_mma_xk4)
-INT4_MMA_XK8 = KernelDef("int4_mma_xk8", "gp_int4_mma_xk8", SOURCE, reference.int4_matmul,
+INT4_MMA_XK8 = KernelDef("int4_mma_xk8", "gp_int4_mma_xk8", SOURCE_XA, reference.int4_matmul,
                          launch_int4_mma_xk8)
 XK_KERNELS = {4: INT4_MMA_XK4, 8: INT4_MMA_XK8}
 
@@ -371,8 +377,8 @@ def xk_build(stages: int) -> dict[int, KernelDef]:
     require(2 <= stages <= 8, f"int4_mma_xk: stages={stages} must be 2..8")
     if stages == XK_STAGES:
         return XK_KERNELS
-    source = dataclasses.replace(SOURCE, module_name=f"{SOURCE.module_name}_xk{stages}",
-                                 options=(*SOURCE.options, f"-DGP_XK_STAGES={stages}"))
+    source = dataclasses.replace(SOURCE_XA, module_name=f"{SOURCE_XA.module_name}_xk{stages}",
+                                 options=(*SOURCE_XA.options, f"-DGP_XK_STAGES={stages}"))
     return {nt: dataclasses.replace(kdef, source=source, launcher=functools.partial(
         kdef.launcher, stages=stages)) for nt, kdef in XK_KERNELS.items()}
 
