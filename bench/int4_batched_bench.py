@@ -233,6 +233,24 @@ def wgmma_kernel(stages: int):
     return dataclasses.replace(kdef, launcher=functools.partial(launch_int4_wgmma, stages=stages))
 
 
+def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int) -> np.ndarray:
+    """The default kernel's (mma_kernel's) result at `rows` rows on the first weight copy."""
+    _default(dev, h, weights[:1], x, y_ref, rows, n, k)(None)
+    return h.get(y_ref, (rows, n))
+
+
+def _check_near(h, kdef, kw: dict, weights, x, y, rows: int, n: int, k: int,
+                want: np.ndarray) -> None:
+    """`kdef`'s result (launched with `kw`) within the contract's tolerance of `want` (another
+    summation order), else WrongBuild: a build whose result is wrong is never timed."""
+    packed, scales = weights[0]
+    kdef.launcher(h.device, h.function(kdef), y, x, packed, scales, 0, rows, n, k, **kw)
+    got = h.get(y, (rows, n))
+    if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
+        raise WrongBuild(f"{kdef.name} {kw} ({kdef.source.module_name}) m={rows} n={n} k={k}: "
+                         f"differs from the default kernel by {np.abs(got - want).max()}")
+
+
 def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                 stages: int = WGMMA_STAGES) -> dict:
     """{rows: seconds} of gp_int4_wgmma (built with `stages`) at WGMMA_BATCHES rows, each first
@@ -240,15 +258,10 @@ def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
     f32 summation order); a difference raises WrongBuild."""
     kdef = wgmma_kernel(stages)
     out = {}
-    packed, scales = weights[0]
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
-        _default(dev, h, weights[:1], x, y_ref, b, n, k)(None)
-        kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k)
-        got, want = h.get(y, (b, n)), h.get(y_ref, (b, n))
-        if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
-            raise WrongBuild(f"gp_int4_wgmma m={b} n={n} k={k}: differs from the default kernel "
-                             f"by {np.abs(got - want).max()}")
+        want = _default_result(dev, h, weights, x, y_ref, b, n, k)
+        _check_near(h, kdef, {}, weights, x, y, b, n, k, want)
         out[b] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
                                      kdef=kdef), reps, trials)
     return out
@@ -265,19 +278,12 @@ def xk_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
     difference raises WrongBuild."""
     kdefs = xk_build(stages)
     out = {}
-    packed, scales = weights[0]
     y_ref = h.put(np.zeros((max(XK_BATCHES), n), np.float32))
     for b in XK_BATCHES:
-        _default(dev, h, weights[:1], x, y_ref, b, n, k)(None)
-        want = h.get(y_ref, (b, n))
+        want = _default_result(dev, h, weights, x, y_ref, b, n, k)
         for nt, wk in XK_BUILDS:
             kdef = kdefs[nt]
-            kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k, wk=wk)
-            got = h.get(y, (b, n))
-            if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()):
-                raise WrongBuild(f"{kdef.name} wk={wk} ({kdef.source.module_name}) m={b} n={n} "
-                                 f"k={k}: differs from the default kernel by "
-                                 f"{np.abs(got - want).max()}")
+            _check_near(h, kdef, {"wk": wk}, weights, x, y, b, n, k, want)
             out[b, (nt, wk)] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
                                                    False, kdef=kdef, kw={"wk": wk}), reps, trials)
     return out

@@ -113,6 +113,39 @@ struct GpXa {
     static constexpr int PS = BN + 8;                   // split partials' row stride (floats)
 };
 
+// The k-group pipeline both x-as-A kernels run: ST - 1 stages' weights issued before the
+// dependent-launch wait (x after it), then per k-group i: wait for this thread's copies of
+// stage i, meet the block (everyone's have landed, and buffer (i - 1) % ST is free), issue
+// stage i + ST - 1, and `body(i % ST)`; at the end every copy has landed and the block has met
+// (the stages may be reused). `issue_x` commits a group each call, stage or not.
+template <int ST, class IssueW, class IssueX, class Body>
+__device__ __forceinline__ void gp_xa_pipeline(int stages, IssueW issue_w, IssueX issue_x,
+                                               Body body) {
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) issue_w(i);
+    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
+    gp_pdl_release();
+#pragma unroll
+    for (int i = 0; i < ST - 1; ++i) issue_x(i);
+    for (int i = 0; i < stages; ++i) {
+        gp_cp_wait<ST - 2>();   // this thread's copies of stage i have landed
+        __syncthreads();        // everyone's have, and buffer (i - 1) % ST is free
+        issue_w(i + ST - 1);
+        issue_x(i + ST - 1);
+        body(i % ST);
+    }
+    gp_cp_wait<0>();
+    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+}
+
+template <int MX, int NT>
+__device__ __forceinline__ void gp_zero(float (&acc)[MX][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < MX; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+}
+
 template <int MX, int NT>
 __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __restrict__ x,
                                          const unsigned char* __restrict__ packed,
@@ -185,23 +218,10 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     const int wsw = (g >> 1) & 3;                               // its slot swizzle (every n-tile)
 
     float acc[MX][NT][4];
-#pragma unroll
-    for (int i = 0; i < MX; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-#pragma unroll
-    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue_w(i);
-    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
-    gp_pdl_release();
-#pragma unroll
-    for (int i = 0; i < GP_XA_STAGES - 1; ++i) issue_x(i);
-    for (int i = 0; i < stages; ++i) {
-        gp_cp_wait<GP_XA_STAGES - 2>();   // this thread's copies of stage i have landed
-        __syncthreads();                  // everyone's have, and buffer (i - 1) % STAGES is free
-        issue_w(i + GP_XA_STAGES - 1);
-        issue_x(i + GP_XA_STAGES - 1);
-        const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
-        const unsigned char* sp = smem + (i % GP_XA_STAGES) * L::STAGE;
+    gp_zero(acc);
+    gp_xa_pipeline<GP_XA_STAGES>(stages, issue_w, issue_x, [&](int b) {
+        const unsigned st = base + b * L::STAGE;
+        const unsigned char* sp = smem + b * L::STAGE;
         unsigned s2[NT];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {          // k16 step s: k 16 s .. 16 s + 15 of the k-group
@@ -227,9 +247,7 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
                 for (int nt = 0; nt < NT; ++nt) gp_mma(acc[mt][nt], a, b[nt][0], b[nt][1]);
             }
         }
-    }
-    gp_cp_wait<0>();
-    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+    });
 
     // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), weight row 8 nt + 2 t + (e & 1) of the warp's
     if (S == 1) {
@@ -387,23 +405,10 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
     }
 
     float acc[MX][NT][4];
-#pragma unroll
-    for (int i = 0; i < MX; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-#pragma unroll
-    for (int i = 0; i < GP_XK_STAGES - 1; ++i) issue_w(i);
-    gp_pdl_wait();   // the first stages' weights are in flight; x, y and the next kernel wait
-    gp_pdl_release();
-#pragma unroll
-    for (int i = 0; i < GP_XK_STAGES - 1; ++i) issue_x(i);
-    for (int i = 0; i < stages; ++i) {
-        gp_cp_wait<GP_XK_STAGES - 2>();   // this thread's copies of stage i have landed
-        __syncthreads();                  // everyone's have, and buffer (i - 1) % STAGES is free
-        issue_w(i + GP_XK_STAGES - 1);
-        issue_x(i + GP_XK_STAGES - 1);
-        const unsigned st = base + (i % GP_XK_STAGES) * STAGE;
-        const unsigned char* sp = smem + (i % GP_XK_STAGES) * STAGE;
+    gp_zero(acc);
+    gp_xa_pipeline<GP_XK_STAGES>(stages, issue_w, issue_x, [&](int b) {
+        const unsigned st = base + b * STAGE;
+        const unsigned char* sp = smem + b * STAGE;
 #pragma unroll
         for (int q = 0; q < STEPS; ++q) {
             unsigned a[MX][4];
@@ -420,9 +425,7 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
                 for (int mt = 0; mt < MX; ++mt) gp_mma(acc[mt][nt], a[mt], b0, b1);
             }
         }
-    }
-    gp_cp_wait<0>();
-    __syncthreads();   // every warp is done with the stages: the partials may reuse them
+    });
 
     // A group's WK warps summed in a fixed tree: wk += wk + half for half = WK / 2 .. 1; slot
     // (wn, wk - half) holds one warp's M x BW partial ([m][rl], stride PW), after it the

@@ -119,13 +119,18 @@ def _matmul_nt(mem, grid, block, args) -> None:
     _store(mem, y, m, n, r, accumulate)
 
 
-@register_sim_kernel("gp_int4_matmul")
-def _int4_matmul(mem, grid, block, args) -> None:
-    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+def _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate) -> None:
+    """Every int4 linear's contract (reference.int4_matmul) into y, + y when `accumulate`."""
     pk, sc = _int4_weight(mem, packed, scales, n, k)
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
     _store(mem, y, m, n, r, accumulate)
+
+
+@register_sim_kernel("gp_int4_matmul")
+def _int4_matmul(mem, grid, block, args) -> None:
+    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
 @register_sim_kernel("gp_int4_mma")
@@ -133,10 +138,7 @@ def _int4_mma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate, mt = _vals(args)
     # the CUDA grid covers 16 * mt weight rows per block: a short grid leaves rows unwritten
     assert grid[0] * 16 * mt >= n and mt in (1, 2, 4) and block[0] == 256, (grid, block, mt)
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                              _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
+    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
 @register_sim_kernel("gp_int4_mma_xa")
@@ -146,10 +148,7 @@ def _int4_mma_xa(mem, grid, block, args) -> None:
     assert grid[1] * xa_tile(m, nt)[0] >= n and nt in XA_NT and block[0] == 256, (grid, block, nt)
     assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
     assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                              _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
+    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
 def _int4_mma_xk(nt: int):
@@ -160,10 +159,7 @@ def _int4_mma_xk(nt: int):
         assert grid[1] * xk_rows(nt, wk) >= n and block[0] == 256, (grid, block, nt, wk)
         assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
         assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
-        pk, sc = _int4_weight(mem, packed, scales, n, k)
-        r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                                  _arr(mem, bias, n) if bias else None)
-        _store(mem, y, m, n, r, accumulate)
+        _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
     return run
 
 
@@ -196,10 +192,7 @@ def _int4_wgmma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
     # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
     assert grid[0] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, (grid, block, m)
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                              _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
+    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
 def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False) -> None:
@@ -209,10 +202,7 @@ def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False) 
     tiles = -(-n // 16)
     covered = 1 <= grid[0] <= tiles if persistent else grid[0] * 16 >= n
     assert covered and m <= max_rows and block[0] in (256, 512), (grid, block, m)
-    pk, sc = _int4_weight(mem, packed, scales, n, k)
-    r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
-                              _arr(mem, bias, n) if bias else None)
-    _store(mem, y, m, n, r, accumulate)
+    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
 @register_sim_kernel("gp_rotary")
