@@ -138,6 +138,36 @@ __device__ __forceinline__ void gp_xa_pipeline(int stages, IssueW issue_w, Issue
     __syncthreads();   // every warp is done with the stages: the partials may reuse them
 }
 
+// A warp's M x 8 NT accumulator tile to / from shared memory rows of `stride` floats from p:
+// acc[mt][nt][e] is x row 16 mt + g + 8 (e >> 1), column 8 nt + 2 t + (e & 1).
+template <int MX, int NT>
+__device__ __forceinline__ void gp_store_tile(float* p, int stride, const float (&acc)[MX][NT][4],
+                                              int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                *reinterpret_cast<float2*>(p + (mt * 16 + g + 8 * h) * stride + nt * 8 + 2 * t) =
+                    make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+}
+template <int MX, int NT>
+__device__ __forceinline__ void gp_add_tile(float (&acc)[MX][NT][4], const float* p, int stride,
+                                            int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MX; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float2 v = *reinterpret_cast<const float2*>(
+                    p + (mt * 16 + g + 8 * h) * stride + nt * 8 + 2 * t);
+                acc[mt][nt][2 * h] += v.x;
+                acc[mt][nt][2 * h + 1] += v.y;
+            }
+}
+
 template <int MX, int NT>
 __device__ __forceinline__ void gp_zero(float (&acc)[MX][NT][4]) {
 #pragma unroll
@@ -267,15 +297,7 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
                 }
         return;
     }
-    float* ps = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int mt = 0; mt < MX; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                *reinterpret_cast<float2*>(ps + (mt * 16 + g + 8 * h) * L::PS + warp * NT * 8 + nt * 8 + 2 * t) =
-                    make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+    gp_store_tile(reinterpret_cast<float*>(smem) + warp * NT * 8, L::PS, acc, g, t);
     gp_cluster_sum_store(y, bias, M, N, row0, L::BN, L::PS, accumulate, base, rank, S);
 }
 
@@ -430,50 +452,19 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
     // A group's WK warps summed in a fixed tree: wk += wk + half for half = WK / 2 .. 1; slot
     // (wn, wk - half) holds one warp's M x BW partial ([m][rl], stride PW), after it the
     // block's sum ([m][rl] over BN, stride PS, at the start of shared memory).
-    // acc[mt][nt][e]: x row 16 mt + g + 8 (e >> 1), group row 8 nt + 2 t + (e & 1).
     float* part = reinterpret_cast<float*>(smem);
     float* slots = part + XR * PS;
     constexpr int SLOT = XR * PW;
 #pragma unroll
     for (int half = WK / 2; half >= 1; half >>= 1) {
-        if (wk >= half && wk < 2 * half) {
-            float* p = slots + (wn * (WK / 2) + wk - half) * SLOT;
-#pragma unroll
-            for (int mt = 0; mt < MX; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        *reinterpret_cast<float2*>(p + (mt * 16 + g + 8 * h) * PW + nt * 8 + 2 * t) =
-                            make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-        }
+        if (wk >= half && wk < 2 * half)
+            gp_store_tile(slots + (wn * (WK / 2) + wk - half) * SLOT, PW, acc, g, t);
         __syncthreads();
-        if (wk < half) {
-            const float* p = slots + (wn * (WK / 2) + wk) * SLOT;
-#pragma unroll
-            for (int mt = 0; mt < MX; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float2 v = *reinterpret_cast<const float2*>(
-                            p + (mt * 16 + g + 8 * h) * PW + nt * 8 + 2 * t);
-                        acc[mt][nt][2 * h] += v.x;
-                        acc[mt][nt][2 * h + 1] += v.y;
-                    }
-        }
+        if (wk < half) gp_add_tile(acc, slots + (wn * (WK / 2) + wk) * SLOT, PW, g, t);
         __syncthreads();
     }
-    if (wk == 0) {   // each group's sum, into the block's [m][rl] for the store (or the cluster's)
-#pragma unroll
-        for (int mt = 0; mt < MX; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    *reinterpret_cast<float2*>(part + (mt * 16 + g + 8 * h) * PS + wn * BW + nt * 8 + 2 * t) =
-                        make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
-    }
+    // each group's sum, into the block's [m][rl] for the store (or the cluster's)
+    if (wk == 0) gp_store_tile(part + wn * BW, PS, acc, g, t);
     if (S > 1) {
         gp_cluster_sum_store(y, bias, M, N, row0, BN, PS, accumulate, base, rank, S);
         return;
