@@ -73,6 +73,9 @@ RETIRED: dict[tuple[str, str], str] = {
     ("kv_swap_bench", "tokens identical with swap and recompute (greedy)"):
         "now the figure \"tokens identical with swap and recompute, every trial (greedy)\", "
         "for the same reason",
+    **{("step_anatomy_bench", f"decode step int4 wo | w_down, batch {b}"):
+       "the linears are named by launch order now, wo and w_down apart (\"decode step int4 wo, "
+       "batch N\", \"... w_down, batch N\")" for b in (32, 64)},
     ("serving_bench", "TTFT p99 at 32 streams (s) vs 2x (longest + one chunk)"):
         "every burst stream's first request arrives at once, so the last of 32 first tokens "
         "waits ~15 full steps under any scheduler: the burst TTFT is printed as information "

@@ -9,7 +9,7 @@ and the library's default (dependent launch on) for the step span only, since an
 kernel's duration includes its wait for the one before it.
 
 Per step, printed and recorded: the span (first kernel start to last kernel end), the kernel
-time by family (int4 linears by shape from their grid, attention, norms, qkv rope + append,
+time by family (int4 linears by shape from their launch order, attention, norms, qkv rope + append,
 SiLU, sampling, embedding) and the gaps (span minus the kernels' busy time: launch latency
 between graph nodes). No targets: the issues' targets are in batching_bench and
 int4_batched_bench; this says where to look.
@@ -49,18 +49,18 @@ def family(name: str) -> str:
     return next((f for prefix, f in FAMILIES if name.startswith(prefix)), "other: " + name[:40])
 
 
-def linear_shape(event: dict, cfg) -> str:
-    """The decode linear an int4 kernel ran, from its grid (rows kernels: ceil(n / 16) blocks;
-    the xa kernel: (split, tiles)) and block (the rows kernel's long K runs 512 threads)."""
-    args = event.get("args", {})
-    grid, block = args.get("grid", [0, 0, 0]), args.get("block", [0, 0, 0])
-    qkv = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    for n, name in ((qkv, "wqkv"), (2 * cfg.ffn, "w_gateup"), (cfg.vocab_size, "lm_head")):
-        if grid[0] == -(-n // 16) or (grid[0] <= 8 and grid[1] in (-(-n // 128), -(-n // 256))):
-            return name
-    if grid[1] > 1:   # the xa kernel's (split, tiles): wo and w_down share N = hidden
-        return "wo | w_down"
-    return "w_down" if block[0] == 512 else "wo"   # the rows kernel runs K 14336 over 16 warps
+LAYER_LINEARS = ("wqkv", "wo", "w_gateup", "w_down")   # a decoder layer's int4 linears, in order
+
+
+def linear_names(step: list[dict], cfg) -> list[str]:
+    """The decode linear each int4 kernel of a step ran, by launch order: a step is its layers'
+    LAYER_LINEARS in turn, then lm_head, whatever kernel serves each (rows, xa, xk, async ...:
+    a persistent grid or a cluster split says nothing of N). A step of any other count of int4
+    kernels is named "int4 (unclassified)" throughout."""
+    int4 = sorted((k for k in step if k["name"].startswith("gp_int4")), key=lambda e: e["ts"])
+    if len(int4) != len(LAYER_LINEARS) * cfg.layers + 1:
+        return ["int4 (unclassified)"] * len(int4)
+    return [*LAYER_LINEARS * cfg.layers, "lm_head"]
 
 
 def trace(sched: Scheduler, dev, steps: int) -> list[dict]:
@@ -159,8 +159,10 @@ def main() -> int:
                 per_f, per_shape = collections.Counter(), collections.Counter()
                 for k in s:
                     per_f[family(k["name"])] += k["dur"]
-                    if k["name"].startswith("gp_int4"):
-                        per_shape[linear_shape(k, cfg)] += k["dur"]
+                int4 = sorted((k for k in s if k["name"].startswith("gp_int4")),
+                              key=lambda e: e["ts"])
+                for k, name in zip(int4, linear_names(s, cfg), strict=True):
+                    per_shape[name] += k["dur"]
                 per_f["gaps"] = span_us(s) - busy_us(s)
                 for f, v in per_f.items():
                     fams[f].append(v)
