@@ -288,10 +288,10 @@ INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
 # gp_int4_mma_xk4 / xk8: gp_int4_mma_xa's operands with a block's 8 warps as WN = 8 / wk groups over
 # the weight rows by wk over each k-group's k16 steps, so x is read from shared memory WN times
 # a stage (xa: 8). Builds (XK_BUILDS, (nt, wk)): 8/4 (128 weight rows a block, one block per
-# SM), 8/8 (64), 4/4 (64, two blocks per SM); a group's warps summed in a fixed tree, K split
-# over a cluster as xa. Checked against the reference; not routed until `int4_batched_bench
-# --xk` times one faster than xa (docs/kernels.md).
-XK_BUILDS = ((8, 4), (8, 8), (4, 4))   # (nt, wk)
+# SM), 8/8 (64), 8/2 (256), 4/4 (64, two blocks per SM), 4/2 (128, two); a group's warps summed
+# in a fixed tree, K split over a cluster as xa. Checked against the reference; not routed
+# until `int4_batched_bench --xk` times one faster than xa (docs/kernels.md).
+XK_BUILDS = ((8, 4), (8, 8), (8, 2), (4, 4), (4, 2))   # (nt, wk)
 XK_STAGES = 4      # k-groups in the pipeline (GP_XK_STAGES)
 XK_CTAS = {4: 2, 8: 1}   # blocks per SM each entry's registers are bounded for, by nt
 
@@ -349,8 +349,8 @@ def _launch_xk(nt: int, device, function, y: int, x: int, packed: int, scales: i
 def launch_int4_mma_xk4(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
                         wk: int = 4, split: int | None = None, stages: int = XK_STAGES) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_xk4 (nt 4, wk 4: 64 weight rows a
-    block, two blocks per SM), for 17 <= m <= 64 rows; `split` forces the cluster's K split
+    """int4_mma's contract and arguments on gp_int4_mma_xk4 (nt 4, two blocks per SM; wk 4: 64
+    weight rows a block, wk 2: 128), for 17 <= m <= 64 rows; `split` forces the cluster's K split
     (default xk_plan); `stages` is the GP_XK_STAGES `function` was built with (a tuning build)."""
     _launch_xk(4, device, function, y, x, packed, scales, bias, m, n, k, accumulate, stream,
                wk, split, stages)
@@ -360,7 +360,7 @@ def launch_int4_mma_xk8(device, function, y: int, x: int, packed: int, scales: i
                         m: int, n: int, k: int, accumulate: bool = False, stream=None,
                         wk: int = 4, split: int | None = None, stages: int = XK_STAGES) -> None:
     """launch_int4_mma_xk4 on gp_int4_mma_xk8 (nt 8, one block per SM): wk 4 (128 weight rows
-    a block) or 8 (64)."""
+    a block), 8 (64) or 2 (256)."""
     _launch_xk(8, device, function, y, x, packed, scales, bias, m, n, k, accumulate, stream,
                wk, split, stages)
 

@@ -483,7 +483,7 @@ __device__ __forceinline__ void gp_i4mma_xk(float* y, const unsigned short* __re
 // grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
 // shared memory int4_batched.xk_shared_bytes; MX = 2 x tiles of 16 rows up to 32 rows of x, 3
 // up to 48, 4 above; `wk` warps over K, so BN = 8 NT x 8 / wk weight rows a block.
-// gp_int4_mma_xk8: NT 8, wk 4 or 8 (one block per SM); gp_int4_mma_xk4: NT 4, wk 4 (two).
+// gp_int4_mma_xk8: NT 8, wk 2, 4 or 8 (one block per SM); gp_int4_mma_xk4: NT 4, wk 2 or 4 (two).
 #define GP_I4MMA_XK(MX_, NT_, WK_) \
     gp_i4mma_xk<MX_, NT_, WK_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xk_smem)
 #define GP_I4MMA_XK_ROWS(NT_, WK_)                      \
@@ -497,12 +497,16 @@ gp_int4_mma_xk8(float* y, const unsigned short* __restrict__ x,
                 const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
                 const float* __restrict__ bias, int M, int N, int K, int accumulate, int wk) {
     extern __shared__ __align__(16) unsigned char gp_xk_smem[];
-    if (wk == 8) GP_I4MMA_XK_ROWS(8, 8); else GP_I4MMA_XK_ROWS(8, 4);
+    if (wk == 8) GP_I4MMA_XK_ROWS(8, 8);
+    else if (wk == 4) GP_I4MMA_XK_ROWS(8, 4);
+    else GP_I4MMA_XK_ROWS(8, 2);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
 gp_int4_mma_xk4(float* y, const unsigned short* __restrict__ x,
                 const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
                 const float* __restrict__ bias, int M, int N, int K, int accumulate, int wk) {
     extern __shared__ __align__(16) unsigned char gp_xk_smem[];
-    GP_I4MMA_XK_ROWS(4, 4);   // wk 4 only: at NT 4 and wk 8 a block is 32 rows, x from L2 4x xa's
+    // wk 4 or 2 (64 or 128 weight rows a block); at wk 8 a block would be 32 rows, reading 4x
+    // xa's x from L2 per weight row
+    if (wk == 4) GP_I4MMA_XK_ROWS(4, 4); else GP_I4MMA_XK_ROWS(4, 2);
 }
