@@ -185,3 +185,52 @@ def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_bat
     with pytest.raises(InvalidArgument, match="warps=12 not built"):
         launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, 1, 4096, 4096, warps=12)
     assert len(blocks) == 8, "a refused launch launches nothing"
+
+
+def test_every_xk_build_fits_its_blocks_per_sm_and_its_split_depends_on_n_and_k_only() -> None:
+    """gp_int4_mma_xk's K order is fixed by its build and split, so xk_plan reads N, K and the
+    build alone (a row's bits are the same at 17..64 rows); each build's shared memory lets the
+    blocks per SM its registers are bounded for (XK_CTAS) be resident at once."""
+    from gpu_worker.device.sim_backend import SIM_MAX_SHARED_BYTES
+    from gpu_worker.kernels.int4_batched import (
+        MAX_SPLIT,
+        MMA_K_ALIGN,
+        SM_SHARED_BYTES,
+        XK_BUILDS,
+        XK_CTAS,
+        xk_plan,
+        xk_shared_bytes,
+    )
+
+    for nt, wk in XK_BUILDS:
+        for n, k in ((28672, 4096), (128256, 4096), (6144, 4096), (4096, 14336), (1000, 4224)):
+            splits = {xk_plan(m, n, k, nt, wk, 132) for m in range(17, 65)}
+            assert len(splits) == 1, (nt, wk, n, k, splits)
+            split, = splits
+            assert 1 <= split <= MAX_SPLIT and (split == 1 or k // MMA_K_ALIGN // split >= 2)
+        for m in (17, 33, 64):
+            smem = xk_shared_bytes(m, nt, wk)
+            assert smem <= SIM_MAX_SHARED_BYTES
+            assert XK_CTAS[nt] * (smem + 1024) <= SM_SHARED_BYTES, (nt, wk, m, smem)
+
+
+def test_the_async_rows_grid_is_what_is_resident_at_once_and_at_most_a_block_a_tile() -> None:
+    """rows_async_grid: a persistent grid of the blocks the SMs hold at once (registers bounded
+    for ROW_ASYNC_CTAS blocks of 8 warps, threads, shared memory), never more than the 16-row
+    tiles; any grid gives the same bits (the GPU cases force 1..9 blocks)."""
+    from gpu_worker.kernels.int4_batched import (
+        SM_SHARED_BYTES,
+        row_warps,
+        rows_async_grid,
+        rows_async_shared_bytes,
+    )
+
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (48, 128)):
+        warps = row_warps(k)
+        for m in (1, 8, 9, 16):
+            grid = rows_async_grid(m, n, warps, 132)
+            tiles = -(-n // 16)
+            assert 1 <= grid <= tiles
+            per_sm = -(-grid // 132)
+            assert grid == tiles or per_sm * (rows_async_shared_bytes(m, warps) + 1024) \
+                <= SM_SHARED_BYTES, (n, k, m, grid)
