@@ -27,7 +27,8 @@ and what says whether mma_kernel should route 1..16 rows to the async kernels. `
 kernel is built for (int4_batched.MT_CHOICES), and prints the decode step's linears with the
 best choice per shape: the figures int4_batched.mma_tiles' rule is set from. `--xa-sweep`
 times gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against the default
-kernel at 24 / 32 / 48 / 64 rows (the figures int4_batched.xa_plan's rule is set from), on a
+kernel at 16 / 24 / 32 / 48 / 64 rows (the figures int4_batched.xa_plan's rule is set from, and
+at 16 rows whether xa's 1-x-tile build beats rows16), on a
 tuning build with `--xa-ctas` / `--xa-stages`, checked against the reference first (a wrong
 build stops the run). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over weight rows and
 each k-group's k16 steps, so x is read from shared memory fewer times a stage; every build
@@ -293,7 +294,7 @@ class WrongBuild(RuntimeError):
     """A tuning build's result differs from the reference: its times mean nothing."""
 
 
-XA_SWEEP_BATCHES = (24, 32, 48, 64)
+XA_SWEEP_BATCHES = (16, 24, 32, 48, 64)   # 16: the 1-x-tile build against the rows16 kernel
 XA_SPLITS = (1, 2, 3, 4, 6, 8)
 
 

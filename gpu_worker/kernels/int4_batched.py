@@ -168,8 +168,8 @@ XA_CTAS = 2       # CTAs per SM its registers and shared memory are bounded for 
 
 def xa_tile(m: int, nt: int) -> tuple[int, int]:
     """(weight rows, x rows) of one gp_int4_mma_xa CTA: 8 warps of nt 8-row weight tiles, by
-    x in 16-row tiles (2 up to 32 rows, 3 up to 48, 4 above)."""
-    return MMA_WARPS * 8 * nt, 32 if m <= 32 else 48 if m <= 48 else 64
+    x in 16-row tiles (1 up to 16 rows, 2 up to 32, 3 up to 48, 4 above)."""
+    return MMA_WARPS * 8 * nt, 16 * ceil_div(max(m, 1), 16)
 
 
 def xa_shared_bytes(m: int, nt: int, stages: int = XA_STAGES) -> int:
@@ -203,12 +203,12 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
                        m: int, n: int, k: int, accumulate: bool = False, stream=None,
                        nt: int | None = None, split: int | None = None,
                        stages: int = XA_STAGES) -> None:
-    """int4_mma's contract and arguments on gp_int4_mma_xa, for 17 <= m <= 64 rows; `nt` and
+    """int4_mma's contract and arguments on gp_int4_mma_xa, for m <= 64 rows (mma_kernel routes
+    it from XA_MIN_ROWS; its 1-x-tile build serves 1..16 rows for the sweep); `nt` and
     `split` force the weight tile and the K split (default: xa_plan); `stages` is the
     GP_XA_STAGES `function` was built with (a tuning build of the benchmark)."""
     kernel = "int4_mma_xa"
     _require_linear(kernel, x, packed, scales, m, n, k)
-    require(m >= XA_MIN_ROWS or m == 0, f"{kernel}: m={m} rows < {XA_MIN_ROWS} (the rows kernels serve them)")
     if m == 0 or n == 0:
         return
     plan_nt, plan_split = xa_plan(m, n, k, sm_count(device))
@@ -305,7 +305,7 @@ def xk_shared_bytes(m: int, nt: int, wk: int, stages: int = XK_STAGES) -> int:
     """Dynamic shared memory of one gp_int4_mma_xk block: `stages` x (weights 64 B + scales 8 B
     per weight row, x 256 B per x row) per k-group, and at least the final sums' room: the
     block's M x BN sum, then a slot per warp the tree's first round stores."""
-    bn, xr = xk_rows(nt, wk), xa_tile(m, 2)[1]
+    bn, xr = xk_rows(nt, wk), xa_tile(max(m, XA_MIN_ROWS), 2)[1]
     final = xr * (bn + 4) + (MMA_WARPS // 2) * xr * (8 * nt + 4)
     return max(stages * (bn * 72 + xr * 256), 4 * final)
 

@@ -61,7 +61,7 @@ XA: list[Case] = [
 ] + [
     Case("int4_mma_xa", int4_mma_xa_case, {"m": m, "n": 1000 + m, "k": 4224, "nt": nt,
                                            "split": split, "accumulate": m % 2 == 1})
-    for m in (24, 40, 63) for nt in XA_NT for split in (1, 3, 8)
+    for m in (9, 16, 24, 40, 63) for nt in XA_NT for split in (1, 3, 8)
 ]
 # the rows kernels at the decode step's shapes (1, 2, 8 rows on gp_int4_mma_rows, 9 and 16 on
 # rows16), odd N (a partial last block) and K not a power of two
@@ -258,10 +258,11 @@ def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> 
         assert np.array_equal(first, firsts[0]), m
 
 
-def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_17_to_64(harness) -> None:
+def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_1_to_64(harness) -> None:
     """gp_int4_mma_xa's split depends on N and K only, its weight tile changes no summation
     order, and an mma output element sums only its own row's products, so a row's bits are the
-    same at every row count it serves (17..64), split or not."""
+    same at every row count it takes (1..64: mma_kernel routes it 17..64, the sweep times its
+    1-x-tile build against rows16), split or not."""
     from gpu_worker.kernels.common import sm_count
     from gpu_worker.kernels.int4_batched import INT4_MMA_XA, xa_plan
 
@@ -269,7 +270,7 @@ def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_17_to_64(h
         assert len({xa_plan(m, n, k, sm_count(harness.device))[1] for m in range(17, 65)}) == 1
         pk, sc, xd = _weights_and_x(harness, 13, n, k, 64)
         firsts = [_rows_result(harness, INT4_MMA_XA, pk, sc, xd, m, n, k)[0]
-                  for m in (17, 24, 32, 33, 48, 49, 64)]
+                  for m in (17, 1, 9, 16, 24, 32, 33, 48, 49, 64)]
         harness.close()
-        for m, first in zip((24, 32, 33, 48, 49, 64), firsts[1:]):
+        for m, first in zip((1, 9, 16, 24, 32, 33, 48, 49, 64), firsts[1:]):
             assert np.array_equal(first, firsts[0]), (n, m)

@@ -149,11 +149,14 @@ def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> No
     launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 40, 4096, 4096)
     assert xa_shared_bytes(24, 2) < calls[-1][2] == xa_shared_bytes(40, 2) < shared, \
         "33..48 rows: 48 rows of x staged (3 x tiles), not 64"
-    for bad, kw in (("split=9", {"split": 9}), ("nt=3", {"nt": 3}), ("m=16", {})):
+    launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 16, 4096, 4096)
+    assert calls[-1][2] == xa_shared_bytes(16, 2) < xa_shared_bytes(24, 2), \
+        "up to 16 rows: one x tile staged (the sweep's build against rows16)"
+    for bad, kw in (("split=9", {"split": 9}), ("nt=3", {"nt": 3}), ("m=65", {})):
         with pytest.raises(InvalidArgument, match=bad):
-            launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 16 if bad == "m=16" else 64,
+            launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 65 if bad == "m=65" else 64,
                                4096, 4096, **kw)
-    assert len(calls) == 3, "a refused launch launches nothing"
+    assert len(calls) == 4, "a refused launch launches nothing"
 
 
 def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_batch() -> None:

@@ -302,9 +302,9 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
 }
 
 // grid (S, ceil(N / BN), 1) in clusters of (S, 1, 1) (none when S = 1), 256 threads, dynamic
-// shared memory GP_XA_STAGES * GpXa::STAGE (int4_batched.xa_shared_bytes); MX = 2 x tiles of 16
-// rows up to 32 rows of x, 3 up to 48, 4 above (each x tile is 8 more mmas a k16 step: a batch
-// of 33..48 rows does not pay for 64); nt = NT 8-row weight tiles per warp (2 or 4).
+// shared memory GP_XA_STAGES * GpXa::STAGE (int4_batched.xa_shared_bytes); MX = 1 x tile of 16
+// rows up to 16 rows of x, 2 up to 32, 3 up to 48, 4 above (each x tile is 8 more mmas a k16
+// step: a batch of 33..48 rows does not pay for 64); nt = NT 8-row weight tiles per warp (2 or 4).
 #define GP_I4MMA_XA(MX_, NT_) \
     gp_i4mma_xa<MX_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xa_smem)
 extern "C" __global__ void __launch_bounds__(256, GP_XA_CTAS)
@@ -312,7 +312,9 @@ gp_int4_mma_xa(float* y, const unsigned short* __restrict__ x,
                const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
                const float* __restrict__ bias, int M, int N, int K, int accumulate, int nt) {
     extern __shared__ __align__(16) unsigned char gp_xa_smem[];
-    if (M <= 32) {
+    if (M <= 16) {   // 9..16 rows: measured against the rows16 kernel (int4_batched_bench --xa-sweep)
+        if (nt == 4) GP_I4MMA_XA(1, 4); else GP_I4MMA_XA(1, 2);
+    } else if (M <= 32) {
         if (nt == 4) GP_I4MMA_XA(2, 4); else GP_I4MMA_XA(2, 2);
     } else if (M <= 48) {
         if (nt == 4) GP_I4MMA_XA(3, 4); else GP_I4MMA_XA(3, 2);

@@ -147,7 +147,7 @@ def _int4_mma_xa(mem, grid, block, args) -> None:
     # the CUDA grid is (split, tiles of xa_tile rows): a short grid leaves rows unwritten
     assert grid[1] * xa_tile(m, nt)[0] >= n and nt in XA_NT and block[0] == 256, (grid, block, nt)
     assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
-    assert XA_MIN_ROWS <= m <= MMA_MAX_ROWS, m
+    assert 1 <= m <= MMA_MAX_ROWS, m
     _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
