@@ -145,22 +145,19 @@ MAX_SPLIT = 8          # CTAs per cluster splitting K (the portable cluster size
 
 def mma_kernel(m: int) -> str:
     """Which tensor-core kernel serves an m-row linear (a key of MMA_KERNELS): "rows"
-    (gp_int4_mma_rows) up to 8 rows, "rows16" up to 16, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS.
-    On the H200 (int4_batched_bench --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernels
-    beat the GEMV and gp_int4_mma at every 8b shape up to 16 rows, and gp_int4_mma_xa on its
-    plan beat every earlier kernel from 24 to 64 rows in the decode step's sum."""
-    if m <= 8:
-        return "rows"
-    if m <= ROWS_MAX_ROWS:
-        return "rows16"
-    return "xa"
+    (gp_int4_mma_rows) up to 8 rows, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS. On the H200
+    (int4_batched_bench --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernel beats the GEMV
+    and gp_int4_mma at every 8b shape up to 8 rows, and gp_int4_mma_xa on its plan beats every
+    other kernel from 9 to 64 rows in the decode step's sum (2.67 ms against rows16's 3.65 at
+    16 rows, 2026-12-05)."""
+    return "rows" if m < XA_MIN_ROWS else "xa"
 
 
 # gp_int4_mma_xa: the same contract with x as the mma's A operand (16 batch rows per mma, by
 # ldmatrix) and the weight as B (8 weight rows), so a dequantized weight register serves 16 rows
 # of x per mma instead of 8; weights, scales and x through an XA_STAGES-deep cp.async pipeline,
-# K split over a cluster where N is small. For 17..64 rows.
-XA_MIN_ROWS = 17
+# K split over a cluster where N is small. For 9..64 rows.
+XA_MIN_ROWS = 9
 XA_NT = (2, 4)    # 8-row weight tiles per warp built (a CTA: 8 warps, 64 NT weight rows)
 XA_STAGES = 3     # k-groups in the pipeline (GP_XA_STAGES)
 XA_CTAS = 2       # CTAs per SM its registers and shared memory are bounded for (GP_XA_CTAS)
@@ -204,7 +201,7 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
                        nt: int | None = None, split: int | None = None,
                        stages: int = XA_STAGES) -> None:
     """int4_mma's contract and arguments on gp_int4_mma_xa, for m <= 64 rows (mma_kernel routes
-    it from XA_MIN_ROWS; its 1-x-tile build serves 1..16 rows for the sweep); `nt` and
+    it from XA_MIN_ROWS; below that, for the sweep); `nt` and
     `split` force the weight tile and the K split (default: xa_plan); `stages` is the
     GP_XA_STAGES `function` was built with (a tuning build of the benchmark)."""
     kernel = "int4_mma_xa"
@@ -515,7 +512,7 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
                        launch_int4_wgmma)
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
-MMA_KERNELS = {"rows": INT4_MMA_ROWS, "rows16": INT4_MMA_ROWS16, "xa": INT4_MMA_XA}
+MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
 
 KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_ASYNC,
            INT4_MMA_ROWS16_ASYNC, INT4_MMA_XK4, INT4_MMA_XK8, INT4_WGMMA]

@@ -102,12 +102,12 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
 
 
 @pytest.mark.parametrize(("rows", "out_dim", "entry"), [
-    (40, 28672, "gp_int4_mma_xa"),       # 17..64 rows: x as the mma's A operand
+    (40, 28672, "gp_int4_mma_xa"),       # 9..64 rows: x as the mma's A operand
     (24, 28672, "gp_int4_mma_xa"),
     (40, 4096, "gp_int4_mma_xa"),        # K = 128: no split (a CTA keeps 2 k-groups)
     (17, 4096, "gp_int4_mma_xa"),
-    (16, 28672, "gp_int4_mma_rows16"),   # 9..16 rows: the rows kernel of two x tiles
-    (9, 4096, "gp_int4_mma_rows16"),
+    (16, 28672, "gp_int4_mma_xa"),       # 9..16 rows: one 16-row x tile
+    (9, 4096, "gp_int4_mma_xa"),
     (8, 6144, "gp_int4_mma_rows"),       # 1..8 rows: the rows kernel of one x tile
     (1, 128256, "gp_int4_mma_rows"),     # the batch-1 decode linear
 ])

@@ -93,14 +93,14 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
 
 def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_rows() -> None:
     """mma_kernel's rule (int4_batched_bench --rows-sweep and --xa-sweep, docs/kernels.md):
-    a rows kernel up to 16 rows, gp_int4_mma_xa from 17; and xa_plan at the H200's 132 SMs and
+    the rows kernel up to 8 rows, gp_int4_mma_xa from 9; and xa_plan at the H200's 132 SMs and
     Llama-3-8B shapes: gate/up unsplit on 224 CTAs of 128 weight rows, lm_head on 256-row CTAs,
     QKV split 4 and the 4096-row linears split 6 (192 CTAs: 0.7 of 2 CTA slots per SM)."""
     from gpu_worker.kernels.int4_batched import mma_kernel, xa_plan, xa_tile
 
     assert [mma_kernel(m) for m in (1, 8, 9, 16, 17, 33, 64)] == \
-        ["rows", "rows", "rows16", "rows16", "xa", "xa", "xa"]
-    for m in (17, 32, 33, 64):
+        ["rows", "rows", "xa", "xa", "xa", "xa", "xa"]
+    for m in (9, 16, 17, 32, 33, 64):
         assert xa_plan(m, 28672, 4096, 132) == (2, 1) and xa_tile(m, 2)[0] == 128
         assert xa_plan(m, 128256, 4096, 132) == ((4, 1) if m <= 32 else (2, 1))
         assert xa_plan(m, 6144, 4096, 132) == (2, 4)
@@ -151,7 +151,7 @@ def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> No
         "33..48 rows: 48 rows of x staged (3 x tiles), not 64"
     launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 16, 4096, 4096)
     assert calls[-1][2] == xa_shared_bytes(16, 2) < xa_shared_bytes(24, 2), \
-        "up to 16 rows: one x tile staged (the sweep's build against rows16)"
+        "up to 16 rows: one x tile staged"
     for bad, kw in (("split=9", {"split": 9}), ("nt=3", {"nt": 3}), ("m=65", {})):
         with pytest.raises(InvalidArgument, match=bad):
             launch_int4_mma_xa(Recorder(), None, 0, 0, 0, 0, 0, 65 if bad == "m=65" else 64,
