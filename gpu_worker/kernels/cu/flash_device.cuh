@@ -305,16 +305,16 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     }
 }
 
-// L2 prefetch of the K and V rows of keys [jb, jb + GP_FD_UNROLL) below j1, one lane per 128-byte
-// line of a row (sub % 8 == 0). A key past the row's length is not touched (nor its table entry).
-template <class KV>
+// L2 prefetch of the K and V rows (D halves each) of keys [jb, jb + GP_FD_UNROLL) below j1, by
+// the lane group's first lane. A key past the row's length is not touched (nor its table entry).
+template <int D, class KV>
 __device__ __forceinline__ void gp_fd_prefetch(const KV& k, const KV& v, int jb, int j1, int sub) {
-    if (sub % 8 != 0) return;
+    if (sub != 0) return;
 #pragma unroll
     for (int u = 0; u < GP_FD_UNROLL; ++u) {
         if (jb + u < j1) {
-            asm volatile("prefetch.global.L2 [%0];\n" :: "l"(k.row(jb + u) + sub * 8));
-            asm volatile("prefetch.global.L2 [%0];\n" :: "l"(v.row(jb + u) + sub * 8));
+            gp_prefetch_l2(k.row(jb + u), 2 * D);
+            gp_prefetch_l2(v.row(jb + u), 2 * D);
         }
     }
 }
@@ -356,11 +356,11 @@ __device__ __forceinline__ void gp_fd_split_block(
     const int jfirst = j0 + warp * KPW * GP_FD_UNROLL;
 #pragma unroll
     for (int p = 1; p < GP_FD_PREFETCH; ++p)
-        gp_fd_prefetch(k, v, jfirst + gw * GP_FD_UNROLL + p * STEP, j1, sub);
+        gp_fd_prefetch<D>(k, v, jfirst + gw * GP_FD_UNROLL + p * STEP, j1, sub);
     for (int jw = jfirst; jw < j1; jw += STEP) {
         uint4 kr[GP_FD_UNROLL], vr[GP_FD_UNROLL];
         const int jb = jw + gw * GP_FD_UNROLL;
-        if (GP_FD_PREFETCH > 0) gp_fd_prefetch(k, v, jb + GP_FD_PREFETCH * STEP, j1, sub);
+        if (GP_FD_PREFETCH > 0) gp_fd_prefetch<D>(k, v, jb + GP_FD_PREFETCH * STEP, j1, sub);
 #pragma unroll
         for (int u = 0; u < GP_FD_UNROLL; ++u) {
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
