@@ -12,16 +12,12 @@ as such).
    run, the span the old rule gave (the split count from the maximum context and the batch).
 2. the span swept (128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
-4. with `--prefetch-sweep`: every GP_FD_PREFETCH build (paged_attention.decode_split_build) at the
-   default span, batch 1/8/32/64 x ctx 1024/8192; each build's output must be the library
-   build's bit for bit (a prefetch moves no result), or the run stops.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at ctx 8192 the default span reads the KV
 at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. Every other row is
 a recorded figure without a target.
 
-    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--prefetch-sweep]
-        [--json OUT.json] [--record [DIR]]
+    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -40,10 +36,8 @@ from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.paged_attention import (
-    DECODE_PREFETCH,
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
-    decode_split_build,
     launch_flash_decode_paged,
     paged_decode_span,
     paged_decode_splits,
@@ -54,7 +48,6 @@ from gpu_worker.kernels.selfcheck import KernelHarness
 HEADS, KVH, HD, BT, TABLE = 32, 8, 128, 16, 8192
 GiB = 1 << 30
 WORKING_SET = 256 << 20
-PREFETCH_BUILDS = (0, 1, 2, 3, 4)
 
 
 def old_span(batch: int, max_len: int = TABLE) -> int:
@@ -98,10 +91,8 @@ class Bench:
         h.close()
         return 2 * nbytes / t
 
-    def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
-               split=FLASH_DECODE_SPLIT_PAGED) -> tuple[float, int, np.ndarray]:
-        """(seconds per decode, KV bytes read per decode, the last launch's fp16 output) on the
-        `split` build of the split kernel."""
+    def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE) -> tuple[float, int]:
+        """(seconds per decode, KV bytes read per decode)."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
         used = -(-ctx // BT)
@@ -120,7 +111,7 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fs, fc = h.function(split), h.function(FLASH_COMBINE_PAGED)
+        fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
@@ -128,16 +119,13 @@ class Bench:
                 max_blocks, span=span, stream=s)
 
         t = self._time([one(i) for i in range(layers)])
-        result = h.get(out, (batch * HEADS * HD,), np.uint16)
         h.close()
-        return t, kv_bytes, result
+        return t, kv_bytes
 
 
 def parse_args(argv: list[str] | None = None):
     ap = kernel_bench_parser(__doc__)
     ap.add_argument("--json", default="")
-    ap.add_argument("--prefetch-sweep", action="store_true",
-                    help="time every GP_FD_PREFETCH build (PREFETCH_BUILDS) at the default span")
     add_record_flag(ap)
     return ap.parse_args(argv)
 
@@ -163,12 +151,6 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in old:
             targets.figure(f"{name}: span rule / old rule time", r["us"] / old[batch, ctx]["us"],
                            "ratio")
-    base = {(r["batch"], r["ctx"]): r for r in rows
-            if r["section"] == "prefetch" and r["prefetch"] == 0}
-    for (batch, ctx), r in sorted(new.items()):
-        if (batch, ctx) in base:
-            targets.figure(f"{decode_name(batch, ctx)}: prefetch {DECODE_PREFETCH} / no prefetch "
-                           "time", r["us"] / base[batch, ctx]["us"], "ratio")
     empty = [r for r in rows if r["section"] == "empty"]
     if len(empty) == 2:
         full, tight = empty
@@ -195,23 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"d2d copy 1 GiB (read + write): graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s "
               f"(no torch limits: this is the limit)")
 
-    outputs: dict[tuple[int, int], np.ndarray] = {}
-
-    def row(section, batch, ctx, sp, table=TABLE, prefetch=DECODE_PREFETCH) -> dict:
-        t, nbytes, out = b.decode(batch, ctx, sp, table, decode_split_build(prefetch))
+    def row(section, batch, ctx, sp, table=TABLE) -> dict:
+        t, nbytes = b.decode(batch, ctx, sp, table)
         r = {"section": section, "batch": batch, "ctx": ctx, "span": sp, "table": table,
-             "prefetch": prefetch, "us": t * 1e6, "GBps": nbytes / t / 1e9,
-             "of_copy": nbytes / t / copy}
+             "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy}
         rows.append(r)
-        print(f"{section:>8} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5} prefetch "
-              f"{prefetch}: {r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy",
-              flush=True)
-        if section in ("new", "prefetch"):
-            ref = outputs.setdefault((batch, ctx), out)
-            if not np.array_equal(ref, out):
-                raise SystemExit(f"prefetch {prefetch} at batch {batch}, ctx {ctx}: output differs "
-                                 f"from the library build's ({DECODE_PREFETCH}): a prefetch must "
-                                 "not move a result")
+        print(f"{section:>6} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5}: "
+              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy", flush=True)
         return r
 
     print("\n[1] the default span (paged_decode_span) vs the old rule's span")
@@ -234,14 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     full = row("empty", 64, 1024, span, TABLE)
     tight = row("empty", 64, 1024, span, 1024)
     print(f"{'':>6} cost of the empty blocks: {full['us'] - tight['us']:.1f} us per decode")
-    if args.prefetch_sweep:
-        print(f"\n[4] L2 prefetch steps ahead (GP_FD_PREFETCH; library: {DECODE_PREFETCH})")
-        for batch in (1, 8, 32, 64):
-            span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
-            for ctx in (1024, 8192):
-                for pf in PREFETCH_BUILDS:
-                    if pf != DECODE_PREFETCH:
-                        row("prefetch", batch, ctx, span, prefetch=pf)
     record_rows(targets, rows, copy / 1e9)
     if args.json:
         Path(args.json).write_text(json.dumps(

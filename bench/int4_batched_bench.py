@@ -67,7 +67,10 @@ from gpu_worker.kernels.int4_batched import (
     MMA_K_ALIGN,
     MMA_KERNELS,
     MT_CHOICES,
+    ROW16_CTAS,
     ROW_ASYNC_BUILDS,
+    ROW_CTAS,
+    ROW_DEPTH,
     WGMMA_STAGES,
     XA_CTAS,
     XA_NT,
@@ -80,7 +83,6 @@ from gpu_worker.kernels.int4_batched import (
     mma_tiles,
     row_warps,
     rows_async_build,
-    rows_build,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -148,18 +150,23 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 
 
 ROWS_SWEEP_BATCHES = (1, 8, 16)
-# depth, ctas, rows16 ctas, warps of a long-K block (K over 8 warps is gp_int4_mma's split),
-# L2 prefetch of a warp's K slice (GP_ROW_PREFETCH)
-ROWS_BUILDS = ((2, 4, 3, 8, 0), (2, 4, 4, 8, 0), (2, 4, 4, 16, 0), (3, 4, 4, 16, 0),
-               (2, 3, 3, 16, 0), (2, 4, 4, 16, 1), (2, 3, 3, 16, 1), (3, 4, 4, 16, 1))
+# depth, ctas, rows16 ctas, warps of a long-K block (K over 8 warps is gp_int4_mma's split)
+ROWS_BUILDS = ((2, 4, 3, 8), (2, 4, 4, 8), (2, 4, 4, 16), (3, 4, 4, 16), (2, 3, 3, 16))
 
 
-def build_name(build) -> str:
-    """A rows-sweep build as printed and recorded: depth/ctas/ctas16/warps, "/pf" with the L2
-    prefetch; an async build as async/stages/ctas."""
-    if build[0] == "async":
-        return "/".join(map(str, build))
-    return "/".join(map(str, build[:4])) + ("/pf" if build[4] else "")
+def rows_kernels(depth: int, ctas: int, ctas16: int):
+    """(gp_int4_mma_rows, gp_int4_mma_rows16) built with `depth` k-groups in flight per warp
+    (GP_ROW_DEPTH) and registers bounded for `ctas` / `ctas16` blocks per SM (GP_ROW_CTAS,
+    GP_ROW16_CTAS); the library's build is (ROW_DEPTH, ROW_CTAS, ROW16_CTAS)."""
+    if (depth, ctas, ctas16) == (ROW_DEPTH, ROW_CTAS, ROW16_CTAS):
+        return INT4_MMA_ROWS, INT4_MMA_ROWS16
+    source = dataclasses.replace(
+        INT4_MMA_ROWS.source,
+        module_name=f"{INT4_MMA_ROWS.source.module_name}_rows{depth}_{ctas}_{ctas16}",
+        options=(*INT4_MMA_ROWS.source.options, f"-DGP_ROW_DEPTH={depth}",
+                 f"-DGP_ROW_CTAS={ctas}", f"-DGP_ROW16_CTAS={ctas16}"))
+    return (dataclasses.replace(INT4_MMA_ROWS, source=source),
+            dataclasses.replace(INT4_MMA_ROWS16, source=source))
 
 
 def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
@@ -176,7 +183,7 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
         out[b, None] = ours(dev, _launcher(dev, h.function(INT4_MMA), weights, x, y, b, n, k,
                                            False), reps, trials)
         for build in ROWS_BUILDS:
-            kdef = rows_build(*build[:3], build[4])[0 if b <= 8 else 1]
+            kdef = rows_kernels(*build[:3])[0 if b <= 8 else 1]
             warps = build[3] if row_warps(k) != 8 else 8
             kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k, warps=warps)
             got = h.get(y, (b, n))
@@ -204,9 +211,9 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
 
 def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
     builds = [*ROWS_BUILDS, *(("async", s, c) for s, c in ROW_ASYNC_BUILDS)]
-    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps[/pf: L2 prefetch]; async/stages/"
+    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps; async/stages/"
           f"ctas: gp_int4_mma_rows(16)_async; mma = gp_int4_mma):    mma "
-          + " ".join(f"{build_name(b):>11}" for b in builds))
+          + " ".join(f"{'/'.join(map(str, b)):>11}" for b in builds))
     for b in ROWS_SWEEP_BATCHES:
         print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
               + " ".join(f"{times[b, build] * 1e6:11.1f}" for build in builds), flush=True)
@@ -535,16 +542,16 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
     if args.rows_sweep:
-        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps[/pf]; "
+        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps; "
               "async/stages/ctas; mma = gp_int4_mma), ms:")
         for b in ROWS_SWEEP_BATCHES:
             print(f"  batch {b:3d}: " + "  ".join(
-                f"{'mma' if build is None else build_name(build)} {t * 1e3:.3f}"
+                f"{'mma' if build is None else '/'.join(map(str, build))} {t * 1e3:.3f}"
                 for (bb, build), t in step_rows.items() if bb == b))
             for (bb, build), t in step_rows.items():
                 if bb == b and build is not None:
                     targets.figure(f"decode step int4 linears, {b} rows, rows build "
-                                   f"{build_name(build)}", t * 1e3, "ms")
+                                   f"{'/'.join(map(str, build))}", t * 1e3, "ms")
     if args.wgmma:
         print("decode step's linears on gp_int4_wgmma, and on the faster of it and the default "
               "per shape, ms:")

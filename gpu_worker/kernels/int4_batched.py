@@ -127,7 +127,6 @@ INT4_MMA = KernelDef("int4_mma", "gp_int4_mma", SOURCE, reference.int4_matmul, l
 # gp_int4_mma_rows / rows16 (below): up to 8 / 16 rows, registers bounded per entry.
 ROWS_MAX_ROWS = 16     # up to: the rows kernels (gp_int4_mma_rows: 8 rows, rows16: 16)
 ROW_DEPTH = 2          # k-groups in flight per warp (GP_ROW_DEPTH in the source)
-ROW_PREFETCH = 0       # 1: a warp prefetches the rest of its K slice into L2 (GP_ROW_PREFETCH)
 ROW_CTAS = 4           # blocks per SM the 8-row entry's registers are bounded for (GP_ROW_CTAS)
 ROW16_CTAS = 4         # and the 16-row entry's (GP_ROW16_CTAS)
 ROW_LONG_K_GROUPS = 64  # from this many k-groups of 128 (K 8192) a rows block runs ROW_LONG_K_WARPS
@@ -282,25 +281,6 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
                           launch_int4_mma_rows)
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
-
-def rows_build(depth: int, ctas: int, ctas16: int, prefetch: int = ROW_PREFETCH
-               ) -> tuple[KernelDef, KernelDef]:
-    """(gp_int4_mma_rows, gp_int4_mma_rows16) built with `depth` k-groups in flight per warp
-    (GP_ROW_DEPTH), registers bounded for `ctas` / `ctas16` blocks per SM (GP_ROW_CTAS,
-    GP_ROW16_CTAS) and the L2 prefetch of a warp's K slice on or off (GP_ROW_PREFETCH); the
-    library's build is (ROW_DEPTH, ROW_CTAS, ROW16_CTAS, ROW_PREFETCH). No build moves a bit."""
-    require(1 <= depth <= 8 and 1 <= ctas <= 8 and 1 <= ctas16 <= 8 and prefetch in (0, 1),
-            f"int4_mma_rows: depth={depth} (1..8), ctas={ctas}, ctas16={ctas16} (1..8), "
-            f"prefetch={prefetch} (0 or 1)")
-    if (depth, ctas, ctas16, prefetch) == (ROW_DEPTH, ROW_CTAS, ROW16_CTAS, ROW_PREFETCH):
-        return INT4_MMA_ROWS, INT4_MMA_ROWS16
-    source = dataclasses.replace(
-        SOURCE, module_name=f"{SOURCE.module_name}_rows{depth}_{ctas}_{ctas16}_{prefetch}",
-        options=(*SOURCE.options, f"-DGP_ROW_DEPTH={depth}", f"-DGP_ROW_CTAS={ctas}",
-                 f"-DGP_ROW16_CTAS={ctas16}", f"-DGP_ROW_PREFETCH={prefetch}"))
-    return (dataclasses.replace(INT4_MMA_ROWS, source=source),
-            dataclasses.replace(INT4_MMA_ROWS16, source=source))
-
 
 # gp_int4_mma_xk4 / xk8: gp_int4_mma_xa's operands with a block's 8 warps as WN = 8 / wk groups over
 # the weight rows by wk over each k-group's k16 steps, so x is read from shared memory WN times

@@ -25,7 +25,6 @@ A row with no key (a padding row) comes out zero. What the empty blocks of short
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from gpu_worker.device.backend import f32, i32, ptr
@@ -60,7 +59,6 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
 MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives each split a thread
-DECODE_PREFETCH = 2        # loop steps ahead a split block prefetches K/V into L2 (GP_FD_PREFETCH)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
@@ -231,19 +229,5 @@ FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged",
                                 flash_decode_paged_combine, launch_flash_combine_paged)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
-
-
-
-def decode_split_build(prefetch: int) -> KernelDef:
-    """gp_flash_decode_split_paged built with GP_FD_PREFETCH = `prefetch` loop steps of L2
-    prefetch (0: none); the library's build is DECODE_PREFETCH. A prefetch moves no result:
-    every build writes the same bits (decode_attention_bench --prefetch-sweep times them)."""
-    require(0 <= prefetch <= 8, f"flash_decode_split_paged: prefetch={prefetch} must be in 0..8")
-    if prefetch == DECODE_PREFETCH:
-        return FLASH_DECODE_SPLIT_PAGED
-    source = dataclasses.replace(SOURCE, module_name=f"{SOURCE.module_name}_pf{prefetch}",
-                                 options=(*SOURCE.options, f"-DGP_FD_PREFETCH={prefetch}"))
-    return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED, source=source)
-
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED, FLASH_PREFILL_PAGED]

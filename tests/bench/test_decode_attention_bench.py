@@ -62,14 +62,3 @@ def test_old_rule_ratio_and_empty_block_cost_are_recorded_and_the_sweep_is_not(t
     empty = lines[f"empty blocks: batch 64, 1024 keys, table {dab.TABLE} - table 1024"]
     assert abs(empty["value"] - 0.4) < 1e-9 and empty["unit"] == "us"
     assert len(lines) == 4, f"the span sweep is printed, not recorded: {sorted(lines)}"
-
-
-def test_the_prefetch_sweep_records_the_library_build_over_no_prefetch(tmp_path):
-    rows = [row("new", 1, DECODE_ATTENTION_CTX, 15.0, 0.53),
-            {**row("prefetch", 1, DECODE_ATTENTION_CTX, 20.0, 0.4), "prefetch": 0},
-            {**row("prefetch", 1, DECODE_ATTENTION_CTX, 16.0, 0.5), "prefetch": 1}]
-    _, lines = recorded(tmp_path, rows)
-    ratio = lines[f"paged decode batch 1, {DECODE_ATTENTION_CTX} keys: prefetch "
-                  f"{dab.DECODE_PREFETCH} / no prefetch time"]
-    assert abs(ratio["value"] - 0.75) < 1e-9 and ratio["unit"] == "ratio"
-    assert not any("prefetch 1" in m for m in lines), "other builds are printed, not recorded"

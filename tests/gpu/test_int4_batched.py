@@ -245,24 +245,6 @@ def test_the_async_rows_kernels_give_the_rows_kernels_bits_on_any_grid_and_build
     harness.close()
 
 
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1009, 4224)])
-def test_the_l2_prefetch_builds_of_the_rows_kernels_move_no_bit(harness, n, k) -> None:
-    """GP_ROW_PREFETCH only hints L2 (each warp's K slice, weights and scales, the scales'
-    range widened to 16 bytes and cut at the last row's): at 1..16 rows, an odd N (the last
-    block's rows past N) and an odd K slice, every prefetch build gives the library's bits."""
-    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, rows_build
-
-    pk, sc, xd = _weights_and_x(harness, 19, n, k, 16)
-    for m in (1, 8, 9, 16):
-        want = _rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m,
-                            n, k)
-        for depth, ctas, ctas16 in ((2, 4, 4), (3, 4, 4), (2, 3, 3)):
-            kdef = rows_build(depth, ctas, ctas16, 1)[0 if m <= 8 else 1]
-            got = _rows_result(harness, kdef, pk, sc, xd, m, n, k)
-            assert np.array_equal(got, want), (m, depth, ctas, np.abs(got - want).max())
-    harness.close()
-
-
 def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:
     """gp_int4_wgmma always multiplies 64 rows of x (zeros past M) over the whole K in one
     warpgroup, so a row's result is the same bits at any row count."""

@@ -116,18 +116,6 @@ def test_cuda_paged_kernel_at_model_shapes_matches_its_numpy_reference(harness, 
     _check(harness, case)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 4])
-def test_a_decode_splits_l2_prefetch_moves_no_result(harness, prefetch) -> None:
-    """Every GP_FD_PREFETCH build (decode_split_build) writes the library build's bits: the
-    output and every split's partial state, at rows of 1..8192 keys in an 8192-token table."""
-    params = {**LLAMA, "positions": _B8, **_T8K, "capacity": 1024}
-    lib = paged_decode_case(harness, np.random.default_rng(7), **params)
-    build = paged_decode_case(harness, np.random.default_rng(7), **params, prefetch=prefetch)
-    assert lib.failure() is None and build.failure() is None
-    assert np.array_equal(lib.got, build.got, equal_nan=True), \
-        f"prefetch {prefetch}: a prefetch moved a result"
-
-
 def test_a_rows_sampled_token_does_not_depend_on_the_batch_it_shares(harness) -> None:
     """Row (logits, seed, position) sampled alone, then inside two different batches at other
     indices: the same token every time."""

@@ -57,23 +57,6 @@ def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(
         assert used <= budget, f"{entry} uses {used} registers > {budget}"
 
 
-@pytest.mark.parametrize("prefetch", [0, 4])
-def test_every_prefetch_build_of_the_decode_split_compiles_without_spills(prefetch) -> None:
-    """decode_split_build: its own module (its own cache key) with GP_FD_PREFETCH set, within the
-    decode's 128 registers; the library's depth is the library's def; depths past 8 refused."""
-    build = pa.decode_split_build(prefetch)
-    assert build.source.module_name != pa.SOURCE.module_name
-    assert f"-DGP_FD_PREFETCH={prefetch}" in build.source.options
-    assert pa.decode_split_build(pa.DECODE_PREFETCH) is pa.FLASH_DECODE_SPLIT_PAGED
-    with pytest.raises(InvalidArgument, match="prefetch=9"):
-        pa.decode_split_build(9)
-    log = _log(build.source)
-    section = log.split("Compiling entry function 'gp_flash_decode_split_paged'")[1]
-    section = section.split("Compile time")[0]
-    assert "0 bytes spill stores, 0 bytes spill loads" in section, section
-    assert int(re.search(r"Used (\d+) registers", section).group(1)) <= 128
-
-
 def test_sampler_compiles_without_spills() -> None:
     log = _log(sampling.SOURCE)
     section = log.split("Compiling entry function 'gp_sample'")[1].split("Compile time")[0]

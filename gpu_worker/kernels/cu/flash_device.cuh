@@ -10,12 +10,6 @@
 #define GP_FD_HPB 4
 #define GP_FD_UNROLL 4
 #define GP_FD_THREADS 128
-// Loop steps ahead whose K and V rows the decode split block prefetches into L2 (0: none).
-// Without it a split is a chain of dependent HBM round trips, one per step of
-// GP_FD_THREADS / (D / 8) * GP_FD_UNROLL keys (4 at a span of 128): at batch 1 the whole kernel.
-#ifndef GP_FD_PREFETCH
-#define GP_FD_PREFETCH 2
-#endif
 // the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
 // largest at head_dim 16 (64 groups)
 #define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
@@ -305,20 +299,6 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     }
 }
 
-// L2 prefetch of the K and V rows (D halves each) of keys [jb, jb + GP_FD_UNROLL) below j1, by
-// the lane group's first lane. A key past the row's length is not touched (nor its table entry).
-template <int D, class KV>
-__device__ __forceinline__ void gp_fd_prefetch(const KV& k, const KV& v, int jb, int j1, int sub) {
-    if (sub != 0) return;
-#pragma unroll
-    for (int u = 0; u < GP_FD_UNROLL; ++u) {
-        if (jb + u < j1) {
-            gp_prefetch_l2(k.row(jb + u), 2 * D);
-            gp_prefetch_l2(v.row(jb + u), 2 * D);
-        }
-    }
-}
-
 // One split of one KV head for up to GP_FD_HPB of its query heads. A lane group of D/8 lanes
 // owns a key (a lane: 8 dims, one 16-byte load of K and of V per key).
 template <int D, class KV>
@@ -351,16 +331,9 @@ __device__ __forceinline__ void gp_fd_split_block(
         l[i] = 0.f;
     }
     // The loop bound depends on the warp only: every lane of a warp runs every step (shuffles).
-    // Steps 1..GP_FD_PREFETCH - 1 are prefetched here, step s + GP_FD_PREFETCH at step s: the
-    // HBM reads of a split overlap, and the loads of a step find their rows in L2.
-    const int jfirst = j0 + warp * KPW * GP_FD_UNROLL;
-#pragma unroll
-    for (int p = 1; p < GP_FD_PREFETCH; ++p)
-        gp_fd_prefetch<D>(k, v, jfirst + gw * GP_FD_UNROLL + p * STEP, j1, sub);
-    for (int jw = jfirst; jw < j1; jw += STEP) {
+    for (int jw = j0 + warp * KPW * GP_FD_UNROLL; jw < j1; jw += STEP) {
         uint4 kr[GP_FD_UNROLL], vr[GP_FD_UNROLL];
         const int jb = jw + gw * GP_FD_UNROLL;
-        if (GP_FD_PREFETCH > 0) gp_fd_prefetch<D>(k, v, jb + GP_FD_PREFETCH * STEP, j1, sub);
 #pragma unroll
         for (int u = 0; u < GP_FD_UNROLL; ++u) {
             kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);

@@ -95,16 +95,6 @@ __device__ __forceinline__ void gp_cp_commit() { asm volatile("cp.async.commit_g
 template <int N_>
 __device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory"); }
 
-// Bring `bytes` (a multiple of 16) of global memory at 16-byte aligned `src` into L2: a hint with
-// no register written and nothing to wait for (sm_90: cp.async.bulk.prefetch; nothing below). One
-// instruction for a whole range, where a per-line prefetch may fetch only the 32-byte sector.
-__device__ __forceinline__ void gp_prefetch_l2(const void* src, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n"
-                 :: "l"(__cvta_generic_to_global(src)), "r"(bytes) : "memory");
-#endif
-}
-
 // ---- Programmatic dependent launch (sm_90) ----------------------------------------------------
 // Hazard: a kernel launched with Device.launch(..., pdl=True) may start while the kernel before it
 // on the stream is still running. Contract: before gp_pdl_wait() such a kernel touches only what

@@ -215,12 +215,6 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
 #ifndef GP_ROW16_CTAS
 #define GP_ROW16_CTAS 4
 #endif
-// 1: before its ring's first loads, a warp prefetches the rest of its K slice (weights and
-// scales, one range a weight row) into L2, so every weight byte of the slice is in flight at
-// once, not GP_ROW_DEPTH k-groups; the loads of the loop find their bytes in L2. Bits unchanged.
-#ifndef GP_ROW_PREFETCH
-#define GP_ROW_PREFETCH 0
-#endif
 #define GP_ROW_MAX_WARPS 16
 // registers a thread for `ctas` blocks of 256 threads per SM, in the allocation's steps of 8
 #define GP_ROW_REGS(ctas) ((65536 / (256 * (ctas))) & ~7)
@@ -302,21 +296,6 @@ struct GpRowLane {
     }
 };
 
-// L2 prefetch of weight row r's k-groups [ga, gb): its packed bytes (64 a k-group, 16-byte
-// aligned) and its scales (8 a k-group, the range widened to 16-byte bounds, never past the
-// scales of row N - 1).
-__device__ __forceinline__ void gp_row_prefetch(const unsigned char* __restrict__ packed,
-                                                const unsigned short* __restrict__ sc, int r,
-                                                int ga, int gb, int N, int K) {
-    const unsigned long long row = (unsigned long long)r * (unsigned)(K >> 1);
-    gp_prefetch_l2(packed + row + 64ull * ga, 64u * (gb - ga));
-    const unsigned long long end_all = ((unsigned long long)N * (unsigned)(K >> 4)) & ~15ull;
-    const unsigned long long s0 = (row / 8 + 8ull * ga) & ~15ull;
-    const unsigned long long s1 = min((row / 8 + 8ull * gb + 15) & ~15ull, end_all);
-    if (s1 > s0)
-        gp_prefetch_l2(reinterpret_cast<const unsigned char*>(sc) + s0, (unsigned)(s1 - s0));
-}
-
 // grid (ceil(N / 16)), 8 or 16 warps (blockDim), M <= 8 NT, K a multiple of 128
 // (int4_batched.launch_int4_mma_rows).
 template <int NT>
@@ -335,8 +314,6 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    if (GP_ROW_PREFETCH && lane < 16 && row0 + lane < N && g0 + GP_ROW_DEPTH < g1)
-        gp_row_prefetch(packed, sc, row0 + lane, g0 + GP_ROW_DEPTH, g1, N, K);
     GpRowSlot ring[GP_ROW_DEPTH];
 #pragma unroll
     for (int d = 0; d < GP_ROW_DEPTH; ++d)

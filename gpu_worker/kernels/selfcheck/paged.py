@@ -16,7 +16,6 @@ from gpu_worker.kernels.paged_attention import (
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
-    decode_split_build,
     launch_flash_decode_paged,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
@@ -70,14 +69,13 @@ def kv_append_paged_case(h: KernelHarness, rng, positions, table_rows, layers=2,
 
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
-                      span=None, replay_positions=None, prefetch=None) -> Outcome:
+                      span=None, replay_positions=None) -> Outcome:
     """Split-K paged decode (split kernel + combine), split by each row's actual length, for a
     batch at per-row positions (-1 rows must come out zero). The workspace starts as NaN and is
     compared too: the slot of every split that holds a key must carry its partial state, every
     other slot must still be NaN (a block past its row's length wrote nothing) and the output
     shows the combine read no such slot. With `replay_positions`, the launches are captured once
-    and replayed after each change of the device positions (the graph must not bake them).
-    `prefetch`: the split kernel's GP_FD_PREFETCH build (default: the library's)."""
+    and replayed after each change of the device positions (the graph must not bake them)."""
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
@@ -95,8 +93,7 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     pos = h.put(steps[0])
     qp, pp, tp = h.put(q), h.put(pool), h.put(table)
     dev = h.device
-    split = FLASH_DECODE_SPLIT_PAGED if prefetch is None else decode_split_build(prefetch)
-    fs, fc = h.function(split), h.function(FLASH_COMBINE_PAGED)
+    fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
     def launch(stream=None) -> None:
         launch_flash_decode_paged(dev, fs, fc, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
