@@ -102,10 +102,10 @@ PLAN: tuple[Run, ...] = (
     Run("kernels_bench", "kernels_bench.py", ("--reps", "10", "--samples", "5"), 100,
         ("--reps", "10", "--samples", "3", "--linear-only"), 50),
     Run("int4_batched_bench", "int4_batched_bench.py",
-        ("--reps", "10", "--trials", "5", "--rows-sweep", "--xk"), 190,
-        ("--reps", "10", "--trials", "3", "--rows-sweep", "--xk"), 130,
+        ("--reps", "10", "--trials", "5", "--rows-sweep", "--xk"), 90,
+        ("--reps", "10", "--trials", "3", "--rows-sweep", "--xk"), 70,
         "with --rows-sweep and --xk: the async rows kernels' builds against the rows kernels, "
-        "the K-over-warps kernels against xa (a guess: 100 s without them)"),
+        "the K-over-warps kernels against xa (57 s with --xa-sweep too on the H200, 2026-12-05)"),
     Run("paged_attention_bench", "paged_attention_bench.py", ("--reps", "10", "--trials", "5"),
         70, ("--reps", "10", "--trials", "3"), 45),
     Run("attention_bench", "attention_bench.py", ("--reps", "20", "--trials", "7"), 90,
