@@ -10,14 +10,19 @@ as such).
 
 1. batch 1/8/32/64 x ctx 1024/8192 at the default span (paged_decode_span of the batch) and, same
    run, the span the old rule gave (the split count from the maximum context and the batch).
-2. the span swept (128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
+2. the span swept (64/128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
+4. with `--cuda-core`: the lane-group split block (paged_attention.decode_split_build(False), the
+   library's before the tensor-core block) at the default span, same rows as [1]; its time over
+   the library's is recorded, and its output must agree with the library's within the kernels'
+   tolerance or the run stops.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at ctx 8192 the default span reads the KV
 at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. Every other row is
 a recorded figure without a target.
 
-    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--json OUT.json] [--record [DIR]]
+    python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--cuda-core] [--no-sweep]
+        [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -37,13 +42,14 @@ from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
-    FLASH_DECODE_SPLIT_PAGED,
+    decode_split_build,
     launch_flash_decode_paged,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
 )
 from gpu_worker.kernels.selfcheck import KernelHarness
+from gpu_worker.kernels.selfcheck.flash import ATOL, RTOL
 
 HEADS, KVH, HD, BT, TABLE = 32, 8, 128, 16, 8192
 GiB = 1 << 30
@@ -91,8 +97,9 @@ class Bench:
         h.close()
         return 2 * nbytes / t
 
-    def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE) -> tuple[float, int]:
-        """(seconds per decode, KV bytes read per decode)."""
+    def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
+               mma: bool = True) -> tuple[float, int, np.ndarray]:
+        """(seconds per decode, KV bytes read per decode, the last decode's output)."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
         used = -(-ctx // BT)
@@ -111,7 +118,7 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
+        fs, fc = h.function(decode_split_build(mma)), h.function(FLASH_COMBINE_PAGED)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
@@ -119,13 +126,17 @@ class Bench:
                 max_blocks, span=span, stream=s)
 
         t = self._time([one(i) for i in range(layers)])
+        got = h.get(out, (batch * HEADS * HD,), np.float16)
         h.close()
-        return t, kv_bytes
+        return t, kv_bytes, got
 
 
 def parse_args(argv: list[str] | None = None):
     ap = kernel_bench_parser(__doc__)
     ap.add_argument("--json", default="")
+    ap.add_argument("--cuda-core", action="store_true",
+                    help="also time the lane-group split block (section [4])")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the span sweep (section [2])")
     add_record_flag(ap)
     return ap.parse_args(argv)
 
@@ -140,6 +151,7 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
     the empty blocks' cost; the span sweep stays printed only (a shape study, not a figure)."""
     new = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "new"}
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
+    lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
         targets.figure(f"{name}: time", r["us"], "us")
@@ -151,6 +163,9 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in old:
             targets.figure(f"{name}: span rule / old rule time", r["us"] / old[batch, ctx]["us"],
                            "ratio")
+        if (batch, ctx) in lanes:
+            targets.figure(f"{name}: lane-group block / tensor-core block time",
+                           lanes[batch, ctx]["us"] / r["us"], "ratio")
     empty = [r for r in rows if r["section"] == "empty"]
     if len(empty) == 2:
         full, tight = empty
@@ -177,8 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"d2d copy 1 GiB (read + write): graph of cuMemcpyAsync {memcpy / 1e9:.0f} GB/s "
               f"(no torch limits: this is the limit)")
 
-    def row(section, batch, ctx, sp, table=TABLE) -> dict:
-        t, nbytes = b.decode(batch, ctx, sp, table)
+    outputs: dict[tuple[int, int], np.ndarray] = {}
+
+    def row(section, batch, ctx, sp, table=TABLE, mma=True) -> dict:
+        t, nbytes, got = b.decode(batch, ctx, sp, table, mma)
+        if section == "new":
+            outputs[batch, ctx] = got.astype(np.float32)
+        elif section == "lanes":
+            want = outputs[batch, ctx]
+            err = np.abs(got.astype(np.float32) - want)
+            if not np.all(err <= ATOL + RTOL * np.abs(want)):
+                raise SystemExit(f"lane-group block at batch {batch}, ctx {ctx}: output differs "
+                                 f"from the tensor-core block's by up to {err.max():.3g}")
         r = {"section": section, "batch": batch, "ctx": ctx, "span": sp, "table": table,
              "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy}
         rows.append(r)
@@ -195,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 old = row("old", batch, ctx, old_span(batch))
                 print(f"{'':>6} new/old time {new['us'] / old['us']:.2f}")
     print("\n[2] span sweep")
-    for batch in (1, 8, 32, 64):
+    for batch in () if args.no_sweep else (1, 8, 32, 64):
         span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
         for ctx in (1024, 8192):
-            for sp in (128, 256, 512, 1024):
+            for sp in (64, 128, 256, 512, 1024):
                 if sp != span:
                     row("span", batch, ctx, sp)
     print("\n[3] empty blocks: batch 64, ctx 1024, table 8192 vs 1024")
@@ -206,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     full = row("empty", 64, 1024, span, TABLE)
     tight = row("empty", 64, 1024, span, 1024)
     print(f"{'':>6} cost of the empty blocks: {full['us'] - tight['us']:.1f} us per decode")
+    if args.cuda_core:
+        print("\n[4] the lane-group split block (GP_FD_MMA=0) at the default span")
+        for batch in (1, 8, 32, 64):
+            span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
+            for ctx in (1024, 8192):
+                lane_row = row("lanes", batch, ctx, span, mma=False)
+                new = next(r for r in rows if r["section"] == "new" and r["batch"] == batch
+                           and r["ctx"] == ctx)
+                print(f"{'':>6} lane-group / tensor-core time {lane_row['us'] / new['us']:.2f}")
     record_rows(targets, rows, copy / 1e9)
     if args.json:
         Path(args.json).write_text(json.dumps(

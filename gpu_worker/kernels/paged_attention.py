@@ -25,6 +25,7 @@ A row with no key (a padding row) comes out zero. What the empty blocks of short
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from gpu_worker.device.backend import f32, i32, ptr
@@ -229,5 +230,18 @@ FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged",
                                 flash_decode_paged_combine, launch_flash_combine_paged)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
+
+
+
+def decode_split_build(mma: bool = True) -> KernelDef:
+    """gp_flash_decode_split_paged as the library builds it (head_dim 64 and 128 on tensor cores,
+    `mma`) or with the lane-group split block at every head_dim (GP_FD_MMA=0), for
+    decode_attention_bench --cuda-core to time both in one run."""
+    if mma:
+        return FLASH_DECODE_SPLIT_PAGED
+    source = dataclasses.replace(SOURCE, module_name=f"{SOURCE.module_name}_lanes",
+                                 options=(*SOURCE.options, "-DGP_FD_MMA=0"))
+    return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED, source=source)
+
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED, FLASH_PREFILL_PAGED]

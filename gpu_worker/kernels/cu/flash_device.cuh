@@ -299,6 +299,34 @@ __device__ __forceinline__ void gp_fa_prefill_block(
     }
 }
 
+// The split's partial state from NGRP groups' states in shared memory (sm_m[NGRP][HPB],
+// sm_l[NGRP][HPB], sm_acc[NGRP][HPB][D], scores in log2 units): merged in group order into
+// ws (natural-unit max, sum, acc: reference.attention_partial) for the block's nh heads.
+template <int D, int NGRP>
+__device__ __forceinline__ void gp_fd_merge_groups(float* __restrict__ ws, int nh,
+                                                   int ws_stride_head, const float* smem) {
+    const float (*sm_m)[GP_FD_HPB] = reinterpret_cast<const float (*)[GP_FD_HPB]>(smem);
+    const float (*sm_l)[GP_FD_HPB] = reinterpret_cast<const float (*)[GP_FD_HPB]>(smem + NGRP * GP_FD_HPB);
+    const float (*sm_acc)[GP_FD_HPB][D] =
+        reinterpret_cast<const float (*)[GP_FD_HPB][D]>(smem + 2 * NGRP * GP_FD_HPB);
+    for (int idx = threadIdx.x; idx < nh * D; idx += blockDim.x) {
+        const int i = idx / D, d = idx % D;
+        float mx = -INFINITY;
+        for (int gi = 0; gi < NGRP; ++gi) mx = fmaxf(mx, sm_m[gi][i]);
+        float lt = 0.f, at = 0.f;
+        if (mx != -INFINITY) {
+            for (int gi = 0; gi < NGRP; ++gi) {
+                const float w = sm_l[gi][i] > 0.f ? gp_exp2(sm_m[gi][i] - mx) : 0.f;
+                lt = fmaf(sm_l[gi][i], w, lt);
+                at = fmaf(sm_acc[gi][i][d], w, at);
+            }
+        }
+        float* part = ws + (long long)i * ws_stride_head;
+        if (d == 0) { part[0] = mx == -INFINITY ? -INFINITY : mx / GP_FA_LOG2E; part[1] = lt; }
+        part[2 + d] = at;
+    }
+}
+
 // One split of one KV head for up to GP_FD_HPB of its query heads. A lane group of D/8 lanes
 // owns a key (a lane: 8 dims, one 16-byte load of K and of V per key).
 template <int D, class KV>
@@ -392,21 +420,157 @@ __device__ __forceinline__ void gp_fd_split_block(
         for (int e = 0; e < 8; ++e) sm_acc[grp][i][sub * 8 + e] = acc[i][e];
     }
     __syncthreads();
-    for (int idx = tid; idx < nh * D; idx += blockDim.x) {
-        const int i = idx / D, d = idx % D;
-        float mx = -INFINITY;
-        for (int gi = 0; gi < NGRP; ++gi) mx = fmaxf(mx, sm_m[gi][i]);
-        float lt = 0.f, at = 0.f;
-        if (mx != -INFINITY) {
-            for (int gi = 0; gi < NGRP; ++gi) {
-                const float w = sm_l[gi][i] > 0.f ? gp_exp2(sm_m[gi][i] - mx) : 0.f;
-                lt = fmaf(sm_l[gi][i], w, lt);
-                at = fmaf(sm_acc[gi][i][d], w, at);
-            }
-        }
-        float* part = ws + (long long)i * ws_stride_head;
-        if (d == 0) { part[0] = mx == -INFINITY ? -INFINITY : mx / GP_FA_LOG2E; part[1] = lt; }
-        part[2 + d] = at;
-    }
+    gp_fd_merge_groups<D, NGRP>(ws, nh, ws_stride_head, smem);
 }
 
+
+// The same split on tensor cores (head_dim D = 64 or 128): the block's 4 warps take 16-key
+// tiles w, w + 4, ... of [j0, j1), each with its own online softmax, merged at the end like the
+// lane groups above. Per tile, two m16n8k16 products with the keys and the head dims on the
+// 16-row side and the block's heads on the 8-column side (4 used):
+//   S^T (16 keys x 8 heads)  = K (16 keys x D)   . Q^T (D x 8 heads)
+//   O^T (D x 8 heads)       += V^T (D x 16 keys) . P^T (16 keys x 8 heads)
+// Both operands come straight from global memory in 16-byte loads, no shared staging:
+// - a dot product does not depend on the order of its dims, so K and Q use one permutation:
+//   lane (g, t) loads the 16-byte chunks at dims 32i + 8t (i < D / 32) of key rows g and g + 8
+//   (of Q: head g), and word r of those (4i + word) is the fragment's k pair of step r / 2;
+// - V's A fragment pairs two keys per register: lane (g, t) loads dims 64c + 8g .. + 8 of the
+//   tile's keys t, t + 8, t + 4, t + 12 and one PRMT a register pairs them; so the PV product's
+//   key k is tile row t, t + 8, t + 4, t + 12 for k = 2t, 2t + 1, 2t + 8, 2t + 9, and O^T's
+//   16-row tile (c, word) holds dims 64c + 8g + 2 word (rows g) and + 1 (rows g + 8);
+// - P^T's B fragment is S^T's accumulator transposed: 4 shuffles of packed fp16 pairs a tile.
+// P is rounded to fp16 for the second product (as in the prefill's tiles); the sums and the
+// softmax state stay fp32, scores are scaled after the product (Q is not pre-scaled).
+// Keys past j1 are neither addressed nor loaded (zeros, their scores -inf, so P = 0).
+template <int D, class KV>
+__device__ __forceinline__ void gp_fd_split_block_mma(
+        float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
+        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem) {
+    static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
+    constexpr int KC = D / 32, VC = D / 64, MT = D / 16, NW = GP_FD_THREADS / 32;
+    float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
+    float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NW * GP_FD_HPB);
+    float (*sm_acc)[GP_FD_HPB][D] = reinterpret_cast<float (*)[GP_FD_HPB][D]>(smem + 2 * NW * GP_FD_HPB);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    unsigned qb[2 * KC * 2];  // Q^T's B fragments: step s uses words 2s, 2s + 1
+#pragma unroll
+    for (int i = 0; i < KC; ++i) {
+        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+        if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + 32 * i + 8 * t);
+        qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
+    }
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // heads 2t, 2t + 1
+    for (int n0 = j0 + 16 * warp; n0 < j1; n0 += 16 * NW) {
+        uint4 ka[KC], kb[KC], vv[4][VC];
+        const int kr[2] = {n0 + g, n0 + g + 8};
+        const int vrow[4] = {n0 + t, n0 + t + 8, n0 + t + 4, n0 + t + 12};
+#pragma unroll
+        for (int i = 0; i < KC; ++i) ka[i] = kb[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (kr[0] < j1) {
+            const unsigned short* p = k.row(kr[0]) + 8 * t;
+#pragma unroll
+            for (int i = 0; i < KC; ++i) ka[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
+        }
+        if (kr[1] < j1) {
+            const unsigned short* p = k.row(kr[1]) + 8 * t;
+#pragma unroll
+            for (int i = 0; i < KC; ++i) kb[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int c = 0; c < VC; ++c) vv[r][c] = make_uint4(0u, 0u, 0u, 0u);
+            if (vrow[r] < j1) {
+                const unsigned short* p = v.row(vrow[r]) + 8 * g;
+#pragma unroll
+                for (int c = 0; c < VC; ++c) vv[r][c] = *reinterpret_cast<const uint4*>(p + 64 * c);
+            }
+        }
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int st = 0; st < D / 16; ++st) {
+            const uint4& x = ka[st / 2];
+            const uint4& y = kb[st / 2];
+            const unsigned a[4] = {st & 1 ? x.z : x.x, st & 1 ? y.z : y.x,
+                                   st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
+            gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
+        }
+        // s: (key g, head 2t), (key g, 2t + 1), (key g + 8, 2t), (key g + 8, 2t + 1)
+        float corr[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            s[j] = kr[0] < j1 ? s[j] * scale_log2 : -INFINITY;
+            s[2 + j] = kr[1] < j1 ? s[2 + j] * scale_log2 : -INFINITY;
+            float mx = fmaxf(s[j], s[2 + j]);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float mn = fmaxf(m[j], mx);  // finite: key n0 < j1 is in the tile
+            corr[j] = gp_exp2(m[j] - mn);
+            s[j] = gp_exp2(s[j] - mn);
+            s[2 + j] = gp_exp2(s[2 + j] - mn);
+            l[j] = l[j] * corr[j] + s[j] + s[2 + j];
+            m[j] = mn;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            acc[mt][0] *= corr[0]; acc[mt][2] *= corr[0];
+            acc[mt][1] *= corr[1]; acc[mt][3] *= corr[1];
+        }
+        // P^T's B fragment of lane (g, t): head g at keys (t, t + 8) and (t + 4, t + 12), held
+        // by lanes (t, g / 2) and (t + 4, g / 2) as the packed pair of their column g % 2.
+        const unsigned pk0 = gp_pack_h2(s[0], s[2]), pk1 = gp_pack_h2(s[1], s[3]);
+        const int src0 = 4 * t + (g >> 1), src1 = 4 * (t + 4) + (g >> 1);
+        const unsigned x0 = __shfl_sync(0xffffffffu, pk0, src0), x1 = __shfl_sync(0xffffffffu, pk1, src0);
+        const unsigned y0 = __shfl_sync(0xffffffffu, pk0, src1), y1 = __shfl_sync(0xffffffffu, pk1, src1);
+        const unsigned b0 = g & 1 ? x1 : x0, b1 = g & 1 ? y1 : y0;
+#pragma unroll
+        for (int c = 0; c < VC; ++c) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const unsigned* r0 = reinterpret_cast<const unsigned*>(&vv[0][c]);
+                const unsigned* r1 = reinterpret_cast<const unsigned*>(&vv[1][c]);
+                const unsigned* r2 = reinterpret_cast<const unsigned*>(&vv[2][c]);
+                const unsigned* r3 = reinterpret_cast<const unsigned*>(&vv[3][c]);
+                const unsigned a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
+                                       __byte_perm(r2[w], r3[w], 0x5410), __byte_perm(r2[w], r3[w], 0x7632)};
+                gp_mma16816(acc[4 * c + w], a, b0, b1);
+            }
+        }
+    }
+    // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) l[j] += __shfl_xor_sync(0xffffffffu, l[j], o);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int h = 2 * t + j;
+        if (h < nh) {
+            if (g == 0) { sm_m[warp][h] = m[j]; sm_l[warp][h] = l[j]; }
+#pragma unroll
+            for (int c = 0; c < VC; ++c)
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    const int d = 64 * c + 8 * g + 2 * w;
+                    sm_acc[warp][h][d] = acc[4 * c + w][j];
+                    sm_acc[warp][h][d + 1] = acc[4 * c + w][2 + j];
+                }
+        }
+    }
+    __syncthreads();
+    gp_fd_merge_groups<D, NW>(ws, nh, ws_stride_head, smem);
+}
+
+// The decode split at head_dim 64 and 128: the tensor-core block; GP_FD_MMA=0 builds the lane-group
+// block instead (decode_attention_bench --cuda-core times both in one run).
+#ifndef GP_FD_MMA
+#define GP_FD_MMA 1
+#endif
+#if GP_FD_MMA
+#define GP_FD_SPLIT gp_fd_split_block_mma
+#else
+#define GP_FD_SPLIT gp_fd_split_block
+#endif

@@ -75,9 +75,9 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
     const float sl = scale * GP_FA_LOG2E;
     __shared__ float smem[GP_FD_SMEM];
     if (head_dim == 128)
-        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        GP_FD_SPLIT<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
     else if (head_dim == 64)
-        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        GP_FD_SPLIT<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
     else
         gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
 }
