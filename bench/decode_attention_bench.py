@@ -12,17 +12,18 @@ as such).
    run, the span the old rule gave (the split count from the maximum context and the batch).
 2. the span swept (64/128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192.
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
-4. with `--cuda-core`: the lane-group split block (paged_attention.decode_split_build(False), the
-   library's before the tensor-core block) at the default span, same rows as [1]; its time over
-   the library's is recorded, and its output must agree with the library's within the kernels'
-   tolerance or the run stops.
+4. with `--cuda-core`: the lane-group split block (GP_FD_MMA=0, the library's before the
+   tensor-core block) at the default span, same rows as [1]; its time over the library's is
+   recorded. `--build NAME=MACRO:V,...` times other builds (paged_attention.decode_split_build)
+   the same way and at spans 64-512 at batch 1 and 8, printed only. Every build's output must
+   agree with the library's within the kernels' tolerance, or the run stops.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at ctx 8192 the default span reads the KV
 at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. Every other row is
 a recorded figure without a target.
 
     python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--cuda-core] [--no-sweep]
-        [--json OUT.json] [--record [DIR]]
+        [--build pipe=GP_FD_PIPE:1,GP_FD_MINB:3 ...] [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class Bench:
         return 2 * nbytes / t
 
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
-               mma: bool = True) -> tuple[float, int, np.ndarray]:
+               build: dict[str, int] | None = None) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output)."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
@@ -118,7 +119,7 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fs, fc = h.function(decode_split_build(mma)), h.function(FLASH_COMBINE_PAGED)
+        fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
@@ -137,8 +138,19 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cuda-core", action="store_true",
                     help="also time the lane-group split block (section [4])")
     ap.add_argument("--no-sweep", action="store_true", help="skip the span sweep (section [2])")
+    ap.add_argument("--build", action="append", default=[], type=parse_build,
+                    metavar="NAME=MACRO:V[,MACRO:V]", help="also time this split build ([4])")
     add_record_flag(ap)
     return ap.parse_args(argv)
+
+
+def parse_build(text: str) -> tuple[str, dict[str, int]]:
+    """`pipe=GP_FD_PIPE:1,GP_FD_MINB:3` -> ("pipe", {"GP_FD_PIPE": 1, "GP_FD_MINB": 3})."""
+    name, _, macros = text.partition("=")
+    try:
+        return name, {m: int(v) for m, v in (item.split(":") for item in macros.split(","))}
+    except ValueError:
+        raise SystemExit(f"--build {text!r}: want NAME=MACRO:INT[,MACRO:INT]") from None
 
 
 def decode_name(batch: int, ctx: int) -> str:
@@ -194,20 +206,20 @@ def main(argv: list[str] | None = None) -> int:
 
     outputs: dict[tuple[int, int], np.ndarray] = {}
 
-    def row(section, batch, ctx, sp, table=TABLE, mma=True) -> dict:
-        t, nbytes, got = b.decode(batch, ctx, sp, table, mma)
+    def row(section, batch, ctx, sp, table=TABLE, build=None) -> dict:
+        t, nbytes, got = b.decode(batch, ctx, sp, table, build)
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
-        elif section == "lanes":
+        elif build is not None and (batch, ctx) in outputs:
             want = outputs[batch, ctx]
             err = np.abs(got.astype(np.float32) - want)
             if not np.all(err <= ATOL + RTOL * np.abs(want)):
-                raise SystemExit(f"lane-group block at batch {batch}, ctx {ctx}: output differs "
-                                 f"from the tensor-core block's by up to {err.max():.3g}")
+                raise SystemExit(f"build {section} at batch {batch}, ctx {ctx}: output differs "
+                                 f"from the library build's by up to {err.max():.3g}")
         r = {"section": section, "batch": batch, "ctx": ctx, "span": sp, "table": table,
              "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy}
         rows.append(r)
-        print(f"{section:>6} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5}: "
+        print(f"{section:>8} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5}: "
               f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy", flush=True)
         return r
 
@@ -231,15 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     full = row("empty", 64, 1024, span, TABLE)
     tight = row("empty", 64, 1024, span, 1024)
     print(f"{'':>6} cost of the empty blocks: {full['us'] - tight['us']:.1f} us per decode")
-    if args.cuda_core:
-        print("\n[4] the lane-group split block (GP_FD_MMA=0) at the default span")
+    builds = ([("lanes", {"GP_FD_MMA": 0})] if args.cuda_core else []) + args.build
+    for name, build in builds:
+        print(f"\n[4] build {name} ({build}) at the default span; at batch 1 and 8 also other spans")
         for batch in (1, 8, 32, 64):
             span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
             for ctx in (1024, 8192):
-                lane_row = row("lanes", batch, ctx, span, mma=False)
+                other = row(name, batch, ctx, span, build=build)
                 new = next(r for r in rows if r["section"] == "new" and r["batch"] == batch
                            and r["ctx"] == ctx)
-                print(f"{'':>6} lane-group / tensor-core time {lane_row['us'] / new['us']:.2f}")
+                print(f"{'':>8} {name} / library time {other['us'] / new['us']:.2f}")
+                if name != "lanes" and batch <= 8:
+                    for sp in (64, 128, 256, 512):
+                        if sp != span:
+                            row(name + "-span", batch, ctx, sp, build=build)
     record_rows(targets, rows, copy / 1e9)
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -233,14 +233,19 @@ FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged",
 
 
 
-def decode_split_build(mma: bool = True) -> KernelDef:
-    """gp_flash_decode_split_paged as the library builds it (head_dim 64 and 128 on tensor cores,
-    `mma`) or with the lane-group split block at every head_dim (GP_FD_MMA=0), for
-    decode_attention_bench --cuda-core to time both in one run."""
-    if mma:
+def decode_split_build(**defines: int) -> KernelDef:
+    """gp_flash_decode_split_paged built with the given GP_FD_* macros (flash_device.cuh:
+    GP_FD_MMA=0 the lane-group block at every head_dim, GP_FD_PIPE, GP_FD_MINB); none: the
+    library's build. decode_attention_bench --build times such builds beside it."""
+    if not defines:
         return FLASH_DECODE_SPLIT_PAGED
-    source = dataclasses.replace(SOURCE, module_name=f"{SOURCE.module_name}_lanes",
-                                 options=(*SOURCE.options, "-DGP_FD_MMA=0"))
+    for name, value in defines.items():
+        require(name.startswith("GP_FD_") and name[6:].isalnum() and isinstance(value, int),
+                f"flash_decode_split_paged: build macro {name}={value!r} must be GP_FD_<NAME>=int")
+    tag = "_".join(f"{name[6:].lower()}{value}" for name, value in sorted(defines.items()))
+    source = dataclasses.replace(
+        SOURCE, module_name=f"{SOURCE.module_name}_{tag}",
+        options=(*SOURCE.options, *(f"-D{name}={value}" for name, value in sorted(defines.items()))))
     return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED, source=source)
 
 

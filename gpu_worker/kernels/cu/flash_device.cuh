@@ -10,6 +10,15 @@
 #define GP_FD_HPB 4
 #define GP_FD_UNROLL 4
 #define GP_FD_THREADS 128
+#ifndef GP_FD_MMA
+#define GP_FD_MMA 1  // the decode split at head_dim 64 and 128 on tensor cores (0: lane groups)
+#endif
+#ifndef GP_FD_MINB
+#define GP_FD_MINB 4  // decode split blocks per SM the registers must allow (128 at 4)
+#endif
+#ifndef GP_FD_PIPE
+#define GP_FD_PIPE 0  // tensor-core split: the next tile's K and V loaded while this one computes
+#endif
 // the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
 // largest at head_dim 16 (64 groups)
 #define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
@@ -463,32 +472,44 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // heads 2t, 2t + 1
-    for (int n0 = j0 + 16 * warp; n0 < j1; n0 += 16 * NW) {
-        uint4 ka[KC], kb[KC], vv[4][VC];
-        const int kr[2] = {n0 + g, n0 + g + 8};
-        const int vrow[4] = {n0 + t, n0 + t + 8, n0 + t + 4, n0 + t + 12};
+    uint4 ka[KC], kb[KC], vv[4][VC];
+    // K rows g, g + 8 and V rows t, t + 8, t + 4, t + 12 of the tile at n0 (zeros past j1)
+    auto load_k = [&](int n0) {
 #pragma unroll
-        for (int i = 0; i < KC; ++i) ka[i] = kb[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (kr[0] < j1) {
-            const unsigned short* p = k.row(kr[0]) + 8 * t;
+        for (int h = 0; h < 2; ++h) {
+            uint4* dst = h ? kb : ka;
 #pragma unroll
-            for (int i = 0; i < KC; ++i) ka[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
+            for (int i = 0; i < KC; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (n0 + g + 8 * h < j1) {
+                const unsigned short* p = k.row(n0 + g + 8 * h) + 8 * t;
+#pragma unroll
+                for (int i = 0; i < KC; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
+            }
         }
-        if (kr[1] < j1) {
-            const unsigned short* p = k.row(kr[1]) + 8 * t;
-#pragma unroll
-            for (int i = 0; i < KC; ++i) kb[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
-        }
+    };
+    auto load_v = [&](int n0) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
+            const int row = n0 + t + (r & 1) * 8 + (r >> 1) * 4;
 #pragma unroll
             for (int c = 0; c < VC; ++c) vv[r][c] = make_uint4(0u, 0u, 0u, 0u);
-            if (vrow[r] < j1) {
-                const unsigned short* p = v.row(vrow[r]) + 8 * g;
+            if (row < j1) {
+                const unsigned short* p = v.row(row) + 8 * g;
 #pragma unroll
                 for (int c = 0; c < VC; ++c) vv[r][c] = *reinterpret_cast<const uint4*>(p + 64 * c);
             }
         }
+    };
+#if GP_FD_PIPE
+    load_k(j0 + 16 * warp);
+    load_v(j0 + 16 * warp);
+#endif
+    for (int n0 = j0 + 16 * warp; n0 < j1; n0 += 16 * NW) {
+        const int kr[2] = {n0 + g, n0 + g + 8};
+#if !GP_FD_PIPE
+        load_k(n0);
+        load_v(n0);
+#endif
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
@@ -498,6 +519,9 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
             gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
         }
+#if GP_FD_PIPE
+        load_k(n0 + 16 * NW);  // the next tile's K in flight during this tile's softmax and PV
+#endif
         // s: (key g, head 2t), (key g, 2t + 1), (key g + 8, 2t), (key g + 8, 2t + 1)
         float corr[2];
 #pragma unroll
@@ -539,6 +563,9 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                 gp_mma16816(acc[4 * c + w], a, b0, b1);
             }
         }
+#if GP_FD_PIPE
+        load_v(n0 + 16 * NW);
+#endif
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll
@@ -564,11 +591,8 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     gp_fd_merge_groups<D, NW>(ws, nh, ws_stride_head, smem);
 }
 
-// The decode split at head_dim 64 and 128: the tensor-core block; GP_FD_MMA=0 builds the lane-group
-// block instead (decode_attention_bench --cuda-core times both in one run).
-#ifndef GP_FD_MMA
-#define GP_FD_MMA 1
-#endif
+// The decode split at head_dim 64 and 128 (GP_FD_MMA: which block; decode_attention_bench
+// --cuda-core times both in one run).
 #if GP_FD_MMA
 #define GP_FD_SPLIT gp_fd_split_block_mma
 #else
