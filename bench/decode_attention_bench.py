@@ -23,7 +23,7 @@ at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. 
 a recorded figure without a target.
 
     python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--cuda-core] [--no-sweep]
-        [--build pipe=GP_FD_PIPE:1,GP_FD_MINB:3 ...] [--json OUT.json] [--record [DIR]]
+        [--build NAME=GP_FD_X:1 ...] [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def parse_build(text: str) -> tuple[str, dict[str, int]]:
-    """`pipe=GP_FD_PIPE:1,GP_FD_MINB:3` -> ("pipe", {"GP_FD_PIPE": 1, "GP_FD_MINB": 3})."""
+    """`lanes=GP_FD_MMA:0` -> ("lanes", {"GP_FD_MMA": 0})."""
     name, _, macros = text.partition("=")
     try:
         return name, {m: int(v) for m, v in (item.split(":") for item in macros.split(","))}

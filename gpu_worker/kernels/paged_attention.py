@@ -234,9 +234,9 @@ FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged",
 
 
 def decode_split_build(**defines: int) -> KernelDef:
-    """gp_flash_decode_split_paged built with the given GP_FD_* macros (flash_device.cuh:
-    GP_FD_MMA=0 the lane-group block at every head_dim, GP_FD_PIPE, GP_FD_MINB); none: the
-    library's build. decode_attention_bench --build times such builds beside it."""
+    """gp_flash_decode_split_paged built with the given GP_FD_* macros (flash_device.cuh, e.g.
+    GP_FD_MMA=0: the lane-group block at every head_dim); none: the library's build.
+    decode_attention_bench --cuda-core and --build time such builds beside it."""
     if not defines:
         return FLASH_DECODE_SPLIT_PAGED
     for name, value in defines.items():

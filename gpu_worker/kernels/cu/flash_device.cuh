@@ -13,12 +13,6 @@
 #ifndef GP_FD_MMA
 #define GP_FD_MMA 1  // the decode split at head_dim 64 and 128 on tensor cores (0: lane groups)
 #endif
-#ifndef GP_FD_MINB
-#define GP_FD_MINB 4  // decode split blocks per SM the registers must allow (128 at 4)
-#endif
-#ifndef GP_FD_PIPE
-#define GP_FD_PIPE 0  // tensor-core split: the next tile's K and V loaded while this one computes
-#endif
 // the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
 // largest at head_dim 16 (64 groups)
 #define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
@@ -500,16 +494,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-#if GP_FD_PIPE
-    load_k(j0 + 16 * warp);
-    load_v(j0 + 16 * warp);
-#endif
     for (int n0 = j0 + 16 * warp; n0 < j1; n0 += 16 * NW) {
         const int kr[2] = {n0 + g, n0 + g + 8};
-#if !GP_FD_PIPE
         load_k(n0);
         load_v(n0);
-#endif
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
@@ -519,9 +507,6 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
             gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
         }
-#if GP_FD_PIPE
-        load_k(n0 + 16 * NW);  // the next tile's K in flight during this tile's softmax and PV
-#endif
         // s: (key g, head 2t), (key g, 2t + 1), (key g + 8, 2t), (key g + 8, 2t + 1)
         float corr[2];
 #pragma unroll
@@ -543,13 +528,24 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             acc[mt][0] *= corr[0]; acc[mt][2] *= corr[0];
             acc[mt][1] *= corr[1]; acc[mt][3] *= corr[1];
         }
-        // P^T's B fragment of lane (g, t): head g at keys (t, t + 8) and (t + 4, t + 12), held
-        // by lanes (t, g / 2) and (t + 4, g / 2) as the packed pair of their column g % 2.
-        const unsigned pk0 = gp_pack_h2(s[0], s[2]), pk1 = gp_pack_h2(s[1], s[3]);
+        // P^T's B fragments of lane (g, t): head g at keys (t, t + 8) and (t + 4, t + 12), held
+        // by lanes (t, g / 2) and (t + 4, g / 2) as the packed pair of their column g % 2. P is
+        // two fp16 terms, hi = fp16(p) and lo = fp16(p - hi) (p to ~22 bits: the unnormalised
+        // partial sums keep the lane-group block's f32 accuracy), so PV is two products.
         const int src0 = 4 * t + (g >> 1), src1 = 4 * (t + 4) + (g >> 1);
-        const unsigned x0 = __shfl_sync(0xffffffffu, pk0, src0), x1 = __shfl_sync(0xffffffffu, pk1, src0);
-        const unsigned y0 = __shfl_sync(0xffffffffu, pk0, src1), y1 = __shfl_sync(0xffffffffu, pk1, src1);
-        const unsigned b0 = g & 1 ? x1 : x0, b1 = g & 1 ? y1 : y0;
+        unsigned bh[2], bl[2];
+        {
+            const unsigned h0 = gp_pack_h2(s[0], s[2]), h1 = gp_pack_h2(s[1], s[3]);
+            const unsigned l0 = gp_pack_h2(s[0] - gp_h2f_lo(h0), s[2] - gp_h2f_hi(h0));
+            const unsigned l1 = gp_pack_h2(s[1] - gp_h2f_lo(h1), s[3] - gp_h2f_hi(h1));
+            // a sender serves heads 2t'' and 2t'' + 1 (both columns): the receiver picks g % 2
+            const unsigned xh0 = __shfl_sync(0xffffffffu, h0, src0), xh1 = __shfl_sync(0xffffffffu, h1, src0);
+            const unsigned yh0 = __shfl_sync(0xffffffffu, h0, src1), yh1 = __shfl_sync(0xffffffffu, h1, src1);
+            const unsigned xl0 = __shfl_sync(0xffffffffu, l0, src0), xl1 = __shfl_sync(0xffffffffu, l1, src0);
+            const unsigned yl0 = __shfl_sync(0xffffffffu, l0, src1), yl1 = __shfl_sync(0xffffffffu, l1, src1);
+            bh[0] = g & 1 ? xh1 : xh0; bh[1] = g & 1 ? yh1 : yh0;
+            bl[0] = g & 1 ? xl1 : xl0; bl[1] = g & 1 ? yl1 : yl0;
+        }
 #pragma unroll
         for (int c = 0; c < VC; ++c) {
 #pragma unroll
@@ -560,12 +556,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                 const unsigned* r3 = reinterpret_cast<const unsigned*>(&vv[3][c]);
                 const unsigned a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
                                        __byte_perm(r2[w], r3[w], 0x5410), __byte_perm(r2[w], r3[w], 0x7632)};
-                gp_mma16816(acc[4 * c + w], a, b0, b1);
+                gp_mma16816(acc[4 * c + w], a, bh[0], bh[1]);
+                gp_mma16816(acc[4 * c + w], a, bl[0], bl[1]);
             }
         }
-#if GP_FD_PIPE
-        load_v(n0 + 16 * NW);
-#endif
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll

@@ -51,7 +51,7 @@ __device__ __forceinline__ int gp_paged_nkeys(const int* positions, int b, int c
 // the grid holds the splits of the longest row the table can hold (splits = ceil(max_blocks *
 // block_tokens / span), the workspace's slots per row), and a split past its row's length
 // returns before reading anything else: it writes no slot, and the combine reads none.
-extern "C" __global__ void __launch_bounds__(128, GP_FD_MINB)
+extern "C" __global__ void __launch_bounds__(128, 4)
 gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __restrict__ q,
                             const unsigned short* __restrict__ pool,
                             const int* __restrict__ positions, const int* __restrict__ table,
