@@ -52,10 +52,17 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
     const float sl = scale * GP_FA_LOG2E;
     const gp_kv_rows kr{k + kv_off, kv_row_stride}, vr{v + kv_off, kv_row_stride};
     __shared__ float smem[GP_FD_SMEM];
+#if GP_FD_MMA
     if (head_dim == 128)
-        GP_FD_SPLIT<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        gp_fd_split_block_mma<128, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
     else
-        GP_FD_SPLIT<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        gp_fd_split_block_mma<64, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
+#else
+    if (head_dim == 128)
+        gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+    else
+        gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+#endif
 }
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.

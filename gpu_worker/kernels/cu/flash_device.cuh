@@ -10,8 +10,12 @@
 #define GP_FD_HPB 4
 #define GP_FD_UNROLL 4
 #define GP_FD_THREADS 128
+// The decode split's builds (decode_attention_bench --cuda-core / --build time them in one run)
 #ifndef GP_FD_MMA
-#define GP_FD_MMA 1  // the decode split at head_dim 64 and 128 on tensor cores (0: lane groups)
+#define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
+#endif
+#ifndef GP_FD_EARLY
+#define GP_FD_EARLY 0  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait
 #endif
 // the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
 // largest at head_dim 16 (64 groups)
@@ -445,16 +449,66 @@ __device__ __forceinline__ void gp_fd_split_block(
 // P is rounded to fp16 for the second product (as in the prefill's tiles); the sums and the
 // softmax state stay fp32, scores are scaled after the product (Q is not pre-scaled).
 // Keys past j1 are neither addressed nor loaded (zeros, their scores -inf, so P = 0).
-template <int D, class KV>
+//
+// EARLY (a kernel launched with dependent launch that has not waited yet): each warp's first
+// tile of K and V is loaded before gp_pdl_wait, all but key `fresh` (the row's newest, which the
+// kernel before it, the rope + append, writes); that key and Q are read after the wait.
+template <int D, bool EARLY, class KV>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
-        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem) {
+        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
     static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
     constexpr int KC = D / 32, VC = D / 64, MT = D / 16, NW = GP_FD_THREADS / 32;
     float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
     float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NW * GP_FD_HPB);
     float (*sm_acc)[GP_FD_HPB][D] = reinterpret_cast<float (*)[GP_FD_HPB][D]>(smem + 2 * NW * GP_FD_HPB);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // heads 2t, 2t + 1
+    uint4 ka[KC], kb[KC], vv[4][VC];
+    // The tile at n0: K rows n0 + g (ka), n0 + g + 8 (kb) and V rows n0 + t, + 8, + 4, + 12
+    // (vv[0..3]); a row at or past j1 is zeros, never addressed, and so is row `skip` (-1: none).
+    auto load_k = [&](uint4 (&dst)[KC], int row, int skip) {
+#pragma unroll
+        for (int i = 0; i < KC; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (row < j1 && row != skip) {
+            const unsigned short* p = k.row(row) + 8 * t;
+#pragma unroll
+            for (int i = 0; i < KC; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
+        }
+    };
+    auto load_v = [&](uint4 (&dst)[VC], int row, int skip) {
+#pragma unroll
+        for (int c = 0; c < VC; ++c) dst[c] = make_uint4(0u, 0u, 0u, 0u);
+        if (row < j1 && row != skip) {
+            const unsigned short* p = v.row(row) + 8 * g;
+#pragma unroll
+            for (int c = 0; c < VC; ++c) dst[c] = *reinterpret_cast<const uint4*>(p + 64 * c);
+        }
+    };
+    auto vrow = [&](int n0, int r) { return n0 + t + (r & 1) * 8 + (r >> 1) * 4; };
+    auto load = [&](int n0, int skip) {
+        load_k(ka, n0 + g, skip);
+        load_k(kb, n0 + g + 8, skip);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) load_v(vv[r], vrow(n0, r), skip);
+    };
+    const int first = j0 + 16 * warp;
+    if (EARLY) {
+        const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
+        if (first < j1) load(first, late);
+        gp_pdl_wait();  // q and key `fresh` are the previous kernel's writes
+        gp_pdl_release();
+        if (late >= first && late < first + 16) {  // that key's K and V rows, now written
+            if (first + g == late) load_k(ka, late, -1);
+            if (first + g + 8 == late) load_k(kb, late, -1);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (vrow(first, r) == late) load_v(vv[r], late, -1);
+        }
+    }
     unsigned qb[2 * KC * 2];  // Q^T's B fragments: step s uses words 2s, 2s + 1
 #pragma unroll
     for (int i = 0; i < KC; ++i) {
@@ -462,42 +516,9 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + 32 * i + 8 * t);
         qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
     }
-    float acc[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // heads 2t, 2t + 1
-    uint4 ka[KC], kb[KC], vv[4][VC];
-    // K rows g, g + 8 and V rows t, t + 8, t + 4, t + 12 of the tile at n0 (zeros past j1)
-    auto load_k = [&](int n0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            uint4* dst = h ? kb : ka;
-#pragma unroll
-            for (int i = 0; i < KC; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
-            if (n0 + g + 8 * h < j1) {
-                const unsigned short* p = k.row(n0 + g + 8 * h) + 8 * t;
-#pragma unroll
-                for (int i = 0; i < KC; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
-            }
-        }
-    };
-    auto load_v = [&](int n0) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = n0 + t + (r & 1) * 8 + (r >> 1) * 4;
-#pragma unroll
-            for (int c = 0; c < VC; ++c) vv[r][c] = make_uint4(0u, 0u, 0u, 0u);
-            if (row < j1) {
-                const unsigned short* p = v.row(row) + 8 * g;
-#pragma unroll
-                for (int c = 0; c < VC; ++c) vv[r][c] = *reinterpret_cast<const uint4*>(p + 64 * c);
-            }
-        }
-    };
-    for (int n0 = j0 + 16 * warp; n0 < j1; n0 += 16 * NW) {
+    // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
+    auto tile = [&](int n0) {
         const int kr[2] = {n0 + g, n0 + g + 8};
-        load_k(n0);
-        load_v(n0);
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
@@ -560,6 +581,11 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                 gp_mma16816(acc[4 * c + w], a, bl[0], bl[1]);
             }
         }
+    };
+    if (EARLY && first < j1) tile(first);
+    for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
+        load(n0, -1);
+        tile(n0);
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll
@@ -585,10 +611,3 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     gp_fd_merge_groups<D, NW>(ws, nh, ws_stride_head, smem);
 }
 
-// The decode split at head_dim 64 and 128 (GP_FD_MMA: which block; decode_attention_bench
-// --cuda-core times both in one run).
-#if GP_FD_MMA
-#define GP_FD_SPLIT gp_fd_split_block_mma
-#else
-#define GP_FD_SPLIT gp_fd_split_block
-#endif

@@ -57,7 +57,10 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
                             const int* __restrict__ positions, const int* __restrict__ table,
                             int batch, int heads, int kv_heads, int head_dim, int layer,
                             int layers, int block_tokens, int max_blocks, int span, float scale) {
-    GP_PDL_ENTRY();
+    // GP_FD_EARLY: the tensor-core block waits itself, after its first K/V loads (positions and
+    // the table are the host's, written before the step; see gp_fd_split_block_mma)
+    constexpr bool early = GP_FD_MMA && GP_FD_EARLY;
+    if (!early) GP_PDL_ENTRY();
     const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
     const int j0 = sp * span;
@@ -74,12 +77,19 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
     const int stride = splits * (head_dim + 2);
     const float sl = scale * GP_FA_LOG2E;
     __shared__ float smem[GP_FD_SMEM];
+#if GP_FD_MMA
     if (head_dim == 128)
-        GP_FD_SPLIT<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-    else if (head_dim == 64)
-        GP_FD_SPLIT<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
-    else
-        gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+        return gp_fd_split_block_mma<128, early>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
+    if (head_dim == 64)
+        return gp_fd_split_block_mma<64, early>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
+    if (early) GP_PDL_ENTRY();
+#else
+    if (head_dim == 128)
+        return gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+    if (head_dim == 64)
+        return gp_fd_split_block<64>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
+#endif
+    gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
 }
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
