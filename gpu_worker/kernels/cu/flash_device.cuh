@@ -15,7 +15,7 @@
 #define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
 #endif
 #ifndef GP_FD_EARLY
-#define GP_FD_EARLY 0  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait
+#define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
 // the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
 // largest at head_dim 16 (64 groups)

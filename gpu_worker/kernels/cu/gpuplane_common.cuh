@@ -98,7 +98,10 @@ __device__ __forceinline__ void gp_cp_wait() { asm volatile("cp.async.wait_group
 // ---- Programmatic dependent launch (sm_90) ----------------------------------------------------
 // Hazard: a kernel launched with Device.launch(..., pdl=True) may start while the kernel before it
 // on the stream is still running. Contract: before gp_pdl_wait() such a kernel touches only what
-// no kernel of the step writes (weights); gp_pdl_wait() returns once the previous kernel has
+// the kernel before it does not write: weights, and (the paged decode split) the positions and
+// block table the host wrote before the step and every KV row but each row's newest, which the
+// rope + append before it writes (everything older completed before that kernel passed its own
+// wait, so at most the one kernel before runs meanwhile); gp_pdl_wait() returns once the previous kernel has
 // completed and its writes are visible (at once for a launch without the attribute, and below
 // sm_90, where both calls compile to nothing). gp_pdl_release() lets the next kernel, if it was
 // launched with pdl, start its own prologue; every kernel that releases has waited first, so at
