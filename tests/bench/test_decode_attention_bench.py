@@ -62,3 +62,26 @@ def test_old_rule_ratio_and_empty_block_cost_are_recorded_and_the_sweep_is_not(t
     empty = lines[f"empty blocks: batch 64, 1024 keys, table {dab.TABLE} - table 1024"]
     assert abs(empty["value"] - 0.4) < 1e-9 and empty["unit"] == "us"
     assert len(lines) == 4, f"the span sweep is printed, not recorded: {sorted(lines)}"
+
+
+def test_the_lane_group_block_is_recorded_as_its_time_over_the_librarys_other_builds_are_not(tmp_path):
+    rows = [row("new", 1, 1024, 7.8, 0.18), row("lanes", 1, 1024, 10.4, 0.13),
+            row("late", 1, 1024, 8.7, 0.16), row("late-span", 1, 1024, 8.4, 0.17)]
+    _, lines = recorded(tmp_path, rows)
+    ratio = lines["paged decode batch 1, 1024 keys: lane-group block / tensor-core block time"]
+    assert abs(ratio["value"] - 10.4 / 7.8) < 1e-9 and ratio["unit"] == "ratio"
+    assert len(lines) == 3, f"only the library's rows and the lane-group ratio: {sorted(lines)}"
+
+
+def test_builds_are_named_macro_lists_and_a_malformed_one_stops_the_run():
+    args = dab.parse_args(["--cuda-core", "--no-sweep", "--build", "late=GP_FD_EARLY:0",
+                           "--build", "x=GP_FD_MMA:1,GP_FD_EARLY:0"])
+    assert args.cuda_core and args.no_sweep
+    assert args.build == [("late", {"GP_FD_EARLY": 0}), ("x", {"GP_FD_MMA": 1, "GP_FD_EARLY": 0})]
+    for bad in ("late", "late=GP_FD_EARLY", "late=GP_FD_EARLY:x"):
+        try:
+            dab.parse_build(bad)
+        except SystemExit as e:
+            assert "NAME=MACRO:INT" in str(e)
+        else:
+            raise AssertionError(f"--build {bad!r} was accepted")

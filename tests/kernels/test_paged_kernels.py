@@ -57,6 +57,35 @@ def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(
         assert used <= budget, f"{entry} uses {used} registers > {budget}"
 
 
+@pytest.mark.parametrize("defines", [{"GP_FD_MMA": 0}, {"GP_FD_EARLY": 0}],
+                         ids=["lane-group block", "first tile after the wait"])
+def test_every_decode_split_build_compiles_without_spills_at_four_blocks_per_sm(defines) -> None:
+    """The builds decode_attention_bench times beside the library's keep its occupancy, so a
+    timing difference is the block's, not a spill's; the library's build has the tensor-core
+    block and the dependent-launch early loads (their PTX instructions present)."""
+    build = pa.decode_split_build(**defines)
+    assert build.source.module_name != pa.SOURCE.module_name
+    for source in (build.source, pa.SOURCE):
+        log = _log(source)
+        section = log.split("Compiling entry function 'gp_flash_decode_split_paged'")[1]
+        section = section.split("Compile time")[0]
+        assert "0 bytes spill stores, 0 bytes spill loads" in section, section
+        assert int(re.search(r"Used (\d+) registers", section).group(1)) <= 128
+    ptx = compile_program(pa.SOURCE.module_name, pa.SOURCE.source, pa.SOURCE.headers, "sm_90",
+                          pa.SOURCE.options).ptx
+    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    split = ptx.split(".entry gp_flash_decode_split_paged")[1].split(".entry")[0]
+    assert "mma.sync.aligned.m16n8k16" in split and "griddepcontrol.wait" in split
+
+
+def test_decode_split_builds_take_gp_fd_macros_only() -> None:
+    assert pa.decode_split_build() is pa.FLASH_DECODE_SPLIT_PAGED
+    with pytest.raises(InvalidArgument, match="GP_FD_"):
+        pa.decode_split_build(NDEBUG=1)
+    with pytest.raises(InvalidArgument, match="GP_FD_"):
+        pa.decode_split_build(**{"GP_FD_X;rm": 1})
+
+
 def test_sampler_compiles_without_spills() -> None:
     log = _log(sampling.SOURCE)
     section = log.split("Compiling entry function 'gp_sample'")[1].split("Compile time")[0]
