@@ -431,6 +431,20 @@ __device__ __forceinline__ void gp_fd_split_block(
 }
 
 
+// N 16-byte chunks of key row `row` (halves off + stride * i) into dst; zeros where the row is at
+// or past j1 or is `skip`, which are never addressed.
+template <int N, class KV>
+__device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, int row, int j1,
+                                               int skip, int off, int stride) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < j1 && row != skip) {
+        const unsigned short* p = kv.row(row) + off;
+#pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + stride * i);
+    }
+}
+
 // The same split on tensor cores (head_dim D = 64 or 128): the block's 4 warps take 16-key
 // tiles w, w + 4, ... of [j0, j1), each with its own online softmax, merged at the end like the
 // lane groups above. Per tile, two m16n8k16 products with the keys and the head dims on the
@@ -470,24 +484,8 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     uint4 ka[KC], kb[KC], vv[4][VC];
     // The tile at n0: K rows n0 + g (ka), n0 + g + 8 (kb) and V rows n0 + t, + 8, + 4, + 12
     // (vv[0..3]); a row at or past j1 is zeros, never addressed, and so is row `skip` (-1: none).
-    auto load_k = [&](uint4 (&dst)[KC], int row, int skip) {
-#pragma unroll
-        for (int i = 0; i < KC; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (row < j1 && row != skip) {
-            const unsigned short* p = k.row(row) + 8 * t;
-#pragma unroll
-            for (int i = 0; i < KC; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + 32 * i);
-        }
-    };
-    auto load_v = [&](uint4 (&dst)[VC], int row, int skip) {
-#pragma unroll
-        for (int c = 0; c < VC; ++c) dst[c] = make_uint4(0u, 0u, 0u, 0u);
-        if (row < j1 && row != skip) {
-            const unsigned short* p = v.row(row) + 8 * g;
-#pragma unroll
-            for (int c = 0; c < VC; ++c) dst[c] = *reinterpret_cast<const uint4*>(p + 64 * c);
-        }
-    };
+    auto load_k = [&](uint4 (&dst)[KC], int row, int skip) { gp_fd_load_row(dst, k, row, j1, skip, 8 * t, 32); };
+    auto load_v = [&](uint4 (&dst)[VC], int row, int skip) { gp_fd_load_row(dst, v, row, j1, skip, 8 * g, 64); };
     auto vrow = [&](int n0, int r) { return n0 + t + (r & 1) * 8 + (r >> 1) * 4; };
     auto load = [&](int n0, int skip) {
         load_k(ka, n0 + g, skip);
