@@ -65,29 +65,16 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
 #endif
 }
 
-// grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
-// Thread s owns split s's weight (splits <= 64 < 128), so the split loop over dims is free of
-// dependent loads: at 64 splits a serial walk over (m, l) costs microseconds of L2 latency.
+// grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+// over the `splits` states (an empty one weighs nothing; all empty: zeros). gp_fd_combine: one L2
+// round trip for up to 64 splits.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_f16(unsigned short* __restrict__ out, const float* __restrict__ ws, int batch,
                      int heads, int head_dim, int splits) {
-    __shared__ float w_s[GP_FD_THREADS];
-    __shared__ float scratch[33];
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
+    __shared__ float sm[(GP_FD_THREADS / 32) * (128 + 2)];
+    const int h = blockIdx.x, b = blockIdx.y, width = head_dim + 2;
     const float* part = ws + ((long long)b * heads + h) * splits * width;
-    const float ms = tid < splits ? part[tid * width] : -INFINITY;
-    const float ls = tid < splits ? part[tid * width + 1] : 0.f;
-    const float mx = gp_block_max(ms, scratch);
-    const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;  // all empty: zeros
-    const float l = gp_block_sum(ls * w, scratch);
-    w_s[tid] = w;
-    __syncthreads();
-    const float inv = l > 0.f ? 1.f / l : 0.f;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
-    for (int d = tid; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < splits; ++s) acc = fmaf(part[s * width + 2 + d], w_s[s], acc);
-        o[d] = gp_f2h(acc * inv);
-    }
+    if (head_dim == 128) gp_fd_combine<128>(o, part, splits, sm);
+    else gp_fd_combine<64>(o, part, splits, sm);
 }

@@ -94,34 +94,22 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
-// hold stale state); a row with no key (a padding row) is zeros. Thread s owns split s's weight
-// (splits <= 128 threads), so the loop over splits per dim has no dependent loads.
+// hold stale state); a row with no key (a padding row) is zeros. gp_fd_combine: one L2 round trip
+// up to 64 splits.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
                        const int* __restrict__ positions, int batch, int heads, int head_dim,
                        int capacity, int span, int splits) {
     GP_PDL_ENTRY();
-    __shared__ float w_s[GP_FD_THREADS];
-    __shared__ float scratch[33];
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, width = head_dim + 2;
+    __shared__ float sm[(GP_FD_THREADS / 32) * (128 + 2)];
+    const int h = blockIdx.x, b = blockIdx.y, width = head_dim + 2;
     const int nkeys = gp_paged_nkeys(positions, b, capacity);
     const int ran = min(splits, (nkeys + span - 1) / span);
     const float* part = ws + ((long long)b * heads + h) * splits * width;
-    const float ms = tid < ran ? part[tid * width] : -INFINITY;
-    const float ls = tid < ran ? part[tid * width + 1] : 0.f;
-    const float mx = gp_block_max(ms, scratch);
-    const float w = (mx != -INFINITY && ls > 0.f) ? expf(ms - mx) : 0.f;
-    const float l = gp_block_sum(ls * w, scratch);
-    w_s[tid] = w;
-    __syncthreads();
-    const float inv = l > 0.f ? 1.f / l : 0.f;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
-    for (int d = tid; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < ran; ++s) acc = fmaf(part[s * width + 2 + d], w_s[s], acc);
-        o[d] = gp_f2h(acc * inv);
-    }
+    if (head_dim == 128) gp_fd_combine<128>(o, part, ran, sm);
+    else if (head_dim == 64) gp_fd_combine<64>(o, part, ran, sm);
+    else gp_fd_combine<16>(o, part, ran, sm);
 }
 
 // grid (ceil(tokens / 64), heads), 128 threads: one prefill chunk of one sequence. Token t <
