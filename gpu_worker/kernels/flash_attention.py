@@ -64,7 +64,7 @@ PREFILL_ROWS = 64          # query rows per prefill block (16 per warp)
 PREFILL_THREADS = 128
 DECODE_THREADS = 128
 DECODE_HEADS_PER_BLOCK = 4
-FLASH_MAX_SPLITS = 64      # most splits per (sequence, head): the combine gives each a thread
+FLASH_MAX_SPLITS = 64      # most splits per (sequence, head): the combine gives a warp at most 16 (one chunk)
 MIN_SPLIT_KEYS = 128       # fewest keys per split worth a block (4 steps of 32 keys)
 
 # CUDA C: cu/flash_attention.cu; its device helpers and templates (cu/flash_device.cuh) are shared

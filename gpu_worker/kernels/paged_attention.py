@@ -59,7 +59,7 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # keys per decode split by the blocks of one split slice (batch * kv_heads * head groups), measured
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
-MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives each split a thread
+MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives a warp at most 32 (a lane each)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
