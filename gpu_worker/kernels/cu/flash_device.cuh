@@ -343,7 +343,9 @@ __device__ __forceinline__ void gp_fd_merge_groups(float* __restrict__ ws, int n
 // the 4 warps' states meet in shared memory (`sm`: 4 * (D + 2) floats), merged in warp order.
 // (A walk over the splits with a few loads in flight costs one L2 latency per few splits: at
 // 64 splits, microseconds.) ran <= 128.
+#ifndef GP_FC_CHUNK
 #define GP_FC_CHUNK 16
+#endif
 template <int D>
 __device__ __forceinline__ void gp_fd_combine(unsigned short* __restrict__ out,
                                               const float* __restrict__ part, int ran,
