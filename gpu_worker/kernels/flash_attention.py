@@ -64,7 +64,8 @@ PREFILL_ROWS = 64          # query rows per prefill block (16 per warp)
 PREFILL_THREADS = 128
 DECODE_THREADS = 128
 DECODE_HEADS_PER_BLOCK = 4
-FLASH_MAX_SPLITS = 64      # most splits per (sequence, head): the combine gives a warp at most 16 (one chunk)
+FLASH_MAX_SPLITS = 64      # most splits per (sequence, head)
+COMBINE_MAX_SPLITS = 128   # most split states one combine block stages (its weights array)
 MIN_SPLIT_KEYS = 128       # fewest keys per split worth a block (4 steps of 32 keys)
 
 # CUDA C: cu/flash_attention.cu; its device helpers and templates (cu/flash_device.cuh) are shared
@@ -165,6 +166,13 @@ def launch_flash_attention_decode_split(device, function, workspace: int, q: int
                    i32(ceil_div(max_len, splits)), f32(_scale(head_dim, scale))], stream=stream)
 
 
+def decode_combine_shared_bytes(splits: int, head_dim: int) -> int:
+    """Dynamic shared memory of one combine block (gp_fd_combine, flash_device.cuh): the
+    `splits` states of its (row, head), fp32 (max, sum, acc[head_dim]) each, then a weight a
+    split (COMBINE_MAX_SPLITS)."""
+    return 4 * (splits * (head_dim + 2) + COMBINE_MAX_SPLITS)
+
+
 def launch_flash_attention_combine(device, function, out: int, workspace: int, batch: int,
                                    heads: int, head_dim: int, splits: int, stream=None) -> None:
     """Merge the per-split states into fp16 out (batch, heads*head_dim)."""
@@ -172,13 +180,14 @@ def launch_flash_attention_combine(device, function, out: int, workspace: int, b
     require_sizes(kernel, batch=batch, heads=heads, head_dim=head_dim, splits=splits)
     require(batch < 65536 and heads < 2**31 and 1 <= splits <= FLASH_MAX_SPLITS,
             f"{kernel}: batch < 65536 and splits in 1..{FLASH_MAX_SPLITS}")
-    require(workspace != 0 and workspace % 4 == 0, f"{kernel}: needs a 4-byte aligned workspace")
+    require(workspace != 0 and workspace % 8 == 0,
+            f"{kernel}: needs an 8-byte aligned workspace (8-byte copies of the states)")
     require(out % 2 == 0, f"{kernel}: out=0x{out:x} must be 2-byte aligned")
     if batch == 0 or heads == 0:
         return
     device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(workspace), i32(batch), i32(heads), i32(head_dim), i32(splits)],
-                  stream=stream)
+                  stream=stream, shared_bytes=decode_combine_shared_bytes(splits, head_dim))
 
 
 def launch_flash_attention_decode(device, split_function, combine_function, out: int,

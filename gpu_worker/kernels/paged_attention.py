@@ -39,10 +39,12 @@ from gpu_worker.kernels.common import (
     require_sizes,
 )
 from gpu_worker.kernels.flash_attention import (
+    COMBINE_MAX_SPLITS,
     DECODE_HEADS_PER_BLOCK,
     DECODE_THREADS,
     PREFILL_ROWS,
     PREFILL_THREADS,
+    decode_combine_shared_bytes,
 )
 from gpu_worker.kernels.reference import (  # noqa: F401  (re-exported: the oracles' old home)
     attention_f16,
@@ -59,7 +61,7 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # keys per decode split by the blocks of one split slice (batch * kv_heads * head groups), measured
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
-MAX_DECODE_SPLITS = 128    # workspace slots per row: the combine gives a warp at most 32 (a lane each)
+MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one combine block stages
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
@@ -172,15 +174,15 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
                   block_tokens=block_tokens)
     splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
     _check_decode(kernel, batch, span, splits)
-    require(workspace and workspace % 4 == 0 and positions,
-            f"{kernel}: needs a 4-byte aligned workspace and positions")
+    require(workspace and workspace % 8 == 0 and positions,
+            f"{kernel}: needs an 8-byte aligned workspace (8-byte copies of the states) and positions")
     require(out % 2 == 0 and heads < 65536, f"{kernel}: out 2-byte aligned, heads < 65536")
     if batch == 0:
         return
     device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(workspace), ptr(positions), i32(batch), i32(heads),
                    i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits)],
-                  stream=stream, pdl=True)
+                  stream=stream, pdl=True, shared_bytes=decode_combine_shared_bytes(splits, head_dim))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,

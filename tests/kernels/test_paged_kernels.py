@@ -48,10 +48,11 @@ def test_sim_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
 
 def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(paged_log) -> None:
     """Prefill <= 168 registers (3 blocks of 4 warps per SM), decode <= 128 (4 blocks): the
-    paged addresser must not cost the flash kernels their occupancy; the combine holds a chunk
-    of 16 splits' loads in registers, unspilled."""
+    paged addresser must not cost the flash kernels their occupancy; the combine (its split
+    states staged in shared memory, not registers) <= 32, 16 blocks of 4 warps per SM at
+    batch 64."""
     for entry, budget in (("gp_flash_prefill_paged", 168), ("gp_flash_decode_split_paged", 128),
-                          ("gp_kv_append_paged", 255), ("gp_flash_combine_paged", 255)):
+                          ("gp_kv_append_paged", 255), ("gp_flash_combine_paged", 32)):
         section = paged_log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
         assert "0 bytes spill stores, 0 bytes spill loads" in section, f"{entry} spills:\n{section}"
         used = int(re.search(r"Used (\d+) registers", section).group(1))

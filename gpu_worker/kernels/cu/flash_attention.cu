@@ -66,15 +66,15 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
 }
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-// over the `splits` states (an empty one weighs nothing; all empty: zeros). gp_fd_combine: one L2
-// round trip for up to 64 splits.
+// over the `splits` states (an empty one weighs nothing; all empty: zeros). gp_fd_combine: the states
+// staged into shared memory in one round trip.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_f16(unsigned short* __restrict__ out, const float* __restrict__ ws, int batch,
                      int heads, int head_dim, int splits) {
-    __shared__ float sm[(GP_FD_THREADS / 32) * (128 + 2)];
+    extern __shared__ float gp_fc_states[];   // decode_combine_shared_bytes
     const int h = blockIdx.x, b = blockIdx.y, width = head_dim + 2;
     const float* part = ws + ((long long)b * heads + h) * splits * width;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
-    if (head_dim == 128) gp_fd_combine<128>(o, part, splits, sm);
-    else gp_fd_combine<64>(o, part, splits, sm);
+    if (head_dim == 128) gp_fd_combine<128>(o, part, splits, gp_fc_states);
+    else gp_fd_combine<64>(o, part, splits, gp_fc_states);
 }

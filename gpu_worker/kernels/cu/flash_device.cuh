@@ -29,6 +29,10 @@ __device__ __forceinline__ unsigned gp_smem(const void* p) {
 __device__ __forceinline__ void gp_cp_async16(unsigned dst, const void* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
 }
+// 8 bytes global -> shared, asynchronously (through L1: cp.async.cg takes 16 only).
+__device__ __forceinline__ void gp_cp_async8(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(dst), "l"(src));
+}
 __device__ __forceinline__ void gp_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void gp_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
@@ -337,70 +341,40 @@ __device__ __forceinline__ void gp_fd_merge_groups(float* __restrict__ ws, int n
 // The combine of one (row, query head): out (fp16, D dims) = sum_s e^(m_s - M) acc_s / sum_s
 // e^(m_s - M) l_s over the `ran` split states at part (a split every D + 2 floats: natural-unit
 // max, sum, acc[D]); a state with l = 0 (an empty split) weighs nothing, and no state at all is
-// zeros. The whole merge is one L2 round trip up to 4 * GP_FC_CHUNK splits: warp w takes splits
-// w, w + 4, ... (its ordinal k of them in lane k for m and l), a lane owns dims lane + 32 i, and
-// every load of a chunk of GP_FC_CHUNK splits (acc, m and l) is issued before the first is used;
-// the 4 warps' states meet in shared memory (`sm`: 4 * (D + 2) floats), merged in warp order.
-// (A walk over the splits with a few loads in flight costs one L2 latency per few splits: at
-// 64 splits, microseconds.) ran <= 128.
-#ifndef GP_FC_CHUNK
-#define GP_FC_CHUNK 16
-#endif
+// zeros. The states are contiguous, so the block stages all of them into shared memory with
+// 8-byte cp.async (part 8-byte aligned) and waits once: one L2 round trip at any split count,
+// and no registers held for it (a walk over the splits with a few loads in flight costs an L2
+// latency per few splits: at 64 splits, microseconds; loads held in registers cost the
+// combine its blocks per SM where the batch is large). Then each warp takes the max over the
+// staged maxima itself, thread s < ran writes split s's weight, and thread d sums dim d over
+// the splits in split order. st: dynamic shared memory of decode_combine_shared_bytes floats
+// (ran * (D + 2), then 128 weights); ran <= 128.
 template <int D>
 __device__ __forceinline__ void gp_fd_combine(unsigned short* __restrict__ out,
                                               const float* __restrict__ part, int ran,
-                                              float* __restrict__ sm) {
-    constexpr int NW = GP_FD_THREADS / 32, W = D + 2, DL = (D + 31) / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int mine = ran > warp ? (ran - warp + NW - 1) / NW : 0;  // this warp's splits (<= 32)
-    const float* pw = part + (long long)warp * W;                   // its ordinal k: + k * NW * W
-    float acc[DL];
-#pragma unroll
-    for (int i = 0; i < DL; ++i) acc[i] = 0.f;
-    float ms = -INFINITY, ls = 0.f, mw = -INFINITY, w = 0.f;
-    for (int c0 = 0; c0 < mine; c0 += GP_FC_CHUNK) {
-        float v[GP_FC_CHUNK][DL];
-#pragma unroll
-        for (int k = 0; k < GP_FC_CHUNK; ++k)
-#pragma unroll
-            for (int i = 0; i < DL; ++i) {
-                const int d = lane + 32 * i;
-                v[k][i] = c0 + k < mine && d < D ? pw[(long long)(c0 + k) * NW * W + 2 + d] : 0.f;
-            }
-        if (c0 == 0) {   // the weights, their loads beside the first chunk's
-            if (lane < mine) {
-                ms = pw[(long long)lane * NW * W];
-                ls = pw[(long long)lane * NW * W + 1];
-            }
-            mw = gp_warp_max(ms);
-            w = mw != -INFINITY && ls > 0.f ? expf(ms - mw) : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < GP_FC_CHUNK; ++k) {
-            const float wk = __shfl_sync(0xffffffffu, w, (c0 + k) & 31);
-#pragma unroll
-            for (int i = 0; i < DL; ++i) acc[i] = fmaf(v[k][i], wk, acc[i]);
-        }
-    }
-    const float lw = gp_warp_sum(ls * w);
-    float* s = sm + warp * W;
-    if (lane == 0) { s[0] = mw; s[1] = lw; }
-#pragma unroll
-    for (int i = 0; i < DL; ++i)
-        if (lane + 32 * i < D) s[2 + lane + 32 * i] = acc[i];
+                                              float* __restrict__ st) {
+    constexpr int W = D + 2;
+    const int tid = threadIdx.x, lane = tid & 31, pairs = ran * W / 2;
+    const unsigned base = gp_smem(st);
+    for (int i = tid; i < pairs; i += blockDim.x) gp_cp_async8(base + 8 * i, part + 2 * i);
+    gp_cp_async_commit();
+    gp_cp_async_wait<0>();
     __syncthreads();
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int x = 0; x < NW; ++x) mx = fmaxf(mx, sm[x * W]);
+    float mx = -INFINITY;
+    for (int s = lane; s < ran; s += 32) mx = fmaxf(mx, st[s * W]);
+    mx = gp_warp_max(mx);
+    float* w_s = st + ran * W;
+    for (int s = tid; s < ran; s += blockDim.x)
+        w_s[s] = mx != -INFINITY && st[s * W + 1] > 0.f ? expf(st[s * W] - mx) : 0.f;
+    __syncthreads();
+    for (int d = tid; d < D; d += blockDim.x) {
         float l = 0.f, o = 0.f;
-        if (mx != -INFINITY)
-#pragma unroll
-            for (int x = 0; x < NW; ++x) {
-                const float e = sm[x * W] != -INFINITY ? expf(sm[x * W] - mx) : 0.f;
-                l = fmaf(sm[x * W + 1], e, l);
-                o = fmaf(sm[x * W + 2 + d], e, o);
-            }
+#pragma unroll 8
+        for (int s = 0; s < ran; ++s) {
+            const float w = w_s[s];
+            l = fmaf(st[s * W + 1], w, l);
+            o = fmaf(st[s * W + 2 + d], w, o);
+        }
         out[d] = gp_f2h(l > 0.f ? o / l : 0.f);
     }
 }

@@ -94,22 +94,22 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
-// hold stale state); a row with no key (a padding row) is zeros. gp_fd_combine: one L2 round trip
-// up to 64 splits.
+// hold stale state); a row with no key (a padding row) is zeros. gp_fd_combine: the states staged
+// into shared memory in one round trip.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
                        const int* __restrict__ positions, int batch, int heads, int head_dim,
                        int capacity, int span, int splits) {
     GP_PDL_ENTRY();
-    __shared__ float sm[(GP_FD_THREADS / 32) * (128 + 2)];
+    extern __shared__ float gp_fc_states[];   // decode_combine_shared_bytes
     const int h = blockIdx.x, b = blockIdx.y, width = head_dim + 2;
     const int nkeys = gp_paged_nkeys(positions, b, capacity);
     const int ran = min(splits, (nkeys + span - 1) / span);
     const float* part = ws + ((long long)b * heads + h) * splits * width;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
-    if (head_dim == 128) gp_fd_combine<128>(o, part, ran, sm);
-    else if (head_dim == 64) gp_fd_combine<64>(o, part, ran, sm);
-    else gp_fd_combine<16>(o, part, ran, sm);
+    if (head_dim == 128) gp_fd_combine<128>(o, part, ran, gp_fc_states);
+    else if (head_dim == 64) gp_fd_combine<64>(o, part, ran, gp_fc_states);
+    else gp_fd_combine<16>(o, part, ran, gp_fc_states);
 }
 
 // grid (ceil(tokens / 64), heads), 128 threads: one prefill chunk of one sequence. Token t <
