@@ -215,9 +215,6 @@ gp_int4_mma(float* y, const unsigned short* __restrict__ x, const unsigned char*
 #ifndef GP_ROW16_CTAS
 #define GP_ROW16_CTAS 4
 #endif
-#ifndef GP_ROW_XPF
-#define GP_ROW_XPF 0   // 1: the 8-row entry loads x's next k-group while one multiplies
-#endif
 #define GP_ROW_MAX_WARPS 16
 // registers a thread for `ctas` blocks of 256 threads per SM, in the allocation's steps of 8
 #define GP_ROW_REGS(ctas) ((65536 / (256 * (ctas))) & ~7)
@@ -275,26 +272,15 @@ struct GpRowLane {
         }
     }
 
-    // x's k-group kg: 8 halves a word j, every n-tile (rows past M read as zero)
-    __device__ __forceinline__ void load_x(uint4 (&xv)[4][NT], int kg) const {
+    // acc += the 16 x 128 weight tile of slot q times x's k-group kg (rows past M read as zero)
+    __device__ __forceinline__ void mma(float (&acc)[NT][4], const GpRowSlot& q, int kg) const {
+        uint4 xv[4][NT];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 xv[j][nt] = xo[nt] != NONE ? __ldg(x + (xo[nt] + 16 * kg + j))
                                            : make_uint4(0u, 0u, 0u, 0u);
-    }
-
-    // acc += the 16 x 128 weight tile of slot q times x's k-group kg
-    __device__ __forceinline__ void mma(float (&acc)[NT][4], const GpRowSlot& q, int kg) const {
-        uint4 xv[4][NT];
-        load_x(xv, kg);
-        mma_x(acc, q, xv);
-    }
-
-    // the same with x's k-group already loaded (xv)
-    __device__ __forceinline__ void mma_x(float (&acc)[NT][4], const GpRowSlot& q,
-                                          const uint4 (&xv)[4][NT]) const {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             unsigned a[2][4];
@@ -334,28 +320,13 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
         if (g0 + d < g1) lane_at.load(ring[d], g0 + d);
     gp_pdl_wait();   // the weights above are in flight; x, y and the next kernel wait for this
     gp_pdl_release();
-    if (GP_ROW_XPF && NT == 1) {   // x's next k-group in flight while this one multiplies
-        uint4 xv[2][4][NT];
-        if (g0 < g1) lane_at.load_x(xv[0], g0);
-        for (int kb = g0; kb < g1; kb += 2 * GP_ROW_DEPTH) {
+    for (int kb = g0; kb < g1; kb += GP_ROW_DEPTH) {
 #pragma unroll
-            for (int d = 0; d < 2 * GP_ROW_DEPTH; ++d) {
-                const int kg = kb + d;
-                if (kg >= g1) break;
-                if (kg + 1 < g1) lane_at.load_x(xv[(d + 1) & 1], kg + 1);
-                lane_at.mma_x(acc, ring[d % GP_ROW_DEPTH], xv[d & 1]);
-                if (kg + GP_ROW_DEPTH < g1) lane_at.load(ring[d % GP_ROW_DEPTH], kg + GP_ROW_DEPTH);
-            }
-        }
-    } else {
-        for (int kb = g0; kb < g1; kb += GP_ROW_DEPTH) {
-#pragma unroll
-            for (int d = 0; d < GP_ROW_DEPTH; ++d) {
-                const int kg = kb + d;
-                if (kg >= g1) break;
-                lane_at.mma(acc, ring[d], kg);
-                if (kg + GP_ROW_DEPTH < g1) lane_at.load(ring[d], kg + GP_ROW_DEPTH);
-            }
+        for (int d = 0; d < GP_ROW_DEPTH; ++d) {
+            const int kg = kb + d;
+            if (kg >= g1) break;
+            lane_at.mma(acc, ring[d], kg);
+            if (kg + GP_ROW_DEPTH < g1) lane_at.load(ring[d], kg + GP_ROW_DEPTH);
         }
     }
 #pragma unroll
