@@ -17,6 +17,7 @@ from gpu_worker.kernels import (
     launch_flash_attention_combine,
     launch_flash_attention_decode_split,
     launch_flash_attention_prefill,
+    launch_flash_combine_paged,
 )
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.flash_attention import (
@@ -24,6 +25,7 @@ from gpu_worker.kernels.flash_attention import (
     SOURCE,
     attention_f16,
     attention_partial_f16,
+    decode_combine_shared_bytes,
 )
 from gpu_worker.kernels.selfcheck import KernelHarness, Outcome
 from gpu_worker.kernels.selfcheck.flash import ATOL, FLASH_CASES, RTOL, sample_rows
@@ -175,6 +177,28 @@ def test_decode_launcher_refuses_bad_inputs_before_the_device(bad, match) -> Non
     with pytest.raises(InvalidArgument, match="splits"):
         launch_flash_attention_combine(rec, None, 0x1000, 0x2000, 1, 32, 128, 0)
     assert not rec.launched, "a refused launch reached the device"
+
+
+def test_combines_refuse_a_workspace_not_8_byte_aligned_and_size_their_shared_states() -> None:
+    """gp_fd_combine stages the states by 8-byte copies: a 4-byte aligned workspace is refused
+    with the reason, and an accepted launch asks for every slot's state and the weights."""
+    class Recorder:
+        def __init__(self) -> None:
+            self.launched: list[dict] = []
+
+        def launch(self, *a, **kw) -> None:
+            self.launched.append(kw)
+
+    rec = Recorder()
+    with pytest.raises(InvalidArgument, match="8-byte aligned"):
+        launch_flash_attention_combine(rec, None, 0x1000, 0x2004, 1, 32, 128, 4)
+    with pytest.raises(InvalidArgument, match="8-byte aligned"):
+        launch_flash_combine_paged(rec, None, 0x1000, 0x2004, 0x3000, 1, 32, 128, 16, 512,
+                                   span=128)
+    assert not rec.launched, "a refused launch reached the device"
+    launch_flash_combine_paged(rec, None, 0x1000, 0x2008, 0x3000, 1, 32, 128, 16, 512, span=128)
+    assert rec.launched[-1]["shared_bytes"] == decode_combine_shared_bytes(64, 128) == \
+        4 * (64 * 130 + 128)
 
 
 def test_empty_launches_are_no_ops_not_zero_sized_grids() -> None:
