@@ -89,7 +89,7 @@ class Device:
         # less what NVML attributes to other processes: NVML's own per-process figure leaves out
         # ~9 MiB per context that cuMemGetInfo counts (H200, driver 580: 518.0 vs 526.8 MiB), and
         # booking it would leave that much unaccounted for ever.
-        self._context_bytes = max(0, (total - free) - backend.others_used_bytes())
+        self._context_bytes = max(0, self.own_used_bytes())
         self.ledger.adopt("context", self._context_bytes)
         self.ledger.add_content("context", self._context_bytes)
         # The streams work runs on, which releases fence on; never the capture stream, which only
@@ -171,15 +171,15 @@ class Device:
         kernel library on an H200 that the ledger used to miss. The drop in free memory across
         the load is booked in `context` (adopted: it is already spent). The exclusive side of the
         gate keeps this process's other threads from committing memory while it is measured, as
-        for graph capture; other processes on the device can still blur it.
+        for graph capture; other processes' allocations meanwhile are left out (own_used_bytes).
         """
         if self.gate.is_capturing_thread():  # measured by the capture around us, if anything
             return self.backend.load_module(image)
         with self.gate.exclusive():
-            free0, _ = self.backend.mem_get_info()
+            own0 = self.own_used_bytes()
             module = self.backend.load_module(image)
-            free1, _ = self.backend.mem_get_info()
-        grown = max(0, free0 - free1)
+            own1 = self.own_used_bytes()
+        grown = max(0, own1 - own0)
         if grown:
             self.ledger.adopt("context", grown)
             self.ledger.add_content("context", grown)
@@ -236,7 +236,7 @@ class Device:
         try:
             if shared:
                 self._capturer = threading.get_ident()
-            free0, _ = self.backend.mem_get_info()
+            own0 = self.own_used_bytes()
             self.backend.begin_capture(stream)
             try:
                 yield cap
@@ -246,8 +246,7 @@ class Device:
                 raise
             graph = self._end_capture(stream)
             cap.graph_exec = self.backend.instantiate(graph)
-            free1, _ = self.backend.mem_get_info()
-            cap.graph_bytes = max(0, free0 - free1)
+            cap.graph_bytes = max(0, self.own_used_bytes() - own0)
             try:
                 self.ledger.commit("graphs", cap.graph_bytes)
             except BaseException:
@@ -366,11 +365,35 @@ class Device:
         free, total = self.backend.mem_get_info()
         return total - free, self.backend.process_used_bytes()
 
+    def used_and_others(self, attempts: int = 4) -> tuple[int, int]:
+        """(device-used bytes, other processes' bytes) as one snapshot. Hazard: the two come from
+        two calls (cuMemGetInfo, then NVML), so a process that allocates or frees between them
+        shows up in one and not the other, and this process looks off by that much (seen with
+        GPU tests in parallel processes). Contract: NVML is read before and after the device
+        and the pair is taken once both reads agree, else retried; after `attempts` the last
+        pair is returned. Cost: one NVML query more a reading, more only while others move."""
+        others = self.backend.others_used_bytes()
+        for _ in range(attempts):
+            free, total = self.backend.mem_get_info()
+            used = total - free
+            after = self.backend.others_used_bytes()
+            if after == others:
+                break
+            others = after
+        return used, others
+
     def unaccounted_bytes(self) -> int:
         """Device-used bytes the ledger does not explain (0 when every byte is booked): the
         device's use less what NVML attributes to other processes, less this ledger."""
-        used, _ = self.truth()
-        return used - self.backend.others_used_bytes() - self.ledger.total_committed()
+        used, others = self.used_and_others()
+        return used - others - self.ledger.total_committed()
+
+    def own_used_bytes(self) -> int:
+        """This process's share of the device's use (device-used less other processes' bytes,
+        one settled snapshot): what a call allocated is the change in it across the call, with
+        other processes' allocations meanwhile left out (module loads, captures, cuBLAS)."""
+        used, others = self.used_and_others()
+        return used - others
 
     def unaccounted_tolerance(self) -> int:
         """How far unaccounted may drift before it is a fault: 1 % of device use or one granule

@@ -96,11 +96,11 @@ class Blas(ABC):
             raise DeviceError("blas.warm: called while this thread captures; warm up first")
         stream = device.stream if stream is None else stream
         with device.gate.exclusive():   # nothing else in the process allocates while we measure
-            free0, _ = device.backend.mem_get_info()
+            own0 = device.own_used_bytes()
             run()
             device.backend.synchronize_stream(stream)
-            free1, _ = device.backend.mem_get_info()
-        self._book(max(0, free0 - free1))
+            own1 = device.own_used_bytes()
+        self._book(max(0, own1 - own0))
         self._warm |= new
         return True
 
@@ -165,15 +165,15 @@ class CublasBlas(Blas):
         if device.gate.is_capturing_thread():
             raise DeviceError("cublasCreate: refused while this thread captures (it allocates)")
         with device.gate.exclusive():
-            free0, _ = device.backend.mem_get_info()
+            own0 = device.own_used_bytes()
             self._check(self._lib.cublasCreate_v2(ctypes.byref(self._handle)), "cublasCreate_v2")
-            free1, _ = device.backend.mem_get_info()
+            own1 = device.own_used_bytes()
         try:
             super().__init__(device)
         except BaseException:
             self._lib.cublasDestroy_v2(self._handle)
             raise
-        self._book(max(0, free0 - free1))
+        self._book(max(0, own1 - own0))
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         # a handle is not safe for concurrent use: set-stream, set-workspace and the GEMM of one
         # call must not interleave with another thread's (two models on one device)

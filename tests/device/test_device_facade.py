@@ -12,6 +12,7 @@ import pytest
 from gpu_worker.device import Device, open_device
 from gpu_worker.device.backend import CaptureInvalidated, DeviceError, i64, ptr
 from gpu_worker.device.gate import CaptureGate
+from gpu_worker.device.sim_backend import SimBackend
 from tests.device.conftest import GRANULE, IMAGE, make_device
 
 
@@ -150,6 +151,76 @@ def test_the_ledger_explains_every_device_byte_after_a_mixed_workload(dev):
     for a in kept:
         dev.arena.free(a)
     assert dev.stats()["fault_underflow"] == 0
+
+
+class _NeighbourBackend(SimBackend):
+    """A sim device shared with another process that allocates `step` bytes at each of its
+    first `moves` device reads, between that read and the NVML query after it (the race of
+    GPU tests run in parallel processes)."""
+
+    def __init__(self, step: int, moves: int, **kw) -> None:
+        super().__init__(**kw)
+        self.neighbour, self.step, self.moves = 0, step, moves
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = super().mem_get_info()
+        free -= self.neighbour                       # the device sees the neighbour's bytes...
+        if self.moves > 0:
+            self.moves -= 1
+            self.neighbour += self.step              # ...and it allocates right after this read
+        return free, total
+
+    def others_used_bytes(self) -> int:
+        return self.neighbour
+
+
+def _beside(neighbour: _NeighbourBackend) -> Device:
+    return Device(neighbour, reserve_bytes=256 << 20, gate=CaptureGate(), report_interval_s=0)
+
+
+def test_a_neighbour_allocating_between_the_two_reads_is_not_counted_as_ours() -> None:
+    backend = _NeighbourBackend(step=64 * GRANULE, moves=4, total_bytes=256 << 20,
+                                granule_bytes=GRANULE, context_bytes=16 << 20)
+    d = _beside(backend)   # the context baseline is read while the neighbour moves, too
+    try:
+        assert d.ledger.snapshot()["context"][0] == 16 << 20, "the neighbour's bytes were booked"
+        d.arena.alloc(GRANULE, "kv")
+        assert d.unaccounted_bytes() == 0, "the neighbour's moving bytes were counted as ours"
+        assert backend.moves == 0, "the readings did not see the neighbour move"
+        assert d.bookkeeping_faults() == 0
+        assert d.used_and_others()[1] == backend.neighbour == 4 * 64 * GRANULE
+    finally:
+        d.close()
+
+
+def test_what_a_module_load_and_a_capture_book_leaves_out_the_neighbours_bytes() -> None:
+    backend = _NeighbourBackend(step=64 * GRANULE, moves=0, total_bytes=256 << 20,
+                                granule_bytes=GRANULE, context_bytes=16 << 20)
+    d = _beside(backend)
+    try:
+        backend.moves = 3                    # settled by the 4th reading of its 4 attempts
+        d.load_module(IMAGE)                 # the sim's module takes no device memory
+        assert d.ledger.snapshot()["context"][0] == 16 << 20
+        backend.moves = 3
+        with d.capture() as cap:
+            pass
+        assert cap.graph_bytes < 64 * GRANULE, "the neighbour's allocation was booked as graphs"
+        assert d.unaccounted_bytes() == 0
+        d.destroy_graph_exec(cap.graph_exec)
+    finally:
+        d.close()
+
+
+def test_a_neighbour_that_never_settles_gives_up_after_the_attempts() -> None:
+    backend = _NeighbourBackend(step=GRANULE, moves=100, total_bytes=256 << 20,
+                                granule_bytes=GRANULE, context_bytes=16 << 20)
+    d = _beside(backend)
+    try:
+        moves = backend.moves
+        d.used_and_others(attempts=3)
+        assert moves - backend.moves == 3, "the reading did not stop after its attempts"
+    finally:
+        d.close()
 
 
 def test_truth_is_reported_to_the_budget_owner_with_the_zones(dev):

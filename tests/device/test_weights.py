@@ -172,6 +172,7 @@ def test_a_capture_using_resident_slots_never_deadlocks_with_a_page_in_on_anothe
     dev.weights.add("r", np.ones(1000, np.uint8))
     dev.weights.add("x", np.ones(3 * GRANULE, np.uint8))
     dev.weights.ensure_resident(["r"])
+    dev.synchronize(dev.copy_stream)   # r's page-in has landed: the captures find it resident
     stop = threading.Event()
     errors: list[BaseException] = []
 
