@@ -19,8 +19,8 @@ the median replay / reps (bench/attention_bench.median_replay).
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
 
 `--rows-sweep` times gp_int4_mma_rows / rows16 built with other pipeline depths and blocks per
-SM, with a long K over 8 or 16 warps (ROWS_BUILDS; each build first checked against
-gp_int4_mma's result), gp_int4_mma_rows(16)_async in every ROW_ASYNC_BUILDS build (checked
+SM, with a long K (in one build every K) over 8 or 16 warps (ROWS_BUILDS; each build first
+checked against gp_int4_mma's result), gp_int4_mma_rows(16)_async in every ROW_ASYNC_BUILDS build (checked
 against the library rows kernels' bits) and gp_int4_mma at 1 / 8 / 16 rows: the figures
 int4_batched.ROW_DEPTH, ROW_CTAS, ROW16_CTAS, ROW_LONG_K_WARPS and ROW_ASYNC_* are set from,
 and what says whether mma_kernel should route 1..16 rows to the async kernels. `--mt-sweep` also times, per shape and batch of 2..64 rows, every 16-row-tile count per warp the
@@ -150,8 +150,10 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
 
 
 ROWS_SWEEP_BATCHES = (1, 8, 16)
-# depth, ctas, rows16 ctas, warps of a long-K block (K over 8 warps is gp_int4_mma's split)
-ROWS_BUILDS = ((2, 4, 3, 8), (2, 4, 4, 8), (2, 4, 4, 16), (3, 4, 4, 16), (2, 3, 3, 16))
+# depth, ctas, rows16 ctas, warps of a long-K block (K over 8 warps is gp_int4_mma's split), and
+# where given, warps of a block below ROW_LONG_K_GROUPS (else 8: gp_int4_mma's split)
+ROWS_BUILDS = ((2, 4, 3, 8), (2, 4, 4, 8), (2, 4, 4, 16), (3, 4, 4, 16), (2, 3, 3, 16),
+               (2, 4, 4, 16, 16))
 
 
 def rows_kernels(depth: int, ctas: int, ctas16: int):
@@ -184,7 +186,7 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
                                            False), reps, trials)
         for build in ROWS_BUILDS:
             kdef = rows_kernels(*build[:3])[0 if b <= 8 else 1]
-            warps = build[3] if row_warps(k) != 8 else 8
+            warps = build[3] if row_warps(k) != 8 else (build[4] if len(build) > 4 else 8)
             kdef.launcher(dev, h.function(kdef), y, x, packed, scales, 0, b, n, k, warps=warps)
             got = h.get(y, (b, n))
             same = (np.array_equal(got, want) if warps == 8
@@ -211,8 +213,8 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
 
 def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
     builds = [*ROWS_BUILDS, *(("async", s, c) for s, c in ROW_ASYNC_BUILDS)]
-    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps; async/stages/"
-          f"ctas: gp_int4_mma_rows(16)_async; mma = gp_int4_mma):    mma "
+    print(f"  {name} n={n} k={k} rows sweep, us (depth/ctas/ctas16/long-K warps[/short-K warps]; "
+          f"async/stages/ctas: gp_int4_mma_rows(16)_async; mma = gp_int4_mma):    mma "
           + " ".join(f"{'/'.join(map(str, b)):>11}" for b in builds))
     for b in ROWS_SWEEP_BATCHES:
         print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
@@ -542,7 +544,8 @@ def main() -> int:
         targets.figure(f"decode step int4 linears, {b} rows, dequant tile + cuBLAS",
                        step_tensor[b] * 1e3, "ms")
     if args.rows_sweep:
-        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps; "
+        print("decode step's linears on each rows build (depth/ctas/ctas16/long-K warps[/short-K "
+              "warps]; "
               "async/stages/ctas; mma = gp_int4_mma), ms:")
         for b in ROWS_SWEEP_BATCHES:
             print(f"  batch {b:3d}: " + "  ".join(
