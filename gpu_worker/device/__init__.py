@@ -214,6 +214,14 @@ class Device:
         self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c,
                             pdl and self.dependent_launch)
 
+    def set_shared_carveout(self, function: object, percent: int) -> None:
+        """`function`'s preferred L1 / shared memory split (Backend.set_shared_carveout): -1
+        (no preference) or 0..100 percent of the most shared memory."""
+        if not (percent == -1 or 0 <= percent <= 100):
+            raise InvalidArgument(f"shared carveout {percent}: want -1 (no preference) or 0..100")
+        with self.gate.shared():
+            self.backend.set_shared_carveout(function, percent)
+
     def stream_for(self, stream: object = None) -> object:
         """The stream work asked for on `stream` (None: the shared stream) really goes to: the
         capture stream while this thread captures the shared stream, else `stream` itself."""

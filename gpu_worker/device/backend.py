@@ -196,6 +196,12 @@ class Backend(ABC):
         programmatic dependent launch (the kernel may start before the previous one on the
         stream ends, and waits for it with griddepcontrol.wait)."""
 
+    def set_shared_carveout(self, function: object, percent: int) -> None:
+        """The share of the SM's unified L1 / shared memory `function` prefers, in percent of
+        the most shared memory (-1: no preference, the default; a hint the driver may
+        override). Kernels that run side by side (dependent launch) fit one SM only in one
+        configuration. The sim has no L1: nothing to set."""
+
     # -- graphs --------------------------------------------------------------------------------
     @abstractmethod
     def begin_capture(self, stream: object) -> None:

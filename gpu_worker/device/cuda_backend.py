@@ -352,6 +352,13 @@ class CudaBackend(Backend):
         config.numAttrs = len(attrs)
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
+    def set_shared_carveout(self, function: Any, percent: int) -> None:
+        self._current()
+        d = _drv()
+        check(d.cuFuncSetAttribute(
+            function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            percent), "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")
+
     # -- graphs --------------------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:
         self._current()

@@ -85,3 +85,13 @@ def test_builds_are_named_macro_lists_and_a_malformed_one_stops_the_run():
             assert "NAME=MACRO:INT" in str(e)
         else:
             raise AssertionError(f"--build {bad!r} was accepted")
+
+
+def test_the_carveout_rows_are_recorded_as_their_time_over_the_librarys(tmp_path):
+    carved = dict(row("carveout", 1, DECODE_ATTENTION_CTX, 19.0, 0.58), carveout=100)
+    _, lines = recorded(tmp_path, [row("new", 1, DECODE_ATTENTION_CTX, 23.0, 0.48), carved])
+    ratio = lines[f"paged decode batch 1, {DECODE_ATTENTION_CTX} keys: carveout 100 % / no "
+                  "preference time"]
+    assert abs(ratio["value"] - 19.0 / 23.0) < 1e-9 and ratio["unit"] == "ratio"
+    assert dab.parse_args(["--carveout", "100"]).carveout == 100
+    assert dab.parse_args([]).carveout is None

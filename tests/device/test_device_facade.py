@@ -13,6 +13,7 @@ from gpu_worker.device import Device, open_device
 from gpu_worker.device.backend import CaptureInvalidated, DeviceError, i64, ptr
 from gpu_worker.device.gate import CaptureGate
 from gpu_worker.device.sim_backend import SimBackend
+from services.common.errors import InvalidArgument
 from tests.device.conftest import GRANULE, IMAGE, make_device
 
 
@@ -344,3 +345,12 @@ def test_another_threads_launch_on_the_default_stream_runs_while_a_capture_is_op
     dev.arena.free(mine)
     dev.arena.free(theirs)
     assert seen and (seen[0] == 1).all(), "the other thread's launch never ran: it was captured"
+
+
+def test_a_shared_carveout_outside_its_range_is_refused(dev):
+    fn = dev.get_function(dev.load_module(IMAGE), "add_one")
+    for percent in (-1, 0, 50, 100):
+        dev.set_shared_carveout(fn, percent)
+    for bad in (-2, 101):
+        with pytest.raises(InvalidArgument, match="shared carveout"):
+            dev.set_shared_carveout(fn, bad)
