@@ -18,7 +18,7 @@
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
 #ifndef GP_FD_STAGE
-#define GP_FD_STAGE 1  // paged, tensor-core block: the next tile in flight to a shared slot by cp.async (0: loaded when its turn comes)
+#define GP_FD_STAGE 0  // paged, tensor-core block: the next tile in flight to a shared slot by cp.async (0: loaded when its turn comes)
 #endif
 // The split block's shared floats. The merge: NGRP * HPB * (D + 2) at any head_dim, NGRP = 128 /
 // (D / 8), largest at head_dim 16 (64 groups). A staged tensor-core block (STAGE): every
