@@ -17,16 +17,16 @@ as such).
    recorded. `--build NAME=MACRO:V,...` times other builds (paged_attention.decode_split_build)
    the same way and at spans 64-512 at batch 1 and 8, printed only. Every build's output must
    agree with the library's within the kernels' tolerance, or the run stops.
-5. with `--carveout PCT`: the library build with the split and combine kernels' preferred
-   shared-memory carveout at PCT % (Device.set_shared_carveout; -1 is the default, no
-   preference), same rows as [1]; its time over the library's is recorded.
+5. with `--carveout PCT[:split|combine]` (repeatable): the library build with the split's, the
+   combine's or both kernels' preferred shared-memory carveout at PCT % (Device.set_shared_carveout;
+   the default is no preference), same rows as [1]; its time over the library's is recorded.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at ctx 8192 the default span reads the KV
 at >= 0.8 of copy at every batch; a miss prints MISSED and the process exits 1. Every other row is
 a recorded figure without a target.
 
     python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--cuda-core] [--no-sweep]
-        [--build NAME=GP_FD_X:1 ...] [--carveout PCT] [--json OUT.json] [--record [DIR]]
+        [--build NAME=GP_FD_X:1 ...] [--carveout PCT[:split|combine]] [--json OUT.json] [--record [DIR]]
 """
 from __future__ import annotations
 
@@ -103,10 +103,10 @@ class Bench:
 
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
                build: dict[str, int] | None = None,
-               carveout: int | None = None) -> tuple[float, int, np.ndarray]:
+               carveout: tuple[int, str] | None = None) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output); `carveout`:
-        both kernels' preferred shared-memory carveout while timed (Device.set_shared_carveout),
-        back to no preference after."""
+        (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
+        while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
         used = -(-ctx // BT)
@@ -132,15 +132,15 @@ class Bench:
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
                 max_blocks, span=span, stream=s)
 
-        if carveout is not None:
-            dev.set_shared_carveout(fs, carveout)
-            dev.set_shared_carveout(fc, carveout)
+        percent, which = carveout or (-1, "")
+        carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
+        for f in carved:
+            dev.set_shared_carveout(f, percent)
         try:
             t = self._time([one(i) for i in range(layers)])
         finally:
-            if carveout is not None:
-                dev.set_shared_carveout(fs, -1)
-                dev.set_shared_carveout(fc, -1)
+            for f in carved:
+                dev.set_shared_carveout(f, -1)
         got = h.get(out, (batch * HEADS * HD,), np.float16)
         h.close()
         return t, kv_bytes, got
@@ -152,9 +152,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cuda-core", action="store_true",
                     help="also time the lane-group split block (section [4])")
     ap.add_argument("--no-sweep", action="store_true", help="skip the span sweep (section [2])")
-    ap.add_argument("--carveout", type=int, default=None, metavar="PCT",
-                    help="also time the library build with both kernels' preferred shared-memory "
-                         "carveout at PCT percent ([5])")
+    ap.add_argument("--carveout", action="append", default=[], type=parse_carveout,
+                    metavar="PCT[:split|combine]", help="also time the library build with the "
+                    "split's, the combine's or both kernels' (the default) preferred "
+                    "shared-memory carveout at PCT percent ([5]; repeatable)")
     ap.add_argument("--build", action="append", default=[], type=parse_build,
                     metavar="NAME=MACRO:V[,MACRO:V]", help="also time this split build ([4])")
     add_record_flag(ap)
@@ -170,6 +171,24 @@ def parse_build(text: str) -> tuple[str, dict[str, int]]:
         raise SystemExit(f"--build {text!r}: want NAME=MACRO:INT[,MACRO:INT]") from None
 
 
+def parse_carveout(text: str) -> tuple[int, str]:
+    """`100` -> (100, "both"), `100:split` -> (100, "split")."""
+    pct, _, which = text.partition(":")
+    which = which or "both"
+    try:
+        percent = int(pct)
+    except ValueError:
+        percent = -2
+    if not 0 <= percent <= 100 or which not in ("both", "split", "combine"):
+        raise SystemExit(f"--carveout {text!r}: want PCT[:split|combine], PCT 0..100")
+    return percent, which
+
+
+def carveout_label(carveout: tuple[int, str]) -> str:
+    percent, which = carveout
+    return f"carveout {percent} %" + ("" if which == "both" else f" on the {which}")
+
+
 def decode_name(batch: int, ctx: int) -> str:
     return f"paged decode batch {batch}, {ctx} keys"
 
@@ -181,7 +200,7 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
     new = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "new"}
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
     lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
-    carve = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "carveout"}
+    carve = [r for r in rows if r["section"] == "carveout"]
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
         targets.figure(f"{name}: time", r["us"], "us")
@@ -196,9 +215,10 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in lanes:
             targets.figure(f"{name}: lane-group block / tensor-core block time",
                            lanes[batch, ctx]["us"] / r["us"], "ratio")
-        if (batch, ctx) in carve:
-            targets.figure(f"{name}: carveout {carve[batch, ctx]['carveout']} % / no preference "
-                           "time", carve[batch, ctx]["us"] / r["us"], "ratio")
+        for c in carve:
+            if (c["batch"], c["ctx"]) == (batch, ctx):
+                targets.figure(f"{name}: {carveout_label(c['carveout'])} / no preference time",
+                               c["us"] / r["us"], "ratio")
     empty = [r for r in rows if r["section"] == "empty"]
     if len(empty) == 2:
         full, tight = empty
@@ -278,12 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                     for sp in (64, 128, 256, 512):
                         if sp != span:
                             row(name + "-span", batch, ctx, sp, build=build)
-    if args.carveout is not None:
-        print(f"\n[5] the library build, split and combine at carveout {args.carveout} %")
+    for carveout in args.carveout:
+        print(f"\n[5] the library build, {carveout_label(carveout)}")
         for batch in (1, 8, 32, 64):
             span = paged_decode_span(TABLE // BT, BT, batch, HEADS, KVH)
             for ctx in (1024, 8192):
-                other = row("carveout", batch, ctx, span, carveout=args.carveout)
+                other = row("carveout", batch, ctx, span, carveout=carveout)
                 new = next(r for r in rows if r["section"] == "new" and r["batch"] == batch
                            and r["ctx"] == ctx)
                 print(f"{'':>8} carveout / library time {other['us'] / new['us']:.2f}")

@@ -88,10 +88,24 @@ def test_builds_are_named_macro_lists_and_a_malformed_one_stops_the_run():
 
 
 def test_the_carveout_rows_are_recorded_as_their_time_over_the_librarys(tmp_path):
-    carved = dict(row("carveout", 1, DECODE_ATTENTION_CTX, 19.0, 0.58), carveout=100)
-    _, lines = recorded(tmp_path, [row("new", 1, DECODE_ATTENTION_CTX, 23.0, 0.48), carved])
-    ratio = lines[f"paged decode batch 1, {DECODE_ATTENTION_CTX} keys: carveout 100 % / no "
-                  "preference time"]
+    both = dict(row("carveout", 1, DECODE_ATTENTION_CTX, 19.0, 0.58), carveout=(100, "both"))
+    split = dict(row("carveout", 1, DECODE_ATTENTION_CTX, 21.0, 0.52), carveout=(100, "split"))
+    _, lines = recorded(tmp_path, [row("new", 1, DECODE_ATTENTION_CTX, 23.0, 0.48), both, split])
+    name = f"paged decode batch 1, {DECODE_ATTENTION_CTX} keys"
+    ratio = lines[f"{name}: carveout 100 % / no preference time"]
     assert abs(ratio["value"] - 19.0 / 23.0) < 1e-9 and ratio["unit"] == "ratio"
-    assert dab.parse_args(["--carveout", "100"]).carveout == 100
-    assert dab.parse_args([]).carveout is None
+    ratio = lines[f"{name}: carveout 100 % on the split / no preference time"]
+    assert abs(ratio["value"] - 21.0 / 23.0) < 1e-9
+
+
+def test_carveouts_are_a_percent_and_the_kernels_they_apply_to():
+    args = dab.parse_args(["--carveout", "100", "--carveout", "44:combine"])
+    assert args.carveout == [(100, "both"), (44, "combine")]
+    assert dab.parse_args([]).carveout == []
+    for bad in ("x", "101", "-1", "100:both2"):
+        try:
+            dab.parse_carveout(bad)
+        except SystemExit as e:
+            assert "PCT[:split|combine]" in str(e)
+        else:
+            raise AssertionError(f"--carveout {bad!r} was accepted")
