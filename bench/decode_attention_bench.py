@@ -106,7 +106,7 @@ class Bench:
                carveout: tuple[int, str] | None = None) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output); `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
-        while timed (Device.set_shared_carveout), back to no preference after."""
+        while timed (Device.set_shared_carveout), back to the kernel's own after."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
         used = -(-ctx // BT)
@@ -125,7 +125,8 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
+        ks, kc = decode_split_build(**(build or {})), FLASH_COMBINE_PAGED
+        fs, fc = h.function(ks), h.function(kc)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
@@ -133,14 +134,15 @@ class Bench:
                 max_blocks, span=span, stream=s)
 
         percent, which = carveout or (-1, "")
-        carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
-        for f in carved:
+        carved = [(f, k) for f, k, name in ((fs, ks, "split"), (fc, kc, "combine"))
+                  if which in (name, "both")]
+        for f, _ in carved:
             dev.set_shared_carveout(f, percent)
         try:
             t = self._time([one(i) for i in range(layers)])
         finally:
-            for f in carved:
-                dev.set_shared_carveout(f, -1)
+            for f, k in carved:
+                dev.set_shared_carveout(f, k.carveout)
         got = h.get(out, (batch * HEADS * HD,), np.float16)
         h.close()
         return t, kv_bytes, got
