@@ -14,7 +14,8 @@ SiLU, sampling, embedding) and the gaps (span minus the kernels' busy time: laun
 between graph nodes). No targets: the issues' targets are in batching_bench and
 int4_batched_bench; this says where to look.
 
-    python bench/step_anatomy_bench.py [--batches 1,8,32,64 --record]   # on the GPU machine
+    python bench/step_anatomy_bench.py [--batches 1,8,32,64 --prompt 512 --split-carveout PCT
+        --record]   # on the GPU machine
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from gpu_worker.device import open_device
 from gpu_worker.engines.scheduler.sampling import GREEDY
 from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.kernels.paged_attention import FLASH_DECODE_SPLIT_PAGED
 from gpu_worker.models.configs import get_config
 from gpu_worker.models.paged import PagedDecoderModel
 
@@ -127,6 +129,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12, help="decode steps traced per mode")
+    ap.add_argument("--split-carveout", type=int, default=None, metavar="PCT",
+                    help="the decode split kernel's preferred shared-memory carveout "
+                         "(Device.set_shared_carveout), set before any graph is captured")
     add_record_flag(ap)
     args = ap.parse_args()
     try:
@@ -139,10 +144,17 @@ def main() -> int:
     dev = open_device("cuda")
     compiler = KernelCompiler(dev.info.arch, cache_dir=Path(tempfile.mkdtemp()))
     batches = [int(b) for b in args.batches.split(",")]
-    model = PagedDecoderModel(ModelExecutor(dev, compiler), cfg, 0, max_batch_size=max(batches))
+    executor = ModelExecutor(dev, compiler)
+    model = PagedDecoderModel(executor, cfg, 0, max_batch_size=max(batches))
     model.load()
+    # figures of another prompt or carveout than the defaults say so in their names
+    variant = ((f", prompt {args.prompt}" if args.prompt != 512 else "")
+               + (f", split carveout {args.split_carveout} %"
+                  if args.split_carveout is not None else ""))
+    if args.split_carveout is not None:
+        dev.set_shared_carveout(executor.function(FLASH_DECODE_SPLIT_PAGED), args.split_carveout)
     print(f"device {dev.info.name}, {args.config}, prompt {args.prompt}, {args.steps} steps per "
-          "trace", flush=True)
+          f"trace{variant}", flush=True)
     for b in batches:
         spans, fams, shapes = {}, collections.defaultdict(list), collections.defaultdict(list)
         for pdl in (False, True):
@@ -171,15 +183,17 @@ def main() -> int:
             nodes = statistics.median(len(s) for s in steps)
         print(f"\nbatch {b}: step span {spans[False]:.0f} us serialized, {spans[True]:.0f} us with "
               f"dependent launch ({nodes:.0f} kernels a step)", flush=True)
-        targets.figure(f"decode step span, batch {b}, serialized", spans[False], "us")
-        targets.figure(f"decode step span, batch {b}, dependent launch", spans[True], "us")
+        targets.figure(f"decode step span, batch {b}{variant}, serialized", spans[False], "us")
+        targets.figure(f"decode step span, batch {b}{variant}, dependent launch", spans[True],
+                       "us")
         for f, vs in sorted(fams.items(), key=lambda kv: -statistics.median(kv[1])):
             v = statistics.median(vs)
             print(f"  {f:<24} {v:8.0f} us  {v / spans[False]:5.1%}", flush=True)
-            targets.figure(f"decode step {f}, batch {b}", v, "us")
+            targets.figure(f"decode step {f}, batch {b}{variant}", v, "us")
         for n, vs in sorted(shapes.items(), key=lambda kv: -statistics.median(kv[1])):
             print(f"    {n:<22} {statistics.median(vs):8.0f} us", flush=True)
-            targets.figure(f"decode step int4 {n}, batch {b}", statistics.median(vs), "us")
+            targets.figure(f"decode step int4 {n}, batch {b}{variant}", statistics.median(vs),
+                           "us")
     dev.close()
     return targets.exit_code()
 
