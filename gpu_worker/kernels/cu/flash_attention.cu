@@ -54,9 +54,9 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
     __shared__ float smem[GP_FD_SMEM];
 #if GP_FD_MMA
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, false, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
+        gp_fd_split_block_mma<128, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
     else
-        gp_fd_split_block_mma<64, false, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
+        gp_fd_split_block_mma<64, false>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, -1);
 #else
     if (head_dim == 128)
         gp_fd_split_block<128>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);

@@ -17,16 +17,9 @@
 #ifndef GP_FD_EARLY
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
-#ifndef GP_FD_STAGE
-#define GP_FD_STAGE 0  // paged, tensor-core block: the next tile in flight to a shared slot by cp.async (0: loaded when its turn comes)
-#endif
-// The split block's shared floats. The merge: NGRP * HPB * (D + 2) at any head_dim, NGRP = 128 /
-// (D / 8), largest at head_dim 16 (64 groups). A staged tensor-core block (STAGE): every
-// thread's slot of one K/V tile (16 chunks of 16 bytes at head_dim 128), which the merge reuses
-// after the last tile.
+// the split block's shared floats at any head_dim: NGRP * HPB * (D + 2), NGRP = 128 / (D / 8),
+// largest at head_dim 16 (64 groups)
 #define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
-#define GP_FD_STAGE_FLOATS (GP_FD_THREADS * 16 * 4)
-#define GP_FD_SMEM_STAGED (GP_FD_STAGE_FLOATS > GP_FD_SMEM ? GP_FD_STAGE_FLOATS : GP_FD_SMEM)
 
 __device__ __forceinline__ unsigned gp_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -519,14 +512,7 @@ __device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, in
 // EARLY (a kernel launched with dependent launch that has not waited yet): each warp's first
 // tile of K and V is loaded before gp_pdl_wait, all but key `fresh` (the row's newest, which the
 // kernel before it, the rope + append, writes); that key and Q are read after the wait.
-//
-// STAGE (smem of GP_FD_SMEM_STAGED floats): while a tile multiplies from registers, the warp's
-// next tile is already in flight by 16-byte cp.async into each thread's own shared slot; its K
-// comes back to registers before its tile and its V after the tile's softmax (K's and V's
-// registers are not live together), and only then is the tile after it issued into the slot.
-// So a warp has two tiles in flight from its start and one during every tile, at the same 128
-// registers (a second tile in registers, GP_FD_PIPE, took 163 and 3 blocks per SM).
-template <int D, bool EARLY, bool STAGE, class KV>
+template <int D, bool EARLY, class KV>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
@@ -552,39 +538,6 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
 #pragma unroll
         for (int r = 0; r < 4; ++r) load_v(vv[r], vrow(n0, r), skip);
     };
-    // STAGE: this thread's slot, chunk c at smem[(c * 128 + tid) * 4] (a warp's chunk c is
-    // 512 contiguous bytes: conflict-free). Each thread copies and reads back only its own
-    // chunks, so its cp.async.wait_group is the only ordering needed, and rows at or past j1
-    // are zero-filled without being addressed (source size 0; q stands in as the address).
-    const unsigned slot = gp_smem(smem) + 16u * threadIdx.x;
-    auto stage_row = [&](int c0, const KV& kv, int row, int off, int stride, int n) {
-        const bool in = row < j1;
-        const unsigned short* p = in ? kv.row(row) + off : q;
-#pragma unroll
-        for (int i = 0; i < n; ++i)
-            gp_cp_async16(slot + 16u * GP_FD_THREADS * (c0 + i), in ? p + stride * i : q, in ? 16 : 0);
-    };
-    auto stage = [&](int n0) {  // the tile at n0 into the slot: K rows n0 + g, + 8, then V's 4
-        stage_row(0, k, n0 + g, 8 * t, 32, KC);
-        stage_row(KC, k, n0 + g + 8, 8 * t, 32, KC);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) stage_row(2 * KC + r * VC, v, vrow(n0, r), 8 * g, 64, VC);
-        gp_cp_async_commit();
-    };
-    // The slot's tile back into registers (this thread's copies landed): K before the tile,
-    // V after its softmax, so K's and V's registers are not live together
-    const uint4* mine = reinterpret_cast<const uint4*>(smem) + threadIdx.x;
-    auto unstage_k = [&]() {
-        gp_cp_async_wait<0>();
-#pragma unroll
-        for (int i = 0; i < KC; ++i) { ka[i] = mine[GP_FD_THREADS * i]; kb[i] = mine[GP_FD_THREADS * (KC + i)]; }
-    };
-    auto unstage_v = [&]() {
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < VC; ++c) vv[r][c] = mine[GP_FD_THREADS * (2 * KC + r * VC + c)];
-    };
     const int first = j0 + 16 * warp;
     if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
@@ -607,9 +560,7 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
     }
     // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
-    // restage (STAGE's loop): between the softmax and the PV product, V out of the slot,
-    // then the tile after this one into it
-    auto tile = [&](int n0, bool restage) {
+    auto tile = [&](int n0) {
         const int kr[2] = {n0 + g, n0 + g + 8};
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -659,10 +610,6 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             bh[0] = g & 1 ? xh1 : xh0; bh[1] = g & 1 ? yh1 : yh0;
             bl[0] = g & 1 ? xl1 : xl0; bl[1] = g & 1 ? yl1 : yl0;
         }
-        if (STAGE && restage) {
-            unstage_v();
-            if (n0 + 16 * NW < j1) stage(n0 + 16 * NW);
-        }
 #pragma unroll
         for (int c = 0; c < VC; ++c) {
 #pragma unroll
@@ -678,21 +625,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-    if (STAGE) {  // a tile in registers, the next one in flight to the slot
-        if (!EARLY && first < j1) load(first, -1);
-        if (first + 16 * NW < j1) stage(first + 16 * NW);
-        if (first < j1) tile(first, false);
-        for (int n0 = first + 16 * NW; n0 < j1; n0 += 16 * NW) {
-            unstage_k();
-            tile(n0, true);
-        }
-        __syncthreads();  // every warp's last slot read before the merge reuses the shared memory
-    } else {
-        if (EARLY && first < j1) tile(first, false);
-        for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
-            load(n0, -1);
-            tile(n0, false);
-        }
+    if (EARLY && first < j1) tile(first);
+    for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
+        load(n0, -1);
+        tile(n0);
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll

@@ -76,12 +76,12 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
     float* part = ws + (((long long)b * heads + h0) * splits + sp) * (head_dim + 2);
     const int stride = splits * (head_dim + 2);
     const float sl = scale * GP_FA_LOG2E;
-    __shared__ __align__(16) float smem[GP_FD_MMA && GP_FD_STAGE ? GP_FD_SMEM_STAGED : GP_FD_SMEM];
+    __shared__ float smem[GP_FD_SMEM];
 #if GP_FD_MMA
     if (head_dim == 128)
-        return gp_fd_split_block_mma<128, early, GP_FD_STAGE>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
+        return gp_fd_split_block_mma<128, early>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
     if (head_dim == 64)
-        return gp_fd_split_block_mma<64, early, GP_FD_STAGE>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
+        return gp_fd_split_block_mma<64, early>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem, nkeys - 1);
     if (early) GP_PDL_ENTRY();
 #else
     if (head_dim == 128)
