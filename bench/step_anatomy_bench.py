@@ -153,8 +153,9 @@ def main() -> int:
                   if args.split_carveout is not None else ""))
     if args.split_carveout is not None:
         dev.set_shared_carveout(executor.function(FLASH_DECODE_SPLIT_PAGED), args.split_carveout)
+    carved = "" if args.split_carveout is None else f", split carveout {args.split_carveout} %"
     print(f"device {dev.info.name}, {args.config}, prompt {args.prompt}, {args.steps} steps per "
-          f"trace{variant}", flush=True)
+          f"trace{carved}", flush=True)
     for b in batches:
         spans, fams, shapes = {}, collections.defaultdict(list), collections.defaultdict(list)
         for pdl in (False, True):
