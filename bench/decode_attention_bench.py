@@ -106,7 +106,7 @@ class Bench:
                carveout: tuple[int, str] | None = None) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output); `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
-        while timed (Device.set_shared_carveout), back to the kernel's own after."""
+        while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
         max_blocks = table_tokens // BT
         used = -(-ctx // BT)
@@ -125,8 +125,7 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        ks, kc = decode_split_build(**(build or {})), FLASH_COMBINE_PAGED
-        fs, fc = h.function(ks), h.function(kc)
+        fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
@@ -134,15 +133,14 @@ class Bench:
                 max_blocks, span=span, stream=s)
 
         percent, which = carveout or (-1, "")
-        carved = [(f, k) for f, k, name in ((fs, ks, "split"), (fc, kc, "combine"))
-                  if which in (name, "both")]
-        for f, _ in carved:
+        carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
+        for f in carved:
             dev.set_shared_carveout(f, percent)
         try:
             t = self._time([one(i) for i in range(layers)])
         finally:
-            for f, k in carved:
-                dev.set_shared_carveout(f, k.carveout)
+            for f in carved:
+                dev.set_shared_carveout(f, -1)
         got = h.get(out, (batch * HEADS * HD,), np.float16)
         h.close()
         return t, kv_bytes, got

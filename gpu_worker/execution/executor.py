@@ -517,8 +517,6 @@ class ModelExecutor:
                 module = self.compiler.load(self.device, kdef.source, self.module_tiers)
                 self._modules[kdef.source] = module
             fn = self.device.get_function(module, kdef.entry)
-            if kdef.carveout != -1:
-                self.device.set_shared_carveout(fn, kdef.carveout)
             self._functions[fkey] = fn
         return fn
 

@@ -77,10 +77,6 @@ class KernelDef:
     `reference` is the NumPy oracle (gpu_worker.kernels.reference), `launcher` the typed
     `launch_<name>(device, function, ..., stream=None)`, `workspace` maps the kernel's shapes
     (keywords named in its module) to the device scratch bytes a caller must provide.
-    `carveout`: the function's preferred shared-memory carveout (Device.set_shared_carveout),
-    set when it is first loaded; -1, the default, leaves the driver's choice. The attribute
-    belongs to the loaded function, so a variant with another carveout needs its own module
-    name.
     """
 
     name: str
@@ -89,7 +85,6 @@ class KernelDef:
     reference: Callable[..., object]
     launcher: Callable[..., None]
     workspace: Callable[..., int] = field(default=_no_workspace)
-    carveout: int = -1
 
     def workspace_bytes(self, **shapes: int) -> int:
         """Device scratch this kernel needs for these shapes (0 when it needs none)."""

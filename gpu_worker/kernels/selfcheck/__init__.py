@@ -100,10 +100,8 @@ class KernelHarness:
         if (name, kdef.entry) not in self._functions:   # a tuning variant is another module
             if name not in self._modules:
                 self._modules[name] = self.compiler.load(self.device, kdef.source)
-            fn = self.device.get_function(self._modules[name], kdef.entry)
-            if kdef.carveout != -1:
-                self.device.set_shared_carveout(fn, kdef.carveout)
-            self._functions[name, kdef.entry] = fn
+            self._functions[name, kdef.entry] = self.device.get_function(self._modules[name],
+                                                                          kdef.entry)
         return self._functions[name, kdef.entry]
 
     def put(self, host: np.ndarray) -> int:
