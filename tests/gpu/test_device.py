@@ -299,3 +299,16 @@ def test_cupy_allocations_come_from_the_arena_and_are_booked(dev):
         assert dev.ledger.snapshot()["scratch"][1] == before, "CuPy frees did not reach the arena"
     finally:
         cupy_allocator.uninstall()
+
+
+def test_a_shared_carveout_set_through_the_device_is_the_functions_attribute(dev, fns):
+    from cuda.bindings import driver as drv
+
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    try:
+        for percent in (100, 0):
+            dev.set_shared_carveout(fns["add_one"], percent)
+            err, value = drv.cuFuncGetAttribute(attr, fns["add_one"])
+            assert err == drv.CUresult.CUDA_SUCCESS and value == percent
+    finally:
+        dev.set_shared_carveout(fns["add_one"], -1)   # the driver's choice again
