@@ -61,6 +61,8 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
+    INT4_MMA_ROWS16_TILED,
+    INT4_MMA_ROWS_TILED,
     INT4_MMA_XA,
     INT4_WGMMA,
     MAX_SPLIT,
@@ -83,6 +85,7 @@ from gpu_worker.kernels.int4_batched import (
     mma_tiles,
     row_warps,
     rows_async_build,
+    rows_tiled,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -219,6 +222,33 @@ def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
     for b in ROWS_SWEEP_BATCHES:
         print(f"    b{b:<3d} {times[b, None] * 1e6:7.1f} "
               + " ".join(f"{times[b, build] * 1e6:11.1f}" for build in builds), flush=True)
+
+
+TILED_BATCHES = (1, 8, 16)
+
+
+def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps: int,
+                trials: int) -> dict:
+    """{(rows, layout): seconds} of the rows kernels (rows up to 8 rows, rows16 at 16) over the
+    reference layout ("rows") and over int4_batched.rows_tiled's 16-row tiles ("tiled"), the
+    same weight copies in both layouts. The tiled entries' result is checked first against the
+    row-major entries' bits (the same lanes, loads and sums); a difference raises WrongBuild."""
+    tiled = [tuple(h.put(a) for a in rows_tiled(pk, sc)) for pk, sc in host_weights]
+    out = {}
+    for b in TILED_BATCHES:
+        pair = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if b <= 8
+                else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
+        bits = []
+        for kdef, copies in zip(pair, (weights, tiled)):
+            kdef.launcher(dev, h.function(kdef), y, x, *copies[0], 0, b, n, k)
+            bits.append(h.get(y, (b, n)))
+        if not np.array_equal(*bits):
+            raise WrongBuild(f"{pair[1].name} m={b}: differs from {pair[0].name} by "
+                             f"{np.abs(bits[1] - bits[0]).max()}")
+        for kdef, copies, layout in zip(pair, (weights, tiled), ("rows", "tiled")):
+            out[b, layout] = ours(dev, _launcher(dev, h.function(kdef), copies, x, y, b, n, k,
+                                                 False, kdef=kdef), reps, trials)
+    return out
 
 
 WGMMA_BATCHES = (32, 48, 64)
@@ -402,6 +432,9 @@ def main() -> int:
     ap.add_argument("--rows-sweep", action="store_true",
                     help="time gp_int4_mma_rows / rows16 built with other pipeline depths and "
                          "blocks per SM, and gp_int4_mma, at 1 / 8 / 16 rows")
+    ap.add_argument("--tiled", action="store_true",
+                    help="time the rows kernels over the 16-row tile weight layout against the "
+                         "reference layout at 1 / 8 / 16 rows")
     ap.add_argument("--wgmma", action="store_true",
                     help="time gp_int4_wgmma (warpgroup MMA) against the default kernel at "
                          "32 / 48 / 64 rows")
@@ -429,6 +462,7 @@ def main() -> int:
     step_best = {b: 0.0 for b in BATCHES[1:]}
     step_tensor = {b: 0.0 for b in TENSOR_BATCHES}
     step_rows = {}
+    step_tiled = {}
     step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
     step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
     step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_BUILDS, "best", "default")}
@@ -446,9 +480,12 @@ def main() -> int:
             n, k = max(16, n // div), max(128, k // div // 128 * 128)
             wbytes = n * k // 2 + n * k // 16
             copies = bench_limits.rotation(wbytes) if not args.small else 1
-            weights = [(h.put(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)),
-                        h.put((rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float16)))
-                       for _ in range(copies)]
+            host = [(rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
+                     (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float16))
+                    for _ in range(copies)]
+            weights = [(h.put(pk), h.put(sc)) for pk, sc in host]
+            if not args.tiled:
+                del host
             x16 = h.put(rng.standard_normal((max(BATCHES), k)).astype(np.float16))   # every path's x
             tile_bytes = DEFAULT_DEQUANT_TILE_BYTES if not args.small else 2 * k * min(n, 64)
             tile = h.put(np.zeros(tile_bytes // 2, np.float16))
@@ -471,6 +508,15 @@ def main() -> int:
                 print_rows_sweep(name, n, k, rows_times)
                 for key, t in rows_times.items():
                     step_rows[key] = step_rows.get(key, 0.0) + uses * t
+            if args.tiled:
+                tiled = tiled_times(dev, h, host, weights, x16, y, n, k, args.reps, args.trials)
+                del host
+                print(f"  {name} n={n} k={k} rows kernels, us, reference layout / tiled: "
+                      + ", ".join(f"b{b} {tiled[b, 'rows'] * 1e6:7.1f} / "
+                                  f"{tiled[b, 'tiled'] * 1e6:7.1f}" for b in TILED_BATCHES),
+                      flush=True)
+                for key, t in tiled.items():
+                    step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
                 wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                  args.wgmma_stages)
@@ -555,6 +601,16 @@ def main() -> int:
                 if bb == b and build is not None:
                     targets.figure(f"decode step int4 linears, {b} rows, rows build "
                                    f"{'/'.join(map(str, build))}", t * 1e3, "ms")
+    if args.tiled:
+        print("decode step's linears on the rows kernels, reference layout / 16-row tiles, ms:")
+        for b in TILED_BATCHES:
+            rows, tiled = step_tiled[b, "rows"], step_tiled[b, "tiled"]
+            print(f"  batch {b:3d}: {rows * 1e3:8.3f} / {tiled * 1e3:8.3f} (tiled / reference "
+                  f"{tiled / rows:.3f}; tiled {step_bytes / tiled / copy:.2f} of copy)")
+            targets.figure(f"decode step int4 linears, {b} rows, rows kernels, reference layout",
+                           rows * 1e3, "ms")
+            targets.figure(f"decode step int4 linears, {b} rows, rows kernels, 16-row tiles",
+                           tiled * 1e3, "ms")
     if args.wgmma:
         print("decode step's linears on gp_int4_wgmma, and on the faster of it and the default "
               "per shape, ms:")

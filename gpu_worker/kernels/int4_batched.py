@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from gpu_worker.device.backend import i32, ptr
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.common import (
@@ -242,7 +244,7 @@ def _rows_warps(kernel: str, max_rows: int, x: int, packed: int, scales: int, m:
     warps = row_warps(k) if warps is None else warps
     require(warps in (MMA_WARPS, ROW_LONG_K_WARPS),
             f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
-    require(n * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
+    require(ceil_div(n, 16) * 16 * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
     return warps
 
@@ -281,6 +283,63 @@ INT4_MMA_ROWS = KernelDef("int4_mma_rows", "gp_int4_mma_rows", SOURCE, reference
                           launch_int4_mma_rows)
 INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
                             reference.int4_matmul, launch_int4_mma_rows16)
+
+
+# The 16-row tile layout (Marlin's offline reshuffle, for the rows kernels' lanes): quant block
+# 4 kg + t of row 16 tile + 8 h + g at index (tile * KG + kg) * 64 + 32 h + 4 g + t, its scale at
+# the same index. A tile's k-group is then 1 KiB of weights in one piece, and each 16-byte weight
+# load of a warp reads 512 contiguous bytes, where the reference layout gives it 8 rows x 64
+# bytes, K / 2 apart. Rows are padded to a multiple of 16 with nibble 8 and scale 0 (weight 0).
+def rows_tiled(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(packed, scales) of the reference layout, (N, K/2) u8 and (N, K/32) fp16, in the 16-row
+    tile layout, flat: ceil(N / 16) * 16 * K / 2 bytes and as many scales as quant blocks."""
+    n, kb = scales.shape
+    require(kb % 4 == 0 and packed.shape == (n, kb * 16),
+            f"rows_tiled: packed {packed.shape} and scales {scales.shape} are not one int4 "
+            "weight with K a multiple of 128")
+    n16 = ceil_div(n, 16) * 16
+    blocks = np.full((n16, kb, 16), 0x88, np.uint8)
+    blocks[:n] = packed.reshape(n, kb, 16)
+    sc = np.zeros((n16, kb), np.float16)
+    sc[:n] = scales
+    order = (0, 3, 1, 2, 4)   # (tile, h, g, kg, t) -> (tile, kg, h, g, t)
+    return (np.ascontiguousarray(blocks.reshape(n16 // 16, 2, 8, kb // 4, 4, 16)
+                                 .transpose(*order, 5)).reshape(-1),
+            np.ascontiguousarray(sc.reshape(n16 // 16, 2, 8, kb // 4, 4)
+                                 .transpose(*order)).reshape(-1))
+
+
+def rows_untiled(packed: np.ndarray, scales: np.ndarray, n: int,
+                 k: int) -> tuple[np.ndarray, np.ndarray]:
+    """rows_tiled's inverse: the reference layout's (N, K/2) packed and (N, K/32) scales."""
+    n16, kb = ceil_div(n, 16) * 16, k // 32
+    order = (0, 2, 3, 1, 4)   # (tile, kg, h, g, t) -> (tile, h, g, kg, t)
+    blocks = packed.reshape(n16 // 16, kb // 4, 2, 8, 4, 16).transpose(*order, 5)
+    sc = scales.reshape(n16 // 16, kb // 4, 2, 8, 4).transpose(*order)
+    return blocks.reshape(n16, kb * 16)[:n], sc.reshape(n16, kb)[:n]
+
+
+def launch_int4_mma_rows_tiled(device, function, y: int, x: int, packed: int, scales: int,
+                               bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                               stream=None, warps: int | None = None) -> None:
+    """gp_int4_mma_rows over weights in the 16-row tile layout (rows_tiled): its bits."""
+    _launch_rows("int4_mma_rows_tiled", 8, device, function, y, x, packed, scales, bias, m, n,
+                 k, accumulate, stream, warps)
+
+
+def launch_int4_mma_rows16_tiled(device, function, y: int, x: int, packed: int, scales: int,
+                                 bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                                 stream=None, warps: int | None = None) -> None:
+    """gp_int4_mma_rows16 over weights in the 16-row tile layout (rows_tiled): its bits."""
+    _launch_rows("int4_mma_rows16_tiled", ROWS_MAX_ROWS, device, function, y, x, packed, scales,
+                 bias, m, n, k, accumulate, stream, warps)
+
+
+# the weights rows_tiled's layout, so the oracle is reference.int4_matmul on rows_untiled's
+INT4_MMA_ROWS_TILED = KernelDef("int4_mma_rows_tiled", "gp_int4_mma_rows_tiled", SOURCE,
+                                reference.int4_matmul, launch_int4_mma_rows_tiled)
+INT4_MMA_ROWS16_TILED = KernelDef("int4_mma_rows16_tiled", "gp_int4_mma_rows16_tiled", SOURCE,
+                                  reference.int4_matmul, launch_int4_mma_rows16_tiled)
 
 # gp_int4_mma_xk4 / xk8: gp_int4_mma_xa's operands with a block's 8 warps as WN = 8 / wk groups over
 # the weight rows by wk over each k-group's k16 steps, so x is read from shared memory WN times
@@ -514,5 +573,6 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
 
-KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_ASYNC,
+KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
+           INT4_MMA_ROWS16_TILED, INT4_MMA_ROWS_ASYNC,
            INT4_MMA_ROWS16_ASYNC, INT4_MMA_XK4, INT4_MMA_XK8, INT4_WGMMA]

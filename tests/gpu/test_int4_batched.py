@@ -245,6 +245,35 @@ def test_the_async_rows_kernels_give_the_rows_kernels_bits_on_any_grid_and_build
     harness.close()
 
 
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1009, 4224)])
+def test_the_tiled_rows_kernels_give_the_rows_kernels_bits(harness, n, k) -> None:
+    """gp_int4_mma_rows(16)_tiled read each lane's quant blocks from the 16-row tile layout
+    (int4_batched.rows_tiled) and keep everything else: at 1..16 rows, 8 and 16 warps a block,
+    and a partial last tile (N = 1009), the result is the rows kernels' bit for bit."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import (
+        INT4_MMA_ROWS,
+        INT4_MMA_ROWS16,
+        INT4_MMA_ROWS16_TILED,
+        INT4_MMA_ROWS_TILED,
+        rows_tiled,
+    )
+
+    rng = np.random.default_rng(19)
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    xd = harness.put(rng.standard_normal((16, k)).astype(np.float16))
+    pk, sc = harness.put(packed), harness.put(scales)
+    tpk, tsc = (harness.put(a) for a in rows_tiled(packed, scales))
+    for m in (1, 2, 8, 9, 16):
+        rows, tiled = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if m <= 8
+                       else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
+        for warps in (8, 16):
+            want = _rows_result(harness, rows, pk, sc, xd, m, n, k, warps=warps)
+            got = _rows_result(harness, tiled, tpk, tsc, xd, m, n, k, warps=warps)
+            assert np.array_equal(got, want), (m, warps, np.abs(got - want).max())
+    harness.close()
+
+
 def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:
     """gp_int4_wgmma always multiplies 64 rows of x (zeros past M) over the whole K in one
     warpgroup, so a row's result is the same bits at any row count."""

@@ -230,8 +230,13 @@ struct GpRowSlot {   // lane (g, t)'s quant block 4 kg + t of rows g and g + 8, 
 // 16-byte blocks and in scales; NONE past N) and the 8 halves at k 32 t of x row 8 nt + g (in
 // 16-byte units; NONE past M). K-group kg is 4 blocks further along a weight row and 16 units
 // along x. 32-bit offsets: the launcher bounds N * K / 32 and M * K / 8 below 2^32.
-template <int NT>
+// TILED: packed and scales in the 16-row tile layout (int4_batched.rows_tiled): quant block
+// 4 kg + t of tile row 8 h + g sits at (tile * KG + kg) * 64 + 32 h + 4 g + t, so a tile's
+// k-group is 1 KiB of weights and 128 bytes of scales in one piece, and each of a warp's 16-byte
+// weight loads reads 512 contiguous bytes (row-major: 8 rows x 64 bytes, a row K / 2 apart).
+template <int NT, bool TILED = false>
 struct GpRowLane {
+    static constexpr unsigned KG_STEP = TILED ? 64u : 4u;   // quant blocks to the next k-group
     static constexpr unsigned NONE = 0xffffffffu;
     const uint4* __restrict__ packed;
     const unsigned short* __restrict__ sc;
@@ -248,7 +253,9 @@ struct GpRowLane {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = row0 + g + 8 * h;
-            w[h] = r < N ? (unsigned)r * KB + t : NONE;
+            w[h] = r >= N ? NONE
+                   : TILED ? (unsigned)(row0 >> 4) * (KB >> 2) * 64u + 32u * h + 4u * g + t
+                           : (unsigned)r * KB + t;
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -262,8 +269,8 @@ struct GpRowLane {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (w[h] != NONE) {
-                q.w[h] = __ldg(packed + (w[h] + 4 * kg));
-                const unsigned v = __ldg(sc + (w[h] + 4 * kg));
+                q.w[h] = __ldg(packed + (w[h] + KG_STEP * kg));
+                const unsigned v = __ldg(sc + (w[h] + KG_STEP * kg));
                 q.s[h] = v | (v << 16);
             } else {
                 q.w[h] = make_uint4(0x88888888u, 0x88888888u, 0x88888888u, 0x88888888u);
@@ -298,7 +305,7 @@ struct GpRowLane {
 
 // grid (ceil(N / 16)), 8 or 16 warps (blockDim), M <= 8 NT, K a multiple of 128
 // (int4_batched.launch_int4_mma_rows).
-template <int NT>
+template <int NT, bool TILED = false>
 __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __restrict__ x,
                                               const unsigned char* __restrict__ packed,
                                               const unsigned short* __restrict__ sc,
@@ -310,7 +317,7 @@ __device__ __forceinline__ void gp_i4mma_rows(float* y, const unsigned short* __
     const int row0 = blockIdx.x * 16;
     const int g0 = (int)((long long)KG * warp / warps);   // at 8 warps gp_int4_mma's K slices
     const int g1 = (int)((long long)KG * (warp + 1) / warps);
-    const GpRowLane<NT> lane_at(packed, sc, x, row0, g, t, M, N, K);
+    const GpRowLane<NT, TILED> lane_at(packed, sc, x, row0, g, t, M, N, K);
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -362,6 +369,24 @@ gp_int4_mma_rows16(float* y, const unsigned short* __restrict__ x,
                    const float* __restrict__ bias, int M, int N, int K, int accumulate) {
     __shared__ float red[GP_ROW_MAX_WARPS][8][32];
     gp_i4mma_rows<2>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+}
+// The same two entries over weights in the 16-row tile layout (int4_batched.rows_tiled): the
+// same lanes, loads and sums, so the same bits as the row-major entries on the same weights.
+extern "C" __global__ void __maxnreg__(GP_ROW_MAXNREG)
+gp_int4_mma_rows_tiled(float* y, const unsigned short* __restrict__ x,
+                       const unsigned char* __restrict__ packed,
+                       const unsigned short* __restrict__ sc, const float* __restrict__ bias,
+                       int M, int N, int K, int accumulate) {
+    __shared__ float red[GP_ROW_MAX_WARPS][4][32];
+    gp_i4mma_rows<1, true>(y, x, packed, sc, bias, M, N, K, accumulate, red);
+}
+extern "C" __global__ void __maxnreg__(GP_ROW16_MAXNREG)
+gp_int4_mma_rows16_tiled(float* y, const unsigned short* __restrict__ x,
+                         const unsigned char* __restrict__ packed,
+                         const unsigned short* __restrict__ sc, const float* __restrict__ bias,
+                         int M, int N, int K, int accumulate) {
+    __shared__ float red[GP_ROW_MAX_WARPS][8][32];
+    gp_i4mma_rows<2, true>(y, x, packed, sc, bias, M, N, K, accumulate, red);
 }
 
 // ---- gp_int4_mma_rows_async: the rows kernels' K slices and sums, weights by cp.async ---------

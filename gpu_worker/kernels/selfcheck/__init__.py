@@ -53,6 +53,8 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
     INT4_MMA_ROWS16,
+    INT4_MMA_ROWS16_TILED,
+    INT4_MMA_ROWS_TILED,
     INT4_MMA_XA,
     INT4_WGMMA,
     ROW_ASYNC_CTAS,
@@ -62,6 +64,7 @@ from gpu_worker.kernels.int4_batched import (
     launch_int4_mma,
     launch_int4_mma_xa,
     rows_async_build,
+    rows_tiled,
     xk_build,
 )
 from gpu_worker.kernels.linear import (
@@ -257,16 +260,19 @@ def int4_matmul_case(h, rng, m, n, k, bias=False, accumulate=False) -> Outcome:
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
-def _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, launch) -> Outcome:
+def _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, launch,
+                         layout=None) -> Outcome:
     """One int4 linear of the contract (fp16 x sized by `scale`, fp16-rounded weights, f32 sums)
     through `launch(y, x, packed, scales, bias)` (device pointers; bias 0 when absent), against
-    reference.int4_matmul at the GEMV's tolerance."""
+    reference.int4_matmul at the GEMV's tolerance; `layout(packed, scales)` gives the weight's
+    device layout (default the reference's)."""
     packed, scales = _quantized(rng, n, k)
     x = _f32(rng, m, k, scale=scale).astype(np.float16)
     b = _f32(rng, n) if bias else None
     y0 = _f32(rng, m, n)
     y = h.put(y0)
-    launch(y, h.put(x), h.put(packed), h.put(scales), h.put(b) if bias else 0)
+    dpacked, dscales = layout(packed, scales) if layout else (packed, scales)
+    launch(y, h.put(x), h.put(dpacked), h.put(dscales), h.put(b) if bias else 0)
     want = ref.int4_matmul(x, packed, scales, b) + (y0 if accumulate else 0)
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4 * max(1.0, scale))
 
@@ -294,6 +300,16 @@ def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0)
     kdef = INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
         h.device, h.function(kdef), *p, m, n, k, accumulate))
+
+
+def int4_mma_rows_tiled_case(h, rng, m, n, k, bias=False, accumulate=False,
+                             scale=1.0) -> Outcome:
+    """The rows kernels over weights in the 16-row tile layout (int4_batched.rows_tiled;
+    gp_int4_mma_rows_tiled up to 8 rows, rows16_tiled up to 16): int4_mma's contract and
+    tolerance."""
+    kdef = INT4_MMA_ROWS_TILED if m <= 8 else INT4_MMA_ROWS16_TILED
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
+        h.device, h.function(kdef), *p, m, n, k, accumulate), layout=rows_tiled)
 
 
 def int4_mma_xk_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, nt=8, wk=4,
@@ -631,6 +647,10 @@ CASES: list[Case] = [
     C("int4_mma_rows", int4_mma_rows_case, m=3, n=17, k=384, scale=300.0),
     C("int4_mma_rows16", int4_mma_rows_case, m=9, n=40, k=1152, accumulate=True),
     C("int4_mma_rows16", int4_mma_rows_case, m=16, n=100, k=640, bias=True),
+    C("int4_mma_rows_tiled", int4_mma_rows_tiled_case, m=1, n=48, k=128),
+    C("int4_mma_rows_tiled", int4_mma_rows_tiled_case, m=5, n=37, k=1152, bias=True,
+      accumulate=True),
+    C("int4_mma_rows16_tiled", int4_mma_rows_tiled_case, m=13, n=100, k=640, scale=300.0),
     C("int4_mma_xk8", int4_mma_xk_case, m=17, n=200, k=1152, bias=True),
     C("int4_mma_xk8", int4_mma_xk_case, m=64, n=72, k=640, wk=8, accumulate=True, split=3),
     C("int4_mma_xk4", int4_mma_xk_case, m=40, n=33, k=512, nt=4, bias=True, accumulate=True),

@@ -25,6 +25,7 @@ from gpu_worker.kernels.int4_batched import (
     XA_MIN_ROWS,
     XA_NT,
     XK_BUILDS,
+    rows_untiled,
     xa_tile,
     xk_rows,
 )
@@ -122,6 +123,10 @@ def _matmul_nt(mem, grid, block, args) -> None:
 def _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate) -> None:
     """Every int4 linear's contract (reference.int4_matmul) into y, + y when `accumulate`."""
     pk, sc = _int4_weight(mem, packed, scales, n, k)
+    _int4_apply(mem, y, x, pk, sc, bias, m, n, k, accumulate)
+
+
+def _int4_apply(mem, y, x, pk: np.ndarray, sc: np.ndarray, bias, m, n, k, accumulate) -> None:
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
     _store(mem, y, m, n, r, accumulate)
@@ -177,6 +182,16 @@ def _int4_mma_rows16(mem, grid, block, args) -> None:
     _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS)
 
 
+@register_sim_kernel("gp_int4_mma_rows_tiled")
+def _int4_mma_rows_tiled(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, 8, tiled=True)
+
+
+@register_sim_kernel("gp_int4_mma_rows16_tiled")
+def _int4_mma_rows16_tiled(mem, grid, block, args) -> None:
+    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS, tiled=True)
+
+
 @register_sim_kernel("gp_int4_mma_rows_async")
 def _int4_mma_rows_async(mem, grid, block, args) -> None:
     _int4_rows(mem, grid, block, args, 8, persistent=True)
@@ -195,14 +210,21 @@ def _int4_wgmma(mem, grid, block, args) -> None:
     _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
-def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False) -> None:
+def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False,
+               tiled: bool = False) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
     # the CUDA grid covers 16 weight rows per block: a short grid leaves rows unwritten (a
     # persistent grid's blocks loop over the tiles: at most one block per tile)
     tiles = -(-n // 16)
     covered = 1 <= grid[0] <= tiles if persistent else grid[0] * 16 >= n
     assert covered and m <= max_rows and block[0] in (256, 512), (grid, block, m)
-    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+    if not tiled:
+        _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+        return
+    # rows_tiled's layout: whole 16-row tiles (padding rows included) of weights and scales
+    pk, sc = _int4_weight(mem, packed, scales, tiles * 16, k)
+    pk, sc = rows_untiled(pk.reshape(-1), sc.reshape(-1), n, k)
+    _int4_apply(mem, y, x, pk, sc, bias, m, n, k, accumulate)
 
 
 @register_sim_kernel("gp_rotary")
