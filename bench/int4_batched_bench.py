@@ -64,6 +64,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS16_TILED,
     INT4_MMA_ROWS_TILED,
     INT4_MMA_XA,
+    INT4_MMA_XA_TILED,
     INT4_WGMMA,
     MAX_SPLIT,
     MMA_K_ALIGN,
@@ -73,6 +74,7 @@ from gpu_worker.kernels.int4_batched import (
     ROW_ASYNC_BUILDS,
     ROW_CTAS,
     ROW_DEPTH,
+    ROW_WARP_CHOICES,
     WGMMA_STAGES,
     XA_CTAS,
     XA_NT,
@@ -225,29 +227,47 @@ def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
 
 
 TILED_BATCHES = (1, 8, 16)
+TILED_XA_BATCHES = (16, 32, 64)
 
 
 def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps: int,
                 trials: int) -> dict:
-    """{(rows, layout): seconds} of the rows kernels (rows up to 8 rows, rows16 at 16) over the
-    reference layout ("rows") and over int4_batched.rows_tiled's 16-row tiles ("tiled"), the
-    same weight copies in both layouts. The tiled entries' result is checked first against the
-    row-major entries' bits (the same lanes, loads and sums); a difference raises WrongBuild."""
+    """{(rows, layout, warps): seconds} of the rows kernels (rows up to 8 rows, rows16 at 16)
+    over the reference layout ("rows", the library's warps) and over int4_batched.rows_tiled's
+    16-row tiles ("tiled", at every warp count the entry takes: ROW_WARP_CHOICES), the same
+    weight copies in both layouts. Each tiled result is checked first against the row-major
+    entry's bits at the same warps (the same lanes, loads and sums); a difference raises
+    WrongBuild."""
     tiled = [tuple(h.put(a) for a in rows_tiled(pk, sc)) for pk, sc in host_weights]
     out = {}
     for b in TILED_BATCHES:
-        pair = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if b <= 8
-                else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
+        rows, tiled_k = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if b <= 8
+                         else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
+        for warps in (w for w in ROW_WARP_CHOICES if w >= 4 * -(-b // 8)):
+            bits = []
+            for kdef, copies in ((rows, weights), (tiled_k, tiled)):
+                kdef.launcher(dev, h.function(kdef), y, x, *copies[0], 0, b, n, k, warps=warps)
+                bits.append(h.get(y, (b, n)))
+            if not np.array_equal(*bits):
+                raise WrongBuild(f"{tiled_k.name} m={b} warps={warps}: differs from {rows.name} "
+                                 f"by {np.abs(bits[1] - bits[0]).max()}")
+            out[b, "tiled", warps] = ours(dev, _launcher(dev, h.function(tiled_k), tiled, x, y, b,
+                                                         n, k, False, kdef=tiled_k, warps=warps),
+                                          reps, trials)
+        out[b, "rows", row_warps(k)] = ours(dev, _launcher(dev, h.function(rows), weights, x, y,
+                                                           b, n, k, False, kdef=rows), reps, trials)
+    for b in TILED_XA_BATCHES:   # gp_int4_mma_xa on its plan over both layouts
         bits = []
-        for kdef, copies in zip(pair, (weights, tiled)):
+        for kdef, copies in ((INT4_MMA_XA, weights), (INT4_MMA_XA_TILED, tiled)):
             kdef.launcher(dev, h.function(kdef), y, x, *copies[0], 0, b, n, k)
             bits.append(h.get(y, (b, n)))
         if not np.array_equal(*bits):
-            raise WrongBuild(f"{pair[1].name} m={b}: differs from {pair[0].name} by "
+            raise WrongBuild(f"int4_mma_xa_tiled m={b}: differs from int4_mma_xa by "
                              f"{np.abs(bits[1] - bits[0]).max()}")
-        for kdef, copies, layout in zip(pair, (weights, tiled), ("rows", "tiled")):
-            out[b, layout] = ours(dev, _launcher(dev, h.function(kdef), copies, x, y, b, n, k,
-                                                 False, kdef=kdef), reps, trials)
+        for kdef, copies, layout in ((INT4_MMA_XA, weights, "xa"),
+                                     (INT4_MMA_XA_TILED, tiled, "xa tiled")):
+            out[b, layout, None] = ours(dev, _launcher(dev, h.function(kdef), copies, x, y, b, n,
+                                                       k, False, kdef=kdef), reps, trials)
     return out
 
 
@@ -511,12 +531,21 @@ def main() -> int:
             if args.tiled:
                 tiled = tiled_times(dev, h, host, weights, x16, y, n, k, args.reps, args.trials)
                 del host
-                print(f"  {name} n={n} k={k} rows kernels, us, reference layout / tiled: "
-                      + ", ".join(f"b{b} {tiled[b, 'rows'] * 1e6:7.1f} / "
-                                  f"{tiled[b, 'tiled'] * 1e6:7.1f}" for b in TILED_BATCHES),
+                print(f"  {name} n={n} k={k} rows kernels, us, reference layout (library's "
+                      f"warps) / tiled at 4, 8, 16 warps: " + ", ".join(
+                          f"b{b} {tiled[b, 'rows', row_warps(k)] * 1e6:.1f} / " + " ".join(
+                              f"{tiled[b, 'tiled', w] * 1e6:.1f}" for w in ROW_WARP_CHOICES
+                              if (b, "tiled", w) in tiled) for b in TILED_BATCHES)
+                      + "; xa, reference / tiled: " + ", ".join(
+                          f"b{b} {tiled[b, 'xa', None] * 1e6:.1f} / "
+                          f"{tiled[b, 'xa tiled', None] * 1e6:.1f}" for b in TILED_XA_BATCHES),
                       flush=True)
-                for key, t in tiled.items():
-                    step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
+                for (b, layout, warps), t in tiled.items():
+                    # per layout: the library's warps, and each forced count of the tiled entry
+                    lib = layout in ("rows", "xa", "xa tiled") or warps == row_warps(k)
+                    for key in ([(b, layout, "library")] if lib else []) + (
+                            [(b, layout, warps)] if layout == "tiled" else []):
+                        step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
                 wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                  args.wgmma_stages)
@@ -604,13 +633,30 @@ def main() -> int:
     if args.tiled:
         print("decode step's linears on the rows kernels, reference layout / 16-row tiles, ms:")
         for b in TILED_BATCHES:
-            rows, tiled = step_tiled[b, "rows"], step_tiled[b, "tiled"]
+            rows, tiled = step_tiled[b, "rows", "library"], step_tiled[b, "tiled", "library"]
+            forced = {w: step_tiled[b, "tiled", w] for w in ROW_WARP_CHOICES
+                      if (b, "tiled", w) in step_tiled}
             print(f"  batch {b:3d}: {rows * 1e3:8.3f} / {tiled * 1e3:8.3f} (tiled / reference "
-                  f"{tiled / rows:.3f}; tiled {step_bytes / tiled / copy:.2f} of copy)")
+                  f"{tiled / rows:.3f}; tiled {step_bytes / tiled / copy:.2f} of copy); tiled, "
+                  "every linear at " + ", ".join(f"{w} warps {t * 1e3:.3f}"
+                                                 for w, t in forced.items()))
             targets.figure(f"decode step int4 linears, {b} rows, rows kernels, reference layout",
                            rows * 1e3, "ms")
             targets.figure(f"decode step int4 linears, {b} rows, rows kernels, 16-row tiles",
                            tiled * 1e3, "ms")
+            for w, t in forced.items():
+                targets.figure(f"decode step int4 linears, {b} rows, rows kernels, 16-row tiles, "
+                               f"{w} warps a block", t * 1e3, "ms")
+        print("decode step's linears on gp_int4_mma_xa (its plan), reference layout / 16-row "
+              "tiles, ms:")
+        for b in TILED_XA_BATCHES:
+            ref_t, tiled = step_tiled[b, "xa", "library"], step_tiled[b, "xa tiled", "library"]
+            print(f"  batch {b:3d}: {ref_t * 1e3:8.3f} / {tiled * 1e3:8.3f} (tiled / reference "
+                  f"{tiled / ref_t:.3f})")
+            targets.figure(f"decode step int4 linears, {b} rows, xa, reference layout",
+                           ref_t * 1e3, "ms")
+            targets.figure(f"decode step int4 linears, {b} rows, xa, 16-row tiles", tiled * 1e3,
+                           "ms")
     if args.wgmma:
         print("decode step's linears on gp_int4_wgmma, and on the faster of it and the default "
               "per shape, ms:")

@@ -135,6 +135,9 @@ ROW_LONG_K_GROUPS = 64  # from this many k-groups of 128 (K 8192) a rows block r
 ROW_LONG_K_WARPS = 16   # warps, each a contiguous 1/16 of K (GP_ROW_MAX_WARPS bounds it)
 
 
+ROW_WARP_CHOICES = (4, MMA_WARPS, ROW_LONG_K_WARPS)   # a rows block's warps a launch may force
+
+
 def row_warps(k: int) -> int:
     """Warps of one rows block for K = k: ROW_LONG_K_WARPS for a long K (the down projection's
     14336: its 256 blocks of 8 warps left the SMs starved of loads in flight), else 8 (each
@@ -206,7 +209,22 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
     it from XA_MIN_ROWS; below that, for the sweep); `nt` and
     `split` force the weight tile and the K split (default: xa_plan); `stages` is the
     GP_XA_STAGES `function` was built with (a tuning build of the benchmark)."""
-    kernel = "int4_mma_xa"
+    _launch_xa("int4_mma_xa", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
+               stream, nt, split, stages)
+
+
+def launch_int4_mma_xa_tiled(device, function, y: int, x: int, packed: int, scales: int,
+                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                             stream=None, nt: int | None = None, split: int | None = None,
+                             stages: int = XA_STAGES) -> None:
+    """gp_int4_mma_xa over weights in the 16-row tile layout (rows_tiled): its bits."""
+    _launch_xa("int4_mma_xa_tiled", device, function, y, x, packed, scales, bias, m, n, k,
+               accumulate, stream, nt, split, stages)
+
+
+def _launch_xa(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
+               bias: int, m: int, n: int, k: int, accumulate: bool, stream, nt: int | None,
+               split: int | None, stages: int) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
@@ -227,6 +245,9 @@ def launch_int4_mma_xa(device, function, y: int, x: int, packed: int, scales: in
 
 INT4_MMA_XA = KernelDef("int4_mma_xa", "gp_int4_mma_xa", SOURCE_XA, reference.int4_matmul,
                         launch_int4_mma_xa)
+# the weights in rows_tiled's layout, so the oracle is reference.int4_matmul on rows_untiled's
+INT4_MMA_XA_TILED = KernelDef("int4_mma_xa_tiled", "gp_int4_mma_xa_tiled", SOURCE_XA,
+                              reference.int4_matmul, launch_int4_mma_xa_tiled)
 
 
 # gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
@@ -242,8 +263,9 @@ def _rows_warps(kernel: str, max_rows: int, x: int, packed: int, scales: int, m:
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
     warps = row_warps(k) if warps is None else warps
-    require(warps in (MMA_WARPS, ROW_LONG_K_WARPS),
-            f"{kernel}: warps={warps} not built (choices {MMA_WARPS}, {ROW_LONG_K_WARPS})")
+    # the block's last step sums 4 outputs a lane of each 8-row x tile, a warp each: 4 warps a tile
+    choices = tuple(w for w in ROW_WARP_CHOICES if w >= 4 * ceil_div(max_rows, 8))
+    require(warps in choices, f"{kernel}: warps={warps} not built (choices {choices})")
     require(ceil_div(n, 16) * 16 * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
     return warps
@@ -573,6 +595,6 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
 
-KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
+KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_XA_TILED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
            INT4_MMA_ROWS16_TILED, INT4_MMA_ROWS_ASYNC,
            INT4_MMA_ROWS16_ASYNC, INT4_MMA_XK4, INT4_MMA_XK8, INT4_WGMMA]

@@ -267,10 +267,32 @@ def test_the_tiled_rows_kernels_give_the_rows_kernels_bits(harness, n, k) -> Non
     for m in (1, 2, 8, 9, 16):
         rows, tiled = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if m <= 8
                        else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
-        for warps in (8, 16):
+        for warps in (4, 8, 16) if m <= 8 else (8, 16):
             want = _rows_result(harness, rows, pk, sc, xd, m, n, k, warps=warps)
             got = _rows_result(harness, tiled, tpk, tsc, xd, m, n, k, warps=warps)
             assert np.array_equal(got, want), (m, warps, np.abs(got - want).max())
+    harness.close()
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1009, 4224)])
+def test_the_tiled_xa_kernel_gives_the_xa_kernels_bits(harness, n, k) -> None:
+    """gp_int4_mma_xa_tiled moves only its copies' sources (the 16-row tile layout): at 9..64
+    rows (every x tile count), both weight tiles and K split over 1, 3 and 8 CTAs, and a partial
+    last tile, the result is gp_int4_mma_xa's bit for bit."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import INT4_MMA_XA, INT4_MMA_XA_TILED, rows_tiled
+
+    rng = np.random.default_rng(23)
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    xd = harness.put(rng.standard_normal((64, k)).astype(np.float16))
+    pk, sc = harness.put(packed), harness.put(scales)
+    tpk, tsc = (harness.put(a) for a in rows_tiled(packed, scales))
+    for m in (9, 17, 33, 64):
+        for nt, split in ((None, None), *((nt, s) for nt in XA_NT for s in (1, 3, 8))):
+            want = _rows_result(harness, INT4_MMA_XA, pk, sc, xd, m, n, k, nt=nt, split=split)
+            got = _rows_result(harness, INT4_MMA_XA_TILED, tpk, tsc, xd, m, n, k, nt=nt,
+                               split=split)
+            assert np.array_equal(got, want), (m, nt, split, np.abs(got - want).max())
     harness.close()
 
 

@@ -176,7 +176,11 @@ __device__ __forceinline__ void gp_zero(float (&acc)[MX][NT][4]) {
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 }
 
-template <int MX, int NT>
+// TILED: packed and scales in the 16-row tile layout (int4_batched.rows_tiled). A thread's copy
+// is the same (weight row tid / 4 + 64 j, slot tid & 3: in a 16-row tile's k-group of 64
+// quant blocks that is block tid & 63 of tile tid / 64 + 4 j), so only the sources move: each
+// warp's copy reads 512 contiguous bytes, and a k-group is 1 KiB further on a tile.
+template <int MX, int NT, bool TILED = false>
 __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __restrict__ x,
                                          const unsigned char* __restrict__ packed,
                                          const unsigned short* __restrict__ sc,
@@ -198,20 +202,25 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     // tid. Sources are clamped to a valid row (a row past N or M is zero-filled, never read), so
     // a copy is one 64-bit add and a cp.async at an immediate shared offset (+ 4096 j).
     constexpr int WJ = L::BN / 64, XJ = L::XR / 16;
+    constexpr int WSTEP = TILED ? 1024 : 64, SSTEP = TILED ? 64 : 4;   // to the next k-group
     const unsigned char* wsrc[WJ];
     bool win[WJ];
 #pragma unroll
     for (int j = 0; j < WJ; ++j) {
         const int row = row0 + (tid >> 2) + 64 * j;
         win[j] = row < N;
-        wsrc[j] = packed + ((long long)min(row, N - 1) * KB + g0 * 4 + (tid & 3)) * 16;
+        wsrc[j] = TILED ? packed + ((long long)(min(row, N - 1) >> 4) * KG + g0) * 1024 + (tid & 63) * 16
+                        : packed + ((long long)min(row, N - 1) * KB + g0 * 4 + (tid & 3)) * 16;
     }
     const unsigned short* xsrc[XJ];
 #pragma unroll
     for (int j = 0; j < XJ; ++j)
         xsrc[j] = x + (long long)min((tid >> 4) + 16 * j, M - 1) * K + g0 * 128 + 8 * (tid & 15);
     const bool sin = tid < L::BN && row0 + tid < N;
-    const unsigned short* ssrc = sc + (long long)min(row0 + min(tid, L::BN - 1), N - 1) * KB + g0 * 4;
+    const int srow = min(row0 + min(tid, L::BN - 1), N - 1);   // this thread's scales: row srow's 4
+    const unsigned short* ssrc =
+        TILED ? sc + ((long long)(srow >> 4) * KG + g0) * 64 + 32 * ((srow >> 3) & 1) + 4 * (srow & 7)
+              : sc + (long long)srow * KB + g0 * 4;
     const unsigned wdst = L::SW + (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);
     const unsigned xdst = L::SX + (tid >> 4) * 256 + (((tid & 15) ^ ((tid >> 4) & 7)) << 4);
 
@@ -221,8 +230,8 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
         if (i < stages) {
             const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
 #pragma unroll
-            for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * 64, win[j]);
-            if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * 4, sin);
+            for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * WSTEP, win[j]);
+            if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * SSTEP, sin);
         }
     };
     auto issue_x = [&](int i) {
@@ -306,12 +315,14 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
 // rows up to 16 rows of x, 2 up to 32, 3 up to 48, 4 above (each x tile is 8 more mmas a k16
 // step: a batch of 33..48 rows does not pay for 64); nt = NT 8-row weight tiles per warp (2 or 4).
 #define GP_I4MMA_XA(MX_, NT_) \
-    gp_i4mma_xa<MX_, NT_>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xa_smem)
-extern "C" __global__ void __launch_bounds__(256, GP_XA_CTAS)
-gp_int4_mma_xa(float* y, const unsigned short* __restrict__ x,
-               const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-               const float* __restrict__ bias, int M, int N, int K, int accumulate, int nt) {
-    extern __shared__ __align__(16) unsigned char gp_xa_smem[];
+    gp_i4mma_xa<MX_, NT_, TILED>(y, x, packed, scales, bias, M, N, K, accumulate, gp_xa_smem)
+template <bool TILED>
+__device__ __forceinline__ void gp_i4mma_xa_entry(float* y, const unsigned short* __restrict__ x,
+                                                  const unsigned char* __restrict__ packed,
+                                                  const unsigned short* __restrict__ scales,
+                                                  const float* __restrict__ bias, int M, int N,
+                                                  int K, int accumulate, int nt,
+                                                  unsigned char* gp_xa_smem) {
     if (M <= 16) {   // 9..16 rows: measured against the rows16 kernel (int4_batched_bench --xa-sweep)
         if (nt == 4) GP_I4MMA_XA(1, 4); else GP_I4MMA_XA(1, 2);
     } else if (M <= 32) {
@@ -321,6 +332,22 @@ gp_int4_mma_xa(float* y, const unsigned short* __restrict__ x,
     } else {
         if (nt == 4) GP_I4MMA_XA(4, 4); else GP_I4MMA_XA(4, 2);
     }
+}
+extern "C" __global__ void __launch_bounds__(256, GP_XA_CTAS)
+gp_int4_mma_xa(float* y, const unsigned short* __restrict__ x,
+               const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
+               const float* __restrict__ bias, int M, int N, int K, int accumulate, int nt) {
+    extern __shared__ __align__(16) unsigned char gp_xa_smem[];
+    gp_i4mma_xa_entry<false>(y, x, packed, scales, bias, M, N, K, accumulate, nt, gp_xa_smem);
+}
+// The same over weights in the 16-row tile layout (int4_batched.rows_tiled): the same bits.
+extern "C" __global__ void __launch_bounds__(256, GP_XA_CTAS)
+gp_int4_mma_xa_tiled(float* y, const unsigned short* __restrict__ x,
+                     const unsigned char* __restrict__ packed,
+                     const unsigned short* __restrict__ scales, const float* __restrict__ bias,
+                     int M, int N, int K, int accumulate, int nt) {
+    extern __shared__ __align__(16) unsigned char gp_xa_smem[];
+    gp_i4mma_xa_entry<true>(y, x, packed, scales, bias, M, N, K, accumulate, nt, gp_xa_smem);
 }
 
 // ---- gp_int4_mma_xk: gp_int4_mma_xa's operands with K, too, over a block's warps -------------

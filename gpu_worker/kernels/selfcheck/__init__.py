@@ -56,13 +56,13 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS16_TILED,
     INT4_MMA_ROWS_TILED,
     INT4_MMA_XA,
+    INT4_MMA_XA_TILED,
     INT4_WGMMA,
     ROW_ASYNC_CTAS,
     ROW_ASYNC_STAGES,
     XA_STAGES,
     XK_STAGES,
     launch_int4_mma,
-    launch_int4_mma_xa,
     rows_async_build,
     rows_tiled,
     xk_build,
@@ -289,9 +289,16 @@ def int4_mma_xa_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0, n
                      split=None, kernel=INT4_MMA_XA, stages=XA_STAGES) -> Outcome:
     """The x-as-A tensor-core int4 linear (gp_int4_mma_xa, 17..64 rows): int4_mma's contract and
     tolerance; `nt` and `split` force the weight tile and the cluster's K split (default:
-    xa_plan); `kernel` and `stages` name a tuning build (bench/int4_batched_bench.py)."""
-    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: launch_int4_mma_xa(
-        h.device, h.function(kernel), *p, m, n, k, accumulate, nt=nt, split=split, stages=stages))
+    xa_plan); `kernel` and `stages` name a tuning build (bench/int4_batched_bench.py), or the
+    entry over the 16-row tile layout (INT4_MMA_XA_TILED, its weights by rows_tiled)."""
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kernel.launcher(
+        h.device, h.function(kernel), *p, m, n, k, accumulate, nt=nt, split=split, stages=stages),
+        layout=rows_tiled if kernel.entry == INT4_MMA_XA_TILED.entry else None)
+
+
+def int4_mma_xa_tiled_case(h, rng, m, n, k, **kw) -> Outcome:
+    """int4_mma_xa_case on gp_int4_mma_xa_tiled, its weights in the 16-row tile layout."""
+    return int4_mma_xa_case(h, rng, m, n, k, kernel=INT4_MMA_XA_TILED, **kw)
 
 
 def int4_mma_rows_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
@@ -665,6 +672,10 @@ CASES: list[Case] = [
     C("int4_mma_xa", int4_mma_xa_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_xa", int4_mma_xa_case, m=40, n=300, k=640, scale=300.0, nt=4),
     C("int4_mma_xa", int4_mma_xa_case, m=64, n=40, k=1152, accumulate=True, split=3),
+    C("int4_mma_xa_tiled", int4_mma_xa_tiled_case, m=17, n=48, k=128),
+    C("int4_mma_xa_tiled", int4_mma_xa_tiled_case, m=40, n=300, k=640, scale=300.0, nt=4),
+    C("int4_mma_xa_tiled", int4_mma_xa_tiled_case, m=64, n=37, k=1152, bias=True,
+      accumulate=True, split=3),
     C("int4_linear", int4_linear_case, m=33, n=70, k=96),
     C("int4_dequant_f16", int4_dequant_f16_case, n=7, k=33),
     C("int4_dequant_f16", int4_dequant_f16_case, n=200, k=256, row0=64, rows=128),

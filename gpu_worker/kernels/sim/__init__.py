@@ -126,6 +126,14 @@ def _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate) -> None:
     _int4_apply(mem, y, x, pk, sc, bias, m, n, k, accumulate)
 
 
+def _int4_linear_tiled(mem, y, x, packed, scales, bias, m, n, k, accumulate) -> None:
+    """_int4_linear over weights in int4_batched.rows_tiled's layout (whole 16-row tiles,
+    padding rows included)."""
+    pk, sc = _int4_weight(mem, packed, scales, -(-n // 16) * 16, k)
+    pk, sc = rows_untiled(pk.reshape(-1), sc.reshape(-1), n, k)
+    _int4_apply(mem, y, x, pk, sc, bias, m, n, k, accumulate)
+
+
 def _int4_apply(mem, y, x, pk: np.ndarray, sc: np.ndarray, bias, m, n, k, accumulate) -> None:
     r = reference.int4_matmul(_arr(mem, x, m * k, np.float16).reshape(m, k), pk, sc,
                               _arr(mem, bias, n) if bias else None)
@@ -146,14 +154,23 @@ def _int4_mma(mem, grid, block, args) -> None:
     _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
 
 
-@register_sim_kernel("gp_int4_mma_xa")
-def _int4_mma_xa(mem, grid, block, args) -> None:
-    y, x, packed, scales, bias, m, n, k, accumulate, nt = _vals(args)
-    # the CUDA grid is (split, tiles of xa_tile rows): a short grid leaves rows unwritten
-    assert grid[1] * xa_tile(m, nt)[0] >= n and nt in XA_NT and block[0] == 256, (grid, block, nt)
-    assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
-    assert 1 <= m <= MMA_MAX_ROWS, m
-    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+def _int4_mma_xa(tiled: bool):
+    def run(mem, grid, block, args) -> None:
+        y, x, packed, scales, bias, m, n, k, accumulate, nt = _vals(args)
+        # the CUDA grid is (split, tiles of xa_tile rows): a short grid leaves rows unwritten
+        assert grid[1] * xa_tile(m, nt)[0] >= n and nt in XA_NT and block[0] == 256, (grid, block,
+                                                                                      nt)
+        assert 1 <= grid[0] <= min(MAX_SPLIT, k // MMA_K_ALIGN), grid
+        assert 1 <= m <= MMA_MAX_ROWS, m
+        if tiled:
+            _int4_linear_tiled(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+        else:
+            _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+    return run
+
+
+register_sim_kernel("gp_int4_mma_xa")(_int4_mma_xa(False))
+register_sim_kernel("gp_int4_mma_xa_tiled")(_int4_mma_xa(True))
 
 
 def _int4_mma_xk(nt: int):
@@ -217,14 +234,9 @@ def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False,
     # persistent grid's blocks loop over the tiles: at most one block per tile)
     tiles = -(-n // 16)
     covered = 1 <= grid[0] <= tiles if persistent else grid[0] * 16 >= n
-    assert covered and m <= max_rows and block[0] in (256, 512), (grid, block, m)
-    if not tiled:
-        _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
-        return
-    # rows_tiled's layout: whole 16-row tiles (padding rows included) of weights and scales
-    pk, sc = _int4_weight(mem, packed, scales, tiles * 16, k)
-    pk, sc = rows_untiled(pk.reshape(-1), sc.reshape(-1), n, k)
-    _int4_apply(mem, y, x, pk, sc, bias, m, n, k, accumulate)
+    assert covered and m <= max_rows and block[0] in (128, 256, 512), (grid, block, m)
+    (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
+                                                     accumulate)
 
 
 @register_sim_kernel("gp_rotary")
