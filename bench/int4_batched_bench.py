@@ -56,7 +56,7 @@ from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 from gpu_worker.device.sim_backend import SIM_MAX_SHARED_BYTES as MAX_SHARED_BYTES
 from gpu_worker.execution.ops import tile_rows
 from gpu_worker.kernels.common import sm_count
-from gpu_worker.kernels.half import INT4_DEQUANT_F16
+from gpu_worker.kernels.half import INT4_DEQUANT_F16, INT4_DEQUANT_F16_TILED
 from gpu_worker.kernels.int4_batched import (
     INT4_MMA,
     INT4_MMA_ROWS,
@@ -69,6 +69,7 @@ from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
     MMA_K_ALIGN,
     MMA_KERNELS,
+    MMA_KERNELS_TILED,
     MT_CHOICES,
     ROW16_CTAS,
     ROW_ASYNC_BUILDS,
@@ -88,6 +89,10 @@ from gpu_worker.kernels.int4_batched import (
     row_warps,
     rows_async_build,
     rows_tiled,
+    rows_warps,
+    tile_packed,
+    tile_scales,
+    tiled_layout,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -148,9 +153,11 @@ def _launcher(dev, function, weights: list[tuple[int, int]], x: int, y: int, row
     return launch
 
 
-def _default(dev, h, weights, x, y, rows: int, n: int, k: int):
-    """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel)."""
-    kdef = MMA_KERNELS[mma_kernel(rows)]
+def _default(dev, h, weights, x, y, rows: int, n: int, k: int, tiled: bool = False):
+    """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel),
+    over weights in the reference layout, or (`tiled`) in the 16-row tile layout the model's
+    weights are stored in where tiled_layout holds (execution/ops.device_weight)."""
+    kdef = (MMA_KERNELS_TILED if tiled else MMA_KERNELS)[mma_kernel(rows)]
     return _launcher(dev, h.function(kdef), weights, x, y, rows, n, k, False, kdef=kdef)
 
 
@@ -233,17 +240,18 @@ TILED_XA_BATCHES = (16, 32, 64)
 def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps: int,
                 trials: int) -> dict:
     """{(rows, layout, warps): seconds} of the rows kernels (rows up to 8 rows, rows16 at 16)
-    over the reference layout ("rows", the library's warps) and over int4_batched.rows_tiled's
-    16-row tiles ("tiled", at every warp count the entry takes: ROW_WARP_CHOICES), the same
-    weight copies in both layouts. Each tiled result is checked first against the row-major
-    entry's bits at the same warps (the same lanes, loads and sums); a difference raises
-    WrongBuild."""
+    over the reference layout ("rows") and over int4_batched.rows_tiled's 16-row tiles
+    ("tiled"), both at the library's warps (warps "library": rows_warps), the tiled entries also
+    at every warp count they take (ROW_WARP_CHOICES); then gp_int4_mma_xa on its plan over both
+    ("xa", "xa tiled"). The same weight copies in both layouts. Each tiled result is checked
+    first against the row-major entry's bits at the same warps (the same lanes, loads and
+    sums); a difference raises WrongBuild."""
     tiled = [tuple(h.put(a) for a in rows_tiled(pk, sc)) for pk, sc in host_weights]
     out = {}
     for b in TILED_BATCHES:
         rows, tiled_k = ((INT4_MMA_ROWS, INT4_MMA_ROWS_TILED) if b <= 8
                          else (INT4_MMA_ROWS16, INT4_MMA_ROWS16_TILED))
-        for warps in (w for w in ROW_WARP_CHOICES if w >= 4 * -(-b // 8)):
+        for warps in (None, *(w for w in ROW_WARP_CHOICES if w >= 4 * -(-b // 8))):
             bits = []
             for kdef, copies in ((rows, weights), (tiled_k, tiled)):
                 kdef.launcher(dev, h.function(kdef), y, x, *copies[0], 0, b, n, k, warps=warps)
@@ -251,11 +259,11 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
             if not np.array_equal(*bits):
                 raise WrongBuild(f"{tiled_k.name} m={b} warps={warps}: differs from {rows.name} "
                                  f"by {np.abs(bits[1] - bits[0]).max()}")
-            out[b, "tiled", warps] = ours(dev, _launcher(dev, h.function(tiled_k), tiled, x, y, b,
-                                                         n, k, False, kdef=tiled_k, warps=warps),
-                                          reps, trials)
-        out[b, "rows", row_warps(k)] = ours(dev, _launcher(dev, h.function(rows), weights, x, y,
-                                                           b, n, k, False, kdef=rows), reps, trials)
+            out[b, "tiled", warps or "library"] = ours(dev, _launcher(
+                dev, h.function(tiled_k), tiled, x, y, b, n, k, False, kdef=tiled_k, warps=warps),
+                reps, trials)
+        out[b, "rows", "library"] = ours(dev, _launcher(dev, h.function(rows), weights, x, y, b,
+                                                        n, k, False, kdef=rows), reps, trials)
     for b in TILED_XA_BATCHES:   # gp_int4_mma_xa on its plan over both layouts
         bits = []
         for kdef, copies in ((INT4_MMA_XA, weights), (INT4_MMA_XA_TILED, tiled)):
@@ -266,7 +274,7 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
                              f"{np.abs(bits[1] - bits[0]).max()}")
         for kdef, copies, layout in ((INT4_MMA_XA, weights, "xa"),
                                      (INT4_MMA_XA_TILED, tiled, "xa tiled")):
-            out[b, layout, None] = ours(dev, _launcher(dev, h.function(kdef), copies, x, y, b, n,
+            out[b, layout, "library"] = ours(dev, _launcher(dev, h.function(kdef), copies, x, y, b, n,
                                                        k, False, kdef=kdef), reps, trials)
     return out
 
@@ -504,6 +512,10 @@ def main() -> int:
                      (rng.random((n, k // 32), dtype=np.float32) * 0.01).astype(np.float16))
                     for _ in range(copies)]
             weights = [(h.put(pk), h.put(sc)) for pk, sc in host]
+            # the decode graph's copies: the model's layout on the device (ops.device_weight)
+            laid = tiled_layout(n, k)
+            decode_w = [(h.put(tile_packed(pk)), h.put(tile_scales(sc))) for pk, sc in host] \
+                if laid else weights
             if not args.tiled:
                 del host
             x16 = h.put(rng.standard_normal((max(BATCHES), k)).astype(np.float16))   # every path's x
@@ -514,15 +526,16 @@ def main() -> int:
                          args.trials)
             times, torch_times = {}, {}
             for b in BATCHES:
-                times[b] = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
-                                args.trials)
+                times[b] = ours(dev, _default(dev, h, decode_w, x16, y, b, n, k, laid),
+                                args.reps, args.trials)
                 if have_torch:
                     torch_times[b] = torch_matmul(b, n, k, args.reps, args.trials)
                     have_torch = torch_times[b] is not None
             for b in TENSOR_BATCHES:
+                dequant = INT4_DEQUANT_F16_TILED if laid else INT4_DEQUANT_F16
                 step_tensor[b] += uses * ours(dev, tensor_launcher(
-                    dev, h.function(INT4_DEQUANT_F16), weights, x16, y, tile, tile_bytes, b, n, k),
-                    args.reps, args.trials)
+                    dev, h.function(dequant), decode_w, x16, y, tile, tile_bytes, b, n, k,
+                    dequant=dequant), args.reps, args.trials)
             if args.rows_sweep:
                 rows_times = rows_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_rows_sweep(name, n, k, rows_times)
@@ -531,21 +544,19 @@ def main() -> int:
             if args.tiled:
                 tiled = tiled_times(dev, h, host, weights, x16, y, n, k, args.reps, args.trials)
                 del host
-                print(f"  {name} n={n} k={k} rows kernels, us, reference layout (library's "
-                      f"warps) / tiled at 4, 8, 16 warps: " + ", ".join(
-                          f"b{b} {tiled[b, 'rows', row_warps(k)] * 1e6:.1f} / " + " ".join(
+                print(f"  {name} n={n} k={k} rows kernels, us, reference layout / tiled (the "
+                      f"library's warps: {rows_warps(n, sms)}) / tiled at 4, 8, 16 warps: "
+                      + ", ".join(
+                          f"b{b} {tiled[b, 'rows', 'library'] * 1e6:.1f} / "
+                          f"{tiled[b, 'tiled', 'library'] * 1e6:.1f} / " + " ".join(
                               f"{tiled[b, 'tiled', w] * 1e6:.1f}" for w in ROW_WARP_CHOICES
                               if (b, "tiled", w) in tiled) for b in TILED_BATCHES)
                       + "; xa, reference / tiled: " + ", ".join(
-                          f"b{b} {tiled[b, 'xa', None] * 1e6:.1f} / "
-                          f"{tiled[b, 'xa tiled', None] * 1e6:.1f}" for b in TILED_XA_BATCHES),
+                          f"b{b} {tiled[b, 'xa', 'library'] * 1e6:.1f} / "
+                          f"{tiled[b, 'xa tiled', 'library'] * 1e6:.1f}" for b in TILED_XA_BATCHES),
                       flush=True)
-                for (b, layout, warps), t in tiled.items():
-                    # per layout: the library's warps, and each forced count of the tiled entry
-                    lib = layout in ("rows", "xa", "xa tiled") or warps == row_warps(k)
-                    for key in ([(b, layout, "library")] if lib else []) + (
-                            [(b, layout, warps)] if layout == "tiled" else []):
-                        step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
+                for key, t in tiled.items():
+                    step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
                 wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                                  args.wgmma_stages)

@@ -96,7 +96,7 @@ def breakdown(rt, executor, key) -> None:
     for node, variant in plan.resolve():
         t0 = time.perf_counter()
         OPS[node.op].launch(LaunchContext(device, node, plan.graph, variant, plan.ptr, device.stream,
-                                          executor.tile))
+                                          executor.tile, executor.weight_tiled))
         device.synchronize()
         per_op[node.op] = per_op.get(node.op, 0.0) + time.perf_counter() - t0
     total = sum(per_op.values())

@@ -26,7 +26,7 @@ import numpy as np
 from gpu_worker.execution.class_arena import ClassArenas
 from gpu_worker.execution.kernel_cache import KernelCache, KernelVariant, VariantSpec
 from gpu_worker.execution.layout import plan_layout
-from gpu_worker.execution.ops import OPS, LaunchContext, tile_bytes_for
+from gpu_worker.execution.ops import OPS, LaunchContext, device_weight, tile_bytes_for
 from gpu_worker.execution.plans import PlanCache
 from gpu_worker.execution.streaming import (
     StreamedRun,
@@ -96,7 +96,7 @@ class ShapePlan:
         device, tile = self.executor.device, self.executor.tile
         for node, variant in steps:
             OPS[node.op].launch(LaunchContext(device, node, self.graph, variant, self.ptr, stream,
-                                              tile))
+                                              tile, self.executor.weight_tiled))
 
     def _gemm_shapes(self, steps) -> frozenset:
         tile = self.executor.tile
@@ -325,6 +325,7 @@ class ModelExecutor:
                                synchronize=lambda: device.synchronize(device.stream),
                                shared_bytes=self.arenas.bytes)
         self._weights: dict[str, tuple[int, int]] = {}   # key -> (address, bytes), load order
+        self._tiled: set[str] = set()                 # keys stored in the 16-row tile layout
         self._slot_of: dict[str, str] = {}            # key -> its weight slot's name
         self._slot_names: list[str] = []              # the model's slots, load order
         # The layer being added: (layer, [(key, host)]), sealed into one slot when complete
@@ -357,6 +358,9 @@ class ModelExecutor:
         if key in self._weights or key in self._slot_of or \
                 (self._open is not None and any(k == key for k, _ in self._open[1])):
             raise InvalidArgument(f"weight {key!r} was added twice")
+        host, tiled = device_weight(key, host)
+        if tiled:
+            self._tiled.add(key)
         layer = layer_of(key)
         if self._open is not None and self._open[0] != layer:
             self._seal()
@@ -391,6 +395,10 @@ class ModelExecutor:
     def weight_ptr(self, key: str) -> int:
         self._seal()
         return int(self._weights[key][0])
+
+    def weight_tiled(self, key: str) -> bool:
+        """Whether weight `key` is stored in the 16-row tile layout (ops.device_weight)."""
+        return key in self._tiled
 
     def weight_keys(self) -> list[str]:
         self._seal()
@@ -611,6 +619,7 @@ class ModelExecutor:
             freed += int(self.device.weights.get(name).nbytes)
             self.device.weights.remove(name)
         self._weights.clear()
+        self._tiled.clear()
         self._slot_of.clear()
         self._slot_names.clear()
         self._all_weights_cost = None

@@ -14,6 +14,12 @@ on the model's stream, so one tile serves them all), and each tile is multiplied
 `DEQUANT_TILE_BYTES` (default 32 MiB) at most, whatever the weight: a 14336 x 4096 MLP weight
 takes 4 tiles instead of 112 MiB of scratch (224 MiB per variant per node in f32 before).
 
+An int4 weight of whole 16-row tiles and k-groups (int4_batched.tiled_layout) is stored on the
+device in the 16-row tile layout (`device_weight`, applied by the executor as weights are added:
+its `.q` packed bytes and `.s` scales, same shapes, permuted), and its linears launch the
+kernels' `_tiled` entries: the decode kernels read it 5-14 % faster (docs/kernels.md). Other
+weights keep the reference layout, read by the same kernels' plain entries.
+
 The fp16 linear (`weight_format: fp16`, GraphBuilder.linear_f16) is one cuBLAS GEMM for every row
 count, decode's single row included: x arrives as fp16 (a `to_f16` node), W is read from its
 weight slot as stored, y is f32. It owns no workspace beyond the device BLAS's own, and needs no
@@ -23,7 +29,9 @@ capture); tests/gpu/test_checkpoints_fp16.py passes on the H200.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
 from gpu_worker.kernels import (
@@ -56,6 +64,8 @@ class LaunchContext:
     ptr: Callable[[str], int]
     stream: object
     tile: object = None       # the model's dequantization tile (.ptr, .size), when an op needs it
+    # whether a weight is stored in the 16-row tile layout (`device_weight`)
+    tiled: Callable[[str], bool] = field(default=lambda name: False)
 
     def fn(self, kernel_name: str) -> object:
         return self.variant.function[kernel_name]
@@ -71,6 +81,28 @@ class LaunchContext:
 
     def weight(self, i: int) -> int:
         return self.ptr(self.node.weights[i])
+
+    def int4_tiled(self) -> bool:
+        """Whether this int4 linear's packed weight and scales are in the 16-row tile layout."""
+        packed, scales = (self.tiled(w) for w in self.node.weights[:2])
+        if packed != scales:
+            raise RuntimeError(f"{self.node.name}: packed weight {self.node.weights[0]!r} and "
+                               f"scales {self.node.weights[1]!r} are stored in different layouts")
+        return packed
+
+
+def device_weight(key: str, host: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(the array a weight is stored as on the device, whether it is in the 16-row tile layout):
+    an int4 linear's packed `.q` (N, K/2) u8 and scales `.s` (N, K/32) fp16 are tiled where
+    int4_batched.tiled_layout(N, K) holds, every other weight is stored as given."""
+    a = np.asarray(host)
+    if a.ndim == 2 and key.endswith(".q") and a.dtype == np.uint8 and \
+            int4_batched.tiled_layout(a.shape[0], 2 * a.shape[1]):
+        return int4_batched.tile_packed(a), True
+    if a.ndim == 2 and key.endswith(".s") and a.dtype == np.float16 and \
+            int4_batched.tiled_layout(a.shape[0], 32 * a.shape[1]):
+        return int4_batched.tile_scales(a), True
+    return host, False
 
 
 @dataclass(frozen=True)
@@ -124,12 +156,15 @@ def _linear_gemms(node: Node, graph: Graph, tile_bytes: int) -> list[tuple[int, 
 def _launch_linear(c: LaunchContext) -> None:
     m, n, k = _linear_dims(c.node, c.graph)
     acc = bool(c.node.attributes.get("accumulate"))    # y += x @ W^T (the residual, in place)
+    tiled = c.int4_tiled()
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
-            kdef = int4_batched.MMA_KERNELS[int4_batched.mma_kernel(m)]
+            kernels = int4_batched.MMA_KERNELS_TILED if tiled else int4_batched.MMA_KERNELS
+            kdef = kernels[int4_batched.mma_kernel(m)]
             kdef.launcher(c.device, c.fn(kdef.name), c.out(), c.inp(0), c.weight(0), c.weight(1),
                           0, m, n, k, accumulate=acc, stream=c.stream)
             return
+        assert not tiled, f"{c.node.name}: a tiled weight (k % 128 == 0) never takes the GEMV"
         linear.launch_int4_matmul(c.device, c.fn("int4_matmul"), c.out(), c.inp(0), c.weight(0),
                                   c.weight(1), 0, m, n, k, accumulate=acc, stream=c.stream)
         return
@@ -138,8 +173,9 @@ def _launch_linear(c: LaunchContext) -> None:
     y = c.out()
     for r0 in range(0, n, rows):
         part = min(rows, n - r0)
-        half.launch_int4_dequant_f16(c.device, c.fn("int4_dequant_f16"), c.tile.ptr, c.weight(0),
-                                     c.weight(1), r0, part, n, k, stream=c.stream)
+        dequant = half.INT4_DEQUANT_F16_TILED if tiled else half.INT4_DEQUANT_F16
+        dequant.launcher(c.device, c.fn(dequant.name), c.tile.ptr, c.weight(0), c.weight(1), r0,
+                         part, n, k, stream=c.stream)
         # columns [r0, r0 + part) of y: row stride n
         c.device.blas.gemm_nt(y + 4 * r0, c.inp(0), c.tile.ptr, m, part, k, ldy=n,
                               accumulate=acc, stream=c.stream)
@@ -436,8 +472,9 @@ def _launch_sample(c: LaunchContext) -> None:
 
 
 OPS: dict[str, OpBinding] = {
-    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, linear.INT4_MATMUL,
-                              *int4_batched.MMA_KERNELS.values()),
+    "linear_int4": OpBinding((half.INT4_DEQUANT_F16, half.INT4_DEQUANT_F16_TILED,
+                              linear.INT4_MATMUL, *int4_batched.MMA_KERNELS.values(),
+                              *int4_batched.MMA_KERNELS_TILED.values()),
                              _launch_linear,
                              gemms=_linear_gemms, accumulate=True),
     "linear_f16": OpBinding((), _launch_linear_f16, gemms=_f16_gemms, accumulate=True),

@@ -66,8 +66,10 @@ from gpu_worker.kernels.flash_attention import (
 )
 from gpu_worker.kernels.half import (
     INT4_DEQUANT_F16,
+    INT4_DEQUANT_F16_TILED,
     TO_F16,
     launch_int4_dequant_f16,
+    launch_int4_dequant_f16_tiled,
     launch_to_f16,
 )
 from gpu_worker.kernels.int4_batched import (
@@ -142,7 +144,7 @@ from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 
 ALL_KERNELS: list[KernelDef] = [
     EMBEDDING_GATHER, RMSNORM, LAYERNORM, INT4_DEQUANT, MATMUL_NT, MATMUL_NT_LARGE, INT4_MATMUL,
-    INT4_DEQUANT_F16, TO_F16, ROTARY,
+    INT4_DEQUANT_F16, INT4_DEQUANT_F16_TILED, TO_F16, ROTARY,
     ATTENTION_PREFILL, ATTENTION_PREFILL_KV16, ATTENTION_DECODE_KV16, KV_APPEND_KV16,
     SILU_GATE, GELU, ADD, BIAS_ADD, ADD_I32,
     ARGMAX, MEAN_POOL,
@@ -185,6 +187,7 @@ __all__ = [
     "GELU",
     "INT4_DEQUANT",
     "INT4_DEQUANT_F16",
+    "INT4_DEQUANT_F16_TILED",
     "INT4_MATMUL",
     "INT4_MMA",
     "INT4_MMA_ROWS",
@@ -244,6 +247,7 @@ __all__ = [
     "launch_gelu",
     "launch_int4_dequant",
     "launch_int4_dequant_f16",
+    "launch_int4_dequant_f16_tiled",
     "launch_int4_matmul",
     "launch_int4_mma",
     "launch_int4_mma_rows",

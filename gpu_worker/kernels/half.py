@@ -59,12 +59,30 @@ def launch_int4_dequant_f16(device, function, w16: int, packed: int, scales: int
                             words: int = DEQUANT_WORDS) -> None:
     """Rows [row0, row0 + rows) of the (n, k) int4 weight into `w16` (rows * k fp16); `words`:
     the build's words per thread (it sizes the grid; any grid gives the same result)."""
-    require_sizes("int4_dequant_f16", row0=row0, rows=rows, n=n, k=k, elements=rows * k)
-    require(row0 + rows <= n, f"int4_dequant_f16: rows [{row0}, {row0 + rows}) outside n={n}")
+    _launch_dequant("int4_dequant_f16", device, function, w16, packed, scales, row0, rows, n, k,
+                    stream, words)
+
+
+def launch_int4_dequant_f16_tiled(device, function, w16: int, packed: int, scales: int,
+                                  row0: int, rows: int, n: int, k: int, stream=None,
+                                  words: int = DEQUANT_WORDS) -> None:
+    """int4_dequant_f16 of a weight in the 16-row tile layout (int4_batched.rows_tiled): K a
+    multiple of 128 and row0 of 16; the same fp16 rows out."""
+    require(k % 128 == 0 and row0 % 16 == 0 and n % 16 == 0,
+            f"int4_dequant_f16_tiled: n={n}, k={k}, row0={row0}: a tiled weight is whole "
+            "16-row tiles of k-groups of 128, read from a tile's first row")
+    _launch_dequant("int4_dequant_f16_tiled", device, function, w16, packed, scales, row0, rows,
+                    n, k, stream, words)
+
+
+def _launch_dequant(kernel: str, device, function, w16: int, packed: int, scales: int, row0: int,
+                    rows: int, n: int, k: int, stream, words: int) -> None:
+    require_sizes(kernel, row0=row0, rows=rows, n=n, k=k, elements=rows * k)
+    require(row0 + rows <= n, f"{kernel}: rows [{row0}, {row0 + rows}) outside n={n}")
     require(packed % 16 == 0 and w16 % 16 == 0,
-            "int4_dequant_f16: packed weight and tile must be 16-byte aligned")
+            f"{kernel}: packed weight and tile must be 16-byte aligned")
     require(rows * k // 8 < 2**31,
-            f"int4_dequant_f16: {rows} rows x {k // 8} packed words must be < 2^31 (split the rows)")
+            f"{kernel}: {rows} rows x {k // 8} packed words must be < 2^31 (split the rows)")
     if rows == 0 or k == 0:
         return
     if k % 8 == 0:
@@ -91,6 +109,10 @@ def _tile_workspace(*, rows: int, k: int, **_: int) -> int:
 INT4_DEQUANT_F16 = KernelDef("int4_dequant_f16", "gp_int4_dequant_f16", SOURCE,
                              reference.int4_dequantize_f16, launch_int4_dequant_f16,
                              workspace=_tile_workspace)
+# the weight in int4_batched.rows_tiled's layout: the oracle on rows_untiled's
+INT4_DEQUANT_F16_TILED = KernelDef("int4_dequant_f16_tiled", "gp_int4_dequant_f16_tiled", SOURCE,
+                                   reference.int4_dequantize_f16, launch_int4_dequant_f16_tiled,
+                                   workspace=_tile_workspace)
 TO_F16 = KernelDef("to_f16", "gp_to_f16", SOURCE, reference.to_f16, launch_to_f16)
 
 
@@ -103,4 +125,4 @@ def dequant_build(words: int) -> KernelDef:
     return dataclasses.replace(INT4_DEQUANT_F16, source=_source(words),
                                launcher=functools.partial(launch_int4_dequant_f16, words=words))
 
-KERNELS = [INT4_DEQUANT_F16, TO_F16]
+KERNELS = [INT4_DEQUANT_F16, INT4_DEQUANT_F16_TILED, TO_F16]

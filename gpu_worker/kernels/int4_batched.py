@@ -135,14 +135,27 @@ ROW_LONG_K_GROUPS = 64  # from this many k-groups of 128 (K 8192) a rows block r
 ROW_LONG_K_WARPS = 16   # warps, each a contiguous 1/16 of K (GP_ROW_MAX_WARPS bounds it)
 
 
-ROW_WARP_CHOICES = (4, MMA_WARPS, ROW_LONG_K_WARPS)   # a rows block's warps a launch may force
+ROW_WARP_CHOICES = (4, MMA_WARPS, ROW_LONG_K_WARPS)   # a rows block's warps
+ROW_FILL = 0.7   # of the warps the SMs hold (ROW_CTAS blocks of 8) a rows grid fills at least
+
+
+def rows_warps(n: int, sms: int, max_rows: int = 8) -> int:
+    """Warps of a rows block (gp_int4_mma_rows(16) and their tiled entries): the fewest of
+    ROW_WARP_CHOICES (at least 4 an 8-row x tile) whose ceil(n / 16) blocks hold ROW_FILL of
+    the warps the SMs keep resident, else the most. Fewer warps give each a longer K slice
+    (gate/up and lm_head: 4), a small N more warps to keep the SMs loading (wo and the down
+    projection: 16); measured per shape, int4_batched_bench --tiled (docs/kernels.md). A
+    function of N, the device and the entry, never of the row count: a row's bits are the
+    same at 1..8 rows."""
+    choices = [w for w in ROW_WARP_CHOICES if w >= 4 * ceil_div(max_rows, 8)]
+    need = ROW_FILL * sms * ROW_CTAS * MMA_WARPS
+    return next((w for w in choices if ceil_div(n, 16) * w >= need), choices[-1])
 
 
 def row_warps(k: int) -> int:
-    """Warps of one rows block for K = k: ROW_LONG_K_WARPS for a long K (the down projection's
-    14336: its 256 blocks of 8 warps left the SMs starved of loads in flight), else 8 (each
-    warp gp_int4_mma's K slice). A function of K only, so a row's bits never depend on the
-    batch."""
+    """Warps of one block of the async rows builds (gp_int4_mma_rows(16)_async) for K = k:
+    ROW_LONG_K_WARPS for a long K (the down projection's 14336: 256 blocks of 8 warps left the
+    SMs starved of loads in flight), else 8 (each warp gp_int4_mma's K slice)."""
     return ROW_LONG_K_WARPS if k // MMA_K_ALIGN >= ROW_LONG_K_GROUPS else MMA_WARPS
 
 MAX_SPLIT = 8          # CTAs per cluster splitting K (the portable cluster size)
@@ -251,20 +264,19 @@ INT4_MMA_XA_TILED = KernelDef("int4_mma_xa_tiled", "gp_int4_mma_xa_tiled", SOURC
 
 
 # gp_int4_mma_rows / gp_int4_mma_rows16: the same contract for up to 8 / 16 rows (one or two 8-row
-# tiles of x), bitwise gp_int4_mma's result below ROW_LONG_K_GROUPS k-groups (the same K slice
-# per warp, summed in the same order; from there K over ROW_LONG_K_WARPS warps), each entry with registers bounded for its own tile: ROW_CTAS blocks per SM and
-# ROW_DEPTH k-groups of weights in flight per warp. The 1-row decode linear at HBM pace, and
-# 2..16 rows at nearly the same cost.
+# tiles of x), K over the block's warps (rows_warps: 4, 8 or 16 by N; at 8, bitwise gp_int4_mma's
+# result: the same K slice per warp, summed in the same order), each entry with registers
+# bounded for its own tile: ROW_CTAS blocks per SM and ROW_DEPTH k-groups of weights in flight
+# per warp. The 1-row decode linear at HBM pace, and 2..16 rows at nearly the same cost.
 
 
 def _rows_warps(kernel: str, max_rows: int, x: int, packed: int, scales: int, m: int, n: int,
-                k: int, warps: int | None) -> int:
+                k: int, warps: int, least: int = 4) -> int:
     """The rows kernels' (and their async builds') argument checks; the block's warps."""
     _require_linear(kernel, x, packed, scales, m, n, k)
     require(m <= max_rows, f"{kernel}: m={m} rows > {max_rows}")
-    warps = row_warps(k) if warps is None else warps
     # the block's last step sums 4 outputs a lane of each 8-row x tile, a warp each: 4 warps a tile
-    choices = tuple(w for w in ROW_WARP_CHOICES if w >= 4 * ceil_div(max_rows, 8))
+    choices = tuple(w for w in ROW_WARP_CHOICES if w >= max(least, 4 * ceil_div(max_rows, 8)))
     require(warps in choices, f"{kernel}: warps={warps} not built (choices {choices})")
     require(ceil_div(n, 16) * 16 * (k // 32) < 2**32 - 1 and m * k // 8 < 2**32 - 1,
             f"{kernel}: n={n} x k={k} too large for its 32-bit offsets; use the GEMV")
@@ -274,8 +286,10 @@ def _rows_warps(kernel: str, max_rows: int, x: int, packed: int, scales: int, m:
 def _launch_rows(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                  scales: int, bias: int, m: int, n: int, k: int, accumulate: bool,
                  stream, warps: int | None) -> None:
-    """Both rows entries: grid ceil(n / 16) blocks of `warps` warps (default row_warps(k)), 16
+    """Both rows entries: grid ceil(n / 16) blocks of `warps` warps (default rows_warps), 16
     weight rows a block, K over its warps."""
+    if warps is None:
+        warps = rows_warps(n, sm_count(device), max_rows)
     warps = _rows_warps(kernel, max_rows, x, packed, scales, m, n, k, warps)
     if m == 0 or n == 0:
         return
@@ -288,7 +302,7 @@ def launch_int4_mma_rows(device, function, y: int, x: int, packed: int, scales: 
                          m: int, n: int, k: int, accumulate: bool = False, stream=None,
                          warps: int | None = None) -> None:
     """int4_mma's contract and arguments on gp_int4_mma_rows, for m <= 8 rows; `warps` forces
-    the block's warps (8 or 16; default row_warps(k))."""
+    the block's warps (4, 8 or 16; default rows_warps)."""
     _launch_rows("int4_mma_rows", 8, device, function, y, x, packed, scales, bias, m, n, k,
                  accumulate, stream, warps)
 
@@ -311,34 +325,66 @@ INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
 # 4 kg + t of row 16 tile + 8 h + g at index (tile * KG + kg) * 64 + 32 h + 4 g + t, its scale at
 # the same index. A tile's k-group is then 1 KiB of weights in one piece, and each 16-byte weight
 # load of a warp reads 512 contiguous bytes, where the reference layout gives it 8 rows x 64
-# bytes, K / 2 apart. Rows are padded to a multiple of 16 with nibble 8 and scale 0 (weight 0).
+# bytes, K / 2 apart. The decode kernels read it faster (docs/kernels.md, "The 16-row tile
+# layout"), so a model's int4 weights are stored so on the device wherever tiled_layout holds
+# (execution/ops.device_weight); the arrays keep their reference shapes.
+def tiled_layout(n: int, k: int) -> bool:
+    """Whether an (n, k) int4 weight is stored in the 16-row tile layout on the device: whole
+    tiles (n % 16 == 0) and whole k-groups (k % 128 == 0)."""
+    return n % 16 == 0 and k % MMA_K_ALIGN == 0 and n > 0
+
+
+_TO_TILES = (0, 3, 1, 2, 4)     # (tile, h, g, kg, t) -> (tile, kg, h, g, t)
+_FROM_TILES = (0, 2, 3, 1, 4)   # and back
+
+
+def _permute_blocks(a: np.ndarray, n16: int, kb: int, order: tuple[int, ...]) -> np.ndarray:
+    """(n16 rows x kb quant blocks) of `a`'s elements (a 16-byte block or a scale each), flat,
+    permuted from the (tile, h, g, kg, t) order to `order`'s (or back)."""
+    shape = ((n16 // 16, 2, 8, kb // 4, 4) if order == _TO_TILES
+             else (n16 // 16, kb // 4, 2, 8, 4))
+    return np.ascontiguousarray(a.reshape(shape).transpose(order)).reshape(-1)
+
+
+def tile_packed(packed: np.ndarray) -> np.ndarray:
+    """An (N, K/2) packed weight (tiled_layout(N, K)) in the 16-row tile layout, same shape."""
+    n, half = packed.shape
+    require(tiled_layout(n, 2 * half), f"tile_packed: {packed.shape} is not whole 16-row tiles "
+                                       "and k-groups of 128")
+    blocks = np.ascontiguousarray(packed).view(np.dtype((np.void, 16)))   # a quant block each
+    return _permute_blocks(blocks, n, half // 16, _TO_TILES).view(np.uint8).reshape(n, half)
+
+
+def tile_scales(scales: np.ndarray) -> np.ndarray:
+    """An (N, K/32) fp16 scale array (tiled_layout(N, K)) in the 16-row tile layout."""
+    n, kb = scales.shape
+    require(tiled_layout(n, 32 * kb), f"tile_scales: {scales.shape} is not whole 16-row tiles "
+                                      "and k-groups of 128")
+    return _permute_blocks(scales, n, kb, _TO_TILES).reshape(n, kb)
+
+
 def rows_tiled(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(packed, scales) of the reference layout, (N, K/2) u8 and (N, K/32) fp16, in the 16-row
-    tile layout, flat: ceil(N / 16) * 16 * K / 2 bytes and as many scales as quant blocks."""
+    tile layout, flat; N is padded to whole tiles with nibble 8 and scale 0 (weight 0)."""
     n, kb = scales.shape
     require(kb % 4 == 0 and packed.shape == (n, kb * 16),
             f"rows_tiled: packed {packed.shape} and scales {scales.shape} are not one int4 "
             "weight with K a multiple of 128")
     n16 = ceil_div(n, 16) * 16
-    blocks = np.full((n16, kb, 16), 0x88, np.uint8)
-    blocks[:n] = packed.reshape(n, kb, 16)
+    blocks = np.full((n16, kb * 16), 0x88, np.uint8)
+    blocks[:n] = packed
     sc = np.zeros((n16, kb), np.float16)
     sc[:n] = scales
-    order = (0, 3, 1, 2, 4)   # (tile, h, g, kg, t) -> (tile, kg, h, g, t)
-    return (np.ascontiguousarray(blocks.reshape(n16 // 16, 2, 8, kb // 4, 4, 16)
-                                 .transpose(*order, 5)).reshape(-1),
-            np.ascontiguousarray(sc.reshape(n16 // 16, 2, 8, kb // 4, 4)
-                                 .transpose(*order)).reshape(-1))
+    return tile_packed(blocks).reshape(-1), tile_scales(sc).reshape(-1)
 
 
 def rows_untiled(packed: np.ndarray, scales: np.ndarray, n: int,
                  k: int) -> tuple[np.ndarray, np.ndarray]:
     """rows_tiled's inverse: the reference layout's (N, K/2) packed and (N, K/32) scales."""
     n16, kb = ceil_div(n, 16) * 16, k // 32
-    order = (0, 2, 3, 1, 4)   # (tile, kg, h, g, t) -> (tile, h, g, kg, t)
-    blocks = packed.reshape(n16 // 16, kb // 4, 2, 8, 4, 16).transpose(*order, 5)
-    sc = scales.reshape(n16 // 16, kb // 4, 2, 8, 4).transpose(*order)
-    return blocks.reshape(n16, kb * 16)[:n], sc.reshape(n16, kb)[:n]
+    blocks = np.ascontiguousarray(packed).reshape(-1).view(np.dtype((np.void, 16)))
+    pk = _permute_blocks(blocks, n16, kb, _FROM_TILES).view(np.uint8).reshape(n16, kb * 16)
+    return pk[:n], _permute_blocks(scales.reshape(-1), n16, kb, _FROM_TILES).reshape(n16, kb)[:n]
 
 
 def launch_int4_mma_rows_tiled(device, function, y: int, x: int, packed: int, scales: int,
@@ -493,7 +539,8 @@ def rows_async_grid(m: int, n: int, warps: int, sms: int, stages: int = ROW_ASYN
 def _launch_rows_async(kernel: str, max_rows: int, device, function, y: int, x: int, packed: int,
                        scales: int, bias: int, m: int, n: int, k: int, accumulate: bool, stream,
                        warps: int | None, grid: int | None, stages: int, ctas: int) -> None:
-    warps = _rows_warps(kernel, max_rows, x, packed, scales, m, n, k, warps)
+    warps = _rows_warps(kernel, max_rows, x, packed, scales, m, n, k,
+                        row_warps(k) if warps is None else warps, least=MMA_WARPS)
     if m == 0 or n == 0:
         return
     blocks = rows_async_grid(m, n, warps, sm_count(device), stages, ctas) if grid is None else grid
@@ -594,6 +641,8 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
+# and over a weight in the 16-row tile layout (tiled_layout)
+MMA_KERNELS_TILED = {"rows": INT4_MMA_ROWS_TILED, "xa": INT4_MMA_XA_TILED}
 
 KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_XA_TILED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
            INT4_MMA_ROWS16_TILED, INT4_MMA_ROWS_ASYNC,

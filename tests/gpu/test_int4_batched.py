@@ -168,9 +168,10 @@ def _rows_result(harness, kdef, pk: int, sc: int, xd: int, m: int, n: int, k: in
 
 def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batch_up_to_16(
         harness) -> None:
-    """gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp order, so their result is
-    gp_int4_mma's bit for bit; each mma output element sums only its own row's products, so a
-    row's bits do not depend on how many rows share the call (1..16)."""
+    """gp_int4_mma_rows and rows16 keep gp_int4_mma's K slices and warp order (at QKV's N both
+    run 8 warps a block: rows_warps), so their result is gp_int4_mma's bit for bit; each mma
+    output element sums only its own row's products, so a row's bits do not depend on how many
+    rows share the call (1..16)."""
     from gpu_worker.kernels.int4_batched import INT4_MMA, INT4_MMA_ROWS, INT4_MMA_ROWS16
 
     n, k = 6144, 4096
@@ -186,22 +187,24 @@ def test_the_rows_kernels_give_int4_mma_bits_and_a_row_the_same_bits_at_any_batc
         assert np.array_equal(first, firsts[0]), m
 
 
-def test_a_rows_bits_do_not_depend_on_the_batch_when_a_long_k_runs_16_warps(harness) -> None:
-    """From ROW_LONG_K_GROUPS k-groups the rows blocks split K over 16 warps (row_warps: K
-    only), so at the down projection's K a row's bits are the same at 1..16 rows, and the
-    16-warp sum agrees with the 8-warp one within the contract's f32 tolerance."""
-    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, row_warps
+def test_a_rows_bits_do_not_depend_on_the_batch_at_4_and_16_warps_a_block(harness) -> None:
+    """rows_warps reads N and the device only: where the down projection's blocks run 16 warps
+    and gate/up's rows blocks 4, a row's bits are the same at 1..8 rows (and, at 16 warps, on
+    rows16 at 9..16), and each sum agrees with the 8-warp one within the contract's tolerance."""
+    from gpu_worker.kernels.common import sm_count
+    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, rows_warps
 
-    n, k = 4096, 14336
-    assert row_warps(k) == 16
-    pk, sc, xd = _weights_and_x(harness, 11, n, k, 16)
-    firsts = [_rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m, n,
-                           k)[0] for m in (1, 2, 8, 9, 16)]
-    eight = _rows_result(harness, INT4_MMA_ROWS, pk, sc, xd, 1, n, k, warps=8)[0]
-    harness.close()
-    for m, first in zip((2, 8, 9, 16), firsts[1:]):
-        assert np.array_equal(first, firsts[0]), m
-    assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max())
+    for n, k, warps in ((4096, 14336, 16), (28672, 4096, 4)):
+        assert rows_warps(n, sm_count(harness.device)) == warps
+        pk, sc, xd = _weights_and_x(harness, 11, n, k, 16)
+        rows = (1, 2, 8, 9, 16) if warps == 16 else (1, 2, 8)
+        firsts = [_rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd,
+                               m, n, k)[0] for m in rows]
+        eight = _rows_result(harness, INT4_MMA_ROWS, pk, sc, xd, 1, n, k, warps=8)[0]
+        harness.close()
+        for m, first in zip(rows[1:], firsts[1:]):
+            assert np.array_equal(first, firsts[0]), (n, m)
+        assert np.allclose(firsts[0], eight, rtol=1e-4, atol=1e-4 * np.abs(eight).max()), n
 
 
 @pytest.mark.parametrize("nt,wk", XK_BUILDS)
@@ -230,12 +233,12 @@ def test_the_async_rows_kernels_give_the_rows_kernels_bits_on_any_grid_and_build
     sums; only how the weights arrive and which block takes a tile change. So at 1..16 rows,
     on the default grid, on a grid of 3 blocks (each many tiles, the ring running on across
     them) and in every tuning build, the result is the rows kernels' bit for bit."""
-    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16
+    from gpu_worker.kernels.int4_batched import INT4_MMA_ROWS, INT4_MMA_ROWS16, row_warps
 
     pk, sc, xd = _weights_and_x(harness, 13, n, k, 16)
-    for m in (1, 2, 8, 9, 16):
+    for m in (1, 2, 8, 9, 16):   # the async builds' warps: row_warps(k)
         want = _rows_result(harness, INT4_MMA_ROWS if m <= 8 else INT4_MMA_ROWS16, pk, sc, xd, m,
-                            n, k)
+                            n, k, warps=row_warps(k))
         for stages, ctas in ROW_ASYNC_BUILDS:   # the library's build among them
             kdef = rows_async_build(stages, ctas)[0 if m <= 8 else 1]
             for grid in (None, 3):

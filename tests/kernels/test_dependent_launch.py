@@ -138,7 +138,7 @@ def test_the_decode_steps_kernels_are_launched_with_pdl(recorded) -> None:
     """Every kernel of a paged decode layer overlaps its predecessor's tail (not only some)."""
     want = {"gp_embedding_gather", "gp_rmsnorm_f16", "gp_qkv_rope_append_paged",
             "gp_flash_decode_split_paged", "gp_flash_combine_paged", "gp_silu_gate_f16",
-            "gp_sample", "gp_int4_mma_rows"}
+            "gp_sample", "gp_int4_mma_rows_tiled"}
     assert want <= recorded.pdl_entries, f"serialized: {sorted(want - recorded.pdl_entries)}"
 
 

@@ -159,35 +159,52 @@ def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> No
     assert len(calls) == 4, "a refused launch launches nothing"
 
 
-def test_a_rows_block_splits_k_by_k_alone_so_a_rows_bits_never_depend_on_the_batch() -> None:
-    """The rows entries run 16 warps a block from ROW_LONG_K_GROUPS k-groups (the down
-    projection), 8 below (gp_int4_mma's split); the warps come from K only, for 1..16 rows, and
-    any other warp count is refused before anything launches."""
+def test_a_rows_blocks_warps_come_from_n_and_the_device_so_a_rows_bits_never_depend_on_the_batch(
+        ) -> None:
+    """rows_warps: the fewest of 4 / 8 / 16 warps whose grid holds ROW_FILL of the SMs'
+    resident warps (at 8b shapes on 132 SMs: gate/up and lm_head 4, QKV 8, wo and the down
+    projection 16; rows16, two x tiles, at least 8). A launch's block follows it for every row
+    count of the entry, and a warp count not built is refused before anything launches."""
     from gpu_worker.kernels.common import InvalidArgument
     from gpu_worker.kernels.int4_batched import (
-        ROW_LONG_K_GROUPS,
+        ROW_CTAS,
+        ROW_FILL,
         launch_int4_mma_rows,
         launch_int4_mma_rows16,
-        row_warps,
+        launch_int4_mma_rows_tiled,
+        rows_warps,
     )
 
-    assert row_warps(4096) == 8 and row_warps(128 * (ROW_LONG_K_GROUPS - 1)) == 8
-    assert row_warps(14336) == 16 and row_warps(128 * ROW_LONG_K_GROUPS) == 16
+    shapes = {"qkv": 6144, "wo": 4096, "gate_up": 28672, "w_down": 4096, "lm_head": 128256}
+    assert {k: rows_warps(n, 132) for k, n in shapes.items()} == {
+        "qkv": 8, "wo": 16, "gate_up": 4, "w_down": 16, "lm_head": 4}
+    assert {k: rows_warps(n, 132, 16) for k, n in shapes.items()} == {
+        "qkv": 8, "wo": 16, "gate_up": 8, "w_down": 16, "lm_head": 8}
+    for n in (16, 1009, 6144, 28672):
+        w = rows_warps(n, 132)
+        assert w == 16 or -(-n // 16) * w >= ROW_FILL * 132 * ROW_CTAS * 8
+        assert w == 4 or -(-n // 16) * (w // 2) < ROW_FILL * 132 * ROW_CTAS * 8
     blocks: list = []
 
     class Recorder:
+        class info:
+            ordinal = 0
+
         def launch(self, fn, grid, block, args, stream=None, pdl=False):
             blocks.append(block)
 
-    for k in (4096, 14336):
+    for n in (4096, 28672):
         for m in (1, 8):
-            launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, m, 4096, k)
+            launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, m, n, 4096)
+            launch_int4_mma_rows_tiled(Recorder(), None, 0, 0, 0, 0, 0, m, n, 4096)
         for m in (9, 16):
-            launch_int4_mma_rows16(Recorder(), None, 0, 0, 0, 0, 0, m, 4096, k)
-    assert blocks == [(256, 1, 1)] * 4 + [(512, 1, 1)] * 4
+            launch_int4_mma_rows16(Recorder(), None, 0, 0, 0, 0, 0, m, n, 4096)
+    assert blocks == [(512, 1, 1)] * 6 + [(128, 1, 1)] * 4 + [(256, 1, 1)] * 2
     with pytest.raises(InvalidArgument, match="warps=12 not built"):
         launch_int4_mma_rows(Recorder(), None, 0, 0, 0, 0, 0, 1, 4096, 4096, warps=12)
-    assert len(blocks) == 8, "a refused launch launches nothing"
+    with pytest.raises(InvalidArgument, match="warps=4 not built"):
+        launch_int4_mma_rows16(Recorder(), None, 0, 0, 0, 0, 0, 9, 4096, 4096, warps=4)
+    assert len(blocks) == 12, "a refused launch launches nothing"
 
 
 def test_every_xk_build_fits_its_blocks_per_sm_and_its_split_depends_on_n_and_k_only() -> None:

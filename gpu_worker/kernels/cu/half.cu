@@ -25,10 +25,14 @@ __device__ __forceinline__ unsigned gp_dq_pair(unsigned word, unsigned j, unsign
 // first store, so GP_DQ_WORDS loads are in flight per thread. Any grid is correct (a
 // grid-stride loop over passes); the launcher sizes it for the build's GP_DQ_WORDS.
 // 32-bit index math (the launcher bounds rows * k / 8 below 2^31). Other K: a thread per weight.
-extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
-                                               const unsigned char* __restrict__ packed,
-                                               const unsigned short* __restrict__ scales,
-                                               int row0, int rows, int k) {
+// TILED: the weight in the 16-row tile layout (int4_batched.rows_tiled; K % 128 == 0, row0 a
+// multiple of 16): quant block qb of row r is block (r / 16 * KG + qb / 4) * 64 + 32 (r / 8 % 2)
+// + 4 (r % 8) + qb % 4, its scale at the same index; a warp's loads are 64-byte runs then.
+template <bool TILED>
+__device__ __forceinline__ void gp_int4_dequant_f16_rows(unsigned short* __restrict__ w16,
+                                                         const unsigned char* __restrict__ packed,
+                                                         const unsigned short* __restrict__ scales,
+                                                         int row0, int rows, int k) {
     const int kb = (k + 31) >> 5;
     if ((k & 7) == 0) {
         const unsigned words = (unsigned)k >> 3, total = (unsigned)rows * words;
@@ -45,8 +49,11 @@ extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                 }
                 if (first + u * blockDim.x < total) {
                     const size_t gr = (size_t)(row0 + (int)r);
-                    q[u] = __ldg(src + gr * kb * 4 + wd);
-                    s[u] = __ldg(scales + gr * kb + (wd >> 2));
+                    const size_t qb = TILED ? ((gr >> 4) * (kb >> 2) + (wd >> 4)) * 64 +
+                                              32 * ((gr >> 3) & 1) + 4 * (gr & 7) + ((wd >> 2) & 3)
+                                            : gr * kb + (wd >> 2);
+                    q[u] = __ldg(src + qb * 4 + (wd & 3));
+                    s[u] = __ldg(scales + qb);
                 }
             }
 #pragma unroll
@@ -60,7 +67,7 @@ extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
                 }
             }
         }
-    } else {
+    } else if (!TILED) {
         GP_GRID_STRIDE(i, (long long)rows * k) {
             const int r = (int)(i / k), c = (int)(i % k);
             const size_t gr = (size_t)(row0 + r);
@@ -69,6 +76,19 @@ extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
             w16[i] = gp_float_to_half((float)(nib - 8) * gp_half_to_float(scales[gr * kb + (c >> 5)]));
         }
     }
+}
+
+extern "C" __global__ void gp_int4_dequant_f16(unsigned short* __restrict__ w16,
+                                               const unsigned char* __restrict__ packed,
+                                               const unsigned short* __restrict__ scales,
+                                               int row0, int rows, int k) {
+    gp_int4_dequant_f16_rows<false>(w16, packed, scales, row0, rows, k);
+}
+extern "C" __global__ void gp_int4_dequant_f16_tiled(unsigned short* __restrict__ w16,
+                                                     const unsigned char* __restrict__ packed,
+                                                     const unsigned short* __restrict__ scales,
+                                                     int row0, int rows, int k) {
+    gp_int4_dequant_f16_rows<true>(w16, packed, scales, row0, rows, k);
 }
 
 extern "C" __global__ void gp_to_f16(unsigned short* __restrict__ out, const float* __restrict__ x,

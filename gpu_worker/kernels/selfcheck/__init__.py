@@ -44,6 +44,7 @@ from gpu_worker.kernels.elementwise import (
 from gpu_worker.kernels.embedding import EMBEDDING_GATHER, launch_embedding_gather
 from gpu_worker.kernels.half import (
     INT4_DEQUANT_F16,
+    INT4_DEQUANT_F16_TILED,
     TO_F16,
     dequant_build,
     launch_int4_dequant_f16,
@@ -65,6 +66,8 @@ from gpu_worker.kernels.int4_batched import (
     launch_int4_mma,
     rows_async_build,
     rows_tiled,
+    tile_packed,
+    tile_scales,
     xk_build,
 )
 from gpu_worker.kernels.linear import (
@@ -358,19 +361,23 @@ def int4_linear_case(h, rng, m, n, k) -> Outcome:
     return Outcome(h.get(y, (m, n)), want, 1e-4, 1e-4)
 
 
-def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None, wide=False, words=None) -> Outcome:
+def int4_dequant_f16_case(h, rng, n, k, row0=0, rows=None, wide=False, words=None,
+                          tiled=False) -> Outcome:
     """`wide`: fp16 scales of either sign from subnormal to 8191 (subnormal products, the top
     exponents): the one rounding of the product must match the reference's bit for bit.
     `words`: the build with that many packed words per thread (half.dequant_build), else the
-    library's."""
-    kdef = INT4_DEQUANT_F16 if words is None else dequant_build(words)
+    library's. `tiled`: int4_dequant_f16_tiled over the weight in the 16-row tile layout."""
+    kdef = INT4_DEQUANT_F16_TILED if tiled else INT4_DEQUANT_F16 if words is None \
+        else dequant_build(words)
     packed, scales = _quantized(rng, n, k)
     if wide:
         bits = rng.integers(0, 0x7000, scales.shape, dtype=np.uint16)   # |8 * scale| < 65504
         scales = (bits | (rng.integers(0, 2, scales.shape, dtype=np.uint16) << 15)).view(np.float16)
     rows = n - row0 if rows is None else rows
     tile = h.put(np.full(kdef.workspace_bytes(rows=rows, k=k) // 2, np.nan, np.float16))
-    kdef.launcher(h.device, h.function(kdef), tile, h.put(packed), h.put(scales), row0, rows, n, k)
+    dpacked, dscales = (tile_packed(packed), tile_scales(scales)) if tiled else (packed, scales)
+    kdef.launcher(h.device, h.function(kdef), tile, h.put(dpacked), h.put(dscales), row0, rows, n,
+                  k)
     want = ref.int4_dequantize_f16(packed, scales, k)[row0:row0 + rows]
     return Outcome(h.get(tile, (rows, k), np.uint16), want.view(np.uint16))   # bit-exact
 
@@ -682,6 +689,11 @@ CASES: list[Case] = [
     C("int4_dequant_f16", int4_dequant_f16_case, n=97, k=96, row0=5, rows=61, wide=True),
     C("int4_dequant_f16", int4_dequant_f16_case, n=40, k=72, row0=3, rows=30, wide=True),
     C("int4_dequant_f16", int4_dequant_f16_case, n=97, k=96, row0=5, rows=61, wide=True, words=4),
+    C("int4_dequant_f16_tiled", int4_dequant_f16_case, n=48, k=384, tiled=True),
+    C("int4_dequant_f16_tiled", int4_dequant_f16_case, n=224, k=640, row0=64, rows=128,
+      wide=True, tiled=True),
+    C("int4_dequant_f16_tiled", int4_dequant_f16_case, n=64, k=128, row0=16, rows=37,
+      tiled=True),
     C("to_f16", to_f16_case, n=1),
     C("to_f16", to_f16_case, n=70001),
     C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,

@@ -383,6 +383,18 @@ def _int4_dequant_f16(mem, grid, block, args) -> None:
     _arr(mem, w16, rows * k, np.float16).reshape(rows, k)[:] = reference.int4_dequantize_f16(pk, sc, k)
 
 
+@register_sim_kernel("gp_int4_dequant_f16_tiled")
+def _int4_dequant_f16_tiled(mem, grid, block, args) -> None:
+    w16, packed, scales, row0, rows, k = _vals(args)
+    # rows [row0, row0 + rows) start a tile; their whole tiles are the reference layout's bytes
+    # of the same rows, permuted within
+    kb, rows16 = k // 32, -(-rows // 16) * 16
+    pk = _arr(mem, packed + row0 * kb * 16, rows16 * kb * 16, np.uint8)
+    sc = _arr(mem, scales + row0 * kb * 2, rows16 * kb, np.float16)
+    pk, sc = rows_untiled(pk, sc, rows, k)
+    _arr(mem, w16, rows * k, np.float16).reshape(rows, k)[:] = reference.int4_dequantize_f16(pk, sc, k)
+
+
 @register_sim_kernel("gp_to_f16")
 def _to_f16(mem, grid, block, args) -> None:
     out, x, n = _vals(args)
