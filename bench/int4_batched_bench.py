@@ -3,10 +3,13 @@ bandwidth measured in the same run, and against PyTorch fp16 `torch.matmul` on t
 
 Shapes: Llama-3-8B's linears as the decode graph runs them, QKV and gate/up each one matrix
 (6144 and 28672 rows), each timed alone, then summed into one decode step's linears:
-32 x (qkv + wo + gate_up + w_down) + lm_head. One row is timed on both the int4 GEMV
-(linear.int4_matmul, what the graph runs at one row) and the tensor-core int4_mma; 2..64 rows on
-the int4_mma; 16, 32 and 64 rows also on the prefill's path (each weight tile dequantized to
-fp16, then cuBLAS: execution/ops.py), for the crossover. Each timed graph rotates through enough copies of the weight (bench/limits.rotation,
+32 x (qkv + wo + gate_up + w_down) + lm_head. 1..64 rows are timed on the kernel the decode
+graph runs (int4_batched.mma_kernel) over the weight as a model stores it on the device (the
+16-row tile layout where int4_batched.tiled_layout holds: execution/ops.device_weight, the
+`_tiled` entries); one row also on the int4 GEMV (linear.int4_matmul, reference layout);
+16, 32 and 64 rows also on the prefill's path (each weight tile dequantized to fp16, then
+cuBLAS: execution/ops.py), for the crossover. The sweeps below run the plain entries over the
+reference layout. Each timed graph rotates through enough copies of the weight (bench/limits.rotation,
 >= 4 x L2) that it streams from HBM, for ours and for torch alike.
 Targets (MISSED: exit 1, issue 24): the step's linears at 64 rows within 2x their 1-row time; at
 1 row (the faster kernel per shape) at least 0.7 of copy bandwidth (weight + scale bytes / time,
@@ -18,6 +21,10 @@ the median replay / reps (bench/attention_bench.median_replay).
     python3 bench/int4_batched_bench.py [--reps 20 --trials 7 --record]   # on the GPU machine
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
 
+`--tiled` times the rows kernels (1 / 8 / 16 rows; the library's warps, and every warp count of
+ROW_WARP_CHOICES on the tiled entries) and gp_int4_mma_xa (16 / 32 / 64 rows) over both layouts,
+each tiled result first checked against the reference layout's bits: the figures the layout
+and int4_batched.rows_warps are set from.
 `--rows-sweep` times gp_int4_mma_rows / rows16 built with other pipeline depths and blocks per
 SM, with a long K (in one build every K) over 8 or 16 warps (ROWS_BUILDS; each build first
 checked against gp_int4_mma's result), gp_int4_mma_rows(16)_async in every ROW_ASYNC_BUILDS build (checked

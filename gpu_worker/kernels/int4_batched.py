@@ -1,7 +1,8 @@
 """The int4 linear on tensor cores for 1..64 rows (a decode batch): y = x @ dequant(W)^T that
 reads the int4 weight once per call, whatever the row count. Kernels of one contract:
 gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
-registers of their own), gp_int4_mma_xa (x as the mma's A operand, 17..64 rows),
+registers of their own), gp_int4_mma_xa (x as the mma's A operand, 9..64 rows), each of the
+last three also as a `_tiled` entry over the 16-row tile layout (rows_tiled),
 and, measured or to be measured and not routed, gp_int4_wgmma, gp_int4_mma_rows(16)_async and
 gp_int4_mma_xk4 / xk8; mma_kernel picks one. CUDA: cu/int4_batched.cu (the weight as A),
 cu/int4_xa.cu (x as A), cu/int4_wgmma.cu, sharing cu/int4_mma.cuh.
@@ -15,7 +16,9 @@ integer nib - 8 made exactly (fp16 1024 + nib or 64 + nib magic, two per LOP3, o
 stored; the mma sums in f32. So the result equals the GEMV's and the prefill's dequant tile +
 cuBLAS up to f32 summation order, and a stream's tokens do not depend on its batch.
 
-Design (as Marlin, Frantar 2024, without its offline weight reshuffle): the weight is the mma A
+Design (as Marlin, Frantar 2024; its offline weight reshuffle is rows_tiled's 16-row tile
+layout, which a model's weights are stored in on the device and the `_tiled` entries read):
+the weight is the mma A
 operand (16 weight rows x 16 k), x the B operand (16 k x 8 batch rows), so the batch fills the
 n = 8 side and M = 64 needs 8 mmas per 16x16 weight tile. The k order inside a quant block is
 permuted identically for A and B: thread t of a quad owns the 32-bit word t of each 16-byte
