@@ -175,19 +175,21 @@ ROWS_BUILDS = ((2, 4, 3, 8), (2, 4, 4, 8), (2, 4, 4, 16), (3, 4, 4, 16), (2, 3, 
                (2, 4, 4, 16, 16))
 
 
-def rows_kernels(depth: int, ctas: int, ctas16: int):
-    """(gp_int4_mma_rows, gp_int4_mma_rows16) built with `depth` k-groups in flight per warp
-    (GP_ROW_DEPTH) and registers bounded for `ctas` / `ctas16` blocks per SM (GP_ROW_CTAS,
-    GP_ROW16_CTAS); the library's build is (ROW_DEPTH, ROW_CTAS, ROW16_CTAS)."""
+def rows_kernels(depth: int, ctas: int, ctas16: int, tiled: bool = False):
+    """(gp_int4_mma_rows, gp_int4_mma_rows16), or their `tiled` entries, built with `depth`
+    k-groups in flight per warp (GP_ROW_DEPTH) and registers bounded for `ctas` / `ctas16`
+    blocks per SM (GP_ROW_CTAS, GP_ROW16_CTAS); the library's build is (ROW_DEPTH, ROW_CTAS,
+    ROW16_CTAS)."""
+    kdefs = (INT4_MMA_ROWS_TILED, INT4_MMA_ROWS16_TILED) if tiled else (INT4_MMA_ROWS,
+                                                                           INT4_MMA_ROWS16)
     if (depth, ctas, ctas16) == (ROW_DEPTH, ROW_CTAS, ROW16_CTAS):
-        return INT4_MMA_ROWS, INT4_MMA_ROWS16
+        return kdefs
     source = dataclasses.replace(
         INT4_MMA_ROWS.source,
         module_name=f"{INT4_MMA_ROWS.source.module_name}_rows{depth}_{ctas}_{ctas16}",
         options=(*INT4_MMA_ROWS.source.options, f"-DGP_ROW_DEPTH={depth}",
                  f"-DGP_ROW_CTAS={ctas}", f"-DGP_ROW16_CTAS={ctas16}"))
-    return (dataclasses.replace(INT4_MMA_ROWS, source=source),
-            dataclasses.replace(INT4_MMA_ROWS16, source=source))
+    return tuple(dataclasses.replace(kdef, source=source) for kdef in kdefs)
 
 
 def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) -> dict:
@@ -215,8 +217,9 @@ def rows_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int) ->
                                  f"gp_int4_mma by {np.abs(got - want).max()}")
             out[b, build] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
                                                 False, kdef=kdef, warps=warps), reps, trials)
-        rows_kdef = INT4_MMA_ROWS if b <= 8 else INT4_MMA_ROWS16
-        rows_kdef.launcher(dev, h.function(rows_kdef), y_ref, x, packed, scales, 0, b, n, k)
+        rows_kdef = INT4_MMA_ROWS if b <= 8 else INT4_MMA_ROWS16   # at the async builds' warps
+        rows_kdef.launcher(dev, h.function(rows_kdef), y_ref, x, packed, scales, 0, b, n, k,
+                           warps=row_warps(k))
         want = h.get(y_ref, (b, n))
         for stages, ctas in ROW_ASYNC_BUILDS:
             kdef = rows_async_build(stages, ctas)[0 if b <= 8 else 1]
@@ -242,6 +245,8 @@ def print_rows_sweep(name: str, n: int, k: int, times: dict) -> None:
 
 TILED_BATCHES = (1, 8, 16)
 TILED_XA_BATCHES = (16, 32, 64)
+# (depth, blocks per SM) builds of the tiled rows entry timed at 1 and 8 rows (library's first)
+TILED_BUILDS = ((ROW_DEPTH, ROW_CTAS), (1, 4), (3, 4), (4, 4), (3, 3), (4, 3), (6, 2))
 
 
 def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps: int,
@@ -271,6 +276,18 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
                 reps, trials)
         out[b, "rows", "library"] = ours(dev, _launcher(dev, h.function(rows), weights, x, y, b,
                                                         n, k, False, kdef=rows), reps, trials)
+    for b in (1, 8):   # the tiled rows entry's builds, each checked against the library's bits
+        want = None
+        for depth, ctas in TILED_BUILDS:
+            kdef = rows_kernels(depth, ctas, ctas, tiled=True)[0]
+            kdef.launcher(dev, h.function(kdef), y, x, *tiled[0], 0, b, n, k)
+            got = h.get(y, (b, n))
+            want = got if want is None else want
+            if not np.array_equal(got, want):
+                raise WrongBuild(f"{kdef.source.module_name} tiled m={b}: differs from the "
+                                 f"library's build by {np.abs(got - want).max()}")
+            out[b, "tiled build", f"{depth}/{ctas}"] = ours(dev, _launcher(
+                dev, h.function(kdef), tiled, x, y, b, n, k, False, kdef=kdef), reps, trials)
     for b in TILED_XA_BATCHES:   # gp_int4_mma_xa on its plan over both layouts
         bits = []
         for kdef, copies in ((INT4_MMA_XA, weights), (INT4_MMA_XA_TILED, tiled)):
@@ -665,6 +682,14 @@ def main() -> int:
             for w, t in forced.items():
                 targets.figure(f"decode step int4 linears, {b} rows, rows kernels, 16-row tiles, "
                                f"{w} warps a block", t * 1e3, "ms")
+            builds = {bd: t for (bb, layout, bd), t in step_tiled.items()
+                      if bb == b and layout == "tiled build"}
+            if builds:
+                print("    tiled rows builds (depth/blocks per SM): "
+                      + ", ".join(f"{bd} {t * 1e3:.3f}" for bd, t in builds.items()))
+            for bd, t in builds.items():
+                targets.figure(f"decode step int4 linears, {b} rows, rows kernels, 16-row tiles, "
+                               f"build {bd}", t * 1e3, "ms")
         print("decode step's linears on gp_int4_mma_xa (its plan), reference layout / 16-row "
               "tiles, ms:")
         for b in TILED_XA_BATCHES:
