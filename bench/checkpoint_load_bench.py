@@ -6,7 +6,9 @@ Writes a bf16 safetensors checkpoint with Llama-3-8B's shapes (random weights; `
              every file copied out of its mmap by QUANT_THREADS threads in the loader's row
              chunks, while the main thread places exactly the arrays the loader produced (their
              keys, shapes and dtypes, from the first load) into weight slots (add_weight +
-             ensure_resident);
+             ensure_resident), its keys suffixed so that no conversion happens there either
+             (the load's int4 weights are permuted into the device's tile layout as they are
+             added: execution/ops.device_weight);
   load       our loader: the same files through `Checkpoint.weights()` (bf16 -> int4 quantization
              on the host) into the same kind of weight slots.
 Both sides go through one device and one weight store; the statistic is the best round of each.
@@ -46,6 +48,7 @@ from gpu_worker.device import open_device
 from gpu_worker.execution.executor import ModelExecutor
 
 TARGET = 1.5
+FLOOR_SUFFIX = ".floor"   # no weight key of a model ends so: the floor's arrays stay as they are
 GB = 1e9
 
 
@@ -165,7 +168,9 @@ def read_and_copy(device, compiler, root: pathlib.Path,
             for key, shape, dt in layout:
                 t0 = time.perf_counter()
                 n = int(np.prod(shape)) * np.dtype(dt).itemsize
-                ex.add_weight(key, source[:n].view(dt).reshape(shape))
+                # the key suffixed: the floor's bytes are copied as they are, not permuted into
+                # the int4 tile layout (execution/ops.device_weight) as the load's are
+                ex.add_weight(key + FLOOR_SUFFIX, source[:n].view(dt).reshape(shape))
                 b.pinned += time.perf_counter() - t0
             t0 = time.perf_counter()
             b.thread_read = sum(reads)
