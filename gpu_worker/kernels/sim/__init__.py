@@ -9,6 +9,7 @@ memory at run time, so a replayed sim graph sees the current values exactly as a
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -189,36 +190,6 @@ register_sim_kernel("gp_int4_mma_xk4")(_int4_mma_xk(4))
 register_sim_kernel("gp_int4_mma_xk8")(_int4_mma_xk(8))
 
 
-@register_sim_kernel("gp_int4_mma_rows")
-def _int4_mma_rows(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, 8)
-
-
-@register_sim_kernel("gp_int4_mma_rows16")
-def _int4_mma_rows16(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS)
-
-
-@register_sim_kernel("gp_int4_mma_rows_tiled")
-def _int4_mma_rows_tiled(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, 8, tiled=True)
-
-
-@register_sim_kernel("gp_int4_mma_rows16_tiled")
-def _int4_mma_rows16_tiled(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS, tiled=True)
-
-
-@register_sim_kernel("gp_int4_mma_rows_async")
-def _int4_mma_rows_async(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, 8, persistent=True)
-
-
-@register_sim_kernel("gp_int4_mma_rows16_async")
-def _int4_mma_rows16_async(mem, grid, block, args) -> None:
-    _int4_rows(mem, grid, block, args, ROWS_MAX_ROWS, persistent=True)
-
-
 @register_sim_kernel("gp_int4_wgmma")
 def _int4_wgmma(mem, grid, block, args) -> None:
     y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
@@ -237,6 +208,17 @@ def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False,
     assert covered and m <= max_rows and block[0] in (128, 256, 512), (grid, block, m)
     (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
                                                      accumulate)
+
+
+# the rows entries: (entry, rows it takes, a persistent grid, weights in the 16-row tile layout)
+for _entry, _max_rows, _persistent, _tiled in (
+        ("gp_int4_mma_rows", 8, False, False), ("gp_int4_mma_rows16", ROWS_MAX_ROWS, False, False),
+        ("gp_int4_mma_rows_tiled", 8, False, True),
+        ("gp_int4_mma_rows16_tiled", ROWS_MAX_ROWS, False, True),
+        ("gp_int4_mma_rows_async", 8, True, False),
+        ("gp_int4_mma_rows16_async", ROWS_MAX_ROWS, True, False)):
+    register_sim_kernel(_entry)(functools.partial(_int4_rows, max_rows=_max_rows,
+                                                  persistent=_persistent, tiled=_tiled))
 
 
 @register_sim_kernel("gp_rotary")
