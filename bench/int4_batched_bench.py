@@ -37,7 +37,8 @@ times gp_int4_mma_xa at every built tile and K split (and at xa_plan's) against 
 kernel at 16 / 24 / 32 / 48 / 64 rows (the figures int4_batched.xa_plan's rule is set from, and
 at 16 rows whether xa's 1-x-tile build beats rows16), on a
 tuning build with `--xa-ctas` / `--xa-stages`, checked against the reference first (a wrong
-build stops the run). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over weight rows and
+build stops the run), over the weight in the model's layout (the tiled entry where
+tiled_layout holds). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over weight rows and
 each k-group's k16 steps, so x is read from shared memory fewer times a stage; every build
 (nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
@@ -382,25 +383,28 @@ XA_SWEEP_BATCHES = (16, 24, 32, 48, 64)   # 16: the 1-x-tile build against the r
 XA_SPLITS = (1, 2, 3, 4, 6, 8)
 
 
-def xa_kernel(ctas: int, stages: int):
-    """gp_int4_mma_xa with registers bounded for `ctas` CTAs per SM (GP_XA_CTAS) and a
-    `stages`-deep pipeline (GP_XA_STAGES); the library's build is XA_CTAS, XA_STAGES."""
+def xa_kernel(ctas: int, stages: int, tiled: bool = False):
+    """gp_int4_mma_xa (or its `tiled` entry) with registers bounded for `ctas` CTAs per SM
+    (GP_XA_CTAS) and a `stages`-deep pipeline (GP_XA_STAGES); the library's build is XA_CTAS,
+    XA_STAGES."""
+    kdef = INT4_MMA_XA_TILED if tiled else INT4_MMA_XA
     if (ctas, stages) == (XA_CTAS, XA_STAGES):
-        return INT4_MMA_XA
+        return kdef
     source = dataclasses.replace(
         INT4_MMA_XA.source, module_name=f"{INT4_MMA_XA.source.module_name}_xa{ctas}_{stages}",
         options=(*INT4_MMA_XA.source.options, f"-DGP_XA_CTAS={ctas}", f"-DGP_XA_STAGES={stages}"))
-    return dataclasses.replace(INT4_MMA_XA, source=source)
+    return dataclasses.replace(kdef, source=source)
 
 
 def xa_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int, ctas: int = XA_CTAS,
-             stages: int = XA_STAGES) -> dict:
+             stages: int = XA_STAGES, tiled: bool = False) -> dict:
     """{(rows, nt, split): seconds} of gp_int4_mma_xa (a tuning build first checked against the
     reference: a wrong build raises WrongBuild) over every built tile and the splits XA_SPLITS
     the K range allows, with (rows, 0, 0) the default kernel (int4_batched.mma_kernel) and
-    (rows, -1, -1) xa's own plan."""
-    kdef = xa_kernel(ctas, stages)
-    if kdef is not INT4_MMA_XA:
+    (rows, -1, -1) xa's own plan; `tiled`: the entries over `weights` in the 16-row tile
+    layout (the model's, where tiled_layout holds)."""
+    kdef = xa_kernel(ctas, stages, tiled)
+    if kdef.source is not INT4_MMA_XA.source:
         for m in (24, 63):
             for nt in XA_NT:
                 for split in (1, 3):
@@ -412,7 +416,7 @@ def xa_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int, ctas
                                          f"split={split}: {failure}")
     out = {}
     for b in XA_SWEEP_BATCHES:
-        out[b, 0, 0] = ours(dev, _default(dev, h, weights, x, y, b, n, k), reps, trials)
+        out[b, 0, 0] = ours(dev, _default(dev, h, weights, x, y, b, n, k, tiled), reps, trials)
         out[b, -1, -1] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
                                              kdef=kdef, kw={"stages": stages}), reps, trials)
         for nt in XA_NT:
@@ -607,8 +611,8 @@ def main() -> int:
                     step_xk[b, "best"] += uses * min(base, *(xk[b, bd] for bd in XK_BUILDS))
                     step_xk[b, "default"] += uses * base
             if args.xa_sweep:
-                xa_times = xa_sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                    args.xa_ctas, args.xa_stages)
+                xa_times = xa_sweep(dev, h, decode_w, x16, y, n, k, args.reps, args.trials,
+                                    args.xa_ctas, args.xa_stages, laid)
                 print_xa_sweep(name, n, k, xa_times, sms)
                 for b in XA_SWEEP_BATCHES:
                     step_xa[b, "default"] += uses * xa_times[b, 0, 0]
