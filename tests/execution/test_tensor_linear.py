@@ -101,6 +101,7 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
     ex.close()
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["reference layout", "16-row tiles"])
 @pytest.mark.parametrize(("rows", "out_dim", "entry"), [
     (40, 28672, "gp_int4_mma_xa"),       # 9..64 rows: x as the mma's A operand
     (24, 28672, "gp_int4_mma_xa"),
@@ -111,11 +112,53 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
     (8, 6144, "gp_int4_mma_rows"),       # 1..8 rows: the rows kernel of one x tile
     (1, 128256, "gp_int4_mma_rows"),     # the batch-1 decode linear
 ])
-def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, entry) -> None:
+def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, entry,
+                                                                 tiled) -> None:
     """ops.py's int4 linear through its binding on the sim: the kernel int4_batched.mma_kernel
-    names is launched (its sim twin checks the grid covers every row) and y is the reference."""
+    names is launched (its sim twin checks the grid covers every row), its `_tiled` entry where
+    the executor stored the weight in the 16-row tile layout, and y is the reference."""
+    launched, got, want = _run_int4_linear(rows, out_dim, tiled)
+    assert launched == [entry + ("_tiled" if tiled else "")]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_whose_weight_and_scales_are_in_different_layouts_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="different layouts"):
+        _run_int4_linear(1, 4096, lambda name: name == "w.packed")
+
+
+def test_only_int4_weights_of_whole_tiles_are_stored_tiled_and_untiling_gives_them_back() -> None:
+    """ops.device_weight: an int4 linear's `.q` and `.s` of N % 16 == 0 and K % 128 == 0 take
+    the 16-row tile layout (same shape and bytes, permuted); other weights, shapes and dtypes
+    are stored as given."""
+    from gpu_worker.kernels import int4_batched
+    from gpu_worker.kernels import reference as kref
+
+    rng = np.random.default_rng(5)
+    packed, scales = kref.int4_quantize(rng.standard_normal((48, 256)).astype(np.float32))
+    q, q_tiled = ops.device_weight("layers.0.wqkv.q", packed)
+    s, s_tiled = ops.device_weight("layers.0.wqkv.s", scales)
+    assert q_tiled and s_tiled and q.shape == packed.shape and s.shape == scales.shape
+    back = int4_batched.rows_untiled(q, s, 48, 256)
+    assert np.array_equal(back[0], packed) and np.array_equal(back[1], scales)
+    assert not np.array_equal(q, packed), "the layout moved nothing"
+    odd_n, _ = kref.int4_quantize(rng.standard_normal((40, 256)).astype(np.float32))
+    odd_k, _ = kref.int4_quantize(rng.standard_normal((48, 160)).astype(np.float32))
+    for key, host in (("layers.0.wqkv.q", odd_n), ("layers.0.wqkv.q", odd_k),
+                      ("layers.0.wqkv.h", rng.standard_normal((48, 256)).astype(np.float16)),
+                      ("embed", rng.standard_normal((48, 256)).astype(np.float16)),
+                      ("layers.0.attn_norm.w", np.ones(256, np.float32))):
+        stored, tiled = ops.device_weight(key, host)
+        assert not tiled and stored is host, key
+
+
+def _run_int4_linear(rows: int, out_dim: int, tiled):
+    """(entries launched, y, the reference) of one linear_int4 node through ops.OPS on the sim,
+    K = 128; `tiled`: whether (or, a function of the weight name, which of) the weights are
+    stored in the 16-row tile layout."""
     from gpu_worker.compile import KernelCompiler
     from gpu_worker.device import open_device
+    from gpu_worker.kernels import int4_batched
     from gpu_worker.kernels import reference as kref
     from gpu_worker.kernels.selfcheck import KernelHarness
     from gpu_worker.models.graph import GraphBuilder
@@ -135,7 +178,11 @@ def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, 
     device = open_device("sim")
     launched: list[str] = []
     with KernelHarness(device, KernelCompiler(device.info.arch)) as h:
-        ptrs = {"x": h.put(x), "w.packed": h.put(packed), "w.scales": h.put(scales),
+        layout = tiled if callable(tiled) else (lambda name: tiled)
+        stored = {"w.packed": int4_batched.tile_packed(packed) if layout("w.packed") else packed,
+                  "w.scales": int4_batched.tile_scales(scales) if layout("w.scales") else scales}
+        ptrs = {"x": h.put(x), "w.packed": h.put(stored["w.packed"]),
+                "w.scales": h.put(stored["w.scales"]),
                 "y": h.put(np.zeros((rows, out_dim), np.float32))}
         binding = ops.OPS["linear_int4"]
         functions = {kd.name: h.function(kd) for kd in binding.kernels}
@@ -148,8 +195,11 @@ def test_a_decode_batch_linear_runs_on_the_kernel_its_rule_names(rows, out_dim, 
 
         device.launch = recording_launch
         variant = type("V", (), {"function": functions, "workspace_ptr": lambda self, n: 0})()
-        binding.launch(ops.LaunchContext(device, node, graph, variant, ptrs.__getitem__, None))
-        got = h.get(ptrs["y"], (rows, out_dim))
+        try:
+            binding.launch(ops.LaunchContext(device, node, graph, variant, ptrs.__getitem__,
+                                             None, tiled=layout))
+            got = h.get(ptrs["y"], (rows, out_dim))
+        finally:
+            device.launch = real_launch
     device.close()
-    assert launched == [entry]
-    np.testing.assert_allclose(got, kref.int4_matmul(x, packed, scales), rtol=1e-5, atol=1e-5)
+    return launched, got, kref.int4_matmul(x, packed, scales)

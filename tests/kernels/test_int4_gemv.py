@@ -254,3 +254,33 @@ def test_the_async_rows_grid_is_what_is_resident_at_once_and_at_most_a_block_a_t
             per_sm = -(-grid // 132)
             assert grid == tiles or per_sm * (rows_async_shared_bytes(m, warps) + 1024) \
                 <= SM_SHARED_BYTES, (n, k, m, grid)
+
+
+def test_the_tile_layout_puts_each_quant_block_and_scale_where_the_tiled_kernels_read_it() -> None:
+    """int4_batched.rows_tiled: quant block 4 kg + t of row 16 tile + 8 h + g (16 bytes) and its
+    scale at index (tile * KG + kg) * 64 + 32 h + 4 g + t, the formula of the `_tiled` entries'
+    sources (cu/int4_batched.cu, cu/int4_xa.cu, cu/half.cu); rows padded to whole tiles with
+    weight 0 (nibble 8, scale 0); rows_untiled gives the reference layout back."""
+    import numpy as np
+
+    from gpu_worker.kernels.int4_batched import rows_tiled, rows_untiled
+
+    rng = np.random.default_rng(3)
+    n, k = 37, 384
+    kb, kg_count = k // 32, k // 128
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scales = rng.random((n, kb)).astype(np.float16)
+    tp, ts = rows_tiled(packed, scales)
+    assert tp.shape == (48 * k // 2,) and ts.shape == (48 * kb,)
+    for r in range(48):
+        for qb in range(kb):
+            tile, h, g, kg, t = r // 16, r % 16 // 8, r % 8, qb // 4, qb % 4
+            i = (tile * kg_count + kg) * 64 + 32 * h + 4 * g + t
+            block, scale = tp[16 * i:16 * i + 16], ts[i]
+            if r < n:
+                assert np.array_equal(block, packed[r, 16 * qb:16 * qb + 16]) and \
+                    scale == scales[r, qb], (r, qb)
+            else:
+                assert (block == 0x88).all() and scale == 0, (r, qb)
+    back = rows_untiled(tp, ts, n, k)
+    assert np.array_equal(back[0], packed) and np.array_equal(back[1], scales)
