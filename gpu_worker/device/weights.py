@@ -182,7 +182,9 @@ class WeightSlots:
     def add_group(self, name: str, tensors: list[tuple[str, np.ndarray]],
                   evictable: bool = True) -> WeightSlot:
         """Register weights that live and page together (one layer): one pinned host copy and one
-        stable device range holding them all at ALIGN-aligned offsets; not resident yet.
+        stable device range holding them all at ALIGN-aligned offsets; not resident yet. A tensor
+        may be a strided view: its bytes in C order are what is stored (one copy, into the pinned
+        buffer; the executor's tile-layout permutation happens there).
 
         `evictable=False` for an owner that does not call ensure_resident before every use: its
         slot is never evicted to make room for another (see the module docstring)."""
@@ -196,7 +198,7 @@ class WeightSlots:
         for key, host in tensors:
             if not key:
                 raise InvalidArgument("weight key must be a non-empty string")
-            data = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+            data = np.asarray(host)   # any strides: its bytes in C order are copied, once, below
             if data.nbytes == 0:
                 raise InvalidArgument(f"weight {key!r} is empty")
             if key in layout:
@@ -221,7 +223,7 @@ class WeightSlots:
             prev = 0
             for (off, n), data in zip(layout.values(), datas):
                 pinned[prev:off] = 0      # alignment padding: defined bytes on the device too
-                pinned[off:off + n] = data
+                np.copyto(pinned[off:off + n].view(data.dtype).reshape(data.shape), data)
                 prev = off + n
             try:
                 va = self._arena.carve(end, role="weights")

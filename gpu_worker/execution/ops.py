@@ -16,9 +16,10 @@ takes 4 tiles instead of 112 MiB of scratch (224 MiB per variant per node in f32
 
 An int4 weight of whole 16-row tiles and k-groups (int4_batched.tiled_layout) is stored on the
 device in the 16-row tile layout (`device_weight`, applied by the executor as weights are added:
-its `.q` packed bytes and `.s` scales, same shapes, permuted), and its linears launch the
-kernels' `_tiled` entries: the decode kernels read it 5-14 % faster (docs/kernels.md). Other
-weights keep the reference layout, read by the same kernels' plain entries.
+its `.q` packed bytes and `.s` scales, permuted as the weight store copies them into pinned
+memory), and its linears launch the kernels' `_tiled` entries: the decode kernels read it
+5-14 % faster (docs/kernels.md). Other weights keep the reference layout, read by the same
+kernels' plain entries.
 
 The fp16 linear (`weight_format: fp16`, GraphBuilder.linear_f16) is one cuBLAS GEMM for every row
 count, decode's single row included: x arrives as fp16 (a `to_f16` node), W is read from its
@@ -92,16 +93,18 @@ class LaunchContext:
 
 
 def device_weight(key: str, host: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(the array a weight is stored as on the device, whether it is in the 16-row tile layout):
-    an int4 linear's packed `.q` (N, K/2) u8 and scales `.s` (N, K/32) fp16 are tiled where
-    int4_batched.tiled_layout(N, K) holds, every other weight is stored as given."""
+    """(the array whose bytes in C order a weight is stored as on the device, whether it is in
+    the 16-row tile layout): an int4 linear's packed `.q` (N, K/2) u8 and scales `.s` (N, K/32)
+    fp16 are tiled where int4_batched.tiled_layout(N, K) holds, as a strided view of `host` (no
+    copy here: the weight store's one copy into pinned memory permutes them); every other
+    weight is stored as given."""
     a = np.asarray(host)
     if a.ndim == 2 and key.endswith(".q") and a.dtype == np.uint8 and \
             int4_batched.tiled_layout(a.shape[0], 2 * a.shape[1]):
-        return int4_batched.tile_packed(a), True
+        return int4_batched.packed_tile_view(np.ascontiguousarray(a)), True
     if a.ndim == 2 and key.endswith(".s") and a.dtype == np.float16 and \
             int4_batched.tiled_layout(a.shape[0], 32 * a.shape[1]):
-        return int4_batched.tile_scales(a), True
+        return int4_batched.scales_tile_view(np.ascontiguousarray(a)), True
     return host, False
 
 

@@ -330,40 +330,52 @@ INT4_MMA_ROWS16 = KernelDef("int4_mma_rows16", "gp_int4_mma_rows16", SOURCE,
 # load of a warp reads 512 contiguous bytes, where the reference layout gives it 8 rows x 64
 # bytes, K / 2 apart. The decode kernels read it faster (docs/kernels.md, "The 16-row tile
 # layout"), so a model's int4 weights are stored so on the device wherever tiled_layout holds
-# (execution/ops.device_weight); the arrays keep their reference shapes.
+# (execution/ops.device_weight, through the no-copy views below).
 def tiled_layout(n: int, k: int) -> bool:
     """Whether an (n, k) int4 weight is stored in the 16-row tile layout on the device: whole
     tiles (n % 16 == 0) and whole k-groups (k % 128 == 0)."""
     return n % 16 == 0 and k % MMA_K_ALIGN == 0 and n > 0
 
 
-_TO_TILES = (0, 3, 1, 2, 4)     # (tile, h, g, kg, t) -> (tile, kg, h, g, t)
-_FROM_TILES = (0, 2, 3, 1, 4)   # and back
+_ROW_KGROUP = np.dtype((np.void, 64))   # one row's k-group of packed weights: 4 quant blocks
 
 
-def _permute_blocks(a: np.ndarray, n16: int, kb: int, order: tuple[int, ...]) -> np.ndarray:
-    """(n16 rows x kb quant blocks) of `a`'s elements (a 16-byte block or a scale each), flat,
-    permuted from the (tile, h, g, kg, t) order to `order`'s (or back)."""
-    shape = ((n16 // 16, 2, 8, kb // 4, 4) if order == _TO_TILES
-             else (n16 // 16, kb // 4, 2, 8, 4))
-    return np.ascontiguousarray(a.reshape(shape).transpose(order)).reshape(-1)
+def packed_tile_view(packed: np.ndarray) -> np.ndarray:
+    """An (N, K/2) packed weight (tiled_layout(N, K), C-contiguous) in the 16-row tile order,
+    as a view, no copy: (N/16, K/128, 2, 8) elements of 64 bytes, one row's k-group each (its
+    4 quant blocks t are adjacent in both layouts). Its bytes in C order are tile_packed's: the
+    weight store copies it straight into pinned memory, one pass instead of two."""
+    n, half = packed.shape
+    require(tiled_layout(n, 2 * half) and packed.dtype == np.uint8 and
+            packed.flags.c_contiguous, f"packed_tile_view: {packed.shape} {packed.dtype} is not "
+            "a contiguous u8 weight of whole 16-row tiles and k-groups of 128")
+    rows = packed.view(_ROW_KGROUP).reshape(n // 16, 2, 8, half // 64)
+    return rows.transpose(0, 3, 1, 2)
+
+
+def scales_tile_view(scales: np.ndarray) -> np.ndarray:
+    """An (N, K/32) fp16 scale array (tiled_layout(N, K), C-contiguous) in the 16-row tile
+    order, as a view: (N/16, K/128, 2, 8) elements of 8 bytes (one row's 4 scales of a k-group);
+    its bytes in C order are tile_scales'."""
+    n, kb = scales.shape
+    require(tiled_layout(n, 32 * kb) and scales.dtype == np.float16 and
+            scales.flags.c_contiguous, f"scales_tile_view: {scales.shape} {scales.dtype} is not "
+            "contiguous fp16 scales of whole 16-row tiles and k-groups of 128")
+    return scales.view(np.uint64).reshape(n // 16, 2, 8, kb // 4).transpose(0, 3, 1, 2)
 
 
 def tile_packed(packed: np.ndarray) -> np.ndarray:
     """An (N, K/2) packed weight (tiled_layout(N, K)) in the 16-row tile layout, same shape."""
     n, half = packed.shape
-    require(tiled_layout(n, 2 * half), f"tile_packed: {packed.shape} is not whole 16-row tiles "
-                                       "and k-groups of 128")
-    blocks = np.ascontiguousarray(packed).view(np.dtype((np.void, 16)))   # a quant block each
-    return _permute_blocks(blocks, n, half // 16, _TO_TILES).view(np.uint8).reshape(n, half)
+    view = packed_tile_view(np.ascontiguousarray(packed, np.uint8))
+    return np.ascontiguousarray(view).view(np.uint8).reshape(n, half)
 
 
 def tile_scales(scales: np.ndarray) -> np.ndarray:
     """An (N, K/32) fp16 scale array (tiled_layout(N, K)) in the 16-row tile layout."""
     n, kb = scales.shape
-    require(tiled_layout(n, 32 * kb), f"tile_scales: {scales.shape} is not whole 16-row tiles "
-                                      "and k-groups of 128")
-    return _permute_blocks(scales, n, kb, _TO_TILES).reshape(n, kb)
+    view = scales_tile_view(np.ascontiguousarray(scales, np.float16))
+    return np.ascontiguousarray(view).view(np.float16).reshape(n, kb)
 
 
 def rows_tiled(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -383,11 +395,16 @@ def rows_tiled(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
 
 def rows_untiled(packed: np.ndarray, scales: np.ndarray, n: int,
                  k: int) -> tuple[np.ndarray, np.ndarray]:
-    """rows_tiled's inverse: the reference layout's (N, K/2) packed and (N, K/32) scales."""
+    """rows_tiled's inverse: the reference layout's (N, K/2) packed and (N, K/32) scales, from
+    the tiled bytes in C order (rows_tiled's, tile_packed's / tile_scales' or the views')."""
     n16, kb = ceil_div(n, 16) * 16, k // 32
-    blocks = np.ascontiguousarray(packed).reshape(-1).view(np.dtype((np.void, 16)))
-    pk = _permute_blocks(blocks, n16, kb, _FROM_TILES).view(np.uint8).reshape(n16, kb * 16)
-    return pk[:n], _permute_blocks(scales.reshape(-1), n16, kb, _FROM_TILES).reshape(n16, kb)[:n]
+
+    def untile(a: np.ndarray, dtype: np.dtype) -> np.ndarray:   # (tile, kg, h, g, t) -> rows
+        flat = np.ascontiguousarray(a).reshape(-1).view(dtype)
+        return np.ascontiguousarray(flat.reshape(n16 // 16, kb // 4, 2, 8, 4)
+                                    .transpose(0, 2, 3, 1, 4)).reshape(n16, kb)
+    pk = untile(packed, np.dtype((np.void, 16))).view(np.uint8)
+    return pk[:n], untile(scales, np.dtype(np.float16))[:n]
 
 
 def launch_int4_mma_rows_tiled(device, function, y: int, x: int, packed: int, scales: int,

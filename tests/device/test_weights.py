@@ -286,6 +286,21 @@ def _layer() -> list[tuple[str, np.ndarray]]:
     return [("l.norm", _w(1000, 3)), ("l.w", _w(GRANULE + 77, 4)), ("l.b", _w(5, 5))]
 
 
+def test_a_strided_view_is_stored_as_its_bytes_in_c_order_without_touching_its_base(dev):
+    """add_group copies a view (the executor's tile-layout permutation) once, into the pinned
+    buffer: the device holds the view's C-order bytes, and the array it views is unchanged."""
+    base = np.arange(64 * 96, dtype=np.uint16).reshape(64, 96)
+    before = base.copy()
+    view = base.view(np.uint64).reshape(4, 16, 24).transpose(2, 0, 1)[:, ::-1]
+    assert not view.flags.c_contiguous
+    dev.weights.add_group("v", [("v.w", view)])
+    dev.weights.ensure_resident(["v.w"])
+    va, n = dev.weights.tensor("v.w")
+    assert n == view.nbytes
+    assert np.array_equal(dev.from_device(va, n), np.ascontiguousarray(view).view(np.uint8).reshape(-1))
+    assert np.array_equal(base, before)
+
+
 def test_a_group_slot_pages_in_by_one_copy_and_keeps_each_weight_at_an_aligned_offset(
         dev, monkeypatch):
     parts = _layer()

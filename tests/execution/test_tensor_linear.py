@@ -129,8 +129,8 @@ def test_a_linear_whose_weight_and_scales_are_in_different_layouts_is_refused() 
 
 def test_only_int4_weights_of_whole_tiles_are_stored_tiled_and_untiling_gives_them_back() -> None:
     """ops.device_weight: an int4 linear's `.q` and `.s` of N % 16 == 0 and K % 128 == 0 take
-    the 16-row tile layout (same shape and bytes, permuted); other weights, shapes and dtypes
-    are stored as given."""
+    the 16-row tile layout (the same bytes, permuted, as a view of the host array: no copy);
+    other weights, shapes and dtypes are stored as given."""
     from gpu_worker.kernels import int4_batched
     from gpu_worker.kernels import reference as kref
 
@@ -138,10 +138,14 @@ def test_only_int4_weights_of_whole_tiles_are_stored_tiled_and_untiling_gives_th
     packed, scales = kref.int4_quantize(rng.standard_normal((48, 256)).astype(np.float32))
     q, q_tiled = ops.device_weight("layers.0.wqkv.q", packed)
     s, s_tiled = ops.device_weight("layers.0.wqkv.s", scales)
-    assert q_tiled and s_tiled and q.shape == packed.shape and s.shape == scales.shape
+    assert q_tiled and s_tiled and q.nbytes == packed.nbytes and s.nbytes == scales.nbytes
+    assert np.shares_memory(q, packed) and np.shares_memory(s, scales), "a copy was made"
+    assert np.array_equal(np.ascontiguousarray(q).view(np.uint8).reshape(packed.shape),
+                          int4_batched.tile_packed(packed))
     back = int4_batched.rows_untiled(q, s, 48, 256)
     assert np.array_equal(back[0], packed) and np.array_equal(back[1], scales)
-    assert not np.array_equal(q, packed), "the layout moved nothing"
+    assert not np.array_equal(np.ascontiguousarray(q).view(np.uint8).reshape(packed.shape),
+                              packed), "the layout moved nothing"
     odd_n, _ = kref.int4_quantize(rng.standard_normal((40, 256)).astype(np.float32))
     odd_k, _ = kref.int4_quantize(rng.standard_normal((48, 160)).astype(np.float32))
     for key, host in (("layers.0.wqkv.q", odd_n), ("layers.0.wqkv.q", odd_k),
