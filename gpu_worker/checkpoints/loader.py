@@ -54,10 +54,14 @@ CHUNK_ELEMS = 1 << 21   # and about this many elements (4 MB of bf16): a linear 
 # transient memory is one staged chunk plus the quantizer's scratch. One core is left to the
 # consumer (pinned copies): an oversubscribed machine makes every GIL hand-off wait for a core.
 QUANT_THREADS = max(1, min(16, (os.cpu_count() or 2) - 1))
-# Tensors read ahead and converting beyond the one the consumer takes: enough that every thread
-# has a chunk queued (a k_proj is 2 chunks, a down_proj 28), at most MAX_LOOKAHEAD tensors.
-QUEUED_PER_THREAD = 4
-MAX_LOOKAHEAD = 8
+# Tensors read ahead and converting beyond the one the consumer takes. The consumer does not
+# come back for ~0.1 s when it seals a layer (executor: pinned allocation + copy of ~160 MB at
+# 8B), so each thread needs that much work queued (12 chunks, ~10 ms each under load) and the
+# window a few layers (a layer is 9 tensors, a k_proj 2 chunks, a down_proj 28). Measured on an
+# H100 host (16 cores, 8B shapes): 4 / 8 left the consumer waiting 1.1-1.5 s of a 4.3-5.4 s load;
+# 12 / 24 waits 0.2 s; 16 / 32 was slower again (docs/checkpoints.md, "Load time").
+QUEUED_PER_THREAD = 12
+MAX_LOOKAHEAD = 24
 F16_MAX = 65504.0   # the largest finite fp16
 
 

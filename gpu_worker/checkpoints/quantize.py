@@ -5,14 +5,18 @@ quantizes 16 GB of bf16 with it, and the NumPy spelling there makes ~12 passes o
 temporaries per element (each a new allocation the kernel zero-fills on first touch).
 Contract: `quantize_rows(raw, dtype, packed, scales)` writes into `packed`/`scales` exactly what
 `quantize(to_float32(raw, dtype))` returns, for every input including zeros, subnormal scales,
-values past fp16's range, inf and NaN (tests/checkpoints/test_fast_quantize.py): the same
-element-wise operations in the same order, each over a piece of `PIECE_ELEMS` elements in
-per-thread scratch buffers allocated once. Cost: ~20 NumPy calls a piece, ~10 passes over it;
-~5x quantize() on one core. NumPy releases the GIL inside each call, so the loader's threads
-quantize in parallel as long as pieces are large (below).
+values past fp16's range, inf and NaN (tests/checkpoints/test_fast_quantize.py), over pieces of
+`PIECE_ELEMS` elements in per-thread scratch buffers allocated once. A piece takes the fast
+spelling (`_piece`: block maxima from the stored bits, rint + 8 + the nibble in one add), exact
+wherever every block's scale is a normal fp16 or zero; rows holding any other scale are redone
+by `_piece_exact`, quantize()'s operations in its order. Cost: ~15 NumPy calls a piece, ~8 passes
+over it; 0.80 GB/s of bf16 on one H100-host core (the exact spelling 0.71). NumPy releases the
+GIL inside each call, so the loader's threads quantize in parallel as long as pieces are large
+(below).
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -40,6 +44,10 @@ class _Scratch(threading.local):
             self.quarter = np.empty(elems // 4, np.float32)
             self.i8 = np.empty(elems, np.int8)
             self.u16 = np.empty(elems // 2, np.uint16)
+            self.mag = np.empty(4 * elems, np.uint8)      # |x|'s stored bits, then their tree
+            self.mag_half = np.empty(2 * elems, np.uint8)
+            self.mag_quarter = np.empty(elems, np.uint8)
+            self.hi = np.empty(elems // 2, np.uint8)
             self.amax = np.empty(elems // QUANT_BLOCK, np.float32)
             self.safe = np.empty(elems // QUANT_BLOCK, np.float32)
             self.elems = elems
@@ -72,6 +80,71 @@ def quantize_rows(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.nd
             _piece(raw[r:r + step], dtype, packed[r:r + step], scales[r:r + step])
 
 
+# The stored bits of |x| by dtype: for every x but NaN, |x| orders as these unsigned integers.
+_BITS = {"BF16": (np.uint16, 0x7FFF), "F16": (np.uint16, 0x7FFF), "F32": (np.uint32, 0x7FFFFFFF)}
+# y + RINT_MAGIC rounds y to an integer, ties to even, for |y| < 2 ** 22 (the sum lies where f32's
+# spacing is 1; RINT_MAGIC is even, so the tie goes as rint's), and adds 8: the float's low
+# mantissa bits are then 0x...08 + rint(y), so its low byte is the nibble rint(y) + 8.
+RINT_MAGIC = np.float32(3 * 2 ** 22 + 8)
+_LOW_BYTE = 0 if sys.byteorder == "little" else 3
+FP16_EXPONENT = 0x7C00
+
+
+def _piece(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
+    """The fast spelling, ~8 passes: block maxima from the stored bits, x / scale, then rint,
+    + 8 and the nibble in one add (RINT_MAGIC). It needs no clip where a block's scale is a
+    normal fp16 or zero (|x / scale| <= 7.004, or x / 1 < 1e-6): rows holding any other block
+    (subnormal, inf or NaN scales: tiny blocks, overflow, inf and NaN inputs) are done again by
+    `_piece_exact`, quantize()'s own sequence."""
+    n, in_dim = raw.shape
+    s = _scratch.ensure(n * in_dim)
+    nb, size = in_dim // QUANT_BLOCK, n * in_dim
+    uint, signless = _BITS[dtype]
+    width = np.dtype(uint).itemsize
+    mag = np.bitwise_and(raw.reshape(-1).view(uint), uint(signless),
+                         out=s.mag[:size * width].view(uint))
+    top = _bits_max(mag, s)                                  # n * nb stored bits of the maxima
+    amax = s.amax[:n * nb]
+    if dtype == "BF16":
+        np.left_shift(top, 16, out=amax.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(amax, top.view(np.float16 if dtype == "F16" else np.float32))
+    np.divide(amax, np.float32(7.0), out=amax)
+    np.copyto(scales, amax.reshape(n, nb), casting="same_kind")
+    safe = s.safe[:n * nb]
+    np.copyto(safe, scales.reshape(-1))
+    np.add(safe, safe == 0, out=safe)
+    f = s.f32[:size].reshape(n, in_dim)
+    if dtype == "BF16":
+        np.left_shift(raw, 16, out=f.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(f, raw)
+    blocks = f.reshape(-1, QUANT_BLOCK)
+    np.divide(blocks, safe[:, None], out=blocks)
+    np.add(blocks, RINT_MAGIC, out=blocks)
+    nibbles = f.view(np.uint8).reshape(n, 4 * in_dim)[:, _LOW_BYTE::4]
+    hi = s.hi[:size // 2].reshape(n, in_dim // 2)
+    np.left_shift(nibbles[:, 1::2], 4, out=hi)
+    np.bitwise_or(nibbles[:, 0::2], hi, out=packed)
+    exponent = np.bitwise_and(scales.view(np.uint16), FP16_EXPONENT)
+    odd = ((exponent == 0) & (scales != 0)) | (exponent == FP16_EXPONENT)
+    rows = np.flatnonzero(odd.any(axis=1))
+    if rows.size:
+        pk, sc = packed[rows], scales[rows]
+        _piece_exact(raw[rows], dtype, pk, sc)
+        packed[rows], scales[rows] = pk, sc
+
+
+def _bits_max(a: np.ndarray, s: _Scratch) -> np.ndarray:
+    """Max of every aligned run of 32 unsigned integers in `a` (flat), as _block_max does it."""
+    n, dt = a.size, a.dtype
+    m = np.maximum(a[0::2], a[1::2], out=s.mag_half[:n // 2 * dt.itemsize].view(dt))
+    m = np.maximum(m[0::2], m[1::2], out=s.mag_quarter[:n // 4 * dt.itemsize].view(dt))
+    m = np.maximum(m[0::2], m[1::2], out=s.mag_half[:n // 8 * dt.itemsize].view(dt))
+    m = np.maximum(m[0::2], m[1::2], out=s.mag_quarter[:n // 16 * dt.itemsize].view(dt))
+    return np.maximum(m[0::2], m[1::2], out=s.mag_half[:n // 32 * dt.itemsize].view(dt))
+
+
 def _block_max(a: np.ndarray, s: _Scratch) -> np.ndarray:
     """Max of every aligned run of 32 in `a`, as a pairwise tree over the flat array: five
     stride-2 passes run ~3x faster than NumPy's reduction along a short last axis. Same value as
@@ -84,7 +157,8 @@ def _block_max(a: np.ndarray, s: _Scratch) -> np.ndarray:
     return np.maximum(m[0::2], m[1::2], out=s.amax[:n // 32])
 
 
-def _piece(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
+def _piece_exact(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.ndarray) -> None:
+    """quantize()'s operations in its order, into scratch."""
     n, in_dim = raw.shape
     s = _scratch.ensure(n * in_dim)
     nb = in_dim // QUANT_BLOCK

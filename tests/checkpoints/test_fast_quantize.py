@@ -87,3 +87,21 @@ def test_negative_control_a_reciprocal_multiply_would_be_caught():
     by_div = np.clip(np.rint(x / scales), -8, 7)
     by_mul = np.clip(np.rint(x * (np.float32(1) / scales)), -8, 7)
     assert (by_div != by_mul).sum() > 0
+
+
+def test_ordinary_rows_take_the_fast_spelling_and_only_rows_with_odd_scales_the_exact_one(monkeypatch):
+    """The fast piece needs no clip where every scale is a normal fp16 or zero; a row holding a
+    subnormal, inf or NaN scale is redone by quantize()'s own sequence, and nothing else is."""
+    redone: list[int] = []
+    exact = Q._piece_exact
+    monkeypatch.setattr(Q, "_piece_exact", lambda raw, *a: (redone.append(raw.shape[0]), exact(raw, *a)))
+    _assert_same(_bf16(np.random.default_rng(1), (80, 14336), 0.02), "BF16")
+    assert redone == [], "an ordinary chunk went through the exact spelling"
+    _assert_same(_hard_rows(), "BF16")
+    assert sum(redone) == 5, f"rows redone: {redone}"   # rows 3 (subnormal), 5 (inf scale), 6-8
+
+
+def test_negative_control_without_the_exact_rows_the_edges_would_differ(monkeypatch):
+    monkeypatch.setattr(Q, "_piece_exact", lambda *a: None)
+    with pytest.raises(AssertionError):
+        _assert_same(_hard_rows(), "BF16")
