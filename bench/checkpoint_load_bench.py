@@ -256,6 +256,10 @@ def main() -> int:
         one, many = quantizer_scaling(QUANT_THREADS)
         print(f"quantizer: {one:.2f} GB/s of bf16 on 1 thread, {many:.2f} GB/s on {QUANT_THREADS} "
               f"({many / one:.1f}x)", flush=True)
+        # the host's state: the load converts on the CPU, the floor only copies, so the ratio
+        # moves with what else the host runs (a figure to read the ratio by, not a target)
+        targets.figure(f"quantizer on {QUANT_THREADS} loader threads (the host's CPU)", many,
+                       "GB/s", peer=one)
         layout = output_layout(root)
         placed = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in layout)
         print(f"loader output: {len(layout)} arrays, {placed / GB:.2f} GB placed on the device; "
