@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import pathlib
 import threading
 import time
@@ -52,8 +51,9 @@ CHUNK_ROWS = 1024       # at most this many rows of a tensor per task
 CHUNK_ELEMS = 1 << 21   # and about this many elements (4 MB of bf16): a linear is many tasks
 # NumPy releases the GIL inside its loops, so tasks convert in parallel threads; each thread's
 # transient memory is one staged chunk plus the quantizer's scratch. One core is left to the
-# consumer (pinned copies): an oversubscribed machine makes every GIL hand-off wait for a core.
-QUANT_THREADS = max(1, min(16, (os.cpu_count() or 2) - 1))
+# consumer (pinned copies): an oversubscribed machine makes every GIL hand-off wait for a core,
+# so the cores are the ones this process may use (affinity, cgroup CPU limit), not the node's.
+QUANT_THREADS = max(1, min(16, budget.host_cpus() - 1))
 # Tensors read ahead and converting beyond the one the consumer takes. The consumer does not
 # come back for ~0.1 s when it seals a layer (executor: pinned allocation + copy of ~160 MB at
 # 8B), so each thread needs that much work queued (12 chunks, ~10 ms each under load) and the
