@@ -13,6 +13,7 @@ import pathlib
 import signal
 
 from gpu_worker.config import (
+    CHECKPOINT_QUANTIZERS,
     DEFAULT_DEQUANT_TILE_BYTES,
     DEFAULT_KV_SWAP_HOST_BYTES,
     DEFAULT_MAX_PLANS,
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--checkpoint-context", "GPUPLANE_WORKER_CHECKPOINT_CONTEXT", 8192,
              "tokens of context served from a checkpoint (at most its max_position_embeddings)",
              type=int)
+    env_flag(serve, "--checkpoint-quantizer", "GPUPLANE_WORKER_CHECKPOINT_QUANTIZER", "device",
+             "where a checkpoint's float linears become int4: device (a kernel; the load needs "
+             "no free host cores) or host (NumPy on the loader's threads); the same bytes",
+             choices=CHECKPOINT_QUANTIZERS)
     # continuous batching (docs/scheduler.md)
     env_flag(serve, "--max-batch-size", "GPUPLANE_MAX_BATCH_SIZE", 64,
              "running sequences per decoder model (the decode batch)", type=int)
@@ -176,6 +181,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         tracer_provider=provider,
         model_root=pathlib.Path(args.model_root) if args.model_root else None,
         checkpoint_context=args.checkpoint_context,
+        checkpoint_quantizer=args.checkpoint_quantizer,
         load_timeout_s=args.load_timeout_seconds,
         weight_budget_bytes=args.weight_budget_bytes or None,
         host_pinned_budget_bytes=args.host_pinned_budget_bytes or None,
@@ -216,6 +222,9 @@ def flag_problem(args: argparse.Namespace) -> str:
                "--embed-max-batch-tokens at least 1"
     if min(args.max_batch_size, args.max_step_tokens, args.max_queued) < 1:
         return "--max-batch-size, --max-step-tokens and --max-queued must be at least 1"
+    if args.checkpoint_quantizer not in CHECKPOINT_QUANTIZERS:   # nor is this environment's
+        return ("--checkpoint-quantizer (GPUPLANE_WORKER_CHECKPOINT_QUANTIZER) must be "
+                f"{' or '.join(CHECKPOINT_QUANTIZERS)}")
     if args.prefill_order not in PREFILL_ORDERS:      # the environment's value is not checked
         return f"--prefill-order (GPUPLANE_PREFILL_ORDER) must be {' or '.join(PREFILL_ORDERS)}"
     if args.max_step_tokens < args.max_batch_size:

@@ -29,6 +29,9 @@ DEFAULT_MIN_PREFILL_SHARE = 256
 # Who a step's prefill tokens go to first (the same section): max-min fair shares, or the shortest
 # remaining prompt first with the oldest prompt still given its floor.
 PREFILL_ORDERS = ("fair", "shortest")
+# Where a checkpoint's float linears are quantized to int4: on the device (the kernel
+# int4_quantize: the load then needs no free host cores) or by NumPy on the loader's threads.
+CHECKPOINT_QUANTIZERS = ("device", "host")
 DEFAULT_PREFILL_ORDER = "shortest"
 DEFAULT_DEQUANT_TILE_BYTES = 32 << 20  # one model's fp16 dequantization tile for prefill linears
 # Pinned host bytes all decoders' swapped KV may hold: 4 GiB (a 2,000-token sequence of an 8b
@@ -59,6 +62,7 @@ class WorkerConfig:
     capture: bool = True                # False: eager launches (benchmarks, debugging)
     model_root: pathlib.Path | None = None  # checkpoints load only from under here (None: none)
     checkpoint_context: int = 8192      # tokens served from a checkpoint
+    checkpoint_quantizer: str = "device"  # device | host (CHECKPOINT_QUANTIZERS)
     load_timeout_s: float = 600.0       # a whole LoadModel; past it the load unwinds
     weight_budget_bytes: int | None = None      # resident weights cap (the governor's may be less)
     host_pinned_budget_bytes: int | None = None  # pinned host bytes for weight copies
@@ -126,5 +130,8 @@ class WorkerConfig:
         if self.prefill_order not in PREFILL_ORDERS:
             raise InvalidArgument(f"WorkerConfig.prefill_order={self.prefill_order!r}: use "
                                   f"{' or '.join(PREFILL_ORDERS)}")
+        if self.checkpoint_quantizer not in CHECKPOINT_QUANTIZERS:
+            raise InvalidArgument(f"WorkerConfig.checkpoint_quantizer={self.checkpoint_quantizer!r}"
+                                  f": use {' or '.join(CHECKPOINT_QUANTIZERS)}")
         if self.backend not in ("auto", "cuda", "sim"):
             raise InvalidArgument(f"WorkerConfig.backend={self.backend!r}: use auto, cuda or sim")

@@ -39,7 +39,7 @@ from gpu_worker.checkpoints import budget, gptq
 from gpu_worker.checkpoints.hf_config import CheckpointSpec, read_spec
 from gpu_worker.checkpoints.mapping import Source, sources
 from gpu_worker.checkpoints.paths import CheckpointFiles
-from gpu_worker.checkpoints.quantize import quantize_rows
+from gpu_worker.checkpoints.quantize import HOST_QUANTIZER, RowQuantizer
 from gpu_worker.checkpoints.safetensors import CheckpointError, to_float32
 from gpu_worker.checkpoints.shards import FLOAT_DTYPES, ShardSet
 from gpu_worker.models.configs import QUANT_BLOCK, WEIGHT_FORMATS, ModelConfig
@@ -83,19 +83,12 @@ class LoadProfile:
             self.bytes_read += nbytes
 
 
-class _Stage(threading.local):
-    """One thread's staging buffer: a chunk's stored bytes are copied here first, so the read
-    (page faults) is timed apart from the conversion and the quantizer reads RAM, not the map."""
-    buf = np.empty(0, np.uint8)
-
-
-_stage = _Stage()
-
-
-def _staged(view: np.ndarray) -> np.ndarray:
-    if _stage.buf.nbytes < view.nbytes:
-        _stage.buf = np.empty(view.nbytes, np.uint8)
-    out = _stage.buf[:view.nbytes].view(view.dtype).reshape(view.shape)
+def _staged(view: np.ndarray, quantizer: RowQuantizer) -> np.ndarray:
+    """`view`'s bytes copied into the calling thread's staging buffer (the quantizer's: pinned
+    memory for the device's), so the read (page faults) is timed apart from the conversion and
+    the conversion reads RAM, not the map."""
+    buf = quantizer.staging(view.nbytes)
+    out = buf[:view.nbytes].view(view.dtype).reshape(view.shape)
     np.copyto(out, view)
     return out
 
@@ -166,8 +159,9 @@ class Checkpoint:
     """An opened, fully validated checkpoint; `weights()` streams it. `close()` unmaps."""
 
     def __init__(self, directory: pathlib.Path, spec: CheckpointSpec, shards: ShardSet,
-                 srcs: dict[str, Source]) -> None:
+                 srcs: dict[str, Source], quantizer: RowQuantizer = HOST_QUANTIZER) -> None:
         self.directory, self.spec, self._shards, self._sources = directory, spec, shards, srcs
+        self.quantizer = quantizer
         self.profile = LoadProfile()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -177,11 +171,14 @@ class Checkpoint:
 
     @classmethod
     def open(cls, directory: pathlib.Path, max_context: int, weight_format: str = "int4",
-             root: pathlib.Path | None = None, host_memory_limit: int | None = None) -> Checkpoint:
+             root: pathlib.Path | None = None, host_memory_limit: int | None = None,
+             quantizer: RowQuantizer = HOST_QUANTIZER) -> Checkpoint:
         """`weight_format`: "int4" (quantized on load; the default) or "fp16" (kept as stored).
         `root`: the model root, the sandbox of every file read (by default the directory is its
         own). `host_memory_limit`: bytes of host memory the load may take (by default the
-        machine's or its cgroup's, budget.host_memory_limit)."""
+        machine's or its cgroup's, budget.host_memory_limit). `quantizer`: what converts the
+        float linears to int4 (the host's by default; a device_quantizer.DeviceQuantizer
+        writes the same bytes), and whose buffers every chunk is staged in."""
         directory = pathlib.Path(directory)
         if weight_format not in WEIGHT_FORMATS:
             raise InvalidArgument(f"weight_format {weight_format!r}: use 'int4' (the default) "
@@ -203,7 +200,7 @@ class Checkpoint:
         except BaseException:
             shards.close()
             raise
-        return cls(directory, spec, shards, srcs)
+        return cls(directory, spec, shards, srcs, quantizer)
 
     def weights(self) -> Iterator[tuple[str, np.ndarray]]:
         """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs
@@ -282,7 +279,7 @@ class Checkpoint:
 
         def task(rows: slice) -> None:
             t0 = time.perf_counter()
-            staged = _staged(view[rows])
+            staged = _staged(view[rows], self.quantizer)
             t1 = time.perf_counter()
             convert(staged, dtype, rows)
             profile.add(t1 - t0, time.perf_counter() - t1, staged.nbytes)
@@ -324,7 +321,7 @@ class Checkpoint:
         scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
 
         def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
-            quantize_rows(raw, dtype, packed[rows], scales[rows])
+            self.quantizer(raw, dtype, packed[rows], scales[rows])
         return _Job(self._chunk_tasks(hf_name, out_dim, convert),
                     lambda: [(key + ".q", packed), (key + ".s", scales)], [hf_name])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Protocol
 
 import numpy as np
 
@@ -78,6 +79,45 @@ def quantize_rows(raw: np.ndarray, dtype: str, packed: np.ndarray, scales: np.nd
         step = piece_rows(in_dim)
         for r in range(0, rows, step):
             _piece(raw[r:r + step], dtype, packed[r:r + step], scales[r:r + step])
+
+
+class RowQuantizer(Protocol):
+    """What the loader quantizes a chunk with: the host's (HOST_QUANTIZER, quantize_rows on the
+    loader's threads) or the device's (device_quantizer.DeviceQuantizer). Both write the same
+    bytes; a chunk's stored bytes are staged in the quantizer's own buffer first."""
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """The calling thread's buffer for one chunk's stored bytes (uint8, at least nbytes),
+        reused by its next chunk."""
+        ...
+
+    def __call__(self, raw: np.ndarray, dtype: str, packed: np.ndarray,
+                 scales: np.ndarray) -> None:
+        """quantize_rows' contract."""
+        ...
+
+
+class _HostStaging(threading.local):
+    buf = np.empty(0, np.uint8)
+
+
+class HostQuantizer:
+    """quantize_rows on the loader's threads, each staging into a plain array of its own."""
+
+    def __init__(self) -> None:
+        self._staging = _HostStaging()
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        if self._staging.buf.nbytes < nbytes:
+            self._staging.buf = np.empty(nbytes, np.uint8)
+        return self._staging.buf
+
+    def __call__(self, raw: np.ndarray, dtype: str, packed: np.ndarray,
+                 scales: np.ndarray) -> None:
+        quantize_rows(raw, dtype, packed, scales)
+
+
+HOST_QUANTIZER = HostQuantizer()
 
 
 # The stored bits of |x| by dtype: for every x but NaN, |x| orders as these unsigned integers.

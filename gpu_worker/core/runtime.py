@@ -21,6 +21,7 @@ nothing could be reclaimed: the partial load is unwound, so the ledger is as bef
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -141,13 +142,22 @@ class WorkerRuntime:
         root = self.config.model_root
         directory = resolve_checkpoint(root, checkpoint)
         codec = TextCodec.for_checkpoint(directory, root)
-        with Checkpoint.open(directory, self.config.checkpoint_context, weight_format,
-                             root=root) as ckpt:
+        with self._checkpoint_quantizer() as quantizer, \
+                Checkpoint.open(directory, self.config.checkpoint_context, weight_format,
+                                root=root, quantizer=quantizer) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
             return self._install(model_id, LoadSpec(
                 ckpt.cfg, ckpt.cfg.name, 0, ckpt.weights, source, codec, ckpt.spec.eos_token_ids,
                 ckpt.spec.normalize))
+
+    def _checkpoint_quantizer(self) -> contextlib.AbstractContextManager:
+        """What a checkpoint load quantizes with (--checkpoint-quantizer), for the load only."""
+        from gpu_worker.checkpoints.device_quantizer import DeviceQuantizer
+        from gpu_worker.checkpoints.quantize import HOST_QUANTIZER
+        if self.config.checkpoint_quantizer == "host":
+            return contextlib.nullcontext(HOST_QUANTIZER)
+        return DeviceQuantizer(self._started(), self.compiler)
 
     def _check_model_id(self, model_id: str) -> None:
         self._started()

@@ -293,6 +293,18 @@ class Device:
         self.ledger.uncommit("graphs", nbytes)
         self.ledger.remove_content("graphs", nbytes)
 
+    # -- private streams -----------------------------------------------------------------------
+    def create_stream(self) -> object:
+        """A stream of the caller's own, for work that must not queue behind the shared ones
+        (the checkpoint loader's quantizer: checkpoints/device_quantizer.py). The arena fences
+        releases on the shared streams only: wait for this stream's work before freeing memory
+        it touches, and end it with destroy_stream."""
+        return self.backend.create_stream()
+
+    def destroy_stream(self, stream: object) -> None:
+        with self.gate.shared():
+            self.backend.destroy_stream(stream)
+
     # -- synchronization and copies ------------------------------------------------------------
     def synchronize(self, stream: object = None) -> None:
         with self.gate.shared():

@@ -136,13 +136,15 @@ class Arena:
             self.counters["allocs"] += 1
             return a
 
-    def free(self, allocation: Allocation, fence_streams: list | None = None) -> None:
-        """Release `allocation` once the fence streams (default: the device's) pass this point."""
+    def free(self, allocation: Allocation, fence_streams: list | None = None,
+             retain: bool = True) -> None:
+        """Release `allocation` once the fence streams (default: the device's) pass this point.
+        `retain=False`: its granule handles go back to the device, not to the handle pool."""
         with self._gate.shared(), self._lock:
             if self._live.get(allocation.ptr) is not allocation:
                 raise InvalidArgument(f"arena: {allocation.ptr:#x} is not a live allocation (double free?)")
             del self._live[allocation.ptr]
-            self._decommit(allocation.ptr, allocation.size, allocation.zone, fence_streams)
+            self._decommit(allocation.ptr, allocation.size, allocation.zone, fence_streams, retain)
             self._uncarve(allocation.ptr, allocation.size)
             self.counters["frees"] += 1
         self._queue.poll()

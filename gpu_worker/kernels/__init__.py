@@ -138,6 +138,7 @@ from gpu_worker.kernels.qkv import (
     launch_qkv_rope_append,
     launch_qkv_rope_append_paged,
 )
+from gpu_worker.kernels.quantize import INT4_QUANTIZE, launch_int4_quantize
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, ROTARY_ROWS, launch_rotary, launch_rotary_rows
 from gpu_worker.kernels.sampling import SAMPLE, launch_sample
@@ -155,6 +156,7 @@ ALL_KERNELS: list[KernelDef] = [
     FLASH_PREFILL_PAGED,
     SAMPLE,
     RMSNORM_F16, SILU_GATE_F16, QKV_ROPE_APPEND_PAGED, QKV_ROPE_APPEND,
+    INT4_QUANTIZE,
 ]
 KERNELS_BY_NAME: dict[str, KernelDef] = {k.name: k for k in ALL_KERNELS}
 
@@ -200,6 +202,7 @@ __all__ = [
     "INT4_MMA_XA_TILED",
     "INT4_MMA_XK4",
     "INT4_MMA_XK8",
+    "INT4_QUANTIZE",
     "INT4_WGMMA",
     "KERNELS_BY_NAME",
     "KV_APPEND_KV16",
@@ -260,6 +263,7 @@ __all__ = [
     "launch_int4_mma_xa_tiled",
     "launch_int4_mma_xk4",
     "launch_int4_mma_xk8",
+    "launch_int4_quantize",
     "launch_int4_wgmma",
     "launch_kv_append",
     "launch_kv_append_kv16",

@@ -37,6 +37,19 @@ def int4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
+def stored_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """A checkpoint's stored values (BF16 as uint16 bits, F16, F32) widened exactly to f32."""
+    if dtype == "BF16":   # bf16 is the top half of an f32
+        return (np.asarray(raw).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(raw).astype(np.float32)
+
+
+def int4_quantize_stored(raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """int4_quantize of stored rows (the device quantizer's oracle; K a multiple of 32)."""
+    with np.errstate(all="ignore"):   # inf / NaN inputs quantize silently, as the loader's do
+        return int4_quantize(stored_to_f32(raw, dtype))
+
+
 def int4_unpack(packed: np.ndarray) -> np.ndarray:
     """The signed integers in [-8, 7] of a packed matrix, (N, 32 * blocks) int8, padding included."""
     q = np.empty((packed.shape[0], packed.shape[1] * 2), np.int8)

@@ -10,6 +10,7 @@ import pytest
 
 import gpu_worker.checkpoints.loader as L
 from gpu_worker.checkpoints import Checkpoint
+from gpu_worker.checkpoints.quantize import HostQuantizer
 from gpu_worker.checkpoints.shards import ShardSet
 from gpu_worker.models.weights import quantize
 
@@ -86,11 +87,13 @@ def test_closing_a_checkpoint_mid_load_stops_every_conversion_thread(monkeypatch
     stream.close()   # finalizing it afterwards is harmless
 
 
-def test_a_failing_chunk_fails_the_load_and_leaves_no_thread_running(monkeypatch):
-    def boom(raw, dtype, packed, scales):
+class _Failing(HostQuantizer):
+    def __call__(self, raw, dtype, packed, scales):
         raise RuntimeError("chunk failed")
-    monkeypatch.setattr(L, "quantize_rows", boom)
-    with Checkpoint.open(GOLDEN / "llama-tied", 256) as c, \
+
+
+def test_a_failing_chunk_fails_the_load_and_leaves_no_thread_running():
+    with Checkpoint.open(GOLDEN / "llama-tied", 256, quantizer=_Failing()) as c, \
             pytest.raises(RuntimeError, match="chunk failed"):
         c.host_weights()
     assert not _load_threads()

@@ -20,6 +20,7 @@ from gpu_worker.kernels.selfcheck import (
     attention_case_sizes,
     decode_case,
     int4_dequant_f16_case,
+    int4_quantize_case,
     int4_linear_case,
     int4_matmul_case,
     matmul_nt_case,
@@ -46,6 +47,12 @@ MODEL_CASES: list[Case] = [
     *(Case("int4_dequant_f16", int4_dequant_f16_case, {"n": 4096, "k": 14336, "row0": 13,
                                                        "rows": 1027, "wide": True, "words": w})
       for w in DEQUANT_WORDS_CHOICES),
+    # the loader's chunks: 512 rows of a q_proj, 73 rows of a down_proj with the edge blocks
+    Case("int4_quantize", int4_quantize_case, {"rows": 512, "in_dim": 4096, "dtype": "BF16"}),
+    Case("int4_quantize", int4_quantize_case, {"rows": 73, "in_dim": 14336, "dtype": "BF16",
+                                               "hard": True}),
+    Case("int4_quantize", int4_quantize_case, {"rows": 37, "in_dim": 4096, "dtype": "F32",
+                                               "hard": True}),
     Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 14336, "k": 4096,
                                                "tile_rows": 4096}),
     Case("tensor_linear", tensor_linear_case, {"m": 469, "n": 4096, "k": 14336,

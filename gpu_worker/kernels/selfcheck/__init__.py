@@ -88,6 +88,7 @@ from gpu_worker.kernels.norm import (
     launch_rmsnorm,
     launch_rmsnorm_f16,
 )
+from gpu_worker.kernels.quantize import INT4_QUANTIZE, launch_int4_quantize, quantized_bytes
 from gpu_worker.kernels.reduce import ARGMAX, MEAN_POOL, launch_argmax, launch_mean_pool
 from gpu_worker.kernels.rotary import ROTARY, launch_rotary
 
@@ -388,6 +389,57 @@ def to_f16_case(h, rng, n) -> Outcome:
     out = h.put(np.zeros(n, np.float16))
     launch_to_f16(h.device, h.function(TO_F16), out, h.put(x), n)
     return Outcome(h.get(out, (n,), np.uint16), ref.to_f16(x).view(np.uint16))   # bit-exact
+
+
+def stored_rows(rng: np.random.Generator, rows: int, in_dim: int, dtype: str,
+                hard: bool = False) -> np.ndarray:
+    """Rows of a checkpoint's stored values (BF16 as uint16 bits). `hard`: every row from the
+    third on holds the quantizer's edge blocks, one kind per row: zeros and signed zeros,
+    subnormals (scale 0 or subnormal), magnitudes whose scale overflows fp16, inf, NaN, and
+    values exactly halfway between two steps (the rounding's ties)."""
+    x = (rng.standard_normal((rows, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+    if hard:
+        edges = [
+            lambda b: np.where(rng.integers(0, 2, b.shape) == 1, -0.0, 0.0),
+            lambda b: b * np.float32(1e-40),                    # f32 subnormal: scale 0
+            lambda b: b * np.float32(2e-8),                     # fp16-subnormal scales
+            lambda b: b * np.float32(1e6),                      # max / 7 beyond fp16's range
+            lambda b: np.where(np.arange(b.size).reshape(b.shape) % 9 == 4, np.inf, b),
+            lambda b: np.where(np.arange(b.size).reshape(b.shape) % 11 == 3, -np.inf, b),
+            lambda b: np.where(np.arange(b.size).reshape(b.shape) % 13 == 5, np.nan, b),
+            # 7 at the top of each block sets scale 1: k + 0.5 are ties (to even)
+            lambda b: np.concatenate([np.full((b.shape[0], 1), 7.0),
+                                      (rng.integers(-16, 15, (b.shape[0], b.shape[1] - 1)) + 0.5)
+                                      .clip(-7.5, 6.5)], axis=1).reshape(b.shape),
+        ]
+        with np.errstate(all="ignore"):
+            for r in range(2, rows):
+                blocks = x[r].reshape(-1, ref.QUANT_BLOCK)
+                blocks[:] = edges[(r - 2) % len(edges)](blocks)
+    if dtype == "BF16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)   # truncation: any bf16 will do
+    with np.errstate(over="ignore"):   # F16: the 1e6 row overflows to inf, another edge
+        return x.astype(np.float16 if dtype == "F16" else np.float32)
+
+
+def _canonical(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """packed bytes then scale bytes, every NaN scale as one NaN (its payload is not part of
+    the contract: a block with several NaNs may keep any of theirs)."""
+    bits = np.where(np.isnan(scales), np.float16(np.nan), scales).view(np.uint16)
+    return np.concatenate([packed.reshape(-1), bits.reshape(-1).view(np.uint8)])
+
+
+def int4_quantize_case(h, rng, rows, in_dim, dtype, hard=False) -> Outcome:
+    """Stored rows -> int4 blocks, bit for bit against the oracle (packed and scales)."""
+    raw = stored_rows(rng, rows, in_dim, dtype, hard)
+    packed_bytes, scale_bytes = quantized_bytes(rows, in_dim)
+    packed = h.put(np.full(packed_bytes, 0xA5, np.uint8))
+    scales = h.put(np.full(scale_bytes // 2, np.nan, np.float16))
+    launch_int4_quantize(h.device, h.function(INT4_QUANTIZE), packed, scales, h.put(raw), dtype,
+                         rows, in_dim)
+    got = _canonical(h.get(packed, (packed_bytes,), np.uint8),
+                     h.get(scales, (scale_bytes // 2,), np.float16))
+    return Outcome(got, _canonical(*ref.int4_quantize_stored(raw, dtype)))   # bit-exact
 
 
 def tensor_linear_case(h, rng, m, n, k, tile_rows, accumulate=False) -> Outcome:
@@ -694,6 +746,10 @@ CASES: list[Case] = [
       wide=True, tiled=True),
     C("int4_dequant_f16_tiled", int4_dequant_f16_case, n=64, k=128, row0=16, rows=37,
       tiled=True),
+    C("int4_quantize", int4_quantize_case, rows=1, in_dim=32, dtype="BF16"),
+    C("int4_quantize", int4_quantize_case, rows=21, in_dim=96, dtype="BF16", hard=True),
+    C("int4_quantize", int4_quantize_case, rows=21, in_dim=64, dtype="F16", hard=True),
+    C("int4_quantize", int4_quantize_case, rows=21, in_dim=160, dtype="F32", hard=True),
     C("to_f16", to_f16_case, n=1),
     C("to_f16", to_f16_case, n=70001),
     C("tensor_linear", tensor_linear_case, ("int4_dequant_f16", "to_f16"), m=33, n=200, k=96,

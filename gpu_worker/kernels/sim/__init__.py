@@ -18,6 +18,7 @@ from numpy.lib.stride_tricks import as_strided
 from gpu_worker.device.backend import KernelArg
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference
+from gpu_worker.kernels.quantize import QUANT_BLOCK, STORED_DTYPES
 from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
     MMA_K_ALIGN,
@@ -110,6 +111,19 @@ def _int4_dequant(mem, grid, block, args) -> None:
 def _store(mem, y: int, m: int, n: int, r: np.ndarray, accumulate: int) -> None:
     yv = _arr(mem, y, m * n).reshape(m, n)
     yv[:] = yv + r if accumulate else r
+
+
+@register_sim_kernel("gp_int4_quantize")
+def _int4_quantize(mem, grid, block, args) -> None:
+    packed, scales, raw, code, blocks = _vals(args)
+    dtype = next(name for name, c in STORED_DTYPES.items() if c == code)
+    stored = _arr(mem, raw, blocks * QUANT_BLOCK, _STORED_NP[dtype]).reshape(blocks, QUANT_BLOCK)
+    pk, sc = reference.int4_quantize_stored(stored, dtype)
+    _arr(mem, packed, blocks * 16, np.uint8)[:] = pk.reshape(-1)
+    _arr(mem, scales, blocks, np.float16)[:] = sc.reshape(-1)
+
+
+_STORED_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
 
 @register_sim_kernel("gp_matmul_nt")
