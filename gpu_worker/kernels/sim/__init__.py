@@ -18,7 +18,6 @@ from numpy.lib.stride_tricks import as_strided
 from gpu_worker.device.backend import KernelArg
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference
-from gpu_worker.kernels.quantize import QUANT_BLOCK, STORED_DTYPES
 from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
     MMA_K_ALIGN,
@@ -31,6 +30,7 @@ from gpu_worker.kernels.int4_batched import (
     xa_tile,
     xk_rows,
 )
+from gpu_worker.kernels.quantize import QUANT_BLOCK, STORED_DTYPES
 
 
 def _vals(args: Sequence[KernelArg]) -> list:
