@@ -11,6 +11,8 @@ straight out of the mmap (`staging`), device buffers for the chunk and its int4 
 the `transient` zone), a stream and an event. A chunk is one H2D copy, one kernel and one D2H
 copy of the int4 bytes into pinned memory, waited for on the lane's event (gated like a stream
 sync), then copied into the caller's arrays. `close()` waits for every lane and frees them.
+Where the device has no room for a lane's buffers (RESOURCE_EXHAUSTED after the reclaimer), that
+chunk is quantized on the host instead: a full device slows a load, it does not fail it.
 Cost: the stored bytes cross PCIe once (16 GB at 8B, ~0.3 s at 55 GB/s) and the host copies
 the int4 bytes once more (0.28 of the stored bytes); the kernel takes microseconds a chunk.
 Device memory: a lane holds its largest chunk and that chunk's int4 bytes, ~6 MiB for the
@@ -32,6 +34,7 @@ from gpu_worker.kernels.quantize import (
     launch_int4_quantize,
     quantized_bytes,
 )
+from services.common.errors import ResourceExhausted
 
 ZONE = "transient"       # a load's staging: gone when the load ends
 GROW = 1 << 20           # buffers grow in whole MiB (chunks vary by a tensor's last rows)
@@ -71,6 +74,7 @@ class DeviceQuantizer:
         self._closed = False
         self.chunks = 0           # chunks quantized on the device
         self.stored_bytes = 0     # their stored bytes
+        self.host_chunks = 0      # chunks the device had no room for (quantized on the host)
 
     def _kernel(self) -> object:
         with self._lock:
@@ -98,7 +102,13 @@ class DeviceQuantizer:
             np.copyto(src.view(raw.dtype).reshape(raw.shape), raw)   # not staged by the loader
         packed_bytes, scale_bytes = quantized_bytes(rows, in_dim)
         out_bytes = packed_bytes + scale_bytes
-        self._reserve(lane, raw.nbytes, out_bytes)
+        try:
+            self._reserve(lane, raw.nbytes, out_bytes)
+        except ResourceExhausted:   # a full device: this chunk converts on the host instead
+            quantize_rows(src.view(raw.dtype).reshape(raw.shape), dtype, packed, scales)
+            with self._lock:
+                self.host_chunks += 1
+            return
         if lane.pinned_out.nbytes < out_bytes:
             lane.pinned_out = self._repin(lane.pinned_out, out_bytes)
         device, stream = self.device, lane.stream

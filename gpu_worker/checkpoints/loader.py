@@ -19,7 +19,8 @@ checkpoint fails before the device is touched and names the file and the tensor.
 row chunks (no quantization); a value beyond fp16's range (|x| > 65504) is refused, naming the
 tensor, rather than served as inf. GPTQ files are already 4-bit: they load as int4 only.
 The name mapping is in mapping.py, file lookup in shards.py, GPTQ's layout in gptq.py, the
-chunked quantizer in quantize.py.
+chunked host quantizer in quantize.py; `Checkpoint.open(quantizer=)` takes another with the same
+bytes (device_quantizer.py: the worker's default), whose buffers every chunk is staged in.
 """
 from __future__ import annotations
 

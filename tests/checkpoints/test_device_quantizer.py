@@ -103,3 +103,17 @@ def test_an_fp16_load_stages_in_the_lanes_and_never_loads_the_kernel(device, com
         assert q._lanes and q._function is None and q.chunks == 0
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_a_device_without_room_for_a_lane_slows_the_load_it_does_not_fail_it(device, compiler,
+                                                                            monkeypatch):
+    from services.common.errors import ResourceExhausted
+
+    def full(nbytes, zone, role="default"):
+        raise ResourceExhausted(f"zone {zone}: asked {nbytes}, free 0")
+    monkeypatch.setattr(device.arena, "alloc", full)
+    raw = stored_rows(np.random.default_rng(6), 12, 160, "BF16", hard=True)
+    with DeviceQuantizer(device, compiler) as q:
+        got = _quantized(q, raw, "BF16")
+        assert (q.chunks, q.host_chunks) == (0, 1)
+    _assert_same(got, _quantized(quantize_rows, raw, "BF16"))
