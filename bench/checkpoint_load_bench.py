@@ -118,6 +118,7 @@ class Breakdown:
     read: float = 0.0      # main thread: bytes out of the mmap (read+copy side only)
     wait: float = 0.0      # main thread: waiting for the loader's next tensor (load side only)
     pinned: float = 0.0    # add_weight: pinned host allocation + copy into it
+    pin_alloc: float = 0.0  # of which the pinned allocations (cuMemHostAlloc)
     h2d: float = 0.0       # ensure_resident + synchronize: the page-in copies to the device
     thread_read: float = 0.0
     thread_convert: float = 0.0
@@ -125,10 +126,33 @@ class Breakdown:
     def line(self) -> str:
         parts = [f"{k} {getattr(self, k):.2f}" for k in ("read", "wait", "pinned", "h2d")
                  if getattr(self, k)]
+        if self.pin_alloc:
+            parts.insert(-1, f"(allocations {self.pin_alloc:.2f})")
         threads = (f"; loader threads ({QUANT_THREADS}): read {self.thread_read:.2f}, "
                    f"convert {self.thread_convert:.2f} thread-s"
                    if self.thread_read or self.thread_convert else "")
         return ", ".join(parts) + " s" + threads
+
+
+@contextlib.contextmanager
+def allocations_timed(device, b: Breakdown):
+    """Adds the main thread's pinned allocations' seconds to b.pin_alloc (the weight store's;
+    the device quantizer's lanes allocate on the loader's threads, not counted)."""
+    backend, real = device.backend, device.backend.alloc_pinned
+    main = threading.main_thread()
+
+    def timed(nbytes: int):
+        t0 = time.perf_counter()
+        try:
+            return real(nbytes)
+        finally:
+            if threading.current_thread() is main:
+                b.pin_alloc += time.perf_counter() - t0
+    backend.alloc_pinned = timed
+    try:
+        yield
+    finally:
+        del backend.alloc_pinned     # the class's method again
 
 
 def _release(device, ex: ModelExecutor) -> None:
@@ -166,7 +190,7 @@ def read_and_copy(device, compiler, root: pathlib.Path,
                     items += [(f, name, r) for r in _row_chunks(shape[0], shape[1])]
                 else:
                     items.append((f, name, None))
-        with ThreadPoolExecutor(QUANT_THREADS) as pool:
+        with ThreadPoolExecutor(QUANT_THREADS) as pool, allocations_timed(device, b):
             reads = pool.map(read, items)
             biggest = max(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in layout)
             source = np.ones(biggest, np.uint8)
@@ -205,7 +229,8 @@ def load(device, compiler, root: pathlib.Path, quantizer: str) -> Breakdown:
     start = time.perf_counter()
     quantize = (DeviceQuantizer(device, compiler) if quantizer == "device"
                 else contextlib.nullcontext(HOST_QUANTIZER))
-    with quantize as q, Checkpoint.open(root, 8192, quantizer=q) as ckpt:
+    with quantize as q, Checkpoint.open(root, 8192, quantizer=q) as ckpt, \
+            allocations_timed(device, b):
         for key, host in ckpt.weights():
             t0 = time.perf_counter()
             ex.add_weight(key, host)

@@ -136,7 +136,9 @@ class DeviceQuantizer:
                 raise RuntimeError("DeviceQuantizer is closed")
             lane = self._lanes.get(me)
         if lane is None:
-            lane = _Lane(self.device.create_stream(), self.device.create_event())
+            # a blocking event: 15 lanes waiting at once must not spin 15 cores the loader's
+            # consumer needs for its pinned copies
+            lane = _Lane(self.device.create_stream(), self.device.create_event(blocking=True))
             with self._lock:
                 self._lanes[me] = lane
         return lane

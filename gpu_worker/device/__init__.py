@@ -311,8 +311,9 @@ class Device:
             self.backend.synchronize_stream(self.stream if stream is None else stream)
         self.queue.poll()
 
-    def create_event(self, timing: bool = False) -> object:
-        return self.backend.create_event(timing)
+    def create_event(self, timing: bool = False, blocking: bool = False) -> object:
+        """`blocking`: a wait on it sleeps rather than spins (Backend.create_event)."""
+        return self.backend.create_event(timing, blocking)
 
     def event_elapsed_s(self, start: object, end: object) -> float:
         """Seconds between two completed timing events (cuEventElapsedTime on cuda)."""

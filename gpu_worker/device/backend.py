@@ -119,8 +119,10 @@ class Backend(ABC):
     def destroy_stream(self, stream: object) -> None: ...
 
     @abstractmethod
-    def create_event(self, timing: bool = False) -> object:
-        """An event; `timing`: it records a timestamp (event_elapsed_ms), slightly costlier."""
+    def create_event(self, timing: bool = False, blocking: bool = False) -> object:
+        """An event; `timing`: it records a timestamp (event_elapsed_ms), slightly costlier.
+        `blocking`: synchronize_event sleeps until it completes instead of spinning on a core
+        (CU_EVENT_BLOCKING_SYNC: for many host threads waiting at once)."""
 
     @abstractmethod
     def event_elapsed_ms(self, start: object, end: object) -> float:

@@ -208,10 +208,12 @@ class CudaBackend(Backend):
         self._current()
         check(_drv().cuStreamDestroy(stream), "cuStreamDestroy")
 
-    def create_event(self, timing: bool = False) -> Any:
+    def create_event(self, timing: bool = False, blocking: bool = False) -> Any:
         self._current()
         d = _drv()
-        flags = d.CUevent_flags.CU_EVENT_DEFAULT if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        flags = int(d.CUevent_flags.CU_EVENT_DEFAULT if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if blocking:
+            flags |= int(d.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         return check(d.cuEventCreate(flags), "cuEventCreate")
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:

@@ -384,8 +384,8 @@ class SimBackend(Backend):
                 self._streams.remove(stream)
         stream.close()
 
-    def create_event(self, timing: bool = False) -> SimEvent:
-        return SimEvent(timing=timing)
+    def create_event(self, timing: bool = False, blocking: bool = False) -> SimEvent:
+        return SimEvent(timing=timing)   # a sim wait always sleeps (threading.Event)
 
     def event_elapsed_ms(self, start: SimEvent, end: SimEvent) -> float:
         if not (start.timing and end.timing):

@@ -6,6 +6,7 @@ import threading
 import numpy as np
 import pytest
 
+import gpu_worker.device.weights as weights_mod
 from gpu_worker.device.arena import ALIGN
 from gpu_worker.device.backend import DeviceError, i64, ptr
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -299,6 +300,32 @@ def test_a_strided_view_is_stored_as_its_bytes_in_c_order_without_touching_its_b
     assert n == view.nbytes
     assert np.array_equal(dev.from_device(va, n), np.ascontiguousarray(view).view(np.uint8).reshape(-1))
     assert np.array_equal(base, before)
+
+
+def test_a_big_view_is_copied_in_row_ranges_on_the_copiers_threads_to_the_same_bytes(dev,
+                                                                                 monkeypatch):
+    """The host copy of a big tensor is split across the copier's threads (it is the load's
+    consumer); the stored bytes are the view's C-order bytes, as one copy would write them."""
+    monkeypatch.setattr(weights_mod, "COPY_SPLIT_BYTES", 1 << 16)
+    dev.weights.copier = weights_mod.HostCopier(threads=3)
+    base = np.arange(256 * 512, dtype=np.uint32).reshape(256, 512)
+    view = base.view(np.uint64).reshape(16, 16, 256).transpose(1, 0, 2)[:, ::-1]   # strided
+    seen: list[tuple[str, int]] = []
+    real = np.copyto
+
+    def copyto(dst, src):
+        seen.append((threading.current_thread().name, src.nbytes))
+        real(dst, src)
+    monkeypatch.setattr(weights_mod.np, "copyto", copyto)
+    dev.weights.add_group("big", [("big.w", view), ("big.n", _w(100, 6))])
+    monkeypatch.setattr(weights_mod.np, "copyto", real)
+    dev.weights.ensure_resident(["big.w"])
+    va, n = dev.weights.tensor("big.w")
+    assert np.array_equal(dev.from_device(va, n), np.ascontiguousarray(view).view(np.uint8).reshape(-1))
+    ranges = sorted(n for _, n in seen if n != 100)      # big.n: 100 bytes, one copy
+    assert len(ranges) == 3 and sum(ranges) == view.nbytes, ranges   # one range a thread
+    assert all(t.startswith("weight-copy") for t, _ in seen)          # on the copier's pool
+    dev.weights.copier.close()
 
 
 def test_a_group_slot_pages_in_by_one_copy_and_keeps_each_weight_at_an_aligned_offset(
