@@ -94,8 +94,10 @@ def _staged(view: np.ndarray, quantizer: RowQuantizer) -> np.ndarray:
     return out
 
 
-def _row_chunks(rows: int, cols: int) -> list[slice]:
-    step = max(1, min(CHUNK_ROWS, CHUNK_ELEMS // max(1, cols)))
+def _row_chunks(rows: int, cols: int, scale: int = 1) -> list[slice]:
+    """Row ranges of at most CHUNK_ROWS rows and about CHUNK_ELEMS elements, both times
+    `scale` (the quantizer's chunk_scale)."""
+    step = max(1, min(CHUNK_ROWS * scale, CHUNK_ELEMS * scale // max(1, cols)))
     return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
@@ -197,7 +199,8 @@ class Checkpoint:
             for src in srcs.values():   # headers only: nothing is read but the GPTQ zeros
                 (_check_gptq if src.kind == "gptq" else _check_float)(shards, spec, src)
             budget.check_host(spec.cfg, budget.host_bytes(spec.cfg, QUANT_THREADS, MAX_LOOKAHEAD,
-                                                          CHUNK_ELEMS), host_memory_limit)
+                                                          CHUNK_ELEMS * quantizer.chunk_scale),
+                               host_memory_limit)
         except BaseException:
             shards.close()
             raise
@@ -284,7 +287,8 @@ class Checkpoint:
             t1 = time.perf_counter()
             convert(staged, dtype, rows)
             profile.add(t1 - t0, time.perf_counter() - t1, staged.nbytes)
-        return [functools.partial(task, c) for c in _row_chunks(rows, cols)]
+        return [functools.partial(task, c)
+                for c in _row_chunks(rows, cols, self.quantizer.chunk_scale)]
 
     def _table_job(self, key: str, src: Source) -> _Job:
         """An embedding table in fp16 (BERT: plus token type 0's row)."""

@@ -86,6 +86,8 @@ class RowQuantizer(Protocol):
     loader's threads) or the device's (device_quantizer.DeviceQuantizer). Both write the same
     bytes; a chunk's stored bytes are staged in the quantizer's own buffer first."""
 
+    chunk_scale: int   # the loader's chunks times this (a device round trip wants bigger ones)
+
     def staging(self, nbytes: int) -> np.ndarray:
         """The calling thread's buffer for one chunk's stored bytes (uint8, at least nbytes),
         reused by its next chunk."""
@@ -103,6 +105,8 @@ class _HostStaging(threading.local):
 
 class HostQuantizer:
     """quantize_rows on the loader's threads, each staging into a plain array of its own."""
+
+    chunk_scale = 1
 
     def __init__(self) -> None:
         self._staging = _HostStaging()

@@ -47,6 +47,7 @@ is not resident, whatever the number of tensors in it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -96,7 +97,7 @@ class HostCopier:
                 tasks.append((dst, src))
                 continue
             bounds = [rows * i // parts for i in range(parts + 1)]
-            tasks += [(dst[a:b], src[a:b]) for a, b in zip(bounds, bounds[1:])]
+            tasks += [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds)]
         if self.threads <= 1 or len(tasks) <= 1:
             for dst, src in tasks:
                 np.copyto(dst, src)

@@ -12,7 +12,7 @@ import pytest
 import gpu_worker.checkpoints.loader as L
 from gpu_worker.checkpoints import Checkpoint
 from gpu_worker.checkpoints.device_quantizer import ZONE, DeviceQuantizer
-from gpu_worker.checkpoints.quantize import quantize_rows
+from gpu_worker.checkpoints.quantize import HostQuantizer, quantize_rows
 from gpu_worker.kernels.selfcheck import stored_rows
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -49,26 +49,56 @@ def test_a_chunk_staged_in_its_lane_goes_up_without_another_copy(device, compile
         staged[...] = raw
         got = _quantized(q, staged, "BF16")
         assert q.staging(1).ctypes.data == staged.ctypes.data   # one buffer a thread, reused
+        assert q.chunks == 1
     _assert_same(got, _quantized(quantize_rows, raw, "BF16"))
 
 
-def test_each_loader_thread_gets_a_lane_and_close_frees_every_one(device, compiler):
+def test_threads_share_at_most_device_sets_buffer_sets_and_close_frees_every_one(device,
+                                                                                 compiler):
     rng = np.random.default_rng(5)
-    chunks = [stored_rows(rng, 16, 96 * (1 + i % 3), "BF16") for i in range(12)]
+    chunks = [stored_rows(rng, 16, 96 * (1 + i % 3), "BF16") for i in range(24)]
     before = device.ledger.snapshot()[ZONE][0]
-    q = DeviceQuantizer(device, compiler)
-    with ThreadPoolExecutor(4) as pool:
+    q = DeviceQuantizer(device, compiler, device_sets=2)
+    with ThreadPoolExecutor(5) as pool:
         got = list(pool.map(lambda raw: _quantized(q, raw, "BF16"), chunks))
-    assert 1 <= len(q._lanes) <= 4
+    assert 1 <= len(q._sets) <= 2 and 1 <= len(q._staging) <= 5   # pinned staging: a thread
     assert q.device_bytes() > 0 and device.ledger.snapshot()[ZONE][0] >= before + q.device_bytes()
     q.close()
-    device.synchronize()
-    device.queue.drain()
     assert device.ledger.snapshot()[ZONE][0] == before and q.device_bytes() == 0
     for raw, g in zip(chunks, got):
         _assert_same(g, _quantized(quantize_rows, raw, "BF16"))
     with pytest.raises(RuntimeError, match="closed"):
         _quantized(q, chunks[0], "BF16")
+
+
+class _HostRows(HostQuantizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __call__(self, raw, dtype, packed, scales) -> None:
+        self.rows.append(raw.shape[0])
+        super().__call__(raw, dtype, packed, scales)
+
+
+class _DeviceRows(DeviceQuantizer):
+    rows: list[int]
+
+    def __call__(self, raw, dtype, packed, scales) -> None:
+        self.rows.append(raw.shape[0])
+        super().__call__(raw, dtype, packed, scales)
+
+
+def test_the_loader_gives_the_device_quantizer_chunks_chunk_scale_times_bigger(device, compiler,
+                                                                               monkeypatch):
+    monkeypatch.setattr(L, "CHUNK_ROWS", 3)
+    host, dev = _HostRows(), _DeviceRows(device, compiler)
+    dev.rows = []
+    for q in (host, dev):
+        with Checkpoint.open(GOLDEN / "qwen2-untied", 256, quantizer=q) as c:
+            c.host_weights()
+    dev.close()
+    assert max(host.rows) == 3 and max(dev.rows) == 3 * DeviceQuantizer.chunk_scale > 3
 
 
 def test_what_the_kernel_does_not_take_gets_the_host_quantizers_answer(device, compiler):
@@ -100,7 +130,7 @@ def test_an_fp16_load_stages_in_the_lanes_and_never_loads_the_kernel(device, com
     with DeviceQuantizer(device, compiler) as q, \
             Checkpoint.open(GOLDEN / "qwen2-untied", 256, weight_format="fp16", quantizer=q) as c:
         got = c.host_weights()
-        assert q._lanes and q._function is None and q.chunks == 0
+        assert q._staging and q._function is None and q.chunks == 0
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
