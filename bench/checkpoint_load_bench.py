@@ -272,7 +272,7 @@ def main() -> int:
     p.add_argument("--backend", default="cuda", choices=["cuda", "sim"])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default="", help="where to write the checkpoint (default: a temp dir)")
     add_record_flag(p)
     args = p.parse_args()
