@@ -9,8 +9,9 @@ Writes a bf16 safetensors checkpoint with Llama-3-8B's shapes (random weights; `
              ensure_resident), its keys suffixed so that no conversion happens there either
              (the load's int4 weights are permuted into the device's tile layout as they are
              added: execution/ops.device_weight);
-  load       our loader: the same files through `Checkpoint.weights()` into the same kind of
-             weight slots, bf16 -> int4 on the device (the worker's default: DeviceQuantizer,
+  load       our loader, as the worker runs it: the same files through
+             `fuse_linears(cfg, Checkpoint.weights(fuse=True))` (q/k/v and gate/up converted
+             straight into one tensor each) into the same kind of weight slots, bf16 -> int4 on the device (the worker's default: DeviceQuantizer,
              the stored bytes staged in pinned memory, quantized by a kernel, int4 back) and,
              as a figure beside it, on the host (`--checkpoint-quantizer host`).
 Both sides go through one device and one weight store; the statistic is the best round of each.
@@ -50,6 +51,7 @@ from gpu_worker.checkpoints.quantize import HOST_QUANTIZER, quantize_rows
 from gpu_worker.checkpoints.shards import INDEX
 from gpu_worker.device import open_device
 from gpu_worker.execution.executor import ModelExecutor
+from gpu_worker.models.weights import fuse_linears
 
 TARGET = 1.5
 QUANTIZERS = ("device", "host")   # the worker's default first (--checkpoint-quantizer)
@@ -219,7 +221,7 @@ def read_and_copy(device, compiler, root: pathlib.Path,
 def output_layout(root: pathlib.Path) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(key, shape, dtype) of every array the loader produces, in its order."""
     with Checkpoint.open(root, 8192) as ckpt:
-        return [(key, host.shape, host.dtype) for key, host in ckpt.weights()]
+        return [(key, host.shape, host.dtype) for key, host in ckpt.weights(fuse=True)]
 
 
 def load(device, compiler, root: pathlib.Path, quantizer: str) -> Breakdown:
@@ -231,7 +233,8 @@ def load(device, compiler, root: pathlib.Path, quantizer: str) -> Breakdown:
                 else contextlib.nullcontext(HOST_QUANTIZER))
     with quantize as q, Checkpoint.open(root, 8192, quantizer=q) as ckpt, \
             allocations_timed(device, b):
-        for key, host in ckpt.weights():
+        # the worker's path (models/paged.py): q/k/v and gate/up fused as they convert
+        for key, host in fuse_linears(ckpt.cfg, ckpt.weights(fuse=True)):
             t0 = time.perf_counter()
             ex.add_weight(key, host)
             b.pinned += time.perf_counter() - t0

@@ -45,7 +45,7 @@ from gpu_worker.checkpoints.safetensors import CheckpointError, to_float32
 from gpu_worker.checkpoints.shards import FLOAT_DTYPES, ShardSet
 from gpu_worker.models.configs import QUANT_BLOCK, WEIGHT_FORMATS, ModelConfig
 from gpu_worker.models.rope import inv_freq
-from gpu_worker.models.weights import weight_names
+from gpu_worker.models.weights import Fusion, device_weight_names, fuses, weight_names
 from services.common.errors import FailedPrecondition, InvalidArgument
 
 CHUNK_ROWS = 1024       # at most this many rows of a tensor per task
@@ -92,6 +92,11 @@ def _staged(view: np.ndarray, quantizer: RowQuantizer) -> np.ndarray:
     out = buf[:view.nbytes].view(view.dtype).reshape(view.shape)
     np.copyto(out, view)
     return out
+
+
+def _new_array(key: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Where a tensor's conversion goes, without fusion: an array of its own."""
+    return np.empty(shape, dtype)
 
 
 def _row_chunks(rows: int, cols: int, scale: int = 1) -> list[slice]:
@@ -165,6 +170,7 @@ class Checkpoint:
                  srcs: dict[str, Source], quantizer: RowQuantizer = HOST_QUANTIZER) -> None:
         self.directory, self.spec, self._shards, self._sources = directory, spec, shards, srcs
         self.quantizer = quantizer
+        self._alloc: Callable[[str, tuple[int, ...], type], np.ndarray] = _new_array
         self.profile = LoadProfile()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -206,13 +212,18 @@ class Checkpoint:
             raise
         return cls(directory, spec, shards, srcs, quantizer)
 
-    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
+    def weights(self, fuse: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """(key, host array) in weight_names order: f16 tables, f32 vectors, int4 .q/.s pairs
         (or fp16 `.h` linears). A pipeline: while the caller takes tensor i, the following ones
         are read ahead (MADV_WILLNEED) and converted on QUANT_THREADS threads, in row chunks;
-        `self.profile` says where the time went."""
+        `self.profile` says where the time went. `fuse` (a decoder's load): each layer's q/k/v
+        and gate/up are converted straight into their rows of one fused tensor and yielded under
+        its key once the last part is done (models.weights.Fusion; device_weight_names), where
+        fuse_linears would copy the parts again."""
         self._shutdown()
         self.profile = LoadProfile()
+        fusion = Fusion(self.cfg) if fuse and fuses(self.cfg) else None
+        self._alloc = fusion.array if fusion is not None else _new_array
         pool = ThreadPoolExecutor(QUANT_THREADS, thread_name_prefix="checkpoint-load")
         self._pool = pool
         jobs = self._jobs()
@@ -242,11 +253,14 @@ class Checkpoint:
                     f.result()   # re-raises a chunk's error (the finally below drains the rest)
                 self.profile.wait_s += time.perf_counter() - t0
                 top_up()
-                for key, host in job.finish():
-                    emitted.append(key)
-                    yield key, host
-            assert sorted(emitted) == sorted(weight_names(self.cfg)), \
-                "loader and weight_names disagree"
+                for part in job.finish():
+                    for key, host in fusion.done(*part) if fusion is not None else [part]:
+                        emitted.append(key)
+                        yield key, host
+            if fusion is not None:
+                fusion.close()
+            names = device_weight_names(self.cfg) if fusion is not None else weight_names(self.cfg)
+            assert sorted(emitted) == sorted(names), "loader and weight_names disagree"
         finally:
             self._shutdown()
 
@@ -309,7 +323,7 @@ class Checkpoint:
     def _f16_job(self, key: str, hf_name: str, shape: tuple[int, ...]) -> _Job:
         """The linear as stored, cast to fp16 row chunk by row chunk (bf16 -> fp16 is exact for
         every value in fp16's normal range; f32 rounds to nearest)."""
-        out = np.empty(shape, np.float16)
+        out = self._alloc(key, shape, np.float16)
 
         def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
             values = to_float32(raw, dtype)
@@ -322,8 +336,8 @@ class Checkpoint:
 
     def _quantize_job(self, key: str, hf_name: str, shape: tuple[int, ...]) -> _Job:
         out_dim, in_dim = shape
-        packed = np.empty((out_dim, in_dim // 2), np.uint8)
-        scales = np.empty((out_dim, in_dim // QUANT_BLOCK), np.float16)
+        packed = self._alloc(key + ".q", (out_dim, in_dim // 2), np.uint8)
+        scales = self._alloc(key + ".s", (out_dim, in_dim // QUANT_BLOCK), np.float16)
 
         def convert(raw: np.ndarray, dtype: str, rows: slice) -> None:
             self.quantizer(raw, dtype, packed[rows], scales[rows])

@@ -22,6 +22,7 @@ nothing could be reclaimed: the partial load is unwound, so the ledger is as bef
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -147,8 +148,10 @@ class WorkerRuntime:
                                 root=root, quantizer=quantizer) as ckpt:
             source = {"checkpoint": checkpoint, "architecture": ckpt.spec.architecture,
                       "weight_format": weight_format, "has_tokenizer": codec is not None}
+            # fused in the loader: q/k/v and gate/up converted straight into one tensor each
+            weights = functools.partial(ckpt.weights, fuse=True)
             return self._install(model_id, LoadSpec(
-                ckpt.cfg, ckpt.cfg.name, 0, ckpt.weights, source, codec, ckpt.spec.eos_token_ids,
+                ckpt.cfg, ckpt.cfg.name, 0, weights, source, codec, ckpt.spec.eos_token_ids,
                 ckpt.spec.normalize))
 
     def _checkpoint_quantizer(self) -> contextlib.AbstractContextManager:

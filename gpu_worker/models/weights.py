@@ -261,39 +261,75 @@ def device_weight_names(cfg: ModelConfig) -> list[str]:
     return list(dict.fromkeys(fused_key(k) for k in names)) if fuses(cfg) else names
 
 
+class Fusion:
+    """The fused linears of one model, built part by part. `array(key, shape, dtype)` is where a
+    source tensor goes: for a part of a fused linear, its rows of the fused tensor (allocated at
+    its first part), so a producer that writes there (the checkpoint loader) copies nothing more;
+    for any other key a new array. `done(key, host)` takes a finished tensor (copied into its rows
+    unless it is that very view) and returns what is ready to yield: the fused tensor once its
+    last part is in, nothing before; any other tensor as it is. `close()` refuses missing parts."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self._rows = {lin: o for lin, (o, _) in cfg.linear_shapes().items()}
+        self._pending: dict[str, tuple[np.ndarray, set[str]]] = {}
+        self._views: dict[str, np.ndarray] = {}   # source key -> its rows, handed out by array()
+
+    def array(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if _FUSABLE.match(key) is None:
+            return np.empty(shape, dtype)
+        view = self._rows_of(key, tuple(shape), np.dtype(dtype))
+        self._views[key] = view
+        return view
+
+    def done(self, key: str, host: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        m = _FUSABLE.match(key)
+        if m is None:
+            return [(key, host)]
+        host = np.asarray(host)
+        view = self._views.pop(key, None)
+        if view is None or host is not view:
+            view = self._rows_of(key, host.shape, host.dtype)
+            view[...] = host
+        lin, out_key = m.group(2), fused_key(key)
+        fused, seen = self._pending[out_key]
+        seen.add(lin)
+        if len(seen) < len(FUSED_LINEARS[_MEMBER[lin]]):
+            return []
+        del self._pending[out_key]
+        return [(out_key, fused)]
+
+    def close(self) -> None:
+        if self._pending:
+            raise ValueError(f"fused linears missing parts: {sorted(self._pending)}")
+
+    def _rows_of(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        m = _FUSABLE.match(key)
+        lin, out_key = m.group(2), fused_key(key)
+        members = FUSED_LINEARS[_MEMBER[lin]]
+        if shape[:1] != (self._rows[lin],):
+            raise ValueError(f"{key}: {shape[0]} rows, the config says {self._rows[lin]}")
+        if out_key not in self._pending:
+            total = sum(self._rows[x] for x in members)
+            self._pending[out_key] = (np.empty((total, *shape[1:]), dtype), set())
+        fused, seen = self._pending[out_key]
+        if shape[1:] != fused.shape[1:] or dtype != fused.dtype or lin in seen:
+            raise ValueError(f"{key}: {dtype} {shape} does not concatenate into "
+                             f"{out_key} ({fused.dtype} {fused.shape})")
+        row0 = sum(self._rows[x] for x in members[:members.index(lin)])
+        return fused[row0:row0 + self._rows[lin]]
+
+
 def fuse_linears(cfg: ModelConfig, source: Iterable[tuple[str, np.ndarray]]
                  ) -> Iterator[tuple[str, np.ndarray]]:
     """`source`'s (key, host array)s with each layer's q/k/v and gate/up tensors concatenated
-    along N into one (FUSED_LINEARS), yielded once its last part arrives; other tensors pass
-    through in order. Each fused tensor is allocated at its first part and filled part by part,
-    so the host holds it and the part in hand, not every part and a copy."""
+    along N into one (FUSED_LINEARS), yielded once its last part arrives; other tensors (and
+    tensors already fused, as a checkpoint's `weights(fuse=True)` yields them) pass through in
+    order. Each fused tensor is allocated at its first part and filled part by part, so the host
+    holds it and the part in hand, not every part and a copy."""
     if not fuses(cfg):
         yield from source
         return
-    rows = {lin: o for lin, (o, _) in cfg.linear_shapes().items()}
-    pending: dict[str, tuple[np.ndarray, set[str]]] = {}
+    fusion = Fusion(cfg)
     for key, host in source:
-        m = _FUSABLE.match(key)
-        if m is None:
-            yield key, host
-            continue
-        lin, out_key = m.group(2), fused_key(key)
-        members = FUSED_LINEARS[_MEMBER[lin]]
-        host = np.asarray(host)
-        if host.shape[:1] != (rows[lin],):
-            raise ValueError(f"{key}: {host.shape[0]} rows, the config says {rows[lin]}")
-        if out_key not in pending:
-            total = sum(rows[x] for x in members)
-            pending[out_key] = (np.empty((total, *host.shape[1:]), host.dtype), set())
-        fused, seen = pending[out_key]
-        if host.shape[1:] != fused.shape[1:] or host.dtype != fused.dtype or lin in seen:
-            raise ValueError(f"{key}: {host.dtype} {host.shape} does not concatenate into "
-                             f"{out_key} ({fused.dtype} {fused.shape})")
-        row0 = sum(rows[x] for x in members[:members.index(lin)])
-        fused[row0:row0 + rows[lin]] = host
-        seen.add(lin)
-        if len(seen) == len(members):
-            del pending[out_key]
-            yield out_key, fused
-    if pending:
-        raise ValueError(f"fused linears missing parts: {sorted(pending)}")
+        yield from fusion.done(key, host)
+    fusion.close()

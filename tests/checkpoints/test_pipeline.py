@@ -12,7 +12,7 @@ import gpu_worker.checkpoints.loader as L
 from gpu_worker.checkpoints import Checkpoint
 from gpu_worker.checkpoints.quantize import HostQuantizer
 from gpu_worker.checkpoints.shards import ShardSet
-from gpu_worker.models.weights import quantize
+from gpu_worker.models.weights import _FUSABLE, Fusion, fuse_linears, quantize
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
@@ -109,3 +109,27 @@ def test_the_profile_counts_every_staged_byte_and_some_time():
     assert p.bytes_read == 2 * (linears + 2 * cfg.vocab_size * cfg.hidden)
     assert p.read_s > 0 and p.convert_s > 0 and p.wait_s >= 0
     assert "lm_head.q" in weights
+
+
+@pytest.mark.parametrize("golden,fmt", [("llama-llama3-sharded", "int4"), ("qwen2-untied", "int4"),
+                                        ("qwen2-untied", "fp16"), ("bert-st", "int4")])
+def test_a_fused_load_converts_the_parts_in_place_to_fuse_linears_bytes(monkeypatch, golden, fmt):
+    """weights(fuse=True) is fuse_linears(weights()) (qwen2: the q/k/v biases too), with each
+    converted part written into its rows of the fused tensor: Fusion copies only what the loader
+    did not convert itself (the biases), never a linear."""
+    with Checkpoint.open(GOLDEN / golden, 256, weight_format=fmt) as c:
+        want = list(fuse_linears(c.cfg, c.weights()))
+    copied: list[str] = []
+    real = Fusion.done
+
+    def done(self, key, host):
+        if key in self._views and host is not self._views[key] or key not in self._views and _FUSABLE.match(key):
+            copied.append(key)
+        return real(self, key, host)
+    monkeypatch.setattr(Fusion, "done", done)
+    with Checkpoint.open(GOLDEN / golden, 256, weight_format=fmt) as c:
+        got = list(c.weights(fuse=True))
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (key, a), (_, b) in zip(got, want):
+        np.testing.assert_array_equal(a, b, err_msg=key)
+    assert all(k.endswith(".b") for k in copied), copied
