@@ -12,7 +12,9 @@ tensor by tensor straight into pinned memory, never as floats.
 
 A decoder layer runs q/k/v as one linear and gate/up as one (FUSED_LINEARS, DESIGN 6.2: fewer
 nodes a step): `fuse_linears` concatenates their tensors along N (rows) as they stream to the
-device, for generated and checkpoint weights alike. Every tensor of a linear has N rows (int4
+device, for generated and checkpoint weights alike; a checkpoint's loader converts the parts
+straight into their rows (`Fusion.array`, `Checkpoint.weights(fuse=True)`), so nothing is copied
+twice. Every tensor of a linear has N rows (int4
 packed (N, K/2) and scales (N, K/32), fp16 (N, K), a bias (N,)), so the concatenation is exact
 and the fused linear is the same linear with a bigger N. The sources (`generate`, a checkpoint,
 `weight_names`, the NumPy references) keep the per-projection keys.

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from gpu_worker.checkpoints import Checkpoint
-from gpu_worker.compile import KernelCompiler
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models import reference as R
 from gpu_worker.models.decoder import DecoderModel
@@ -26,24 +25,6 @@ GOLDEN = pathlib.Path(__file__).parents[1] / "checkpoints" / "golden"
 FP16_ATOL = 2e-2   # as tests/checkpoints/test_goldens.py: fp16 operands and KV vs an fp32 peer
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def kernel_cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("nvrtc-cache-gpu-fp16")
-
-
-@pytest.fixture
-def device():
-    from gpu_worker.device import open_device
-    dev = open_device("cuda")
-    yield dev
-    dev.close()
-
-
-@pytest.fixture
-def compiler(device, kernel_cache_dir):
-    return KernelCompiler(device.info.arch, cache_dir=kernel_cache_dir)
 
 
 @pytest.mark.parametrize("name", ["llama-llama3-sharded", "llama-tied", "qwen2-tied", "qwen2-untied"])

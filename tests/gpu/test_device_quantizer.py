@@ -15,25 +15,11 @@ import gpu_worker.checkpoints.loader as L
 from gpu_worker.checkpoints import Checkpoint
 from gpu_worker.checkpoints.device_quantizer import ZONE, DeviceQuantizer
 from gpu_worker.checkpoints.quantize import quantize_rows
-from gpu_worker.compile import KernelCompiler
 from gpu_worker.kernels.selfcheck import stored_rows
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "checkpoints" / "golden"
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def device():
-    from gpu_worker.device import open_device
-    dev = open_device("cuda")
-    yield dev
-    dev.close()
-
-
-@pytest.fixture
-def compiler(device, tmp_path):
-    return KernelCompiler(device.info.arch, cache_dir=tmp_path)
 
 
 def _quantized(quantize, raw: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:

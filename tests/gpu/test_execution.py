@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_worker.compile import KernelCompiler
 from gpu_worker.execution import ops
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models import reference as R
@@ -23,24 +22,6 @@ from gpu_worker.models.encoder import EncoderModel
 ATOL = 1e-3
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def kernel_cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("nvrtc-cache-gpu")
-
-
-@pytest.fixture
-def device():
-    from gpu_worker.device import open_device
-    dev = open_device("cuda")
-    yield dev
-    dev.close()
-
-
-@pytest.fixture
-def compiler(device, kernel_cache_dir):
-    return KernelCompiler(device.info.arch, cache_dir=kernel_cache_dir)
 
 
 def make(device, compiler, cls, config, seed, **kw):
