@@ -125,32 +125,40 @@ class DeviceQuantizer:
             mine.out = self._repin(mine.out, out_bytes)
         out = mine.out[:out_bytes]
         dset = self._take()
-        try:
-            self._reserve(dset, raw.nbytes, out_bytes)
-        except ResourceExhausted:   # a full device: this chunk converts on the host instead
+        try:   # whatever happens, the set goes back: other threads wait for it
+            try:
+                self._reserve(dset, raw.nbytes, out_bytes)
+            except ResourceExhausted:   # a full device: this chunk converts on the host instead
+                on_device = False
+            else:
+                on_device = True
+                self._quantize(dset, src, dtype, rows, in_dim, packed_bytes, out)
+        finally:
             self._idle.put(dset)
+        if not on_device:
             quantize_rows(src.view(raw.dtype).reshape(raw.shape), dtype, packed, scales)
             with self._lock:
                 self.host_chunks += 1
             return
-        try:
-            device, stream = self.device, dset.stream
-            chunk = dset.buffers.ptr
-            d_packed = chunk + dset.in_capacity
-            d_scales = d_packed + packed_bytes          # 16-byte aligned: in_dim / 2 % 16 == 0
-            device.copy_to_device_async(chunk, src, stream)
-            launch_int4_quantize(device, self._kernel(), d_packed, d_scales, chunk, dtype, rows,
-                                 in_dim, stream=stream)
-            device.copy_from_device_async(out, d_packed, stream)
-            device.record_event(dset.event, stream)
-            device.wait_event(dset.event)
-        finally:
-            self._idle.put(dset)
         np.copyto(packed, out[:packed_bytes].reshape(packed.shape))
         np.copyto(scales, out[packed_bytes:].view(np.float16).reshape(scales.shape))
         with self._lock:
             self.chunks += 1
             self.stored_bytes += raw.nbytes
+
+    def _quantize(self, dset: _DeviceSet, src: np.ndarray, dtype: str, rows: int, in_dim: int,
+                  packed_bytes: int, out: np.ndarray) -> None:
+        """One chunk through `dset`: up, the kernel, the int4 bytes back into `out`, waited for."""
+        device, stream = self.device, dset.stream
+        chunk = dset.buffers.ptr
+        d_packed = chunk + dset.in_capacity
+        d_scales = d_packed + packed_bytes          # 16-byte aligned: in_dim / 2 % 16 == 0
+        device.copy_to_device_async(chunk, src, stream)
+        launch_int4_quantize(device, self._kernel(), d_packed, d_scales, chunk, dtype, rows,
+                             in_dim, stream=stream)
+        device.copy_from_device_async(out, d_packed, stream)
+        device.record_event(dset.event, stream)
+        device.wait_event(dset.event)
 
     # -- buffers ---------------------------------------------------------------------------------
     def _mine(self) -> _Staging:

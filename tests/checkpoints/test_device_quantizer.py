@@ -147,3 +147,18 @@ def test_a_device_without_room_for_a_lane_slows_the_load_it_does_not_fail_it(dev
         got = _quantized(q, raw, "BF16")
         assert (q.chunks, q.host_chunks) == (0, 1)
     _assert_same(got, _quantized(quantize_rows, raw, "BF16"))
+
+
+def test_a_failing_chunk_gives_its_device_set_back_so_no_other_thread_waits_forever(
+        device, compiler, monkeypatch):
+    from gpu_worker.device.backend import DeviceError
+
+    def broken(nbytes, zone, role="default"):
+        raise DeviceError("cuMemCreate: CUDA_ERROR_UNKNOWN")
+    monkeypatch.setattr(device.arena, "alloc", broken)
+    chunks = [stored_rows(np.random.default_rng(i), 4, 64, "BF16") for i in range(6)]
+    with DeviceQuantizer(device, compiler, device_sets=1) as q, ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(_quantized, q, raw, "BF16") for raw in chunks]
+        for f in futures:   # each fails on its own; none waits on a set that never came back
+            with pytest.raises(DeviceError, match="CUDA_ERROR_UNKNOWN"):
+                f.result(timeout=30)
