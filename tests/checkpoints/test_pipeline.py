@@ -112,11 +112,13 @@ def test_the_profile_counts_every_staged_byte_and_some_time():
 
 
 @pytest.mark.parametrize("golden,fmt", [("llama-llama3-sharded", "int4"), ("qwen2-untied", "int4"),
-                                        ("qwen2-untied", "fp16"), ("bert-st", "int4")])
+                                        ("qwen2-untied", "fp16"), ("bert-st", "int4"),
+                                        ("llama-gptq", "int4")])
 def test_a_fused_load_converts_the_parts_in_place_to_fuse_linears_bytes(monkeypatch, golden, fmt):
     """weights(fuse=True) is fuse_linears(weights()) (qwen2: the q/k/v biases too), with each
     converted part written into its rows of the fused tensor: Fusion copies only what the loader
-    did not convert itself (the biases), never a linear."""
+    did not convert itself (the biases; a GPTQ file's linears, already 4-bit), never a linear it
+    quantized or cast."""
     with Checkpoint.open(GOLDEN / golden, 256, weight_format=fmt) as c:
         want = list(fuse_linears(c.cfg, c.weights()))
     copied: list[str] = []
@@ -132,4 +134,5 @@ def test_a_fused_load_converts_the_parts_in_place_to_fuse_linears_bytes(monkeypa
     assert [k for k, _ in got] == [k for k, _ in want]
     for (key, a), (_, b) in zip(got, want):
         np.testing.assert_array_equal(a, b, err_msg=key)
-    assert all(k.endswith(".b") for k in copied), copied
+    gptq = c.spec.gptq_group
+    assert all(k.endswith(".b") or gptq for k in copied), copied
