@@ -22,6 +22,7 @@ of pinned host memory a loader thread, until `close()`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 from typing import Self
@@ -37,6 +38,8 @@ from gpu_worker.kernels.quantize import (
     quantized_bytes,
 )
 from services.common.errors import ResourceExhausted
+
+_log = logging.getLogger(__name__)
 
 ZONE = "transient"       # a load's staging: gone when the load ends
 GROW = 1 << 20           # buffers grow in whole MiB (chunks vary by a tensor's last rows)
@@ -234,6 +237,11 @@ class DeviceQuantizer:
         if module is not None:
             device.unload_module(module)
         device.queue.poll()     # the frees above need no fence: run them now
+        if self.host_chunks:
+            _log.warning("the device had no room for the checkpoint quantizer's buffers: %d of "
+                         "%d chunks were quantized on the host (a slower load); free device "
+                         "memory before loading, or load with --checkpoint-quantizer host",
+                         self.host_chunks, self.host_chunks + self.chunks)
 
     def __enter__(self) -> Self:
         return self

@@ -135,18 +135,19 @@ def test_an_fp16_load_stages_in_the_lanes_and_never_loads_the_kernel(device, com
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-def test_a_device_without_room_for_a_lane_slows_the_load_it_does_not_fail_it(device, compiler,
-                                                                            monkeypatch):
+def test_a_device_without_room_for_a_set_slows_the_load_it_does_not_fail_it(device, compiler,
+                                                                           monkeypatch, caplog):
     from services.common.errors import ResourceExhausted
 
     def full(nbytes, zone, role="default"):
         raise ResourceExhausted(f"zone {zone}: asked {nbytes}, free 0")
     monkeypatch.setattr(device.arena, "alloc", full)
     raw = stored_rows(np.random.default_rng(6), 12, 160, "BF16", hard=True)
-    with DeviceQuantizer(device, compiler) as q:
+    with caplog.at_level("WARNING"), DeviceQuantizer(device, compiler) as q:
         got = _quantized(q, raw, "BF16")
         assert (q.chunks, q.host_chunks) == (0, 1)
     _assert_same(got, _quantized(quantize_rows, raw, "BF16"))
+    assert "1 of 1 chunks were quantized on the host" in caplog.text   # the operator is told
 
 
 def test_a_failing_chunk_gives_its_device_set_back_so_no_other_thread_waits_forever(
