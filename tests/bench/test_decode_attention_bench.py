@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from bench import decode_attention_bench as dab
+from bench.limits import L2_BYTES
 from bench.record import FIELDS, RESULTS, Recorder
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 
@@ -108,3 +109,21 @@ def test_carveouts_are_a_percent_and_the_kernels_they_apply_to():
     assert args.carveout == [(100, "both"), (44, "combine")]
     assert dab.parse_args([]).carveout == []
     refused(dab.parse_carveout, ("x", "101", "-1", "100:both2"), "PCT[:split|combine]")
+
+
+def test_the_target_is_checked_where_the_kv_is_larger_than_the_l2(tmp_path):
+    """Batch 1 at 8192 keys reads 33.5 MB, under the L2: a figure; its target row is the smallest
+    power of two above 8192 whose KV is larger (16384 keys, 67 MB). From batch 8 it is 8192."""
+    assert dab.kv_bytes(1, DECODE_ATTENTION_CTX) < L2_BYTES < dab.kv_bytes(1, 16384)
+    assert dab.target_ctx(1) == 16384
+    assert [dab.target_ctx(b) for b in (8, 32, 64)] == [DECODE_ATTENTION_CTX] * 3
+    assert dab.contexts(1) == (1024, DECODE_ATTENTION_CTX, 16384)
+    assert dab.contexts(8) == (1024, DECODE_ATTENTION_CTX)
+    rows = [row("new", 1, DECODE_ATTENTION_CTX, 23.0, 0.48),
+            row("new", 1, 16384, 30.0, 0.83, table=16384)]
+    t, lines = recorded(tmp_path, rows)
+    short = lines[f"paged decode batch 1, {DECODE_ATTENTION_CTX} keys: fraction of copy"]
+    assert short["target"] is None and short["met"] is None, "under the L2: a figure"
+    long = lines["paged decode batch 1, 16384 keys: fraction of copy"]
+    assert long["target"] == f">= {DECODE_ATTENTION_OF_COPY:g}" and long["met"] is True
+    assert t.exit_code() == 0
