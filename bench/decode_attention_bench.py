@@ -51,6 +51,7 @@ from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
+    MAX_DECODE_SPLITS,
     decode_split_build,
     launch_flash_decode_paged,
     paged_decode_span,
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             table = max(TABLE, ctx)
             span = paged_decode_span(table // BT, BT, batch, HEADS, KVH)
             for sp in (64, 128, 256, 512, 1024):
-                if sp != span:
+                if sp != span and paged_decode_splits(table // BT, BT, sp) <= MAX_DECODE_SPLITS:
                     row("span", batch, ctx, sp, table)
     print("\n[3] empty blocks: batch 64, ctx 1024, table 8192 vs 1024")
     span = paged_decode_span(TABLE // BT, BT, 64, HEADS, KVH)
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':>8} {name} / library time {other['us'] / new['us']:.2f}")
                 if name != "lanes" and batch <= 8:
                     for sp in (64, 128, 256, 512):
-                        if sp != span:
+                        if sp != span and paged_decode_splits(table // BT, BT, sp) <= MAX_DECODE_SPLITS:
                             row(name + "-span", batch, ctx, sp, table, build=build)
     for carveout in args.carveout:
         print(f"\n[5] the library build, {carveout_label(carveout)}")
