@@ -62,6 +62,11 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
 MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one combine block stages
+# the one-kernel decode of a small batch (gp_flash_decode_paged_cluster): CTAs a cluster (a row's
+# keys in that many parts, the portable cluster size) and threads a CTA (GP_FDC_WARPS warps)
+CLUSTER_DECODE_CTAS = 8
+CLUSTER_DECODE_THREADS = 512
+CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
@@ -185,6 +190,44 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
                   stream=stream, pdl=True, shared_bytes=decode_combine_shared_bytes(splits, head_dim))
 
 
+def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: int) -> bool:
+    """Whether the paged decode runs as one kernel of clusters (gp_flash_decode_paged_cluster):
+    where every cluster of the batch is resident at once (one CTA of CLUSTER_DECODE_THREADS an
+    SM: batch * kv_heads * head blocks * CLUSTER_DECODE_CTAS <= the SMs; Llama-3-8B on 132 SMs:
+    batch 1 and 2) at head_dim 64 or 128. A function of the graph's shape only."""
+    blocks = batch * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
+    return (head_dim in CLUSTER_DECODE_HEAD_DIMS and batch >= 1
+            and blocks * CLUSTER_DECODE_CTAS <= sms)
+
+
+def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: int,
+                                      positions: int, table: int, batch: int, heads: int,
+                                      kv_heads: int, head_dim: int, layer: int, layers: int,
+                                      block_tokens: int, max_blocks: int,
+                                      scale: float | None = None, stream=None) -> None:
+    """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
+    each row split by its actual length over a cluster of CLUSTER_DECODE_CTAS CTAs (no
+    workspace, no combine). head_dim 64 or 128."""
+    kernel = "flash_decode_paged_cluster"
+    _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
+    require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
+            f"{kernel}: head_dim={head_dim} must be one of {CLUSTER_DECODE_HEAD_DIMS} "
+            f"(others run the split and combine kernels)")
+    require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
+    require(positions and table, f"{kernel}: needs positions and a table")
+    for name, p in (("out", out), ("q", q), ("pool", pool)):
+        require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
+    if batch == 0:
+        return
+    hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
+    device.launch(function, (CLUSTER_DECODE_CTAS, kv_heads * hgroups, batch),
+                  (CLUSTER_DECODE_THREADS, 1, 1),
+                  [ptr(out), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
+                   i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
+                   i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
+                  stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1))
+
+
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
                               q: int, pool: int, positions: int, table: int, batch: int,
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
@@ -230,6 +273,9 @@ FLASH_DECODE_SPLIT_PAGED = KernelDef("flash_decode_split_paged", "gp_flash_decod
                                      workspace=paged_decode_workspace_bytes)
 FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged", SOURCE,
                                 flash_decode_paged_combine, launch_flash_combine_paged)
+FLASH_DECODE_PAGED_CLUSTER = KernelDef("flash_decode_paged_cluster",
+                                       "gp_flash_decode_paged_cluster", SOURCE, flash_decode_paged,
+                                       launch_flash_decode_paged_cluster)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
 
@@ -251,4 +297,5 @@ def decode_split_build(**defines: int) -> KernelDef:
     return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED, source=source)
 
 
-KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED, FLASH_PREFILL_PAGED]
+KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
+           FLASH_DECODE_PAGED_CLUSTER, FLASH_PREFILL_PAGED]

@@ -512,12 +512,15 @@ __device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, in
 // EARLY (a kernel launched with dependent launch that has not waited yet): each warp's first
 // tile of K and V is loaded before gp_pdl_wait, all but key `fresh` (the row's newest, which the
 // kernel before it, the rope + append, writes); that key and Q are read after the wait.
-template <int D, bool EARLY, class KV>
+//
+// NW: the block's warps (GP_FD_THREADS / 32, or the cluster decode's GP_FDC_WARPS); smem holds
+// 2 * NW * GP_FD_HPB + NW * GP_FD_HPB * D floats. ws may be shared memory (the cluster decode).
+template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
     static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
-    constexpr int KC = D / 32, VC = D / 64, MT = D / 16, NW = GP_FD_THREADS / 32;
+    constexpr int KC = D / 32, VC = D / 64, MT = D / 16;
     float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
     float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NW * GP_FD_HPB);
     float (*sm_acc)[GP_FD_HPB][D] = reinterpret_cast<float (*)[GP_FD_HPB][D]>(smem + 2 * NW * GP_FD_HPB);

@@ -125,3 +125,33 @@ __device__ __forceinline__ void gp_pdl_release() {
         gp_pdl_release(); \
     } while (0)
 
+// Thread-block clusters (sm_90): (this CTA's rank, the cluster's size); without a cluster
+// launch a CTA is rank 0 of a cluster of one.
+__device__ __forceinline__ int2 gp_cluster_rank_size() {
+    unsigned rank = 0, size = 1;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n"
+                 "mov.u32 %1, %%cluster_nctarank;\n" : "=r"(rank), "=r"(size));
+#endif
+    return make_int2((int)rank, (int)size);
+}
+__device__ __forceinline__ void gp_cluster_sync() {  // every thread of every CTA of the cluster
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+// The float at shared-window address `local` of the cluster's CTA `rank`.
+__device__ __forceinline__ float gp_ld_cluster(unsigned local, int rank) {
+#if __CUDA_ARCH__ >= 900
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return 0.f;
+#endif
+}

@@ -92,6 +92,100 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
     gp_fd_split_block<16>(part, qq, kr, vr, nh, j0, j1, sl, stride, smem);
 }
 
+// ---- gp_flash_decode_paged_cluster: the whole decode in one kernel where the batch is small ----
+// Where the split kernel's grid is one wave (batch 1 and 2 at Llama-3-8B's 8 KV heads), a decode
+// is two short kernels, and the combine (a few microseconds) with the hand-over between them
+// (the combine waits for the last split block, the next split for the combine) costs as much as
+// the splits' own HBM time. Here a cluster of GP_FDC_CTAS CTAs of GP_FDC_WARPS warps each takes
+// one (row, KV head, head block): CTA r covers the r-th 1/S of the row's actual keys (rounded to
+// 16), its warps run the tensor-core split block over it (gp_fd_split_block_mma, tiles w, w +
+// NW, ...), the CTA's merged state goes to its own shared memory, and after a cluster barrier
+// each CTA merges a 1/S of the (head, dim) outputs over the S states in rank order (DSMEM
+// loads, all issued before the first add) and writes them as fp16. No workspace, no second
+// kernel, and the same sums as the combine (gp_fd_combine's weights). A row with no key (a
+// padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
+#define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
+#define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
+
+template <int D>
+__device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, const float* state,
+                                             int nh, int rank, int S) {
+    constexpr int W = D + 2;
+    const unsigned base = gp_smem(state);
+    const int total = nh * D;
+    const int lo = total * rank / S, hi = total * (rank + 1) / S;
+    for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
+        const int h = idx / D, d = idx - h * D;
+        const unsigned off = base + 4u * (unsigned)(h * W);
+        float m[8], l[8], a[8];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {   // every remote load first: one DSMEM round trip
+            m[s] = s < S ? gp_ld_cluster(off, s) : -INFINITY;
+            l[s] = s < S ? gp_ld_cluster(off + 4u, s) : 0.f;
+            a[s] = s < S ? gp_ld_cluster(off + 4u * (2 + d), s) : 0.f;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) mx = fmaxf(mx, m[s]);
+        float lt = 0.f, o = 0.f;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            const float w = mx != -INFINITY && l[s] > 0.f ? expf(m[s] - mx) : 0.f;
+            lt = fmaf(l[s], w, lt);
+            o = fmaf(a[s], w, o);
+        }
+        out[(long long)h * D + d] = gp_f2h(lt > 0.f ? o / lt : 0.f);
+    }
+}
+
+__shared__ float gp_fdc_state[GP_FD_HPB * (128 + 2)];   // a CTA's state: max, sum, acc a head
+
+// After the split block: this CTA's 1/S of the block's (head, dim) outputs merged over the
+// cluster's states. Its indices are recomputed here, so nothing is held live across the block.
+__device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, int heads,
+                                           int kv_heads, int head_dim) {
+    const int2 cl = gp_cluster_rank_size();
+    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
+    const int hk = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
+    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
+    unsigned short* o = out + ((long long)blockIdx.z * heads + h0) * head_dim;
+    if (head_dim == 128) gp_fdc_merge<128>(o, gp_fdc_state, nh, cl.x, cl.y);
+    else gp_fdc_merge<64>(o, gp_fdc_state, nh, cl.x, cl.y);
+}
+
+// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= 8;
+// GP_FDC_WARPS * 32 threads; head_dim 64 or 128 (paged_attention.cluster_decode).
+extern "C" __global__ void __launch_bounds__(GP_FDC_WARPS * 32, 1)
+gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
+                              const unsigned short* __restrict__ pool,
+                              const int* __restrict__ positions, const int* __restrict__ table,
+                              int batch, int heads, int kv_heads, int head_dim, int layer,
+                              int layers, int block_tokens, int max_blocks, float scale) {
+    __shared__ float smem[GP_FDC_SMEM];
+    const int2 cl = gp_cluster_rank_size();
+    const int rank = cl.x, S = cl.y, b = blockIdx.z;
+    const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
+    const int span = ((nkeys + S - 1) / S + 15) / 16 * 16;
+    const int j0 = min(rank * span, nkeys), j1 = min(j0 + span, nkeys);
+    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
+    const int hk = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
+    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
+    const int* trow = table + (long long)b * max_blocks;
+    const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
+    const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
+    const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
+    const float sl = scale * GP_FA_LOG2E;
+    if (head_dim == 128)
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+                                                                   j1, sl, 130, smem, nkeys - 1);
+    else
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+                                                                  j1, sl, 66, smem, nkeys - 1);
+    gp_cluster_sync();   // every CTA's state is written and visible to the cluster
+    gp_fdc_finish(out, heads, kv_heads, head_dim);
+    gp_cluster_sync();   // no CTA leaves while another still reads its state
+}
+
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
 // hold stale state); a row with no key (a padding row) is zeros. gp_fd_combine: the states staged
