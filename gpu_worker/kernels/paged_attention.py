@@ -65,7 +65,6 @@ MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one co
 # the one-kernel decode of a small batch (gp_flash_decode_paged_cluster): CTAs a cluster (a row's
 # keys in that many parts, the portable cluster size) and threads a CTA (GP_FDC_WARPS warps)
 CLUSTER_DECODE_CTAS = 8
-CLUSTER_DECODE_MAX_CTAS = 16   # what the kernel merges (above 8: a non-portable cluster)
 CLUSTER_DECODE_THREADS = 512
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 
@@ -205,8 +204,7 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       positions: int, table: int, batch: int, heads: int,
                                       kv_heads: int, head_dim: int, layer: int, layers: int,
                                       block_tokens: int, max_blocks: int,
-                                      scale: float | None = None, stream=None,
-                                      ctas: int = CLUSTER_DECODE_CTAS) -> None:
+                                      scale: float | None = None, stream=None) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
     each row split by its actual length over a cluster of CLUSTER_DECODE_CTAS CTAs (no
     workspace, no combine). head_dim 64 or 128."""
@@ -216,20 +214,18 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
             f"{kernel}: head_dim={head_dim} must be one of {CLUSTER_DECODE_HEAD_DIMS} "
             f"(others run the split and combine kernels)")
     require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
-    require(1 <= ctas <= CLUSTER_DECODE_MAX_CTAS,
-            f"{kernel}: ctas={ctas} must be in 1..{CLUSTER_DECODE_MAX_CTAS}")
     require(positions and table, f"{kernel}: needs positions and a table")
     for name, p in (("out", out), ("q", q), ("pool", pool)):
         require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
     if batch == 0:
         return
     hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
-    device.launch(function, (ctas, kv_heads * hgroups, batch),
+    device.launch(function, (CLUSTER_DECODE_CTAS, kv_heads * hgroups, batch),
                   (CLUSTER_DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
                    i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
-                  stream=stream, pdl=True, cluster=(ctas, 1, 1))
+                  stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,

@@ -105,7 +105,6 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 // kernel, and the same sums as the combine (gp_fd_combine's weights). A row with no key (a
 // padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
 #define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
-#define GP_FDC_MAX_CTAS 16   // paged_attention.CLUSTER_DECODE_MAX_CTAS (16: a non-portable cluster)
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 
 template <int D>
@@ -118,19 +117,19 @@ __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, c
     for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
         const int h = idx / D, d = idx - h * D;
         const unsigned off = base + 4u * (unsigned)(h * W);
-        float m[GP_FDC_MAX_CTAS], l[GP_FDC_MAX_CTAS], a[GP_FDC_MAX_CTAS];
+        float m[8], l[8], a[8];
 #pragma unroll
-        for (int s = 0; s < GP_FDC_MAX_CTAS; ++s) {   // every remote load first: one round trip
+        for (int s = 0; s < 8; ++s) {   // every remote load first: one DSMEM round trip
             m[s] = s < S ? gp_ld_cluster(off, s) : -INFINITY;
             l[s] = s < S ? gp_ld_cluster(off + 4u, s) : 0.f;
             a[s] = s < S ? gp_ld_cluster(off + 4u * (2 + d), s) : 0.f;
         }
         float mx = -INFINITY;
 #pragma unroll
-        for (int s = 0; s < GP_FDC_MAX_CTAS; ++s) mx = fmaxf(mx, m[s]);
+        for (int s = 0; s < 8; ++s) mx = fmaxf(mx, m[s]);
         float lt = 0.f, o = 0.f;
 #pragma unroll
-        for (int s = 0; s < GP_FDC_MAX_CTAS; ++s) {
+        for (int s = 0; s < 8; ++s) {
             const float w = mx != -INFINITY && l[s] > 0.f ? expf(m[s] - mx) : 0.f;
             lt = fmaf(l[s], w, lt);
             o = fmaf(a[s], w, o);
@@ -154,7 +153,7 @@ __device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, int
     else gp_fdc_merge<64>(o, gp_fdc_state, nh, cl.x, cl.y);
 }
 
-// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= GP_FDC_MAX_CTAS;
+// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= 8;
 // GP_FDC_WARPS * 32 threads; head_dim 64 or 128 (paged_attention.cluster_decode).
 extern "C" __global__ void __launch_bounds__(GP_FDC_WARPS * 32, 1)
 gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
