@@ -8,7 +8,9 @@ device-to-device copy of 1 GiB (read + write) measured at the start of the same 
 (bench/limits.py; without torch, a graph of cuMemcpyAsync nodes through the device layer, printed
 as such).
 
-1. batch 1/8/32/64 x ctx 1024/8192 at the default span (paged_decode_span of the batch) and, same
+1. batch 1/8/32/64 x ctx 1024/8192 as the decode graph runs it (the one-kernel cluster decode where
+   paged_attention.cluster_decode holds, batch 1 here, then also the split and combine kernels,
+   its time over theirs recorded; elsewhere those at the default span) and, same
    run, the span the old rule gave (the split count from the maximum context and the batch);
    at batch 1 also at target_ctx(1), in a table that holds it.
 2. the span swept (64/128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192 (batch 1: and
@@ -49,9 +51,12 @@ from bench.limits import L2_BYTES
 from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
+from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
+    FLASH_DECODE_PAGED_CLUSTER,
     MAX_DECODE_SPLITS,
+    cluster_decode,
     decode_split_build,
     launch_flash_decode_paged,
     paged_decode_span,
@@ -129,8 +134,11 @@ class Bench:
 
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
                build: dict[str, int] | None = None,
-               carveout: tuple[int, str] | None = None) -> tuple[float, int, np.ndarray]:
-        """(seconds per decode, KV bytes read per decode, the last decode's output); `carveout`:
+               carveout: tuple[int, str] | None = None,
+               library: bool = False) -> tuple[float, int, np.ndarray]:
+        """(seconds per decode, KV bytes read per decode, the last decode's output); `library`:
+        the decode as the graph runs it (the one-kernel cluster decode where cluster_decode
+        holds), else the split and combine kernels at `span`; `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
         while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
@@ -152,11 +160,12 @@ class Bench:
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
         fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
+        fcl = h.function(FLASH_DECODE_PAGED_CLUSTER) if library else None
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
-                max_blocks, span=span, stream=s)
+                max_blocks, span=span, stream=s, cluster_function=fcl)
 
         percent, which = carveout or (-1, "")
         carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
@@ -226,6 +235,7 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
     new = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "new"}
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
     lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
+    two = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "two"}
     carve = [r for r in rows if r["section"] == "carveout"]
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
@@ -238,6 +248,9 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in old:
             targets.figure(f"{name}: span rule / old rule time", r["us"] / old[batch, ctx]["us"],
                            "ratio")
+        if (batch, ctx) in two:
+            targets.figure(f"{name}: one kernel / split + combine time",
+                           r["us"] / two[batch, ctx]["us"], "ratio")
         if (batch, ctx) in lanes:
             targets.figure(f"{name}: lane-group block / tensor-core block time",
                            lanes[batch, ctx]["us"] / r["us"], "ratio")
@@ -274,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[tuple[int, int], np.ndarray] = {}
 
     def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None) -> dict:
-        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout)
+        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=section == "new")
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
-        elif build is not None and (batch, ctx) in outputs:
+        elif (build is not None or section == "two") and (batch, ctx) in outputs:
             want = outputs[batch, ctx]
             err = np.abs(got.astype(np.float32) - want)
             if not np.all(err <= ATOL + RTOL * np.abs(want)):
@@ -290,12 +303,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy", flush=True)
         return r
 
-    print("\n[1] the default span (paged_decode_span) vs the old rule's span")
+    sms = sm_count(dev)
+    print("\n[1] the library's decode (the one-kernel cluster decode where cluster_decode holds, "
+          "then also the split and combine kernels) and the old rule's span")
     for batch in (1, 8, 32, 64):
         for ctx in contexts(batch):
             table = max(TABLE, ctx)   # a longer context: a table that holds it
             span = paged_decode_span(table // BT, BT, batch, HEADS, KVH)
             new = row("new", batch, ctx, span, table)
+            if cluster_decode(batch, HEADS, KVH, HD, sms):   # the library ran one kernel
+                two = row("two", batch, ctx, span, table)
+                print(f"{'':>6} one kernel / split + combine time {new['us'] / two['us']:.2f}")
             if table == TABLE and old_span(batch) != span:
                 old = row("old", batch, ctx, old_span(batch))
                 print(f"{'':>6} new/old time {new['us'] / old['us']:.2f}")

@@ -457,7 +457,8 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
         c.variant.workspace_ptr("splits"), c.inp(0), c.inp(1), c.inp(2), c.inp(3), batch,
         int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"], g["layer"], g["layers"],
         g["block_tokens"], g["max_blocks"],
-        span=_paged_decode_span(c.node, c.graph), stream=c.stream)
+        span=_paged_decode_span(c.node, c.graph), stream=c.stream,
+        cluster_function=c.fn("flash_decode_paged_cluster"))
 
 
 def _launch_flash_prefill_paged(c: LaunchContext) -> None:
@@ -508,7 +509,8 @@ OPS: dict[str, OpBinding] = {
     "rotary_rows": OpBinding((rotary.ROTARY_ROWS,), _launch_rotary_rows),
     "kv_append_paged": OpBinding((paged_attention.KV_APPEND_PAGED,), _launch_kv_append_paged),
     "flash_attention_decode_paged": OpBinding((paged_attention.FLASH_DECODE_SPLIT_PAGED,
-                                               paged_attention.FLASH_COMBINE_PAGED),
+                                               paged_attention.FLASH_COMBINE_PAGED,
+                                               paged_attention.FLASH_DECODE_PAGED_CLUSTER),
                                               _launch_flash_decode_paged,
                                               workspace=_paged_decode_workspace),
     "flash_attention_prefill_paged": OpBinding((paged_attention.FLASH_PREFILL_PAGED,),

@@ -37,6 +37,7 @@ from gpu_worker.kernels.common import (
     grid_1d,
     require,
     require_sizes,
+    sm_count,
 )
 from gpu_worker.kernels.flash_attention import (
     COMBINE_MAX_SPLITS,
@@ -193,7 +194,7 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
 def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: int) -> bool:
     """Whether the paged decode runs as one kernel of clusters (gp_flash_decode_paged_cluster):
     where every cluster of the batch is resident at once (one CTA of CLUSTER_DECODE_THREADS an
-    SM: batch * kv_heads * head blocks * CLUSTER_DECODE_CTAS <= the SMs; Llama-3-8B on 132 SMs:
+    SM: batch * kv_heads * head blocks * CLUSTER_DECODE_CTAS <= the SMs; Llama-3-8B on an H100:
     batch 1 and 2) at head_dim 64 or 128. A function of the graph's shape only."""
     blocks = batch * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
     return (head_dim in CLUSTER_DECODE_HEAD_DIMS and batch >= 1
@@ -232,10 +233,18 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                               q: int, pool: int, positions: int, table: int, batch: int,
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
                               block_tokens: int, max_blocks: int, *, span: int | None = None,
-                              scale: float | None = None, stream=None) -> None:
+                              scale: float | None = None, stream=None,
+                              cluster_function=None) -> None:
     """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
-    paged_decode_splits(max_blocks, block_tokens, span) slots."""
+    paged_decode_splits(max_blocks, block_tokens, span) slots. With `cluster_function`, a
+    batch cluster_decode takes runs as that one kernel instead (the workspace unused)."""
+    if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
+                                                       sm_count(device)):
+        launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
+                                          table, batch, heads, kv_heads, head_dim, layer, layers,
+                                          block_tokens, max_blocks, scale=scale, stream=stream)
+        return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
                                     batch, heads, kv_heads, head_dim, layer, layers, block_tokens,

@@ -16,12 +16,14 @@ from gpu_worker.kernels.sampling import SAMPLE, launch_sample
 from gpu_worker.kernels.selfcheck import Case, KernelHarness
 from gpu_worker.kernels.selfcheck.paged import (
     APPEND,
+    CLUSTER,
     COMBINE,
     DECODE,
     PAGED_CASES,
     PREFILL,
     kv_append_paged_case,
     paged_decode_case,
+    paged_decode_cluster_case,
     paged_prefill_case,
     sample_case,
 )
@@ -75,6 +77,15 @@ MODEL_CASES: list[Case] = [
                                      "replay_positions": [[4] * 8, [8191] * 8, _B8,
                                                           [300, -1, 2, 9, 8000, 1, 511, 77]]},
          COMBINE),
+    # the one-kernel decode at Llama-3-8B shapes: batch 1 at 8192 / 4097 / 1 keys, batch 2 with
+    # a padding row, head_dim 64, and a captured graph replayed at other lengths
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [8191]}),
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [4096], "block_tokens": 64}),
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [0, -1]}),
+    Case(CLUSTER, paged_decode_cluster_case, {"heads": 32, "kv_heads": 8, "head_dim": 64,
+                                              "positions": [2999, 130]}),
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [5000],
+                                              "replay_positions": [[17], [8000], [-1], [128]]}),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 0, "chunk_len": 2048,
                                        "block_tokens": 16, "rows": 64}),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 512, "start": 1536, "chunk_len": 512,

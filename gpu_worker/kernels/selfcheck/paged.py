@@ -13,10 +13,12 @@ import numpy as np
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
+    FLASH_DECODE_PAGED_CLUSTER,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
     launch_flash_decode_paged,
+    launch_flash_decode_paged_cluster,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
     paged_decode_span,
@@ -132,6 +134,52 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
 
 
+def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
+                              block_tokens=16, layers=2, layer=1, replay_positions=None) -> Outcome:
+    """The one-kernel paged decode (gp_flash_decode_paged_cluster) against the oracle: rows at
+    per-row positions (-1 rows zero), each split over the cluster's CTAs by its actual length.
+    With `replay_positions` the launch is captured once and replayed after each change of the
+    device positions (the split is read from them on the device, never baked into the graph)."""
+    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
+    batch = steps[0].size
+    need = max(int(s.max()) for s in steps) + 1
+    max_blocks = -(-need // block_tokens) + 1
+    capacity = max(4, min(batch * max_blocks, 4096))
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = _tables(rng, batch, max_blocks, capacity)
+    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
+    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
+    pos, qp, pp, tp = h.put(steps[0]), h.put(q), h.put(pool), h.put(table)
+    dev, fn = h.device, h.function(FLASH_DECODE_PAGED_CLUSTER)
+
+    def launch(stream=None) -> None:
+        launch_flash_decode_paged_cluster(dev, fn, out, qp, pp, pos, tp, batch, heads, kv_heads,
+                                          head_dim, layer, layers, block_tokens, max_blocks,
+                                          stream=stream)
+
+    def run(step) -> tuple[np.ndarray, np.ndarray]:
+        got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)
+        return got, flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+
+    if replay_positions is None:
+        launch()
+        return Outcome(*run(steps[0]), RTOL, ATOL)
+    with dev.capture() as cap:
+        launch(cap.stream)
+    got, wanted = [], []
+    try:
+        for step in steps:
+            dev.to_device(pos, step)
+            dev.replay(cap.graph_exec)
+            g, w = run(step)
+            got.append(g)
+            wanted.append(w)
+    finally:
+        dev.synchronize()
+        dev.destroy_graph_exec(cap.graph_exec)
+    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
+
+
 def paged_prefill_case(h: KernelHarness, rng, tokens, heads, kv_heads, head_dim, start,
                        chunk_len, block_tokens=16, layers=2, layer=1, max_blocks=None,
                        rows=None) -> Outcome:
@@ -199,6 +247,7 @@ def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
 
 APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
 COMBINE = ("flash_combine_paged",)
+CLUSTER = "flash_decode_paged_cluster"
 
 # (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
 # a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
@@ -229,6 +278,14 @@ PAGED_CASES: list[Case] = [
        span=16),
     _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
        span=16, replay_positions=[[21, -1], [90, 6], [3, 70]]),
+    # the one-kernel decode: lengths 1, a tile, a tile + 1, under and over 8 tiles (CTAs with no
+    # key), a padding row, GQA groups of 4 and 6 (two head blocks), a captured graph replayed
+    _c(CLUSTER, paged_decode_cluster_case, heads=8, kv_heads=2, head_dim=128,
+       positions=[0, 15, 16, -1, 300]),
+    _c(CLUSTER, paged_decode_cluster_case, heads=12, kv_heads=2, head_dim=64,
+       positions=[1000, 127, 129], block_tokens=32),
+    _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
+       replay_positions=[[-1], [700], [3]]),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

@@ -99,6 +99,32 @@ def _flash_combine_paged(mem, grid, block, args) -> None:
         o[:] = reference.attention_combine_f16(np.array(part)).reshape(-1)
 
 
+@register_sim_kernel("gp_flash_decode_paged_cluster")
+def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
+    """The whole decode in one kernel: each row over its actual keys, split into the cluster's
+    grid[0] parts (as the CUDA kernel's CTAs), merged like the combine; a row with no key is
+    zeros."""
+    (out, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+     block_tokens, max_blocks, scale) = _vals(args)
+    ctas = grid[0]
+    pos = _arr(mem, positions, batch, np.int32)
+    tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
+    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
+        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
+        n = int(nkeys)
+        if n == 0:
+            o[:] = 0
+            continue
+        kb, vb = p.gather(tab[b], layer, n)
+        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        per = -(-n // ctas)                 # keys a CTA, rounded up to whole 16-key tiles
+        span = -(-per // 16) * 16
+        parts = [reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
+                 for j0 in range(0, n, span)]
+        o[:] = reference.attention_combine_f16(np.array(parts)).reshape(-1)
+
+
 @register_sim_kernel("gp_flash_prefill_paged")
 def _flash_prefill_paged(mem, grid, block, args) -> None:
     (out, q, pool, start, chunk_len, table, tokens, heads, kv_heads, head_dim, layer, layers,
