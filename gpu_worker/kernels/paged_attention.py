@@ -193,12 +193,14 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
 
 def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: int) -> bool:
     """Whether the paged decode runs as one kernel of clusters (gp_flash_decode_paged_cluster):
-    where every cluster of the batch is resident at once (one CTA of CLUSTER_DECODE_THREADS an
-    SM: batch * kv_heads * head blocks * CLUSTER_DECODE_CTAS <= the SMs; Llama-3-8B on an H100:
-    batch 1 and 2) at head_dim 64 or 128. A function of the graph's shape only."""
+    where its CTAs (one of CLUSTER_DECODE_THREADS an SM, CLUSTER_DECODE_CTAS a (row, KV head,
+    head block)) take at most half the SMs, at head_dim 64 or 128. Measured (docs/kernels.md,
+    "One-kernel decode at batch 1"): Llama-3-8B's batch 1 (64 CTAs) is up to 11 % faster than
+    the split and combine kernels, batch 2 (128 CTAs, every one resident) slower at every
+    length. A function of the graph's shape only."""
     blocks = batch * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
     return (head_dim in CLUSTER_DECODE_HEAD_DIMS and batch >= 1
-            and blocks * CLUSTER_DECODE_CTAS <= sms)
+            and 2 * blocks * CLUSTER_DECODE_CTAS <= sms)
 
 
 def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: int,

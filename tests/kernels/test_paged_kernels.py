@@ -220,3 +220,21 @@ def test_sampling_a_row_does_not_depend_on_the_rest_of_the_batch() -> None:
     for r in range(6):
         alone = reference.sample(logits[r:r + 1], *(a[r:r + 1] for a in args))
         assert alone[0] == whole[r]
+
+
+def test_the_one_kernel_decode_takes_a_batch_whose_ctas_fill_at_most_half_the_sms() -> None:
+    """cluster_decode: Llama-3-8B's batch 1 (64 CTAs of 512 threads) on a 132-SM part runs the
+    cluster decode; batch 2 (128 CTAs, measured slower), head_dim 16 (no tensor-core block) and
+    a part with fewer than 128 SMs do not. A shape rule: the batch and the device only."""
+    assert pa.cluster_decode(1, 32, 8, 128, 132) and pa.cluster_decode(1, 32, 8, 64, 132)
+    assert not pa.cluster_decode(2, 32, 8, 128, 132), "batch 2: 128 CTAs, slower than split"
+    assert not pa.cluster_decode(1, 32, 8, 16, 132), "head_dim 16: the lane-group block only"
+    assert not pa.cluster_decode(1, 32, 8, 128, 127), "64 CTAs on fewer than 128 SMs"
+    assert pa.cluster_decode(1, 12, 2, 64, 132), "GQA of 6: two head blocks a KV head, 32 CTAs"
+
+
+def test_the_one_kernel_decode_keeps_one_block_of_512_threads_an_sm(paged_log) -> None:
+    section = paged_log.split("Compiling entry function 'gp_flash_decode_paged_cluster'")[1] \
+        .split("Compile time")[0]
+    used = int(re.search(r"Used (\d+) registers", section).group(1))
+    assert used <= 128, f"{used} registers: 512 threads no longer fit an SM"
