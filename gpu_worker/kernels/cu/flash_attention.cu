@@ -39,10 +39,9 @@ gp_flash_decode_split_f16(float* __restrict__ ws, const unsigned short* __restri
                           int batch, int heads, int kv_heads, int head_dim, int q_row_stride,
                           int kv_row_stride, long long kv_batch_stride, int len_add, int max_len,
                           int span, float scale) {
-    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
-    const int hk = blockIdx.x / hgroups, hg = blockIdx.x % hgroups;
+    const gp_head_block hb = gp_decode_heads(blockIdx.x, heads, kv_heads);
+    const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
     const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
-    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
     const int nkeys = max(0, min(lens[b] + len_add, max_len));
     const int j0 = min(sp * span, nkeys), j1 = min(j0 + span, nkeys);
     const long long kv_off = (long long)b * kv_batch_stride + (long long)hk * head_dim;

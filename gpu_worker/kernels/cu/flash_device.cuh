@@ -21,6 +21,17 @@
 // largest at head_dim 16 (64 groups)
 #define GP_FD_SMEM (64 * GP_FD_HPB * 2 + GP_FD_THREADS * 8 * GP_FD_HPB)
 
+// The query heads one decode block serves: head block `index` (a grid coordinate) is KV head hk's
+// head group hg, query heads h0 .. h0 + nh - 1 (up to GP_FD_HPB of the KV head's group).
+struct gp_head_block {
+    int hk, h0, nh;
+};
+__device__ __forceinline__ gp_head_block gp_decode_heads(int index, int heads, int kv_heads) {
+    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
+    const int hk = index / hgroups, hg = index % hgroups;
+    return {hk, hk * group + hg * GP_FD_HPB, min(GP_FD_HPB, group - hg * GP_FD_HPB)};
+}
+
 __device__ __forceinline__ unsigned gp_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

@@ -66,9 +66,8 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
     const int j0 = sp * span;
     if (j0 >= nkeys) return;  // past the row's length (a padding row has no split at all)
     const int j1 = min(j0 + span, nkeys);
-    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
-    const int hk = blockIdx.x / hgroups, hg = blockIdx.x % hgroups;
-    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
+    const gp_head_block hb = gp_decode_heads(blockIdx.x, heads, kv_heads);
+    const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
     const int* trow = table + (long long)b * max_blocks;
     const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
     const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
@@ -145,12 +144,10 @@ __shared__ float gp_fdc_state[GP_FD_HPB * (128 + 2)];   // a CTA's state: max, s
 __device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, int heads,
                                            int kv_heads, int head_dim) {
     const int2 cl = gp_cluster_rank_size();
-    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
-    const int hk = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
-    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
-    unsigned short* o = out + ((long long)blockIdx.z * heads + h0) * head_dim;
-    if (head_dim == 128) gp_fdc_merge<128>(o, gp_fdc_state, nh, cl.x, cl.y);
-    else gp_fdc_merge<64>(o, gp_fdc_state, nh, cl.x, cl.y);
+    const gp_head_block hb = gp_decode_heads(blockIdx.y, heads, kv_heads);
+    unsigned short* o = out + ((long long)blockIdx.z * heads + hb.h0) * head_dim;
+    if (head_dim == 128) gp_fdc_merge<128>(o, gp_fdc_state, hb.nh, cl.x, cl.y);
+    else gp_fdc_merge<64>(o, gp_fdc_state, hb.nh, cl.x, cl.y);
 }
 
 // grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= 8;
@@ -167,9 +164,8 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
     const int span = ((nkeys + S - 1) / S + 15) / 16 * 16;
     const int j0 = min(rank * span, nkeys), j1 = min(j0 + span, nkeys);
-    const int group = heads / kv_heads, hgroups = (group + GP_FD_HPB - 1) / GP_FD_HPB;
-    const int hk = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
-    const int h0 = hk * group + hg * GP_FD_HPB, nh = min(GP_FD_HPB, group - hg * GP_FD_HPB);
+    const gp_head_block hb = gp_decode_heads(blockIdx.y, heads, kv_heads);
+    const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
     const int* trow = table + (long long)b * max_blocks;
     const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
     const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);

@@ -69,6 +69,25 @@ def kv_append_paged_case(h: KernelHarness, rng, positions, table_rows, layers=2,
     return Outcome(h.get(pp, pool.shape, H).astype(np.float32), want.astype(np.float32), 0, 0)
 
 
+def _replayed(dev, launch, steps, before, result) -> Outcome:
+    """`launch` captured once, then per step: `before(step)` (the device inputs), a replay, and
+    `result(step)` -> (got, want); the outcome stacks every step's."""
+    with dev.capture() as cap:
+        launch(cap.stream)
+    got, wanted = [], []
+    try:
+        for step in steps:
+            before(step)
+            dev.replay(cap.graph_exec)
+            g, w = result(step)
+            got.append(g)
+            wanted.append(w)
+    finally:
+        dev.synchronize()
+        dev.destroy_graph_exec(cap.graph_exec)
+    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
+
+
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
                       span=None, replay_positions=None) -> Outcome:
@@ -118,20 +137,11 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
                               np.where(ran, gp, np.isnan(gp)).reshape(-1)])
         wanted = np.concatenate([want(steps[0]).reshape(-1), np.where(ran, wp, 1.0).reshape(-1)])
         return Outcome(got.astype(np.float32), wanted.astype(np.float32), RTOL, ATOL)
-    with dev.capture() as cap:
-        launch(cap.stream)
-    got, wanted = [], []
-    try:
-        for step in steps:
-            dev.to_device(pos, step)
-            dev.to_device(ws, nan_ws)   # stale slots from a longer step would hide a bad read
-            dev.replay(cap.graph_exec)
-            got.append(got_out())
-            wanted.append(want(step))
-    finally:
-        dev.synchronize()
-        dev.destroy_graph_exec(cap.graph_exec)
-    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
+    def before(step) -> None:
+        dev.to_device(pos, step)
+        dev.to_device(ws, nan_ws)   # stale slots from a longer step would hide a bad read
+
+    return _replayed(dev, launch, steps, before, lambda step: (got_out(), want(step)))
 
 
 def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
@@ -164,20 +174,7 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
     if replay_positions is None:
         launch()
         return Outcome(*run(steps[0]), RTOL, ATOL)
-    with dev.capture() as cap:
-        launch(cap.stream)
-    got, wanted = [], []
-    try:
-        for step in steps:
-            dev.to_device(pos, step)
-            dev.replay(cap.graph_exec)
-            g, w = run(step)
-            got.append(g)
-            wanted.append(w)
-    finally:
-        dev.synchronize()
-        dev.destroy_graph_exec(cap.graph_exec)
-    return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
+    return _replayed(dev, launch, steps, lambda step: dev.to_device(pos, step), run)
 
 
 def paged_prefill_case(h: KernelHarness, rng, tokens, heads, kv_heads, head_dim, start,
