@@ -22,6 +22,12 @@ valid as rows grow); a split block past its row's length exits before reading an
 combine (gp_flash_combine_paged) reads only the splits that ran, so a stale slot is never merged.
 A row with no key (a padding row) comes out zero. What the empty blocks of short rows cost
 (the grid is sized for the longest) is measured in docs/kernels.md.
+
+Where the batch is small (cluster_decode: Llama-3-8B at batch 1), the decode is one kernel
+instead (gp_flash_decode_paged_cluster): a cluster of CLUSTER_DECODE_CTAS CTAs splits each row's
+actual keys and merges the parts through distributed shared memory, so there is no workspace
+and no hand-over from the split kernel to the combine (docs/kernels.md, "One-kernel decode at
+batch 1").
 """
 from __future__ import annotations
 
