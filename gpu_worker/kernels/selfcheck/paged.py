@@ -14,13 +14,17 @@ from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_PAGED_CLUSTER,
+    FLASH_DECODE_PAGED_FUSED,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
     launch_flash_decode_paged,
     launch_flash_decode_paged_cluster,
+    launch_flash_decode_paged_fused,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
+    fused_decode_arrivals,
+    fused_decode_workspace_bytes,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
@@ -177,6 +181,51 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
     return _replayed(dev, launch, steps, lambda step: dev.to_device(pos, step), run)
 
 
+def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
+                            block_tokens=16, layers=2, layer=1, span=None,
+                            replay_positions=None) -> Outcome:
+    """The fused paged decode (gp_flash_decode_paged) against the oracle: rows at per-row
+    positions (-1 rows zero), split by their actual lengths, the splits merged in clusters and
+    the clusters' records by the last CTA to arrive. The records start as NaN (the final merge
+    must read only the records written in this launch) and the arrival counters as zero; they
+    are compared too: every launch must leave them zero. With `replay_positions` the launch is
+    captured once and replayed after each change of the device positions."""
+    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
+    batch = steps[0].size
+    need = max(int(s.max()) for s in steps) + 1
+    max_blocks = -(-need // block_tokens) + 1
+    capacity = max(4, min(batch * max_blocks, 4096))
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
+    splits = paged_decode_splits(max_blocks, block_tokens, span)
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = _tables(rng, batch, max_blocks, capacity)
+    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
+    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
+    shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, splits=splits)
+    offset, counters = fused_decode_arrivals(**shapes)
+    ws_init = np.full(fused_decode_workspace_bytes(**shapes) // 4, np.nan, np.float32)
+    ws_init[offset // 4:] = 0
+    ws = h.put(ws_init)
+    pos, qp, pp, tp = h.put(steps[0]), h.put(q), h.put(pool), h.put(table)
+    dev, fn = h.device, h.function(FLASH_DECODE_PAGED_FUSED)
+
+    def launch(stream=None) -> None:
+        launch_flash_decode_paged_fused(dev, fn, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
+                                        head_dim, layer, layers, block_tokens, max_blocks,
+                                        span=span, stream=stream)
+
+    def run(step) -> tuple[np.ndarray, np.ndarray]:
+        got = h.get(out, (batch, heads * head_dim), H).astype(np.float32).reshape(-1)
+        arrivals = h.get(ws + offset, (counters,), np.uint32).astype(np.float32)
+        want = flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+        return np.concatenate([got, arrivals]), np.concatenate([want.reshape(-1), np.zeros(counters)])
+
+    if replay_positions is None:
+        launch()
+        return Outcome(*run(steps[0]), RTOL, ATOL)
+    return _replayed(dev, launch, steps, lambda step: dev.to_device(pos, step), run)
+
+
 def paged_prefill_case(h: KernelHarness, rng, tokens, heads, kv_heads, head_dim, start,
                        chunk_len, block_tokens=16, layers=2, layer=1, max_blocks=None,
                        rows=None) -> Outcome:
@@ -245,6 +294,7 @@ def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
 APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
 COMBINE = ("flash_combine_paged",)
 CLUSTER = "flash_decode_paged_cluster"
+FUSED = "flash_decode_paged_fused"
 
 # (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
 # a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
@@ -283,6 +333,16 @@ PAGED_CASES: list[Case] = [
        positions=[1000, 127, 129], block_tokens=32),
     _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
        replay_positions=[[-1], [700], [3]]),
+    # the fused decode: spans of 16 / 32 keys so rows take 1 to 8 clusters' records (lengths 1,
+    # a tile, a tile + 1, 300, 1000), a padding row, GQA groups of 4 and 6 (two head blocks),
+    # fewer splits than a cluster, a captured graph replayed over lengths of 1 to 8 records
+    _c(FUSED, paged_decode_fused_case, heads=8, kv_heads=2, head_dim=128,
+       positions=[0, 15, 16, -1, 299, 999], span=16),
+    _c(FUSED, paged_decode_fused_case, heads=12, kv_heads=2, head_dim=64,
+       positions=[1000, 127, 129], block_tokens=32, span=32),
+    _c(FUSED, paged_decode_fused_case, heads=4, kv_heads=1, head_dim=128, positions=[40, 5]),
+    _c(FUSED, paged_decode_fused_case, heads=4, kv_heads=1, head_dim=64, positions=[40], span=16,
+       replay_positions=[[-1], [700], [3], [1023]]),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

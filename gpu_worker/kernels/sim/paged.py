@@ -125,6 +125,35 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
         o[:] = reference.attention_combine_f16(np.array(parts)).reshape(-1)
 
 
+@register_sim_kernel("gp_flash_decode_paged")
+def _flash_decode_paged_fused(mem, grid, block, args) -> None:
+    """The fused decode: each row's splits of `span` keys that hold a key, merged in clusters of
+    grid[0] / records consecutive splits, then (a row of more than one cluster) the clusters'
+    merged states merged in order; a row with no key is zeros. Leaves the arrival counters (the
+    CUDA kernel's, zero before and after) untouched."""
+    (out, ws, arrivals, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+     block_tokens, max_blocks, span, scale) = _vals(args)
+    from gpu_worker.kernels.paged_attention import fused_decode_cluster, paged_decode_splits
+    ctas = fused_decode_cluster(paged_decode_splits(max_blocks, block_tokens, span))
+    pos = _arr(mem, positions, batch, np.int32)
+    tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
+    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
+        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
+        n = int(nkeys)
+        if n == 0:
+            o[:] = 0
+            continue
+        kb, vb = p.gather(tab[b], layer, n)
+        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        parts = np.array([reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
+                          for j0 in range(0, n, span)])
+        if len(parts) > ctas:
+            parts = np.array([reference.attention_merge(parts[c:c + ctas])
+                              for c in range(0, len(parts), ctas)])
+        o[:] = reference.attention_combine_f16(parts).reshape(-1)
+
+
 @register_sim_kernel("gp_flash_prefill_paged")
 def _flash_prefill_paged(mem, grid, block, args) -> None:
     (out, q, pool, start, chunk_len, table, tokens, heads, kv_heads, head_dim, layer, layers,
