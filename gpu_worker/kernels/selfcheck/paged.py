@@ -18,13 +18,13 @@ from gpu_worker.kernels.paged_attention import (
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
+    fused_decode_arrivals,
+    fused_decode_workspace_bytes,
     launch_flash_decode_paged,
     launch_flash_decode_paged_cluster,
     launch_flash_decode_paged_fused,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
-    fused_decode_arrivals,
-    fused_decode_workspace_bytes,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
@@ -201,7 +201,8 @@ def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, po
     table = _tables(rng, batch, max_blocks, capacity)
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
     out = h.put(np.full((batch, heads * head_dim), np.nan, H))
-    shapes = dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, splits=splits)
+    shapes = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+              "splits": splits}
     offset, counters = fused_decode_arrivals(**shapes)
     ws_init = np.full(fused_decode_workspace_bytes(**shapes) // 4, np.nan, np.float32)
     ws_init[offset // 4:] = 0

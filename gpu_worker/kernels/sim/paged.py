@@ -131,7 +131,7 @@ def _flash_decode_paged_fused(mem, grid, block, args) -> None:
     grid[0] / records consecutive splits, then (a row of more than one cluster) the clusters'
     merged states merged in order; a row with no key is zeros. Leaves the arrival counters (the
     CUDA kernel's, zero before and after) untouched."""
-    (out, ws, arrivals, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+    (out, _ws, _arrivals, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
      block_tokens, max_blocks, span, scale) = _vals(args)
     from gpu_worker.kernels.paged_attention import fused_decode_cluster, paged_decode_splits
     ctas = fused_decode_cluster(paged_decode_splits(max_blocks, block_tokens, span))
