@@ -182,8 +182,8 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
 
 
 def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
-                            block_tokens=16, layers=2, layer=1, span=None,
-                            replay_positions=None) -> Outcome:
+                            block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
+                            span=None, replay_positions=None) -> Outcome:
     """The fused paged decode (gp_flash_decode_paged) against the oracle: rows at per-row
     positions (-1 rows zero), split by their actual lengths, the splits merged in clusters and
     the clusters' records by the last CTA to arrive. The records start as NaN (the final merge
@@ -193,8 +193,8 @@ def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, po
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
-    max_blocks = -(-need // block_tokens) + 1
-    capacity = max(4, min(batch * max_blocks, 4096))
+    max_blocks = max_blocks or -(-need // block_tokens) + 1
+    capacity = capacity or max(4, min(batch * max_blocks, 4096))
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     splits = paged_decode_splits(max_blocks, block_tokens, span)
     pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
