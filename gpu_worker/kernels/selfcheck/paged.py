@@ -8,6 +8,8 @@ exactly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
@@ -92,6 +94,42 @@ def _replayed(dev, launch, steps, before, result) -> Outcome:
     return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
 
 
+@dataclass
+class _DecodeInputs:
+    """A decode case's shapes, host arrays and device pointers: `steps` are the positions of the
+    first launch and of each replay; out starts as NaN."""
+    steps: list[np.ndarray]
+    batch: int
+    max_blocks: int
+    span: int
+    splits: int
+    pool: np.ndarray
+    table: np.ndarray
+    q: np.ndarray
+    out: int
+    pos: int
+    qp: int
+    pp: int
+    tp: int
+
+
+def _decode_inputs(h: KernelHarness, rng, heads, kv_heads, head_dim, positions, replay_positions,
+                   block_tokens, layers, max_blocks=None, capacity=None, span=None) -> _DecodeInputs:
+    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
+    batch = steps[0].size
+    need = max(int(s.max()) for s in steps) + 1
+    max_blocks = max_blocks or -(-need // block_tokens) + 1
+    capacity = capacity or max(4, min(batch * max_blocks, 4096))
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = _tables(rng, batch, max_blocks, capacity)
+    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
+    return _DecodeInputs(steps, batch, max_blocks, span,
+                         paged_decode_splits(max_blocks, block_tokens, span), pool, table, q,
+                         h.put(np.full((batch, heads * head_dim), np.nan, H)), h.put(steps[0]),
+                         h.put(q), h.put(pool), h.put(table))
+
+
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
                       span=None, replay_positions=None) -> Outcome:
@@ -101,22 +139,13 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     other slot must still be NaN (a block past its row's length wrote nothing) and the output
     shows the combine read no such slot. With `replay_positions`, the launches are captured once
     and replayed after each change of the device positions (the graph must not bake them)."""
-    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
-    batch = steps[0].size
-    need = max(int(s.max()) for s in steps) + 1
-    max_blocks = max_blocks or -(-need // block_tokens) + 1
-    capacity = capacity or max(4, min(batch * max_blocks, 4096))
-    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
-    splits = paged_decode_splits(max_blocks, block_tokens, span)
-    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
-    table = _tables(rng, batch, max_blocks, capacity)
-    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
-    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
+    d = _decode_inputs(h, rng, heads, kv_heads, head_dim, positions, replay_positions,
+                       block_tokens, layers, max_blocks, capacity, span)
+    steps, batch, max_blocks, span, splits = d.steps, d.batch, d.max_blocks, d.span, d.splits
+    pool, table, q, out, pos, qp, pp, tp = d.pool, d.table, d.q, d.out, d.pos, d.qp, d.pp, d.tp
     ws_bytes = paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
     nan_ws = np.full(ws_bytes // 4, np.nan, np.float32)
     ws = h.put(nan_ws)
-    pos = h.put(steps[0])
-    qp, pp, tp = h.put(q), h.put(pool), h.put(table)
     dev = h.device
     fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
@@ -190,35 +219,26 @@ def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, po
     must read only the records written in this launch) and the arrival counters as zero; they
     are compared too: every launch must leave them zero. With `replay_positions` the launch is
     captured once and replayed after each change of the device positions."""
-    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
-    batch = steps[0].size
-    need = max(int(s.max()) for s in steps) + 1
-    max_blocks = max_blocks or -(-need // block_tokens) + 1
-    capacity = capacity or max(4, min(batch * max_blocks, 4096))
-    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
-    splits = paged_decode_splits(max_blocks, block_tokens, span)
-    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
-    table = _tables(rng, batch, max_blocks, capacity)
-    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
-    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
+    d = _decode_inputs(h, rng, heads, kv_heads, head_dim, positions, replay_positions,
+                       block_tokens, layers, max_blocks, capacity, span)
+    steps, batch, max_blocks, span, out, pos = d.steps, d.batch, d.max_blocks, d.span, d.out, d.pos
     shapes = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-              "splits": splits}
+              "splits": d.splits}
     offset, counters = fused_decode_arrivals(**shapes)
     ws_init = np.full(fused_decode_workspace_bytes(**shapes) // 4, np.nan, np.float32)
     ws_init[offset // 4:] = 0
     ws = h.put(ws_init)
-    pos, qp, pp, tp = h.put(steps[0]), h.put(q), h.put(pool), h.put(table)
     dev, fn = h.device, h.function(FLASH_DECODE_PAGED_FUSED)
 
     def launch(stream=None) -> None:
-        launch_flash_decode_paged_fused(dev, fn, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
-                                        head_dim, layer, layers, block_tokens, max_blocks,
-                                        span=span, stream=stream)
+        launch_flash_decode_paged_fused(dev, fn, out, ws, d.qp, d.pp, pos, d.tp, batch, heads,
+                                        kv_heads, head_dim, layer, layers, block_tokens,
+                                        max_blocks, span=span, stream=stream)
 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32).reshape(-1)
         arrivals = h.get(ws + offset, (counters,), np.uint32).astype(np.float32)
-        want = flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+        want = flash_decode_paged(d.q, d.pool, step, d.table, layer, heads).astype(np.float32)
         return np.concatenate([got, arrivals]), np.concatenate([want.reshape(-1), np.zeros(counters)])
 
     if replay_positions is None:
