@@ -10,11 +10,9 @@ as such).
 
 1. batch 1/8/32/64 x ctx 1024/8192 as the decode graph runs it (the one-kernel cluster decode where
    paged_attention.cluster_decode holds, batch 1 here, then also the split and combine kernels,
-   its time over theirs recorded; elsewhere those at the default span), the fused decode
-   (gp_flash_decode_paged: split, cluster merge and combine in one kernel) at the same span,
-   its time over the library's recorded, and, same run, the span the old rule gave (the split
-   count from the maximum context and the batch); at batch 1 also at target_ctx(1), in a table
-   that holds it.
+   its time over theirs recorded; elsewhere those at the default span) and, same
+   run, the span the old rule gave (the split count from the maximum context and the batch);
+   at batch 1 also at target_ctx(1), in a table that holds it.
 2. the span swept (64/128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192 (batch 1: and
    target_ctx(1)).
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
@@ -57,13 +55,10 @@ from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_PAGED_CLUSTER,
-    FLASH_DECODE_PAGED_FUSED,
     MAX_DECODE_SPLITS,
     cluster_decode,
     decode_split_build,
-    fused_decode_workspace_bytes,
     launch_flash_decode_paged,
-    launch_flash_decode_paged_fused,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
@@ -140,11 +135,10 @@ class Bench:
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
                build: dict[str, int] | None = None,
                carveout: tuple[int, str] | None = None,
-               kernel: str = "two") -> tuple[float, int, np.ndarray]:
-        """(seconds per decode, KV bytes read per decode, the last decode's output); `kernel`:
-        "library", the decode as the graph runs it (the one-kernel cluster decode where
-        cluster_decode holds), "fused" the fused decode at `span`, "two" the split and combine
-        kernels at `span`; `carveout`:
+               library: bool = False) -> tuple[float, int, np.ndarray]:
+        """(seconds per decode, KV bytes read per decode, the last decode's output); `library`:
+        the decode as the graph runs it (the one-kernel cluster decode where cluster_decode
+        holds), else the split and combine kernels at `span`; `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
         while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
@@ -163,18 +157,12 @@ class Bench:
         q = h.put(np.resize(self.noise, batch * HEADS * HD))
         out = h.put(np.zeros(batch * HEADS * HD, np.float16))
         splits = paged_decode_splits(max_blocks, BT, span)
-        ws_bytes = (fused_decode_workspace_bytes if kernel == "fused" else paged_decode_workspace_bytes)(
-            batch=batch, heads=HEADS, kv_heads=KVH, head_dim=HD, splits=splits)
-        ws = h.put(np.zeros(ws_bytes // 4, np.float32))   # zeroed: the fused decode's counters
+        ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
+                                                         splits=splits) // 4, np.float32))
         fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
-        fcl = h.function(FLASH_DECODE_PAGED_CLUSTER) if kernel == "library" else None
-        ff = h.function(FLASH_DECODE_PAGED_FUSED)
+        fcl = h.function(FLASH_DECODE_PAGED_CLUSTER) if library else None
 
         def one(layer):
-            if kernel == "fused":
-                return lambda s: launch_flash_decode_paged_fused(
-                    dev, ff, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
-                    max_blocks, span=span, stream=s)
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
                 max_blocks, span=span, stream=s, cluster_function=fcl)
@@ -248,7 +236,6 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
     lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
     two = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "two"}
-    fused = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "fused"}
     carve = [r for r in rows if r["section"] == "carveout"]
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
@@ -264,11 +251,6 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in two:
             targets.figure(f"{name}: one kernel / split + combine time",
                            r["us"] / two[batch, ctx]["us"], "ratio")
-        if (batch, ctx) in fused:
-            targets.figure(f"{name}: fused decode / library time",
-                           fused[batch, ctx]["us"] / r["us"], "ratio")
-            targets.figure(f"{name}: fused decode, fraction of copy", fused[batch, ctx]["of_copy"],
-                           "fraction", limit=copy_gbs)
         if (batch, ctx) in lanes:
             targets.figure(f"{name}: lane-group block / tensor-core block time",
                            lanes[batch, ctx]["us"] / r["us"], "ratio")
@@ -305,11 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[tuple[int, int], np.ndarray] = {}
 
     def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None) -> dict:
-        kernel = {"new": "library", "fused": "fused"}.get(section, "two")
-        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, kernel=kernel)
+        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=section == "new")
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
-        elif (build is not None or section in ("two", "fused")) and (batch, ctx) in outputs:
+        elif (build is not None or section == "two") and (batch, ctx) in outputs:
             want = outputs[batch, ctx]
             err = np.abs(got.astype(np.float32) - want)
             if not np.all(err <= ATOL + RTOL * np.abs(want)):
@@ -333,8 +314,6 @@ def main(argv: list[str] | None = None) -> int:
             if cluster_decode(batch, HEADS, KVH, HD, sms):   # the library ran one kernel
                 two = row("two", batch, ctx, span, table)
                 print(f"{'':>6} one kernel / split + combine time {new['us'] / two['us']:.2f}")
-            fused = row("fused", batch, ctx, span, table)
-            print(f"{'':>6} fused / library time {fused['us'] / new['us']:.2f}")
             if table == TABLE and old_span(batch) != span:
                 old = row("old", batch, ctx, old_span(batch))
                 print(f"{'':>6} new/old time {new['us'] / old['us']:.2f}")

@@ -319,7 +319,7 @@ class ModelExecutor:
         # Weight slots are keyed per device; the namespace (the model id) keeps two models'
         # "embed" from colliding on one worker.
         self.weight_namespace = weight_namespace
-        self.kernels = KernelCache(device.arena, variants_per_node, zero=self._zero_workspace)
+        self.kernels = KernelCache(device.arena, variants_per_node)
         self.arenas = ClassArenas(device.arena)   # plan classes sharing one activation arena
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream),
@@ -557,12 +557,6 @@ class ModelExecutor:
         self._blas_held = False
         self.device.release_blas()
         return freed
-
-    def _zero_workspace(self, ptr: int, nbytes: int) -> None:
-        """A new workspace zeroed (outside capture: variants resolve before a plan captures) and
-        the zeros on the device before any stream's kernel reads them."""
-        self.device.memset(ptr, 0, nbytes)
-        self.device.synchronize()
 
     def shared_workspace_bytes(self) -> int:
         """Workspace bytes outside the kernel cache: the dequantization tile (the device's

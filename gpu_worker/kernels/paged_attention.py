@@ -74,8 +74,6 @@ MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one co
 CLUSTER_DECODE_CTAS = 8
 CLUSTER_DECODE_THREADS = 512
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
-# the fused decode (gp_flash_decode_paged): the most consecutive splits a cluster merges
-FUSED_DECODE_CTAS = 8
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 
@@ -239,75 +237,6 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                   stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1))
 
 
-def fused_decode_cluster(splits: int) -> int:
-    """CTAs a cluster of the fused decode (consecutive splits merged through DSMEM): the
-    portable cluster size, or the splits where there are fewer."""
-    return max(1, min(FUSED_DECODE_CTAS, splits))
-
-
-def fused_decode_records(splits: int) -> int:
-    """Workspace records a (row, query head) of the fused decode: one a cluster of splits."""
-    return ceil_div(splits, fused_decode_cluster(splits))
-
-
-def fused_decode_workspace_bytes(*, batch: int, heads: int, kv_heads: int, head_dim: int,
-                                 splits: int = 1, **_: int) -> int:
-    """The fused decode's workspace: fp32 (max, sum, acc[head_dim]) per (row, query head,
-    record), then, 16-byte aligned, one uint32 arrival counter per (row, head block). The
-    counters must be zero before the first launch (a new workspace is zeroed); every launch
-    leaves them zero."""
-    offset, counters = fused_decode_arrivals(batch=batch, heads=heads, kv_heads=kv_heads,
-                                             head_dim=head_dim, splits=splits)
-    return offset + 4 * counters
-
-
-def fused_decode_arrivals(*, batch: int, heads: int, kv_heads: int, head_dim: int,
-                          splits: int) -> tuple[int, int]:
-    """(byte offset, count) of the fused decode's arrival counters in its workspace."""
-    records = 4 * batch * heads * fused_decode_records(splits) * (head_dim + 2)
-    return ceil_div(records, 16) * 16, batch * _head_blocks(heads, kv_heads)
-
-
-def _head_blocks(heads: int, kv_heads: int) -> int:
-    """Blocks a row of the decode kernels: one a (KV head, group of DECODE_HEADS_PER_BLOCK)."""
-    return kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
-
-
-def launch_flash_decode_paged_fused(device, function, out: int, workspace: int, q: int, pool: int,
-                                    positions: int, table: int, batch: int, heads: int,
-                                    kv_heads: int, head_dim: int, layer: int, layers: int,
-                                    block_tokens: int, max_blocks: int, *, span: int,
-                                    scale: float | None = None, stream=None) -> None:
-    """The whole paged decode in one kernel: the split kernel's blocks in clusters of
-    fused_decode_cluster(splits) merged through DSMEM, and the clusters' records merged by the
-    last CTA of each (row, head block) to arrive. `workspace`: fused_decode_workspace_bytes,
-    zeroed before its first launch. head_dim 64 or 128."""
-    kernel = "flash_decode_paged_fused"
-    _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
-    require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
-            f"{kernel}: head_dim={head_dim} must be one of {CLUSTER_DECODE_HEAD_DIMS} "
-            f"(others run the split and combine kernels)")
-    splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
-    _check_decode(kernel, batch, span, splits)
-    require(workspace and workspace % 16 == 0 and positions and table,
-            f"{kernel}: needs a 16-byte aligned workspace, positions and a table")
-    for name, p in (("out", out), ("q", q), ("pool", pool)):
-        require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
-    if batch == 0:
-        return
-    cluster = fused_decode_cluster(splits)
-    offset, _ = fused_decode_arrivals(batch=batch, heads=heads, kv_heads=kv_heads,
-                                      head_dim=head_dim, splits=splits)
-    arrivals = workspace + offset
-    device.launch(function, (cluster * fused_decode_records(splits), _head_blocks(heads, kv_heads),
-                             batch), (DECODE_THREADS, 1, 1),
-                  [ptr(out), ptr(workspace), ptr(arrivals), ptr(q), ptr(pool), ptr(positions),
-                   ptr(table), i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
-                   i32(layers), i32(block_tokens), i32(max_blocks), i32(span),
-                   f32(_scale(head_dim, scale))],
-                  stream=stream, pdl=True, cluster=(cluster, 1, 1))
-
-
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
                               q: int, pool: int, positions: int, table: int, batch: int,
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
@@ -364,9 +293,6 @@ FLASH_COMBINE_PAGED = KernelDef("flash_combine_paged", "gp_flash_combine_paged",
 FLASH_DECODE_PAGED_CLUSTER = KernelDef("flash_decode_paged_cluster",
                                        "gp_flash_decode_paged_cluster", SOURCE, flash_decode_paged,
                                        launch_flash_decode_paged_cluster)
-FLASH_DECODE_PAGED_FUSED = KernelDef("flash_decode_paged_fused", "gp_flash_decode_paged", SOURCE,
-                                     flash_decode_paged, launch_flash_decode_paged_fused,
-                                     workspace=fused_decode_workspace_bytes)
 FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged", SOURCE,
                                 flash_prefill_paged, launch_flash_prefill_paged)
 
@@ -389,4 +315,4 @@ def decode_split_build(**defines: int) -> KernelDef:
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,
-           FLASH_DECODE_PAGED_CLUSTER, FLASH_DECODE_PAGED_FUSED, FLASH_PREFILL_PAGED]
+           FLASH_DECODE_PAGED_CLUSTER, FLASH_PREFILL_PAGED]

@@ -206,23 +206,13 @@ def attention_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     return out
 
 
-def attention_merge(partials: np.ndarray) -> np.ndarray:
-    """Merge partial states (splits, heads, 2 + d) into one state (heads, 2 + d): the max, the
-    sum and the unnormalised acc of all their keys (an empty state, l = 0, weighs nothing)."""
+def attention_combine(partials: np.ndarray) -> np.ndarray:
+    """Merge partial states (splits, heads, 2 + d) into the attention output (heads, d)."""
     mx = partials[:, :, 0].max(axis=0)
     safe = np.where(np.isfinite(mx), mx, 0)
     w = np.where(partials[:, :, 1] > 0, np.exp(partials[:, :, 0] - safe[None]), 0)
-    out = np.empty(partials.shape[1:], np.float32)
-    out[:, 0] = mx
-    out[:, 1] = (partials[:, :, 1] * w).sum(axis=0)
-    out[:, 2:] = (partials[:, :, 2:] * w[..., None]).sum(axis=0)
-    return out
-
-
-def attention_combine(partials: np.ndarray) -> np.ndarray:
-    """Merge partial states (splits, heads, 2 + d) into the attention output (heads, d)."""
-    merged = attention_merge(partials)
-    denom, acc = merged[:, 1], merged[:, 2:]
+    denom = (partials[:, :, 1] * w).sum(axis=0)
+    acc = (partials[:, :, 2:] * w[..., None]).sum(axis=0)
     return np.where(denom[:, None] > 0, acc / np.where(denom > 0, denom, 1)[:, None], 0).astype(np.float32)
 
 

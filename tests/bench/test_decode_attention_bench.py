@@ -127,17 +127,3 @@ def test_the_target_is_checked_where_the_kv_is_larger_than_the_l2(tmp_path):
     long = lines["paged decode batch 1, 16384 keys: fraction of copy"]
     assert long["target"] == f">= {DECODE_ATTENTION_OF_COPY:g}" and long["met"] is True
     assert t.exit_code() == 0
-
-
-def test_the_fused_decode_is_recorded_as_its_time_over_the_librarys_and_its_fraction_of_copy(tmp_path):
-    """The fused decode is timed beside the library's path at every row: its time over the
-    library's and its own fraction of copy are figures; the target stays on the library's row."""
-    ctx = dab.target_ctx(1)
-    rows = [row("new", 1, ctx, 36.7, 0.61, table=ctx), row("fused", 1, ctx, 28.0, 0.8, table=ctx)]
-    t, lines = recorded(tmp_path, rows)
-    ratio = lines[f"paged decode batch 1, {ctx} keys: fused decode / library time"]
-    assert abs(ratio["value"] - 28.0 / 36.7) < 1e-9 and ratio["unit"] == "ratio"
-    frac = lines[f"paged decode batch 1, {ctx} keys: fused decode, fraction of copy"]
-    assert (frac["value"], frac["limit"], frac["target"]) == (0.8, 4250.0, None)
-    assert lines[f"paged decode batch 1, {ctx} keys: fraction of copy"]["met"] is False
-    assert t.exit_code() == 1, "the library's row carries the target"

@@ -151,16 +151,3 @@ def test_evicting_a_variant_without_workspaces_leaves_the_graphs_that_baked_it()
     cache.resolve("wqkv", ((9, 64),), lambda: VariantSpec("fn"))
     assert v.evicted and cache.stats()["evictions"] == 1
     assert ("reset", id(holder)) not in log, "a graph was reset though nothing it baked was freed"
-
-
-def test_a_new_workspace_is_zeroed_once_before_its_variant_is_returned():
-    """The fused decode keeps arrival counters in its workspace that must start at zero: the
-    cache zeroes every new workspace (each once, at allocation), and a hit zeroes nothing."""
-    log: list = []
-    arena = RecordingArena(log)
-    cache = KernelCache(arena, variants_per_node=4, zero=lambda p, n: log.append(("zero", p, n)))
-    first = cache.resolve("attn", ((1,),), lambda: VariantSpec("fn", {"a": 10, "b": 24}))
-    cache.resolve("attn", ((1,),), lambda: VariantSpec("fn", {"a": 10, "b": 24}))
-    ptrs = {name: a.ptr for name, a in first.workspaces.items()}
-    assert log == [("alloc", ptrs["a"], "workspace"), ("zero", ptrs["a"], 10),
-                   ("alloc", ptrs["b"], "workspace"), ("zero", ptrs["b"], 24)]

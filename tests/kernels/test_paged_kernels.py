@@ -15,12 +15,7 @@ from gpu_worker.device import open_device
 from gpu_worker.kernels import paged_attention as pa
 from gpu_worker.kernels import reference, sampling
 from gpu_worker.kernels.selfcheck import KernelHarness
-from gpu_worker.kernels.selfcheck.paged import (
-    PAGED_CASES,
-    paged_decode_case,
-    paged_decode_fused_case,
-    paged_prefill_case,
-)
+from gpu_worker.kernels.selfcheck.paged import PAGED_CASES, paged_decode_case, paged_prefill_case
 from services.common.errors import InvalidArgument
 
 
@@ -53,11 +48,10 @@ def test_sim_paged_kernel_matches_its_numpy_reference(harness, case) -> None:
 
 def test_paged_entries_compile_without_spills_within_the_flash_register_budgets(paged_log) -> None:
     """Prefill <= 168 registers (3 blocks of 4 warps per SM), decode <= 128 (4 blocks): the
-    paged addresser must not cost the flash kernels their occupancy (nor its final merge the
-    fused decode its split kernel's); the combine (its split states staged in shared memory, not
-    registers) <= 32, 16 blocks of 4 warps per SM at batch 64."""
+    paged addresser must not cost the flash kernels their occupancy; the combine (its split
+    states staged in shared memory, not registers) <= 32, 16 blocks of 4 warps per SM at
+    batch 64."""
     for entry, budget in (("gp_flash_prefill_paged", 168), ("gp_flash_decode_split_paged", 128),
-                          ("gp_flash_decode_paged", 128),
                           ("gp_kv_append_paged", 255), ("gp_flash_combine_paged", 32)):
         section = paged_log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
         assert "0 bytes spill stores, 0 bytes spill loads" in section, f"{entry} spills:\n{section}"
@@ -244,52 +238,3 @@ def test_the_one_kernel_decode_keeps_one_block_of_512_threads_an_sm(paged_log) -
         .split("Compile time")[0]
     used = int(re.search(r"Used (\d+) registers", section).group(1))
     assert used <= 128, f"{used} registers: 512 threads no longer fit an SM"
-
-
-def test_the_fused_decode_workspace_holds_a_record_per_cluster_then_the_counters() -> None:
-    """A (row, query head) keeps one record (max, sum, acc[d]) a cluster of up to 8 splits;
-    the counters (one uint32 a row and head block) follow, 16-byte aligned."""
-    assert [pa.fused_decode_cluster(s) for s in (1, 5, 8, 9, 128)] == [1, 5, 8, 8, 8]
-    assert [pa.fused_decode_records(s) for s in (1, 5, 8, 9, 128)] == [1, 1, 1, 2, 16]
-    shapes = {"batch": 3, "heads": 32, "kv_heads": 8, "head_dim": 128, "splits": 65}
-    offset, counters = pa.fused_decode_arrivals(**shapes)
-    assert offset == 4 * 3 * 32 * 9 * 130 and offset % 16 == 0 and counters == 3 * 8
-    assert pa.fused_decode_workspace_bytes(**shapes) == offset + 4 * counters
-    gqa6 = {**shapes, "heads": 12, "kv_heads": 2, "head_dim": 64, "splits": 3}
-    offset, counters = pa.fused_decode_arrivals(**gqa6)
-    assert offset == -(-4 * 3 * 12 * 66 // 16) * 16 and counters == 3 * 2 * 2, "2 head blocks a KV head"
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"head_dim": 16}, "head_dim"),
-    ({"span": 24}, "span"),
-    ({"workspace": 264}, "16-byte aligned workspace"),
-])
-def test_fused_decode_launcher_refuses_bad_shapes_before_the_device(harness, kwargs, match) -> None:
-    args = {"workspace": 256, "batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 64, "layer": 0,
-            "layers": 2, "block_tokens": 16, "max_blocks": 4, "span": 16, **kwargs}
-    with pytest.raises(InvalidArgument, match=match):
-        pa.launch_flash_decode_paged_fused(harness.device, None, 256, q=256, pool=256,
-                                           positions=256, table=256, **args)
-
-
-def test_a_fused_decode_that_leaves_an_arrival_counter_set_is_caught(monkeypatch, tmp_path) -> None:
-    """Negative control: a fused decode whose last CTA forgets to put its counter back to zero
-    (the next launch would merge too early) fails the case, though its output is right."""
-    from gpu_worker.device import sim_kernels
-
-    real = sim_kernels.lookup_sim_kernel("gp_flash_decode_paged")
-
-    def leaves_a_count(mem, grid, block, args) -> None:
-        real(mem, grid, block, args)
-        mem.view(args[2].value, 4).view(np.uint32)[0] = 8
-
-    monkeypatch.setitem(sim_kernels._REGISTRY, "gp_flash_decode_paged", leaves_a_count)
-    device = open_device("sim")
-    h = KernelHarness(device, KernelCompiler(device.info.arch, cache_dir=tmp_path))
-    try:
-        case = paged_decode_fused_case(h, np.random.default_rng(6), 4, 2, 64, [300, 3], span=16)
-        assert case.failure() is not None, "a counter left non-zero must not pass"
-    finally:
-        h.close()
-        device.close()

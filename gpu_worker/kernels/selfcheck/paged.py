@@ -8,23 +8,17 @@ exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_PAGED_CLUSTER,
-    FLASH_DECODE_PAGED_FUSED,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
-    fused_decode_arrivals,
-    fused_decode_workspace_bytes,
     launch_flash_decode_paged,
     launch_flash_decode_paged_cluster,
-    launch_flash_decode_paged_fused,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
     paged_decode_span,
@@ -94,42 +88,6 @@ def _replayed(dev, launch, steps, before, result) -> Outcome:
     return Outcome(np.stack(got), np.stack(wanted), RTOL, ATOL)
 
 
-@dataclass
-class _DecodeInputs:
-    """A decode case's shapes, host arrays and device pointers: `steps` are the positions of the
-    first launch and of each replay; out starts as NaN."""
-    steps: list[np.ndarray]
-    batch: int
-    max_blocks: int
-    span: int
-    splits: int
-    pool: np.ndarray
-    table: np.ndarray
-    q: np.ndarray
-    out: int
-    pos: int
-    qp: int
-    pp: int
-    tp: int
-
-
-def _decode_inputs(h: KernelHarness, rng, heads, kv_heads, head_dim, positions, replay_positions,
-                   block_tokens, layers, max_blocks=None, capacity=None, span=None) -> _DecodeInputs:
-    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
-    batch = steps[0].size
-    need = max(int(s.max()) for s in steps) + 1
-    max_blocks = max_blocks or -(-need // block_tokens) + 1
-    capacity = capacity or max(4, min(batch * max_blocks, 4096))
-    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
-    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
-    table = _tables(rng, batch, max_blocks, capacity)
-    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
-    return _DecodeInputs(steps, batch, max_blocks, span,
-                         paged_decode_splits(max_blocks, block_tokens, span), pool, table, q,
-                         h.put(np.full((batch, heads * head_dim), np.nan, H)), h.put(steps[0]),
-                         h.put(q), h.put(pool), h.put(table))
-
-
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
                       span=None, replay_positions=None) -> Outcome:
@@ -139,13 +97,22 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     other slot must still be NaN (a block past its row's length wrote nothing) and the output
     shows the combine read no such slot. With `replay_positions`, the launches are captured once
     and replayed after each change of the device positions (the graph must not bake them)."""
-    d = _decode_inputs(h, rng, heads, kv_heads, head_dim, positions, replay_positions,
-                       block_tokens, layers, max_blocks, capacity, span)
-    steps, batch, max_blocks, span, splits = d.steps, d.batch, d.max_blocks, d.span, d.splits
-    pool, table, q, out, pos, qp, pp, tp = d.pool, d.table, d.q, d.out, d.pos, d.qp, d.pp, d.tp
+    steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
+    batch = steps[0].size
+    need = max(int(s.max()) for s in steps) + 1
+    max_blocks = max_blocks or -(-need // block_tokens) + 1
+    capacity = capacity or max(4, min(batch * max_blocks, 4096))
+    span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
+    splits = paged_decode_splits(max_blocks, block_tokens, span)
+    pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
+    table = _tables(rng, batch, max_blocks, capacity)
+    q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
+    out = h.put(np.full((batch, heads * head_dim), np.nan, H))
     ws_bytes = paged_decode_workspace_bytes(batch=batch, heads=heads, head_dim=head_dim, splits=splits)
     nan_ws = np.full(ws_bytes // 4, np.nan, np.float32)
     ws = h.put(nan_ws)
+    pos = h.put(steps[0])
+    qp, pp, tp = h.put(q), h.put(pool), h.put(table)
     dev = h.device
     fs, fc = h.function(FLASH_DECODE_SPLIT_PAGED), h.function(FLASH_COMBINE_PAGED)
 
@@ -203,43 +170,6 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)
         return got, flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
-
-    if replay_positions is None:
-        launch()
-        return Outcome(*run(steps[0]), RTOL, ATOL)
-    return _replayed(dev, launch, steps, lambda step: dev.to_device(pos, step), run)
-
-
-def paged_decode_fused_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
-                            block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
-                            span=None, replay_positions=None) -> Outcome:
-    """The fused paged decode (gp_flash_decode_paged) against the oracle: rows at per-row
-    positions (-1 rows zero), split by their actual lengths, the splits merged in clusters and
-    the clusters' records by the last CTA to arrive. The records start as NaN (the final merge
-    must read only the records written in this launch) and the arrival counters as zero; they
-    are compared too: every launch must leave them zero. With `replay_positions` the launch is
-    captured once and replayed after each change of the device positions."""
-    d = _decode_inputs(h, rng, heads, kv_heads, head_dim, positions, replay_positions,
-                       block_tokens, layers, max_blocks, capacity, span)
-    steps, batch, max_blocks, span, out, pos = d.steps, d.batch, d.max_blocks, d.span, d.out, d.pos
-    shapes = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-              "splits": d.splits}
-    offset, counters = fused_decode_arrivals(**shapes)
-    ws_init = np.full(fused_decode_workspace_bytes(**shapes) // 4, np.nan, np.float32)
-    ws_init[offset // 4:] = 0
-    ws = h.put(ws_init)
-    dev, fn = h.device, h.function(FLASH_DECODE_PAGED_FUSED)
-
-    def launch(stream=None) -> None:
-        launch_flash_decode_paged_fused(dev, fn, out, ws, d.qp, d.pp, pos, d.tp, batch, heads,
-                                        kv_heads, head_dim, layer, layers, block_tokens,
-                                        max_blocks, span=span, stream=stream)
-
-    def run(step) -> tuple[np.ndarray, np.ndarray]:
-        got = h.get(out, (batch, heads * head_dim), H).astype(np.float32).reshape(-1)
-        arrivals = h.get(ws + offset, (counters,), np.uint32).astype(np.float32)
-        want = flash_decode_paged(d.q, d.pool, step, d.table, layer, heads).astype(np.float32)
-        return np.concatenate([got, arrivals]), np.concatenate([want.reshape(-1), np.zeros(counters)])
 
     if replay_positions is None:
         launch()
@@ -315,7 +245,6 @@ def _c(kernel: str, fn, covers: tuple[str, ...] = (), **shapes) -> Case:
 APPEND, DECODE, PREFILL = "kv_append_paged", "flash_decode_split_paged", "flash_prefill_paged"
 COMBINE = ("flash_combine_paged",)
 CLUSTER = "flash_decode_paged_cluster"
-FUSED = "flash_decode_paged_fused"
 
 # (position, temperature, top_p, top_k, seed): greedy, plain temperature, top-k, top-p, both,
 # a padding row, top_k = 1 (greedy by another road), top_p tiny (the top token only).
@@ -354,16 +283,6 @@ PAGED_CASES: list[Case] = [
        positions=[1000, 127, 129], block_tokens=32),
     _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
        replay_positions=[[-1], [700], [3]]),
-    # the fused decode: spans of 16 / 32 keys so rows take 1 to 8 clusters' records (lengths 1,
-    # a tile, a tile + 1, 300, 1000), a padding row, GQA groups of 4 and 6 (two head blocks),
-    # fewer splits than a cluster, a captured graph replayed over lengths of 1 to 8 records
-    _c(FUSED, paged_decode_fused_case, heads=8, kv_heads=2, head_dim=128,
-       positions=[0, 15, 16, -1, 299, 999], span=16),
-    _c(FUSED, paged_decode_fused_case, heads=12, kv_heads=2, head_dim=64,
-       positions=[1000, 127, 129], block_tokens=32, span=32),
-    _c(FUSED, paged_decode_fused_case, heads=4, kv_heads=1, head_dim=128, positions=[40, 5]),
-    _c(FUSED, paged_decode_fused_case, heads=4, kv_heads=1, head_dim=64, positions=[40], span=16,
-       replay_positions=[[-1], [700], [3], [1023]]),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

@@ -99,29 +99,6 @@ def _flash_combine_paged(mem, grid, block, args) -> None:
         o[:] = reference.attention_combine_f16(np.array(part)).reshape(-1)
 
 
-def _decode_rows(mem, out, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer,
-                 layers, block_tokens, max_blocks):
-    """(its fp16 output view, K, V, q) of each row with a key, its actual keys gathered; the
-    output of a row with no key (a padding row) is zeroed and the row skipped."""
-    pos = _arr(mem, positions, batch, np.int32)
-    tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
-    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
-    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
-        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
-        if nkeys == 0:
-            o[:] = 0
-            continue
-        kb, vb = p.gather(tab[b], layer, int(nkeys))
-        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
-        yield o, kb, vb, qb
-
-
-def _parts(qb, kb, vb, span: int, scale: float) -> np.ndarray:
-    """The partial states of the row's keys in splits of `span`."""
-    return np.array([reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
-                     for j0 in range(0, len(kb), span)])
-
-
 @register_sim_kernel("gp_flash_decode_paged_cluster")
 def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     """The whole decode in one kernel: each row over its actual keys, split into the cluster's
@@ -129,29 +106,23 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     zeros."""
     (out, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
      block_tokens, max_blocks, scale) = _vals(args)
-    for o, kb, vb, qb in _decode_rows(mem, out, q, pool, positions, table, batch, heads, kv_heads,
-                                      head_dim, layer, layers, block_tokens, max_blocks):
-        per = -(-len(kb) // grid[0])          # keys a CTA, rounded up to whole 16-key tiles
-        o[:] = reference.attention_combine_f16(_parts(qb, kb, vb, -(-per // 16) * 16, scale)).reshape(-1)
-
-
-@register_sim_kernel("gp_flash_decode_paged")
-def _flash_decode_paged_fused(mem, grid, block, args) -> None:
-    """The fused decode: each row's splits of `span` keys that hold a key, merged in clusters of
-    fused_decode_cluster(splits) consecutive splits, then (a row of more than one cluster) the
-    clusters' merged states merged in order; a row with no key is zeros. Leaves the arrival
-    counters (the CUDA kernel's, zero before and after) untouched."""
-    (out, _ws, _arrivals, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer,
-     layers, block_tokens, max_blocks, span, scale) = _vals(args)
-    from gpu_worker.kernels.paged_attention import fused_decode_cluster, paged_decode_splits
-    ctas = fused_decode_cluster(paged_decode_splits(max_blocks, block_tokens, span))
-    for o, kb, vb, qb in _decode_rows(mem, out, q, pool, positions, table, batch, heads, kv_heads,
-                                      head_dim, layer, layers, block_tokens, max_blocks):
-        parts = _parts(qb, kb, vb, span, scale)
-        if len(parts) > ctas:
-            parts = np.array([reference.attention_merge(parts[c:c + ctas])
-                              for c in range(0, len(parts), ctas)])
-        o[:] = reference.attention_combine_f16(parts).reshape(-1)
+    ctas = grid[0]
+    pos = _arr(mem, positions, batch, np.int32)
+    tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
+    p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
+        o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
+        n = int(nkeys)
+        if n == 0:
+            o[:] = 0
+            continue
+        kb, vb = p.gather(tab[b], layer, n)
+        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+        per = -(-n // ctas)                 # keys a CTA, rounded up to whole 16-key tiles
+        span = -(-per // 16) * 16
+        parts = [reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
+                 for j0 in range(0, n, span)]
+        o[:] = reference.attention_combine_f16(np.array(parts)).reshape(-1)
 
 
 @register_sim_kernel("gp_flash_prefill_paged")
