@@ -72,9 +72,7 @@ MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one co
 # the one-kernel decode of a small batch (gp_flash_decode_paged_cluster): CTAs a cluster (a row's
 # keys in that many parts, the portable cluster size) and threads a CTA (GP_FDC_WARPS warps)
 CLUSTER_DECODE_CTAS = 8
-CLUSTER_DECODE_WARPS = 16
-CLUSTER_DECODE_RING = 0   # tiles in flight a warp (GP_FDC_RING; 0: each tile loaded in its turn)
-CLUSTER_DECODE_THREADS = 32 * CLUSTER_DECODE_WARPS
+CLUSTER_DECODE_THREADS = 512
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
@@ -211,43 +209,14 @@ def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: in
             and 2 * blocks * CLUSTER_DECODE_CTAS <= sms)
 
 
-def cluster_decode_shared_bytes(warps: int = CLUSTER_DECODE_WARPS,
-                                ring: int = CLUSTER_DECODE_RING) -> int:
-    """Dynamic shared memory of a cluster decode CTA: its warps' rings of `ring` 16-key tiles at
-    head_dim 128 (16 chunks of 16 bytes a thread a tile; flash_device.cuh gp_fd_ring_bytes),
-    at least the merge's floats; 0 without a ring (static shared memory)."""
-    if ring == 0:
-        return 0
-    merge = 4 * (2 * warps * DECODE_HEADS_PER_BLOCK + warps * DECODE_HEADS_PER_BLOCK * 128)
-    return max(ring * 16 * 32 * warps * 16, merge)
-
-
-def cluster_decode_build(warps: int = CLUSTER_DECODE_WARPS,
-                         ring: int = CLUSTER_DECODE_RING) -> KernelDef:
-    """gp_flash_decode_paged_cluster with `warps` warps a CTA and `ring` tiles in flight a warp
-    (GP_FDC_WARPS, GP_FDC_RING); the library's: FLASH_DECODE_PAGED_CLUSTER. Launch it with
-    the same warps and ring (decode_attention_bench --cluster-build times such builds)."""
-    if (warps, ring) == (CLUSTER_DECODE_WARPS, CLUSTER_DECODE_RING):
-        return FLASH_DECODE_PAGED_CLUSTER
-    require(warps in (4, 8, 12, 16) and 0 <= ring <= 8,
-            f"flash_decode_paged_cluster: warps={warps} must be 4, 8, 12 or 16, ring={ring} 0..8")
-    source = dataclasses.replace(
-        SOURCE, module_name=f"{SOURCE.module_name}_fdc_w{warps}_r{ring}",
-        options=(*SOURCE.options, f"-DGP_FDC_WARPS={warps}", f"-DGP_FDC_RING={ring}"))
-    return dataclasses.replace(FLASH_DECODE_PAGED_CLUSTER, source=source)
-
-
 def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: int,
                                       positions: int, table: int, batch: int, heads: int,
                                       kv_heads: int, head_dim: int, layer: int, layers: int,
                                       block_tokens: int, max_blocks: int,
-                                      scale: float | None = None, stream=None,
-                                      warps: int = CLUSTER_DECODE_WARPS,
-                                      ring: int = CLUSTER_DECODE_RING) -> None:
+                                      scale: float | None = None, stream=None) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
     each row split by its actual length over a cluster of CLUSTER_DECODE_CTAS CTAs (no
-    workspace, no combine). head_dim 64 or 128. `warps` and `ring`: the function's build
-    (cluster_decode_build)."""
+    workspace, no combine). head_dim 64 or 128."""
     kernel = "flash_decode_paged_cluster"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
@@ -260,12 +229,12 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
     if batch == 0:
         return
     hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
-    device.launch(function, (CLUSTER_DECODE_CTAS, kv_heads * hgroups, batch), (32 * warps, 1, 1),
+    device.launch(function, (CLUSTER_DECODE_CTAS, kv_heads * hgroups, batch),
+                  (CLUSTER_DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
                    i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
-                  stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1),
-                  shared_bytes=cluster_decode_shared_bytes(warps, ring))
+                  stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,

@@ -526,18 +526,7 @@ __device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, in
 //
 // NW: the block's warps (GP_FD_THREADS / 32, or the cluster decode's GP_FDC_WARPS); smem holds
 // 2 * NW * GP_FD_HPB + NW * GP_FD_HPB * D floats. ws may be shared memory (the cluster decode).
-//
-// RING > 0 (smem of at least gp_fd_ring_bytes<D, NW, RING> bytes, which the merge reuses): a warp's
-// next RING tiles are in flight by 16-byte cp.async into a ring of per-thread shared slots while
-// a tile multiplies from registers. Each thread copies and reads back only its own chunks (chunk
-// c of slot s at ((s * CH + c) * NW * 32 + tid) * 16 bytes: a warp's chunk is 512 contiguous
-// bytes), so its cp.async.wait_group is the only ordering needed; a slot is refilled right after
-// its tile is back in registers. Without it (RING 0) a tile is loaded when its turn comes, so a
-// long chain of tiles (the cluster decode's) pays an HBM round trip per tile.
-template <int D, int NW, int RING>
-__host__ __device__ constexpr int gp_fd_ring_bytes() { return RING * (D / 16 + 4 * (D / 64)) * NW * 32 * 16; }
-
-template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, int RING = 0>
+template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
@@ -563,53 +552,8 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
 #pragma unroll
         for (int r = 0; r < 4; ++r) load_v(vv[r], vrow(n0, r), skip);
     };
-    // RING: tile n0 into ring slot `slot`, rows at or past j1 and row `skip` zero-filled without
-    // being addressed (source size 0; q stands in as the address)
-    constexpr int CH = 2 * KC + 4 * VC, NT = NW * 32;
-    const unsigned ring = gp_smem(smem) + 16u * threadIdx.x;
-    auto stage_row = [&](unsigned dst, const KV& kv, int row, int skip, int off, int stride, int n) {
-        const bool in = row < j1 && row != skip;
-        const unsigned short* p = in ? kv.row(row) + off : q;
-#pragma unroll
-        for (int i = 0; i < n; ++i) gp_cp_async16(dst + 16u * NT * i, in ? p + stride * i : q, in ? 16 : 0);
-    };
-    auto stage = [&](int n0, int slot, int skip) {
-        const unsigned base = ring + 16u * NT * CH * slot;
-        stage_row(base, k, n0 + g, skip, 8 * t, 32, KC);
-        stage_row(base + 16u * NT * KC, k, n0 + g + 8, skip, 8 * t, 32, KC);
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-            stage_row(base + 16u * NT * (2 * KC + r * VC), v, vrow(n0, r), skip, 8 * g, 64, VC);
-    };
-    auto unstage = [&](int slot) {
-        const uint4* mine = reinterpret_cast<const uint4*>(smem) + NT * CH * slot + threadIdx.x;
-#pragma unroll
-        for (int i = 0; i < KC; ++i) { ka[i] = mine[NT * i]; kb[i] = mine[NT * (KC + i)]; }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < VC; ++c) vv[r][c] = mine[NT * (2 * KC + r * VC + c)];
-    };
     const int first = j0 + 16 * warp;
-    if constexpr (RING > 0) {  // the ring's first RING tiles, all but the one holding key `fresh` before the wait
-        const int late = EARLY && fresh < j1 ? fresh : -1;
-        int s = 0;
-        if (EARLY) {
-            for (; s < RING; ++s) {
-                const int n0 = first + 16 * NW * s;
-                if (late >= n0 && late < n0 + 16) break;
-                if (n0 < j1) stage(n0, s, -1);
-                gp_cp_async_commit();
-            }
-            gp_pdl_wait();  // q and key `fresh` are the previous kernel's writes
-            gp_pdl_release();
-        }
-        for (; s < RING; ++s) {
-            const int n0 = first + 16 * NW * s;
-            if (n0 < j1) stage(n0, s, -1);
-            gp_cp_async_commit();
-        }
-    } else if (EARLY) {
+    if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
         if (first < j1) load(first, late);
         gp_pdl_wait();  // q and key `fresh` are the previous kernel's writes
@@ -695,24 +639,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-    if constexpr (RING > 0) {  // a tile in registers, the next RING in flight to the ring
-        int slot = 0;
-        for (int n0 = first; n0 < j1; n0 += 16 * NW) {
-            gp_cp_async_wait<RING - 1>();  // this tile's group (one committed a tile, empty or not)
-            unstage(slot);
-            if (n0 + 16 * NW * RING < j1) stage(n0 + 16 * NW * RING, slot, -1);
-            gp_cp_async_commit();
-            slot = slot + 1 == RING ? 0 : slot + 1;
-            tile(n0);
-        }
-        gp_cp_async_wait<0>();
-        __syncthreads();  // every thread's last slot read before the merge reuses the shared memory
-    } else {
-        if (EARLY && first < j1) tile(first);
-        for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
-            load(n0, -1);
-            tile(n0);
-        }
+    if (EARLY && first < j1) tile(first);
+    for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
+        load(n0, -1);
+        tile(n0);
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll

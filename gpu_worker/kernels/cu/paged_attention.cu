@@ -103,13 +103,7 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 // loads, all issued before the first add) and writes them as fp16. No workspace, no second
 // kernel, and the same sums as the combine (gp_fd_combine's weights). A row with no key (a
 // padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
-#ifndef GP_FDC_WARPS
 #define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
-#endif
-#ifndef GP_FDC_RING
-#define GP_FDC_RING 0     // tiles a warp keeps in flight (gp_fd_split_block_mma's RING)
-#endif
-// the merge's floats; with a ring, dynamic shared memory of cluster_decode_shared_bytes
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 
 template <int D>
@@ -164,11 +158,7 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
                               const int* __restrict__ positions, const int* __restrict__ table,
                               int batch, int heads, int kv_heads, int head_dim, int layer,
                               int layers, int block_tokens, int max_blocks, float scale) {
-#if GP_FDC_RING
-    extern __shared__ float smem[];   // the ring at head_dim 128, at least GP_FDC_SMEM floats
-#else
     __shared__ float smem[GP_FDC_SMEM];
-#endif
     const int2 cl = gp_cluster_rank_size();
     const int rank = cl.x, S = cl.y, b = blockIdx.z;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
@@ -182,10 +172,10 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
     const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
     const float sl = scale * GP_FA_LOG2E;
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_RING>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                    j1, sl, 130, smem, nkeys - 1);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_RING>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                   j1, sl, 66, smem, nkeys - 1);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, heads, kv_heads, head_dim);
