@@ -233,8 +233,7 @@ def carveout_label(carveout: tuple[int, str]) -> str:
 def actual_span(batch: int, ctx: int, span: int, sms: int) -> int:
     """The span the library's decode takes on the device when every row holds `ctx` keys."""
     return paged_decode_actual_span(np.full(batch, ctx - 1), 1 << 30, span,
-                                    sms * max(DECODE_FILL_PER_SM, batch // 2),
-                                    paged_decode_hblocks(HEADS, KVH))
+                                    DECODE_FILL_PER_SM * sms, paged_decode_hblocks(HEADS, KVH))
 
 
 def decode_name(batch: int, ctx: int) -> str:

@@ -69,9 +69,8 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
 # ...lengthened on the device from the batch's actual keys toward about DECODE_FILL_PER_SM split
-# blocks an SM (one an SM for every two rows of a larger batch), up to DECODE_SPAN_MAX keys
-# (gp_decode_span, paged_decode_fill; measured on the H100, docs/kernels.md "The span from the
-# batch's keys")
+# blocks an SM, up to DECODE_SPAN_MAX keys (gp_decode_span; measured on the H100, docs/kernels.md
+# "The span from the batch's keys")
 DECODE_FILL_PER_SM = 2
 DECODE_SPAN_MAX = 2048
 MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one combine block stages
@@ -138,12 +137,10 @@ def paged_decode_span(max_blocks: int, block_tokens: int, batch: int = 1, heads:
     return span
 
 
-def paged_decode_fill(device, batch: int) -> int:
-    """The split blocks a decode of `batch` rows aims its span at on `device` (the launchers'
-    `fill`): DECODE_FILL_PER_SM an SM, or one an SM for every two rows where that is more. A
-    function of the graph's shape (the device, the batch); the keys it divides are read on the
-    device. Fit on the H100 at batch 2-64 and 512-8,192 keys (docs/kernels.md)."""
-    return sm_count(device) * max(DECODE_FILL_PER_SM, batch // 2)
+def paged_decode_fill(device) -> int:
+    """The split blocks a decode's span aims at on `device` (DECODE_FILL_PER_SM an SM): the
+    launchers' `fill`, with which the span is lengthened from the batch's actual keys."""
+    return DECODE_FILL_PER_SM * sm_count(device)
 
 
 def paged_decode_hblocks(heads: int, kv_heads: int) -> int:
@@ -274,7 +271,7 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
     paged_decode_splits(max_blocks, block_tokens, span) slots. `span` (default: the graph's,
     paged_decode_span) is lengthened on the device from the batch's keys toward `fill` split
-    blocks (default: paged_decode_fill(device, batch); 0: the span as given). With
+    blocks (default: paged_decode_fill(device); 0: the span as given). With
     `cluster_function`, a batch cluster_decode takes runs as that one kernel instead (the
     workspace unused)."""
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
@@ -284,7 +281,7 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                                           block_tokens, max_blocks, scale=scale, stream=stream)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
-    fill = paged_decode_fill(device, batch) if fill is None else fill
+    fill = paged_decode_fill(device) if fill is None else fill
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
                                     batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
                                     max_blocks, span=span, fill=fill, scale=scale, stream=stream)

@@ -109,7 +109,7 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     capacity = capacity or max(4, min(batch * max_blocks, 4096))
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     splits = paged_decode_splits(max_blocks, block_tokens, span)
-    fill = paged_decode_fill(h.device, batch) if fill is None else fill
+    fill = paged_decode_fill(h.device) if fill is None else fill
     pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
     table = _tables(rng, batch, max_blocks, capacity)
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
