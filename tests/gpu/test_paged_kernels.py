@@ -72,12 +72,6 @@ MODEL_CASES: list[Case] = [
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B64S, **_T8K, "capacity": 512}, COMBINE),
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191, 0, 300, 7], "block_tokens": 64,
                                      "max_blocks": 128, "span": 512}, COMBINE),
-    # the span from the batch's keys: batch 4 of long rows (the graph's 128 -> 1024 at 264 blocks),
-    # and batch 2 at fill 1 (the maximum, 2048)
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191, 8000, 6999, 8190], **_T8K,
-                                     "capacity": 2048}, COMBINE),
-    Case(DECODE, paged_decode_case, {**LLAMA, "positions": [8191, 5000], **_T8K, "capacity": 1024,
-                                     "fill": 1}, COMBINE),
     # one captured graph replayed as the rows' lengths change: short, long, mixed, shrunk
     Case(DECODE, paged_decode_case, {**LLAMA, "positions": _B8[::-1], **_T8K, "capacity": 1024,
                                      "replay_positions": [[4] * 8, [8191] * 8, _B8,
