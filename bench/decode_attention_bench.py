@@ -12,11 +12,9 @@ as such).
    paged_attention.cluster_decode holds, batch 1 here, then also the split and combine kernels,
    its time over theirs recorded; elsewhere those at the default span) and, same
    run, the span the old rule gave (the split count from the maximum context and the batch);
-   at batch 1 also at target_ctx(1), in a table that holds it. The library's span is the graph's
-   (paged_decode_span) lengthened on the device from the batch's keys (paged_decode_fill); where
-   that lengthens it, the graph's span fixed is timed too and the library's time over it recorded.
-2. fixed spans swept (64/128/256/512/1024/2048) at batch 1/8/32/64, ctx 1024 and 8192 (batch 1:
-   and target_ctx(1)).
+   at batch 1 also at target_ctx(1), in a table that holds it.
+2. the span swept (64/128/256/512/1024) at batch 1/8/32/64, ctx 1024 and 8192 (batch 1: and
+   target_ctx(1)).
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
 4. with `--cuda-core`: the lane-group split block (GP_FD_MMA=0, the library's before the
    tensor-core block) at the default span, same rows as [1]; its time over the library's is
@@ -55,19 +53,16 @@ from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
-    DECODE_FILL_PER_SM,
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_PAGED_CLUSTER,
     MAX_DECODE_SPLITS,
     cluster_decode,
     decode_split_build,
     launch_flash_decode_paged,
-    paged_decode_hblocks,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
 )
-from gpu_worker.kernels.reference import paged_decode_actual_span
 from gpu_worker.kernels.selfcheck import KernelHarness
 from gpu_worker.kernels.selfcheck.flash import ATOL, RTOL
 
@@ -140,11 +135,10 @@ class Bench:
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
                build: dict[str, int] | None = None,
                carveout: tuple[int, str] | None = None,
-               library: bool = False, fill: int | None = None) -> tuple[float, int, np.ndarray]:
+               library: bool = False) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output); `library`:
         the decode as the graph runs it (the one-kernel cluster decode where cluster_decode
-        holds), else the split and combine kernels at `span`, lengthened from the batch's keys
-        toward `fill` split blocks (None: the library's, 0: `span` fixed); `carveout`:
+        holds), else the split and combine kernels at `span`; `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
         while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
@@ -171,7 +165,7 @@ class Bench:
         def one(layer):
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
-                max_blocks, span=span, fill=fill, stream=s, cluster_function=fcl)
+                max_blocks, span=span, stream=s, cluster_function=fcl)
 
         percent, which = carveout or (-1, "")
         carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
@@ -230,12 +224,6 @@ def carveout_label(carveout: tuple[int, str]) -> str:
     return f"carveout {percent} %" + ("" if which == "both" else f" on the {which}")
 
 
-def actual_span(batch: int, ctx: int, span: int, sms: int) -> int:
-    """The span the library's decode takes on the device when every row holds `ctx` keys."""
-    return paged_decode_actual_span(np.full(batch, ctx - 1), 1 << 30, span,
-                                    DECODE_FILL_PER_SM * sms, paged_decode_hblocks(HEADS, KVH))
-
-
 def decode_name(batch: int, ctx: int) -> str:
     return f"paged decode batch {batch}, {ctx} keys"
 
@@ -248,7 +236,6 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
     lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
     two = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "two"}
-    fixed = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "fixed"}
     carve = [r for r in rows if r["section"] == "carveout"]
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
@@ -264,9 +251,6 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float) -> None:
         if (batch, ctx) in two:
             targets.figure(f"{name}: one kernel / split + combine time",
                            r["us"] / two[batch, ctx]["us"], "ratio")
-        if (batch, ctx) in fixed:
-            targets.figure(f"{name}: span from the batch's keys / graph's span time",
-                           r["us"] / fixed[batch, ctx]["us"], "ratio")
         if (batch, ctx) in lanes:
             targets.figure(f"{name}: lane-group block / tensor-core block time",
                            lanes[batch, ctx]["us"] / r["us"], "ratio")
@@ -302,9 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
     outputs: dict[tuple[int, int], np.ndarray] = {}
 
-    def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None, fill=None) -> dict:
-        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=section == "new",
-                                  fill=fill)
+    def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None) -> dict:
+        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=section == "new")
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
         elif (build is not None or section == "two") and (batch, ctx) in outputs:
@@ -331,21 +314,17 @@ def main(argv: list[str] | None = None) -> int:
             if cluster_decode(batch, HEADS, KVH, HD, sms):   # the library ran one kernel
                 two = row("two", batch, ctx, span, table)
                 print(f"{'':>6} one kernel / split + combine time {new['us'] / two['us']:.2f}")
-            elif actual_span(batch, ctx, span, sms) != span:
-                fixed = row("fixed", batch, ctx, span, table, fill=0)
-                print(f"{'':>6} span {actual_span(batch, ctx, span, sms)} from the batch's keys / "
-                      f"the graph's {span} fixed: time {new['us'] / fixed['us']:.2f}")
             if table == TABLE and old_span(batch) != span:
-                old = row("old", batch, ctx, old_span(batch), fill=0)
+                old = row("old", batch, ctx, old_span(batch))
                 print(f"{'':>6} new/old time {new['us'] / old['us']:.2f}")
     print("\n[2] span sweep")
     for batch in () if args.no_sweep else (1, 8, 32, 64):
         for ctx in contexts(batch):
             table = max(TABLE, ctx)
             span = paged_decode_span(table // BT, BT, batch, HEADS, KVH)
-            for sp in (64, 128, 256, 512, 1024, 2048):
+            for sp in (64, 128, 256, 512, 1024):
                 if sp != span and paged_decode_splits(table // BT, BT, sp) <= MAX_DECODE_SPLITS:
-                    row("span", batch, ctx, sp, table, fill=0)
+                    row("span", batch, ctx, sp, table)
     print("\n[3] empty blocks: batch 64, ctx 1024, table 8192 vs 1024")
     span = paged_decode_span(TABLE // BT, BT, 64, HEADS, KVH)
     full = row("empty", 64, 1024, span, TABLE)
@@ -365,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name != "lanes" and batch <= 8:
                     for sp in (64, 128, 256, 512):
                         if sp != span and paged_decode_splits(table // BT, BT, sp) <= MAX_DECODE_SPLITS:
-                            row(name + "-span", batch, ctx, sp, table, build=build, fill=0)
+                            row(name + "-span", batch, ctx, sp, table, build=build)
     for carveout in args.carveout:
         print(f"\n[5] the library build, {carveout_label(carveout)}")
         for batch in (1, 8, 32, 64):

@@ -68,11 +68,6 @@ BLOCK_TOKENS = (16, 32, 64, 128, 256)
 # keys per decode split by the blocks of one split slice (batch * kv_heads * head groups), measured
 # on the H200 (docs/kernels.md "Decode split by length"): (fewer blocks than, span), last: the rest
 DECODE_SPANS: tuple[tuple[int | None, int], ...] = ((48, 128), (192, 256), (384, 512), (None, 1024))
-# ...lengthened on the device from the batch's actual keys toward about DECODE_FILL_PER_SM split
-# blocks an SM, up to DECODE_SPAN_MAX keys (gp_decode_span; measured on the H100, docs/kernels.md
-# "The span from the batch's keys")
-DECODE_FILL_PER_SM = 2
-DECODE_SPAN_MAX = 2048
 MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one combine block stages
 # the one-kernel decode of a small batch (gp_flash_decode_paged_cluster): CTAs a cluster (a row's
 # keys in that many parts, the portable cluster size) and threads a CTA (GP_FDC_WARPS warps)
@@ -137,17 +132,6 @@ def paged_decode_span(max_blocks: int, block_tokens: int, batch: int = 1, heads:
     return span
 
 
-def paged_decode_fill(device) -> int:
-    """The split blocks a decode's span aims at on `device` (DECODE_FILL_PER_SM an SM): the
-    launchers' `fill`, with which the span is lengthened from the batch's actual keys."""
-    return DECODE_FILL_PER_SM * sm_count(device)
-
-
-def paged_decode_hblocks(heads: int, kv_heads: int) -> int:
-    """Split blocks a split slice of one row: KV heads x head groups of DECODE_HEADS_PER_BLOCK."""
-    return kv_heads * ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
-
-
 def paged_decode_splits(max_blocks: int, block_tokens: int, span: int) -> int:
     """Workspace slots per (row, query head): the splits of the longest row the table holds."""
     return ceil_div(max_blocks * block_tokens, span)
@@ -159,8 +143,8 @@ def paged_decode_workspace_bytes(*, batch: int, heads: int, head_dim: int, split
     return 4 * batch * heads * splits * (head_dim + 2)
 
 
-def _check_decode(kernel: str, batch: int, span: int, splits: int, fill: int) -> None:
-    require_sizes(kernel, batch=batch, span=span, splits=splits, fill=fill)
+def _check_decode(kernel: str, batch: int, span: int, splits: int) -> None:
+    require_sizes(kernel, batch=batch, span=span, splits=splits)
     require(span >= 16 and span % 16 == 0, f"{kernel}: span={span} must be a multiple of 16")
     require(1 <= splits <= MAX_DECODE_SPLITS,
             f"{kernel}: splits={splits} must be in 1..{MAX_DECODE_SPLITS} (a longer span "
@@ -172,43 +156,36 @@ def launch_flash_decode_split_paged(device, function, workspace: int, q: int, po
                                     positions: int, table: int, batch: int, heads: int,
                                     kv_heads: int, head_dim: int, layer: int, layers: int,
                                     block_tokens: int, max_blocks: int, *, span: int,
-                                    fill: int = 0, scale: float | None = None,
-                                    stream=None) -> None:
-    """The split half of the paged decode: the partial state of each split that holds a key of
-    its row into `workspace` (paged_decode_splits slots per row and head at `span`). A split
-    covers `span` keys, or with fill > 0 reference.paged_decode_actual_span of them (the
-    combine must get the same span and fill)."""
+                                    scale: float | None = None, stream=None) -> None:
+    """The split half of the paged decode: the partial state of each split of `span` keys that
+    holds a key of its row into `workspace` (paged_decode_splits slots per row and head)."""
     kernel = "flash_decode_split_paged"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
-    _check_decode(kernel, batch, span, splits, fill)
+    _check_decode(kernel, batch, span, splits)
     require(workspace and workspace % 4 == 0 and positions and table,
             f"{kernel}: needs a 4-byte aligned workspace, positions and a table")
     for name, p in (("q", q), ("pool", pool)):
         require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
     if batch == 0:
         return
-    device.launch(function, (paged_decode_hblocks(heads, kv_heads), batch, splits),
-                  (DECODE_THREADS, 1, 1),
+    hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
+    device.launch(function, (kv_heads * hgroups, batch, splits), (DECODE_THREADS, 1, 1),
                   [ptr(workspace), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
-                   i32(block_tokens), i32(max_blocks), i32(span), i32(fill),
-                   f32(_scale(head_dim, scale))],
+                   i32(block_tokens), i32(max_blocks), i32(span), f32(_scale(head_dim, scale))],
                   stream=stream, pdl=True)
 
 
 def launch_flash_combine_paged(device, function, out: int, workspace: int, positions: int,
                                batch: int, heads: int, head_dim: int, block_tokens: int,
-                               max_blocks: int, *, span: int, fill: int = 0, hblocks: int = 1,
-                               stream=None) -> None:
-    """Merge the splits that ran for each row into fp16 out: ceil(nkeys / sp) of them, sp the
-    split kernel's (the same span and fill, hblocks = paged_decode_hblocks)."""
+                               max_blocks: int, *, span: int, stream=None) -> None:
+    """Merge the splits that ran for each row (ceil(nkeys / span)) into fp16 out."""
     kernel = "flash_combine_paged"
     require_sizes(kernel, heads=heads, head_dim=head_dim, max_blocks=max_blocks,
                   block_tokens=block_tokens)
     splits = ceil_div(max_blocks * block_tokens, span) if span > 0 else 0
-    _check_decode(kernel, batch, span, splits, fill)
-    require(hblocks >= 1, f"{kernel}: hblocks={hblocks} must be >= 1")
+    _check_decode(kernel, batch, span, splits)
     require(workspace and workspace % 8 == 0 and positions,
             f"{kernel}: needs an 8-byte aligned workspace (8-byte copies of the states) and positions")
     require(out % 2 == 0 and heads < 65536, f"{kernel}: out 2-byte aligned, heads < 65536")
@@ -216,8 +193,7 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
         return
     device.launch(function, (heads, batch, 1), (DECODE_THREADS, 1, 1),
                   [ptr(out), ptr(workspace), ptr(positions), i32(batch), i32(heads),
-                   i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits),
-                   i32(fill), i32(hblocks)],
+                   i32(head_dim), i32(max_blocks * block_tokens), i32(span), i32(splits)],
                   stream=stream, pdl=True, shared_bytes=decode_combine_shared_bytes(splits, head_dim))
 
 
@@ -265,15 +241,12 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                               q: int, pool: int, positions: int, table: int, batch: int,
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
                               block_tokens: int, max_blocks: int, *, span: int | None = None,
-                              fill: int | None = None, scale: float | None = None,
-                              stream=None, cluster_function=None) -> None:
+                              scale: float | None = None, stream=None,
+                              cluster_function=None) -> None:
     """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
-    paged_decode_splits(max_blocks, block_tokens, span) slots. `span` (default: the graph's,
-    paged_decode_span) is lengthened on the device from the batch's keys toward `fill` split
-    blocks (default: paged_decode_fill(device); 0: the span as given). With
-    `cluster_function`, a batch cluster_decode takes runs as that one kernel instead (the
-    workspace unused)."""
+    paged_decode_splits(max_blocks, block_tokens, span) slots. With `cluster_function`, a
+    batch cluster_decode takes runs as that one kernel instead (the workspace unused)."""
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
                                                        sm_count(device)):
         launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
@@ -281,13 +254,11 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                                           block_tokens, max_blocks, scale=scale, stream=stream)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
-    fill = paged_decode_fill(device) if fill is None else fill
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
                                     batch, heads, kv_heads, head_dim, layer, layers, block_tokens,
-                                    max_blocks, span=span, fill=fill, scale=scale, stream=stream)
+                                    max_blocks, span=span, scale=scale, stream=stream)
     launch_flash_combine_paged(device, combine_function, out, workspace, positions, batch, heads,
-                               head_dim, block_tokens, max_blocks, span=span, fill=fill,
-                               hblocks=paged_decode_hblocks(heads, kv_heads), stream=stream)
+                               head_dim, block_tokens, max_blocks, span=span, stream=stream)
 
 
 def launch_flash_prefill_paged(device, function, out: int, q: int, pool: int, start: int,

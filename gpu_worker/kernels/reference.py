@@ -346,20 +346,6 @@ def paged_decode_nkeys(positions: np.ndarray, capacity: int) -> np.ndarray:
     return np.clip(np.asarray(positions, np.int64) + 1, 0, capacity)
 
 
-def paged_decode_actual_span(positions: np.ndarray, capacity: int, span: int, fill: int,
-                             hblocks: int, span_max: int = 2048) -> int:
-    """The keys a split covers in one paged decode (the kernels' gp_decode_span): `span` doubled,
-    up to span_max, while the batch's keys times `hblocks` (split blocks a split slice) exceed
-    fill * span * 1.414, i.e. the power-of-two multiple of span nearest keys * hblocks / fill,
-    never below span. fill <= 0: span."""
-    if fill <= 0:
-        return span
-    keys = int(paged_decode_nkeys(positions, capacity).sum()) * hblocks
-    while span < span_max and keys * 1000 > fill * span * 1414:
-        span *= 2
-    return span
-
-
 def flash_decode_paged_partials(q: np.ndarray, pool: np.ndarray, positions: np.ndarray,
                                 table: np.ndarray, layer: int, heads: int, span: int,
                                 splits: int, scale: float | None = None) -> np.ndarray:

@@ -147,66 +147,6 @@ def test_a_split_is_a_fixed_span_of_keys_so_every_batch_splits_by_its_rows_lengt
                <= pa.MAX_DECODE_SPLITS for mb in (1, 100, 512, 8192) for b in (1, 8, 64, 300))
 
 
-def test_the_span_grows_from_the_batchs_keys_to_the_nearest_power_of_two_multiple() -> None:
-    """On the device the graph's span is doubled while the batch's keys would make more than
-    fill * 1.414 split blocks: the power-of-two multiple nearest keys * hblocks / fill, never
-    below the graph's span (the grid and workspace hold its splits), at most DECODE_SPAN_MAX."""
-    span = reference.paged_decode_actual_span
-    fill, hb = 264, pa.paged_decode_hblocks(32, 8)   # an H100 or H200 (132 SMs), Llama-3-8B
-    assert hb == 8
-    assert span(np.full(4, 8191), 8192, 128, fill, hb) == 1024    # 262,144 / 264 = 993
-    assert span(np.full(8, 8191), 8192, 256, fill, hb) == 2048    # 524,288 / 264 = 1,986
-    assert span(np.full(2, 8191), 8192, 128, fill, hb) == 512     # 131,072 / 264 = 496
-    assert span(np.full(8, 1023), 8192, 256, fill, hb) == 256     # 248: the graph's already
-    assert span(np.full(8, 511), 8192, 256, fill, hb) == 256      # never below the graph's
-    assert span(np.full(64, 8191), 8192, 1024, fill, hb) == pa.DECODE_SPAN_MAX
-    assert span(np.full(8, 8191), 8192, 256, 0, hb) == 256        # fill 0: the span as given
-    assert span(np.array([-1, -1]), 8192, 128, fill, hb) == 128   # padding rows hold no key
-    assert span(np.array([10**6]), 8192, 128, 1, 1) == pa.DECODE_SPAN_MAX   # clamped to the table
-    device = open_device("sim")
-    try:
-        assert pa.paged_decode_fill(device) == pa.DECODE_FILL_PER_SM * pa.sm_count(device)
-    finally:
-        device.close()
-
-
-def test_the_span_rule_and_its_cap_are_the_kernels() -> None:
-    """The oracle and the sim compute the span as gp_decode_span does, with the same cap."""
-    import inspect
-
-    assert f"#define GP_DECODE_SPAN_MAX {pa.DECODE_SPAN_MAX}" in pa.SOURCE.source
-    default = inspect.signature(reference.paged_decode_actual_span).parameters["span_max"].default
-    assert default == pa.DECODE_SPAN_MAX
-    assert "keys * 1000 > (long long)fill * span * 1414" in pa.SOURCE.source
-    assert "keys * 1000 > fill * span * 1414" in inspect.getsource(reference.paged_decode_actual_span)
-
-
-def test_a_split_kernel_that_keeps_the_graphs_span_is_caught(monkeypatch, tmp_path) -> None:
-    """Negative control: a split kernel that ignores `fill` (the graph's span, not the one from
-    the batch's keys) writes slots the combine does not read, and the case reports it."""
-    import dataclasses
-
-    from gpu_worker.device import sim_kernels
-
-    real = sim_kernels.lookup_sim_kernel("gp_flash_decode_split_paged")
-
-    def keeps_the_graphs_span(mem, grid, block, args) -> None:
-        args = list(args)
-        args[14] = dataclasses.replace(args[14], value=0)   # fill
-        real(mem, grid, block, args)
-
-    monkeypatch.setitem(sim_kernels._REGISTRY, "gp_flash_decode_split_paged", keeps_the_graphs_span)
-    device = open_device("sim")
-    h = KernelHarness(device, KernelCompiler(device.info.arch, cache_dir=tmp_path))
-    try:
-        rng = np.random.default_rng(5)
-        case = paged_decode_case(h, rng, 4, 2, 16, [0, 17, -1, 40, 111, 15, 16], span=16, fill=4)
-        assert case.failure() is not None, "a split at the graph's span must not pass"
-    finally:
-        h.close()
-        device.close()
-
-
 def test_a_split_kernel_that_writes_slots_past_a_rows_length_is_caught(monkeypatch, tmp_path) -> None:
     """Negative control: a split kernel that also writes the (empty) state of the splits past a
     row's length leaves no NaN there, and the case reports it."""

@@ -46,52 +46,26 @@ __device__ __forceinline__ int gp_paged_nkeys(const int* positions, int b, int c
     return max(0, min(positions[b] + 1, capacity));
 }
 
-// The keys a split covers in this decode, read from the batch's actual lengths on the device (a
-// captured graph follows them): `span` (the graph's: paged_decode_span, which sizes the grid and
-// the workspace) doubled, up to GP_DECODE_SPAN_MAX, while the batch's keys would make more than
-// about `fill` split blocks (hblocks a split slice): the power-of-two multiple of span nearest
-// keys * hblocks / fill, never below span. fill <= 0: span itself. Every warp of the split and
-// combine kernels computes it alike (all 32 lanes; positions are the host's, read before the
-// dependent-launch wait). Measured (docs/kernels.md, "The span from the batch's keys"): fewer,
-// longer split blocks read a long KV faster, down to about two blocks an SM. Not inlined: inline,
-// its sum cost the split kernel an 8-byte spill at 128 registers.
-#define GP_DECODE_SPAN_MAX 2048   // paged_attention.DECODE_SPAN_MAX
-__device__ __noinline__ int gp_decode_span(const int* positions, int batch, int capacity,
-                                              int span, int fill, int hblocks) {
-    if (fill <= 0) return span;
-    long long keys = 0;
-    for (int b = threadIdx.x & 31; b < batch; b += 32) keys += gp_paged_nkeys(positions, b, capacity);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) keys += __shfl_xor_sync(0xffffffffu, keys, o);
-    keys *= hblocks;
-    while (span < GP_DECODE_SPAN_MAX && keys * 1000 > (long long)fill * span * 1414) span *= 2;
-    return span;
-}
-
 // grid (kv_heads * ceil(group / 4), batch, splits), 128 threads: flash decode's split kernel
-// over paged K/V, split by the row's actual length. Split z covers keys [z * sp, (z + 1) * sp),
-// sp = gp_decode_span(..., span, fill, ...); the grid holds the splits of the longest row the
-// table can hold at `span` (splits = ceil(max_blocks * block_tokens / span), the workspace's
-// slots per row), and a split past its row's length returns before reading anything else: it
-// writes no slot, and the combine reads none.
+// over paged K/V, split by the row's actual length. Split z covers keys [z * span, (z + 1) * span);
+// the grid holds the splits of the longest row the table can hold (splits = ceil(max_blocks *
+// block_tokens / span), the workspace's slots per row), and a split past its row's length
+// returns before reading anything else: it writes no slot, and the combine reads none.
 extern "C" __global__ void __launch_bounds__(128, 4)
 gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __restrict__ q,
                             const unsigned short* __restrict__ pool,
                             const int* __restrict__ positions, const int* __restrict__ table,
                             int batch, int heads, int kv_heads, int head_dim, int layer,
-                            int layers, int block_tokens, int max_blocks, int span, int fill,
-                            float scale) {
+                            int layers, int block_tokens, int max_blocks, int span, float scale) {
     // GP_FD_EARLY: the tensor-core block waits itself, after its first K/V loads (positions and
     // the table are the host's, written before the step; see gp_fd_split_block_mma)
     constexpr bool early = GP_FD_MMA && GP_FD_EARLY;
     if (!early) GP_PDL_ENTRY();
     const int b = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
-    const int capacity = max_blocks * block_tokens;
-    const int nkeys = gp_paged_nkeys(positions, b, capacity);
-    const int keys = gp_decode_span(positions, batch, capacity, span, fill, gridDim.x);
-    const int j0 = sp * keys;
+    const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
+    const int j0 = sp * span;
     if (j0 >= nkeys) return;  // past the row's length (a padding row has no split at all)
-    const int j1 = min(j0 + keys, nkeys);
+    const int j1 = min(j0 + span, nkeys);
     const gp_head_block hb = gp_decode_heads(blockIdx.x, heads, kv_heads);
     const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
     const int* trow = table + (long long)b * max_blocks;
@@ -209,20 +183,18 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
 }
 
 // grid (heads, batch), 128 threads: out (fp16) = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-// over the ceil(nkeys / sp) splits that ran for row b (sp: the split kernel's gp_decode_span, from
-// the same span, fill and hblocks = its gridDim.x; never the slots past its length, which hold
-// stale state); a row with no key (a padding row) is zeros. gp_fd_combine: the states staged
+// over the ceil(nkeys / span) splits that ran for row b (never the slots past its length, which
+// hold stale state); a row with no key (a padding row) is zeros. gp_fd_combine: the states staged
 // into shared memory in one round trip.
 extern "C" __global__ void __launch_bounds__(128)
 gp_flash_combine_paged(unsigned short* __restrict__ out, const float* __restrict__ ws,
                        const int* __restrict__ positions, int batch, int heads, int head_dim,
-                       int capacity, int span, int splits, int fill, int hblocks) {
+                       int capacity, int span, int splits) {
     GP_PDL_ENTRY();
     extern __shared__ float gp_fc_states[];   // decode_combine_shared_bytes
     const int h = blockIdx.x, b = blockIdx.y, width = head_dim + 2;
     const int nkeys = gp_paged_nkeys(positions, b, capacity);
-    const int keys = gp_decode_span(positions, batch, capacity, span, fill, hblocks);
-    const int ran = min(splits, (nkeys + keys - 1) / keys);
+    const int ran = min(splits, (nkeys + span - 1) / span);
     const float* part = ws + ((long long)b * heads + h) * splits * width;
     unsigned short* o = out + ((long long)b * heads + h) * head_dim;
     if (head_dim == 128) gp_fd_combine<128>(o, part, ran, gp_fc_states);

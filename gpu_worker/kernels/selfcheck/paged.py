@@ -21,8 +21,6 @@ from gpu_worker.kernels.paged_attention import (
     launch_flash_decode_paged_cluster,
     launch_flash_prefill_paged,
     launch_kv_append_paged,
-    paged_decode_fill,
-    paged_decode_hblocks,
     paged_decode_span,
     paged_decode_splits,
     paged_decode_workspace_bytes,
@@ -32,7 +30,6 @@ from gpu_worker.kernels.reference import (
     flash_decode_paged_partials,
     flash_prefill_paged,
     kv_append_paged,
-    paged_decode_actual_span,
 )
 from gpu_worker.kernels.rotary import ROTARY_ROWS, launch_rotary_rows
 from gpu_worker.kernels.sampling import SAMPLE, launch_sample
@@ -93,15 +90,13 @@ def _replayed(dev, launch, steps, before, result) -> Outcome:
 
 def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                       block_tokens=16, layers=2, layer=1, max_blocks=None, capacity=None,
-                      span=None, fill=None, replay_positions=None) -> Outcome:
+                      span=None, replay_positions=None) -> Outcome:
     """Split-K paged decode (split kernel + combine), split by each row's actual length, for a
     batch at per-row positions (-1 rows must come out zero). The workspace starts as NaN and is
     compared too: the slot of every split that holds a key must carry its partial state, every
     other slot must still be NaN (a block past its row's length wrote nothing) and the output
-    shows the combine read no such slot. `fill` (default: the library's, paged_decode_fill): the
-    split blocks the span is lengthened toward from the batch's keys, on the device. With
-    `replay_positions`, the launches are captured once and replayed after each change of the
-    device positions (the graph must not bake them, the span from them included)."""
+    shows the combine read no such slot. With `replay_positions`, the launches are captured once
+    and replayed after each change of the device positions (the graph must not bake them)."""
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
@@ -109,7 +104,6 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     capacity = capacity or max(4, min(batch * max_blocks, 4096))
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     splits = paged_decode_splits(max_blocks, block_tokens, span)
-    fill = paged_decode_fill(h.device) if fill is None else fill
     pool = _pool(rng, capacity, layers, block_tokens, kv_heads, head_dim)
     table = _tables(rng, batch, max_blocks, capacity)
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
@@ -125,7 +119,7 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
     def launch(stream=None) -> None:
         launch_flash_decode_paged(dev, fs, fc, out, ws, qp, pp, pos, tp, batch, heads, kv_heads,
                                   head_dim, layer, layers, block_tokens, max_blocks, span=span,
-                                  fill=fill, stream=stream)
+                                  stream=stream)
 
     def want(step) -> np.ndarray:
         return flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
@@ -135,9 +129,7 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
 
     if replay_positions is None:
         launch()
-        actual = paged_decode_actual_span(steps[0], max_blocks * block_tokens, span, fill,
-                                          paged_decode_hblocks(heads, kv_heads))
-        wp = flash_decode_paged_partials(q, pool, steps[0], table, layer, heads, actual, splits)
+        wp = flash_decode_paged_partials(q, pool, steps[0], table, layer, heads, span, splits)
         gp = h.get(ws, (batch, heads, splits, head_dim + 2))
         ran = ~np.isnan(wp)
         # an unrun slot compares as 1 (still NaN) against 1; a run slot by value
@@ -283,15 +275,6 @@ PAGED_CASES: list[Case] = [
        span=16),
     _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=16, positions=[20, 5],
        span=16, replay_positions=[[21, -1], [90, 6], [3, 70]]),
-    # the span lengthened from the batch's keys (fill 4: 205 keys x 2 blocks a slice -> 128-key
-    # splits of a 16-key graph span), up to the maximum (2048), and followed by a replayed graph
-    # as the rows grow and shrink (span 16 -> 32 -> 256 -> 16)
-    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=2, head_dim=16,
-       positions=[0, 17, -1, 40, 111, 15, 16], span=16, fill=4),
-    _c(DECODE, paged_decode_case, COMBINE, heads=8, kv_heads=1, head_dim=128,
-       positions=[2300, 4000], block_tokens=64, span=64, fill=1),
-    _c(DECODE, paged_decode_case, COMBINE, heads=4, kv_heads=1, head_dim=64, positions=[20, 5],
-       span=16, fill=2, replay_positions=[[40, 30], [300, 200], [3, -1]]),
     # the one-kernel decode: lengths 1, a tile, a tile + 1, under and over 8 tiles (CTAs with no
     # key), a padding row, GQA groups of 4 and 6 (two head blocks), a captured graph replayed
     _c(CLUSTER, paged_decode_cluster_case, heads=8, kv_heads=2, head_dim=128,

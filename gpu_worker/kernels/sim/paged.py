@@ -67,10 +67,9 @@ def _flash_decode_split_paged(mem, grid, block, args) -> None:
     """Writes the slots of the splits that hold a key of their row, and nothing else (as the
     CUDA kernel, whose blocks past a row's length exit at once)."""
     (ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
-     block_tokens, max_blocks, span, fill, scale) = _vals(args)
+     block_tokens, max_blocks, span, scale) = _vals(args)
     splits, width = grid[2], head_dim + 2
     pos = _arr(mem, positions, batch, np.int32)
-    span = reference.paged_decode_actual_span(pos, max_blocks * block_tokens, span, fill, grid[0])
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
     for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
@@ -86,10 +85,9 @@ def _flash_decode_split_paged(mem, grid, block, args) -> None:
 @register_sim_kernel("gp_flash_combine_paged")
 def _flash_combine_paged(mem, grid, block, args) -> None:
     """Reads only the slots of the splits that ran (a slot past a row's length is never viewed)."""
-    out, ws, positions, batch, heads, head_dim, capacity, span, splits, fill, hblocks = _vals(args)
+    out, ws, positions, batch, heads, head_dim, capacity, span, splits = _vals(args)
     width = head_dim + 2
     pos = _arr(mem, positions, batch, np.int32)
-    span = reference.paged_decode_actual_span(pos, capacity, span, fill, hblocks)
     for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, capacity)):
         ran = min(splits, -(-int(nkeys) // span))
         o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
