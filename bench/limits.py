@@ -12,6 +12,12 @@ result, and records the limits next to its figures.
 `rotation(nbytes)` says how many buffers of `nbytes` a kernel benchmark rotates through so that
 no replay finds its working set in L2.
 
+`same_bytes(nbytes)` is the limit for a kernel whose one launch reads `nbytes`: a plain copy
+moving that many bytes (half read, half written), one launch after another in a CUDA graph and
+rotating out of L2, as the kernel benchmarks time theirs. A launch's ramp and tail are a larger
+part of a short one: on the H100 a copy moving 67 MB runs at 0.78 of the 1 GiB copy's rate and
+one moving 134 MB at 0.86 (docs/kernels.md, "The copy limit at a launch's bytes").
+
     python bench/limits.py [--record [DIR]]
 """
 from __future__ import annotations
@@ -72,6 +78,77 @@ def _timed(torch, fn, reps: int, trials: int) -> list[float]:
         stop.synchronize()
         out.append(start.elapsed_time(stop) / 1e3 / reps)
     return out
+
+
+def _graph_timed(torch, ops: list, trials: int) -> list[float]:
+    """Seconds per op, one figure per trial: `ops` (one launch each) captured back to back in one
+    CUDA graph, the graph replayed between CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for op in ops:
+            op()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in ops:
+            op()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(trials):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        out.append(start.elapsed_time(stop) / 1e3 / len(ops))
+    return out
+
+
+@dataclass(frozen=True)
+class SameBytes:
+    """What plain kernels reach on launches of `nbytes` each (GB/s, medians over the trials)."""
+    nbytes: int
+    copy_gbs: float            # torch copy_ moving nbytes: nbytes / 2 read + nbytes / 2 written
+    sum_gbs: float             # torch.sum reading nbytes (information: a read-only reduction)
+
+    def line(self, copy_1gib_gbs: float | None = None) -> str:
+        of = f" ({self.copy_gbs / copy_1gib_gbs:.2f} of the 1 GiB copy)" if copy_1gib_gbs else ""
+        return (f"copy moving {self.nbytes / 1e6:,.1f} MB a launch: {self.copy_gbs:,.0f} GB/s{of}; "
+                f"torch.sum reading them: {self.sum_gbs:,.0f} GB/s")
+
+
+def same_bytes(nbytes: int, trials: int = 5) -> SameBytes | None:
+    """The copy limit for a kernel whose one launch reads `nbytes` (None without torch or a
+    device): launches of a copy moving `nbytes`, and of torch.sum reading them, each through
+    `rotation(nbytes)` buffers, at least 16 launches a graph."""
+    from bench import peer
+    if not peer.available():
+        return None
+    torch = peer.torch
+    count = rotation(nbytes)
+    launches = max(16, 2 * count)
+    moved = 4 * (nbytes // 4)
+    copy = [moved / t / 1e9 for t in _copies_timed(torch, nbytes // 4, count, launches, trials)]
+    read = [moved / t / 1e9 for t in _sums_timed(torch, nbytes // 2, count, launches, trials)]
+    torch.cuda.empty_cache()
+    return SameBytes(nbytes, statistics.median(copy), statistics.median(read))
+
+
+def _copies_timed(torch, elems: int, count: int, launches: int, trials: int) -> list[float]:
+    """Seconds per launch of `launches` copies of `elems` fp16 through `count` buffer pairs."""
+    src = [torch.empty(elems, dtype=torch.float16, device="cuda").normal_() for _ in range(count)]
+    dst = [torch.empty_like(s) for s in src]
+    return _graph_timed(torch, [lambda i=i: dst[i % count].copy_(src[i % count])
+                                for i in range(launches)], trials)
+
+
+def _sums_timed(torch, elems: int, count: int, launches: int, trials: int) -> list[float]:
+    """Seconds per launch of `launches` fp32 sums of `elems` fp16 through `count` buffers."""
+    bufs = [torch.empty(elems, dtype=torch.float16, device="cuda").normal_() for _ in range(count)]
+    return _graph_timed(torch, [lambda i=i: torch.sum(bufs[i % count], dtype=torch.float32)
+                                for i in range(launches)], trials)
 
 
 def _copy_rates(torch, nbytes: int, trials: int) -> tuple[list[float], list[float]]:

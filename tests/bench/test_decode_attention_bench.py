@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import decode_attention_bench as dab
-from bench.limits import L2_BYTES
+from bench.limits import L2_BYTES, SameBytes, same_bytes
 from bench.record import FIELDS, RESULTS, Recorder
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 
@@ -18,10 +20,10 @@ def row(section, batch, ctx, us, of_copy, table=dab.TABLE):
             "us": us, "GBps": of_copy * 4250.0, "of_copy": of_copy}
 
 
-def recorded(tmp_path, rows, copy_gbs=4250.0):
+def recorded(tmp_path, rows, copy_gbs=4250.0, same=None):
     t = Targets("decode_attention_bench",
                 record=Recorder("decode_attention_bench", tmp_path, device="test-gpu", argv=ARGV))
-    dab.record_rows(t, rows, copy_gbs)
+    dab.record_rows(t, rows, copy_gbs, same)
     lines = [json.loads(x) for x in (tmp_path / "test-gpu.jsonl").read_text().splitlines()]
     return t, {x["metric"]: x for x in lines}
 
@@ -127,3 +129,38 @@ def test_the_target_is_checked_where_the_kv_is_larger_than_the_l2(tmp_path):
     long = lines["paged decode batch 1, 16384 keys: fraction of copy"]
     assert long["target"] == f">= {DECODE_ATTENTION_OF_COPY:g}" and long["met"] is True
     assert t.exit_code() == 0
+
+
+def test_with_a_copy_of_the_same_bytes_the_target_divides_by_it_and_the_1gib_fraction_is_a_figure(
+        tmp_path):
+    """A launch moving 67 MB copies at ~0.8 of the 1 GiB copy's rate: the target row divides by
+    the copy of its own bytes; its fraction of the 1 GiB copy is recorded without a target."""
+    nbytes = dab.kv_bytes(1, 16384)
+    same = {nbytes: SameBytes(nbytes, copy_gbs=3400.0, sum_gbs=2900.0)}
+    rows = [row("new", 1, 16384, 30.0, 0.70, table=16384)]       # 2975 GB/s: 0.875 of 3400
+    t, lines = recorded(tmp_path, rows, same=same)
+    name = "paged decode batch 1, 16384 keys"
+    of_same = lines[f"{name}: fraction of a copy of the same bytes"]
+    assert of_same["met"] is True and of_same["limit"] == 3400.0
+    assert abs(of_same["value"] - 0.70 * 4250.0 / 3400.0) < 1e-9
+    whole = lines[f"{name}: fraction of copy"]
+    assert (whole["target"], whole["met"], whole["limit"]) == (None, None, 4250.0)
+    assert lines[f"{name}: copy of the same bytes"]["value"] == 3400.0
+    assert lines[f"{name}: torch.sum of the same bytes"]["value"] == 2900.0
+    assert t.exit_code() == 0
+
+
+def test_a_decode_under_0_8_of_the_copy_of_its_bytes_misses(tmp_path):
+    nbytes = dab.kv_bytes(8, DECODE_ATTENTION_CTX)
+    same = {nbytes: SameBytes(nbytes, copy_gbs=4000.0, sum_gbs=3900.0)}
+    t, lines = recorded(tmp_path, [row("new", 8, DECODE_ATTENTION_CTX, 94.4, 0.74)], same=same)
+    assert lines[f"paged decode batch 8, {DECODE_ATTENTION_CTX} keys: fraction of a copy of the "
+                 "same bytes"]["met"] is False, "3145 GB/s is 0.79 of a 4000 GB/s copy"
+    assert t.exit_code() == 1
+
+
+def test_without_a_device_there_is_no_copy_of_the_same_bytes():
+    from bench import peer
+    if peer.available():
+        pytest.skip("a CUDA device is present: the copy is measured")
+    assert same_bytes(dab.kv_bytes(1, 16384)) is None, "no device: never a default figure"
