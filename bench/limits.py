@@ -14,9 +14,10 @@ no replay finds its working set in L2.
 
 `same_bytes(nbytes)` is the limit for a kernel whose one launch reads `nbytes`: a plain copy
 moving that many bytes (half read, half written), one launch after another in a CUDA graph and
-rotating out of L2, as the kernel benchmarks time theirs. A launch's ramp and tail are a larger
-part of a short one: on the H100 a copy moving 67 MB runs at 0.78 of the 1 GiB copy's rate and
-one moving 134 MB at 0.86 (docs/kernels.md, "The copy limit at a launch's bytes").
+rotating out of L2, as the kernel benchmarks time theirs; torch.sum reading the bytes beside it.
+A launch's ramp and tail are a larger part of a short one: on the H100 a copy moving 67 MB runs
+at 0.90 of the 1 GiB copy's rate, torch.sum reading 67 MB at 0.75 (docs/kernels.md, "The copy
+limit at a launch's bytes").
 
     python bench/limits.py [--record [DIR]]
 """
