@@ -49,8 +49,8 @@ How the figures are measured (DESIGN 6.5):
   with its defaults in its own process, the clients in another.
 - Every "fraction of a limit" divides by the limit measured at the start of the same run
   (`bench/limits.py`: 1 GiB device-to-device copy with read + write counted, pinned H2D, fp16
-  tensor-core matmul), over working sets larger than the 60 MB L2. Where a target is on one
-  launch's read (decode attention), it divides by a copy of the same bytes a launch, measured
+  tensor-core matmul), over working sets larger than the 60 MB L2. decode_attention_bench's
+  target, on one launch's read, divides by a copy of the same bytes a launch, measured
   the same way in the same run (`bench/limits.same_bytes`): a short launch pays its ramp and
   tail, which a 1 GiB copy does not; the fraction of the 1 GiB copy is recorded beside it.
 - `peer` is the PyTorch peer's value of the same metric where there is one; `limit` is the limit
