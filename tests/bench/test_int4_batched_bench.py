@@ -47,3 +47,46 @@ def test_the_xk_times_cover_both_entries_and_a_wrong_result_stops_them(setup, mo
     monkeypatch.setattr(h, "get", get)
     with pytest.raises(bench.WrongBuild):
         bench.xk_times(dev, h, weights, x, y, N, K, 1, 1)
+
+
+def one_row_lines(tmp_path, step1_s, launches, copy_gbs, same):
+    import json
+
+    from bench.record import Recorder
+    from bench.targets import Targets
+    t = Targets("int4_batched_bench", record=Recorder("int4_batched_bench", tmp_path,
+                                                      device="test-gpu", argv=["x"]))
+    bench.record_one_row(t, step1_s, launches, copy_gbs, same)
+    lines = [json.loads(x) for x in (tmp_path / "test-gpu.jsonl").read_text().splitlines()]
+    return t, {x["metric"]: x for x in lines}
+
+
+def test_the_one_row_target_divides_by_a_copy_of_each_launchs_bytes(tmp_path) -> None:
+    """Two shapes, 10 MB used 32 times and 200 MB once: the step's limit is the sum of each
+    launch's bytes over the copy of those bytes; the 1 GiB fraction is recorded without a target."""
+    from bench.limits import SameBytes
+    same = {10_000_000: SameBytes(10_000_000, 2000.0, 2500.0, 1800.0),
+            200_000_000: SameBytes(200_000_000, 2900.0, 2800.0, 2700.0)}
+    launches = [(10_000_000, 32), (200_000_000, 1)]
+    limit_s = 32 * 10e6 / 2500e9 + 200e6 / 2900e9
+    t, lines = one_row_lines(tmp_path, limit_s / 0.75, launches, 3000.0, same)
+    target = lines["decode step int4 linears at 1 row, fraction of a copy of the same bytes"]
+    assert target["met"] is True and abs(target["value"] - 0.75) < 1e-9
+    assert abs(target["limit"] - 520e6 / limit_s / 1e9) < 1e-6
+    whole = lines["decode step int4 linears at 1 row, fraction of copy"]
+    assert whole["target"] is None and whole["limit"] == 3000.0
+    assert abs(whole["value"] - 520e6 / (limit_s / 0.75) / 3000e9) < 1e-9
+    assert t.exit_code() == 0
+    t, lines = one_row_lines(tmp_path / "slow", limit_s / 0.65, launches, 3000.0, same)
+    assert lines["decode step int4 linears at 1 row, fraction of a copy of the same bytes"][
+        "met"] is False
+    assert t.exit_code() == 1
+
+
+def test_without_every_shapes_copy_the_one_row_target_is_on_the_1gib_copy(tmp_path) -> None:
+    from bench.limits import SameBytes
+    same = {10_000_000: SameBytes(10_000_000, 2000.0, 2500.0, 1800.0)}   # 200 MB unmeasured
+    t, lines = one_row_lines(tmp_path, 1e-3, [(10_000_000, 32), (200_000_000, 1)], 1000.0, same)
+    assert set(lines) == {"decode step int4 linears at 1 row, fraction of copy"}
+    assert lines["decode step int4 linears at 1 row, fraction of copy"]["met"] is False  # 0.52
+    assert t.exit_code() == 1
