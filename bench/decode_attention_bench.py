@@ -269,6 +269,10 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float,
                                "fraction", limit=limit.copy_gbs)
             targets.figure(f"{name}: copy of the same bytes", limit.copy_gbs, "GB/s")
             targets.figure(f"{name}: torch.sum of the same bytes", limit.sum_gbs, "GB/s")
+            if limit.read_gbs is not None:
+                targets.figure(f"{name}: a plain read of the same bytes", limit.read_gbs, "GB/s")
+                targets.figure(f"{name}: fraction of a plain read of the same bytes",
+                               r["GBps"] / limit.read_gbs, "fraction", limit=limit.read_gbs)
         if (batch, ctx) in old:
             targets.figure(f"{name}: span rule / old rule time", r["us"] / old[batch, ctx]["us"],
                            "ratio")
@@ -301,8 +305,9 @@ def same_bytes_limits(rows: list[dict], trials: int, copy_gbs: float) -> dict[in
         if nbytes not in same:
             same[nbytes] = same_bytes(nbytes, trials)
         limit = same[nbytes]
+        read = "" if limit.read_gbs is None else f", {r['GBps'] / limit.read_gbs:.2f} of the read"
         print(f"   batch {r['batch']:>2} ctx {r['ctx']:>5}: {limit.line(copy_gbs)}; the decode "
-              f"{r['GBps'] / limit.copy_gbs:.2f} of that copy", flush=True)
+              f"{r['GBps'] / limit.copy_gbs:.2f} of that copy{read}", flush=True)
     return same
 
 

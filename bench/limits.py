@@ -14,10 +14,11 @@ no replay finds its working set in L2.
 
 `same_bytes(nbytes)` is the limit for a kernel whose one launch reads `nbytes`: a plain copy
 moving that many bytes (half read, half written), one launch after another in a CUDA graph and
-rotating out of L2, as the kernel benchmarks time theirs; torch.sum reading the bytes beside it.
-A launch's ramp and tail are a larger part of a short one: on the H100 a copy moving 67 MB runs
-at 0.90 of the 1 GiB copy's rate, torch.sum reading 67 MB at 0.75 (docs/kernels.md, "The copy
-limit at a launch's bytes").
+rotating out of L2, as the kernel benchmarks time theirs; beside it, a plain read-only launch
+(bench/stream_read.cu, through CuPy) and torch.sum reading the bytes. A launch's ramp and tail
+are a larger part of a short one: on the H100 a copy moving 67 MB runs at 0.90 of the 1 GiB
+copy's rate; the plain read reads 67 MB at 1.07 of that copy's rate, torch.sum at 0.83
+(docs/kernels.md, "The copy limit at a launch's bytes").
 
     python bench/limits.py [--record [DIR]]
 """
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -115,6 +117,7 @@ class SameBytes:
     memcpy_gbs: float          # torch copy_ (a memcpy node in the graph) moving nbytes
     kernel_gbs: float          # torch.neg(src, out=dst), an SM kernel, moving nbytes
     sum_gbs: float             # torch.sum reading nbytes (information: a read-only reduction)
+    read_gbs: float | None = None   # gp_stream_read reading nbytes (None without CuPy)
 
     @property
     def copy_gbs(self) -> float:
@@ -123,9 +126,10 @@ class SameBytes:
 
     def line(self, copy_1gib_gbs: float | None = None) -> str:
         of = f" ({self.copy_gbs / copy_1gib_gbs:.2f} of the 1 GiB copy)" if copy_1gib_gbs else ""
+        read = "" if self.read_gbs is None else f"a plain read {self.read_gbs:,.0f}, "
         return (f"{self.nbytes / 1e6:,.1f} MB a launch: copy {self.copy_gbs:,.0f} GB/s{of} "
                 f"(memcpy {self.memcpy_gbs:,.0f}, kernel {self.kernel_gbs:,.0f}); "
-                f"torch.sum reading them {self.sum_gbs:,.0f}")
+                f"{read}torch.sum reading them {self.sum_gbs:,.0f}")
 
 
 def same_bytes(nbytes: int, trials: int = 5) -> SameBytes | None:
@@ -150,11 +154,41 @@ def same_bytes(nbytes: int, trials: int = 5) -> SameBytes | None:
                else functools.partial(op, bufs[i % count]) for i in range(launches)]
         return statistics.median([moved / t / 1e9 for t in _graph_timed(torch, ops, trials)])
 
+    read = _stream_read(torch)
     found = SameBytes(nbytes, rate(lambda d, s: d.copy_(s), half, True),
                       rate(lambda d, s: torch.neg(s, out=d), half, True),
-                      rate(lambda x: torch.sum(x, dtype=torch.float32), 2 * half, False))
+                      rate(lambda x: torch.sum(x, dtype=torch.float32), 2 * half, False),
+                      None if read is None else max(rate(fn, 2 * half, False) for fn in read))
     torch.cuda.empty_cache()
     return found
+
+
+STREAM_READ = Path(__file__).with_name("stream_read.cu")
+STREAM_READ_UNROLL = (2, 4)   # 16-byte loads in flight a thread; the faster of the two is taken
+
+
+def _stream_read(torch) -> list | None:
+    """One launcher of gp_stream_read per STREAM_READ_UNROLL build, each taking a CUDA tensor and
+    launching on torch's current stream (so a torch graph captures it); None without CuPy."""
+    try:
+        import cupy
+        import numpy as np
+    except ImportError:
+        return None
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    code = STREAM_READ.read_text()
+
+    def launcher(unroll: int):
+        fn = cupy.RawModule(code=code, options=(f"-DU={unroll}",)).get_function("gp_stream_read")
+
+        def launch(buf) -> None:
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                fn((2 * sms,), (1024,), (np.uint64(buf.data_ptr()),
+                                         np.uint64(buf.numel() * buf.element_size() // 16),
+                                         np.uint64(out.data_ptr())))
+        return launch
+    return [launcher(u) for u in STREAM_READ_UNROLL]
 
 
 def _copy_rates(torch, nbytes: int, trials: int) -> tuple[list[float], list[float]]:

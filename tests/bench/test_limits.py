@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.limits import L2_BYTES, ROTATE_FACTOR, measure, rotation
+from bench.limits import (
+    L2_BYTES,
+    ROTATE_FACTOR,
+    STREAM_READ,
+    STREAM_READ_UNROLL,
+    SameBytes,
+    measure,
+    rotation,
+)
 
 
 def test_a_rotation_set_is_at_least_four_l2s_of_distinct_data():
@@ -25,3 +33,28 @@ def test_without_a_device_no_limit_is_invented(capsys):
         pytest.skip("a CUDA device is present: the limits are measured")
     assert measure(quiet=False) is None, "no device: no limits, never a default figure"
     assert "not measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("unroll", STREAM_READ_UNROLL)
+def test_the_plain_read_kernel_compiles_with_nvrtc_for_each_unroll(unroll):
+    """bench/stream_read.cu is built by CuPy on the GPU machine; NVRTC runs here too."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    _, prog = nvrtc.nvrtcCreateProgram(STREAM_READ.read_text().encode(), b"stream_read.cu", 0,
+                                         [], [])
+    opts = [f"-DU={unroll}".encode(), b"--gpu-architecture=compute_90"]
+    result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+    _, ptx_size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * ptx_size
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    assert b".entry gp_stream_read" in ptx
+    assert ptx.count(b"ld.global.cs.v4") >= unroll, "the streaming loads are the kernel's reads"
+
+
+def test_a_same_bytes_line_names_the_plain_read_where_it_was_measured():
+    with_read = SameBytes(67_108_864, 2736.0, 2758.0, 2283.0, 2938.0)
+    assert "a plain read 2,938" in with_read.line(3000.0)
+    assert "plain read" not in SameBytes(67_108_864, 2736.0, 2758.0, 2283.0).line()
