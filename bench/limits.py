@@ -21,6 +21,7 @@ copy's rate; the plain read reads 67 MB at 1.07 of that copy's rate, torch.sum a
 (docs/kernels.md, "The copy limit at a launch's bytes").
 
     python bench/limits.py [--record [DIR]]
+    python bench/limits.py --same-bytes 33554432,67108864 [--record [DIR]]   # also same_bytes
 """
 from __future__ import annotations
 
@@ -237,20 +238,44 @@ def measure(trials: int = 5, copy_bytes: int = GiB, quiet: bool = False) -> Limi
     return limits
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from bench.record import add_record_flag
     from bench.targets import Targets
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--same-bytes", type=_sizes, default=(), metavar="N[,N...]",
+                   help="also same_bytes at each of these bytes a launch")
     add_record_flag(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     targets = Targets("limits", args=args)
     limits = measure(args.trials)
     if limits is None:
         return 0
     limits.record(targets)
+    for nbytes in args.same_bytes:
+        found = same_bytes(nbytes, args.trials)
+        print(found.line(limits.copy_gbs), flush=True)
+        record_same_bytes(targets, found)
     return targets.exit_code()
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(v) for v in text.split(","))
+    if any(n < 16 for n in sizes):
+        raise argparse.ArgumentTypeError(f"bytes a launch must be at least 16: {text}")
+    return sizes
+
+
+def record_same_bytes(targets, found: SameBytes) -> None:
+    """same_bytes' rates at one size as figures of the bench that measured them."""
+    mb = f"{found.nbytes / 1e6:,.1f} MB a launch"
+    targets.figure(f"same bytes: copy, {mb}", found.copy_gbs, "GB/s")
+    targets.figure(f"same bytes: memcpy, {mb}", found.memcpy_gbs, "GB/s")
+    targets.figure(f"same bytes: copy kernel, {mb}", found.kernel_gbs, "GB/s")
+    targets.figure(f"same bytes: torch.sum, {mb}", found.sum_gbs, "GB/s")
+    if found.read_gbs is not None:
+        targets.figure(f"same bytes: plain read, {mb}", found.read_gbs, "GB/s")
 
 
 if __name__ == "__main__":

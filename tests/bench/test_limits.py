@@ -58,3 +58,28 @@ def test_a_same_bytes_line_names_the_plain_read_where_it_was_measured():
     with_read = SameBytes(67_108_864, 2736.0, 2758.0, 2283.0, 2938.0)
     assert "a plain read 2,938" in with_read.line(3000.0)
     assert "plain read" not in SameBytes(67_108_864, 2736.0, 2758.0, 2283.0).line()
+
+
+def test_same_bytes_are_recorded_as_figures_and_the_read_only_where_measured(tmp_path):
+    import json
+
+    from bench.limits import record_same_bytes
+    from bench.record import Recorder
+    from bench.targets import Targets
+    t = Targets("limits", record=Recorder("limits", tmp_path, device="test-gpu", argv=["x"]))
+    record_same_bytes(t, SameBytes(67_108_864, 2736.0, 2758.0, 2283.0, 2938.0))
+    record_same_bytes(t, SameBytes(1_073_741_824, 2439.0, 3035.0, 3064.0))
+    lines = {x["metric"]: x for x in map(json.loads,
+                                          (tmp_path / "test-gpu.jsonl").read_text().splitlines())}
+    assert lines["same bytes: copy, 67.1 MB a launch"]["value"] == 2758.0
+    assert lines["same bytes: plain read, 67.1 MB a launch"]["value"] == 2938.0
+    assert lines["same bytes: copy, 1,073.7 MB a launch"]["value"] == 3035.0
+    assert "same bytes: plain read, 1,073.7 MB a launch" not in lines
+    assert all(x["target"] is None for x in lines.values()), "figures, not targets"
+
+
+def test_a_launch_size_under_16_bytes_is_refused_with_how_to_fix(capsys):
+    from bench.limits import main
+    with pytest.raises(SystemExit):
+        main(["--same-bytes", "67108864,8"])
+    assert "at least 16" in capsys.readouterr().err
