@@ -26,16 +26,17 @@ as such).
    the default is no preference), same rows as [1]; its time over the library's is recorded.
 
 6. the copy limit at each row's bytes (bench/limits.same_bytes): a copy moving the KV bytes one
-   decode reads, launches back to back in a CUDA graph rotating out of L2 (and torch.sum reading
-   them, information), and the library's decode as a fraction of it.
+   decode reads, launches back to back in a CUDA graph rotating out of L2 (and a plain read and
+   torch.sum of them, information), and the library's decode as a fraction of the copy and of
+   the plain read (a read-only launch reads faster than a copy moves the same bytes: 1.07x at
+   67 MB on the H100).
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at every batch the library's decode reads a
 KV larger than the L2 at >= 0.8 of a copy of the same bytes, at `target_ctx(batch)`: ctx 8192,
 or at batch 1 (33.5 MB at 8192 keys, under the L2) the smallest power of two above it whose KV
 is larger (16384: 67 MB); that row is added to [1] and [2]. The divisor is the copy of the same
 bytes, not the 1 GiB copy, because a decode is one launch and a short launch pays its ramp and
-tail (on the H100 a copy moving 67 MB runs at 0.90 of the 1 GiB copy's rate, torch.sum reading
-67 MB at 0.75); the fraction of the 1 GiB copy stays a recorded figure on every row. Without torch the target falls back to the
+tail (on the H100 a copy moving 67 MB runs at 0.90 of the 1 GiB copy's rate); the fraction of the 1 GiB copy stays a recorded figure on every row. Without torch the target falls back to the
 1 GiB copy (printed as such). A miss prints MISSED and the process exits 1. Every other row,
 batch 1 at 8192 keys among them, is a recorded figure without a target.
 
