@@ -51,8 +51,11 @@ How the figures are measured (DESIGN 6.5):
   (`bench/limits.py`: 1 GiB device-to-device copy with read + write counted, pinned H2D, fp16
   tensor-core matmul), over working sets larger than the 60 MB L2. decode_attention_bench's
   target, on one launch's read, divides by a copy of the same bytes a launch, measured
-  the same way in the same run (`bench/limits.same_bytes`): a short launch pays its ramp and
-  tail, which a 1 GiB copy does not; the fraction of the 1 GiB copy is recorded beside it.
+  the same way in the same run (`bench/limits.same_bytes`), and int4_batched_bench's 1-row
+  target by the step at a copy of each launch's bytes: a short launch pays its ramp and tail,
+  which a 1 GiB copy does not; the fraction of the 1 GiB copy is recorded beside it. A plain
+  read of the same bytes (`bench/stream_read.cu`) is recorded beside the copy: a read-only
+  launch reads about 1.07x faster than a copy moves the same bytes.
 - `peer` is the PyTorch peer's value of the same metric where there is one; `limit` is the limit
   the figure was divided by (GB/s, TFLOP/s or tokens/s, as the metric says).
 - On the GPU machine `python -m bench.device_session --group N --record DIR` runs the GPU
