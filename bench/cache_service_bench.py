@@ -37,6 +37,7 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 server.terminate()
                 server.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)   # ~860 MB of store and files a run
     results["loadavg_end"] = os.getloadavg()
     for row in results["sizes"].values():
         for m in row.values():

@@ -79,11 +79,12 @@ def run_bench(tree: pathlib.Path, script: str, args: list[str],
     # A non-zero exit is a benchmark reporting a MISSED target: its figures still count.
     proc = subprocess.run([sys.executable, str(path), *args, "--json", str(out)], cwd=tree,
                           env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if not out.exists():
-        print(f"  {script} on {tree.name}: no figures (exit {proc.returncode}): "
+    try:
+        return flatten(json.loads(out.read_text()))
+    except (OSError, ValueError) as exc:   # none written, or cut short (a full disk, a crash)
+        print(f"  {script} on {tree.name}: no figures (exit {proc.returncode}; {exc}): "
               f"{proc.stderr.strip()[-300:]}", flush=True)
         return None
-    return flatten(json.loads(out.read_text()))
 
 
 def compare(base: dict[str, list[dict[str, float]]], tree: dict[str, list[dict[str, float]]],

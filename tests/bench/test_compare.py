@@ -35,3 +35,21 @@ def test_the_base_is_exported_without_touching_any_worktree(tmp_path: pathlib.Pa
     assert (tmp_path / "base" / "bench" / "compare.py").exists() or \
         (tmp_path / "base" / "Makefile").exists()
     assert not (tmp_path / "base" / ".git").exists(), "the export must not be a git checkout"
+
+
+def test_a_benchmark_whose_json_is_empty_or_cut_short_gives_no_figures(tmp_path: pathlib.Path,
+                                                                       capsys) -> None:
+    """A full disk leaves an empty --json file: the round reports it and goes on."""
+    from bench.compare import run_bench
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    script = tree / "bench" / "half_bench.py"
+    script.write_text("import sys, pathlib\n"
+                      "p = pathlib.Path(sys.argv[sys.argv.index('--json') + 1])\n"
+                      "p.write_text(sys.argv[1])\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    assert run_bench(tree, "half_bench.py", [""], scratch) is None
+    assert run_bench(tree, "half_bench.py", ['{"a": 1'], scratch) is None
+    assert "no figures" in capsys.readouterr().out
+    assert run_bench(tree, "half_bench.py", ['{"a": 1}'], scratch) == {"a": 1.0}
