@@ -115,6 +115,10 @@ PLAN: tuple[Run, ...] = (
         ("--reps", "10", "--trials", "3", "--cuda-core", "--no-sweep"), 45,
         "paged decode split by the actual length, KV beyond L2, the tensor-core split block "
         "against the lane-group one (--cuda-core: 35 s with --no-sweep on the H100, 2026-12-05)"),
+    Run("limits", "limits.py",
+        ("--same-bytes", "4194304,33554432,67108864,134217728,1073741824"), 40, None, 40,
+        "plain launches at a launch's bytes: copy, plain read, torch.sum (a guess: not yet "
+        "timed alone)"),
     Run("pressure_bench", "pressure_bench.py", (), 260,
         ("--trials", "3", "--steps", "4", "--reps", "2"), 200,
         "--trials 1 --steps 4 --reps 2 took 3 min on 2026-12-01"),
