@@ -18,8 +18,11 @@ as such).
 3. the empty blocks' cost: batch 64 at ctx 1024 in an 8192-token table against a 1024-token one.
 4. with `--cuda-core`: the lane-group split block (GP_FD_MMA=0, the library's before the
    tensor-core block) at the default span, same rows as [1]; its time over the library's is
-   recorded. `--build NAME=MACRO:V,...` times other builds (paged_attention.decode_split_build)
-   the same way and at spans 64-512 at batch 1 and 8, printed only. Every build's output must
+   recorded. `--build NAME=MACRO:V,...` times other builds the same way and at spans 64-512 at
+   batch 1 and 8, printed only: GP_FD_* macros build the split kernel
+   (paged_attention.decode_split_build); a build naming a GP_FDC_* macro (decode_cluster_build,
+   e.g. GP_FDC_WARPS:8,GP_FDC_PREFETCH:1) runs as the graph runs it, its cluster kernel where
+   cluster_decode holds. Every build's output must
    agree with the library's within the kernels' tolerance, or the run stops.
 5. with `--carveout PCT[:split|combine]` (repeatable): the library build with the split's, the
    combine's or both kernels' preferred shared-memory carveout at PCT % (Device.set_shared_carveout;
@@ -63,9 +66,9 @@ from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Target
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
-    FLASH_DECODE_PAGED_CLUSTER,
     MAX_DECODE_SPLITS,
     cluster_decode,
+    decode_cluster_build,
     decode_split_build,
     launch_flash_decode_paged,
     paged_decode_span,
@@ -147,7 +150,8 @@ class Bench:
                library: bool = False) -> tuple[float, int, np.ndarray]:
         """(seconds per decode, KV bytes read per decode, the last decode's output); `library`:
         the decode as the graph runs it (the one-kernel cluster decode where cluster_decode
-        holds), else the split and combine kernels at `span`; `carveout`:
+        holds), else the split and combine kernels at `span`; `build`: GP_FD_* macros for the
+        split kernel, GP_FDC_* (and GP_FD_*) for the cluster kernel; `carveout`:
         (percent, "split" / "combine" / "both"), those kernels' preferred shared-memory carveout
         while timed (Device.set_shared_carveout), back to no preference after."""
         h, dev = self.h, self.dev
@@ -168,13 +172,15 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
-        fs, fc = h.function(decode_split_build(**(build or {}))), h.function(FLASH_COMBINE_PAGED)
-        fcl = h.function(FLASH_DECODE_PAGED_CLUSTER) if library else None
+        split_defines = {k: v for k, v in (build or {}).items() if not k.startswith("GP_FDC_")}
+        fs, fc = h.function(decode_split_build(**split_defines)), h.function(FLASH_COMBINE_PAGED)
+        cluster = decode_cluster_build(**(build or {}))
+        fcl = h.function(cluster.kernel) if library else None
 
         def one(layer):
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
-                max_blocks, span=span, stream=s, cluster_function=fcl)
+                max_blocks, span=span, stream=s, cluster_function=fcl, cluster_launch=cluster)
 
         percent, which = carveout or (-1, "")
         carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
@@ -334,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[tuple[int, int], np.ndarray] = {}
 
     def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None) -> dict:
-        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=section == "new")
+        # a build of the cluster kernel runs as the graph would run it; others, the split kernel
+        library = section == "new" or any(k.startswith("GP_FDC_") for k in build or {})
+        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=library)
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
         elif (build is not None or section == "two") and (batch, ctx) in outputs:
@@ -380,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     builds = ([("lanes", {"GP_FD_MMA": 0})] if args.cuda_core else []) + args.build
     for name, build in builds:
         print(f"\n[4] build {name} ({build}) at the default span; at batch 1 and 8 also other spans")
+        cluster_only = all(k.startswith("GP_FDC_") for k in build)
         for batch in (1, 8, 32, 64):
+            one_kernel = (any(k.startswith("GP_FDC_") for k in build)
+                          and cluster_decode(batch, HEADS, KVH, HD, sms))   # no span
+            if cluster_only and not one_kernel:
+                continue   # the library's split kernel: nothing of the build runs
             for ctx in contexts(batch):
                 table = max(TABLE, ctx)
                 span = paged_decode_span(table // BT, BT, batch, HEADS, KVH)
@@ -388,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 new = next(r for r in rows if r["section"] == "new" and r["batch"] == batch
                            and r["ctx"] == ctx)
                 print(f"{'':>8} {name} / library time {other['us'] / new['us']:.2f}")
-                if name != "lanes" and batch <= 8:
+                if name != "lanes" and batch <= 8 and not one_kernel:
                     for sp in (64, 128, 256, 512):
                         if sp != span and paged_decode_splits(table // BT, BT, sp) <= MAX_DECODE_SPLITS:
                             row(name + "-span", batch, ctx, sp, table, build=build)

@@ -25,6 +25,8 @@ from typing import Literal
 import numpy as np
 
 ArgKind = Literal["ptr", "i32", "i64", "f32"]
+PORTABLE_CLUSTER_CTAS = 8    # a cluster any sm_90 launch may use; up to 16 with the opt-in (cuda)
+MAX_CLUSTER_CTAS = 16        # the non-portable limit on sm_90 (H100, H200)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.device.backend import (
+    PORTABLE_CLUSTER_CTAS,
     Backend,
     CaptureInvalidated,
     DeviceError,
@@ -334,6 +335,10 @@ class CudaBackend(Backend):
                 shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         # The launch copies the argument values (also into a graph node), so `vals` may die after.
         attrs = []
+        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > PORTABLE_CLUSTER_CTAS:
+            check(d.cuFuncSetAttribute(   # 9..16 CTAs (sm_90): a function attribute, opt-in
+                function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1), "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
         if cluster is not None and cluster != (1, 1, 1):
             attr = d.CUlaunchAttribute()
             attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu_worker.device.backend import (
+    MAX_CLUSTER_CTAS,
     Backend,
     CaptureInvalidated,
     DeviceError,
@@ -528,7 +529,7 @@ class SimBackend(Backend):
         if shared_bytes > SIM_MAX_SHARED_BYTES:
             raise DeviceError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE ({shared_bytes} bytes of "
                               f"shared memory > {SIM_MAX_SHARED_BYTES})")
-        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > 8:
+        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > MAX_CLUSTER_CTAS:
             raise DeviceError(f"cuLaunchKernelEx: CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES (cluster {cluster})")
         args = list(args)
 

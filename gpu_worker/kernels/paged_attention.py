@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
-from gpu_worker.device.backend import f32, i32, ptr
+from gpu_worker.device.backend import MAX_CLUSTER_CTAS, f32, i32, ptr
 from gpu_worker.kernels.common import (
     BLOCK,
     KernelDef,
@@ -76,6 +77,7 @@ CLUSTER_DECODE_THREADS = 512
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
+_BUILD_MACRO = re.compile(r"GP_FDC?_[A-Z0-9_]+")   # the macros a tuning build may set
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -213,10 +215,13 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       positions: int, table: int, batch: int, heads: int,
                                       kv_heads: int, head_dim: int, layer: int, layers: int,
                                       block_tokens: int, max_blocks: int,
-                                      scale: float | None = None, stream=None) -> None:
+                                      scale: float | None = None, stream=None,
+                                      threads: int = CLUSTER_DECODE_THREADS,
+                                      ctas: int = CLUSTER_DECODE_CTAS) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
-    each row split by its actual length over a cluster of CLUSTER_DECODE_CTAS CTAs (no
-    workspace, no combine). head_dim 64 or 128."""
+    each row split by its actual length over a cluster of `ctas` CTAs of `threads` each (no
+    workspace, no combine). head_dim 64 or 128. Another build's threads and ctas:
+    decode_cluster_build."""
     kernel = "flash_decode_paged_cluster"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
@@ -229,12 +234,12 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
     if batch == 0:
         return
     hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
-    device.launch(function, (CLUSTER_DECODE_CTAS, kv_heads * hgroups, batch),
-                  (CLUSTER_DECODE_THREADS, 1, 1),
+    device.launch(function, (ctas, kv_heads * hgroups, batch),
+                  (threads, 1, 1),
                   [ptr(out), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
                    i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
                    i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
-                  stream=stream, pdl=True, cluster=(CLUSTER_DECODE_CTAS, 1, 1))
+                  stream=stream, pdl=True, cluster=(ctas, 1, 1))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
@@ -242,16 +247,21 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                               heads: int, kv_heads: int, head_dim: int, layer: int, layers: int,
                               block_tokens: int, max_blocks: int, *, span: int | None = None,
                               scale: float | None = None, stream=None,
-                              cluster_function=None) -> None:
+                              cluster_function=None,
+                              cluster_launch: ClusterBuild | None = None) -> None:
     """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
     paged_decode_splits(max_blocks, block_tokens, span) slots. With `cluster_function`, a
-    batch cluster_decode takes runs as that one kernel instead (the workspace unused)."""
+    batch cluster_decode takes runs as that one kernel instead (the workspace unused), at
+    `cluster_launch`'s threads and CTAs where given (a decode_cluster_build)."""
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
                                                        sm_count(device)):
+        shape = ({} if cluster_launch is None
+                 else {"threads": cluster_launch.threads, "ctas": cluster_launch.ctas})
         launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
-                                          block_tokens, max_blocks, scale=scale, stream=stream)
+                                          block_tokens, max_blocks, scale=scale, stream=stream,
+                                          **shape)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
@@ -298,20 +308,52 @@ FLASH_PREFILL_PAGED = KernelDef("flash_prefill_paged", "gp_flash_prefill_paged",
 
 
 
+def _build_source(kernel: str, defines: dict[str, int]):
+    """SOURCE compiled with the given GP_FD_* / GP_FDC_* macros, as a module of its own."""
+    for name, value in defines.items():
+        require(_BUILD_MACRO.fullmatch(name) is not None and isinstance(value, int),
+                f"{kernel}: build macro {name}={value!r} must be GP_FD_<NAME>=int or "
+                f"GP_FDC_<NAME>=int")
+    tag = "_".join(f"{name[3:].lower()}{value}" for name, value in sorted(defines.items()))
+    return dataclasses.replace(
+        SOURCE, module_name=f"{SOURCE.module_name}_{tag}",
+        options=(*SOURCE.options, *(f"-D{name}={value}" for name, value in sorted(defines.items()))))
+
+
 def decode_split_build(**defines: int) -> KernelDef:
     """gp_flash_decode_split_paged built with the given GP_FD_* macros (flash_device.cuh, e.g.
     GP_FD_MMA=0: the lane-group block at every head_dim); none: the library's build.
     decode_attention_bench --cuda-core and --build time such builds beside it."""
     if not defines:
         return FLASH_DECODE_SPLIT_PAGED
-    for name, value in defines.items():
-        require(name.startswith("GP_FD_") and name[6:].isalnum() and isinstance(value, int),
-                f"flash_decode_split_paged: build macro {name}={value!r} must be GP_FD_<NAME>=int")
-    tag = "_".join(f"{name[6:].lower()}{value}" for name, value in sorted(defines.items()))
-    source = dataclasses.replace(
-        SOURCE, module_name=f"{SOURCE.module_name}_{tag}",
-        options=(*SOURCE.options, *(f"-D{name}={value}" for name, value in sorted(defines.items()))))
-    return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED, source=source)
+    return dataclasses.replace(FLASH_DECODE_SPLIT_PAGED,
+                               source=_build_source("flash_decode_split_paged", defines))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterBuild:
+    """A build of gp_flash_decode_paged_cluster and the launch it needs: `threads` a CTA
+    (GP_FDC_WARPS * 32), `ctas` a cluster (GP_FDC_CTAS; above 8, a non-portable cluster)."""
+
+    kernel: KernelDef
+    threads: int = CLUSTER_DECODE_THREADS
+    ctas: int = CLUSTER_DECODE_CTAS
+
+
+def decode_cluster_build(**defines: int) -> ClusterBuild:
+    """gp_flash_decode_paged_cluster built with the given GP_FDC_* (and GP_FD_*) macros
+    (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS, GP_FDC_PREFETCH); none: the library's build.
+    decode_attention_bench --build times such builds beside it."""
+    kernel = "flash_decode_paged_cluster"
+    warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)
+    ctas = defines.get("GP_FDC_CTAS", CLUSTER_DECODE_CTAS)
+    require(isinstance(warps, int) and 1 <= warps <= 32, f"{kernel}: GP_FDC_WARPS={warps!r} must be 1..32")
+    require(isinstance(ctas, int) and 1 <= ctas <= MAX_CLUSTER_CTAS,
+            f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
+    if not defines:
+        return ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
+    return ClusterBuild(dataclasses.replace(FLASH_DECODE_PAGED_CLUSTER,
+                                            source=_build_source(kernel, defines)), 32 * warps, ctas)
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,

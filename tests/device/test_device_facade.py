@@ -311,7 +311,7 @@ def test_a_cluster_launch_must_tile_the_grid_and_fit_the_device() -> None:
         with pytest.raises(ValueError, match="whole number of clusters"):
             d.launch(fn, (6, 1, 1), (1, 1, 1), args, cluster=(4, 1, 1))
         with pytest.raises(DeviceError, match="CLUSTER"):
-            d.launch(fn, (16, 1, 1), (1, 1, 1), args, cluster=(16, 1, 1))
+            d.launch(fn, (32, 1, 1), (1, 1, 1), args, cluster=(32, 1, 1))
         with pytest.raises(DeviceError, match="shared memory"):
             d.launch(fn, (1, 1, 1), (1, 1, 1), args, shared_bytes=228 << 10)
         d.launch(fn, (8, 1, 1), (1, 1, 1), args, shared_bytes=120 << 10, cluster=(8, 1, 1))

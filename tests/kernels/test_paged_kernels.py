@@ -80,12 +80,27 @@ def test_every_decode_split_build_compiles_without_spills_at_four_blocks_per_sm(
     assert "mma.sync.aligned.m16n8k16" in split and "griddepcontrol.wait" in split
 
 
-def test_decode_split_builds_take_gp_fd_macros_only() -> None:
+def test_decode_builds_take_gp_fd_and_gp_fdc_macros_only() -> None:
     assert pa.decode_split_build() is pa.FLASH_DECODE_SPLIT_PAGED
-    with pytest.raises(InvalidArgument, match="GP_FD_"):
-        pa.decode_split_build(NDEBUG=1)
-    with pytest.raises(InvalidArgument, match="GP_FD_"):
-        pa.decode_split_build(**{"GP_FD_X;rm": 1})
+    assert pa.decode_cluster_build() == pa.ClusterBuild(pa.FLASH_DECODE_PAGED_CLUSTER, 512, 8)
+    for build in (pa.decode_split_build, pa.decode_cluster_build):
+        with pytest.raises(InvalidArgument, match="GP_FD_"):
+            build(NDEBUG=1)
+        with pytest.raises(InvalidArgument, match="GP_FD_"):
+            build(**{"GP_FD_X;rm": 1})
+    with pytest.raises(InvalidArgument, match="GP_FDC_WARPS"):
+        pa.decode_cluster_build(GP_FDC_WARPS=33)
+    with pytest.raises(InvalidArgument, match="GP_FDC_CTAS"):
+        pa.decode_cluster_build(GP_FDC_CTAS=17)
+
+
+def test_a_cluster_build_launches_the_threads_and_ctas_its_macros_name() -> None:
+    build = pa.decode_cluster_build(GP_FDC_WARPS=8, GP_FDC_CTAS=16, GP_FDC_PREFETCH=1)
+    assert (build.threads, build.ctas) == (256, 16)
+    other = pa.decode_cluster_build(GP_FDC_WARPS=8).kernel.source.module_name
+    assert build.kernel.source.module_name not in (pa.SOURCE.module_name, other)
+    options = build.kernel.source.options
+    assert {"-DGP_FDC_WARPS=8", "-DGP_FDC_CTAS=16", "-DGP_FDC_PREFETCH=1"} <= set(options)
 
 
 def test_sampler_compiles_without_spills() -> None:

@@ -103,7 +103,15 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 // loads, all issued before the first add) and writes them as fp16. No workspace, no second
 // kernel, and the same sums as the combine (gp_fd_combine's weights). A row with no key (a
 // padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
+#ifndef GP_FDC_WARPS
 #define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
+#endif
+#ifndef GP_FDC_CTAS
+#define GP_FDC_CTAS 8   // the most CTAs a cluster (paged_attention.CLUSTER_DECODE_CTAS; 16: non-portable)
+#endif
+#ifndef GP_FDC_PREFETCH
+#define GP_FDC_PREFETCH 0   // 1: each warp's next K/V tile in flight while it computes one
+#endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 
 template <int D>
@@ -116,19 +124,19 @@ __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, c
     for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
         const int h = idx / D, d = idx - h * D;
         const unsigned off = base + 4u * (unsigned)(h * W);
-        float m[8], l[8], a[8];
+        float m[GP_FDC_CTAS], l[GP_FDC_CTAS], a[GP_FDC_CTAS];
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {   // every remote load first: one DSMEM round trip
+        for (int s = 0; s < GP_FDC_CTAS; ++s) {   // every remote load first: one DSMEM round trip
             m[s] = s < S ? gp_ld_cluster(off, s) : -INFINITY;
             l[s] = s < S ? gp_ld_cluster(off + 4u, s) : 0.f;
             a[s] = s < S ? gp_ld_cluster(off + 4u * (2 + d), s) : 0.f;
         }
         float mx = -INFINITY;
 #pragma unroll
-        for (int s = 0; s < 8; ++s) mx = fmaxf(mx, m[s]);
+        for (int s = 0; s < GP_FDC_CTAS; ++s) mx = fmaxf(mx, m[s]);
         float lt = 0.f, o = 0.f;
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
+        for (int s = 0; s < GP_FDC_CTAS; ++s) {
             const float w = mx != -INFINITY && l[s] > 0.f ? expf(m[s] - mx) : 0.f;
             lt = fmaf(l[s], w, lt);
             o = fmaf(a[s], w, o);
@@ -150,7 +158,7 @@ __device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, int
     else gp_fdc_merge<64>(o, gp_fdc_state, hb.nh, cl.x, cl.y);
 }
 
-// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= 8;
+// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= GP_FDC_CTAS;
 // GP_FDC_WARPS * 32 threads; head_dim 64 or 128 (paged_attention.cluster_decode).
 extern "C" __global__ void __launch_bounds__(GP_FDC_WARPS * 32, 1)
 gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
@@ -172,10 +180,10 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
     const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
     const float sl = scale * GP_FA_LOG2E;
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_PREFETCH>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                    j1, sl, 130, smem, nkeys - 1);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_PREFETCH>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                   j1, sl, 66, smem, nkeys - 1);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, heads, kv_heads, head_dim);
