@@ -21,7 +21,7 @@ as such).
    recorded. `--build NAME=MACRO:V,...` times other builds the same way and at spans 64-512 at
    batch 1 and 8, printed only: GP_FD_* macros build the split kernel
    (paged_attention.decode_split_build); a build naming a GP_FDC_* macro (decode_cluster_build,
-   e.g. GP_FDC_WARPS:8,GP_FDC_PREFETCH:1) runs as the graph runs it, its cluster kernel where
+   e.g. GP_FDC_WARPS:8 or GP_FDC_CTAS:16) runs as the graph runs it, its cluster kernel where
    cluster_decode holds. Every build's output must
    agree with the library's within the kernels' tolerance, or the run stops.
 5. with `--carveout PCT[:split|combine]` (repeatable): the library build with the split's, the

@@ -342,7 +342,7 @@ class ClusterBuild:
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
     """gp_flash_decode_paged_cluster built with the given GP_FDC_* (and GP_FD_*) macros
-    (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS, GP_FDC_PREFETCH); none: the library's build.
+    (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS); none: the library's build.
     decode_attention_bench --build times such builds beside it."""
     kernel = "flash_decode_paged_cluster"
     warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)

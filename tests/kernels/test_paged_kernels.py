@@ -95,12 +95,12 @@ def test_decode_builds_take_gp_fd_and_gp_fdc_macros_only() -> None:
 
 
 def test_a_cluster_build_launches_the_threads_and_ctas_its_macros_name() -> None:
-    build = pa.decode_cluster_build(GP_FDC_WARPS=8, GP_FDC_CTAS=16, GP_FDC_PREFETCH=1)
+    build = pa.decode_cluster_build(GP_FDC_WARPS=8, GP_FDC_CTAS=16)
     assert (build.threads, build.ctas) == (256, 16)
     other = pa.decode_cluster_build(GP_FDC_WARPS=8).kernel.source.module_name
     assert build.kernel.source.module_name not in (pa.SOURCE.module_name, other)
     options = build.kernel.source.options
-    assert {"-DGP_FDC_WARPS=8", "-DGP_FDC_CTAS=16", "-DGP_FDC_PREFETCH=1"} <= set(options)
+    assert {"-DGP_FDC_WARPS=8", "-DGP_FDC_CTAS=16"} <= set(options)
 
 
 def test_sampler_compiles_without_spills() -> None:

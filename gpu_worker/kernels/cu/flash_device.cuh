@@ -526,7 +526,7 @@ __device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, in
 //
 // NW: the block's warps (GP_FD_THREADS / 32, or the cluster decode's GP_FDC_WARPS); smem holds
 // 2 * NW * GP_FD_HPB + NW * GP_FD_HPB * D floats. ws may be shared memory (the cluster decode).
-template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, bool PF = false>
+template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
@@ -540,24 +540,18 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // heads 2t, 2t + 1
-    // A tile's registers: K rows n0 + g (ka), n0 + g + 8 (kb) and V rows n0 + t, + 8, + 4, + 12
+    uint4 ka[KC], kb[KC], vv[4][VC];
+    // The tile at n0: K rows n0 + g (ka), n0 + g + 8 (kb) and V rows n0 + t, + 8, + 4, + 12
     // (vv[0..3]); a row at or past j1 is zeros, never addressed, and so is row `skip` (-1: none).
-    // PF: two of them, the next tile's loads in flight while this one computes.
-    struct tile_regs { uint4 ka[KC], kb[KC], vv[4][VC]; };
-    tile_regs buf[PF ? 2 : 1];
-    uint4 (&ka)[KC] = buf[0].ka;
-    uint4 (&kb)[KC] = buf[0].kb;
-    uint4 (&vv)[4][VC] = buf[0].vv;
     auto load_k = [&](uint4 (&dst)[KC], int row, int skip) { gp_fd_load_row(dst, k, row, j1, skip, 8 * t, 32); };
     auto load_v = [&](uint4 (&dst)[VC], int row, int skip) { gp_fd_load_row(dst, v, row, j1, skip, 8 * g, 64); };
     auto vrow = [&](int n0, int r) { return n0 + t + (r & 1) * 8 + (r >> 1) * 4; };
-    auto load_into = [&](tile_regs& b, int n0, int skip) {
-        load_k(b.ka, n0 + g, skip);
-        load_k(b.kb, n0 + g + 8, skip);
+    auto load = [&](int n0, int skip) {
+        load_k(ka, n0 + g, skip);
+        load_k(kb, n0 + g + 8, skip);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) load_v(b.vv[r], vrow(n0, r), skip);
+        for (int r = 0; r < 4; ++r) load_v(vv[r], vrow(n0, r), skip);
     };
-    auto load = [&](int n0, int skip) { load_into(buf[0], n0, skip); };
     const int first = j0 + 16 * warp;
     if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
@@ -579,14 +573,14 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + 32 * i + 8 * t);
         qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
     }
-    // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded into b)
-    auto tile_from = [&](const tile_regs& b, int n0) {
+    // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
+    auto tile = [&](int n0) {
         const int kr[2] = {n0 + g, n0 + g + 8};
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
-            const uint4& x = b.ka[st / 2];
-            const uint4& y = b.kb[st / 2];
+            const uint4& x = ka[st / 2];
+            const uint4& y = kb[st / 2];
             const unsigned a[4] = {st & 1 ? x.z : x.x, st & 1 ? y.z : y.x,
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
             gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
@@ -634,10 +628,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         for (int c = 0; c < VC; ++c) {
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const unsigned* r0 = reinterpret_cast<const unsigned*>(&b.vv[0][c]);
-                const unsigned* r1 = reinterpret_cast<const unsigned*>(&b.vv[1][c]);
-                const unsigned* r2 = reinterpret_cast<const unsigned*>(&b.vv[2][c]);
-                const unsigned* r3 = reinterpret_cast<const unsigned*>(&b.vv[3][c]);
+                const unsigned* r0 = reinterpret_cast<const unsigned*>(&vv[0][c]);
+                const unsigned* r1 = reinterpret_cast<const unsigned*>(&vv[1][c]);
+                const unsigned* r2 = reinterpret_cast<const unsigned*>(&vv[2][c]);
+                const unsigned* r3 = reinterpret_cast<const unsigned*>(&vv[3][c]);
                 const unsigned a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
                                        __byte_perm(r2[w], r3[w], 0x5410), __byte_perm(r2[w], r3[w], 0x7632)};
                 gp_mma16816(acc[4 * c + w], a, bh[0], bh[1]);
@@ -645,24 +639,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-    constexpr int STEP = 16 * NW;
-    if (PF) {
-        // buf[0] holds the tile at n0 (EARLY: loaded above; a tile at or past j1 loads nothing);
-        // the loop is unrolled by two so each buffer is named at compile time (registers).
-        if (!EARLY) load(first, -1);
-        for (int n0 = first; n0 < j1; n0 += 2 * STEP) {
-            load_into(buf[PF ? 1 : 0], n0 + STEP, -1);
-            tile_from(buf[0], n0);
-            if (n0 + STEP >= j1) break;
-            load_into(buf[0], n0 + 2 * STEP, -1);
-            tile_from(buf[PF ? 1 : 0], n0 + STEP);
-        }
-    } else {
-        if (EARLY && first < j1) tile_from(buf[0], first);
-        for (int n0 = EARLY ? first + STEP : first; n0 < j1; n0 += STEP) {
-            load(n0, -1);
-            tile_from(buf[0], n0);
-        }
+    if (EARLY && first < j1) tile(first);
+    for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
+        load(n0, -1);
+        tile(n0);
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll

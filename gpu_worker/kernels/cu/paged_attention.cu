@@ -109,9 +109,6 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #ifndef GP_FDC_CTAS
 #define GP_FDC_CTAS 8   // the most CTAs a cluster (paged_attention.CLUSTER_DECODE_CTAS; 16: non-portable)
 #endif
-#ifndef GP_FDC_PREFETCH
-#define GP_FDC_PREFETCH 0   // 1: each warp's next K/V tile in flight while it computes one
-#endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 
 template <int D>
@@ -180,10 +177,10 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
     const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
     const float sl = scale * GP_FA_LOG2E;
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_PREFETCH>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                    j1, sl, 130, smem, nkeys - 1);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, GP_FDC_PREFETCH>(gp_fdc_state, q + row0, kr, vr, nh, j0,
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
                                                                   j1, sl, 66, smem, nkeys - 1);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, heads, kv_heads, head_dim);
