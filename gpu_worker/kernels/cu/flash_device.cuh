@@ -14,9 +14,6 @@
 #ifndef GP_FD_MMA
 #define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
 #endif
-#ifndef GP_FD_SACC
-#define GP_FD_SACC 1  // tensor-core block: accumulators of a tile's score product (2, 4: shorter chains)
-#endif
 #ifndef GP_FD_EARLY
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
@@ -579,23 +576,15 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
     auto tile = [&](int n0) {
         const int kr[2] = {n0 + g, n0 + g + 8};
-        // GP_FD_SACC accumulators, the k16 steps dealt round them, then summed: a shorter chain
-        float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[GP_FD_SACC > 1 ? GP_FD_SACC - 1 : 1][4];
-#pragma unroll
-        for (int c = 0; c < GP_FD_SACC - 1; ++c) s2[c][0] = s2[c][1] = s2[c][2] = s2[c][3] = 0.f;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
             const uint4& x = ka[st / 2];
             const uint4& y = kb[st / 2];
             const unsigned a[4] = {st & 1 ? x.z : x.x, st & 1 ? y.z : y.x,
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
-            if (st % GP_FD_SACC == 0) gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
-            else gp_mma16816(s2[st % GP_FD_SACC - 1], a, qb[2 * st], qb[2 * st + 1]);
+            gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
         }
-#pragma unroll
-        for (int c = 0; c < GP_FD_SACC - 1; ++c)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[i] += s2[c][i];
         // s: (key g, head 2t), (key g, 2t + 1), (key g + 8, 2t), (key g + 8, 2t + 1)
         float corr[2];
 #pragma unroll
