@@ -14,6 +14,12 @@
 #ifndef GP_FD_MMA
 #define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
 #endif
+#ifndef GP_FD_PLO
+#define GP_FD_PLO 1  // tensor-core block: P as fp16 hi + lo terms (0: hi only, one PV product a tile)
+#endif
+#ifndef GP_FD_TILE_ROWS
+#define GP_FD_TILE_ROWS 0  // tensor-core block: 1: a 16-key tile's rows from one table lookup
+#endif
 #ifndef GP_FD_EARLY
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
@@ -99,6 +105,7 @@ struct gp_kv_rows {
     __device__ __forceinline__ const unsigned short* row(int j) const {
         return base + (long long)j * stride;
     }
+    __device__ __forceinline__ long long row_step() const { return stride; }
 };
 
 // ...or slots of a paged pool: key j in block table[j >> shift], slot j & mask; `base` already
@@ -111,6 +118,9 @@ struct gp_kv_paged {
     __device__ __forceinline__ const unsigned short* row(int j) const {
         return base + (long long)table[j >> shift] * block_stride + (j & mask) * slot_stride;
     }
+    // rows j .. j + 15 of a tile that starts at a multiple of 16 lie in one block (block_tokens
+    // >= 16): row j + x is row(j) + x * row_step()
+    __device__ __forceinline__ long long row_step() const { return slot_stride; }
 };
 
 // Stage keys [n0, n0 + BN) of one KV head into a padded shared tile; rows at or past `kend`
@@ -501,6 +511,18 @@ __device__ __forceinline__ void gp_fd_load_row(uint4 (&dst)[N], const KV& kv, in
     }
 }
 
+// N 16-byte chunks at p + stride * i (halves) into dst where `ok`, else zeros (never addressed).
+template <int N>
+__device__ __forceinline__ void gp_fd_load_at(uint4 (&dst)[N], const unsigned short* p, bool ok,
+                                              int stride) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = *reinterpret_cast<const uint4*>(p + stride * i);
+    }
+}
+
 // The same split on tensor cores (head_dim D = 64 or 128): the block's 4 warps take 16-key
 // tiles w, w + 4, ... of [j0, j1), each with its own online softmax, merged at the end like the
 // lane groups above. Per tile, two m16n8k16 products with the keys and the head dims on the
@@ -546,12 +568,28 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     auto load_k = [&](uint4 (&dst)[KC], int row, int skip) { gp_fd_load_row(dst, k, row, j1, skip, 8 * t, 32); };
     auto load_v = [&](uint4 (&dst)[VC], int row, int skip) { gp_fd_load_row(dst, v, row, j1, skip, 8 * g, 64); };
     auto vrow = [&](int n0, int r) { return n0 + t + (r & 1) * 8 + (r >> 1) * 4; };
+#if GP_FD_TILE_ROWS
+    // one table lookup a tile (n0 is a multiple of 16: j0 is, and tiles step by 16)
+    auto load = [&](int n0, int skip) {
+        const bool any = n0 < j1;
+        const unsigned short* kt = any ? k.row(n0) : k.base;
+        const unsigned short* vt = any ? v.row(n0) : v.base;
+        const long long step = k.row_step();
+        auto ok = [&](int row) { return row < j1 && row != skip; };
+        gp_fd_load_at(ka, kt + g * step + 8 * t, ok(n0 + g), 32);
+        gp_fd_load_at(kb, kt + (g + 8) * step + 8 * t, ok(n0 + g + 8), 32);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            gp_fd_load_at(vv[r], vt + (vrow(n0, r) - n0) * step + 8 * g, ok(vrow(n0, r)), 64);
+    };
+#else
     auto load = [&](int n0, int skip) {
         load_k(ka, n0 + g, skip);
         load_k(kb, n0 + g + 8, skip);
 #pragma unroll
         for (int r = 0; r < 4; ++r) load_v(vv[r], vrow(n0, r), skip);
     };
+#endif
     const int first = j0 + 16 * warp;
     if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
@@ -614,15 +652,19 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         unsigned bh[2], bl[2];
         {
             const unsigned h0 = gp_pack_h2(s[0], s[2]), h1 = gp_pack_h2(s[1], s[3]);
-            const unsigned l0 = gp_pack_h2(s[0] - gp_h2f_lo(h0), s[2] - gp_h2f_hi(h0));
-            const unsigned l1 = gp_pack_h2(s[1] - gp_h2f_lo(h1), s[3] - gp_h2f_hi(h1));
             // a sender serves heads 2t'' and 2t'' + 1 (both columns): the receiver picks g % 2
             const unsigned xh0 = __shfl_sync(0xffffffffu, h0, src0), xh1 = __shfl_sync(0xffffffffu, h1, src0);
             const unsigned yh0 = __shfl_sync(0xffffffffu, h0, src1), yh1 = __shfl_sync(0xffffffffu, h1, src1);
+            bh[0] = g & 1 ? xh1 : xh0; bh[1] = g & 1 ? yh1 : yh0;
+#if GP_FD_PLO
+            const unsigned l0 = gp_pack_h2(s[0] - gp_h2f_lo(h0), s[2] - gp_h2f_hi(h0));
+            const unsigned l1 = gp_pack_h2(s[1] - gp_h2f_lo(h1), s[3] - gp_h2f_hi(h1));
             const unsigned xl0 = __shfl_sync(0xffffffffu, l0, src0), xl1 = __shfl_sync(0xffffffffu, l1, src0);
             const unsigned yl0 = __shfl_sync(0xffffffffu, l0, src1), yl1 = __shfl_sync(0xffffffffu, l1, src1);
-            bh[0] = g & 1 ? xh1 : xh0; bh[1] = g & 1 ? yh1 : yh0;
             bl[0] = g & 1 ? xl1 : xl0; bl[1] = g & 1 ? yl1 : yl0;
+#else
+            bl[0] = bl[1] = 0u;
+#endif
         }
 #pragma unroll
         for (int c = 0; c < VC; ++c) {
@@ -635,7 +677,7 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
                 const unsigned a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
                                        __byte_perm(r2[w], r3[w], 0x5410), __byte_perm(r2[w], r3[w], 0x7632)};
                 gp_mma16816(acc[4 * c + w], a, bh[0], bh[1]);
-                gp_mma16816(acc[4 * c + w], a, bl[0], bl[1]);
+                if (GP_FD_PLO) gp_mma16816(acc[4 * c + w], a, bl[0], bl[1]);
             }
         }
     };
