@@ -42,6 +42,12 @@ BUDGET_S = 500.0
 GRACE_S = 60.0       # past the group's budget a run is stopped at once
 
 
+# split-block builds decode_attention_bench times beside the library's (docs/kernels.md, "What
+# holds the batch-1 decode"); GP_FDC_WARPS runs each one's cluster kernel at batch 1
+DECODE_BUILDS = ("--build", "plo0=GP_FDC_WARPS:16,GP_FD_PLO:0",
+                 "--build", "rows1=GP_FDC_WARPS:16,GP_FD_TILE_ROWS:1")
+
+
 @dataclass(frozen=True)
 class Run:
     """One benchmark run: `script` with `flags` (or `quick` flags with --quick), its name in the
@@ -111,10 +117,12 @@ PLAN: tuple[Run, ...] = (
     Run("attention_bench", "attention_bench.py", ("--reps", "20", "--trials", "7"), 90,
         ("--reps", "10", "--trials", "3"), 60, "flash prefill and decode against SDPA"),
     Run("decode_attention_bench", "decode_attention_bench.py",
-        ("--reps", "20", "--trials", "7", "--cuda-core"), 100,
-        ("--reps", "10", "--trials", "3", "--cuda-core", "--no-sweep"), 45,
+        ("--reps", "20", "--trials", "7", "--cuda-core", *DECODE_BUILDS), 130,
+        ("--reps", "10", "--trials", "3", "--cuda-core", "--no-sweep", *DECODE_BUILDS), 65,
         "paged decode split by the actual length, KV beyond L2, the tensor-core split block "
-        "against the lane-group one (--cuda-core: 35 s with --no-sweep on the H100, 2026-12-05)"),
+        "against the lane-group one (--cuda-core: 35 s with --no-sweep on the H100, 2026-12-05), "
+        "and the two builds with fewer instructions a tile (50 s for three builds with "
+        "--no-sweep on the H100, 2026-12-06)"),
     Run("limits", "limits.py",
         ("--same-bytes", "4194304,33554432,67108864,134217728,1073741824"), 40, None, 40,
         "plain launches at a launch's bytes: copy, plain read, torch.sum (a guess: not yet "
