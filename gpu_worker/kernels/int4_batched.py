@@ -644,7 +644,25 @@ def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int
     `groups` warpgroups, each 64 weight rows by the whole of K; 1 <= m <= 64. `stages`, `groups`:
     the GP_WG_STAGES, GP_WG_GROUPS `function` was built with (a tuning build of the benchmark;
     the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
-    kernel = "int4_wgmma"
+    _launch_wgmma("int4_wgmma", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
+                  stream, stages, groups)
+
+
+def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
+                            bias: int, m: int, n: int, k: int, accumulate: bool = False,
+                            stream=None, stages: int = WGMMA_STAGES,
+                            groups: int = WGMMA_GROUPS) -> None:
+    """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
+    its bits."""
+    require(tiled_layout(n, k), f"int4_wgmma_tiled: n={n}, k={k} is not a tiled layout (n a "
+            f"multiple of 16, k of 128)")
+    _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
+                  accumulate, stream, stages, groups)
+
+
+def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
+                  bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
+                  groups: int) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
@@ -658,6 +676,9 @@ def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int
 
 INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.int4_matmul,
                        launch_int4_wgmma)
+# the weights in rows_tiled's layout, so the oracle is reference.int4_matmul on rows_untiled's
+INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_WGMMA,
+                             reference.int4_matmul, launch_int4_wgmma_tiled)
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
@@ -666,4 +687,4 @@ MMA_KERNELS_TILED = {"rows": INT4_MMA_ROWS_TILED, "xa": INT4_MMA_XA_TILED}
 
 KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_XA_TILED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
            INT4_MMA_ROWS16_TILED, INT4_MMA_ROWS_ASYNC,
-           INT4_MMA_ROWS16_ASYNC, INT4_MMA_XK4, INT4_MMA_XK8, INT4_WGMMA]
+           INT4_MMA_ROWS16_ASYNC, INT4_MMA_XK4, INT4_MMA_XK8, INT4_WGMMA, INT4_WGMMA_TILED]

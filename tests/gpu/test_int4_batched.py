@@ -114,6 +114,10 @@ WGMMA: list[Case] = [
     for m, n, k, extra in ((64, 28672, 4096, {}), (64, 128256, 4096, {"bias": True}),
                            (33, 6144, 4096, {"accumulate": True}), (48, 4096, 14336, {}),
                            (17, 1009, 4224, {"bias": True, "accumulate": True}), (1, 100, 128, {}))
+] + [
+    Case("int4_wgmma_tiled", int4_wgmma_case, {"m": m, "n": n, "k": k, "tiled": True, **extra})
+    for m, n, k, extra in ((64, 28672, 4096, {}), (40, 4096, 14336, {"accumulate": True}),
+                           (23, 1008, 4224, {"bias": True}))
 ]
 ALL = SHARED + MODEL + FORCED + XA + XK + ROWS + ROWS_ASYNC + WGMMA
 
@@ -296,6 +300,25 @@ def test_the_tiled_xa_kernel_gives_the_xa_kernels_bits(harness, n, k) -> None:
             got = _rows_result(harness, INT4_MMA_XA_TILED, tpk, tsc, xd, m, n, k, nt=nt,
                                split=split)
             assert np.array_equal(got, want), (m, nt, split, np.abs(got - want).max())
+    harness.close()
+
+
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (1008, 4224)])
+def test_the_tiled_wgmma_kernel_gives_the_wgmma_kernels_bits(harness, n, k) -> None:
+    """gp_int4_wgmma_tiled moves only its copies' sources (the 16-row tile layout), so at 1..64
+    rows and with a partial last CTA its result is gp_int4_wgmma's bit for bit."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import INT4_WGMMA, INT4_WGMMA_TILED, rows_tiled
+
+    rng = np.random.default_rng(29)
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, k)).astype(np.float32) / 16)
+    xd = harness.put(rng.standard_normal((64, k)).astype(np.float16))
+    pk, sc = harness.put(packed), harness.put(scales)
+    tpk, tsc = (harness.put(a) for a in rows_tiled(packed, scales))
+    for m in (1, 17, 64):
+        want = _rows_result(harness, INT4_WGMMA, pk, sc, xd, m, n, k)
+        got = _rows_result(harness, INT4_WGMMA_TILED, tpk, tsc, xd, m, n, k)
+        assert np.array_equal(got, want), (m, np.abs(got - want).max())
     harness.close()
 
 

@@ -59,6 +59,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_XA,
     INT4_MMA_XA_TILED,
     INT4_WGMMA,
+    INT4_WGMMA_TILED,
     ROW_ASYNC_CTAS,
     ROW_ASYNC_STAGES,
     XA_STAGES,
@@ -344,10 +345,13 @@ def int4_mma_rows_async_case(h, rng, m, n, k, bias=False, accumulate=False, scal
         h.device, h.function(kdef), *p, m, n, k, accumulate, grid=grid))
 
 
-def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0) -> Outcome:
-    """The warpgroup-MMA int4 linear (sm_90 devices only): int4_mma's contract and tolerance."""
-    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: INT4_WGMMA.launcher(
-        h.device, h.function(INT4_WGMMA), *p, m, n, k, accumulate))
+def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
+                    tiled=False) -> Outcome:
+    """The warpgroup-MMA int4 linear (sm_90 devices only): int4_mma's contract and tolerance;
+    `tiled`: gp_int4_wgmma_tiled, its weights in the 16-row tile layout."""
+    kdef = INT4_WGMMA_TILED if tiled else INT4_WGMMA
+    return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
+        h.device, h.function(kdef), *p, m, n, k, accumulate), layout=rows_tiled if tiled else None)
 
 
 def int4_linear_case(h, rng, m, n, k) -> Outcome:
@@ -727,6 +731,9 @@ CASES: list[Case] = [
       grid=1),
     C("int4_wgmma", int4_wgmma_case, m=64, n=100, k=256, bias=True, accumulate=True),
     C("int4_wgmma", int4_wgmma_case, m=33, n=70, k=384, scale=300.0),
+    C("int4_wgmma_tiled", int4_wgmma_case, m=64, n=96, k=384, bias=True, accumulate=True,
+      tiled=True),
+    C("int4_wgmma_tiled", int4_wgmma_case, m=7, n=400, k=1152, scale=300.0, tiled=True),
     C("int4_mma_xa", int4_mma_xa_case, m=17, n=48, k=128),
     C("int4_mma_xa", int4_mma_xa_case, m=32, n=100, k=1024, bias=True, accumulate=True),
     C("int4_mma_xa", int4_mma_xa_case, m=40, n=300, k=640, scale=300.0, nt=4),

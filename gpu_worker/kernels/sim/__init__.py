@@ -204,12 +204,19 @@ register_sim_kernel("gp_int4_mma_xk4")(_int4_mma_xk(4))
 register_sim_kernel("gp_int4_mma_xk8")(_int4_mma_xk(8))
 
 
-@register_sim_kernel("gp_int4_wgmma")
-def _int4_wgmma(mem, grid, block, args) -> None:
-    y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
-    # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
-    assert grid[0] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, (grid, block, m)
-    _int4_linear(mem, y, x, packed, scales, bias, m, n, k, accumulate)
+def _int4_wgmma(tiled: bool):
+    def run(mem, grid, block, args) -> None:
+        y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+        # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
+        assert grid[0] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
+            (grid, block, m)
+        (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
+                                                         accumulate)
+    return run
+
+
+register_sim_kernel("gp_int4_wgmma")(_int4_wgmma(False))
+register_sim_kernel("gp_int4_wgmma_tiled")(_int4_wgmma(True))
 
 
 def _int4_rows(mem, grid, block, args, max_rows: int, persistent: bool = False,
