@@ -621,6 +621,7 @@ def rows_async_build(stages: int, ctas: int) -> tuple[KernelDef, KernelDef]:
 WGMMA_GROUPS = 2           # warpgroups per CTA (GP_WG_GROUPS)
 WGMMA_ROWS = 64 * WGMMA_GROUPS   # weight rows per CTA
 WGMMA_STAGES = 4           # k-groups in the pipeline (GP_WG_STAGES)
+WGMMA_CTAS = 2             # CTAs per SM at WGMMA_GROUPS (GP_WG_CTAS)
 WGMMA_ARCH = "sm_90a"
 SOURCE_WGMMA = dataclasses.replace(cu_source("gp_int4_wgmma", "int4_wgmma.cu"),
                                    options=(*NVRTC_OPTIONS, f"--gpu-architecture={WGMMA_ARCH}"))
@@ -639,39 +640,57 @@ def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
-                      stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> None:
-    """int4_mma's contract and arguments on gp_int4_wgmma: grid ceil(n / (64 groups)) CTAs of
-    `groups` warpgroups, each 64 weight rows by the whole of K; 1 <= m <= 64. `stages`, `groups`:
-    the GP_WG_STAGES, GP_WG_GROUPS `function` was built with (a tuning build of the benchmark;
-    the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
+                      stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
+                      split: int | None = None) -> None:
+    """int4_mma's contract and arguments on gp_int4_wgmma: ceil(n / (64 groups)) tiles of
+    `groups` warpgroups, each 64 weight rows, by `split` CTAs of a cluster over K (default:
+    wgmma_plan); 1 <= m <= 64. `stages`, `groups`: the GP_WG_STAGES, GP_WG_GROUPS `function` was
+    built with (a tuning build of the benchmark; the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
     _launch_wgmma("int4_wgmma", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
-                  stream, stages, groups)
+                  stream, stages, groups, split)
 
 
 def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
                             stream=None, stages: int = WGMMA_STAGES,
-                            groups: int = WGMMA_GROUPS) -> None:
+                            groups: int = WGMMA_GROUPS, split: int | None = None) -> None:
     """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
     its bits."""
     require(tiled_layout(n, k), f"int4_wgmma_tiled: n={n}, k={k} is not a tiled layout (n a "
             f"multiple of 16, k of 128)")
     _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
-                  accumulate, stream, stages, groups)
+                  accumulate, stream, stages, groups, split)
+
+
+def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROUPS) -> int:
+    """gp_int4_wgmma's K split: the fewest CTAs of a cluster (up to MAX_SPLIT, at least 2
+    k-groups each) whose grid fills XA_FILL of the CTA slots (WGMMA_CTAS a SM at 2 warpgroups,
+    else 1), as xa_plan's (8b shapes: gate/up and lm_head unsplit, QKV 4, wo and w_down 6). It
+    depends on N and K only, so a row's bits do not depend on its batch."""
+    slots = (WGMMA_CTAS if groups <= 2 else 1) * sms
+    tiles = ceil_div(n, 64 * groups)
+    split = 1
+    while tiles * split < XA_FILL * slots and split < min(MAX_SPLIT, k // MMA_K_ALIGN // 2):
+        split += 1
+    return split
 
 
 def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
                   bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
-                  groups: int) -> None:
+                  groups: int, split: int | None) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
-    rows = 64 * groups
-    require(ceil_div(n, rows) < 2**31, f"{kernel}: n={n} too large")
-    device.launch(function, (ceil_div(n, rows), 1, 1), (128 * groups, 1, 1),
+    split = wgmma_plan(n, k, sm_count(device), groups) if split is None else split
+    require(1 <= split <= min(MAX_SPLIT, k // MMA_K_ALIGN),
+            f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
+    tiles = ceil_div(n, 64 * groups)
+    require(tiles < 65536, f"{kernel}: n={n} too large")
+    device.launch(function, (split, tiles, 1), (128 * groups, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0)], stream=stream,
-                  shared_bytes=wgmma_shared_bytes(stages, groups))
+                  shared_bytes=wgmma_shared_bytes(stages, groups),
+                  cluster=(split, 1, 1) if split > 1 else None)
 
 
 INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.int4_matmul,

@@ -27,10 +27,14 @@
 // wgmma.wait_group 1 (its group, two back, is done), so the tensor cores run one quant block
 // while the warps make the next.
 //
-// Sums: f32 in the tensor cores over the whole K in one warpgroup (no split), so a row's bits do
-// not depend on how many rows share the call; they differ from gp_int4_mma's by f32 summation
-// order only.
-#include "gpuplane_common.cuh"
+// K splits over a cluster of up to 8 CTAs where N alone leaves SMs idle: CTA q of a cluster takes
+// k-groups [KG q / S, KG (q + 1) / S) and the partials are summed through distributed shared
+// memory in rank order (gp_cluster_sum_store).
+//
+// Sums: f32 in the tensor cores over each CTA's K range in one warpgroup, then the split's sum in
+// rank order; the split depends on N and K only (int4_batched.wgmma_plan), so a row's bits do not
+// depend on how many rows share the call. They differ from gp_int4_mma's by f32 summation order.
+#include "int4_mma.cuh"
 
 #ifndef GP_WG_STAGES
 #define GP_WG_STAGES 4     // k-groups in the pipeline (int4_batched.WGMMA_STAGES), at least 3
@@ -47,6 +51,7 @@
 #define GP_WG_X 16384                                  // x bytes of a stage
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
 #define GP_WG_STAGE (GP_WG_X + GP_WG_W + GP_WG_ROWS * 8)
+#define GP_WG_PS (GP_WG_ROWS + 4)   // floats a row of x in the split's partials (banks: t x 8 + g)
 
 // One A register: byte t of packed word w (k 2t, 2t + 1 of its 8) as f16(scale * (nib - 8)) x 2.
 __device__ __forceinline__ unsigned gp_wg_pair(unsigned w, unsigned sel, unsigned s2) {
@@ -107,13 +112,13 @@ __device__ __forceinline__ long long gp_wg_block(int r, int kg, int KG) {
 }
 
 // k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
-// group (an empty one past K keeps the count even).
+// group (an empty one past the CTA's K range, at kg_end, keeps the count even).
 template <bool TILED>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* __restrict__ x,
                                             const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
-                                            int M, int N, int K, int kg, int KG) {
-    if (kg < KG) {
+                                            int M, int N, int K, int kg, int kg_end, int KG) {
+    if (kg < kg_end) {
 #pragma unroll
         for (int c = tid; c < 64 * 16; c += GP_WG_THREADS) {   // x: row m, 8 k at chunk ch
             const int m = (c >> 1) & 63, ch = 2 * (c >> 7) + (c & 1);
@@ -137,10 +142,10 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* _
     gp_cp_commit();
 }
 
-// grid (ceil(N / GP_WG_ROWS)), GP_WG_THREADS threads, dynamic shared memory GP_WG_STAGES x
-// GP_WG_STAGE (int4_batched.wgmma_shared_bytes); M <= 64, K a multiple of 128 (launch_int4_wgmma;
-// the tiled entry also N a multiple of 16). Rows past N read zeros: nibble 0 with scale 0, so
-// their products are exactly 0.
+// grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
+// dynamic shared memory GP_WG_STAGES x GP_WG_STAGE (int4_batched.wgmma_shared_bytes); M <= 64,
+// K a multiple of 128, S <= K / 128 (launch_int4_wgmma; the tiled entry also N a multiple of 16).
+// Rows past N read zeros: nibble 0 with scale 0, so their products are exactly 0.
 template <bool TILED>
 __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned short* __restrict__ x,
                                                    const unsigned char* __restrict__ packed,
@@ -150,8 +155,9 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     extern __shared__ __align__(128) unsigned char gp_wg_smem[];
     const unsigned base = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int KG = K >> 7;
-    const int row0 = blockIdx.x * GP_WG_ROWS;
+    const int S = (int)gridDim.x, rank = (int)blockIdx.x;   // the cluster is the grid's x
+    const int KG = K >> 7, kg0 = (int)((long long)KG * rank / S), kg1 = (int)((long long)KG * (rank + 1) / S);
+    const int row0 = blockIdx.y * GP_WG_ROWS;
     const unsigned sel = (unsigned)t | 0x40u | ((unsigned)t << 8) | 0x4000u;   // byte t -> 0 and 2
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
@@ -163,16 +169,16 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
 
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED>(base + i * GP_WG_STAGE, x, packed, scales, tid, row0, M, N, K, i, KG);
-    for (int kg = 0; kg < KG; ++kg) {
+        gp_wg_issue<TILED>(base + i * GP_WG_STAGE, x, packed, scales, tid, row0, M, N, K, kg0 + i, kg1, KG);
+    for (int i = 0; i < kg1 - kg0; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the tensor cores
-        // every thread's copies of kg landed; every warpgroup's wgmmas of kg - 2 are done (it
-        // waited for them before its last quant block), so their stage takes k-group kg + AHEAD
+        // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
+        // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
-        gp_wg_issue<TILED>(base + ((kg + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE, x, packed,
-                           scales, tid, row0, M, N, K, kg + GP_WG_AHEAD, KG);
-        const int so = (kg % GP_WG_STAGES) * GP_WG_STAGE;
+        gp_wg_issue<TILED>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE, x, packed,
+                           scales, tid, row0, M, N, K, kg0 + i + GP_WG_AHEAD, kg1, KG);
+        const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
                              *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
@@ -211,6 +217,17 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     gp_cp_wait<0>();
 
     // acc[4i + e]: weight row g + 8 (e >> 1) of this warp's 16, row of x 8i + 2t + (e & 1)
+    if (S > 1) {   // the partials over the stages, then the cluster's sum in rank order
+        __syncthreads();
+        float* part = reinterpret_cast<float*>(gp_wg_smem);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                part[(8 * i + 2 * t + (e & 1)) * GP_WG_PS + warp * 16 + g + 8 * (e >> 1)] = acc[4 * i + e];
+        gp_cluster_sum_store(y, bias, M, N, row0, GP_WG_ROWS, GP_WG_PS, accumulate, base, rank, S);
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll

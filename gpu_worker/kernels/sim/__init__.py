@@ -208,7 +208,7 @@ def _int4_wgmma(tiled: bool):
     def run(mem, grid, block, args) -> None:
         y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
         # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
-        assert grid[0] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
+        assert grid[1] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
             (grid, block, m)
         (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
                                                          accumulate)
