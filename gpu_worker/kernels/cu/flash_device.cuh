@@ -15,10 +15,10 @@
 #define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
 #endif
 #ifndef GP_FD_PLO
-#define GP_FD_PLO 0  // tensor-core block: P as one fp16 term, one PV product a tile (1: hi + lo terms)
+#define GP_FD_PLO 1  // tensor-core block: P as fp16 hi + lo terms (0: hi only, one PV product a tile)
 #endif
 #ifndef GP_FD_TILE_ROWS
-#define GP_FD_TILE_ROWS 1  // tensor-core block: a 16-key tile's rows from one table lookup (0: a lookup a row)
+#define GP_FD_TILE_ROWS 0  // tensor-core block: 1: a 16-key tile's rows from one table lookup
 #endif
 #ifndef GP_FD_EARLY
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
