@@ -632,37 +632,34 @@ def wgmma_supported(arch: str) -> bool:
     return arch in ("sm_90", "sm_90a")
 
 
-def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
-                       producer: bool = False) -> int:
+def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
     """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x 16 KiB + the CTA's weight
-    rows' 64 bytes and 4 fp16 scales each), and with a `producer` warp two mbarriers a stage."""
-    return stages * (16384 + 64 * groups * 72 + (16 if producer else 0))
+    rows' 64 bytes and 4 fp16 scales each)."""
+    return stages * (16384 + 64 * groups * 72)
 
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
                       stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
-                      split: int | None = None, producer: bool = False) -> None:
+                      split: int | None = None) -> None:
     """int4_mma's contract and arguments on gp_int4_wgmma: ceil(n / (64 groups)) tiles of
     `groups` warpgroups, each 64 weight rows, by `split` CTAs of a cluster over K (default:
-    wgmma_plan); 1 <= m <= 64. `stages`, `groups`, `producer`: the GP_WG_STAGES, GP_WG_GROUPS,
-    GP_WG_WS `function` was built with (a tuning build of the benchmark; the library's are
-    WGMMA_STAGES, WGMMA_GROUPS, no producer warp)."""
+    wgmma_plan); 1 <= m <= 64. `stages`, `groups`: the GP_WG_STAGES, GP_WG_GROUPS `function` was
+    built with (a tuning build of the benchmark; the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
     _launch_wgmma("int4_wgmma", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
-                  stream, stages, groups, split, producer)
+                  stream, stages, groups, split)
 
 
 def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
                             stream=None, stages: int = WGMMA_STAGES,
-                            groups: int = WGMMA_GROUPS, split: int | None = None,
-                            producer: bool = False) -> None:
+                            groups: int = WGMMA_GROUPS, split: int | None = None) -> None:
     """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
     its bits."""
     require(tiled_layout(n, k), f"int4_wgmma_tiled: n={n}, k={k} is not a tiled layout (n a "
             f"multiple of 16, k of 128)")
     _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
-                  accumulate, stream, stages, groups, split, producer)
+                  accumulate, stream, stages, groups, split)
 
 
 def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROUPS) -> int:
@@ -680,7 +677,7 @@ def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROU
 
 def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
                   bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
-                  groups: int, split: int | None, producer: bool) -> None:
+                  groups: int, split: int | None) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
@@ -689,10 +686,10 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
             f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
     tiles = ceil_div(n, 64 * groups)
     require(tiles < 65536, f"{kernel}: n={n} too large")
-    device.launch(function, (split, tiles, 1), (128 * groups + (32 if producer else 0), 1, 1),
+    device.launch(function, (split, tiles, 1), (128 * groups, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0)], stream=stream,
-                  shared_bytes=wgmma_shared_bytes(stages, groups, producer),
+                  shared_bytes=wgmma_shared_bytes(stages, groups),
                   cluster=(split, 1, 1) if split > 1 else None)
 
 

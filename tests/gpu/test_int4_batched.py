@@ -323,8 +323,8 @@ def test_the_tiled_wgmma_kernel_gives_the_wgmma_kernels_bits(harness, n, k) -> N
 
 
 def test_a_rows_bits_on_the_wgmma_kernel_do_not_depend_on_the_batch(harness) -> None:
-    """gp_int4_wgmma always multiplies 64 rows of x (zeros past M) over the whole K in one
-    warpgroup, so a row's result is the same bits at any row count."""
+    """gp_int4_wgmma always multiplies 64 rows of x (zeros past M), and its K split (4 at this
+    N) depends on N and K only, so a row's result is the same bits at any row count."""
     from gpu_worker.kernels.int4_batched import INT4_WGMMA
 
     n, k = 6144, 4096

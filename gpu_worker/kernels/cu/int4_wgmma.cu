@@ -45,12 +45,8 @@
 #ifndef GP_WG_CTAS
 #define GP_WG_CTAS 2       // CTAs per SM the registers are bounded for (int4_batched.WGMMA_CTAS)
 #endif
-#ifndef GP_WG_WS
-#define GP_WG_WS 0         // 1: a producer warp fills the stages, mbarriers hand them over
-#endif
 #define GP_WG_AHEAD (GP_WG_STAGES - 2)                 // k-groups in flight ahead of the one used
-#define GP_WG_CONSUMERS (128 * GP_WG_GROUPS)
-#define GP_WG_THREADS (GP_WG_CONSUMERS + 32 * GP_WG_WS)
+#define GP_WG_THREADS (128 * GP_WG_GROUPS)
 #define GP_WG_ROWS (64 * GP_WG_GROUPS)                 // weight rows per CTA
 #define GP_WG_X 16384                                  // x bytes of a stage
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
@@ -115,91 +111,35 @@ __device__ __forceinline__ long long gp_wg_block(int r, int kg, int KG) {
     return ((long long)r * KG + kg) * 4;
 }
 
-// k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, by
-// `STRIDE` threads (this one is `tid` of them).
-template <bool TILED, int STRIDE>
-__device__ __forceinline__ void gp_wg_copy(unsigned st, const unsigned short* __restrict__ x,
-                                           const unsigned char* __restrict__ packed,
-                                           const unsigned short* __restrict__ sc, int tid, int row0,
-                                           int M, int N, int K, int kg, int KG) {
-#pragma unroll
-    for (int c = tid; c < 64 * 16; c += STRIDE) {   // x: row m, 8 k at chunk ch
-        const int m = (c >> 1) & 63, ch = 2 * (c >> 7) + (c & 1);
-        const bool in = m < M;
-        const unsigned dst = st + (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
-        gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
-    }
-#pragma unroll
-    for (int c = tid; c < GP_WG_ROWS * 4; c += STRIDE) {   // weights: row, quant block
-        const int rl = c >> 2, b = c & 3, r = row0 + rl;
-        const bool in = r < N;
-        const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
-        gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
-    }
-    for (int rl = tid; rl < GP_WG_ROWS; rl += STRIDE) {   // scales: a row's 4
-        const int r = row0 + rl;
-        const bool in = r < N;
-        gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
-    }
-}
-
-// gp_wg_copy by every thread of the CTA as one commit group (an empty one past the CTA's K range,
-// at kg_end, keeps the count even).
+// k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
+// group (an empty one past the CTA's K range, at kg_end, keeps the count even).
 template <bool TILED>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* __restrict__ x,
                                             const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
                                             int M, int N, int K, int kg, int kg_end, int KG) {
-    if (kg < kg_end) gp_wg_copy<TILED, GP_WG_THREADS>(st, x, packed, sc, tid, row0, M, N, K, kg, KG);
-    gp_cp_commit();
-}
-
-// mbarriers (GP_WG_WS): init, arrive, wait for a phase's parity, and the arrive on completion of
-// this thread's cp.asyncs so far (.noinc: the init count includes it).
-__device__ __forceinline__ void gp_mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gp_mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void gp_mbar_cp_arrive(unsigned bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// One quant block b of the stage at byte offset `so` (shared address `st`): this warp's A
-// registers of its two k16 slices into `ab`, then their two wgmmas as one commit group.
-__device__ __forceinline__ void gp_wg_quant_block(float (&acc)[32], unsigned (&ab)[2][4],
-                                                  const unsigned char* smem, int so, unsigned st,
-                                                  int b, int wrow, int wswz, const uint2 (&sv)[2],
-                                                  unsigned sel) {
-    uint4 w[2];
-    unsigned s2[2];
+    if (kg < kg_end) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        w[h] = *reinterpret_cast<const uint4*>(smem + so + wrow + h * 512 + 16 * (b ^ wswz));
-        const unsigned s = ((b & 2) ? sv[h].y : sv[h].x) >> (16 * (b & 1)) & 0xffffu;
-        s2[h] = s | (s << 16);
+        for (int c = tid; c < 64 * 16; c += GP_WG_THREADS) {   // x: row m, 8 k at chunk ch
+            const int m = (c >> 1) & 63, ch = 2 * (c >> 7) + (c & 1);
+            const bool in = m < M;
+            const unsigned dst = st + (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
+            gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
+        }
+#pragma unroll
+        for (int c = tid; c < GP_WG_ROWS * 4; c += GP_WG_THREADS) {   // weights: row, quant block
+            const int rl = c >> 2, b = c & 3, r = row0 + rl;
+            const bool in = r < N;
+            const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
+            gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
+        }
+        for (int rl = tid; rl < GP_WG_ROWS; rl += GP_WG_THREADS) {   // scales: a row's 4
+            const int r = row0 + rl;
+            const bool in = r < N;
+            gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
+        }
     }
-    // slice 0: words 0 (k 2t, 2t + 1) and 1 (k 8 + 2t ..); slice 1: words 2 and 3
-    ab[0][0] = gp_wg_pair(w[0].x, sel, s2[0]);
-    ab[0][1] = gp_wg_pair(w[1].x, sel, s2[1]);
-    ab[0][2] = gp_wg_pair(w[0].y, sel, s2[0]);
-    ab[0][3] = gp_wg_pair(w[1].y, sel, s2[1]);
-    ab[1][0] = gp_wg_pair(w[0].z, sel, s2[0]);
-    ab[1][1] = gp_wg_pair(w[1].z, sel, s2[1]);
-    ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
-    ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    gp_wgmma_64x64(acc, ab[0], gp_wg_desc(st + (2 * b) * 2048));
-    gp_wgmma_64x64(acc, ab[1], gp_wg_desc(st + (2 * b + 1) * 2048));
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    gp_cp_commit();
 }
 
 // grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
@@ -227,54 +167,6 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
-#if GP_WG_WS
-    // stage s is full (32 producer lanes' copies landed) at mbarrier full0 + 8 s, and empty (the
-    // consumer warps' wgmmas of it done, one arrive a warp) at empty0 + 8 s
-    const unsigned full0 = base + GP_WG_STAGES * GP_WG_STAGE, empty0 = full0 + 8 * GP_WG_STAGES;
-    if (tid == 0) {
-        for (int s = 0; s < GP_WG_STAGES; ++s) {
-            gp_mbar_init(full0 + 8 * s, 32);
-            gp_mbar_init(empty0 + 8 * s, GP_WG_CONSUMERS / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    if (warp == GP_WG_CONSUMERS / 32) {   // the producer
-        for (int i = 0; i < kg1 - kg0; ++i) {
-            const int s = i % GP_WG_STAGES, use = i / GP_WG_STAGES;
-            if (use > 0) gp_mbar_wait(empty0 + 8 * s, (use - 1) & 1);
-            gp_wg_copy<TILED, 32>(base + s * GP_WG_STAGE, x, packed, scales, lane, row0, M, N, K,
-                                  kg0 + i, KG);
-            gp_mbar_cp_arrive(full0 + 8 * s);
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-    } else {
-        for (int i = 0; i < kg1 - kg0; ++i) {
-            const int s = i % GP_WG_STAGES;
-            gp_mbar_wait(full0 + 8 * s, (i / GP_WG_STAGES) & 1);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the tensor cores
-            const int so = s * GP_WG_STAGE;
-            const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
-                                 *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                gp_wg_wait<1>();   // the group that last read this set (two quant blocks back) is done
-                gp_wg_keep(a[b & 1]);
-                // at the second quant block every wgmma of the k-group before is done: its stage
-                // goes back to the producer
-                if (b == 1 && i > 0 && lane == 0) gp_mbar_arrive(empty0 + 8 * ((i - 1) % GP_WG_STAGES));
-                gp_wg_quant_block(acc, a[b & 1], gp_wg_smem, so, base + so, b, wrow, wswz, sv, sel);
-            }
-        }
-        gp_wg_wait<0>();
-        gp_wg_keep(acc);
-        gp_wg_keep(a[0]);
-        gp_wg_keep(a[1]);
-    }
-    __syncthreads();   // the stages are free for the split's partials
-    const bool consumer = warp < GP_WG_CONSUMERS / 32;
-#else
-    const bool consumer = true;
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
         gp_wg_issue<TILED>(base + i * GP_WG_STAGE, x, packed, scales, tid, row0, M, N, K, kg0 + i, kg1, KG);
@@ -287,13 +179,35 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         gp_wg_issue<TILED>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE, x, packed,
                            scales, tid, row0, M, N, K, kg0 + i + GP_WG_AHEAD, kg1, KG);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
+        const unsigned st = base + so;
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
                              *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
+            unsigned(&ab)[2][4] = a[b & 1];
             gp_wg_wait<1>();   // the group that last read this set (two quant blocks back) is done
-            gp_wg_keep(a[b & 1]);
-            gp_wg_quant_block(acc, a[b & 1], gp_wg_smem, so, base + so, b, wrow, wswz, sv, sel);
+            gp_wg_keep(ab);
+            uint4 w[2];
+            unsigned s2[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                w[h] = *reinterpret_cast<const uint4*>(gp_wg_smem + so + wrow + h * 512 + 16 * (b ^ wswz));
+                const unsigned s = ((b & 2) ? sv[h].y : sv[h].x) >> (16 * (b & 1)) & 0xffffu;
+                s2[h] = s | (s << 16);
+            }
+            // slice 0: words 0 (k 2t, 2t + 1) and 1 (k 8 + 2t ..); slice 1: words 2 and 3
+            ab[0][0] = gp_wg_pair(w[0].x, sel, s2[0]);
+            ab[0][1] = gp_wg_pair(w[1].x, sel, s2[1]);
+            ab[0][2] = gp_wg_pair(w[0].y, sel, s2[0]);
+            ab[0][3] = gp_wg_pair(w[1].y, sel, s2[1]);
+            ab[1][0] = gp_wg_pair(w[0].z, sel, s2[0]);
+            ab[1][1] = gp_wg_pair(w[1].z, sel, s2[1]);
+            ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
+            ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            gp_wgmma_64x64(acc, ab[0], gp_wg_desc(st + (2 * b) * 2048));
+            gp_wgmma_64x64(acc, ab[1], gp_wg_desc(st + (2 * b + 1) * 2048));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
     }
     gp_wg_wait<0>();
@@ -301,23 +215,19 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     gp_wg_keep(a[0]);
     gp_wg_keep(a[1]);
     gp_cp_wait<0>();
-    __syncthreads();   // the stages are free for the split's partials
-#endif
 
     // acc[4i + e]: weight row g + 8 (e >> 1) of this warp's 16, row of x 8i + 2t + (e & 1)
     if (S > 1) {   // the partials over the stages, then the cluster's sum in rank order
+        __syncthreads();
         float* part = reinterpret_cast<float*>(gp_wg_smem);
-        if (consumer) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    part[(8 * i + 2 * t + (e & 1)) * GP_WG_PS + warp * 16 + g + 8 * (e >> 1)] = acc[4 * i + e];
-        }
+            for (int e = 0; e < 4; ++e)
+                part[(8 * i + 2 * t + (e & 1)) * GP_WG_PS + warp * 16 + g + 8 * (e >> 1)] = acc[4 * i + e];
         gp_cluster_sum_store(y, bias, M, N, row0, GP_WG_ROWS, GP_WG_PS, accumulate, base, rank, S);
         return;
     }
-    if (!consumer) return;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
