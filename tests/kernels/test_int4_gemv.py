@@ -124,6 +124,47 @@ def test_the_xa_plan_never_depends_on_the_row_count_and_keeps_two_k_groups_a_cta
         assert 1 <= split <= MAX_SPLIT and (split == 1 or k // MMA_K_ALIGN // split >= 2), (n, k)
 
 
+def test_the_wgmma_split_follows_xa_s_rule_and_keeps_two_k_groups_a_cta() -> None:
+    """wgmma_plan splits K where N alone fills less than XA_FILL of the CTA slots, as xa_plan
+    does (Llama-3-8B on 132 SMs: gate/up and lm_head unsplit, QKV 4, wo and w_down 6; at 4
+    warpgroups a CTA, one an SM, the slots halve and so do the tiles); a split never leaves a CTA
+    fewer than 2 k-groups or exceeds a portable cluster, and it reads no row count."""
+    from gpu_worker.kernels.int4_batched import MAX_SPLIT, MMA_K_ALIGN, wgmma_plan
+
+    assert [wgmma_plan(n, k, 132) for n, k in ((28672, 4096), (128256, 4096), (6144, 4096),
+                                               (4096, 4096), (4096, 14336))] == [1, 1, 4, 6, 6]
+    assert wgmma_plan(28672, 4096, 132, groups=4) == 1 and wgmma_plan(6144, 4096, 132, groups=4) == 4
+    for n, k in ((1000, 4224), (16, 256), (48, 128), (4096, 14336)):
+        split = wgmma_plan(n, k, 132)
+        assert 1 <= split <= MAX_SPLIT and (split == 1 or k // MMA_K_ALIGN // split >= 2), (n, k)
+
+
+def test_the_wgmma_launch_takes_its_grid_and_cluster_from_the_plan() -> None:
+    from gpu_worker.kernels.common import InvalidArgument
+    from gpu_worker.kernels.int4_batched import (
+        launch_int4_wgmma,
+        launch_int4_wgmma_tiled,
+        wgmma_shared_bytes,
+    )
+
+    class Recorder:
+        info = type("Info", (), {"ordinal": 0})()
+        name = "sim"   # sm_count: SIM_SM_COUNT, the H200's 132
+
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
+            self.call = (grid, block, shared_bytes, cluster)
+
+    dev = Recorder()
+    launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 6144, 4096)
+    assert dev.call == ((4, 48, 1), (256, 1, 1), wgmma_shared_bytes(), (4, 1, 1))
+    launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 28672, 4096, groups=4, stages=6)
+    assert dev.call == ((1, 112, 1), (512, 1, 1), wgmma_shared_bytes(6, 4), None)
+    with pytest.raises(InvalidArgument, match="split"):
+        launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 4096, 256, split=3)
+    with pytest.raises(InvalidArgument, match="tiled layout"):
+        launch_int4_wgmma_tiled(dev, None, 16, 16, 16, 8, 0, 64, 4100, 4096)
+
+
 def test_the_xa_launch_takes_its_cluster_and_shared_memory_from_the_plan() -> None:
     from gpu_worker.kernels.common import InvalidArgument
     from gpu_worker.kernels.int4_batched import launch_int4_mma_xa, xa_shared_bytes
