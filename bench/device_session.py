@@ -43,9 +43,9 @@ GRACE_S = 60.0       # past the group's budget a run is stopped at once
 
 
 # split-block builds decode_attention_bench times beside the library's (docs/kernels.md, "What
-# holds the batch-1 decode"); GP_FDC_WARPS runs each one's cluster kernel at batch 1
+# holds the batch-1 decode"); a GP_FDC_* macro runs the build's cluster kernel at batch 1
 DECODE_BUILDS = ("--build", "plo0=GP_FDC_WARPS:16,GP_FD_PLO:0",
-                 "--build", "rows1=GP_FDC_WARPS:16,GP_FD_TILE_ROWS:1")
+                 "--build", "rows0=GP_FDC_TILE_ROWS:0")
 
 
 @dataclass(frozen=True)

@@ -150,3 +150,20 @@ def test_a_rows_sampled_token_does_not_depend_on_the_batch_it_shares(harness) ->
 
     alone = run(0, 1)
     assert run(5, 16) == alone and run(40, 64) == alone
+
+
+@pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
+                                    {**LLAMA, "positions": [4096], "block_tokens": 64},
+                                    {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]}],
+                         ids=["8192 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2"])
+def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_row(harness, params) -> None:
+    """GP_FDC_TILE_ROWS (the library's: a 16-key tile's rows from one table lookup) changes which
+    instructions address a row, never which row: the same inputs give the same fp16 bits as the
+    build that looks every row up."""
+    from gpu_worker.kernels.paged_attention import decode_cluster_build
+
+    outs = [paged_decode_cluster_case(harness, np.random.default_rng(24), **params, build=build)
+            for build in (None, decode_cluster_build(GP_FDC_TILE_ROWS=0))]
+    for o in outs:
+        assert o.failure() is None, o.failure()
+    assert np.array_equal(outs[0].got, outs[1].got)

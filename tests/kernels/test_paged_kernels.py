@@ -269,3 +269,19 @@ def test_the_one_kernel_decode_keeps_one_block_of_512_threads_an_sm(paged_log) -
         .split("Compile time")[0]
     used = int(re.search(r"Used (\d+) registers", section).group(1))
     assert used <= 128, f"{used} registers: 512 threads no longer fit an SM"
+
+
+def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
+    """The library's cluster kernel (GP_FDC_TILE_ROWS=1) reads the block table once a 16-key
+    tile, not once a row: fewer 4-byte global loads in the code the GPU runs than the build that
+    looks every row up, the same 16-byte K/V loads."""
+    def loads(source) -> tuple[int, int]:
+        ptx = compile_program(source.module_name, source.source, source.headers, "sm_90",
+                              source.options).ptx
+        ptx = ptx if isinstance(ptx, str) else ptx.decode()
+        body = ptx.split(".entry gp_flash_decode_paged_cluster")[1].split(".entry")[0]
+        return (len(re.findall(r"^\s*ld\.global\.nc\.u32", body, re.MULTILINE)),
+                len(re.findall(r"^\s*ld\.global\.nc\.v4\.u32", body, re.MULTILINE)))
+    library = loads(pa.SOURCE)
+    per_row = loads(pa.decode_cluster_build(GP_FDC_TILE_ROWS=0).kernel.source)
+    assert library[0] < per_row[0] and library[1] == per_row[1], (library, per_row)

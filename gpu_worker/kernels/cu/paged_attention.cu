@@ -109,6 +109,9 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #ifndef GP_FDC_CTAS
 #define GP_FDC_CTAS 8   // the most CTAs a cluster (paged_attention.CLUSTER_DECODE_CTAS; 16: non-portable)
 #endif
+#ifndef GP_FDC_TILE_ROWS
+#define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
+#endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 
 template <int D>
@@ -176,12 +179,13 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
     const gp_kv_paged vr = gp_paged_rows(pool, trow, layer, layers, 1, hk, block_tokens, kv_heads, head_dim);
     const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
     const float sl = scale * GP_FA_LOG2E;
+    constexpr bool rows = GP_FDC_TILE_ROWS != 0;
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
-                                                                   j1, sl, 130, smem, nkeys - 1);
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows>(gp_fdc_state, q + row0, kr, vr, nh,
+                                                                          j0, j1, sl, 130, smem, nkeys - 1);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS>(gp_fdc_state, q + row0, kr, vr, nh, j0,
-                                                                  j1, sl, 66, smem, nkeys - 1);
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows>(gp_fdc_state, q + row0, kr, vr, nh,
+                                                                         j0, j1, sl, 66, smem, nkeys - 1);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, heads, kv_heads, head_dim);
     gp_cluster_sync();   // no CTA leaves while another still reads its state

@@ -13,10 +13,11 @@ import numpy as np
 from gpu_worker.kernels import reference as ref
 from gpu_worker.kernels.paged_attention import (
     FLASH_COMBINE_PAGED,
-    FLASH_DECODE_PAGED_CLUSTER,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
+    ClusterBuild,
+    decode_cluster_build,
     launch_flash_decode_paged,
     launch_flash_decode_paged_cluster,
     launch_flash_prefill_paged,
@@ -145,11 +146,14 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
 
 
 def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
-                              block_tokens=16, layers=2, layer=1, replay_positions=None) -> Outcome:
+                              block_tokens=16, layers=2, layer=1, replay_positions=None,
+                              build: ClusterBuild | None = None) -> Outcome:
     """The one-kernel paged decode (gp_flash_decode_paged_cluster) against the oracle: rows at
     per-row positions (-1 rows zero), each split over the cluster's CTAs by its actual length.
     With `replay_positions` the launch is captured once and replayed after each change of the
-    device positions (the split is read from them on the device, never baked into the graph)."""
+    device positions (the split is read from them on the device, never baked into the graph).
+    `build`: another build of the kernel (decode_cluster_build), launched as it needs."""
+    build = build or decode_cluster_build()
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
@@ -160,12 +164,12 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
     q = rng.standard_normal((batch, heads * head_dim), dtype=np.float32).astype(H)
     out = h.put(np.full((batch, heads * head_dim), np.nan, H))
     pos, qp, pp, tp = h.put(steps[0]), h.put(q), h.put(pool), h.put(table)
-    dev, fn = h.device, h.function(FLASH_DECODE_PAGED_CLUSTER)
+    dev, fn = h.device, h.function(build.kernel)
 
     def launch(stream=None) -> None:
         launch_flash_decode_paged_cluster(dev, fn, out, qp, pp, pos, tp, batch, heads, kv_heads,
                                           head_dim, layer, layers, block_tokens, max_blocks,
-                                          stream=stream)
+                                          stream=stream, threads=build.threads, ctas=build.ctas)
 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)
