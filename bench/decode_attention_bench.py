@@ -21,8 +21,8 @@ as such).
    recorded. `--build NAME=MACRO:V,...` times other builds the same way and at spans 64-512 at
    batch 1 and 8, printed only: GP_FD_* macros build the split kernel
    (paged_attention.decode_split_build); a build naming a GP_FDC_* macro (decode_cluster_build,
-   e.g. GP_FDC_WARPS:8 or GP_FDC_CTAS:16) runs as the graph runs it, its cluster kernel where
-   cluster_decode holds. Every build's output must
+   e.g. GP_FDC_WARPS:8 or GP_FDC_CTAS:16; GP_FDC_PARTS:1, the decode in one cluster a row and
+   head block) runs as the graph runs it, its cluster kernel where cluster_decode holds. Every build's output must
    agree with the library's within the kernels' tolerance, or the run stops.
 5. with `--carveout PCT[:split|combine]` (repeatable): the library build with the split's, the
    combine's or both kernels' preferred shared-memory carveout at PCT % (Device.set_shared_carveout;
@@ -65,9 +65,12 @@ from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
+    CLUSTER_DECODE_THREADS,
     FLASH_COMBINE_PAGED,
     MAX_DECODE_SPLITS,
     cluster_decode,
+    cluster_decode_shape,
+    cluster_decode_workspace_bytes,
     decode_cluster_build,
     decode_split_build,
     launch_flash_decode_paged,
@@ -172,6 +175,9 @@ class Bench:
         splits = paged_decode_splits(max_blocks, BT, span)
         ws = h.put(np.zeros(paged_decode_workspace_bytes(batch=batch, heads=HEADS, head_dim=HD,
                                                          splits=splits) // 4, np.float32))
+        # the cluster decode's counters start at zero, as the kernel cache's workspaces do
+        cws = h.put(np.zeros(cluster_decode_workspace_bytes(batch=batch, heads=HEADS,
+                                                            kv_heads=KVH) // 4, np.uint32))
         split_defines = {k: v for k, v in (build or {}).items() if not k.startswith("GP_FDC_")}
         fs, fc = h.function(decode_split_build(**split_defines)), h.function(FLASH_COMBINE_PAGED)
         cluster = decode_cluster_build(**(build or {}))
@@ -180,7 +186,8 @@ class Bench:
         def one(layer):
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
-                max_blocks, span=span, stream=s, cluster_function=fcl, cluster_launch=cluster)
+                max_blocks, span=span, stream=s, cluster_function=fcl, cluster_launch=cluster,
+                cluster_workspace=cws)
 
         percent, which = carveout or (-1, "")
         carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]
@@ -359,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         return r
 
     sms = sm_count(dev)
+    fcl = h.function(decode_cluster_build().kernel)
+    fits = {s: dev.max_active_clusters(fcl, CLUSTER_DECODE_THREADS, s) for s in range(1, 9)}
+    shape = cluster_decode_shape(KVH * -(-HEADS // KVH // 4), lambda s: fits[s])
+    print(f"clusters of s CTAs one wave holds (the cluster kernel, {CLUSTER_DECODE_THREADS} "
+          f"threads): {fits}; batch 1 runs {shape[1]} part(s) of {shape[0]} CTAs")
     print("\n[1] the library's decode (the one-kernel cluster decode where cluster_decode holds, "
           "then also the split and combine kernels) and the old rule's span")
     for batch in (1, 8, 32, 64):

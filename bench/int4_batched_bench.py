@@ -313,16 +313,18 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
 WGMMA_BATCHES = (32, 48, 64)
 
 
-def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS):
+def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False):
     """gp_int4_wgmma built with `stages` k-group stages (GP_WG_STAGES) and `groups` warpgroups a
-    CTA (GP_WG_GROUPS; above 2, one CTA an SM); the library's is WGMMA_STAGES, WGMMA_GROUPS."""
-    if (stages, groups) == (WGMMA_STAGES, WGMMA_GROUPS):
+    CTA (GP_WG_GROUPS; above 2, one CTA an SM); `ahead`: a quant block's weights read from
+    shared memory one block ahead (GP_WG_NEXT). The library's is WGMMA_STAGES, WGMMA_GROUPS."""
+    if (stages, groups, ahead) == (WGMMA_STAGES, WGMMA_GROUPS, False):
         return INT4_WGMMA
     ctas = 2 if groups <= 2 else 1
     source = dataclasses.replace(
-        INT4_WGMMA.source, module_name=f"{INT4_WGMMA.source.module_name}_s{stages}_g{groups}",
+        INT4_WGMMA.source,
+        module_name=f"{INT4_WGMMA.source.module_name}_s{stages}_g{groups}" + ("_next" if ahead else ""),
         options=(*INT4_WGMMA.source.options, f"-DGP_WG_STAGES={stages}",
-                 f"-DGP_WG_GROUPS={groups}", f"-DGP_WG_CTAS={ctas}"))
+                 f"-DGP_WG_GROUPS={groups}", f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}"))
     kdef = dataclasses.replace(INT4_WGMMA, source=source)
     return dataclasses.replace(kdef, launcher=functools.partial(launch_int4_wgmma, stages=stages,
                                                                 groups=groups))
@@ -347,11 +349,11 @@ def _check_near(h, kdef, kw: dict, weights, x, y, rows: int, n: int, k: int,
 
 
 def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
-                stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> dict:
+                stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, ahead: bool = False) -> dict:
     """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`) at WGMMA_BATCHES rows, each first
     checked against the default kernel's result within the contract's tolerance (they differ by
     f32 summation order); a difference raises WrongBuild."""
-    kdef = wgmma_kernel(stages, groups)
+    kdef = wgmma_kernel(stages, groups, ahead)
     out = {}
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
@@ -507,6 +509,8 @@ def main() -> int:
                     help="--wgmma on the kernel built with this many k-group stages")
     ap.add_argument("--wgmma-groups", type=int, default=WGMMA_GROUPS, choices=(1, 2, 3, 4),
                     help="--wgmma on the kernel built with this many warpgroups a CTA")
+    ap.add_argument("--wgmma-next", action="store_true",
+                    help="--wgmma on the kernel that reads a quant block's weights one block ahead")
     ap.add_argument("--xk", action="store_true",
                     help="time gp_int4_mma_xk4 / xk8 (K over a block's warps) against the default "
                          "kernel at 24 / 32 / 48 / 64 rows")
@@ -599,7 +603,7 @@ def main() -> int:
                     step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
                 wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                 args.wgmma_stages, args.wgmma_groups)
+                                 args.wgmma_stages, args.wgmma_groups, args.wgmma_next)
                 for b, t in wg.items():
                     base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
                                 args.trials)

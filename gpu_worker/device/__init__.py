@@ -214,6 +214,12 @@ class Device:
         self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c,
                             pdl and self.dependent_launch)
 
+    def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
+        """Clusters of `ctas` CTAs of `threads` threads of `function` the device holds at once
+        (cuOccupancyMaxActiveClusters; asked once a function, not a stream operation)."""
+        with self.gate.shared():
+            return self.backend.max_active_clusters(function, threads, ctas)
+
     def set_shared_carveout(self, function: object, percent: int) -> None:
         """`function`'s preferred L1 / shared memory split (Backend.set_shared_carveout): -1
         (no preference) or 0..100 percent of the most shared memory."""

@@ -27,6 +27,7 @@ import numpy as np
 ArgKind = Literal["ptr", "i32", "i64", "f32"]
 PORTABLE_CLUSTER_CTAS = 8    # a cluster any sm_90 launch may use; up to 16 with the opt-in (cuda)
 MAX_CLUSTER_CTAS = 16        # the non-portable limit on sm_90 (H100, H200)
+SIM_SM_COUNT = 132           # the sim backend models an H200's multiprocessors
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,11 @@ class Backend(ABC):
         memory limit first; `cluster` launches thread-block clusters of those dims; `pdl`: a
         programmatic dependent launch (the kernel may start before the previous one on the
         stream ends, and waits for it with griddepcontrol.wait)."""
+
+    def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
+        """How many clusters of `ctas` CTAs of `threads` threads each (its static shared memory
+        and registers) the device holds at once: what one wave of a cluster launch can be."""
+        raise NotImplementedError(f"{type(self).__name__}: max_active_clusters")
 
     def set_shared_carveout(self, function: object, percent: int) -> None:
         """The share of the SM's unified L1 / shared memory `function` prefers, in percent of

@@ -105,6 +105,7 @@ class CudaBackend(Backend):
         # Retained for the life of the process on purpose: never released (DESIGN 2.1).
         self._ctx = check(d.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         self._tls = threading.local()
+        self._active_clusters: dict[tuple[int, int, int], int] = {}
         self._current()
         name = check(d.cuDeviceGetName(256, self._dev), "cuDeviceGetName")
         name = name.split(b"\0", 1)[0].decode()
@@ -309,6 +310,7 @@ class CudaBackend(Backend):
     def unload_module(self, module: Any) -> None:
         self._current()
         check(_drv().cuModuleUnload(module), "cuModuleUnload")
+        self._active_clusters.clear()   # a later function may reuse an unloaded one's handle
 
     def get_function(self, module: Any, name: str) -> Any:
         self._current()
@@ -358,6 +360,27 @@ class CudaBackend(Backend):
         config.attrs = attrs
         config.numAttrs = len(attrs)
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
+
+    def max_active_clusters(self, function: Any, threads: int, ctas: int) -> int:
+        key = (int(function), threads, ctas)
+        if key not in self._active_clusters:   # a property of the function: asked once
+            self._current()
+            d = _drv()
+            if ctas > PORTABLE_CLUSTER_CTAS:
+                check(d.cuFuncSetAttribute(
+                    function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1), "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = ctas, 1, 1
+            config = d.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = ctas, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+            self._active_clusters[key] = int(check(d.cuOccupancyMaxActiveClusters(function, config),
+                                                   "cuOccupancyMaxActiveClusters"))
+        return self._active_clusters[key]
 
     def set_shared_carveout(self, function: Any, percent: int) -> None:
         self._current()

@@ -33,6 +33,7 @@ import numpy as np
 
 from gpu_worker.device.backend import (
     MAX_CLUSTER_CTAS,
+    SIM_SM_COUNT,
     Backend,
     CaptureInvalidated,
     DeviceError,
@@ -536,6 +537,14 @@ class SimBackend(Backend):
         def run() -> None:
             function.fn(self, tuple(grid), tuple(block), args)
         self._submit(stream, "work", lambda: run)
+
+    def max_active_clusters(self, function: SimFunction, threads: int, ctas: int) -> int:
+        """The sim's model: one CTA an SM, every SM free, no GPC boundary (an H100 holds
+        fewer: 15 clusters of 8 CTAs of 512 threads, not 16)."""
+        self._enter("max_active_clusters")
+        if not 1 <= ctas <= MAX_CLUSTER_CTAS:
+            raise DeviceError(f"cuOccupancyMaxActiveClusters: CUDA_ERROR_INVALID_CLUSTER_SIZE ({ctas})")
+        return SIM_SM_COUNT // ctas
 
     # -- graphs --------------------------------------------------------------------------------
     def begin_capture(self, stream: SimStream, mode: str = "thread_local") -> None:

@@ -319,7 +319,7 @@ class ModelExecutor:
         # Weight slots are keyed per device; the namespace (the model id) keeps two models'
         # "embed" from colliding on one worker.
         self.weight_namespace = weight_namespace
-        self.kernels = KernelCache(device.arena, variants_per_node)
+        self.kernels = KernelCache(device.arena, variants_per_node, zero=self._zero)
         self.arenas = ClassArenas(device.arena)   # plan classes sharing one activation arena
         self.plans = PlanCache(max_plans, max_plan_bytes,
                                synchronize=lambda: device.synchronize(device.stream),
@@ -562,6 +562,11 @@ class ModelExecutor:
         """Workspace bytes outside the kernel cache: the dequantization tile (the device's
         BLAS workspace is the device's: Device.blas.stats())."""
         return self.tile.size if self.tile is not None else 0
+
+    def _zero(self, ptr: int, nbytes: int) -> None:
+        """A new workspace zeroed before any plan uses it (outside capture: resolved first)."""
+        self.device.memset(ptr, 0, nbytes)
+        self.device.synchronize()
 
     def variant_key(self, node, graph: Graph) -> tuple[Hashable, tuple]:
         """(key, shapes) of `node` in the kernel cache: its name and input shapes, or for an op

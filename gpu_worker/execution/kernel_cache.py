@@ -7,7 +7,9 @@ Contract:
 - at most `variants_per_node` variants per node (`--variants-per-node`, default 16: a serving
   decoder's 11 decode rungs and a few prefill buckets),
   LRU per node (not FIFO, not global), so the decode shape survives a run of new prefill shapes;
-- every workspace is allocated through the arena in the `workspace` zone, so the ledger sees it;
+- every workspace is allocated through the arena in the `workspace` zone, so the ledger sees it,
+  and starts zeroed where the cache has a `zero` (the executor's: the device's memset), so a
+  kernel may keep counters there that it leaves at zero (the cluster decode's);
 - an eviction of a variant with workspaces first resets every captured graph registered as a
   holder of it (a graph bakes workspace pointers; replaying it after the free is a
   use-after-free), then frees each workspace through the arena's fenced, deferred release
@@ -68,8 +70,10 @@ class KernelVariant:
 class KernelCache:
     """Bounded per-node LRU of kernel variants. Thread-safe; builders run under the lock."""
 
-    def __init__(self, arena, variants_per_node: int | None = None) -> None:
+    def __init__(self, arena, variants_per_node: int | None = None,
+                 zero: Callable[[int, int], None] | None = None) -> None:
         self.arena = arena
+        self._zero = zero   # (ptr, nbytes): a new workspace's bytes to zero before its first use
         self.bound = DEFAULT_VARIANTS_PER_NODE if variants_per_node is None else variants_per_node
         if self.bound < 1:
             raise ValueError(f"variants_per_node must be >= 1, got {self.bound}")
@@ -98,6 +102,8 @@ class KernelCache:
                 for name, nbytes in spec.workspace_bytes.items():
                     if nbytes > 0:
                         workspaces[name] = self.arena.alloc(nbytes, "workspace", role="workspace")
+                        if self._zero is not None:
+                            self._zero(workspaces[name].ptr, nbytes)
             except BaseException:
                 for alloc in workspaces.values():
                     self.arena.free(alloc)

@@ -443,10 +443,16 @@ def _paged_decode_splits(node: Node, graph: Graph) -> int:
 
 
 def _paged_decode_workspace(node: Node, graph: Graph) -> dict[str, int]:
+    """The split kernel's slots, and where the batch is small enough for the cluster decode on
+    any device, its parts' slots and counters (zeroed when allocated: KernelCache's zero)."""
     a = node.attributes
+    batch, heads, kv_heads = graph.tensors[node.inputs[0]].shape[0], int(a["heads"]), int(a["kv_heads"])
     return {"splits": paged_attention.paged_decode_workspace_bytes(
-        batch=graph.tensors[node.inputs[0]].shape[0], heads=int(a["heads"]),
-        head_dim=int(a["head_dim"]), splits=_paged_decode_splits(node, graph))}
+                batch=batch, heads=heads, head_dim=int(a["head_dim"]),
+                splits=_paged_decode_splits(node, graph)),
+            "cluster": paged_attention.cluster_decode_workspace_bytes(
+                batch=batch, heads=heads, kv_heads=kv_heads)
+            if paged_attention.cluster_decode_may_run(batch, heads, kv_heads) else 0}
 
 
 def _launch_flash_decode_paged(c: LaunchContext) -> None:
@@ -458,7 +464,8 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
         int(c.node.attributes["heads"]), g["kv_heads"], g["head_dim"], g["layer"], g["layers"],
         g["block_tokens"], g["max_blocks"],
         span=_paged_decode_span(c.node, c.graph), stream=c.stream,
-        cluster_function=c.fn("flash_decode_paged_cluster"))
+        cluster_function=c.fn("flash_decode_paged_cluster"),
+        cluster_workspace=c.variant.workspace_ptr("cluster") if "cluster" in c.variant.workspaces else 0)
 
 
 def _launch_flash_prefill_paged(c: LaunchContext) -> None:

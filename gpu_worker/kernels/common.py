@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_worker.device.backend import SIM_SM_COUNT
 from services.common.errors import InvalidArgument
 
 try:  # the compile package's public surface
@@ -26,7 +27,6 @@ except ImportError:  # its __init__ may not export it yet; the dataclass itself 
 
 THREADS = 256            # threads per block for every kernel (8 warps)
 GRID_1D_PER_SM = 32      # grid-stride kernels: ~32 blocks per SM is plenty to saturate HBM
-SIM_SM_COUNT = 132       # the sim backend models an H200
 NVRTC_OPTIONS = ("--std=c++17", "-lineinfo")  # -lineinfo: compute-sanitizer names source lines
 
 COMMON_HEADER_NAME = "gpuplane_common.cuh"

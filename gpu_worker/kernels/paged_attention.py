@@ -24,16 +24,19 @@ A row with no key (a padding row) comes out zero. What the empty blocks of short
 (the grid is sized for the longest) is measured in docs/kernels.md.
 
 Where the batch is small (cluster_decode: Llama-3-8B at batch 1), the decode is one kernel
-instead (gp_flash_decode_paged_cluster): a cluster of CLUSTER_DECODE_CTAS CTAs splits each row's
-actual keys and merges the parts through distributed shared memory, so there is no workspace
-and no hand-over from the split kernel to the combine (docs/kernels.md, "One-kernel decode at
-batch 1").
+instead (gp_flash_decode_paged_cluster): a cluster of up to CLUSTER_DECODE_CTAS CTAs splits each
+row's actual keys and merges the parts through distributed shared memory, so there is no
+hand-over from the split kernel to the combine (docs/kernels.md, "One-kernel decode at batch
+1"). Where one wave holds more clusters than a row has head blocks, each (row, head block) takes
+several clusters ("parts", cluster_decode_shape), and the last part to finish merges them from a
+small workspace whose counters start at zero and are left at zero.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 
 from gpu_worker.device.backend import MAX_CLUSTER_CTAS, f32, i32, ptr
 from gpu_worker.kernels.common import (
@@ -75,6 +78,12 @@ MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one co
 CLUSTER_DECODE_CTAS = 8
 CLUSTER_DECODE_THREADS = 512
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
+# clusters a (row, head block) at most, and the cluster decode's workspace: a counter per (row,
+# head block, rank), then a part's slot of (max, sum, acc) per (head, dim) of a head block
+MAX_DECODE_PARTS = 4
+CLUSTER_SLOT_FLOATS = 3 * DECODE_HEADS_PER_BLOCK * 128     # GP_FDC_SLOT
+CLUSTER_COUNTERS = MAX_CLUSTER_CTAS                         # GP_FDC_COUNTERS
+CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the workspace for
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 _BUILD_MACRO = re.compile(r"GP_FDC?_[A-Z0-9_]+")   # the macros a tuning build may set
@@ -199,6 +208,13 @@ def launch_flash_combine_paged(device, function, out: int, workspace: int, posit
                   stream=stream, pdl=True, shared_bytes=decode_combine_shared_bytes(splits, head_dim))
 
 
+def cluster_decode_may_run(batch: int, heads: int, kv_heads: int) -> bool:
+    """Whether cluster_decode may hold for this batch on some device (up to CLUSTER_DECODE_SMS
+    multiprocessors): where the graph gives the decode a cluster workspace, without knowing the
+    device. A device with more SMs than that runs such a batch in one part."""
+    return 2 * _head_blocks(batch, heads, kv_heads) * CLUSTER_DECODE_CTAS <= CLUSTER_DECODE_SMS
+
+
 def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: int) -> bool:
     """Whether the paged decode runs as one kernel of clusters (gp_flash_decode_paged_cluster):
     where its CTAs (one of CLUSTER_DECODE_THREADS an SM, CLUSTER_DECODE_CTAS a (row, KV head,
@@ -206,9 +222,37 @@ def cluster_decode(batch: int, heads: int, kv_heads: int, head_dim: int, sms: in
     "One-kernel decode at batch 1"): Llama-3-8B's batch 1 (64 CTAs) is up to 11 % faster than
     the split and combine kernels, batch 2 (128 CTAs, every one resident) slower at every
     length. A function of the graph's shape only."""
-    blocks = batch * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
+    blocks = _head_blocks(batch, heads, kv_heads)
     return (head_dim in CLUSTER_DECODE_HEAD_DIMS and batch >= 1
             and 2 * blocks * CLUSTER_DECODE_CTAS <= sms)
+
+
+def _head_blocks(batch: int, heads: int, kv_heads: int) -> int:
+    """(row, KV head, head block) units of a decode: a block is up to 4 query heads of a group."""
+    return batch * kv_heads * ceil_div(max(1, heads // max(1, kv_heads)), DECODE_HEADS_PER_BLOCK)
+
+
+def cluster_decode_workspace_bytes(*, batch: int, heads: int, kv_heads: int,
+                                   parts: int = MAX_DECODE_PARTS, **_: int) -> int:
+    """The cluster decode's workspace at up to `parts` parts: the counters, which must be zero
+    before the first launch (every launch leaves them zero), then the parts' slots."""
+    units = _head_blocks(batch, heads, kv_heads)
+    return 4 * units * (parts * CLUSTER_SLOT_FLOATS + CLUSTER_COUNTERS)
+
+
+def cluster_decode_shape(blocks: int, fits: Callable[[int], int], ctas: int = CLUSTER_DECODE_CTAS,
+                         parts: int = MAX_DECODE_PARTS) -> tuple[int, int]:
+    """(CTAs a cluster, parts a (row, head block)) for `blocks` (row, head block) units: the
+    most CTAs in one wave, where `fits(s)` is how many clusters of s CTAs one wave holds
+    (Device.max_active_clusters), at most `ctas` a cluster and `parts` parts; on a tie the
+    bigger cluster (fewer parts to merge); (ctas, 1), the one-part decode, where nothing fits
+    (docs/kernels.md, "A row's keys over more than one cluster")."""
+    best = None
+    for s in range(ctas, 0, -1):
+        p = min(parts, fits(s) // max(1, blocks))
+        if p >= 1 and (best is None or s * p > best[0] * best[1]):
+            best = (s, p)
+    return best or (ctas, 1)
 
 
 def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: int,
@@ -217,11 +261,12 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       block_tokens: int, max_blocks: int,
                                       scale: float | None = None, stream=None,
                                       threads: int = CLUSTER_DECODE_THREADS,
-                                      ctas: int = CLUSTER_DECODE_CTAS) -> None:
+                                      ctas: int = CLUSTER_DECODE_CTAS, parts: int = 1,
+                                      workspace: int = 0) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
-    each row split by its actual length over a cluster of `ctas` CTAs of `threads` each (no
-    workspace, no combine). head_dim 64 or 128. Another build's threads and ctas:
-    decode_cluster_build."""
+    each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each.
+    head_dim 64 or 128. parts > 1 needs `workspace` (cluster_decode_workspace_bytes at least
+    `parts`, its counters zero). Another build's threads and ctas: decode_cluster_build."""
     kernel = "flash_decode_paged_cluster"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
@@ -229,16 +274,22 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
             f"(others run the split and combine kernels)")
     require(batch < 65536, f"{kernel}: batch={batch} must be < 65536")
     require(positions and table, f"{kernel}: needs positions and a table")
+    require(1 <= parts <= MAX_DECODE_PARTS, f"{kernel}: parts={parts} must be 1..{MAX_DECODE_PARTS}")
+    require(1 <= ctas <= MAX_CLUSTER_CTAS, f"{kernel}: ctas={ctas} must be 1..{MAX_CLUSTER_CTAS}")
+    require(parts == 1 or (workspace and workspace % 4 == 0),
+            f"{kernel}: parts={parts} needs a 4-byte aligned workspace "
+            f"(cluster_decode_workspace_bytes, counters zero)")
     for name, p in (("out", out), ("q", q), ("pool", pool)):
         require(p % 16 == 0, f"{kernel}: {name}=0x{p:x} must be 16-byte aligned (16-byte loads)")
     if batch == 0:
         return
     hgroups = ceil_div(heads // kv_heads, DECODE_HEADS_PER_BLOCK)
-    device.launch(function, (ctas, kv_heads * hgroups, batch),
+    device.launch(function, (ctas, kv_heads * hgroups * parts, batch),
                   (threads, 1, 1),
-                  [ptr(out), ptr(q), ptr(pool), ptr(positions), ptr(table), i32(batch),
-                   i32(heads), i32(kv_heads), i32(head_dim), i32(layer), i32(layers),
-                   i32(block_tokens), i32(max_blocks), f32(_scale(head_dim, scale))],
+                  [ptr(out), ptr(workspace if parts > 1 else 0), ptr(q), ptr(pool), ptr(positions),
+                   ptr(table), i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
+                   i32(layers), i32(block_tokens), i32(max_blocks), i32(parts),
+                   f32(_scale(head_dim, scale))],
                   stream=stream, pdl=True, cluster=(ctas, 1, 1))
 
 
@@ -248,20 +299,27 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                               block_tokens: int, max_blocks: int, *, span: int | None = None,
                               scale: float | None = None, stream=None,
                               cluster_function=None,
-                              cluster_launch: ClusterBuild | None = None) -> None:
+                              cluster_launch: ClusterBuild | None = None,
+                              cluster_workspace: int = 0) -> None:
     """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
     paged_decode_splits(max_blocks, block_tokens, span) slots. With `cluster_function`, a
-    batch cluster_decode takes runs as that one kernel instead (the workspace unused), at
-    `cluster_launch`'s threads and CTAs where given (a decode_cluster_build)."""
+    batch cluster_decode takes runs as that one kernel instead, in the shape
+    cluster_decode_shape picks within `cluster_launch`'s threads, CTAs and parts where given
+    (a decode_cluster_build); in one part unless `cluster_workspace` is given
+    (cluster_decode_workspace_bytes, zero when first allocated)."""
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
                                                        sm_count(device)):
-        shape = ({} if cluster_launch is None
-                 else {"threads": cluster_launch.threads, "ctas": cluster_launch.ctas})
+        build = cluster_launch or ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
+        ctas, parts = cluster_decode_shape(
+            _head_blocks(batch, heads, kv_heads),
+            lambda s: device.max_active_clusters(cluster_function, build.threads, s),
+            build.ctas, build.parts if cluster_workspace else 1)
         launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
                                           block_tokens, max_blocks, scale=scale, stream=stream,
-                                          **shape)
+                                          threads=build.threads, ctas=ctas, parts=parts,
+                                          workspace=cluster_workspace)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
@@ -333,27 +391,34 @@ def decode_split_build(**defines: int) -> KernelDef:
 @dataclasses.dataclass(frozen=True)
 class ClusterBuild:
     """A build of gp_flash_decode_paged_cluster and the launch it needs: `threads` a CTA
-    (GP_FDC_WARPS * 32), `ctas` a cluster (GP_FDC_CTAS; above 8, a non-portable cluster)."""
+    (GP_FDC_WARPS * 32), at most `ctas` a cluster (GP_FDC_CTAS; above 8, a non-portable
+    cluster) and at most `parts` clusters a (row, head block) (GP_FDC_PARTS)."""
 
     kernel: KernelDef
     threads: int = CLUSTER_DECODE_THREADS
     ctas: int = CLUSTER_DECODE_CTAS
+    parts: int = MAX_DECODE_PARTS
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
     """gp_flash_decode_paged_cluster built with the given GP_FDC_* (and GP_FD_*) macros
-    (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS); none: the library's build.
-    decode_attention_bench --build times such builds beside it."""
+    (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS; GP_FDC_PARTS bounds the launch's parts
+    only); none: the library's build. decode_attention_bench --build times such builds."""
     kernel = "flash_decode_paged_cluster"
     warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)
     ctas = defines.get("GP_FDC_CTAS", CLUSTER_DECODE_CTAS)
+    parts = defines.get("GP_FDC_PARTS", MAX_DECODE_PARTS)
     require(isinstance(warps, int) and 1 <= warps <= 32, f"{kernel}: GP_FDC_WARPS={warps!r} must be 1..32")
     require(isinstance(ctas, int) and 1 <= ctas <= MAX_CLUSTER_CTAS,
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
+    require(isinstance(parts, int) and 1 <= parts <= MAX_DECODE_PARTS,
+            f"{kernel}: GP_FDC_PARTS={parts!r} must be 1..{MAX_DECODE_PARTS}")
     if not defines:
         return ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
-    return ClusterBuild(dataclasses.replace(FLASH_DECODE_PAGED_CLUSTER,
-                                            source=_build_source(kernel, defines)), 32 * warps, ctas)
+    macros = {k: v for k, v in defines.items() if k != "GP_FDC_PARTS"}
+    kdef = (FLASH_DECODE_PAGED_CLUSTER if not macros else dataclasses.replace(
+        FLASH_DECODE_PAGED_CLUSTER, source=_build_source(kernel, macros)))
+    return ClusterBuild(kdef, 32 * warps, ctas, parts)
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,

@@ -86,6 +86,15 @@ MODEL_CASES: list[Case] = [
                                               "positions": [2999, 130]}),
     Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [5000],
                                               "replay_positions": [[17], [8000], [-1], [128]]}),
+    # a row and head block over 2-4 clusters (cluster_decode_shape's parts): the last part to
+    # finish merges, every counter is back at zero after each launch and replay
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [8191], "parts": 2}),
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [16383], "block_tokens": 64,
+                                              "parts": 3}),
+    Case(CLUSTER, paged_decode_cluster_case, {"heads": 32, "kv_heads": 8, "head_dim": 64,
+                                              "positions": [2999, 130], "parts": 2}),
+    Case(CLUSTER, paged_decode_cluster_case, {**LLAMA, "positions": [5000], "parts": 4,
+                                              "replay_positions": [[17], [8000], [-1], [128]]}),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 2048, "start": 0, "chunk_len": 2048,
                                        "block_tokens": 16, "rows": 64}),
     Case(PREFILL, paged_prefill_case, {**LLAMA, "tokens": 512, "start": 1536, "chunk_len": 512,

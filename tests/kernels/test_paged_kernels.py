@@ -285,3 +285,56 @@ def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
     library = loads(pa.SOURCE)
     per_row = loads(pa.decode_cluster_build(GP_FDC_TILE_ROWS=0).kernel.source)
     assert library[0] < per_row[0] and library[1] == per_row[1], (library, per_row)
+
+
+def test_the_cluster_decode_takes_the_most_ctas_one_wave_holds() -> None:
+    """cluster_decode_shape: (CTAs a cluster, parts) with the most CTAs whose clusters all fit
+    one wave, the bigger cluster on a tie, never below one part of the full cluster."""
+    def gpcs(s: int) -> int:   # 132 SMs in GPCs of 18 x 6, 16 and 8: 15 clusters of 8, as on the H100
+        return sum(n // s for n in (18, 18, 18, 18, 18, 18, 16, 8))
+    assert gpcs(8) == 15
+    assert pa.cluster_decode_shape(8, gpcs) == (6, 2), "batch 1: 2 parts of 6 (96 CTAs), not 1 of 8"
+    assert pa.cluster_decode_shape(8, lambda s: 132 // s) == (8, 2), "the sim's model: 16 of 8 fit"
+    assert pa.cluster_decode_shape(16, gpcs) == (2, 4), "16 units: 16 clusters of 8 are 2 waves"
+    assert pa.cluster_decode_shape(8, gpcs, parts=1) == (8, 1), "GP_FDC_PARTS:1, the one-part decode"
+    assert pa.cluster_decode_shape(1, gpcs) == (8, 4), "one unit: at most MAX_DECODE_PARTS parts"
+    assert pa.cluster_decode_shape(8, gpcs, ctas=16) == (6, 2), "a non-portable build still splits"
+    assert pa.cluster_decode_shape(8, lambda s: 7, ctas=16) == (16, 1), "none fits: the build's cluster"
+
+
+def test_the_cluster_decode_refuses_parts_without_a_workspace() -> None:
+    """More than one part needs the counters: a launch without a workspace is refused before
+    anything runs, and parts past MAX_DECODE_PARTS (the merge's unrolled slots) too."""
+    class NoLaunch:
+        def launch(self, *a, **k):
+            raise AssertionError("launched")
+    args = (NoLaunch(), None, 16, 16, 16, 8, 8, 1, 32, 8, 128, 0, 1, 16, 4)
+    with pytest.raises(InvalidArgument, match="needs a 4-byte aligned workspace"):
+        pa.launch_flash_decode_paged_cluster(*args, parts=2)
+    with pytest.raises(InvalidArgument, match="parts=5"):
+        pa.launch_flash_decode_paged_cluster(*args, parts=5, workspace=64)
+
+
+def test_a_part_whose_counter_is_not_zero_writes_nothing_and_the_graph_zeroes_its_workspace(harness) -> None:
+    """The sim keeps the device's contract: a (row, head block, rank) whose counter is not zero
+    at launch has no last part, so its outputs stay unwritten (NaN here) and the counter moves
+    on by the parts; which is why the cluster workspace must be zeroed when allocated."""
+    h, dev = harness, harness.device
+    heads, kv_heads, hd, parts = 4, 1, 128, 2
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((4, 2, 2, 16, kv_heads, hd), dtype=np.float32).astype(np.float16)
+    out = h.put(np.full(heads * hd, np.nan, np.float16))
+    ws_host = np.zeros(pa.cluster_decode_workspace_bytes(batch=1, heads=heads, kv_heads=kv_heads,
+                                                         parts=parts) // 4, np.uint32)
+    ws_host[3] = 5   # rank 3's counter
+    ws = h.put(ws_host)
+    q = rng.standard_normal(heads * hd, dtype=np.float32).astype(np.float16)
+    pa.launch_flash_decode_paged_cluster(
+        dev, h.function(pa.FLASH_DECODE_PAGED_CLUSTER), out, h.put(q), h.put(pool),
+        h.put(np.array([40], np.int32)), h.put(np.array([[0, 1, 2, 3]], np.int32)), 1, heads,
+        kv_heads, hd, 1, 2, 16, 4, parts=parts, workspace=ws)
+    got = h.get(out, (heads * hd,), np.float16)
+    left = h.get(ws, (pa.CLUSTER_COUNTERS,), np.uint32)
+    slice3 = slice(heads * hd * 3 // 8, heads * hd * 4 // 8)
+    assert np.isnan(got[slice3]).all() and not np.isnan(np.delete(got, np.r_[slice3])).any()
+    assert left[3] == 5 + parts and not left[:3].any() and not left[4:].any()

@@ -42,6 +42,9 @@
 #ifndef GP_WG_GROUPS
 #define GP_WG_GROUPS 2     // warpgroups per CTA (int4_batched.WGMMA_GROUPS)
 #endif
+#ifndef GP_WG_NEXT
+#define GP_WG_NEXT 0       // 1: a quant block's weights read from shared memory one block ahead
+#endif
 #ifndef GP_WG_CTAS
 #define GP_WG_CTAS 2       // CTAs per SM the registers are bounded for (int4_batched.WGMMA_CTAS)
 #endif
@@ -182,16 +185,32 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         const unsigned st = base + so;
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
                              *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
+        auto wload = [&](uint4 (&dst)[2], int b) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                dst[h] = *reinterpret_cast<const uint4*>(gp_wg_smem + so + wrow + h * 512 + 16 * (b ^ wswz));
+        };
+#if GP_WG_NEXT
+        uint4 wn[2];   // the next quant block's weights, loaded before this one's wait
+        wload(wn, 0);
+#endif
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
             unsigned(&ab)[2][4] = a[b & 1];
+            uint4 w[2];
+#if GP_WG_NEXT
+            w[0] = wn[0];
+            w[1] = wn[1];
+            if (b < 3) wload(wn, b + 1);
+#endif
             gp_wg_wait<1>();   // the group that last read this set (two quant blocks back) is done
             gp_wg_keep(ab);
-            uint4 w[2];
+#if !GP_WG_NEXT
+            wload(w, b);
+#endif
             unsigned s2[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                w[h] = *reinterpret_cast<const uint4*>(gp_wg_smem + so + wrow + h * 512 + 16 * (b ^ wswz));
                 const unsigned s = ((b & 2) ? sv[h].y : sv[h].x) >> (16 * (b & 1)) & 0xffffu;
                 s2[h] = s | (s << 16);
             }

@@ -95,14 +95,21 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 // Where the split kernel's grid is one wave (batch 1 and 2 at Llama-3-8B's 8 KV heads), a decode
 // is two short kernels, and the combine (a few microseconds) with the hand-over between them
 // (the combine waits for the last split block, the next split for the combine) costs as much as
-// the splits' own HBM time. Here a cluster of GP_FDC_CTAS CTAs of GP_FDC_WARPS warps each takes
-// one (row, KV head, head block): CTA r covers the r-th 1/S of the row's actual keys (rounded to
-// 16), its warps run the tensor-core split block over it (gp_fd_split_block_mma, tiles w, w +
-// NW, ...), the CTA's merged state goes to its own shared memory, and after a cluster barrier
-// each CTA merges a 1/S of the (head, dim) outputs over the S states in rank order (DSMEM
-// loads, all issued before the first add) and writes them as fp16. No workspace, no second
-// kernel, and the same sums as the combine (gp_fd_combine's weights). A row with no key (a
-// padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
+// the splits' own HBM time. Here P clusters ("parts") of S CTAs of GP_FDC_WARPS warps each take
+// one (row, KV head, head block): CTA r of part c covers the (c S + r)-th 1/(P S) of the row's
+// actual keys (rounded to 16), its warps run the tensor-core split block over it
+// (gp_fd_split_block_mma, tiles w, w + NW, ...), the CTA's merged state goes to its own shared
+// memory, and after a cluster barrier each CTA merges a 1/S of the (head, dim) outputs over the
+// S states in rank order (DSMEM loads, all issued before the first add).
+//   P = 1: that merge is the output, written as fp16. No workspace, no second kernel.
+//   P > 1: a part is at most 8 CTAs (the portable cluster) and a wave holds few clusters, so
+//          more SMs reach a row's keys only as more clusters (paged_attention.cluster_decode_shape).
+//          CTA r of each part writes its merged slice to the part's slot of the workspace, and
+//          the last of the P CTAs r to arrive (a counter a (row, head block, r), which it sets
+//          back to 0) merges the P slots in part order and writes the fp16 output: the bits do
+//          not depend on which part came last.
+// The same sums as the combine (gp_fd_combine's weights), in two levels where P > 1. A row with
+// no key (a padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
 #ifndef GP_FDC_WARPS
 #define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
 #endif
@@ -113,66 +120,126 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
 #endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
+#define GP_FDC_SLOT (3 * GP_FD_HPB * 128)   // floats of a part's slot: max, sum, acc a (head, dim)
+#define GP_FDC_COUNTERS 16                  // counters a (row, head block): one a rank, up to 16
 
+// The merged (max, sum, acc) of output idx over the cluster's S states (DSMEM).
 template <int D>
-__device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, const float* state,
-                                             int nh, int rank, int S) {
+__device__ __forceinline__ float3 gp_fdc_gather(unsigned base, int idx, int S) {
     constexpr int W = D + 2;
-    const unsigned base = gp_smem(state);
-    const int total = nh * D;
-    const int lo = total * rank / S, hi = total * (rank + 1) / S;
-    for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
-        const int h = idx / D, d = idx - h * D;
-        const unsigned off = base + 4u * (unsigned)(h * W);
-        float m[GP_FDC_CTAS], l[GP_FDC_CTAS], a[GP_FDC_CTAS];
+    const int h = idx / D, d = idx - h * D;
+    const unsigned off = base + 4u * (unsigned)(h * W);
+    float m[GP_FDC_CTAS], l[GP_FDC_CTAS], a[GP_FDC_CTAS];
 #pragma unroll
-        for (int s = 0; s < GP_FDC_CTAS; ++s) {   // every remote load first: one DSMEM round trip
-            m[s] = s < S ? gp_ld_cluster(off, s) : -INFINITY;
-            l[s] = s < S ? gp_ld_cluster(off + 4u, s) : 0.f;
-            a[s] = s < S ? gp_ld_cluster(off + 4u * (2 + d), s) : 0.f;
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < GP_FDC_CTAS; ++s) mx = fmaxf(mx, m[s]);
-        float lt = 0.f, o = 0.f;
-#pragma unroll
-        for (int s = 0; s < GP_FDC_CTAS; ++s) {
-            const float w = mx != -INFINITY && l[s] > 0.f ? expf(m[s] - mx) : 0.f;
-            lt = fmaf(l[s], w, lt);
-            o = fmaf(a[s], w, o);
-        }
-        out[(long long)h * D + d] = gp_f2h(lt > 0.f ? o / lt : 0.f);
+    for (int s = 0; s < GP_FDC_CTAS; ++s) {   // every remote load first: one DSMEM round trip
+        m[s] = s < S ? gp_ld_cluster(off, s) : -INFINITY;
+        l[s] = s < S ? gp_ld_cluster(off + 4u, s) : 0.f;
+        a[s] = s < S ? gp_ld_cluster(off + 4u * (2 + d), s) : 0.f;
     }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < GP_FDC_CTAS; ++s) mx = fmaxf(mx, m[s]);
+    float lt = 0.f, o = 0.f;
+#pragma unroll
+    for (int s = 0; s < GP_FDC_CTAS; ++s) {
+        const float w = mx != -INFINITY && l[s] > 0.f ? expf(m[s] - mx) : 0.f;
+        lt = fmaf(l[s], w, lt);
+        o = fmaf(a[s], w, o);
+    }
+    return make_float3(mx, lt, o);
 }
 
 __shared__ float gp_fdc_state[GP_FD_HPB * (128 + 2)];   // a CTA's state: max, sum, acc a head
+__shared__ int gp_fdc_last;                              // this CTA merges the parts (P > 1)
 
-// After the split block: this CTA's 1/S of the block's (head, dim) outputs merged over the
-// cluster's states. Its indices are recomputed here, so nothing is held live across the block.
-__device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, int heads,
-                                           int kv_heads, int head_dim) {
-    const int2 cl = gp_cluster_rank_size();
-    const gp_head_block hb = gp_decode_heads(blockIdx.y, heads, kv_heads);
-    unsigned short* o = out + ((long long)blockIdx.z * heads + hb.h0) * head_dim;
-    if (head_dim == 128) gp_fdc_merge<128>(o, gp_fdc_state, hb.nh, cl.x, cl.y);
-    else gp_fdc_merge<64>(o, gp_fdc_state, hb.nh, cl.x, cl.y);
+// After the split block: this CTA's 1/S of the block's (head, dim) outputs [lo, hi) merged over
+// the cluster's states; where P > 1, then over the parts' slots by the last CTA r to arrive.
+// Its indices are recomputed here, so nothing is held live across the block.
+template <int D>
+__device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, float* __restrict__ ws,
+                                             int nh, int rank, int S, int part, int P,
+                                             long long unit) {
+    const unsigned base = gp_smem(gp_fdc_state);
+    const int total = nh * D, lo = total * rank / S, hi = total * (rank + 1) / S;
+    if (P == 1) {
+        for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
+            const float3 r = gp_fdc_gather<D>(base, idx, S);
+            out[idx] = gp_f2h(r.y > 0.f ? r.z / r.y : 0.f);
+        }
+        return;
+    }
+    // workspace: GP_FDC_COUNTERS counters a unit (row, head block), one a rank, then P slots a unit
+    const long long units = (long long)gridDim.z * (gridDim.y / P);
+    unsigned* count = reinterpret_cast<unsigned*>(ws) + unit * GP_FDC_COUNTERS + rank;
+    float* slots = ws + units * GP_FDC_COUNTERS + unit * P * GP_FDC_SLOT;
+    float* mine = slots + part * GP_FDC_SLOT;
+    for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
+        const float3 r = gp_fdc_gather<D>(base, idx, S);
+        mine[idx] = r.x;
+        mine[GP_FD_HPB * 128 + idx] = r.y;
+        mine[2 * GP_FD_HPB * 128 + idx] = r.z;
+    }
+    __threadfence();   // this CTA's slot, visible to the GPU before its arrival is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned before = atomicAdd(count, 1u);
+        gp_fdc_last = before == (unsigned)(P - 1);
+        if (gp_fdc_last) *count = 0u;   // every part has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!gp_fdc_last) return;
+    __threadfence();   // the other parts' slots, seen after their arrivals
+    for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
+        float m[4], l[4], a[4];   // P <= 4 (paged_attention.MAX_DECODE_PARTS)
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float* sl = slots + c * GP_FDC_SLOT;
+            m[c] = c < P ? __ldcg(sl + idx) : -INFINITY;
+            l[c] = c < P ? __ldcg(sl + GP_FD_HPB * 128 + idx) : 0.f;
+            a[c] = c < P ? __ldcg(sl + 2 * GP_FD_HPB * 128 + idx) : 0.f;
+            mx = fmaxf(mx, m[c]);
+        }
+        float lt = 0.f, o = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float w = mx != -INFINITY && l[c] > 0.f ? expf(m[c] - mx) : 0.f;
+            lt = fmaf(l[c], w, lt);
+            o = fmaf(a[c], w, o);
+        }
+        out[idx] = gp_f2h(lt > 0.f ? o / lt : 0.f);
+    }
 }
 
-// grid (S, kv_heads * ceil(group / 4), batch) in clusters of (S, 1, 1), S <= GP_FDC_CTAS;
-// GP_FDC_WARPS * 32 threads; head_dim 64 or 128 (paged_attention.cluster_decode).
+__device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, float* __restrict__ ws,
+                                           int heads, int kv_heads, int head_dim, int unit,
+                                           int hbi, int part, int P) {
+    const int2 cl = gp_cluster_rank_size();
+    const gp_head_block hb = gp_decode_heads(hbi, heads, kv_heads);
+    unsigned short* o = out + ((long long)blockIdx.z * heads + hb.h0) * head_dim;
+    if (head_dim == 128) gp_fdc_merge<128>(o, ws, hb.nh, cl.x, cl.y, part, P, unit);
+    else gp_fdc_merge<64>(o, ws, hb.nh, cl.x, cl.y, part, P, unit);
+}
+
+// grid (S, kv_heads * ceil(group / 4) * P, batch) in clusters of (S, 1, 1), S <= GP_FDC_CTAS,
+// P <= 4 (blockIdx.y = head block * P + part); GP_FDC_WARPS * 32 threads; head_dim 64 or 128;
+// ws: none where P = 1, else cluster_decode_workspace_bytes with its counters zero
+// (paged_attention.launch_flash_decode_paged_cluster).
 extern "C" __global__ void __launch_bounds__(GP_FDC_WARPS * 32, 1)
-gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned short* __restrict__ q,
+gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restrict__ ws,
+                              const unsigned short* __restrict__ q,
                               const unsigned short* __restrict__ pool,
                               const int* __restrict__ positions, const int* __restrict__ table,
                               int batch, int heads, int kv_heads, int head_dim, int layer,
-                              int layers, int block_tokens, int max_blocks, float scale) {
+                              int layers, int block_tokens, int max_blocks, int parts, float scale) {
     __shared__ float smem[GP_FDC_SMEM];
     const int2 cl = gp_cluster_rank_size();
-    const int rank = cl.x, S = cl.y, b = blockIdx.z;
+    const int rank = cl.x, S = cl.y, b = blockIdx.z, P = parts;
+    const int hbi = blockIdx.y / P, part = blockIdx.y - hbi * P;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
-    const int span = ((nkeys + S - 1) / S + 15) / 16 * 16;
-    const int j0 = min(rank * span, nkeys), j1 = min(j0 + span, nkeys);
-    const gp_head_block hb = gp_decode_heads(blockIdx.y, heads, kv_heads);
+    const int span = ((nkeys + S * P - 1) / (S * P) + 15) / 16 * 16;
+    const int j0 = min((part * S + rank) * span, nkeys), j1 = min(j0 + span, nkeys);
+    const gp_head_block hb = gp_decode_heads(hbi, heads, kv_heads);
     const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
     const int* trow = table + (long long)b * max_blocks;
     const gp_kv_paged kr = gp_paged_rows(pool, trow, layer, layers, 0, hk, block_tokens, kv_heads, head_dim);
@@ -187,7 +254,7 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, const unsigned s
         gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows>(gp_fdc_state, q + row0, kr, vr, nh,
                                                                          j0, j1, sl, 66, smem, nkeys - 1);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
-    gp_fdc_finish(out, heads, kv_heads, head_dim);
+    gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part, P);
     gp_cluster_sync();   // no CTA leaves while another still reads its state
 }
 

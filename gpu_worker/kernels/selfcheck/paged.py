@@ -11,12 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
+from gpu_worker.kernels.flash_attention import DECODE_HEADS_PER_BLOCK
 from gpu_worker.kernels.paged_attention import (
+    CLUSTER_COUNTERS,
     FLASH_COMBINE_PAGED,
     FLASH_DECODE_SPLIT_PAGED,
     FLASH_PREFILL_PAGED,
     KV_APPEND_PAGED,
     ClusterBuild,
+    cluster_decode_workspace_bytes,
     decode_cluster_build,
     launch_flash_decode_paged,
     launch_flash_decode_paged_cluster,
@@ -147,12 +150,13 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
 
 def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                               block_tokens=16, layers=2, layer=1, replay_positions=None,
-                              build: ClusterBuild | None = None) -> Outcome:
+                              build: ClusterBuild | None = None, parts: int = 1) -> Outcome:
     """The one-kernel paged decode (gp_flash_decode_paged_cluster) against the oracle: rows at
-    per-row positions (-1 rows zero), each split over the cluster's CTAs by its actual length.
-    With `replay_positions` the launch is captured once and replayed after each change of the
-    device positions (the split is read from them on the device, never baked into the graph).
-    `build`: another build of the kernel (decode_cluster_build), launched as it needs."""
+    per-row positions (-1 rows zero), each split over `parts` clusters of CTAs by its actual
+    length; with parts > 1 the workspace's counters (zero before) must be zero after every
+    launch. With `replay_positions` the launch is captured once and replayed after each change
+    of the device positions (the split is read from them on the device, never baked into the
+    graph). `build`: another build of the kernel (decode_cluster_build), launched as it needs."""
     build = build or decode_cluster_build()
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
@@ -165,15 +169,23 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
     out = h.put(np.full((batch, heads * head_dim), np.nan, H))
     pos, qp, pp, tp = h.put(steps[0]), h.put(q), h.put(pool), h.put(table)
     dev, fn = h.device, h.function(build.kernel)
+    ws_bytes = cluster_decode_workspace_bytes(batch=batch, heads=heads, kv_heads=kv_heads, parts=parts)
+    ws = h.put(np.zeros(ws_bytes // 4, np.uint32))   # the counters first: zero, as allocated
+    counters = batch * kv_heads * -(-(heads // kv_heads) // DECODE_HEADS_PER_BLOCK) * CLUSTER_COUNTERS
 
     def launch(stream=None) -> None:
         launch_flash_decode_paged_cluster(dev, fn, out, qp, pp, pos, tp, batch, heads, kv_heads,
                                           head_dim, layer, layers, block_tokens, max_blocks,
-                                          stream=stream, threads=build.threads, ctas=build.ctas)
+                                          stream=stream, threads=build.threads, ctas=build.ctas,
+                                          parts=parts, workspace=ws)
 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)
-        return got, flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+        want = flash_decode_paged(q, pool, step, table, layer, heads).astype(np.float32)
+        if parts > 1:   # every counter back at zero: compared exactly, beside the output
+            left = h.get(ws, (counters,), np.uint32).astype(np.float32)
+            got, want = np.concatenate([got.reshape(-1), left]), np.concatenate([want.reshape(-1), 0 * left])
+        return got, want
 
     if replay_positions is None:
         launch()
@@ -287,6 +299,13 @@ PAGED_CASES: list[Case] = [
        positions=[1000, 127, 129], block_tokens=32),
     _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
        replay_positions=[[-1], [700], [3]]),
+    # a row and head block over 2-4 clusters: the last part merges, the counters go back to 0
+    _c(CLUSTER, paged_decode_cluster_case, heads=8, kv_heads=2, head_dim=128,
+       positions=[0, 15, 16, -1, 300, 4100], parts=2),
+    _c(CLUSTER, paged_decode_cluster_case, heads=12, kv_heads=2, head_dim=64,
+       positions=[1000, 127, 129], block_tokens=32, parts=3),
+    _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
+       replay_positions=[[-1], [700], [3], [9000]], parts=4),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

@@ -12,6 +12,8 @@ import numpy as np
 
 from gpu_worker.device.sim_kernels import register_sim_kernel
 from gpu_worker.kernels import reference
+from gpu_worker.kernels.flash_attention import DECODE_HEADS_PER_BLOCK
+from gpu_worker.kernels.paged_attention import CLUSTER_COUNTERS, CLUSTER_SLOT_FLOATS
 from gpu_worker.kernels.sim import _arr, _strided, _vals
 
 H = np.float16
@@ -101,28 +103,51 @@ def _flash_combine_paged(mem, grid, block, args) -> None:
 
 @register_sim_kernel("gp_flash_decode_paged_cluster")
 def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
-    """The whole decode in one kernel: each row over its actual keys, split into the cluster's
-    grid[0] parts (as the CUDA kernel's CTAs), merged like the combine; a row with no key is
-    zeros."""
-    (out, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
-     block_tokens, max_blocks, scale) = _vals(args)
+    """The whole decode in one kernel: each row over its actual keys, split into grid[0] CTAs
+    times `parts` clusters (as the CUDA kernel's CTAs), merged like the combine; a row with no
+    key is zeros. With parts > 1, the counters of the workspace decide as on the device: a
+    (row, head block, rank) whose counter is not zero gets no merge, so its outputs are left
+    unwritten and its counter goes up by `parts`."""
+    (out, ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
+     block_tokens, max_blocks, parts, scale) = _vals(args)
     ctas = grid[0]
     pos = _arr(mem, positions, batch, np.int32)
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
+    hblocks = grid[1] // parts
+    group = heads // kv_heads
+    hgroups = -(-group // DECODE_HEADS_PER_BLOCK)
+    counters = None
+    if parts > 1:   # the counters and the slots (scratch) the kernel touches
+        units = batch * hblocks
+        counters = _arr(mem, ws, units * CLUSTER_COUNTERS, np.uint32).reshape(units, CLUSTER_COUNTERS)
+        _arr(mem, ws + 4 * units * CLUSTER_COUNTERS, units * parts * CLUSTER_SLOT_FLOATS)
     for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
         o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
         n = int(nkeys)
         if n == 0:
-            o[:] = 0
+            result = np.zeros(heads * head_dim, H)
+        else:
+            kb, vb = p.gather(tab[b], layer, n)
+            qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
+            per = -(-n // (ctas * parts))       # keys a CTA, rounded up to whole 16-key tiles
+            span = -(-per // 16) * 16
+            pieces = [reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
+                      for j0 in range(0, n, span)]
+            result = reference.attention_combine_f16(np.array(pieces)).reshape(-1)
+        if counters is None:
+            o[:] = result
             continue
-        kb, vb = p.gather(tab[b], layer, n)
-        qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
-        per = -(-n // ctas)                 # keys a CTA, rounded up to whole 16-key tiles
-        span = -(-per // 16) * 16
-        parts = [reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
-                 for j0 in range(0, n, span)]
-        o[:] = reference.attention_combine_f16(np.array(parts)).reshape(-1)
+        for hb in range(hblocks):
+            h0 = (hb // hgroups) * group + (hb % hgroups) * DECODE_HEADS_PER_BLOCK
+            total = min(DECODE_HEADS_PER_BLOCK, group - (hb % hgroups) * DECODE_HEADS_PER_BLOCK) * head_dim
+            unit = counters[b * hblocks + hb]
+            for rank in range(ctas):
+                lo, hi = h0 * head_dim + total * rank // ctas, h0 * head_dim + total * (rank + 1) // ctas
+                if unit[rank] == 0:
+                    o[lo:hi] = result[lo:hi]
+                else:
+                    unit[rank] += parts
 
 
 @register_sim_kernel("gp_flash_prefill_paged")
