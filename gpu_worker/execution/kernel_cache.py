@@ -63,8 +63,10 @@ class KernelVariant:
         return sum(a.size for a in self.workspaces.values())
 
     def workspace_ptr(self, name: str) -> int:
+        """The workspace's address; 0 where the op asked no bytes of it at these shapes."""
         assert not self.evicted, f"variant {self.node}@{self.shapes} used after eviction"
-        return self.workspaces[name].ptr
+        alloc = self.workspaces.get(name)
+        return alloc.ptr if alloc is not None else 0
 
 
 class KernelCache:

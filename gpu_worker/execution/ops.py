@@ -465,7 +465,7 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
         g["block_tokens"], g["max_blocks"],
         span=_paged_decode_span(c.node, c.graph), stream=c.stream,
         cluster_function=c.fn("flash_decode_paged_cluster"),
-        cluster_workspace=c.variant.workspace_ptr("cluster") if "cluster" in c.variant.workspaces else 0)
+        cluster_workspace=c.variant.workspace_ptr("cluster"))
 
 
 def _launch_flash_prefill_paged(c: LaunchContext) -> None:

@@ -151,3 +151,17 @@ def test_evicting_a_variant_without_workspaces_leaves_the_graphs_that_baked_it()
     cache.resolve("wqkv", ((9, 64),), lambda: VariantSpec("fn"))
     assert v.evicted and cache.stats()["evictions"] == 1
     assert ("reset", id(holder)) not in log, "a graph was reset though nothing it baked was freed"
+
+
+def test_every_new_workspace_is_zeroed_before_its_variant_is_handed_out():
+    """A kernel may keep counters in its workspace that it leaves at zero (the cluster decode's):
+    the cache zeroes each workspace it allocates, once, before the variant is returned; a hit
+    zeroes nothing (the counters are the kernel's again), and a workspace of no bytes is none."""
+    log: list = []
+    cache = KernelCache(RecordingArena(log), zero=lambda ptr, n: log.append(("zero", ptr, n)))
+    v = cache.resolve("attn", ((1, 64),), lambda: VariantSpec("fn", {"splits": 96, "cluster": 0}))
+    assert log == [("alloc", v.workspace_ptr("splits"), "workspace"),
+                   ("zero", v.workspace_ptr("splits"), 96)]
+    assert v.workspace_ptr("cluster") == 0, "no bytes asked: no workspace, address 0"
+    cache.resolve("attn", ((1, 64),), lambda: VariantSpec("fn", {"splits": 96}))
+    assert len(log) == 2, "a hit must not zero a workspace a kernel may be using"

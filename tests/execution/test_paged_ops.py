@@ -34,7 +34,8 @@ class _Variant:
     def __init__(self, h: KernelHarness, node, graph) -> None:
         b = OPS[node.op]
         self.function = {k.name: h.function(k) for k in b.kernels}
-        self._ws = {n: h.put(np.full(max(1, nb // 4), np.nan, np.float32))
+        # zeroed, as the kernel cache's are (the cluster decode's counters start at zero)
+        self._ws = {n: h.put(np.zeros(nb // 4, np.float32)) if nb > 0 else 0
                     for n, nb in b.workspace(node, graph).items()}
 
     def workspace_ptr(self, name: str) -> int:

@@ -176,3 +176,14 @@ def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_ro
     for o in outs:
         assert o.failure() is None, o.failure()
     assert np.array_equal(outs[0].got, outs[1].got)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_decode_over_several_clusters_gives_the_same_bits_whichever_part_finishes_last(harness, parts) -> None:
+    """The last part to arrive merges the parts' slots in part order, so the arrival order,
+    which changes from launch to launch, never reaches the output's bits."""
+    outs = [paged_decode_cluster_case(harness, np.random.default_rng(7), **LLAMA, positions=[16383],
+                                      block_tokens=64, parts=parts) for _ in range(4)]
+    for o in outs:
+        assert o.failure() is None, o.failure()
+    assert all(np.array_equal(outs[0].got, o.got) for o in outs[1:])
