@@ -79,6 +79,7 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_XA,
     INT4_MMA_XA_TILED,
     INT4_WGMMA,
+    INT4_WGMMA_TILED,
     MAX_SPLIT,
     MMA_K_ALIGN,
     MMA_KERNELS,
@@ -98,6 +99,7 @@ from gpu_worker.kernels.int4_batched import (
     XK_STAGES,
     launch_int4_mma,
     launch_int4_wgmma,
+    launch_int4_wgmma_tiled,
     mma_kernel,
     mma_tiles,
     row_warps,
@@ -313,21 +315,25 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
 WGMMA_BATCHES = (32, 48, 64)
 
 
-def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False):
-    """gp_int4_wgmma built with `stages` k-group stages (GP_WG_STAGES) and `groups` warpgroups a
-    CTA (GP_WG_GROUPS; above 2, one CTA an SM); `ahead`: a quant block's weights read from
-    shared memory one block ahead (GP_WG_NEXT). The library's is WGMMA_STAGES, WGMMA_GROUPS."""
-    if (stages, groups, ahead) == (WGMMA_STAGES, WGMMA_GROUPS, False):
-        return INT4_WGMMA
+def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False,
+                 bulk: bool = False, tiled: bool = False):
+    """gp_int4_wgmma (`tiled`: its 16-row tile entry) built with `stages` k-group stages
+    (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
+    `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
+    `bulk`: the tiled entry's weights and scales by bulk copies (GP_WG_BULK). The library's is
+    WGMMA_STAGES, WGMMA_GROUPS, neither."""
+    base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
+    if (stages, groups, ahead, bulk) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
+        return base
     ctas = 2 if groups <= 2 else 1
+    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
     source = dataclasses.replace(
-        INT4_WGMMA.source,
-        module_name=f"{INT4_WGMMA.source.module_name}_s{stages}_g{groups}" + ("_next" if ahead else ""),
-        options=(*INT4_WGMMA.source.options, f"-DGP_WG_STAGES={stages}",
-                 f"-DGP_WG_GROUPS={groups}", f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}"))
-    kdef = dataclasses.replace(INT4_WGMMA, source=source)
-    return dataclasses.replace(kdef, launcher=functools.partial(launch_int4_wgmma, stages=stages,
-                                                                groups=groups))
+        base.source, module_name=f"{base.source.module_name}{tag}",
+        options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
+                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}"))
+    launcher = launch_int4_wgmma_tiled if tiled else launch_int4_wgmma
+    return dataclasses.replace(base, source=source,
+                               launcher=functools.partial(launcher, stages=stages, groups=groups))
 
 
 def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int) -> np.ndarray:

@@ -634,8 +634,8 @@ def wgmma_supported(arch: str) -> bool:
 
 def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
     """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x 16 KiB + the CTA's weight
-    rows' 64 bytes and 4 fp16 scales each)."""
-    return stages * (16384 + 64 * groups * 72)
+    rows' 64 bytes and 4 fp16 scales each), and 64 bytes for the stages' mbarriers (GP_WG_BARS)."""
+    return stages * (16384 + 64 * groups * 72) + 64
 
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,

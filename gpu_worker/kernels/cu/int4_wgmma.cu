@@ -42,6 +42,9 @@
 #ifndef GP_WG_GROUPS
 #define GP_WG_GROUPS 2     // warpgroups per CTA (int4_batched.WGMMA_GROUPS)
 #endif
+#ifndef GP_WG_BULK
+#define GP_WG_BULK 0       // 1: the tiled entry's weights and scales by bulk copies (below)
+#endif
 #ifndef GP_WG_NEXT
 #define GP_WG_NEXT 0       // 1: a quant block's weights read from shared memory one block ahead
 #endif
@@ -55,6 +58,34 @@
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
 #define GP_WG_STAGE (GP_WG_X + GP_WG_W + GP_WG_ROWS * 8)
 #define GP_WG_PS (GP_WG_ROWS + 4)   // floats a row of x in the split's partials (banks: t x 8 + g)
+#define GP_WG_BARS 64                // bytes past the stages: one 8-byte mbarrier a stage (<= 8)
+
+// GP_WG_BULK (the tiled entry only): a stage's weights and scales are one bulk copy a 16-row
+// tile (its k-group piece: 1 KiB of weights, 128 bytes of scales, contiguous in rows_tiled's
+// layout and landing as the stage's layout without the block swizzle: a quarter-warp's lanes
+// read two rows 64 bytes apart, in different banks), issued by one thread and counted on the
+// stage's mbarrier, in place of two to three cp.async a thread with their address arithmetic
+// (docs/kernels.md, "What ncu says of the 4-warpgroup build": a fifth of the stalls). x stays
+// on cp.async: its rows are not contiguous in the layout wgmma reads. A tile past N is not
+// copied: its rows' products are never stored.
+__device__ __forceinline__ void gp_mbar_init(unsigned bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void gp_mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void gp_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
 
 // One A register: byte t of packed word w (k 2t, 2t + 1 of its 8) as f16(scale * (nib - 8)) x 2.
 __device__ __forceinline__ unsigned gp_wg_pair(unsigned w, unsigned sel, unsigned s2) {
@@ -116,11 +147,21 @@ __device__ __forceinline__ long long gp_wg_block(int r, int kg, int KG) {
 
 // k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
 // group (an empty one past the CTA's K range, at kg_end, keeps the count even).
-template <bool TILED>
-__device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* __restrict__ x,
+template <bool TILED, bool BULK>
+__device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const unsigned short* __restrict__ x,
                                             const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
                                             int M, int N, int K, int kg, int kg_end, int KG) {
+    if (BULK && kg < kg_end && tid == 0) {   // the weights and scales: a bulk copy a tile
+        const int tiles = min(GP_WG_ROWS, N - row0) >> 4;
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // after the stage's reads
+        gp_mbar_expect(bar, (unsigned)tiles * (1024u + 128u));
+        for (int t = 0; t < tiles; ++t) {
+            const long long blk = gp_wg_block<true>(row0 + 16 * t, kg, KG);
+            gp_bulk_copy(st + GP_WG_X + 1024 * t, packed + blk * 16, 1024u, bar);
+            gp_bulk_copy(st + GP_WG_X + GP_WG_W + 128 * t, sc + blk, 128u, bar);
+        }
+    }
     if (kg < kg_end) {
 #pragma unroll
         for (int c = tid; c < 64 * 16; c += GP_WG_THREADS) {   // x: row m, 8 k at chunk ch
@@ -130,13 +171,13 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, const unsigned short* _
             gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
         }
 #pragma unroll
-        for (int c = tid; c < GP_WG_ROWS * 4; c += GP_WG_THREADS) {   // weights: row, quant block
+        for (int c = tid; c < (BULK ? 0 : GP_WG_ROWS * 4); c += GP_WG_THREADS) {   // weights: row, block
             const int rl = c >> 2, b = c & 3, r = row0 + rl;
             const bool in = r < N;
             const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
             gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
         }
-        for (int rl = tid; rl < GP_WG_ROWS; rl += GP_WG_THREADS) {   // scales: a row's 4
+        for (int rl = tid; rl < (BULK ? 0 : GP_WG_ROWS); rl += GP_WG_THREADS) {   // scales: a row's 4
             const int r = row0 + rl;
             const bool in = r < N;
             gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
@@ -157,6 +198,8 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
                                                    int K, int accumulate) {
     extern __shared__ __align__(128) unsigned char gp_wg_smem[];
     const unsigned base = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
+    constexpr bool BULK = GP_WG_BULK && TILED;
+    const unsigned bars = base + GP_WG_STAGES * GP_WG_STAGE;   // stage s's mbarrier at + 8 s
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int S = (int)gridDim.x, rank = (int)blockIdx.x;   // the cluster is the grid's x
     const int KG = K >> 7, kg0 = (int)((long long)KG * rank / S), kg1 = (int)((long long)KG * (rank + 1) / S);
@@ -164,23 +207,32 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     const unsigned sel = (unsigned)t | 0x40u | ((unsigned)t << 8) | 0x4000u;   // byte t -> 0 and 2
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
-    const int wswz = (g >> 1) & 3;
+    const int wswz = BULK ? 0 : (g >> 1) & 3;   // the bulk copy lands without the swizzle
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
+    if (BULK) {
+        if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED>(base + i * GP_WG_STAGE, x, packed, scales, tid, row0, M, N, K, kg0 + i, kg1, KG);
+        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, x, packed, scales, tid, row0,
+                                 M, N, K, kg0 + i, kg1, KG);
     for (int i = 0; i < kg1 - kg0; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
+        if (BULK)   // k-group i's bulk copies: the (i / STAGES)-th use of its stage
+            gp_mbar_wait(bars + 8 * (i % GP_WG_STAGES), (unsigned)(i / GP_WG_STAGES) & 1u);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the tensor cores
         // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
-        gp_wg_issue<TILED>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE, x, packed,
-                           scales, tid, row0, M, N, K, kg0 + i + GP_WG_AHEAD, kg1, KG);
+        gp_wg_issue<TILED, BULK>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
+                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), x, packed, scales,
+                                 tid, row0, M, N, K, kg0 + i + GP_WG_AHEAD, kg1, KG);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
