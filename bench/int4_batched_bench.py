@@ -51,7 +51,6 @@ whether mma_kernel should route 17..64 rows to one of them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import sys
 from pathlib import Path
@@ -78,8 +77,6 @@ from gpu_worker.kernels.int4_batched import (
     INT4_MMA_ROWS_TILED,
     INT4_MMA_XA,
     INT4_MMA_XA_TILED,
-    INT4_WGMMA,
-    INT4_WGMMA_TILED,
     MAX_SPLIT,
     MMA_K_ALIGN,
     MMA_KERNELS,
@@ -98,8 +95,6 @@ from gpu_worker.kernels.int4_batched import (
     XK_BUILDS,
     XK_STAGES,
     launch_int4_mma,
-    launch_int4_wgmma,
-    launch_int4_wgmma_tiled,
     mma_kernel,
     mma_tiles,
     row_warps,
@@ -109,6 +104,7 @@ from gpu_worker.kernels.int4_batched import (
     tile_packed,
     tile_scales,
     tiled_layout,
+    wgmma_build,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -317,23 +313,8 @@ WGMMA_BATCHES = (32, 48, 64)
 
 def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False,
                  bulk: bool = False, tiled: bool = False):
-    """gp_int4_wgmma (`tiled`: its 16-row tile entry) built with `stages` k-group stages
-    (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
-    `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
-    `bulk`: the tiled entry's weights and scales by bulk copies (GP_WG_BULK). The library's is
-    WGMMA_STAGES, WGMMA_GROUPS, neither."""
-    base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
-    if (stages, groups, ahead, bulk) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
-        return base
-    ctas = 2 if groups <= 2 else 1
-    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
-    source = dataclasses.replace(
-        base.source, module_name=f"{base.source.module_name}{tag}",
-        options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
-                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}"))
-    launcher = launch_int4_wgmma_tiled if tiled else launch_int4_wgmma
-    return dataclasses.replace(base, source=source,
-                               launcher=functools.partial(launcher, stages=stages, groups=groups))
+    """int4_batched.wgmma_build: the bench's name for it."""
+    return wgmma_build(stages, groups, ahead=ahead, bulk=bulk, tiled=tiled)
 
 
 def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int) -> np.ndarray:

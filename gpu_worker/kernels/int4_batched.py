@@ -699,6 +699,27 @@ INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.in
 INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_WGMMA,
                              reference.int4_matmul, launch_int4_wgmma_tiled)
 
+
+def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead: bool = False,
+                bulk: bool = False, tiled: bool = False) -> KernelDef:
+    """gp_int4_wgmma (`tiled`: gp_int4_wgmma_tiled) built with `stages` k-group stages
+    (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
+    `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
+    `bulk`: the tiled entry's weights and scales by bulk copies (GP_WG_BULK). The library's
+    build is WGMMA_STAGES, WGMMA_GROUPS, neither; int4_batched_bench --wgmma times the others."""
+    base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
+    if (stages, groups, ahead, bulk) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
+        return base
+    ctas = 2 if groups <= 2 else 1
+    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
+    source = dataclasses.replace(
+        base.source, module_name=f"{base.source.module_name}{tag}",
+        options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
+                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}"))
+    launcher = launch_int4_wgmma_tiled if tiled else launch_int4_wgmma
+    return dataclasses.replace(base, source=source,
+                               launcher=functools.partial(launcher, stages=stages, groups=groups))
+
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
 # and over a weight in the 16-row tile layout (tiled_layout)
