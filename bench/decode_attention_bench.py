@@ -65,6 +65,7 @@ from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
+    CLUSTER_DECODE_PARTS,
     CLUSTER_DECODE_THREADS,
     FLASH_COMBINE_PAGED,
     MAX_DECODE_SPLITS,
@@ -368,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     sms = sm_count(dev)
     fcl = h.function(decode_cluster_build().kernel)
     fits = {s: dev.max_active_clusters(fcl, CLUSTER_DECODE_THREADS, s) for s in range(1, 9)}
-    shape = cluster_decode_shape(KVH * -(-HEADS // KVH // 4), lambda s: fits[s])
+    units = KVH * -(-HEADS // KVH // 4)
+    shapes = {p: cluster_decode_shape(units, lambda s: fits[s], parts=p) for p in (1, 2, 4)}
     print(f"clusters of s CTAs one wave holds (the cluster kernel, {CLUSTER_DECODE_THREADS} "
-          f"threads): {fits}; batch 1 runs {shape[1]} part(s) of {shape[0]} CTAs")
+          f"threads): {fits}; batch 1 at up to 1 / 2 / 4 parts runs (CTAs a cluster, parts) "
+          f"{shapes[1]} / {shapes[2]} / {shapes[4]} (the library: up to {CLUSTER_DECODE_PARTS})")
     print("\n[1] the library's decode (the one-kernel cluster decode where cluster_decode holds, "
           "then also the split and combine kernels) and the old rule's span")
     for batch in (1, 8, 32, 64):

@@ -81,6 +81,7 @@ CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 # clusters a (row, head block) at most, and the cluster decode's workspace: a counter per (row,
 # head block, rank), then a part's slot of (max, sum, acc) per (head, dim) of a head block
 MAX_DECODE_PARTS = 4
+CLUSTER_DECODE_PARTS = 1   # the library's most parts: one until measured faster (GP_FDC_PARTS)
 CLUSTER_SLOT_FLOATS = 3 * DECODE_HEADS_PER_BLOCK * 128     # GP_FDC_SLOT
 CLUSTER_COUNTERS = MAX_CLUSTER_CTAS                         # GP_FDC_COUNTERS
 CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the workspace for
@@ -397,7 +398,7 @@ class ClusterBuild:
     kernel: KernelDef
     threads: int = CLUSTER_DECODE_THREADS
     ctas: int = CLUSTER_DECODE_CTAS
-    parts: int = MAX_DECODE_PARTS
+    parts: int = CLUSTER_DECODE_PARTS
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
@@ -407,7 +408,7 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
     kernel = "flash_decode_paged_cluster"
     warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)
     ctas = defines.get("GP_FDC_CTAS", CLUSTER_DECODE_CTAS)
-    parts = defines.get("GP_FDC_PARTS", MAX_DECODE_PARTS)
+    parts = defines.get("GP_FDC_PARTS", CLUSTER_DECODE_PARTS)
     require(isinstance(warps, int) and 1 <= warps <= 32, f"{kernel}: GP_FDC_WARPS={warps!r} must be 1..32")
     require(isinstance(ctas, int) and 1 <= ctas <= MAX_CLUSTER_CTAS,
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
