@@ -312,10 +312,12 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
                                                        sm_count(device)):
         build = cluster_launch or ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
-        ctas, parts = cluster_decode_shape(
-            _head_blocks(batch, heads, kv_heads),
-            lambda s: device.max_active_clusters(cluster_function, build.threads, s),
-            build.ctas, build.parts if cluster_workspace else 1)
+        ctas, parts = build.ctas, 1   # one part: no occupancy to ask
+        if build.parts > 1 and cluster_workspace:
+            ctas, parts = cluster_decode_shape(
+                _head_blocks(batch, heads, kv_heads),
+                lambda s: device.max_active_clusters(cluster_function, build.threads, s),
+                build.ctas, build.parts)
         launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
                                           block_tokens, max_blocks, scale=scale, stream=stream,

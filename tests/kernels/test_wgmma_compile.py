@@ -22,3 +22,31 @@ def test_plain_sm_90_refuses_wgmma() -> None:
     """Negative control: the instruction exists only for the arch-specific target."""
     with pytest.raises(NvrtcError, match="wgmma"):
         compile_program("wgmma_probe", SOURCE, {}, "sm_90", ("--std=c++17",))
+
+
+def test_the_bulk_build_copies_a_stages_weights_and_scales_by_bulk_copies_alone() -> None:
+    """GP_WG_BULK: in the tiled entry no thread copies weights (16-byte cp.async) or scales
+    (8-byte cp.async) any more, only x; bulk copies on an mbarrier take their place; the
+    reference-layout entry is untouched, and neither spills."""
+    import re
+
+    from gpu_worker.kernels.int4_batched import wgmma_build
+
+    def entries(bulk: bool) -> dict[str, tuple[int, int, int]]:
+        s = wgmma_build(6, 4, bulk=bulk, tiled=True).source
+        out = compile_program(s.module_name, s.source, s.headers, "sm_90a",
+                              (*s.options, "--ptxas-options=-v"))
+        log = out.log if isinstance(out.log, str) else out.log.decode()
+        assert set(re.findall(r"(\d+) bytes spill stores", log)) == {"0"}, log
+        ptx = out.ptx.decode()
+        found = {}
+        for name, body in re.findall(r"\.entry (\w+)\((.*?)(?=\.entry|\Z)", ptx, re.DOTALL):
+            found[name] = tuple(len(re.findall(p, body)) for p in (
+                r"cp\.async\.cg\.shared\.global", r"cp\.async\.ca\.shared\.global",
+                r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier"))
+        return found
+    plain, bulk = entries(False), entries(True)
+    assert bulk["gp_int4_wgmma"] == plain["gp_int4_wgmma"], "the reference-layout entry changed"
+    cg, ca, copies = bulk["gp_int4_wgmma_tiled"]
+    assert ca == 0 and 0 < cg < plain["gp_int4_wgmma_tiled"][0] and copies > 0, (plain, bulk)
+    assert plain["gp_int4_wgmma_tiled"][2] == 0

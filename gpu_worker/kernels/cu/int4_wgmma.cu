@@ -170,17 +170,19 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const uns
             const unsigned dst = st + (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
             gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
         }
+        if constexpr (!BULK) {
 #pragma unroll
-        for (int c = tid; c < (BULK ? 0 : GP_WG_ROWS * 4); c += GP_WG_THREADS) {   // weights: row, block
-            const int rl = c >> 2, b = c & 3, r = row0 + rl;
-            const bool in = r < N;
-            const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
-            gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
-        }
-        for (int rl = tid; rl < (BULK ? 0 : GP_WG_ROWS); rl += GP_WG_THREADS) {   // scales: a row's 4
-            const int r = row0 + rl;
-            const bool in = r < N;
-            gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
+            for (int c = tid; c < GP_WG_ROWS * 4; c += GP_WG_THREADS) {   // weights: row, quant block
+                const int rl = c >> 2, b = c & 3, r = row0 + rl;
+                const bool in = r < N;
+                const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
+                gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
+            }
+            for (int rl = tid; rl < GP_WG_ROWS; rl += GP_WG_THREADS) {   // scales: a row's 4
+                const int r = row0 + rl;
+                const bool in = r < N;
+                gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
+            }
         }
     }
     gp_cp_commit();
