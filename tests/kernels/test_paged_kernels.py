@@ -338,3 +338,18 @@ def test_a_part_whose_counter_is_not_zero_at_launch_writes_nothing(harness) -> N
     slice3 = slice(heads * hd * 3 // 8, heads * hd * 4 // 8)
     assert np.isnan(got[slice3]).all() and not np.isnan(np.delete(got, np.r_[slice3])).any()
     assert left[3] == 5 + parts and not left[:3].any() and not left[4:].any()
+
+
+def test_the_cluster_decodes_parts_meet_through_one_counter_and_l2_reads() -> None:
+    """The parts' merge in the code the GPU runs: one atomic add a CTA on its counter, the
+    other parts' slots read through L2 (ld.global.cg: never a stale L1 line), and the fence
+    that orders a slot's stores before the arrival is counted."""
+    ptx = compile_program(pa.SOURCE.module_name, pa.SOURCE.source, pa.SOURCE.headers, "sm_90",
+                          pa.SOURCE.options).ptx
+    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    entry = ptx.split(".entry gp_flash_decode_paged_cluster")[1].split(".entry")[0]
+    finish = ptx.split(".func _Z13gp_fdc_finish")[1].split(".func")[0].split(".entry")[0]
+    assert "gp_fdc_finish" in entry
+    arrivals = len(re.findall(r"atom\.global\.add\.u32", finish))
+    assert arrivals == 2, f"one arrival a CTA in each head_dim's merge (64, 128), not {arrivals}"
+    assert re.search(r"ld\.global\.cg\.f32", finish) and re.search(r"membar\.gl|fence\.sc\.gpu|fence\.acq_rel\.gpu", finish)
