@@ -1,8 +1,11 @@
 """Kernel library benchmark (GPU, cuda backend). Prints ratios measured side by side in one run.
 
 1. Roofline: a device-to-device copy of 1 GiB (read + write bytes per second).
-2. Decode linears (1 row) at the 8b-int4 model's shapes: the fused int4 kernel's weight bandwidth
-   as a fraction of the copy bandwidth, and its speedup over the workspace path (dequant + matmul).
+2. Linears (1 row) at the 8b-int4 model's shapes: the fused int4 GEMV's weight bandwidth as a
+   fraction of the copy bandwidth, and its speedup over the workspace path (dequant + matmul).
+   Information: the GEMV serves only weights whose K is not a multiple of 128 (the tensor-core
+   kernels take every other decode linear); the decode step's 1-row target is
+   int4_batched_bench's ("decode step int4 linears at 1 row").
 3. The fused/workspace crossover over the row count (checks linear.FUSED_MAX_ROWS).
 4. matmul_nt (fp32 SIMT tiles) against torch.matmul fp32 and fp16 (cuBLAS), when torch is present.
 5. Attention: the f32-q prefill over lengths (against torch scaled_dot_product_attention fp32 when
@@ -207,9 +210,6 @@ def torch_prefill(tokens: int, heads: int, kv_heads: int, hd: int, reps: int,
                                                               enable_gqa=True), reps, samples)
 
 
-FUSED_COPY_FRACTION = 0.75   # issue 12 part D: the 1-row GEMV streams W at >= 0.75 of copy
-
-
 def main() -> int:
     ap = kernel_bench_parser(__doc__, trials=False)
     ap.add_argument("--samples", type=int, default=SAMPLES,
@@ -243,10 +243,9 @@ def main() -> int:
             fused, two, wbytes = b.linear_times(1, n, k)
             print(f"{name:>10} {f'{n}x{k}':>14} {fused * 1e6:9.1f} {wbytes / fused / 1e9:6.0f} "
                   f"{wbytes / fused / copy:7.2f} {two * 1e6:10.1f} {two / fused:7.1f}x")
-            if not args.small:   # small shapes are launch-bound: no bandwidth claim
-                targets.check(f"fused int4 matmul {name}, 1 row: fraction of copy bandwidth",
-                              wbytes / fused / copy, ">=", FUSED_COPY_FRACTION,
-                              unit="fraction", limit=copy / 1e9)
+            if not args.small:   # small shapes are launch-bound: no bandwidth figure
+                targets.figure(f"int4 GEMV (int4_matmul) {name}, 1 row: fraction of copy",
+                               wbytes / fused / copy, "fraction", limit=copy / 1e9)
 
         print(f"\n[3] fused vs workspace path by rows (n = k = {4096 // s}); "
               f"FUSED_MAX_ROWS = {FUSED_MAX_ROWS}")

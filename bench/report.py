@@ -82,6 +82,11 @@ RETIRED: dict[tuple[str, str], str] = {
     **{("step_anatomy_bench", f"decode step int4 wo | w_down, batch {b}"):
        "the linears are named by launch order now, wo and w_down apart (\"decode step int4 wo, "
        "batch N\", \"... w_down, batch N\")" for b in (32, 64)},
+    **{("kernels_bench", f"fused int4 matmul {w}, 1 row: fraction of copy bandwidth"):
+       "int4_matmul, the GEMV over the reference layout, serves only weights whose K is not a "
+       "multiple of 128 since the tensor-core kernels take 1-64 rows: a figure now (\"int4 GEMV "
+       "(int4_matmul) NAME, 1 row: fraction of copy\"); the decode step's 1-row target is "
+       "int4_batched_bench's" for w in ("wq", "w_gate", "w_down", "lm_head")},
     ("serving_bench", "TTFT p99 at 32 streams (s) vs 2x (longest + one chunk)"):
         "every burst stream's first request arrives at once, so the last of 32 first tokens "
         "waits ~15 full steps under any scheduler: the burst TTFT is printed as information "
