@@ -46,7 +46,11 @@ tiled_layout holds). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over we
 each k-group's k16 steps, so x is read from shared memory fewer times a stage; every build
 (nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
-whether mma_kernel should route 17..64 rows to one of them.
+whether mma_kernel should route 17..64 rows to one of them. `--xa-ablate` times, at 64 rows,
+gp_int4_mma_xa (the library's kernel there) beside builds that each remove a part of its loop
+(XA_ABLATION_BUILDS: the copies, the dequantize, the shared-memory fragment loads; GP_XA_DROP
+of cu/int4_xa.cu): timing only, their outputs are wrong and never checked, so what each build
+keeps of xa's time is what the rest of the loop costs.
 """
 from __future__ import annotations
 
@@ -394,6 +398,48 @@ def xa_kernel(ctas: int, stages: int, tiled: bool = False):
     return dataclasses.replace(kdef, source=source)
 
 
+# GP_XA_DROP's bits (cu/int4_xa.cu): the part of xa's loop each removes
+XA_DROP = {"weight copies": 1, "x copies": 2, "dequantize": 4, "dequantize's PRMT": 8,
+           "x loads": 16, "weight loads": 32}
+XA_ABLATION_BUILDS = (   # (name, the parts removed)
+    ("no weight copies", ("weight copies",)),
+    ("no x copies", ("x copies",)),
+    ("no copies", ("weight copies", "x copies")),
+    ("no dequantize", ("dequantize",)),
+    ("dequantize without its PRMT", ("dequantize's PRMT",)),
+    ("no copies, no dequantize", ("weight copies", "x copies", "dequantize")),
+    ("no copies, no dequantize, no x loads", ("weight copies", "x copies", "dequantize", "x loads")),
+    ("mma only", tuple(XA_DROP)),
+)
+ABLATE_ROWS = 64
+
+
+def xa_ablation(parts: tuple[str, ...], tiled: bool = False):
+    """gp_int4_mma_xa (or its `tiled` entry) built without `parts` (keys of XA_DROP): a timing
+    build whose outputs are wrong."""
+    drop = sum(XA_DROP[p] for p in parts)
+    kdef = INT4_MMA_XA_TILED if tiled else INT4_MMA_XA
+    source = dataclasses.replace(
+        INT4_MMA_XA.source, module_name=f"{INT4_MMA_XA.source.module_name}_drop{drop}",
+        options=(*INT4_MMA_XA.source.options, f"-DGP_XA_DROP={drop}"))
+    return dataclasses.replace(kdef, source=source)
+
+
+def xa_ablation_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
+                      tiled: bool = False) -> dict[str, float]:
+    """{build: seconds} at ABLATE_ROWS rows: "xa", the library's kernel there, then every
+    XA_ABLATION_BUILDS build on the same plan (never checked: their outputs are wrong)."""
+    if mma_kernel(ABLATE_ROWS) != "xa":
+        raise RuntimeError(f"--xa-ablate: {ABLATE_ROWS} rows now run on {mma_kernel(ABLATE_ROWS)}, "
+                           "not xa: ablate the kernel the library runs there")
+    out = {"xa": ours(dev, _default(dev, h, weights, x, y, ABLATE_ROWS, n, k, tiled), reps, trials)}
+    for name, parts in XA_ABLATION_BUILDS:
+        kdef = xa_ablation(parts, tiled)
+        out[name] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, ABLATE_ROWS, n, k,
+                                        False, kdef=kdef), reps, trials)
+    return out
+
+
 def xa_sweep(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int, ctas: int = XA_CTAS,
              stages: int = XA_STAGES, tiled: bool = False) -> dict:
     """{(rows, nt, split): seconds} of gp_int4_mma_xa (a tuning build first checked against the
@@ -506,6 +552,9 @@ def main() -> int:
     ap.add_argument("--xa-sweep", action="store_true",
                     help="time gp_int4_mma_xa at every built tile and split of K against the "
                          "default kernel at 24 / 32 / 48 / 64 rows")
+    ap.add_argument("--xa-ablate", action="store_true",
+                    help="time gp_int4_mma_xa at 64 rows beside builds without parts of its loop "
+                         "(timing only)")
     ap.add_argument("--xa-ctas", type=int, default=XA_CTAS, choices=(1, 2, 3),
                     help="--xa-sweep on the kernel built for this many CTAs per SM")
     ap.add_argument("--xa-stages", type=int, default=XA_STAGES,
@@ -524,6 +573,7 @@ def main() -> int:
     step_tiled = {}
     step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
     step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
+    step_ablate: dict[str, float] = {}
     step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_BUILDS, "best", "default")}
     step_wgmma_best = {b: 0.0 for b in WGMMA_BATCHES}
     step_default = {b: 0.0 for b in WGMMA_BATCHES}
@@ -622,6 +672,14 @@ def main() -> int:
                     step_xa[b, "plan"] += uses * xa_times[b, -1, -1]
                     step_xa[b, "best"] += uses * min(t for (bb, _, _), t in xa_times.items()
                                                      if bb == b)
+            if args.xa_ablate:
+                ablate = xa_ablation_times(dev, h, decode_w, x16, y, n, k, args.reps,
+                                           args.trials, laid)
+                print(f"  {name} n={n} k={k} b{ABLATE_ROWS}, us (of xa's time): " + ", ".join(
+                    f"{bd} {t * 1e6:.1f} ({t / ablate['xa']:.2f})" for bd, t in ablate.items()),
+                    flush=True)
+                for bd, t in ablate.items():
+                    step_ablate[bd] = step_ablate.get(bd, 0.0) + uses * t
             if args.mt_sweep:
                 swept = sweep(dev, h, weights, x16, y, n, k, args.reps, args.trials)
                 print_sweep(name, n, k, swept, sms)
@@ -744,6 +802,13 @@ def main() -> int:
                            step_xa[b, "plan"] * 1e3, "ms")
             targets.figure(f"decode step int4 linears, {b} rows, best swept xa or default "
                            f"({build})", step_xa[b, "best"] * 1e3, "ms")
+    if args.xa_ablate:
+        print(f"decode step's linears at {ABLATE_ROWS} rows on xa and on builds without parts "
+              "of its loop (timing only), ms (of xa's time):")
+        for bd, t in step_ablate.items():
+            print(f"  {bd}: {t * 1e3:8.3f} ({t / step_ablate['xa']:.2f})")
+            targets.figure(f"decode step int4 linears, {ABLATE_ROWS} rows, "
+                           + ("xa" if bd == "xa" else f"xa ablation: {bd}"), t * 1e3, "ms")
     if args.mt_sweep:
         print("decode step's linears with the best swept mt per shape, ms:")
         for b in BATCHES[1:]:

@@ -90,3 +90,45 @@ def test_without_every_shapes_copy_the_one_row_target_is_on_the_1gib_copy(tmp_pa
     assert set(lines) == {"decode step int4 linears at 1 row, fraction of copy"}
     assert lines["decode step int4 linears at 1 row, fraction of copy"]["met"] is False  # 0.52
     assert t.exit_code() == 1
+
+
+def test_the_ablation_bits_are_the_kernels_own() -> None:
+    import re
+
+    from gpu_worker.kernels.int4_batched import SOURCE_XA
+    cu = (pathlib.Path(bench.__file__).resolve().parents[1] / "gpu_worker" / "kernels" / "cu"
+          / "int4_xa.cu").read_text()
+    bits = {int(v) for v in re.findall(r"#define GP_XA_DROP_\w+ (\d+)", cu)}
+    assert sorted(bench.XA_DROP.values()) == sorted(bits)
+    assert all(p in bench.XA_DROP for _, parts in bench.XA_ABLATION_BUILDS for p in parts)
+    kdef = bench.xa_ablation(("x loads", "dequantize"), tiled=True)
+    assert kdef.entry == "gp_int4_mma_xa_tiled" and "-DGP_XA_DROP=20" in kdef.source.options
+    assert kdef.source.module_name != SOURCE_XA.module_name   # never the library's module
+
+
+def test_the_ablation_times_cover_xa_and_every_build(setup, monkeypatch) -> None:
+    dev, h, weights, x, y = setup
+    monkeypatch.setattr(bench, "XA_ABLATION_BUILDS", (("no x loads", ("x loads",)),))
+    times = bench.xa_ablation_times(dev, h, weights, x, y, N, K, 1, 1)
+    assert set(times) == {"xa", "no x loads"} and all(t > 0 for t in times.values())
+
+
+def test_the_mma_only_build_keeps_the_mmas_and_drops_what_it_says() -> None:
+    """The ablation removes the work it names from the code the GPU runs, and only that: the
+    "mma only" build of xa's tiled entry keeps every mma.sync of the library's and has no
+    ldmatrix and no PRMT (a build that kept them would time the same work under another name)."""
+    nvrtc = pytest.importorskip("gpu_worker.compile.nvrtc")
+    from gpu_worker.kernels.int4_batched import INT4_MMA_XA_TILED
+
+    def counts(kdef) -> dict[str, int]:
+        src = kdef.source
+        ptx = nvrtc.compile_program(src.module_name, src.source, dict(src.headers), "sm_90",
+                                    src.options).ptx
+        ptx = ptx if isinstance(ptx, str) else ptx.decode()
+        body = ptx.split(f".entry {kdef.entry}(")[1].split(".entry")[0]
+        return {op: body.count(op) for op in ("mma.sync", "ldmatrix", "prmt")}
+    library = counts(INT4_MMA_XA_TILED)
+    mma_only = counts(bench.xa_ablation(tuple(bench.XA_DROP), tiled=True))
+    assert library["ldmatrix"] and library["prmt"], library
+    assert mma_only["mma.sync"] == library["mma.sync"], (library, mma_only)
+    assert mma_only["ldmatrix"] == 0 and mma_only["prmt"] == 0, mma_only

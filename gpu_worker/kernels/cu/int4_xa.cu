@@ -16,6 +16,20 @@
 #ifndef GP_XA_STAGES
 #define GP_XA_STAGES 3   // int4_batched.XA_STAGES (int4_batched_bench --xa-sweep builds others)
 #endif
+// Ablation builds (int4_batched_bench --xa-ablate; timing only: their outputs are wrong, and the
+// library never builds them). Each bit of GP_XA_DROP removes one part of the loop's work, so a
+// build times what is left: the copies keep their waits and barriers, and a dropped copy is
+// issued for the first GP_XA_STAGES k-groups only (later ones reuse what is in shared memory).
+#define GP_XA_DROP_W_COPIES 1   // weights and scales: the first stages' copies only
+#define GP_XA_DROP_X_COPIES 2   // x: the first stages' copies only
+#define GP_XA_DROP_DEQUANT 4    // the packed words go to the mma as they are
+#define GP_XA_DROP_PRMT 8       // the dequantize without its PRMT (design amendment 59's floor)
+#define GP_XA_DROP_X_LOADS 16   // no ldmatrix: the x fragments are made in registers
+#define GP_XA_DROP_W_LOADS 32   // no shared loads of the packed weights
+#ifndef GP_XA_DROP
+#define GP_XA_DROP 0            // the library's build
+#endif
+#define GP_XA_DROPS(bit) ((GP_XA_DROP & (bit)) != 0)
 #ifndef GP_XA_CTAS
 #define GP_XA_CTAS 2     // CTAs per SM the registers are bounded for (int4_batched.XA_CTAS)
 #endif
@@ -171,17 +185,21 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
     auto issue_w = [&](int i) {
         if (i < stages) {
             const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
+            if (!GP_XA_DROPS(GP_XA_DROP_W_COPIES) || i < GP_XA_STAGES) {
 #pragma unroll
-            for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * WSTEP, win[j]);
-            if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * SSTEP, sin);
+                for (int j = 0; j < WJ; ++j) gp_cp16(st + wdst + 4096 * j, wsrc[j] + i * WSTEP, win[j]);
+                if (tid < L::BN) gp_cp8(st + L::SS + tid * 8, ssrc + i * SSTEP, sin);
+            }
         }
     };
     auto issue_x = [&](int i) {
         if (i < stages) {
             const unsigned st = base + (i % GP_XA_STAGES) * L::STAGE;
+            if (!GP_XA_DROPS(GP_XA_DROP_X_COPIES) || i < GP_XA_STAGES) {
 #pragma unroll
-            for (int j = 0; j < XJ; ++j)
-                gp_cp16(st + xdst + 4096 * j, xsrc[j] + i * 128, (tid >> 4) + 16 * j < M);
+                for (int j = 0; j < XJ; ++j)
+                    gp_cp16(st + xdst + 4096 * j, xsrc[j] + i * 128, (tid >> 4) + 16 * j < M);
+            }
         }
         gp_cp_commit();
     };
@@ -214,16 +232,29 @@ __device__ __forceinline__ void gp_i4mma_xa(float* y, const unsigned short* __re
                     const unsigned sv = *reinterpret_cast<const unsigned short*>(sp + L::SS + r * 8 + (s >> 1) * 2);
                     s2[nt] = sv | (sv << 16);
                 }
-                const uint2 w = *reinterpret_cast<const uint2*>(
-                    sp + L::SW + r * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8);
-                b[nt][0] = gp_dq_byte(w.x, sel, s2[nt], k116);
-                b[nt][1] = gp_dq_byte(w.y, sel, s2[nt], k116);
+                const uint2 w = GP_XA_DROPS(GP_XA_DROP_W_LOADS)
+                    ? make_uint2(r * 0x01010101u + s, s2[nt] + r)
+                    : *reinterpret_cast<const uint2*>(sp + L::SW + r * 64 + (((s >> 1) ^ wsw) << 4) + (s & 1) * 8);
+                if (GP_XA_DROPS(GP_XA_DROP_DEQUANT)) {
+                    b[nt][0] = w.x ^ s2[nt];
+                    b[nt][1] = w.y;
+                } else if (GP_XA_DROPS(GP_XA_DROP_PRMT)) {
+                    b[nt][0] = gp_dq_byte(w.x, 0x3210u, s2[nt], k116);
+                    b[nt][1] = gp_dq_byte(w.y, 0x3210u, s2[nt], k116);
+                } else {
+                    b[nt][0] = gp_dq_byte(w.x, sel, s2[nt], k116);
+                    b[nt][1] = gp_dq_byte(w.y, sel, s2[nt], k116);
+                }
             }
             const unsigned xs = st + xoff[s & 3];
 #pragma unroll
             for (int mt = 0; mt < MX; ++mt) {
                 unsigned a[4];
-                gp_ldsm_x4(a, xs + (s >> 2) * 128 + mt * 4096);
+                if (GP_XA_DROPS(GP_XA_DROP_X_LOADS)) {
+                    a[0] = xs + mt; a[1] = a[0] ^ 0x3c003c00u; a[2] = a[0] + 7u; a[3] = a[0] ^ 5u;
+                } else {
+                    gp_ldsm_x4(a, xs + (s >> 2) * 128 + mt * 4096);
+                }
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) gp_mma(acc[mt][nt], a, b[nt][0], b[nt][1]);
             }
