@@ -50,3 +50,24 @@ def test_the_bulk_build_copies_a_stages_weights_and_scales_by_bulk_copies_alone(
     cg, ca, copies = bulk["gp_int4_wgmma_tiled"]
     assert ca == 0 and 0 < cg < plain["gp_int4_wgmma_tiled"][0] and copies > 0, (plain, bulk)
     assert plain["gp_int4_wgmma_tiled"][2] == 0
+
+
+def test_a_threads_wgmma_copies_are_addressed_once_one_cp_async_a_piece() -> None:
+    """The k-group loop of gp_int4_wgmma issues each of a thread's pieces as one cp.async from a
+    source addressed before the loop (GpWgCopies): at 4 warpgroups (512 threads) that is 2 x
+    chunks and 2 weight blocks (16-byte) and one row's scales (8-byte) a k-group, at each of the
+    AHEAD unrolled prologue issues and the loop's one. The loops over a thread's copies this
+    replaced (70 and 35 in the PTX) recomputed every 64-bit source each k-group: 840 SASS
+    instructions a k-group against 289 (docs/kernels.md)."""
+    import re
+
+    from gpu_worker.kernels.int4_batched import wgmma_build
+
+    stages = 6
+    s = wgmma_build(stages, 4, tiled=True).source
+    ptx = compile_program(s.module_name, s.source, s.headers, "sm_90a", s.options).ptx.decode()
+    issues = stages - 2 + 1   # GP_WG_AHEAD prologue issues and the loop's
+    for name, body in re.findall(r"\.entry (\w+)\((.*?)(?=\.entry|\Z)", ptx, re.DOTALL):
+        cg = len(re.findall(r"cp\.async\.cg\.shared\.global", body))
+        ca = len(re.findall(r"cp\.async\.ca\.shared\.global", body))
+        assert (cg, ca) == (issues * 4, issues), (name, cg, ca)

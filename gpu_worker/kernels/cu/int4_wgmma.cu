@@ -145,13 +145,69 @@ __device__ __forceinline__ long long gp_wg_block(int r, int kg, int KG) {
     return ((long long)r * KG + kg) * 4;
 }
 
+// This thread's cp.async copies of a k-group, addressed once (gp_int4_mma_xa's way: a copy is
+// then a pointer plus the k-group's step and a cp.async at a fixed shared offset; recomputing
+// the sources every k-group was most of the loop's integer work). Every k-group a thread copies
+// the same pieces:
+//   x       chunks ch0 + 2 G j (8 k each) of row m = (tid >> 1) & 63, ch0 = 2 (tid >> 7) + (tid & 1),
+//           for j < XJ while tid + 128 G j < 1024 (the copy c = tid + 128 G j of the old loop:
+//           c >> 1 & 63 is m for every j, and c >> 7 is (tid >> 7) + G j);
+//   weights quant block b = tid & 3 of CTA row rl = (tid >> 2) + 32 G j, j < 2;
+//   scales  the 4 of CTA row tid, where tid < GP_WG_ROWS.
+// Sources are clamped to a valid row (a row past M or N is zero-filled, never read).
+#define GP_WG_XJ ((1024 + GP_WG_THREADS - 1) / GP_WG_THREADS)
+template <bool TILED>
+struct GpWgCopies {
+    static constexpr int WSTEP = TILED ? 1024 : 64, SSTEP = TILED ? 64 : 4;   // to the next k-group
+    const unsigned short* xs;
+    const unsigned char* ws[2];
+    const unsigned short* ss;
+    unsigned xd, wd, sd;   // shared offsets in a stage
+    bool xdo[GP_WG_XJ], xin, win[2], sin;
+
+    __device__ __forceinline__ GpWgCopies(const unsigned short* __restrict__ x,
+                                          const unsigned char* __restrict__ packed,
+                                          const unsigned short* __restrict__ sc, int tid, int row0,
+                                          int M, int N, int K, int KG) {
+        const int m = (tid >> 1) & 63, ch = 2 * (tid >> 7) + (tid & 1);
+        xin = m < M;
+        xs = x + (long long)min(m, M - 1) * K + 8 * ch;
+        xd = (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
+#pragma unroll
+        for (int j = 0; j < GP_WG_XJ; ++j) xdo[j] = tid + GP_WG_THREADS * j < 1024;
+        const int b = tid & 3, rl = tid >> 2;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int r = row0 + rl + 32 * GP_WG_GROUPS * j;
+            win[j] = r < N;
+            ws[j] = packed + (gp_wg_block<TILED>(min(r, N - 1), 0, KG) + b) * 16;
+        }
+        wd = GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
+        const int sr = row0 + min(tid, GP_WG_ROWS - 1);
+        sin = tid < GP_WG_ROWS && sr < N;
+        ss = sc + gp_wg_block<TILED>(min(sr, N - 1), 0, KG);
+        sd = GP_WG_X + GP_WG_W + tid * 8;
+    }
+
+    // k-group kg's pieces into the stage at shared address st
+    __device__ __forceinline__ void issue(unsigned st, int kg, int tid) const {
+#pragma unroll
+        for (int j = 0; j < GP_WG_XJ; ++j)
+            if (xdo[j]) gp_cp16(st + xd + 2048 * GP_WG_GROUPS * j, xs + kg * 128 + 16 * GP_WG_GROUPS * j, xin);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            gp_cp16(st + wd + 2048 * GP_WG_GROUPS * j, ws[j] + (long long)kg * WSTEP, win[j]);
+        if (tid < GP_WG_ROWS) gp_cp8(st + sd, ss + (long long)kg * SSTEP, sin);
+    }
+};
+
 // k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
 // group (an empty one past the CTA's K range, at kg_end, keeps the count even).
 template <bool TILED, bool BULK>
-__device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const unsigned short* __restrict__ x,
+__device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpWgCopies<TILED>& cp,
                                             const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
-                                            int M, int N, int K, int kg, int kg_end, int KG) {
+                                            int N, int kg, int kg_end, int KG) {
     if (BULK && kg < kg_end && tid == 0) {   // the weights and scales: a bulk copy a tile
         const int tiles = min(GP_WG_ROWS, N - row0) >> 4;
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // after the stage's reads
@@ -163,26 +219,13 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const uns
         }
     }
     if (kg < kg_end) {
+        if constexpr (BULK) {   // x only
 #pragma unroll
-        for (int c = tid; c < 64 * 16; c += GP_WG_THREADS) {   // x: row m, 8 k at chunk ch
-            const int m = (c >> 1) & 63, ch = 2 * (c >> 7) + (c & 1);
-            const bool in = m < M;
-            const unsigned dst = st + (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
-            gp_cp16(dst, x + (in ? (long long)m * K + kg * 128 + 8 * ch : 0), in);
-        }
-        if constexpr (!BULK) {
-#pragma unroll
-            for (int c = tid; c < GP_WG_ROWS * 4; c += GP_WG_THREADS) {   // weights: row, quant block
-                const int rl = c >> 2, b = c & 3, r = row0 + rl;
-                const bool in = r < N;
-                const unsigned dst = st + GP_WG_X + (rl >> 3) * 512 + (rl & 7) * 64 + 16 * (b ^ ((rl >> 1) & 3));
-                gp_cp16(dst, packed + (in ? (gp_wg_block<TILED>(r, kg, KG) + b) * 16 : 0), in);
-            }
-            for (int rl = tid; rl < GP_WG_ROWS; rl += GP_WG_THREADS) {   // scales: a row's 4
-                const int r = row0 + rl;
-                const bool in = r < N;
-                gp_cp8(st + GP_WG_X + GP_WG_W + rl * 8, sc + (in ? gp_wg_block<TILED>(r, kg, KG) : 0), in);
-            }
+            for (int j = 0; j < GP_WG_XJ; ++j)
+                if (cp.xdo[j])
+                    gp_cp16(st + cp.xd + 2048 * GP_WG_GROUPS * j, cp.xs + kg * 128 + 16 * GP_WG_GROUPS * j, cp.xin);
+        } else {
+            cp.issue(st, kg, tid);
         }
     }
     gp_cp_commit();
@@ -220,10 +263,11 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         __syncthreads();
     }
+    const GpWgCopies<TILED> cp(x, packed, scales, tid, row0, M, N, K, KG);
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, x, packed, scales, tid, row0,
-                                 M, N, K, kg0 + i, kg1, KG);
+        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, cp, packed, scales, tid, row0,
+                                 N, kg0 + i, kg1, KG);
     for (int i = 0; i < kg1 - kg0; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
         if (BULK)   // k-group i's bulk copies: the (i / STAGES)-th use of its stage
@@ -233,8 +277,8 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
         gp_wg_issue<TILED, BULK>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
-                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), x, packed, scales,
-                                 tid, row0, M, N, K, kg0 + i + GP_WG_AHEAD, kg1, KG);
+                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, packed, scales,
+                                 tid, row0, N, kg0 + i + GP_WG_AHEAD, kg1, KG);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
