@@ -46,7 +46,10 @@ tiled_layout holds). `--xk` times gp_int4_mma_xk4 / xk8 (a block's warps over we
 each k-group's k16 steps, so x is read from shared memory fewer times a stage; every build
 (nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
-whether mma_kernel should route 17..64 rows to one of them. `--xa-ablate` times, at 64 rows,
+whether mma_kernel should route 17..64 rows to one of them. `--wgmma` times gp_int4_wgmma
+(`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next` builds) at 32 / 48 / 64 rows over the
+weight in the model's layout (the tiled entry where tiled_layout holds) against the default
+kernel on the same copies, each checked against it first. `--xa-ablate` times, at 64 rows,
 gp_int4_mma_xa (the library's kernel there) beside builds that each remove a part of its loop
 (XA_ABLATION_BUILDS: the copies, the dequantize, the shared-memory fragment loads; GP_XA_DROP
 of cu/int4_xa.cu): timing only, their outputs are wrong and never checked, so what each build
@@ -321,9 +324,11 @@ def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False,
     return wgmma_build(stages, groups, ahead=ahead, bulk=bulk, tiled=tiled)
 
 
-def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int) -> np.ndarray:
-    """The default kernel's (mma_kernel's) result at `rows` rows on the first weight copy."""
-    _default(dev, h, weights[:1], x, y_ref, rows, n, k)(None)
+def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int,
+                    tiled: bool = False) -> np.ndarray:
+    """The default kernel's (mma_kernel's) result at `rows` rows on the first weight copy (in
+    the 16-row tile layout where `tiled`)."""
+    _default(dev, h, weights[:1], x, y_ref, rows, n, k, tiled)(None)
     return h.get(y_ref, (rows, n))
 
 
@@ -340,15 +345,17 @@ def _check_near(h, kdef, kw: dict, weights, x, y, rows: int, n: int, k: int,
 
 
 def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
-                stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, ahead: bool = False) -> dict:
-    """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`) at WGMMA_BATCHES rows, each first
-    checked against the default kernel's result within the contract's tolerance (they differ by
-    f32 summation order); a difference raises WrongBuild."""
-    kdef = wgmma_kernel(stages, groups, ahead)
+                stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, ahead: bool = False,
+                tiled: bool = False) -> dict:
+    """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`; its tiled entry over
+    `weights` in the 16-row tile layout where `tiled`) at WGMMA_BATCHES rows, each first
+    checked against the default kernel's result on the same layout within the contract's
+    tolerance (they differ by f32 summation order); a difference raises WrongBuild."""
+    kdef = wgmma_kernel(stages, groups, ahead, tiled=tiled)
     out = {}
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
-        want = _default_result(dev, h, weights, x, y_ref, b, n, k)
+        want = _default_result(dev, h, weights, x, y_ref, b, n, k, tiled)
         _check_near(h, kdef, {}, weights, x, y, b, n, k, want)
         out[b] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
                                      kdef=kdef), reps, trials)
@@ -639,11 +646,11 @@ def main() -> int:
                 for key, t in tiled.items():
                     step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
-                wg = wgmma_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
-                                 args.wgmma_stages, args.wgmma_groups, args.wgmma_next)
+                wg = wgmma_times(dev, h, decode_w, x16, y, n, k, args.reps, args.trials,
+                                 args.wgmma_stages, args.wgmma_groups, args.wgmma_next, laid)
                 for b, t in wg.items():
-                    base = ours(dev, _default(dev, h, weights, x16, y, b, n, k), args.reps,
-                                args.trials)
+                    base = ours(dev, _default(dev, h, decode_w, x16, y, b, n, k, laid),
+                                args.reps, args.trials)
                     print(f"  {name} n={n} k={k} b{b}: wgmma {t * 1e6:7.1f} us, default "
                           f"({mma_kernel(b)}) {base * 1e6:7.1f} us", flush=True)
                     step_wgmma[b] += uses * t

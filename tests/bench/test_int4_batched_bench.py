@@ -132,3 +132,24 @@ def test_the_mma_only_build_keeps_the_mmas_and_drops_what_it_says() -> None:
     assert library["ldmatrix"] and library["prmt"], library
     assert mma_only["mma.sync"] == library["mma.sync"], (library, mma_only)
     assert mma_only["ldmatrix"] == 0 and mma_only["prmt"] == 0, mma_only
+
+
+def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> None:
+    """--wgmma times the tiled entry over the weights as the model stores them, each row count
+    checked first against the default kernel's tiled entry on the same copies."""
+    from gpu_worker.kernels.int4_batched import tile_packed, tile_scales
+    dev, h, _, x, y = setup
+    rng = np.random.default_rng(5)
+    packed, scales = ref.int4_quantize(rng.standard_normal((N, K)).astype(np.float32) / 16)
+    tiled = [(h.put(tile_packed(packed)), h.put(tile_scales(scales)))]
+    monkeypatch.setattr(bench, "WGMMA_BATCHES", (64,))
+    times = bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
+    assert set(times) == {64} and times[64] > 0
+    real, calls = h.get, iter(range(1 << 30))
+
+    def get(p, shape, *a, **kw):   # every second read (the wgmma result, not the default's) is off
+        out = real(p, shape, *a, **kw)
+        return out + 1.0 if next(calls) % 2 else out
+    monkeypatch.setattr(h, "get", get)
+    with pytest.raises(bench.WrongBuild):
+        bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
