@@ -281,6 +281,9 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
                                  tid, row0, N, kg0 + i + GP_WG_AHEAD, kg1, KG);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
+        // slice s's descriptor: the start address is the low 14 bits, in 16-byte units, and a
+        // stage ends below 256 KiB, so a slice 2 KiB on is the same descriptor plus 128
+        const unsigned long long d0 = gp_wg_desc(st);
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
                              *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
         auto wload = [&](uint4 (&dst)[2], int b) {
@@ -322,8 +325,8 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
             ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
             ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            gp_wgmma_64x64(acc, ab[0], gp_wg_desc(st + (2 * b) * 2048));
-            gp_wgmma_64x64(acc, ab[1], gp_wg_desc(st + (2 * b + 1) * 2048));
+            gp_wgmma_64x64(acc, ab[0], d0 + (2 * b) * (2048 >> 4));
+            gp_wgmma_64x64(acc, ab[1], d0 + (2 * b + 1) * (2048 >> 4));
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
     }
