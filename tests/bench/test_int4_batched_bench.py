@@ -35,16 +35,22 @@ def setup():
     dev.close()
 
 
+def every_second_read_off(h, monkeypatch) -> None:
+    """From now on every second read of a result from the device is off by 1: the build
+    checked against the default kernel reads second."""
+    real, calls = h.get, iter(range(1 << 30))
+
+    def get(p, shape, *a, **kw):
+        out = real(p, shape, *a, **kw)
+        return out + 1.0 if next(calls) % 2 else out
+    monkeypatch.setattr(h, "get", get)
+
+
 def test_the_xk_times_cover_both_entries_and_a_wrong_result_stops_them(setup, monkeypatch) -> None:
     dev, h, weights, x, y = setup
     times = bench.xk_times(dev, h, weights, x, y, N, K, 1, 1)
     assert set(times) == {(b, build) for b in bench.XK_BATCHES for build in XK_BUILDS}
-    real, calls = h.get, iter(range(1 << 30))
-
-    def get(p, shape, *a, **kw):   # every second read (an xk result, not the default's) is off
-        out = real(p, shape, *a, **kw)
-        return out + 1.0 if next(calls) % 2 else out
-    monkeypatch.setattr(h, "get", get)
+    every_second_read_off(h, monkeypatch)   # an xk result's, not the default's
     with pytest.raises(bench.WrongBuild):
         bench.xk_times(dev, h, weights, x, y, N, K, 1, 1)
 
@@ -145,11 +151,6 @@ def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> N
     monkeypatch.setattr(bench, "WGMMA_BATCHES", (64,))
     times = bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
     assert set(times) == {64} and times[64] > 0
-    real, calls = h.get, iter(range(1 << 30))
-
-    def get(p, shape, *a, **kw):   # every second read (the wgmma result, not the default's) is off
-        out = real(p, shape, *a, **kw)
-        return out + 1.0 if next(calls) % 2 else out
-    monkeypatch.setattr(h, "get", get)
+    every_second_read_off(h, monkeypatch)   # the wgmma result's, not the default's
     with pytest.raises(bench.WrongBuild):
         bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
