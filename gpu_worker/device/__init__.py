@@ -214,6 +214,12 @@ class Device:
         self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c,
                             pdl and self.dependent_launch)
 
+    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
+                      box: tuple[int, int]) -> bytes:
+        """The TMA tensor map of a row-major fp16 matrix (Backend.tensor_map_2d): host-side
+        encoding, no stream operation; pass it with backend.tmap()."""
+        return self.backend.tensor_map_2d(address, inner, outer, row_bytes, box)
+
     def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
         """Clusters of `ctas` CTAs of `threads` threads of `function` the device holds at once
         (cuOccupancyMaxActiveClusters; asked once a function, not a stream operation)."""

@@ -24,7 +24,8 @@ from typing import Literal
 
 import numpy as np
 
-ArgKind = Literal["ptr", "i32", "i64", "f32"]
+ArgKind = Literal["ptr", "i32", "i64", "f32", "tmap"]
+TENSOR_MAP_BYTES = 128       # a CUtensorMap kernel parameter (sm_90 TMA), opaque
 PORTABLE_CLUSTER_CTAS = 8    # a cluster any sm_90 launch may use; up to 16 with the opt-in (cuda)
 MAX_CLUSTER_CTAS = 16        # the non-portable limit on sm_90 (H100, H200)
 SIM_SM_COUNT = 132           # the sim backend models an H200's multiprocessors
@@ -33,7 +34,7 @@ SIM_SM_COUNT = 132           # the sim backend models an H200's multiprocessors
 @dataclass(frozen=True)
 class KernelArg:
     kind: ArgKind
-    value: int | float
+    value: int | float | bytes
 
 
 def ptr(v: int) -> KernelArg:
@@ -50,6 +51,13 @@ def i64(v: int) -> KernelArg:
 
 def f32(v: float) -> KernelArg:
     return KernelArg("f32", float(v))
+
+
+def tmap(v: bytes) -> KernelArg:
+    """A tensor map (Backend.tensor_map_2d) passed by value: a `__grid_constant__` parameter."""
+    if len(v) != TENSOR_MAP_BYTES:
+        raise ValueError(f"a tensor map is {TENSOR_MAP_BYTES} bytes, not {len(v)}")
+    return KernelArg("tmap", bytes(v))
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,13 @@ class Backend(ABC):
         """How many clusters of `ctas` CTAs of `threads` threads each (its static shared memory
         and registers) the device holds at once: what one wave of a cluster launch can be."""
         raise NotImplementedError(f"{type(self).__name__}: max_active_clusters")
+
+    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
+                      box: tuple[int, int]) -> bytes:
+        """The TMA tensor map of a row-major fp16 matrix at `address`: `outer` rows of `inner`
+        elements, `row_bytes` apart; a copy moves a `box` (inner, outer) tile, 128-byte
+        swizzled; elements past the matrix read zero. 128 opaque bytes (tmap())."""
+        raise NotImplementedError(f"{type(self).__name__}: tensor_map_2d")
 
     def set_shared_carveout(self, function: object, percent: int) -> None:
         """The share of the SM's unified L1 / shared memory `function` prefers, in percent of

@@ -23,6 +23,7 @@ import numpy as np
 
 from gpu_worker.device.backend import (
     PORTABLE_CLUSTER_CTAS,
+    TENSOR_MAP_BYTES,
     Backend,
     CaptureInvalidated,
     DeviceError,
@@ -329,7 +330,8 @@ class CudaBackend(Backend):
     ) -> None:
         self._current()
         d = _drv()
-        vals = [_ARG_CTYPES[a.kind](a.value) for a in args]
+        vals = [(ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer_copy(a.value) if a.kind == "tmap"
+                else _ARG_CTYPES[a.kind](a.value) for a in args]
         params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
         if shared_bytes > DEFAULT_SHARED_BYTES:  # a function attribute, not a stream operation
             check(d.cuFuncSetAttribute(
@@ -360,6 +362,19 @@ class CudaBackend(Backend):
         config.attrs = attrs
         config.numAttrs = len(attrs)
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
+
+    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
+                      box: tuple[int, int]) -> bytes:
+        d = _drv()
+        t = d.CUtensorMapDataType
+        m = check(d.cuTensorMapEncodeTiled(
+            t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, address,
+            [d.cuuint64_t(inner), d.cuuint64_t(outer)], [d.cuuint64_t(row_bytes)],
+            [d.cuuint32_t(b) for b in box], [d.cuuint32_t(1), d.cuuint32_t(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+        return ctypes.string_at(m.getPtr(), TENSOR_MAP_BYTES)
 
     def max_active_clusters(self, function: Any, threads: int, ctas: int) -> int:
         key = (int(function), threads, ctas)

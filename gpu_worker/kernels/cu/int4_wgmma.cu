@@ -48,9 +48,29 @@
 #ifndef GP_WG_NEXT
 #define GP_WG_NEXT 0       // 1: a quant block's weights read from shared memory one block ahead
 #endif
+#ifndef GP_WG_ROT
+#define GP_WG_ROT 0        // 1: CTA y begins its K range at k-group y % (its k-groups)
+#endif
+#ifndef GP_WG_XTMA
+#define GP_WG_XTMA 0       // 1: x by the TMA unit (a tensor map argument), 128-byte swizzled
+#endif
+#ifndef GP_WG_XMAP
+#define GP_WG_XMAP 0
+#endif
 #ifndef GP_WG_CTAS
 #define GP_WG_CTAS 2       // CTAs per SM the registers are bounded for (int4_batched.WGMMA_CTAS)
 #endif
+// Timing builds only (int4_batched_bench --wgmma-ablate; the library never builds them): each bit
+// of GP_WG_DROP removes one part of the loop, so their outputs are wrong.
+#define GP_WG_DROP_W_COPIES 1   // weights and scales: the first stages' copies only
+#define GP_WG_DROP_DEQUANT 2    // the packed words go to the wgmma as they are
+#define GP_WG_DROP_MMA 4        // no wgmma
+#define GP_WG_DROP_FENCE 8      // no proxy fence before the stage's barrier (MEMBAR.ALL.CTA)
+#define GP_WG_DROP_X_COPIES 16  // x: the first stages' copies only
+#ifndef GP_WG_DROP
+#define GP_WG_DROP 0            // the library's build
+#endif
+#define GP_WG_DROPS(bit) ((GP_WG_DROP & (bit)) != 0)
 #define GP_WG_AHEAD (GP_WG_STAGES - 2)                 // k-groups in flight ahead of the one used
 #define GP_WG_THREADS (128 * GP_WG_GROUPS)
 #define GP_WG_ROWS (64 * GP_WG_GROUPS)                 // weight rows per CTA
@@ -85,6 +105,24 @@ __device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
+}
+
+// GP_WG_XTMA: a stage's x is two TMA box copies of 64 k x 64 rows (8 KiB each, the tensor
+// map's 128-byte swizzle: row r's 16-byte chunk c at 128 r + 16 (c ^ (r & 7))), issued by one
+// thread and counted on the stage's mbarrier, in place of 1,024 16-byte cp.async a CTA whose
+// per-SM requests held the kernel (docs/kernels.md). Rows past M read zeros (the map's bounds).
+struct __align__(64) GpTmap { unsigned long long v[16]; };
+__device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+// The 128-byte-swizzle K-major descriptor of 8-row x 128-byte atoms at `addr` (1 KiB aligned):
+// SBO 1 KiB (the next 8 rows), LBO unused, layout type 1 (128B swizzle).
+__device__ __forceinline__ unsigned long long gp_wg_desc_sw128(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
+           | (1ull << 62);
 }
 
 // One A register: byte t of packed word w (k 2t, 2t + 1 of its 8) as f16(scale * (nib - 8)) x 2.
@@ -169,7 +207,13 @@ struct GpWgCopies {
                                           const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ sc, int tid, int row0,
                                           int M, int N, int K, int KG) {
+#if GP_WG_XMAP == 1   // a warp's copies: 8 rows x 64 bytes
+        const int m = 8 * ((tid >> 5) & 7) + ((tid & 31) >> 2), ch = 4 * (tid >> 8) + (tid & 3);
+#elif GP_WG_XMAP == 2   // 4 rows x 128 bytes (4 warpgroups)
+        const int m = 4 * ((tid >> 5) & 15) + ((tid & 31) >> 3), ch = tid & 7;
+#else
         const int m = (tid >> 1) & 63, ch = 2 * (tid >> 7) + (tid & 1);
+#endif
         xin = m < M;
         xs = x + (long long)min(m, M - 1) * K + 8 * ch;
         xd = (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
@@ -191,9 +235,11 @@ struct GpWgCopies {
 
     // k-group kg's pieces into the stage at shared address st
     __device__ __forceinline__ void issue(unsigned st, int kg, int tid) const {
+        const bool first = kg < GP_WG_STAGES;   // the ablation builds keep the first stages' copies
 #pragma unroll
         for (int j = 0; j < GP_WG_XJ; ++j)
-            if (xdo[j]) gp_cp16(st + xd + 2048 * GP_WG_GROUPS * j, xs + kg * 128 + 16 * GP_WG_GROUPS * j, xin);
+            if (!GP_WG_XTMA && xdo[j] && (first || !GP_WG_DROPS(GP_WG_DROP_X_COPIES))) gp_cp16(st + xd + 2048 * GP_WG_GROUPS * j, xs + kg * 128 + 16 * GP_WG_GROUPS * j, xin);
+        if (!first && GP_WG_DROPS(GP_WG_DROP_W_COPIES)) return;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
             gp_cp16(st + wd + 2048 * GP_WG_GROUPS * j, ws[j] + (long long)kg * WSTEP, win[j]);
@@ -202,13 +248,18 @@ struct GpWgCopies {
 };
 
 // k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
-// group (an empty one past the CTA's K range, at kg_end, keeps the count even).
+// group (an empty one where !live, past the CTA's K range, keeps the count even).
 template <bool TILED, bool BULK>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpWgCopies<TILED>& cp,
                                             const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
-                                            int N, int kg, int kg_end, int KG) {
-    if (BULK && kg < kg_end && tid == 0) {   // the weights and scales: a bulk copy a tile
+                                            int N, int kg, bool live, int KG, const GpTmap* xmap) {
+    if (GP_WG_XTMA && live && tid == 0) {
+        gp_mbar_expect(bar, 16384u);
+        gp_tma_2d(st, xmap, kg * 128, 0, bar);
+        gp_tma_2d(st + 8192, xmap, kg * 128 + 64, 0, bar);
+    }
+    if (BULK && live && tid == 0) {   // the weights and scales: a bulk copy a tile
         const int tiles = min(GP_WG_ROWS, N - row0) >> 4;
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // after the stage's reads
         gp_mbar_expect(bar, (unsigned)tiles * (1024u + 128u));
@@ -218,7 +269,7 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpW
             gp_bulk_copy(st + GP_WG_X + GP_WG_W + 128 * t, sc + blk, 128u, bar);
         }
     }
-    if (kg < kg_end) {
+    if (live) {
         if constexpr (BULK) {   // x only
 #pragma unroll
             for (int j = 0; j < GP_WG_XJ; ++j)
@@ -240,15 +291,22 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
                                                    const unsigned char* __restrict__ packed,
                                                    const unsigned short* __restrict__ scales,
                                                    const float* __restrict__ bias, int M, int N,
-                                                   int K, int accumulate) {
+                                                   int K, int accumulate, const GpTmap* xmap) {
     extern __shared__ __align__(128) unsigned char gp_wg_smem[];
-    const unsigned base = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
+    // the 128-byte swizzle's atoms are 1 KiB aligned (wgmma_shared_bytes keeps 1 KiB spare)
+    const unsigned raw = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
+    const unsigned pad = GP_WG_XTMA ? (1024u - (raw & 1023u)) & 1023u : 0u, base = raw + pad;
+    unsigned char* const smem = gp_wg_smem + pad;
+    static_assert(!GP_WG_XTMA || GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned");
     constexpr bool BULK = GP_WG_BULK && TILED;
     const unsigned bars = base + GP_WG_STAGES * GP_WG_STAGE;   // stage s's mbarrier at + 8 s
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int S = (int)gridDim.x, rank = (int)blockIdx.x;   // the cluster is the grid's x
     const int KG = K >> 7, kg0 = (int)((long long)KG * rank / S), kg1 = (int)((long long)KG * (rank + 1) / S);
     const int row0 = blockIdx.y * GP_WG_ROWS;
+    // The CTA's k-groups in the order kg0 + (i + rot) % nk: where every CTA began at kg0, all of
+    // them read the same x bytes at once, from the few L2 slices that hold them.
+    const int nk = kg1 - kg0, rot = GP_WG_ROT ? (int)(blockIdx.y % (unsigned)nk) : 0;
     const unsigned sel = (unsigned)t | 0x40u | ((unsigned)t << 8) | 0x4000u;   // byte t -> 0 and 2
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
@@ -258,7 +316,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
-    if (BULK) {
+    if (BULK || GP_WG_XTMA) {
         if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         __syncthreads();
@@ -267,29 +325,35 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
         gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, cp, packed, scales, tid, row0,
-                                 N, kg0 + i, kg1, KG);
-    for (int i = 0; i < kg1 - kg0; ++i) {
+                                 N, kg0 + (i + rot) % nk, i < nk, KG, xmap);
+    for (int i = 0; i < nk; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
-        if (BULK)   // k-group i's bulk copies: the (i / STAGES)-th use of its stage
+        if (BULK || GP_WG_XTMA)   // k-group i's bulk copies: the (i / STAGES)-th use of its stage
             gp_mbar_wait(bars + 8 * (i % GP_WG_STAGES), (unsigned)(i / GP_WG_STAGES) & 1u);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // for the tensor cores
+        if (!GP_WG_XTMA && !GP_WG_DROPS(GP_WG_DROP_FENCE))   // cp.async's x, for the tensor cores
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
         gp_wg_issue<TILED, BULK>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
                                  bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, packed, scales,
-                                 tid, row0, N, kg0 + i + GP_WG_AHEAD, kg1, KG);
+                                 tid, row0, N, kg0 + (i + GP_WG_AHEAD + rot) % nk,
+                                 i + GP_WG_AHEAD < nk, KG, xmap);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         // slice s's descriptor: the start address is the low 14 bits, in 16-byte units, and a
         // stage ends below 256 KiB, so a slice 2 KiB on is the same descriptor plus 128
-        const unsigned long long d0 = gp_wg_desc(st);
-        const uint2 sv[2] = {*reinterpret_cast<const uint2*>(gp_wg_smem + so + srow),
-                             *reinterpret_cast<const uint2*>(gp_wg_smem + so + srow + 64)};
+        const unsigned long long d0 = GP_WG_XTMA ? gp_wg_desc_sw128(st) : gp_wg_desc(st);
+        // slice s: 2 KiB on (no swizzle); in the swizzled boxes, box s >> 2 (8 KiB) at + 32 (s & 3)
+        auto dslice = [&](int s) -> unsigned long long {
+            return GP_WG_XTMA ? d0 + (s >> 2) * (8192 >> 4) + (s & 3) * 2 : d0 + s * (2048 >> 4);
+        };
+        const uint2 sv[2] = {*reinterpret_cast<const uint2*>(smem + so + srow),
+                             *reinterpret_cast<const uint2*>(smem + so + srow + 64)};
         auto wload = [&](uint4 (&dst)[2], int b) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                dst[h] = *reinterpret_cast<const uint4*>(gp_wg_smem + so + wrow + h * 512 + 16 * (b ^ wswz));
+                dst[h] = *reinterpret_cast<const uint4*>(smem + so + wrow + h * 512 + 16 * (b ^ wswz));
         };
 #if GP_WG_NEXT
         uint4 wn[2];   // the next quant block's weights, loaded before this one's wait
@@ -316,6 +380,10 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
                 s2[h] = s | (s << 16);
             }
             // slice 0: words 0 (k 2t, 2t + 1) and 1 (k 8 + 2t ..); slice 1: words 2 and 3
+            if (GP_WG_DROPS(GP_WG_DROP_DEQUANT)) {
+                ab[0][0] = w[0].x ^ s2[0]; ab[0][1] = w[1].x; ab[0][2] = w[0].y; ab[0][3] = w[1].y ^ s2[1];
+                ab[1][0] = w[0].z; ab[1][1] = w[1].z; ab[1][2] = w[0].w; ab[1][3] = w[1].w;
+            } else {
             ab[0][0] = gp_wg_pair(w[0].x, sel, s2[0]);
             ab[0][1] = gp_wg_pair(w[1].x, sel, s2[1]);
             ab[0][2] = gp_wg_pair(w[0].y, sel, s2[0]);
@@ -324,9 +392,15 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
             ab[1][1] = gp_wg_pair(w[1].z, sel, s2[1]);
             ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
             ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
+            }
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            gp_wgmma_64x64(acc, ab[0], d0 + (2 * b) * (2048 >> 4));
-            gp_wgmma_64x64(acc, ab[1], d0 + (2 * b + 1) * (2048 >> 4));
+            if (GP_WG_DROPS(GP_WG_DROP_MMA)) {   // keep the A registers live, as the wgmma would
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[i] += __uint_as_float(ab[i >> 2][i & 3]);
+            } else {
+                gp_wgmma_64x64(acc, ab[0], dslice(2 * b));
+                gp_wgmma_64x64(acc, ab[1], dslice(2 * b + 1));
+            }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
     }
@@ -339,7 +413,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     // acc[4i + e]: weight row g + 8 (e >> 1) of this warp's 16, row of x 8i + 2t + (e & 1)
     if (S > 1) {   // the partials over the stages, then the cluster's sum in rank order
         __syncthreads();
-        float* part = reinterpret_cast<float*>(gp_wg_smem);
+        float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -361,16 +435,24 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         }
 }
 
+#if GP_WG_XTMA   // x's tensor map: a kernel parameter, read by the TMA unit in place
+#define GP_WG_XMAP_PARAM , const __grid_constant__ GpTmap xmap
+#define GP_WG_XMAP_ARG &xmap
+#else
+#define GP_WG_XMAP_PARAM
+#define GP_WG_XMAP_ARG nullptr
+#endif
+
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
-              int K, int accumulate) {
-    gp_int4_wgmma_body<false>(y, x, packed, scales, bias, M, N, K, accumulate);
+              int K, int accumulate GP_WG_XMAP_PARAM) {
+    gp_int4_wgmma_body<false>(y, x, packed, scales, bias, M, N, K, accumulate, GP_WG_XMAP_ARG);
 }
 
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma_tiled(float* y, const unsigned short* __restrict__ x,
                     const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-                    const float* __restrict__ bias, int M, int N, int K, int accumulate) {
-    gp_int4_wgmma_body<true>(y, x, packed, scales, bias, M, N, K, accumulate);
+                    const float* __restrict__ bias, int M, int N, int K, int accumulate GP_WG_XMAP_PARAM) {
+    gp_int4_wgmma_body<true>(y, x, packed, scales, bias, M, N, K, accumulate, GP_WG_XMAP_ARG);
 }
