@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import struct
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ import numpy as np
 from gpu_worker.device.backend import (
     MAX_CLUSTER_CTAS,
     SIM_SM_COUNT,
+    TENSOR_MAP_BYTES,
     Backend,
     CaptureInvalidated,
     DeviceError,
@@ -41,7 +43,7 @@ from gpu_worker.device.backend import (
     IllegalAddress,
     KernelArg,
 )
-from gpu_worker.device.sim_kernels import lookup_sim_kernel
+from gpu_worker.device.sim_kernels import SIM_TENSOR_MAP, lookup_sim_kernel
 
 # Which calls on *another* thread invalidate a capture, per capture mode (GPU.md, measured on H200).
 INVALIDATES: dict[str, frozenset[str]] = {
@@ -537,6 +539,18 @@ class SimBackend(Backend):
         def run() -> None:
             function.fn(self, tuple(grid), tuple(block), args)
         self._submit(stream, "work", lambda: run)
+
+    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
+                      box: tuple[int, int]) -> bytes:
+        """The sim's tensor map: its fields in the clear (sim_tensor_map reads them back), checked
+        as cuTensorMapEncodeTiled checks them."""
+        self._enter("tensor_map_2d")
+        if address % 16 or row_bytes % 16 or not 0 < inner * 2 <= row_bytes or outer < 1:
+            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (address {address:#x}, "
+                              f"{outer} rows of {inner}, {row_bytes} bytes apart)")
+        if not all(0 < b <= 256 for b in box) or box[0] * 2 > 128:
+            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (box {box}, 128-byte swizzle)")
+        return struct.pack(SIM_TENSOR_MAP, address, inner, outer, row_bytes, *box).ljust(TENSOR_MAP_BYTES, b"\0")
 
     def max_active_clusters(self, function: SimFunction, threads: int, ctas: int) -> int:
         """The sim's model: one CTA an SM, every SM free, no GPC boundary (an H100 holds

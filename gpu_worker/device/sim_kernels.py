@@ -13,6 +13,7 @@ function on the stream's worker thread when the launch reaches the head of the s
 """
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -20,6 +21,15 @@ from typing import Protocol
 import numpy as np
 
 from gpu_worker.device.backend import KernelArg
+
+# SimBackend.tensor_map_2d's encoding: address, inner, outer, row bytes, box (inner, outer)
+SIM_TENSOR_MAP = "<QQQQII"
+
+
+def sim_tensor_map(value: bytes) -> tuple[int, int, int, int, tuple[int, int]]:
+    """(address, inner, outer, row_bytes, box) of a sim tensor map (a "tmap" argument)."""
+    address, inner, outer, row_bytes, b0, b1 = struct.unpack_from(SIM_TENSOR_MAP, value)
+    return address, inner, outer, row_bytes, (b0, b1)
 
 
 class SimMemory(Protocol):

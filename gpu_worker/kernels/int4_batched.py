@@ -623,6 +623,7 @@ WGMMA_ROWS = 64 * WGMMA_GROUPS   # weight rows per CTA
 WGMMA_STAGES = 4           # k-groups in the pipeline (GP_WG_STAGES)
 WGMMA_CTAS = 2             # CTAs per SM at WGMMA_GROUPS (GP_WG_CTAS)
 WGMMA_ARCH = "sm_90a"
+WGMMA_X_ROWS = 64          # rows of x a TMA box of x carries (the wgmma's N)
 SOURCE_WGMMA = dataclasses.replace(cu_source("gp_int4_wgmma", "int4_wgmma.cu"),
                                    options=(*NVRTC_OPTIONS, f"--gpu-architecture={WGMMA_ARCH}"))
 
@@ -632,37 +633,35 @@ def wgmma_supported(arch: str) -> bool:
     return arch in ("sm_90", "sm_90a")
 
 
-def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
-                       xtma: bool = False) -> int:
+def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
     """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x 16 KiB + the CTA's weight
-    rows' 64 bytes and 4 fp16 scales each), and 64 bytes for the stages' mbarriers (GP_WG_BARS);
-    `xtma`: 1 KiB more, to align the swizzled x tiles."""
-    return stages * (16384 + 64 * groups * 72) + 64 + (1024 if xtma else 0)
+    rows' 64 bytes and 4 fp16 scales each), 64 bytes for the stages' mbarriers (GP_WG_BARS), and
+    1 KiB to align the stages (the 128-byte swizzle's atoms are 1 KiB)."""
+    return stages * (16384 + 64 * groups * 72) + 64 + 1024
 
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
                       stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
-                      split: int | None = None, xtma: bool = False) -> None:
+                      split: int | None = None) -> None:
     """int4_mma's contract and arguments on gp_int4_wgmma: ceil(n / (64 groups)) tiles of
     `groups` warpgroups, each 64 weight rows, by `split` CTAs of a cluster over K (default:
     wgmma_plan); 1 <= m <= 64. `stages`, `groups`: the GP_WG_STAGES, GP_WG_GROUPS `function` was
     built with (a tuning build of the benchmark; the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
     _launch_wgmma("int4_wgmma", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
-                  stream, stages, groups, split, xtma)
+                  stream, stages, groups, split)
 
 
 def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
                             stream=None, stages: int = WGMMA_STAGES,
-                            groups: int = WGMMA_GROUPS, split: int | None = None,
-                            xtma: bool = False) -> None:
+                            groups: int = WGMMA_GROUPS, split: int | None = None) -> None:
     """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
     its bits."""
     require(tiled_layout(n, k), f"int4_wgmma_tiled: n={n}, k={k} is not a tiled layout (n a "
             f"multiple of 16, k of 128)")
     _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
-                  accumulate, stream, stages, groups, split, xtma)
+                  accumulate, stream, stages, groups, split)
 
 
 def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROUPS) -> int:
@@ -680,7 +679,7 @@ def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROU
 
 def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
                   bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
-                  groups: int, split: int | None, xtma: bool) -> None:
+                  groups: int, split: int | None) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
@@ -689,12 +688,13 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
             f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
     tiles = ceil_div(n, 64 * groups)
     require(tiles < 65536, f"{kernel}: n={n} too large")
-    args = [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-            i32(1 if accumulate else 0)]
-    if xtma:   # x's rows by the TMA unit: boxes of 64 k x 64 rows, rows past m read zero
-        args.append(tmap(device.tensor_map_2d(x, k, m, 2 * k, (64, 64))))
-    device.launch(function, (split, tiles, 1), (128 * groups, 1, 1), args, stream=stream,
-                  shared_bytes=wgmma_shared_bytes(stages, groups, xtma),
+    # x by the TMA unit (its tensor map a kernel parameter): boxes of 64 k x 64 rows of the m
+    # rows of x; the rows past m read zero
+    xmap = device.tensor_map_2d(x, k, m, 2 * k, (64, WGMMA_X_ROWS))
+    device.launch(function, (split, tiles, 1), (128 * groups, 1, 1),
+                  [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
+                   i32(1 if accumulate else 0), tmap(xmap)], stream=stream,
+                  shared_bytes=wgmma_shared_bytes(stages, groups),
                   cluster=(split, 1, 1) if split > 1 else None)
 
 
@@ -706,27 +706,24 @@ INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_W
 
 
 def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead: bool = False,
-                bulk: bool = False, tiled: bool = False, xtma: bool = False) -> KernelDef:
+                bulk: bool = False, tiled: bool = False) -> KernelDef:
     """gp_int4_wgmma (`tiled`: gp_int4_wgmma_tiled) built with `stages` k-group stages
     (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
     `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
     `bulk`: the tiled entry's weights and scales by bulk copies (GP_WG_BULK). The library's
     build is WGMMA_STAGES, WGMMA_GROUPS, neither; int4_batched_bench --wgmma times the others."""
     base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
-    if (stages, groups, ahead, bulk, xtma) == (WGMMA_STAGES, WGMMA_GROUPS, False, False, False):
+    if (stages, groups, ahead, bulk) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
         return base
     ctas = 2 if groups <= 2 else 1
-    tag = (f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
-           + ("_xtma" if xtma else ""))
+    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
     source = dataclasses.replace(
         base.source, module_name=f"{base.source.module_name}{tag}",
         options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
-                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}",
-                 f"-DGP_WG_XTMA={int(xtma)}"))
+                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}"))
     launcher = launch_int4_wgmma_tiled if tiled else launch_int4_wgmma
     return dataclasses.replace(base, source=source,
-                               launcher=functools.partial(launcher, stages=stages, groups=groups,
-                                                          xtma=xtma))
+                               launcher=functools.partial(launcher, stages=stages, groups=groups))
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}

@@ -153,10 +153,17 @@ def test_the_wgmma_launch_takes_its_grid_and_cluster_from_the_plan() -> None:
 
         def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
             self.call = (grid, block, shared_bytes, cluster)
+            self.last_arg = args[-1]
+
+        def tensor_map_2d(self, address, inner, outer, row_bytes, box):
+            self.map = (address, inner, outer, row_bytes, box)
+            return bytes(128)
 
     dev = Recorder()
-    launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 6144, 4096)
+    launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 48, 6144, 4096)
     assert dev.call == ((4, 48, 1), (256, 1, 1), wgmma_shared_bytes(), (4, 1, 1))
+    # x (at 16) by the TMA unit: its 48 rows of 4096 fp16, in boxes of 64 k x 64 rows
+    assert dev.map == (16, 4096, 48, 8192, (64, 64)) and dev.last_arg.kind == "tmap"
     launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 28672, 4096, groups=4, stages=6)
     assert dev.call == ((1, 112, 1), (512, 1, 1), wgmma_shared_bytes(6, 4), None)
     with pytest.raises(InvalidArgument, match="split"):

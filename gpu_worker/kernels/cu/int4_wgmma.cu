@@ -3,21 +3,21 @@
 //
 // One CTA is GP_WG_GROUPS warpgroups of 128 threads, each on 64 weight rows (four 16-row tiles,
 // one a warp) over the whole of K, sharing one x tile per k-group (128 k). Both operands stream
-// through a GP_WG_STAGES-deep cp.async pipeline in shared memory, GP_WG_STAGES - 2 k-groups ahead
-// (a stage is refilled only once the wgmmas two k-groups back, which read it, are done):
-//   x      16 KiB: already in the layout wgmma reads B from (no-swizzle, K-major canonical): the
-//          16 k of slice s at 2048 s, n-octet o (8 rows of x) at + 256 o, core matrix q (k 8q..
-//          8q + 7 of the slice) at + 128 q, row r at + 16 r. Each 16-byte chunk of an x row (8
-//          consecutive k) is one cp.async to its place, so the descriptor's leading byte offset
-//          (K step) is 128 and its stride byte offset (N step) 256 (the reading
-//          tests/gpu/test_wgmma_sm90a.py established); rows past M are zero-filled. A warp's
-//          copies read 16 rows x 32 bytes and write 512 contiguous bytes.
+// through a GP_WG_STAGES-deep pipeline in shared memory, GP_WG_STAGES - 2 k-groups ahead (a stage
+// is refilled only once the wgmmas two k-groups back, which read it, are done):
+//   x      16 KiB by the TMA unit: two boxes of 64 k x 64 rows from x's tensor map (a kernel
+//          parameter, int4_batched.launch_int4_wgmma), issued by one thread and counted on the
+//          stage's mbarrier. A box lands 128-byte swizzled, the layout wgmma reads B from: row r's
+//          16-byte chunk c at 128 r + 16 (c ^ (r & 7)); rows past M read zeros (the map's bounds).
+//          It replaced 1,024 16-byte cp.async a CTA a k-group, whose per-thread requests held
+//          the kernel at 64 rows (docs/kernels.md, "x by the TMA unit").
 //   W      a 16-row tile's 64 bytes a row in 1 KiB: row 8h + g at 512 h + 64 g, its quant block b
 //          at + 16 (b ^ ((g >> 1) & 3)), so the eight rows a warp's lanes read for one (h, b)
 //          fall in eight different 16-byte bank groups.
 //   scales a row's 4 fp16 at 8 x its row in the CTA.
 // A row's 64 bytes and 4 scales of a k-group are contiguous in both layouts the entries read
-// (the reference layout's rows; rows_tiled's 16-row tiles), so only their addresses differ.
+// (the reference layout's rows; rows_tiled's 16-row tiles), so only their addresses differ; they
+// stream by cp.async (their shared loads are the generic proxy's, so no proxy fence is needed).
 //
 // The A operand is made in registers one quant block (two k16 slices) at a time, in natural k
 // order: lane (g, t) takes byte t of each packed word (nibbles k 2t and 2t + 1 of that word's 8)
@@ -48,35 +48,16 @@
 #ifndef GP_WG_NEXT
 #define GP_WG_NEXT 0       // 1: a quant block's weights read from shared memory one block ahead
 #endif
-#ifndef GP_WG_ROT
-#define GP_WG_ROT 0        // 1: CTA y begins its K range at k-group y % (its k-groups)
-#endif
-#ifndef GP_WG_XTMA
-#define GP_WG_XTMA 0       // 1: x by the TMA unit (a tensor map argument), 128-byte swizzled
-#endif
-#ifndef GP_WG_XMAP
-#define GP_WG_XMAP 0
-#endif
 #ifndef GP_WG_CTAS
 #define GP_WG_CTAS 2       // CTAs per SM the registers are bounded for (int4_batched.WGMMA_CTAS)
 #endif
-// Timing builds only (int4_batched_bench --wgmma-ablate; the library never builds them): each bit
-// of GP_WG_DROP removes one part of the loop, so their outputs are wrong.
-#define GP_WG_DROP_W_COPIES 1   // weights and scales: the first stages' copies only
-#define GP_WG_DROP_DEQUANT 2    // the packed words go to the wgmma as they are
-#define GP_WG_DROP_MMA 4        // no wgmma
-#define GP_WG_DROP_FENCE 8      // no proxy fence before the stage's barrier (MEMBAR.ALL.CTA)
-#define GP_WG_DROP_X_COPIES 16  // x: the first stages' copies only
-#ifndef GP_WG_DROP
-#define GP_WG_DROP 0            // the library's build
-#endif
-#define GP_WG_DROPS(bit) ((GP_WG_DROP & (bit)) != 0)
 #define GP_WG_AHEAD (GP_WG_STAGES - 2)                 // k-groups in flight ahead of the one used
 #define GP_WG_THREADS (128 * GP_WG_GROUPS)
 #define GP_WG_ROWS (64 * GP_WG_GROUPS)                 // weight rows per CTA
 #define GP_WG_X 16384                                  // x bytes of a stage
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
 #define GP_WG_STAGE (GP_WG_X + GP_WG_W + GP_WG_ROWS * 8)
+static_assert(GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned (the swizzle's atoms)");
 #define GP_WG_PS (GP_WG_ROWS + 4)   // floats a row of x in the split's partials (banks: t x 8 + g)
 #define GP_WG_BARS 64                // bytes past the stages: one 8-byte mbarrier a stage (<= 8)
 
@@ -85,9 +66,9 @@
 // layout and landing as the stage's layout without the block swizzle: a quarter-warp's lanes
 // read two rows 64 bytes apart, in different banks), issued by one thread and counted on the
 // stage's mbarrier, in place of two to three cp.async a thread with their address arithmetic
-// (docs/kernels.md, "What ncu says of the 4-warpgroup build": a fifth of the stalls). x stays
-// on cp.async: its rows are not contiguous in the layout wgmma reads. A tile past N is not
-// copied: its rows' products are never stored.
+// (docs/kernels.md, "What ncu says of the 4-warpgroup build": a fifth of the stalls), on the
+// same mbarrier as the stage's x. A tile past N is not copied: its rows' products are never
+// stored. Measured slower (docs/kernels.md, "Bulk copies for the tiled wgmma"): a tuning build.
 __device__ __forceinline__ void gp_mbar_init(unsigned bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
@@ -107,10 +88,7 @@ __device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
     } while (!done);
 }
 
-// GP_WG_XTMA: a stage's x is two TMA box copies of 64 k x 64 rows (8 KiB each, the tensor
-// map's 128-byte swizzle: row r's 16-byte chunk c at 128 r + 16 (c ^ (r & 7))), issued by one
-// thread and counted on the stage's mbarrier, in place of 1,024 16-byte cp.async a CTA whose
-// per-SM requests held the kernel (docs/kernels.md). Rows past M read zeros (the map's bounds).
+// x's tensor map (CUtensorMap, Device.tensor_map_2d), and one box of it into shared memory.
 struct __align__(64) GpTmap { unsigned long long v[16]; };
 __device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c0, int c1, unsigned bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
@@ -120,7 +98,7 @@ __device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c
 }
 // The 128-byte-swizzle K-major descriptor of 8-row x 128-byte atoms at `addr` (1 KiB aligned):
 // SBO 1 KiB (the next 8 rows), LBO unused, layout type 1 (128B swizzle).
-__device__ __forceinline__ unsigned long long gp_wg_desc_sw128(unsigned addr) {
+__device__ __forceinline__ unsigned long long gp_wg_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
            | (1ull << 62);
 }
@@ -149,12 +127,6 @@ __device__ __forceinline__ void gp_wgmma_64x64(float (&d)[32], const unsigned (&
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
           "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-}
-
-// The no-swizzle descriptor of a 2 KiB x slice at shared address `addr`: LBO 128, SBO 256.
-__device__ __forceinline__ unsigned long long gp_wg_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16)
-           | ((unsigned long long)(256 >> 4) << 32);
 }
 
 template <int N_>
@@ -187,38 +159,20 @@ __device__ __forceinline__ long long gp_wg_block(int r, int kg, int KG) {
 // then a pointer plus the k-group's step and a cp.async at a fixed shared offset; recomputing
 // the sources every k-group was most of the loop's integer work). Every k-group a thread copies
 // the same pieces:
-//   x       chunks ch0 + 2 G j (8 k each) of row m = (tid >> 1) & 63, ch0 = 2 (tid >> 7) + (tid & 1),
-//           for j < XJ while tid + 128 G j < 1024 (the copy c = tid + 128 G j of the old loop:
-//           c >> 1 & 63 is m for every j, and c >> 7 is (tid >> 7) + G j);
 //   weights quant block b = tid & 3 of CTA row rl = (tid >> 2) + 32 G j, j < 2;
 //   scales  the 4 of CTA row tid, where tid < GP_WG_ROWS.
-// Sources are clamped to a valid row (a row past M or N is zero-filled, never read).
-#define GP_WG_XJ ((1024 + GP_WG_THREADS - 1) / GP_WG_THREADS)
+// Sources are clamped to a valid row (a row past N is zero-filled, never read).
 template <bool TILED>
 struct GpWgCopies {
     static constexpr int WSTEP = TILED ? 1024 : 64, SSTEP = TILED ? 64 : 4;   // to the next k-group
-    const unsigned short* xs;
     const unsigned char* ws[2];
     const unsigned short* ss;
-    unsigned xd, wd, sd;   // shared offsets in a stage
-    bool xdo[GP_WG_XJ], xin, win[2], sin;
+    unsigned wd, sd;   // shared offsets in a stage
+    bool win[2], sin;
 
-    __device__ __forceinline__ GpWgCopies(const unsigned short* __restrict__ x,
-                                          const unsigned char* __restrict__ packed,
+    __device__ __forceinline__ GpWgCopies(const unsigned char* __restrict__ packed,
                                           const unsigned short* __restrict__ sc, int tid, int row0,
-                                          int M, int N, int K, int KG) {
-#if GP_WG_XMAP == 1   // a warp's copies: 8 rows x 64 bytes
-        const int m = 8 * ((tid >> 5) & 7) + ((tid & 31) >> 2), ch = 4 * (tid >> 8) + (tid & 3);
-#elif GP_WG_XMAP == 2   // 4 rows x 128 bytes (4 warpgroups)
-        const int m = 4 * ((tid >> 5) & 15) + ((tid & 31) >> 3), ch = tid & 7;
-#else
-        const int m = (tid >> 1) & 63, ch = 2 * (tid >> 7) + (tid & 1);
-#endif
-        xin = m < M;
-        xs = x + (long long)min(m, M - 1) * K + 8 * ch;
-        xd = (ch >> 1) * 2048 + (m >> 3) * 256 + (ch & 1) * 128 + (m & 7) * 16;
-#pragma unroll
-        for (int j = 0; j < GP_WG_XJ; ++j) xdo[j] = tid + GP_WG_THREADS * j < 1024;
+                                          int N, int KG) {
         const int b = tid & 3, rl = tid >> 2;
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -235,11 +189,6 @@ struct GpWgCopies {
 
     // k-group kg's pieces into the stage at shared address st
     __device__ __forceinline__ void issue(unsigned st, int kg, int tid) const {
-        const bool first = kg < GP_WG_STAGES;   // the ablation builds keep the first stages' copies
-#pragma unroll
-        for (int j = 0; j < GP_WG_XJ; ++j)
-            if (!GP_WG_XTMA && xdo[j] && (first || !GP_WG_DROPS(GP_WG_DROP_X_COPIES))) gp_cp16(st + xd + 2048 * GP_WG_GROUPS * j, xs + kg * 128 + 16 * GP_WG_GROUPS * j, xin);
-        if (!first && GP_WG_DROPS(GP_WG_DROP_W_COPIES)) return;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
             gp_cp16(st + wd + 2048 * GP_WG_GROUPS * j, ws[j] + (long long)kg * WSTEP, win[j]);
@@ -247,66 +196,52 @@ struct GpWgCopies {
     }
 };
 
-// k-group kg's x, weights and scales of this CTA into the stage at shared address `st`, one commit
-// group (an empty one where !live, past the CTA's K range, keeps the count even).
+// k-group kg's x, weights and scales of this CTA into the stage at shared address `st`: x (and,
+// where BULK, the weights and scales) by thread 0 on the stage's mbarrier, the rest one cp.async
+// commit group (an empty one where !live, past the CTA's K range, keeps the count even).
 template <bool TILED, bool BULK>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpWgCopies<TILED>& cp,
-                                            const unsigned char* __restrict__ packed,
+                                            const GpTmap* xmap, const unsigned char* __restrict__ packed,
                                             const unsigned short* __restrict__ sc, int tid, int row0,
-                                            int N, int kg, bool live, int KG, const GpTmap* xmap) {
-    if (GP_WG_XTMA && live && tid == 0) {
-        gp_mbar_expect(bar, 16384u);
+                                            int N, int kg, bool live, int KG) {
+    if (live && tid == 0) {
+        const int tiles = BULK ? min(GP_WG_ROWS, N - row0) >> 4 : 0;
+        if (BULK)   // the stage's shared loads (generic proxy) before the bulk copies' writes
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        gp_mbar_expect(bar, 16384u + (unsigned)tiles * (1024u + 128u));
         gp_tma_2d(st, xmap, kg * 128, 0, bar);
         gp_tma_2d(st + 8192, xmap, kg * 128 + 64, 0, bar);
-    }
-    if (BULK && live && tid == 0) {   // the weights and scales: a bulk copy a tile
-        const int tiles = min(GP_WG_ROWS, N - row0) >> 4;
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // after the stage's reads
-        gp_mbar_expect(bar, (unsigned)tiles * (1024u + 128u));
-        for (int t = 0; t < tiles; ++t) {
+        for (int t = 0; t < tiles; ++t) {   // BULK: the weights and scales, a bulk copy a tile
             const long long blk = gp_wg_block<true>(row0 + 16 * t, kg, KG);
             gp_bulk_copy(st + GP_WG_X + 1024 * t, packed + blk * 16, 1024u, bar);
             gp_bulk_copy(st + GP_WG_X + GP_WG_W + 128 * t, sc + blk, 128u, bar);
         }
     }
-    if (live) {
-        if constexpr (BULK) {   // x only
-#pragma unroll
-            for (int j = 0; j < GP_WG_XJ; ++j)
-                if (cp.xdo[j])
-                    gp_cp16(st + cp.xd + 2048 * GP_WG_GROUPS * j, cp.xs + kg * 128 + 16 * GP_WG_GROUPS * j, cp.xin);
-        } else {
-            cp.issue(st, kg, tid);
-        }
-    }
+    if (live && !BULK) cp.issue(st, kg, tid);
     gp_cp_commit();
 }
 
 // grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
-// dynamic shared memory GP_WG_STAGES x GP_WG_STAGE (int4_batched.wgmma_shared_bytes); M <= 64,
+// dynamic shared memory GP_WG_STAGES x GP_WG_STAGE + 1 KiB (int4_batched.wgmma_shared_bytes);
+// `xmap` x's tensor map (M rows of K fp16, boxes of 64 x 64, 128-byte swizzle); M <= 64,
 // K a multiple of 128, S <= K / 128 (launch_int4_wgmma; the tiled entry also N a multiple of 16).
 // Rows past N read zeros: nibble 0 with scale 0, so their products are exactly 0.
 template <bool TILED>
-__device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned short* __restrict__ x,
-                                                   const unsigned char* __restrict__ packed,
+__device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char* __restrict__ packed,
                                                    const unsigned short* __restrict__ scales,
                                                    const float* __restrict__ bias, int M, int N,
                                                    int K, int accumulate, const GpTmap* xmap) {
     extern __shared__ __align__(128) unsigned char gp_wg_smem[];
     // the 128-byte swizzle's atoms are 1 KiB aligned (wgmma_shared_bytes keeps 1 KiB spare)
     const unsigned raw = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
-    const unsigned pad = GP_WG_XTMA ? (1024u - (raw & 1023u)) & 1023u : 0u, base = raw + pad;
+    const unsigned pad = (1024u - (raw & 1023u)) & 1023u, base = raw + pad;
     unsigned char* const smem = gp_wg_smem + pad;
-    static_assert(!GP_WG_XTMA || GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned");
     constexpr bool BULK = GP_WG_BULK && TILED;
     const unsigned bars = base + GP_WG_STAGES * GP_WG_STAGE;   // stage s's mbarrier at + 8 s
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int S = (int)gridDim.x, rank = (int)blockIdx.x;   // the cluster is the grid's x
     const int KG = K >> 7, kg0 = (int)((long long)KG * rank / S), kg1 = (int)((long long)KG * (rank + 1) / S);
-    const int row0 = blockIdx.y * GP_WG_ROWS;
-    // The CTA's k-groups in the order kg0 + (i + rot) % nk: where every CTA began at kg0, all of
-    // them read the same x bytes at once, from the few L2 slices that hold them.
-    const int nk = kg1 - kg0, rot = GP_WG_ROT ? (int)(blockIdx.y % (unsigned)nk) : 0;
+    const int row0 = blockIdx.y * GP_WG_ROWS, nk = kg1 - kg0;
     const unsigned sel = (unsigned)t | 0x40u | ((unsigned)t << 8) | 0x4000u;   // byte t -> 0 and 2
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
@@ -316,38 +251,32 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
-    if (BULK || GP_WG_XTMA) {
-        if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        __syncthreads();
-    }
-    const GpWgCopies<TILED> cp(x, packed, scales, tid, row0, M, N, K, KG);
+    if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+    const GpWgCopies<TILED> cp(packed, scales, tid, row0, N, KG);
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, cp, packed, scales, tid, row0,
-                                 N, kg0 + (i + rot) % nk, i < nk, KG, xmap);
+        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, cp, xmap, packed, scales, tid,
+                                 row0, N, kg0 + i, i < nk, KG);
     for (int i = 0; i < nk; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
-        if (BULK || GP_WG_XTMA)   // k-group i's bulk copies: the (i / STAGES)-th use of its stage
-            gp_mbar_wait(bars + 8 * (i % GP_WG_STAGES), (unsigned)(i / GP_WG_STAGES) & 1u);
-        if (!GP_WG_XTMA && !GP_WG_DROPS(GP_WG_DROP_FENCE))   // cp.async's x, for the tensor cores
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // k-group i's x: the (i / STAGES)-th use of its stage's mbarrier
+        gp_mbar_wait(bars + 8 * (i % GP_WG_STAGES), (unsigned)(i / GP_WG_STAGES) & 1u);
         // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
         gp_wg_issue<TILED, BULK>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
-                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, packed, scales,
-                                 tid, row0, N, kg0 + (i + GP_WG_AHEAD + rot) % nk,
-                                 i + GP_WG_AHEAD < nk, KG, xmap);
+                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, xmap, packed,
+                                 scales, tid, row0, N, kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk, KG);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
-        // slice s's descriptor: the start address is the low 14 bits, in 16-byte units, and a
-        // stage ends below 256 KiB, so a slice 2 KiB on is the same descriptor plus 128
-        const unsigned long long d0 = GP_WG_XTMA ? gp_wg_desc_sw128(st) : gp_wg_desc(st);
-        // slice s: 2 KiB on (no swizzle); in the swizzled boxes, box s >> 2 (8 KiB) at + 32 (s & 3)
-        auto dslice = [&](int s) -> unsigned long long {
-            return GP_WG_XTMA ? d0 + (s >> 2) * (8192 >> 4) + (s & 3) * 2 : d0 + s * (2048 >> 4);
-        };
+        // slice s's descriptor: box s >> 2 (8 KiB on) at + 32 (s & 3) bytes (the swizzle is of
+        // the address bits, so a k16 step inside a 128-byte row is a start-address step); the
+        // start address is the low 14 bits, in 16-byte units, and a stage ends below 256 KiB,
+        // so these are the same descriptor plus a constant
+        const unsigned long long d0 = gp_wg_desc(st);
+        auto dslice = [&](int s) -> unsigned long long { return d0 + (s >> 2) * (8192 >> 4) + (s & 3) * 2; };
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(smem + so + srow),
                              *reinterpret_cast<const uint2*>(smem + so + srow + 64)};
         auto wload = [&](uint4 (&dst)[2], int b) {
@@ -380,10 +309,6 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
                 s2[h] = s | (s << 16);
             }
             // slice 0: words 0 (k 2t, 2t + 1) and 1 (k 8 + 2t ..); slice 1: words 2 and 3
-            if (GP_WG_DROPS(GP_WG_DROP_DEQUANT)) {
-                ab[0][0] = w[0].x ^ s2[0]; ab[0][1] = w[1].x; ab[0][2] = w[0].y; ab[0][3] = w[1].y ^ s2[1];
-                ab[1][0] = w[0].z; ab[1][1] = w[1].z; ab[1][2] = w[0].w; ab[1][3] = w[1].w;
-            } else {
             ab[0][0] = gp_wg_pair(w[0].x, sel, s2[0]);
             ab[0][1] = gp_wg_pair(w[1].x, sel, s2[1]);
             ab[0][2] = gp_wg_pair(w[0].y, sel, s2[0]);
@@ -392,15 +317,9 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
             ab[1][1] = gp_wg_pair(w[1].z, sel, s2[1]);
             ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
             ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
-            }
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            if (GP_WG_DROPS(GP_WG_DROP_MMA)) {   // keep the A registers live, as the wgmma would
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] += __uint_as_float(ab[i >> 2][i & 3]);
-            } else {
-                gp_wgmma_64x64(acc, ab[0], dslice(2 * b));
-                gp_wgmma_64x64(acc, ab[1], dslice(2 * b + 1));
-            }
+            gp_wgmma_64x64(acc, ab[0], dslice(2 * b));
+            gp_wgmma_64x64(acc, ab[1], dslice(2 * b + 1));
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
     }
@@ -435,24 +354,17 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned shor
         }
 }
 
-#if GP_WG_XTMA   // x's tensor map: a kernel parameter, read by the TMA unit in place
-#define GP_WG_XMAP_PARAM , const __grid_constant__ GpTmap xmap
-#define GP_WG_XMAP_ARG &xmap
-#else
-#define GP_WG_XMAP_PARAM
-#define GP_WG_XMAP_ARG nullptr
-#endif
-
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
-              int K, int accumulate GP_WG_XMAP_PARAM) {
-    gp_int4_wgmma_body<false>(y, x, packed, scales, bias, M, N, K, accumulate, GP_WG_XMAP_ARG);
+              int K, int accumulate, const __grid_constant__ GpTmap xmap) {
+    gp_int4_wgmma_body<false>(y, packed, scales, bias, M, N, K, accumulate, &xmap);
 }
 
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma_tiled(float* y, const unsigned short* __restrict__ x,
                     const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
-                    const float* __restrict__ bias, int M, int N, int K, int accumulate GP_WG_XMAP_PARAM) {
-    gp_int4_wgmma_body<true>(y, x, packed, scales, bias, M, N, K, accumulate, GP_WG_XMAP_ARG);
+                    const float* __restrict__ bias, int M, int N, int K, int accumulate,
+                    const __grid_constant__ GpTmap xmap) {   // x: read through xmap
+    gp_int4_wgmma_body<true>(y, packed, scales, bias, M, N, K, accumulate, &xmap);
 }

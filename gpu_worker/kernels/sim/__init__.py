@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from gpu_worker.device.backend import KernelArg
-from gpu_worker.device.sim_kernels import register_sim_kernel
+from gpu_worker.device.sim_kernels import register_sim_kernel, sim_tensor_map
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
@@ -206,10 +206,12 @@ register_sim_kernel("gp_int4_mma_xk8")(_int4_mma_xk(8))
 
 def _int4_wgmma(tiled: bool):
     def run(mem, grid, block, args) -> None:
-        y, x, packed, scales, bias, m, n, k, accumulate = _vals(args)
+        y, x, packed, scales, bias, m, n, k, accumulate, xmap = _vals(args)
         # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
         assert grid[1] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
             (grid, block, m)
+        # x is read through its tensor map: boxes of 64 k x 64 rows of x's m rows of k
+        assert sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, 64)), (sim_tensor_map(xmap), x, m, k)
         (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
                                                          accumulate)
     return run
