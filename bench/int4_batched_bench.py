@@ -48,9 +48,9 @@ each k-group's k16 steps, so x is read from shared memory fewer times a stage; e
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
 whether mma_kernel should route 17..64 rows to one of them. `--wgmma` times gp_int4_wgmma
 (`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next` builds) at 32 / 48 / 64 rows over the
-weight in the model's layout (the tiled entry where tiled_layout holds) against the default
-kernel on the same copies, each checked against it first. `--xa-ablate` times, at 64 rows,
-gp_int4_mma_xa (the library's kernel there) beside builds that each remove a part of its loop
+weight in the model's layout (the tiled entry where tiled_layout holds) against
+gp_int4_mma_xa on the same copies, each checked against it first (what sets
+int4_batched.WGMMA_MIN_ROWS). `--xa-ablate` times, at 64 rows, gp_int4_mma_xa beside builds that each remove a part of its loop
 (XA_ABLATION_BUILDS: the copies, the dequantize, the shared-memory fragment loads; GP_XA_DROP
 of cu/int4_xa.cu): timing only, their outputs are wrong and never checked, so what each build
 keeps of xa's time is what the rest of the loop costs.
@@ -176,7 +176,12 @@ def _default(dev, h, weights, x, y, rows: int, n: int, k: int, tiled: bool = Fal
     """The linear at `rows` rows on the kernel the decode graph runs (int4_batched.mma_kernel),
     over weights in the reference layout, or (`tiled`) in the 16-row tile layout the model's
     weights are stored in where tiled_layout holds (execution/ops.device_weight)."""
-    kdef = (MMA_KERNELS_TILED if tiled else MMA_KERNELS)[mma_kernel(rows)]
+    return _library(dev, h, weights, x, y, rows, n, k, mma_kernel(rows, dev.info.arch), tiled)
+
+
+def _library(dev, h, weights, x, y, rows: int, n: int, k: int, kernel: str, tiled: bool = False):
+    """The linear at `rows` rows on the library's `kernel` (a key of MMA_KERNELS) on its plan."""
+    kdef = (MMA_KERNELS_TILED if tiled else MMA_KERNELS)[kernel]
     return _launcher(dev, h.function(kdef), weights, x, y, rows, n, k, False, kdef=kdef)
 
 
@@ -349,14 +354,14 @@ def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                 tiled: bool = False) -> dict:
     """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`; its tiled entry over
     `weights` in the 16-row tile layout where `tiled`) at WGMMA_BATCHES rows, each first
-    checked against the default kernel's result on the same layout within the contract's
-    tolerance (they differ by f32 summation order); a difference raises WrongBuild."""
+    checked against xa's result on the same layout within the contract's tolerance (they
+    differ by f32 summation order); a difference raises WrongBuild."""
     kdef = wgmma_kernel(stages, groups, ahead, tiled=tiled)
     out = {}
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
-        want = _default_result(dev, h, weights, x, y_ref, b, n, k, tiled)
-        _check_near(h, kdef, {}, weights, x, y, b, n, k, want)
+        _library(dev, h, weights[:1], x, y_ref, b, n, k, "xa", tiled)(None)
+        _check_near(h, kdef, {}, weights, x, y, b, n, k, h.get(y_ref, (b, n)))
         out[b] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
                                      kdef=kdef), reps, trials)
     return out
@@ -434,12 +439,10 @@ def xa_ablation(parts: tuple[str, ...], tiled: bool = False):
 
 def xa_ablation_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                       tiled: bool = False) -> dict[str, float]:
-    """{build: seconds} at ABLATE_ROWS rows: "xa", the library's kernel there, then every
-    XA_ABLATION_BUILDS build on the same plan (never checked: their outputs are wrong)."""
-    if mma_kernel(ABLATE_ROWS) != "xa":
-        raise RuntimeError(f"--xa-ablate: {ABLATE_ROWS} rows now run on {mma_kernel(ABLATE_ROWS)}, "
-                           "not xa: ablate the kernel the library runs there")
-    out = {"xa": ours(dev, _default(dev, h, weights, x, y, ABLATE_ROWS, n, k, tiled), reps, trials)}
+    """{build: seconds} at ABLATE_ROWS rows: "xa" on its plan, then every XA_ABLATION_BUILDS
+    build on the same plan (never checked: their outputs are wrong)."""
+    out = {"xa": ours(dev, _library(dev, h, weights, x, y, ABLATE_ROWS, n, k, "xa", tiled),
+                      reps, trials)}
     for name, parts in XA_ABLATION_BUILDS:
         kdef = xa_ablation(parts, tiled)
         out[name] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, ABLATE_ROWS, n, k,
@@ -649,10 +652,10 @@ def main() -> int:
                 wg = wgmma_times(dev, h, decode_w, x16, y, n, k, args.reps, args.trials,
                                  args.wgmma_stages, args.wgmma_groups, args.wgmma_next, laid)
                 for b, t in wg.items():
-                    base = ours(dev, _default(dev, h, decode_w, x16, y, b, n, k, laid),
+                    base = ours(dev, _library(dev, h, decode_w, x16, y, b, n, k, "xa", laid),
                                 args.reps, args.trials)
-                    print(f"  {name} n={n} k={k} b{b}: wgmma {t * 1e6:7.1f} us, default "
-                          f"({mma_kernel(b)}) {base * 1e6:7.1f} us", flush=True)
+                    print(f"  {name} n={n} k={k} b{b}: wgmma {t * 1e6:7.1f} us, xa "
+                          f"{base * 1e6:7.1f} us", flush=True)
                     step_wgmma[b] += uses * t
                     step_wgmma_best[b] += uses * min(t, base)
                     step_default[b] += uses * base
@@ -775,11 +778,11 @@ def main() -> int:
             targets.figure(f"decode step int4 linears, {b} rows, xa, 16-row tiles", tiled * 1e3,
                            "ms")
     if args.wgmma:
-        print("decode step's linears on gp_int4_wgmma, and on the faster of it and the default "
+        print("decode step's linears on gp_int4_wgmma, and on the faster of it and xa "
               "per shape, ms:")
         for b in WGMMA_BATCHES:
             print(f"  batch {b:3d}: wgmma {step_wgmma[b] * 1e3:8.3f}, faster per shape "
-                  f"{step_wgmma_best[b] * 1e3:8.3f} (default {step_default[b] * 1e3:8.3f})")
+                  f"{step_wgmma_best[b] * 1e3:8.3f} (xa {step_default[b] * 1e3:8.3f})")
             targets.figure(f"decode step int4 linears, {b} rows, wgmma", step_wgmma[b] * 1e3,
                            "ms")
             targets.figure(f"decode step int4 linears, {b} rows, wgmma where faster",

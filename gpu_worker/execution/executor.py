@@ -584,7 +584,9 @@ class ModelExecutor:
         binding = OPS[node.op]
         if binding.gemms(node, graph, 1 << 62):
             self._ensure_tile()
-        return VariantSpec(function={k.name: self.function(k) for k in binding.kernels},
+        arch = self.device.info.arch
+        return VariantSpec(function={k.name: self.function(k) for k in binding.kernels
+                                     if k.loads_on(arch)},
                            workspace_bytes=binding.workspace(node, graph))
 
     # -- running ---------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def _launch_linear(c: LaunchContext) -> None:
     if not _on_tensor_cores(c.node, c.graph):
         if int4_batched.mma_supported(m, k):   # a decode batch: the weight streamed once
             kernels = int4_batched.MMA_KERNELS_TILED if tiled else int4_batched.MMA_KERNELS
-            kdef = kernels[int4_batched.mma_kernel(m)]
+            kdef = kernels[int4_batched.mma_kernel(m, c.device.info.arch)]
             kdef.launcher(c.device, c.fn(kdef.name), c.out(), c.inp(0), c.weight(0), c.weight(1),
                           0, m, n, k, accumulate=acc, stream=c.stream)
             return

@@ -76,7 +76,8 @@ class KernelDef:
 
     `reference` is the NumPy oracle (gpu_worker.kernels.reference), `launcher` the typed
     `launch_<name>(device, function, ..., stream=None)`, `workspace` maps the kernel's shapes
-    (keywords named in its module) to the device scratch bytes a caller must provide.
+    (keywords named in its module) to the device scratch bytes a caller must provide; `arches`
+    limits an arch-specific module (sm_90a's wgmma) to the devices that load it.
     """
 
     name: str
@@ -85,6 +86,10 @@ class KernelDef:
     reference: Callable[..., object]
     launcher: Callable[..., None]
     workspace: Callable[..., int] = field(default=_no_workspace)
+    arches: tuple[str, ...] = ()   # the device archs its module loads on (empty: every arch)
+
+    def loads_on(self, arch: str) -> bool:
+        return not self.arches or arch in self.arches
 
     def workspace_bytes(self, **shapes: int) -> int:
         """Device scratch this kernel needs for these shapes (0 when it needs none)."""

@@ -164,14 +164,18 @@ def row_warps(k: int) -> int:
 MAX_SPLIT = 8          # CTAs per cluster splitting K (the portable cluster size)
 
 
-def mma_kernel(m: int) -> str:
-    """Which tensor-core kernel serves an m-row linear (a key of MMA_KERNELS): "rows"
-    (gp_int4_mma_rows) up to 8 rows, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS. On the H200
-    (int4_batched_bench --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernel beats the GEMV
-    and gp_int4_mma at every 8b shape up to 8 rows, and gp_int4_mma_xa on its plan beats every
-    other kernel from 9 to 64 rows in the decode step's sum (2.67 ms against rows16's 3.65 at
-    16 rows, 2026-12-05)."""
-    return "rows" if m < XA_MIN_ROWS else "xa"
+def mma_kernel(m: int, arch: str = "sm_90") -> str:
+    """Which tensor-core kernel serves an m-row linear on a device of `arch` (a key of
+    MMA_KERNELS): "rows" (gp_int4_mma_rows) up to 8 rows, "xa" (gp_int4_mma_xa) from XA_MIN_ROWS,
+    "wgmma" (gp_int4_wgmma, sm_90 only) from WGMMA_MIN_ROWS. On the H200 (int4_batched_bench
+    --rows-sweep, --xa-sweep; docs/kernels.md) the rows kernel beats the GEMV and gp_int4_mma at
+    every 8b shape up to 8 rows, and gp_int4_mma_xa on its plan beats every other mma.sync kernel
+    from 9 to 64 rows in the decode step's sum (2.67 ms against rows16's 3.65 at 16 rows,
+    2026-12-05); on the H100 (--wgmma, 2026-12-07) the wgmma kernel's step is 3.44 ms at 48 rows
+    and 3.54 at 64 against xa's 3.91 and 4.79, and 3.52 at 32 against xa's 3.20."""
+    if m < XA_MIN_ROWS:
+        return "rows"
+    return "wgmma" if m >= WGMMA_MIN_ROWS and wgmma_supported(arch) else "xa"
 
 
 # gp_int4_mma_xa: the same contract with x as the mma's A operand (16 batch rows per mma, by
@@ -624,13 +628,16 @@ WGMMA_STAGES = 4           # k-groups in the pipeline (GP_WG_STAGES)
 WGMMA_CTAS = 2             # CTAs per SM at WGMMA_GROUPS (GP_WG_CTAS)
 WGMMA_ARCH = "sm_90a"
 WGMMA_X_ROWS = 64          # rows of x a TMA box of x carries (the wgmma's N)
+# mma_kernel's first row count on gp_int4_wgmma: its time barely moves with the rows (the same
+# n64 wgmmas), xa's grows; the step's sums cross between the 32 and 48 rows measured
+WGMMA_MIN_ROWS = 40
 SOURCE_WGMMA = dataclasses.replace(cu_source("gp_int4_wgmma", "int4_wgmma.cu"),
                                    options=(*NVRTC_OPTIONS, f"--gpu-architecture={WGMMA_ARCH}"))
 
 
 def wgmma_supported(arch: str) -> bool:
     """Whether gp_int4_wgmma loads on a device of `arch` (its sm_90a image: sm_90 devices only)."""
-    return arch in ("sm_90", "sm_90a")
+    return INT4_WGMMA.loads_on(arch)
 
 
 def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
@@ -698,11 +705,12 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
                   cluster=(split, 1, 1) if split > 1 else None)
 
 
+WGMMA_ARCHES = ("sm_90", "sm_90a")   # the devices its sm_90a image loads on
 INT4_WGMMA = KernelDef("int4_wgmma", "gp_int4_wgmma", SOURCE_WGMMA, reference.int4_matmul,
-                       launch_int4_wgmma)
+                       launch_int4_wgmma, arches=WGMMA_ARCHES)
 # the weights in rows_tiled's layout, so the oracle is reference.int4_matmul on rows_untiled's
 INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_WGMMA,
-                             reference.int4_matmul, launch_int4_wgmma_tiled)
+                             reference.int4_matmul, launch_int4_wgmma_tiled, arches=WGMMA_ARCHES)
 
 
 def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead: bool = False,
@@ -726,9 +734,10 @@ def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead
                                launcher=functools.partial(launcher, stages=stages, groups=groups))
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
-MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA}
+MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA, "wgmma": INT4_WGMMA}
 # and over a weight in the 16-row tile layout (tiled_layout)
-MMA_KERNELS_TILED = {"rows": INT4_MMA_ROWS_TILED, "xa": INT4_MMA_XA_TILED}
+MMA_KERNELS_TILED = {"rows": INT4_MMA_ROWS_TILED, "xa": INT4_MMA_XA_TILED,
+                     "wgmma": INT4_WGMMA_TILED}
 
 KERNELS = [INT4_MMA, INT4_MMA_XA, INT4_MMA_XA_TILED, INT4_MMA_ROWS, INT4_MMA_ROWS16, INT4_MMA_ROWS_TILED,
            INT4_MMA_ROWS16_TILED, INT4_MMA_ROWS_ASYNC,

@@ -125,3 +125,20 @@ def test_get_function_refuses_an_entry_the_image_does_not_contain(sim):
 
     with pytest.raises(DeviceError, match="NOT_FOUND"):
         sim.get_function(sim.load_module(b".entry other"), "copy_u8")
+
+
+def test_a_tensor_map_is_refused_as_the_driver_refuses_it_and_reads_back_what_it_describes(sim):
+    from gpu_worker.device.backend import tmap
+    from gpu_worker.device.sim_kernels import sim_tensor_map
+
+    m = sim.tensor_map_2d(4096, 4096, 48, 8192, (64, 64))
+    assert tmap(m).kind == "tmap" and sim_tensor_map(m) == (4096, 4096, 48, 8192, (64, 64))
+    for bad in ((4100, 4096, 48, 8192, (64, 64)),    # address not 16-byte aligned
+                (4096, 4096, 48, 8200, (64, 64)),    # rows not 16 bytes apart
+                (4096, 4096, 48, 4096, (64, 64)),    # rows overlap
+                (4096, 4096, 48, 8192, (128, 64)),   # a box row wider than the 128-byte swizzle
+                (4096, 4096, 48, 8192, (64, 512))):  # a box past 256 rows
+        with pytest.raises(DeviceError, match="cuTensorMapEncodeTiled"):
+            sim.tensor_map_2d(*bad)
+    with pytest.raises(ValueError, match="128 bytes"):
+        tmap(m[:64])

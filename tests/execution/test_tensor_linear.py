@@ -103,9 +103,11 @@ def test_an_embedding_does_not_depend_on_the_batch_that_carried_it(device, compi
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["reference layout", "16-row tiles"])
 @pytest.mark.parametrize(("rows", "out_dim", "entry"), [
-    (40, 28672, "gp_int4_mma_xa"),       # 9..64 rows: x as the mma's A operand
+    (64, 28672, "gp_int4_wgmma"),        # 40..64 rows on sm_90 (the sim's): warpgroup MMA
+    (40, 28672, "gp_int4_wgmma"),
+    (40, 4096, "gp_int4_wgmma"),         # K = 128: no split (one k-group)
+    (39, 4096, "gp_int4_mma_xa"),        # 9..39 rows: x as the mma's A operand
     (24, 28672, "gp_int4_mma_xa"),
-    (40, 4096, "gp_int4_mma_xa"),        # K = 128: no split (a CTA keeps 2 k-groups)
     (17, 4096, "gp_int4_mma_xa"),
     (16, 28672, "gp_int4_mma_xa"),       # 9..16 rows: one 16-row x tile
     (9, 4096, "gp_int4_mma_xa"),

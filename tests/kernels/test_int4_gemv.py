@@ -92,14 +92,16 @@ def test_int4_mma_refuses_a_tile_count_it_is_not_built_for() -> None:
 
 
 def test_each_decode_batch_linear_runs_on_the_kernel_measured_fastest_for_its_rows() -> None:
-    """mma_kernel's rule (int4_batched_bench --rows-sweep and --xa-sweep, docs/kernels.md):
-    the rows kernel up to 8 rows, gp_int4_mma_xa from 9; and xa_plan at the H200's 132 SMs and
+    """mma_kernel's rule (int4_batched_bench --rows-sweep, --xa-sweep and --wgmma, docs/kernels.md):
+    the rows kernel up to 8 rows, gp_int4_mma_xa from 9, gp_int4_wgmma from 40 on sm_90 (xa
+    where the arch has no wgmma); and xa_plan at the H200's 132 SMs and
     Llama-3-8B shapes: gate/up unsplit on 224 CTAs of 128 weight rows, lm_head on 256-row CTAs,
     QKV split 4 and the 4096-row linears split 6 (192 CTAs: 0.7 of 2 CTA slots per SM)."""
     from gpu_worker.kernels.int4_batched import mma_kernel, xa_plan, xa_tile
 
-    assert [mma_kernel(m) for m in (1, 8, 9, 16, 17, 33, 64)] == \
-        ["rows", "rows", "xa", "xa", "xa", "xa", "xa"]
+    assert [mma_kernel(m) for m in (1, 8, 9, 16, 17, 33, 39, 40, 48, 64)] == \
+        ["rows", "rows", "xa", "xa", "xa", "xa", "xa", "wgmma", "wgmma", "wgmma"]
+    assert [mma_kernel(m, "sm_80") for m in (8, 40, 64)] == ["rows", "xa", "xa"]
     for m in (9, 16, 17, 32, 33, 64):
         assert xa_plan(m, 28672, 4096, 132) == (2, 1) and xa_tile(m, 2)[0] == 128
         assert xa_plan(m, 128256, 4096, 132) == ((4, 1) if m <= 32 else (2, 1))
