@@ -1,10 +1,10 @@
 """The int4 linear on tensor cores for 1..64 rows (a decode batch): y = x @ dequant(W)^T that
 reads the int4 weight once per call, whatever the row count. Kernels of one contract:
 gp_int4_mma (below), gp_int4_mma_rows / rows16 (its split for up to 8 / 16 rows with
-registers of their own), gp_int4_mma_xa (x as the mma's A operand, 9..64 rows), each of the
-last three also as a `_tiled` entry over the 16-row tile layout (rows_tiled),
-and, measured or to be measured and not routed, gp_int4_wgmma, gp_int4_mma_rows(16)_async and
-gp_int4_mma_xk4 / xk8; mma_kernel picks one. CUDA: cu/int4_batched.cu (the weight as A),
+registers of their own), gp_int4_mma_xa (x as the mma's A operand, 9..64 rows), gp_int4_wgmma
+(warpgroup MMA with x by the TMA unit, sm_90 only, 40..64 rows), each of the last four also as
+a `_tiled` entry over the 16-row tile layout (rows_tiled), and, measured and not routed,
+gp_int4_mma_rows(16)_async and gp_int4_mma_xk4 / xk8; mma_kernel picks one. CUDA: cu/int4_batched.cu (the weight as A),
 cu/int4_xa.cu (x as A), cu/int4_wgmma.cu, sharing cu/int4_mma.cuh.
 
 Contract: every int4 linear's (reference.int4_matmul): x (M, K) fp16, packed (N, K/2) u8 + scales
@@ -618,10 +618,10 @@ def rows_async_build(stages: int, ctas: int) -> tuple[KernelDef, KernelDef]:
         for kdef in (INT4_MMA_ROWS_ASYNC, INT4_MMA_ROWS16_ASYNC))
 
 # gp_int4_wgmma (cu/int4_wgmma.cu): the same contract on Hopper's warpgroup MMA, WGMMA_GROUPS
-# warpgroups per CTA, each on 64 weight rows over the whole of K, sharing each x tile; x and the
-# weights stream through a WGMMA_STAGES-deep cp.async pipeline. Its module is built for sm_90a
-# alone (the last --gpu-architecture wins), so it runs only on a device of compute capability
-# 9.0 (wgmma_supported).
+# warpgroups per CTA, each on 64 weight rows over the whole of K, sharing each x tile; a
+# WGMMA_STAGES-deep pipeline of x by the TMA unit and the weights by cp.async. Its module is
+# built for sm_90a alone (the last --gpu-architecture wins), so it runs only on a device of
+# compute capability 9.0 (wgmma_supported, KernelDef.arches).
 WGMMA_GROUPS = 2           # warpgroups per CTA (GP_WG_GROUPS)
 WGMMA_ROWS = 64 * WGMMA_GROUPS   # weight rows per CTA
 WGMMA_STAGES = 4           # k-groups in the pipeline (GP_WG_STAGES)
