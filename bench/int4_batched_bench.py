@@ -47,7 +47,7 @@ each k-group's k16 steps, so x is read from shared memory fewer times a stage; e
 (nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
 whether mma_kernel should route 17..64 rows to one of them. `--wgmma` times gp_int4_wgmma
-(`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next` builds) at 32 / 48 / 64 rows over the
+(`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next`, `--wgmma-wtma` builds) at 32 / 48 / 64 rows over the
 weight in the model's layout (the tiled entry where tiled_layout holds) against
 gp_int4_mma_xa on the same copies, each checked against it first (what sets
 int4_batched.WGMMA_MIN_ROWS). `--xa-ablate` times, at 64 rows, gp_int4_mma_xa beside builds that each remove a part of its loop
@@ -324,9 +324,9 @@ WGMMA_BATCHES = (32, 48, 64)
 
 
 def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False,
-                 bulk: bool = False, tiled: bool = False):
+                 wtma: bool = False, tiled: bool = False):
     """int4_batched.wgmma_build: the bench's name for it."""
-    return wgmma_build(stages, groups, ahead=ahead, bulk=bulk, tiled=tiled)
+    return wgmma_build(stages, groups, ahead=ahead, wtma=wtma, tiled=tiled)
 
 
 def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int,
@@ -351,12 +351,13 @@ def _check_near(h, kdef, kw: dict, weights, x, y, rows: int, n: int, k: int,
 
 def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                 stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, ahead: bool = False,
-                tiled: bool = False) -> dict:
-    """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`; its tiled entry over
+                tiled: bool = False, wtma: bool = False) -> dict:
+    """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`, `ahead`, `wtma`: the
+    weights and scales by the TMA unit, tiled only; its tiled entry over
     `weights` in the 16-row tile layout where `tiled`) at WGMMA_BATCHES rows, each first
     checked against xa's result on the same layout within the contract's tolerance (they
     differ by f32 summation order); a difference raises WrongBuild."""
-    kdef = wgmma_kernel(stages, groups, ahead, tiled=tiled)
+    kdef = wgmma_kernel(stages, groups, ahead, wtma=wtma and tiled, tiled=tiled)
     out = {}
     y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
     for b in WGMMA_BATCHES:
@@ -554,6 +555,9 @@ def main() -> int:
                     help="--wgmma on the kernel built with this many warpgroups a CTA")
     ap.add_argument("--wgmma-next", action="store_true",
                     help="--wgmma on the kernel that reads a quant block's weights one block ahead")
+    ap.add_argument("--wgmma-wtma", action="store_true",
+                    help="--wgmma on the kernel whose weights and scales come by the TMA unit too "
+                         "(the tiled entry; the reference layout's shapes keep cp.async)")
     ap.add_argument("--xk", action="store_true",
                     help="time gp_int4_mma_xk4 / xk8 (K over a block's warps) against the default "
                          "kernel at 24 / 32 / 48 / 64 rows")
@@ -650,7 +654,8 @@ def main() -> int:
                     step_tiled[key] = step_tiled.get(key, 0.0) + uses * t
             if args.wgmma:
                 wg = wgmma_times(dev, h, decode_w, x16, y, n, k, args.reps, args.trials,
-                                 args.wgmma_stages, args.wgmma_groups, args.wgmma_next, laid)
+                                 args.wgmma_stages, args.wgmma_groups, args.wgmma_next, laid,
+                                 args.wgmma_wtma)
                 for b, t in wg.items():
                     base = ours(dev, _library(dev, h, decode_w, x16, y, b, n, k, "xa", laid),
                                 args.reps, args.trials)

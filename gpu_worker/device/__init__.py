@@ -215,10 +215,14 @@ class Device:
                             pdl and self.dependent_launch)
 
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int]) -> bytes:
-        """The TMA tensor map of a row-major fp16 matrix (Backend.tensor_map_2d): host-side
-        encoding, no stream operation; pass it with backend.tmap()."""
-        return self.backend.tensor_map_2d(address, inner, outer, row_bytes, box)
+                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+        """The TMA tensor map of a row-major matrix (Backend.tensor_map_2d): host-side encoding,
+        no stream operation; pass it with backend.tmap()."""
+        if element_bytes not in (2, 8) or swizzle not in (0, 128):
+            raise ValueError(f"tensor_map_2d: element_bytes {element_bytes} (2 or 8), swizzle "
+                             f"{swizzle} (0 or 128)")
+        return self.backend.tensor_map_2d(address, inner, outer, row_bytes, box, element_bytes,
+                                          swizzle)
 
     def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
         """Clusters of `ctas` CTAs of `threads` threads of `function` the device holds at once

@@ -215,10 +215,11 @@ class Backend(ABC):
         raise NotImplementedError(f"{type(self).__name__}: max_active_clusters")
 
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int]) -> bytes:
-        """The TMA tensor map of a row-major fp16 matrix at `address`: `outer` rows of `inner`
-        elements, `row_bytes` apart; a copy moves a `box` (inner, outer) tile, 128-byte
-        swizzled; elements past the matrix read zero. 128 opaque bytes (tmap())."""
+                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+        """The TMA tensor map of a row-major matrix at `address`: `outer` rows of `inner`
+        elements (fp16 where `element_bytes` is 2, u64 where 8), `row_bytes` apart; a copy moves
+        a `box` (inner, outer) tile, 128-byte swizzled (`swizzle` 128) or as it lies (0);
+        elements past the matrix read zero. 128 opaque bytes (tmap())."""
         raise NotImplementedError(f"{type(self).__name__}: tensor_map_2d")
 
     def set_shared_carveout(self, function: object, percent: int) -> None:

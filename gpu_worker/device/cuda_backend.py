@@ -364,14 +364,15 @@ class CudaBackend(Backend):
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int]) -> bytes:
+                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
         d = _drv()
-        t = d.CUtensorMapDataType
+        t, sw = d.CUtensorMapDataType, d.CUtensorMapSwizzle
         m = check(d.cuTensorMapEncodeTiled(
-            t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, address,
+            t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if element_bytes == 2 else t.CU_TENSOR_MAP_DATA_TYPE_UINT64,
+            2, address,
             [d.cuuint64_t(inner), d.cuuint64_t(outer)], [d.cuuint64_t(row_bytes)],
             [d.cuuint32_t(b) for b in box], [d.cuuint32_t(1), d.cuuint32_t(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            sw.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else sw.CU_TENSOR_MAP_SWIZZLE_NONE,
             d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         return ctypes.string_at(m.getPtr(), TENSOR_MAP_BYTES)

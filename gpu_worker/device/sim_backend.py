@@ -541,16 +541,19 @@ class SimBackend(Backend):
         self._submit(stream, "work", lambda: run)
 
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int]) -> bytes:
+                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
         """The sim's tensor map: its fields in the clear (sim_tensor_map reads them back), checked
         as cuTensorMapEncodeTiled checks them."""
         self._enter("tensor_map_2d")
-        if address % 16 or row_bytes % 16 or not 0 < inner * 2 <= row_bytes or outer < 1:
+        if address % 16 or row_bytes % 16 or not 0 < inner * element_bytes <= row_bytes or outer < 1:
             raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (address {address:#x}, "
                               f"{outer} rows of {inner}, {row_bytes} bytes apart)")
-        if not all(0 < b <= 256 for b in box) or box[0] * 2 > 128:
-            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (box {box}, 128-byte swizzle)")
-        return struct.pack(SIM_TENSOR_MAP, address, inner, outer, row_bytes, *box).ljust(TENSOR_MAP_BYTES, b"\0")
+        if (not all(0 < b <= 256 for b in box) or box[0] * element_bytes % 16
+                or (swizzle and box[0] * element_bytes > swizzle)):
+            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (box {box} of "
+                              f"{element_bytes}-byte elements, swizzle {swizzle})")
+        return struct.pack(SIM_TENSOR_MAP, address, inner, outer, row_bytes, *box, element_bytes,
+                           swizzle).ljust(TENSOR_MAP_BYTES, b"\0")
 
     def max_active_clusters(self, function: SimFunction, threads: int, ctas: int) -> int:
         """The sim's model: one CTA an SM, every SM free, no GPC boundary (an H100 holds

@@ -22,14 +22,17 @@ import numpy as np
 
 from gpu_worker.device.backend import KernelArg
 
-# SimBackend.tensor_map_2d's encoding: address, inner, outer, row bytes, box (inner, outer)
-SIM_TENSOR_MAP = "<QQQQII"
+# SimBackend.tensor_map_2d's encoding: address, inner, outer, row bytes, box (inner, outer),
+# element bytes, swizzle
+SIM_TENSOR_MAP = "<QQQQIIII"
 
 
-def sim_tensor_map(value: bytes) -> tuple[int, int, int, int, tuple[int, int]]:
-    """(address, inner, outer, row_bytes, box) of a sim tensor map (a "tmap" argument)."""
-    address, inner, outer, row_bytes, b0, b1 = struct.unpack_from(SIM_TENSOR_MAP, value)
-    return address, inner, outer, row_bytes, (b0, b1)
+def sim_tensor_map(value: bytes) -> tuple[int, int, int, int, tuple[int, int], int, int]:
+    """(address, inner, outer, row_bytes, box, element_bytes, swizzle) of a sim tensor map (a
+    "tmap" argument)."""
+    address, inner, outer, row_bytes, b0, b1, element_bytes, swizzle = struct.unpack_from(
+        SIM_TENSOR_MAP, value)
+    return address, inner, outer, row_bytes, (b0, b1), element_bytes, swizzle
 
 
 class SimMemory(Protocol):

@@ -662,13 +662,20 @@ def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int
 def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
                             stream=None, stages: int = WGMMA_STAGES,
-                            groups: int = WGMMA_GROUPS, split: int | None = None) -> None:
+                            groups: int = WGMMA_GROUPS, split: int | None = None,
+                            wtma: bool = False) -> None:
     """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
-    its bits."""
+    its bits. `wtma`: `function` is the GP_WG_WTMA build (wgmma_build(wtma=True)), which takes
+    the weights' and scales' tensor maps too."""
     require(tiled_layout(n, k), f"int4_wgmma_tiled: n={n}, k={k} is not a tiled layout (n a "
             f"multiple of 16, k of 128)")
+    maps = []
+    if wtma:   # a tile's whole K a row of u64, the CTA's tiles a box (GP_WG_WTMA in the source)
+        kg, tiles = k // MMA_K_ALIGN, 64 * groups // 16
+        maps = [tmap(device.tensor_map_2d(packed, kg * 128, n // 16, kg * 1024, (128, tiles), 8, 0)),
+                tmap(device.tensor_map_2d(scales, kg * 16, n // 16, kg * 128, (16, tiles), 8, 0))]
     _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
-                  accumulate, stream, stages, groups, split)
+                  accumulate, stream, stages, groups, split, maps)
 
 
 def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROUPS) -> int:
@@ -686,7 +693,7 @@ def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROU
 
 def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
                   bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
-                  groups: int, split: int | None) -> None:
+                  groups: int, split: int | None, maps: list | None = None) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
     if m == 0 or n == 0:
         return
@@ -700,7 +707,7 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
     xmap = device.tensor_map_2d(x, k, m, 2 * k, (64, WGMMA_X_ROWS))
     device.launch(function, (split, tiles, 1), (128 * groups, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
-                   i32(1 if accumulate else 0), tmap(xmap)], stream=stream,
+                   i32(1 if accumulate else 0), tmap(xmap), *(maps or ())], stream=stream,
                   shared_bytes=wgmma_shared_bytes(stages, groups),
                   cluster=(split, 1, 1) if split > 1 else None)
 
@@ -714,22 +721,24 @@ INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_W
 
 
 def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead: bool = False,
-                bulk: bool = False, tiled: bool = False) -> KernelDef:
+                wtma: bool = False, tiled: bool = False) -> KernelDef:
     """gp_int4_wgmma (`tiled`: gp_int4_wgmma_tiled) built with `stages` k-group stages
     (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
     `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
-    `bulk`: the tiled entry's weights and scales by bulk copies (GP_WG_BULK). The library's
+    `wtma`: the tiled entry's weights and scales by the TMA unit too (GP_WG_WTMA). The library's
     build is WGMMA_STAGES, WGMMA_GROUPS, neither; int4_batched_bench --wgmma times the others."""
     base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
-    if (stages, groups, ahead, bulk) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
+    require(tiled or not wtma, "wgmma_build: wtma is a build of the tiled entry")
+    if (stages, groups, ahead, wtma) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
         return base
     ctas = 2 if groups <= 2 else 1
-    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_bulk" if bulk else "")
+    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_wtma" if wtma else "")
     source = dataclasses.replace(
         base.source, module_name=f"{base.source.module_name}{tag}",
         options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
-                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_BULK={int(bulk)}"))
-    launcher = launch_int4_wgmma_tiled if tiled else launch_int4_wgmma
+                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_WTMA={int(wtma)}"))
+    launcher = (functools.partial(launch_int4_wgmma_tiled, wtma=wtma) if tiled
+                else launch_int4_wgmma)
     return dataclasses.replace(base, source=source,
                                launcher=functools.partial(launcher, stages=stages, groups=groups))
 

@@ -142,7 +142,8 @@ def test_the_mma_only_build_keeps_the_mmas_and_drops_what_it_says() -> None:
 
 def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> None:
     """--wgmma times the tiled entry over the weights as the model stores them, each row count
-    checked first against the default kernel's tiled entry on the same copies."""
+    checked first against xa's tiled entry on the same copies; --wgmma-wtma its build that
+    takes the weights' and scales' tensor maps too (the sim checks they describe them)."""
     from gpu_worker.kernels.int4_batched import tile_packed, tile_scales
     dev, h, _, x, y = setup
     rng = np.random.default_rng(5)
@@ -151,6 +152,7 @@ def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> N
     monkeypatch.setattr(bench, "WGMMA_BATCHES", (64,))
     times = bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
     assert set(times) == {64} and times[64] > 0
+    assert bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True, wtma=True)[64] > 0
     every_second_read_off(h, monkeypatch)   # the wgmma result's, not the default's
     with pytest.raises(bench.WrongBuild):
         bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)

@@ -132,12 +132,15 @@ def test_a_tensor_map_is_refused_as_the_driver_refuses_it_and_reads_back_what_it
     from gpu_worker.device.sim_kernels import sim_tensor_map
 
     m = sim.tensor_map_2d(4096, 4096, 48, 8192, (64, 64))
-    assert tmap(m).kind == "tmap" and sim_tensor_map(m) == (4096, 4096, 48, 8192, (64, 64))
+    assert tmap(m).kind == "tmap" and sim_tensor_map(m) == (4096, 4096, 48, 8192, (64, 64), 2, 128)
+    w = sim.tensor_map_2d(4096, 4096, 63, 32768, (128, 16), 8, 0)   # u64, as it lies: 1 KiB rows
+    assert sim_tensor_map(w) == (4096, 4096, 63, 32768, (128, 16), 8, 0)
     for bad in ((4100, 4096, 48, 8192, (64, 64)),    # address not 16-byte aligned
                 (4096, 4096, 48, 8200, (64, 64)),    # rows not 16 bytes apart
                 (4096, 4096, 48, 4096, (64, 64)),    # rows overlap
                 (4096, 4096, 48, 8192, (128, 64)),   # a box row wider than the 128-byte swizzle
-                (4096, 4096, 48, 8192, (64, 512))):  # a box past 256 rows
+                (4096, 4096, 48, 8192, (64, 512)),   # a box past 256 rows
+                (4096, 4096, 48, 8192, (12, 16), 2, 0)):   # a box row not whole 16 bytes
         with pytest.raises(DeviceError, match="cuTensorMapEncodeTiled"):
             sim.tensor_map_2d(*bad)
     with pytest.raises(ValueError, match="128 bytes"):

@@ -356,10 +356,10 @@ def test_a_rows_bits_on_the_xa_kernel_do_not_depend_on_the_batch_from_1_to_64(ha
 @pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (1008, 4224)],
                          ids=["gate/up", "down: split over a cluster", "a partial last CTA"])
 @pytest.mark.parametrize("groups,stages", [(2, 4), (4, 6)])
-def test_the_wgmma_kernels_bulk_copies_give_its_cp_async_bits(harness, n, k, groups, stages) -> None:
-    """GP_WG_BULK moves only how the tiled entry's weights and scales reach shared memory (a
-    bulk copy a 16-row tile on the stage's mbarrier, landing without the block swizzle; a tile
-    past N is not copied), so at 1..64 rows its result is the cp.async build's bit for bit."""
+def test_the_wgmma_kernels_tma_weights_give_its_cp_async_bits(harness, n, k, groups, stages) -> None:
+    """GP_WG_WTMA moves only how the tiled entry's weights and scales reach shared memory (a TMA
+    box of the CTA's tiles on the stage's mbarrier, landing without the block swizzle; tiles
+    past N read zeros), so at 1..64 rows its result is the cp.async build's bit for bit."""
     from gpu_worker.kernels import reference as ref
     from gpu_worker.kernels.int4_batched import rows_tiled, wgmma_build
 
@@ -368,9 +368,9 @@ def test_the_wgmma_kernels_bulk_copies_give_its_cp_async_bits(harness, n, k, gro
     xd = harness.put(rng.standard_normal((64, k)).astype(np.float16))
     tpk, tsc = (harness.put(a) for a in rows_tiled(packed, scales))
     plain = wgmma_build(stages, groups, tiled=True)
-    bulk = wgmma_build(stages, groups, bulk=True, tiled=True)
+    wtma = wgmma_build(stages, groups, wtma=True, tiled=True)
     for m in (1, 17, 64):
         want = _rows_result(harness, plain, tpk, tsc, xd, m, n, k)
-        got = _rows_result(harness, bulk, tpk, tsc, xd, m, n, k)
+        got = _rows_result(harness, wtma, tpk, tsc, xd, m, n, k)
         assert np.array_equal(got, want), (m, np.abs(got - want).max())
     harness.close()

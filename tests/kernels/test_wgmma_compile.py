@@ -24,16 +24,20 @@ def test_plain_sm_90_refuses_wgmma() -> None:
         compile_program("wgmma_probe", SOURCE, {}, "sm_90", ("--std=c++17",))
 
 
-def test_the_bulk_build_copies_a_stages_weights_and_scales_by_bulk_copies_alone() -> None:
-    """GP_WG_BULK: in the tiled entry no thread copies weights (16-byte cp.async) or scales
-    (8-byte cp.async) any more (x is the TMA unit's in every build); bulk copies on an mbarrier
-    take their place; the reference-layout entry is untouched, and neither spills."""
+def test_the_wtma_build_copies_a_stage_by_four_tma_boxes_and_no_thread_copies() -> None:
+    """GP_WG_WTMA: in the tiled entry no thread copies weights (16-byte cp.async) or scales
+    (8-byte cp.async) any more; two more TMA boxes an issue (the tiles' weights and scales)
+    take their place beside x's two; the reference-layout entry is untouched, and neither
+    spills."""
     import re
 
     from gpu_worker.kernels.int4_batched import wgmma_build
 
-    def entries(bulk: bool) -> dict[str, tuple[int, int, int]]:
-        s = wgmma_build(6, 4, bulk=bulk, tiled=True).source
+    stages = 6
+    issues = stages - 2 + 1   # GP_WG_AHEAD prologue issues and the loop's
+
+    def entries(wtma: bool) -> dict[str, tuple[int, int, int]]:
+        s = wgmma_build(stages, 4, wtma=wtma, tiled=True).source
         out = compile_program(s.module_name, s.source, s.headers, "sm_90a",
                               (*s.options, "--ptxas-options=-v"))
         log = out.log if isinstance(out.log, str) else out.log.decode()
@@ -43,13 +47,12 @@ def test_the_bulk_build_copies_a_stages_weights_and_scales_by_bulk_copies_alone(
         for name, body in re.findall(r"\.entry (\w+)\((.*?)(?=\.entry|\Z)", ptx, re.DOTALL):
             found[name] = tuple(len(re.findall(p, body)) for p in (
                 r"cp\.async\.cg\.shared\.global", r"cp\.async\.ca\.shared\.global",
-                r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier"))
+                r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"))
         return found
-    plain, bulk = entries(False), entries(True)
-    assert bulk["gp_int4_wgmma"] == plain["gp_int4_wgmma"], "the reference-layout entry changed"
-    cg, ca, copies = bulk["gp_int4_wgmma_tiled"]
-    assert ca == 0 and cg == 0 < plain["gp_int4_wgmma_tiled"][0] and copies > 0, (plain, bulk)
-    assert plain["gp_int4_wgmma_tiled"][2] == 0
+    plain, wtma = entries(False), entries(True)
+    assert wtma["gp_int4_wgmma"] == plain["gp_int4_wgmma"], "the reference-layout entry changed"
+    assert wtma["gp_int4_wgmma_tiled"] == (0, 0, 4 * issues), (plain, wtma)
+    assert plain["gp_int4_wgmma_tiled"] == (2 * issues, issues, 2 * issues), plain
 
 
 def test_a_threads_wgmma_copies_are_addressed_once_and_x_is_two_tma_boxes() -> None:

@@ -42,8 +42,8 @@
 #ifndef GP_WG_GROUPS
 #define GP_WG_GROUPS 2     // warpgroups per CTA (int4_batched.WGMMA_GROUPS)
 #endif
-#ifndef GP_WG_BULK
-#define GP_WG_BULK 0       // 1: the tiled entry's weights and scales by bulk copies (below)
+#ifndef GP_WG_WTMA
+#define GP_WG_WTMA 0       // 1: the tiled entry's weights and scales by the TMA unit too (below)
 #endif
 #ifndef GP_WG_NEXT
 #define GP_WG_NEXT 0       // 1: a quant block's weights read from shared memory one block ahead
@@ -61,24 +61,20 @@ static_assert(GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned (the
 #define GP_WG_PS (GP_WG_ROWS + 4)   // floats a row of x in the split's partials (banks: t x 8 + g)
 #define GP_WG_BARS 64                // bytes past the stages: one 8-byte mbarrier a stage (<= 8)
 
-// GP_WG_BULK (the tiled entry only): a stage's weights and scales are one bulk copy a 16-row
-// tile (its k-group piece: 1 KiB of weights, 128 bytes of scales, contiguous in rows_tiled's
-// layout and landing as the stage's layout without the block swizzle: a quarter-warp's lanes
-// read two rows 64 bytes apart, in different banks), issued by one thread and counted on the
-// stage's mbarrier, in place of two to three cp.async a thread with their address arithmetic
-// (docs/kernels.md, "What ncu says of the 4-warpgroup build": a fifth of the stalls), on the
-// same mbarrier as the stage's x. A tile past N is not copied: its rows' products are never
-// stored. Measured slower (docs/kernels.md, "Bulk copies for the tiled wgmma"): a tuning build.
+// GP_WG_WTMA (the tiled entry only; a tuning build, int4_batched.wgmma_build(wtma=True)): a
+// stage's weights and scales are one TMA box each, from tensor maps over rows_tiled's layout
+// (u64 elements: a tile's whole K a row, the CTA's tiles the box's rows; no swizzle): a tile's
+// k-group piece, 1 KiB of weights and 128 bytes of scales, lands as the stage's layout without
+// the block swizzle (a quarter-warp's lanes read two rows 64 bytes apart, in different banks).
+// With x, every copy of a stage is then thread 0's, on the stage's mbarrier, and no thread
+// issues a cp.async. Tiles past N read zeros (the maps' bounds): their products are never
+// stored.
 __device__ __forceinline__ void gp_mbar_init(unsigned bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void gp_mbar_expect(unsigned bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                  : "memory");
-}
-__device__ __forceinline__ void gp_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
     unsigned done;
@@ -197,46 +193,46 @@ struct GpWgCopies {
 };
 
 // k-group kg's x, weights and scales of this CTA into the stage at shared address `st`: x (and,
-// where BULK, the weights and scales) by thread 0 on the stage's mbarrier, the rest one cp.async
+// where WTMA, the weights and scales) by thread 0 on the stage's mbarrier, the rest one cp.async
 // commit group (an empty one where !live, past the CTA's K range, keeps the count even).
-template <bool TILED, bool BULK>
+// maps: x's, and where WTMA the weights' and the scales'.
+template <bool TILED, bool WTMA>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpWgCopies<TILED>& cp,
-                                            const GpTmap* xmap, const unsigned char* __restrict__ packed,
-                                            const unsigned short* __restrict__ sc, int tid, int row0,
-                                            int N, int kg, bool live, int KG) {
+                                            const GpTmap* const (&maps)[3], int tid, int row0,
+                                            int kg, bool live) {
     if (live && tid == 0) {
-        const int tiles = BULK ? min(GP_WG_ROWS, N - row0) >> 4 : 0;
-        if (BULK)   // the stage's shared loads (generic proxy) before the bulk copies' writes
+        if (WTMA)   // the stage's shared loads (generic proxy) before the TMA unit's writes
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        gp_mbar_expect(bar, 16384u + (unsigned)tiles * (1024u + 128u));
-        gp_tma_2d(st, xmap, kg * 128, 0, bar);
-        gp_tma_2d(st + 8192, xmap, kg * 128 + 64, 0, bar);
-        for (int t = 0; t < tiles; ++t) {   // BULK: the weights and scales, a bulk copy a tile
-            const long long blk = gp_wg_block<true>(row0 + 16 * t, kg, KG);
-            gp_bulk_copy(st + GP_WG_X + 1024 * t, packed + blk * 16, 1024u, bar);
-            gp_bulk_copy(st + GP_WG_X + GP_WG_W + 128 * t, sc + blk, 128u, bar);
+        gp_mbar_expect(bar, GP_WG_X + (WTMA ? GP_WG_W + GP_WG_ROWS * 8 : 0));
+        gp_tma_2d(st, maps[0], kg * 128, 0, bar);
+        gp_tma_2d(st + 8192, maps[0], kg * 128 + 64, 0, bar);
+        if (WTMA) {   // a tile's k-group piece: 128 u64 of weights, 16 of scales
+            gp_tma_2d(st + GP_WG_X, maps[1], kg * 128, row0 >> 4, bar);
+            gp_tma_2d(st + GP_WG_X + GP_WG_W, maps[2], kg * 16, row0 >> 4, bar);
         }
     }
-    if (live && !BULK) cp.issue(st, kg, tid);
+    if (live && !WTMA) cp.issue(st, kg, tid);
     gp_cp_commit();
 }
 
 // grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
 // dynamic shared memory GP_WG_STAGES x GP_WG_STAGE + 1 KiB (int4_batched.wgmma_shared_bytes);
-// `xmap` x's tensor map (M rows of K fp16, boxes of 64 x 64, 128-byte swizzle); M <= 64,
+// maps[0] x's tensor map (M rows of K fp16, boxes of 64 x 64, 128-byte swizzle), and where
+// WTMA the weights' and scales' (int4_batched.launch_int4_wgmma_tiled); M <= 64,
 // K a multiple of 128, S <= K / 128 (launch_int4_wgmma; the tiled entry also N a multiple of 16).
 // Rows past N read zeros: nibble 0 with scale 0, so their products are exactly 0.
 template <bool TILED>
 __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char* __restrict__ packed,
                                                    const unsigned short* __restrict__ scales,
                                                    const float* __restrict__ bias, int M, int N,
-                                                   int K, int accumulate, const GpTmap* xmap) {
+                                                   int K, int accumulate,
+                                                   const GpTmap* const (&maps)[3]) {
     extern __shared__ __align__(128) unsigned char gp_wg_smem[];
     // the 128-byte swizzle's atoms are 1 KiB aligned (wgmma_shared_bytes keeps 1 KiB spare)
     const unsigned raw = (unsigned)__cvta_generic_to_shared(gp_wg_smem);
     const unsigned pad = (1024u - (raw & 1023u)) & 1023u, base = raw + pad;
     unsigned char* const smem = gp_wg_smem + pad;
-    constexpr bool BULK = GP_WG_BULK && TILED;
+    constexpr bool WTMA = GP_WG_WTMA && TILED;
     const unsigned bars = base + GP_WG_STAGES * GP_WG_STAGE;   // stage s's mbarrier at + 8 s
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int S = (int)gridDim.x, rank = (int)blockIdx.x;   // the cluster is the grid's x
@@ -245,7 +241,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
     const unsigned sel = (unsigned)t | 0x40u | ((unsigned)t << 8) | 0x4000u;   // byte t -> 0 and 2
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
-    const int wswz = BULK ? 0 : (g >> 1) & 3;   // the bulk copy lands without the swizzle
+    const int wswz = WTMA ? 0 : (g >> 1) & 3;   // the TMA unit's box lands without the swizzle
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
@@ -257,18 +253,18 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
     const GpWgCopies<TILED> cp(packed, scales, tid, row0, N, KG);
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED, BULK>(base + i * GP_WG_STAGE, bars + 8 * i, cp, xmap, packed, scales, tid,
-                                 row0, N, kg0 + i, i < nk, KG);
+        gp_wg_issue<TILED, WTMA>(base + i * GP_WG_STAGE, bars + 8 * i, cp, maps, tid, row0, kg0 + i,
+                                 i < nk);
     for (int i = 0; i < nk; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
-        // k-group i's x: the (i / STAGES)-th use of its stage's mbarrier
+        // k-group i's TMA boxes: the (i / STAGES)-th use of its stage's mbarrier
         gp_mbar_wait(bars + 8 * (i % GP_WG_STAGES), (unsigned)(i / GP_WG_STAGES) & 1u);
         // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
-        gp_wg_issue<TILED, BULK>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
-                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, xmap, packed,
-                                 scales, tid, row0, N, kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk, KG);
+        gp_wg_issue<TILED, WTMA>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
+                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, maps, tid, row0,
+                                 kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         // slice s's descriptor: box s >> 2 (8 KiB on) at + 32 (s & 3) bytes (the swizzle is of
@@ -357,14 +353,24 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma(float* y, const unsigned short* __restrict__ x, const unsigned char* __restrict__ packed,
               const unsigned short* __restrict__ scales, const float* __restrict__ bias, int M, int N,
-              int K, int accumulate, const __grid_constant__ GpTmap xmap) {
-    gp_int4_wgmma_body<false>(y, packed, scales, bias, M, N, K, accumulate, &xmap);
+              int K, int accumulate, const __grid_constant__ GpTmap xmap) {   // x: read through xmap
+    const GpTmap* const maps[3] = {&xmap, nullptr, nullptr};
+    gp_int4_wgmma_body<false>(y, packed, scales, bias, M, N, K, accumulate, maps);
 }
+
+#if GP_WG_WTMA   // the weights' and scales' tensor maps follow x's
+#define GP_WG_WMAPS , const __grid_constant__ GpTmap wmap, const __grid_constant__ GpTmap smap
+#define GP_WG_WMAP_PTRS &wmap, &smap
+#else
+#define GP_WG_WMAPS
+#define GP_WG_WMAP_PTRS nullptr, nullptr
+#endif
 
 extern "C" __global__ void __launch_bounds__(GP_WG_THREADS, GP_WG_CTAS)
 gp_int4_wgmma_tiled(float* y, const unsigned short* __restrict__ x,
                     const unsigned char* __restrict__ packed, const unsigned short* __restrict__ scales,
                     const float* __restrict__ bias, int M, int N, int K, int accumulate,
-                    const __grid_constant__ GpTmap xmap) {   // x: read through xmap
-    gp_int4_wgmma_body<true>(y, packed, scales, bias, M, N, K, accumulate, &xmap);
+                    const __grid_constant__ GpTmap xmap GP_WG_WMAPS) {
+    const GpTmap* const maps[3] = {&xmap, GP_WG_WMAP_PTRS};
+    gp_int4_wgmma_body<true>(y, packed, scales, bias, M, N, K, accumulate, maps);
 }

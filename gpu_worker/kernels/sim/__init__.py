@@ -206,12 +206,18 @@ register_sim_kernel("gp_int4_mma_xk8")(_int4_mma_xk(8))
 
 def _int4_wgmma(tiled: bool):
     def run(mem, grid, block, args) -> None:
-        y, x, packed, scales, bias, m, n, k, accumulate, xmap = _vals(args)
+        y, x, packed, scales, bias, m, n, k, accumulate, xmap, *wmaps = _vals(args)
         # the CUDA grid covers 64 weight rows per warpgroup: a short grid leaves rows unwritten
         assert grid[1] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
             (grid, block, m)
         # x is read through its tensor map: boxes of 64 k x 64 rows of x's m rows of k
-        assert sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, 64)), (sim_tensor_map(xmap), x, m, k)
+        assert sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, 64), 2, 128), \
+            (sim_tensor_map(xmap), x, m, k)
+        if wmaps:   # GP_WG_WTMA: the tiles' weights and scales too, a tile's K a row of u64
+            kg, tiles = k // 128, block[0] // 128 * 4
+            assert tiled and [sim_tensor_map(w) for w in wmaps] == [
+                (packed, kg * 128, n // 16, kg * 1024, (128, tiles), 8, 0),
+                (scales, kg * 16, n // 16, kg * 128, (16, tiles), 8, 0)], wmaps
         (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
                                                          accumulate)
     return run
