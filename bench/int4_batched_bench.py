@@ -47,7 +47,8 @@ each k-group's k16 steps, so x is read from shared memory fewer times a stage; e
 (nt, wk) of XK_BUILDS, `--xk-stages` for other stage counts) on xk_plan's split
 against the default kernel at 24 / 32 / 48 / 64 rows, each checked against it first: what says
 whether mma_kernel should route 17..64 rows to one of them. `--wgmma` times gp_int4_wgmma
-(`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next`, `--wgmma-wtma` builds) at 32 / 48 / 64 rows over the
+(`--wgmma-stages`, `--wgmma-groups`, `--wgmma-next`, `--wgmma-wtma` builds; `--wgmma-x-rows 32`
+its m64n32k16 build at 16 / 24 / 32 rows) at 32 / 48 / 64 rows over the
 weight in the model's layout (the tiled entry where tiled_layout holds) against
 gp_int4_mma_xa on the same copies, each checked against it first (what sets
 int4_batched.WGMMA_MIN_ROWS). `--xa-ablate` times, at 64 rows, gp_int4_mma_xa beside builds that each remove a part of its loop
@@ -321,12 +322,27 @@ def tiled_times(dev, h, host_weights: list, weights, x, y, n: int, k: int, reps:
 
 
 WGMMA_BATCHES = (32, 48, 64)
+WGMMA_BATCHES_N32 = (16, 24, 32)   # --wgmma-x-rows 32: the rows its m64n32k16 build takes
 
 
 def wgmma_kernel(stages: int, groups: int = WGMMA_GROUPS, ahead: bool = False,
-                 wtma: bool = False, tiled: bool = False):
+                 wtma: bool = False, tiled: bool = False, x_rows: int = 64):
     """int4_batched.wgmma_build: the bench's name for it."""
-    return wgmma_build(stages, groups, ahead=ahead, wtma=wtma, tiled=tiled)
+    return wgmma_build(stages, groups, ahead=ahead, wtma=wtma, tiled=tiled, x_rows=x_rows)
+
+
+def wgmma_build_name(stages: int, groups: int, ahead: bool, wtma: bool, x_rows: int) -> str:
+    """The name --wgmma's figures give a build: "wgmma" for the library's, else its options."""
+    opts = ([f"{stages} stages"] if stages != WGMMA_STAGES else []) \
+        + ([f"{groups} warpgroups"] if groups != WGMMA_GROUPS else []) \
+        + (["weights a block ahead"] if ahead else []) + (["weights by TMA"] if wtma else []) \
+        + ([f"{x_rows} rows of x"] if x_rows != 64 else [])
+    return "wgmma" + (f" ({', '.join(opts)})" if opts else "")
+
+
+def wgmma_batches(x_rows: int) -> tuple[int, ...]:
+    """The row counts --wgmma times a build of `x_rows` rows of x at."""
+    return WGMMA_BATCHES if x_rows == 64 else WGMMA_BATCHES_N32
 
 
 def _default_result(dev, h, weights, x, y_ref, rows: int, n: int, k: int,
@@ -351,16 +367,18 @@ def _check_near(h, kdef, kw: dict, weights, x, y, rows: int, n: int, k: int,
 
 def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
                 stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, ahead: bool = False,
-                tiled: bool = False, wtma: bool = False) -> dict:
+                tiled: bool = False, wtma: bool = False, x_rows: int = 64) -> dict:
     """{rows: seconds} of gp_int4_wgmma (built with `stages`, `groups`, `ahead`, `wtma`: the
     weights and scales by the TMA unit, tiled only; its tiled entry over
-    `weights` in the 16-row tile layout where `tiled`) at WGMMA_BATCHES rows, each first
+    `weights` in the 16-row tile layout where `tiled`) at WGMMA_BATCHES rows (`x_rows` 32: its
+    m64n32k16 build at WGMMA_BATCHES_N32 rows), each first
     checked against xa's result on the same layout within the contract's tolerance (they
     differ by f32 summation order); a difference raises WrongBuild."""
-    kdef = wgmma_kernel(stages, groups, ahead, wtma=wtma and tiled, tiled=tiled)
+    kdef = wgmma_kernel(stages, groups, ahead, wtma=wtma and tiled, tiled=tiled, x_rows=x_rows)
+    batches = wgmma_batches(x_rows)
     out = {}
-    y_ref = h.put(np.zeros((max(WGMMA_BATCHES), n), np.float32))
-    for b in WGMMA_BATCHES:
+    y_ref = h.put(np.zeros((max(batches), n), np.float32))
+    for b in batches:
         _library(dev, h, weights[:1], x, y_ref, b, n, k, "xa", tiled)(None)
         _check_near(h, kdef, {}, weights, x, y, b, n, k, h.get(y_ref, (b, n)))
         out[b] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k, False,
@@ -558,6 +576,9 @@ def main() -> int:
     ap.add_argument("--wgmma-wtma", action="store_true",
                     help="--wgmma on the kernel whose weights and scales come by the TMA unit too "
                          "(the tiled entry; the reference layout's shapes keep cp.async)")
+    ap.add_argument("--wgmma-x-rows", type=int, default=64, choices=(32, 64),
+                    help="--wgmma on the kernel built for this many rows of x (32: m64n32k16, "
+                         f"timed at {WGMMA_BATCHES_N32} rows)")
     ap.add_argument("--xk", action="store_true",
                     help="time gp_int4_mma_xk4 / xk8 (K over a block's warps) against the default "
                          "kernel at 24 / 32 / 48 / 64 rows")
@@ -586,11 +607,11 @@ def main() -> int:
     step_rows = {}
     step_tiled = {}
     step_xa = {(b, key): 0.0 for b in XA_SWEEP_BATCHES for key in ("plan", "best", "default")}
-    step_wgmma = {b: 0.0 for b in WGMMA_BATCHES}
+    step_wgmma = {b: 0.0 for b in wgmma_batches(args.wgmma_x_rows)}
     step_ablate: dict[str, float] = {}
     step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_BUILDS, "best", "default")}
-    step_wgmma_best = {b: 0.0 for b in WGMMA_BATCHES}
-    step_default = {b: 0.0 for b in WGMMA_BATCHES}
+    step_wgmma_best = dict(step_wgmma)
+    step_default = dict(step_wgmma)
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
     print(f"\n{'shape':>8} {'n':>6} {'k':>6} {'gemv1 us':>9} " +
@@ -655,7 +676,7 @@ def main() -> int:
             if args.wgmma:
                 wg = wgmma_times(dev, h, decode_w, x16, y, n, k, args.reps, args.trials,
                                  args.wgmma_stages, args.wgmma_groups, args.wgmma_next, laid,
-                                 args.wgmma_wtma)
+                                 args.wgmma_wtma, args.wgmma_x_rows)
                 for b, t in wg.items():
                     base = ours(dev, _library(dev, h, decode_w, x16, y, b, n, k, "xa", laid),
                                 args.reps, args.trials)
@@ -785,12 +806,13 @@ def main() -> int:
     if args.wgmma:
         print("decode step's linears on gp_int4_wgmma, and on the faster of it and xa "
               "per shape, ms:")
-        for b in WGMMA_BATCHES:
-            print(f"  batch {b:3d}: wgmma {step_wgmma[b] * 1e3:8.3f}, faster per shape "
+        build = wgmma_build_name(args.wgmma_stages, args.wgmma_groups, args.wgmma_next,
+                                 args.wgmma_wtma, args.wgmma_x_rows)
+        for b, t_wg in step_wgmma.items():
+            print(f"  batch {b:3d}: {build} {t_wg * 1e3:8.3f}, faster per shape "
                   f"{step_wgmma_best[b] * 1e3:8.3f} (xa {step_default[b] * 1e3:8.3f})")
-            targets.figure(f"decode step int4 linears, {b} rows, wgmma", step_wgmma[b] * 1e3,
-                           "ms")
-            targets.figure(f"decode step int4 linears, {b} rows, wgmma where faster",
+            targets.figure(f"decode step int4 linears, {b} rows, {build}", t_wg * 1e3, "ms")
+            targets.figure(f"decode step int4 linears, {b} rows, {build} where faster",
                            step_wgmma_best[b] * 1e3, "ms")
     if args.xk:
         print(f"decode step's linears on each gp_int4_mma_xk build (nt/wk, stages "

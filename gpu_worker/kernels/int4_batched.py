@@ -640,30 +640,32 @@ def wgmma_supported(arch: str) -> bool:
     return INT4_WGMMA.loads_on(arch)
 
 
-def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS) -> int:
-    """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x 16 KiB + the CTA's weight
-    rows' 64 bytes and 4 fp16 scales each), 64 bytes for the stages' mbarriers (GP_WG_BARS), and
-    1 KiB to align the stages (the 128-byte swizzle's atoms are 1 KiB)."""
-    return stages * (16384 + 64 * groups * 72) + 64 + 1024
+def wgmma_shared_bytes(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
+                       x_rows: int = WGMMA_X_ROWS) -> int:
+    """Dynamic shared memory of one gp_int4_wgmma CTA: `stages` x (x_rows rows of x's 128 k +
+    the CTA's weight rows' 64 bytes and 4 fp16 scales each), 64 bytes for the stages' mbarriers
+    (GP_WG_BARS), and 1 KiB to align the stages (the 128-byte swizzle's atoms are 1 KiB)."""
+    return stages * (256 * x_rows + 64 * groups * 72) + 64 + 1024
 
 
 def launch_int4_wgmma(device, function, y: int, x: int, packed: int, scales: int, bias: int,
                       m: int, n: int, k: int, accumulate: bool = False, stream=None,
                       stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS,
-                      split: int | None = None) -> None:
+                      split: int | None = None, x_rows: int = WGMMA_X_ROWS) -> None:
     """int4_mma's contract and arguments on gp_int4_wgmma: ceil(n / (64 groups)) tiles of
     `groups` warpgroups, each 64 weight rows, by `split` CTAs of a cluster over K (default:
-    wgmma_plan); 1 <= m <= 64. `stages`, `groups`: the GP_WG_STAGES, GP_WG_GROUPS `function` was
-    built with (a tuning build of the benchmark; the library's are WGMMA_STAGES, WGMMA_GROUPS)."""
+    wgmma_plan); 1 <= m <= x_rows. `stages`, `groups`, `x_rows`: the GP_WG_STAGES, GP_WG_GROUPS,
+    GP_WG_N `function` was built with (a tuning build of the benchmark; the library's are
+    WGMMA_STAGES, WGMMA_GROUPS, WGMMA_X_ROWS)."""
     _launch_wgmma("int4_wgmma", device, function, y, x, packed, scales, bias, m, n, k, accumulate,
-                  stream, stages, groups, split)
+                  stream, stages, groups, split, x_rows)
 
 
 def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scales: int,
                             bias: int, m: int, n: int, k: int, accumulate: bool = False,
                             stream=None, stages: int = WGMMA_STAGES,
                             groups: int = WGMMA_GROUPS, split: int | None = None,
-                            wtma: bool = False) -> None:
+                            wtma: bool = False, x_rows: int = WGMMA_X_ROWS) -> None:
     """gp_int4_wgmma over weights in the 16-row tile layout (rows_tiled; tiled_layout(n, k)):
     its bits. `wtma`: `function` is the GP_WG_WTMA build (wgmma_build(wtma=True)), which takes
     the weights' and scales' tensor maps too."""
@@ -675,7 +677,7 @@ def launch_int4_wgmma_tiled(device, function, y: int, x: int, packed: int, scale
         maps = [tmap(device.tensor_map_2d(packed, kg * 128, n // 16, kg * 1024, (128, tiles), 8, 0)),
                 tmap(device.tensor_map_2d(scales, kg * 16, n // 16, kg * 128, (16, tiles), 8, 0))]
     _launch_wgmma("int4_wgmma_tiled", device, function, y, x, packed, scales, bias, m, n, k,
-                  accumulate, stream, stages, groups, split, maps)
+                  accumulate, stream, stages, groups, split, x_rows, maps)
 
 
 def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROUPS) -> int:
@@ -693,8 +695,11 @@ def wgmma_plan(n: int, k: int, sms: int = SIM_SM_COUNT, groups: int = WGMMA_GROU
 
 def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, scales: int,
                   bias: int, m: int, n: int, k: int, accumulate: bool, stream, stages: int,
-                  groups: int, split: int | None, maps: list | None = None) -> None:
+                  groups: int, split: int | None, x_rows: int,
+                  maps: list | None = None) -> None:
     _require_linear(kernel, x, packed, scales, m, n, k)
+    require(x_rows in (32, 64) and m <= x_rows,
+            f"{kernel}: m={m} rows > the {x_rows} rows of x its build carries (GP_WG_N)")
     if m == 0 or n == 0:
         return
     split = wgmma_plan(n, k, sm_count(device), groups) if split is None else split
@@ -702,13 +707,13 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
             f"{kernel}: split={split} must be 1..{min(MAX_SPLIT, k // MMA_K_ALIGN)}")
     tiles = ceil_div(n, 64 * groups)
     require(tiles < 65536, f"{kernel}: n={n} too large")
-    # x by the TMA unit (its tensor map a kernel parameter): boxes of 64 k x 64 rows of the m
-    # rows of x; the rows past m read zero
-    xmap = device.tensor_map_2d(x, k, m, 2 * k, (64, WGMMA_X_ROWS))
+    # x by the TMA unit (its tensor map a kernel parameter): boxes of 64 k x x_rows rows of the
+    # m rows of x; the rows past m read zero
+    xmap = device.tensor_map_2d(x, k, m, 2 * k, (64, x_rows))
     device.launch(function, (split, tiles, 1), (128 * groups, 1, 1),
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), tmap(xmap), *(maps or ())], stream=stream,
-                  shared_bytes=wgmma_shared_bytes(stages, groups),
+                  shared_bytes=wgmma_shared_bytes(stages, groups, x_rows),
                   cluster=(split, 1, 1) if split > 1 else None)
 
 
@@ -721,26 +726,31 @@ INT4_WGMMA_TILED = KernelDef("int4_wgmma_tiled", "gp_int4_wgmma_tiled", SOURCE_W
 
 
 def wgmma_build(stages: int = WGMMA_STAGES, groups: int = WGMMA_GROUPS, *, ahead: bool = False,
-                wtma: bool = False, tiled: bool = False) -> KernelDef:
+                wtma: bool = False, tiled: bool = False, x_rows: int = WGMMA_X_ROWS) -> KernelDef:
     """gp_int4_wgmma (`tiled`: gp_int4_wgmma_tiled) built with `stages` k-group stages
     (GP_WG_STAGES) and `groups` warpgroups a CTA (GP_WG_GROUPS; above 2, one CTA an SM);
     `ahead`: a quant block's weights read from shared memory one block ahead (GP_WG_NEXT);
-    `wtma`: the tiled entry's weights and scales by the TMA unit too (GP_WG_WTMA). The library's
+    `wtma`: the tiled entry's weights and scales by the TMA unit too (GP_WG_WTMA); `x_rows` 32:
+    m64n32k16 wgmmas over at most 32 rows of x (GP_WG_N), half the x bytes. The library's
     build is WGMMA_STAGES, WGMMA_GROUPS, neither; int4_batched_bench --wgmma times the others."""
     base = INT4_WGMMA_TILED if tiled else INT4_WGMMA
     require(tiled or not wtma, "wgmma_build: wtma is a build of the tiled entry")
-    if (stages, groups, ahead, wtma) == (WGMMA_STAGES, WGMMA_GROUPS, False, False):
+    require(x_rows in (32, 64), f"wgmma_build: x_rows={x_rows}: 32 or 64")
+    if (stages, groups, ahead, wtma, x_rows) == (WGMMA_STAGES, WGMMA_GROUPS, False, False,
+                                                 WGMMA_X_ROWS):
         return base
     ctas = 2 if groups <= 2 else 1
-    tag = f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_wtma" if wtma else "")
+    tag = (f"_s{stages}_g{groups}" + ("_next" if ahead else "") + ("_wtma" if wtma else "")
+           + (f"_n{x_rows}" if x_rows != WGMMA_X_ROWS else ""))
     source = dataclasses.replace(
         base.source, module_name=f"{base.source.module_name}{tag}",
         options=(*base.source.options, f"-DGP_WG_STAGES={stages}", f"-DGP_WG_GROUPS={groups}",
-                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_WTMA={int(wtma)}"))
+                 f"-DGP_WG_CTAS={ctas}", f"-DGP_WG_NEXT={int(ahead)}", f"-DGP_WG_WTMA={int(wtma)}",
+                 f"-DGP_WG_N={x_rows}"))
     launcher = (functools.partial(launch_int4_wgmma_tiled, wtma=wtma) if tiled
                 else launch_int4_wgmma)
-    return dataclasses.replace(base, source=source,
-                               launcher=functools.partial(launcher, stages=stages, groups=groups))
+    return dataclasses.replace(base, source=source, launcher=functools.partial(
+        launcher, stages=stages, groups=groups, x_rows=x_rows))
 
 # mma_kernel's names -> the kernel (its KernelDef's launcher takes int4_mma's arguments)
 MMA_KERNELS = {"rows": INT4_MMA_ROWS, "xa": INT4_MMA_XA, "wgmma": INT4_WGMMA}

@@ -153,6 +153,8 @@ def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> N
     times = bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
     assert set(times) == {64} and times[64] > 0
     assert bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True, wtma=True)[64] > 0
+    monkeypatch.setattr(bench, "WGMMA_BATCHES_N32", (32,))
+    assert set(bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True, x_rows=32)) == {32}
     every_second_read_off(h, monkeypatch)   # the wgmma result's, not the default's
     with pytest.raises(bench.WrongBuild):
         bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)

@@ -374,3 +374,25 @@ def test_the_wgmma_kernels_tma_weights_give_its_cp_async_bits(harness, n, k, gro
         got = _rows_result(harness, wtma, tpk, tsc, xd, m, n, k)
         assert np.array_equal(got, want), (m, np.abs(got - want).max())
     harness.close()
+
+
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (1008, 4224)],
+                         ids=["gate/up", "down: split over a cluster", "a partial last CTA"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["reference layout", "16-row tiles"])
+def test_the_32_row_wgmma_build_keeps_the_contract_and_a_rows_bits_at_any_batch(harness, n, k,
+                                                                                tiled) -> None:
+    """wgmma_build(x_rows=32): m64n32k16 wgmmas over 32 rows of x (two 4 KiB TMA boxes a stage).
+    At 1 / 17 / 32 rows it meets the contract's tolerance, and a row's bits do not depend on
+    how many rows share the call."""
+    from gpu_worker.kernels.int4_batched import wgmma_build
+
+    kdef = wgmma_build(4, 2, tiled=tiled, x_rows=32)
+    firsts = []
+    for m in (32, 1, 17):
+        outcome = int4_wgmma_case(harness, np.random.default_rng(41), m, n, k, tiled=tiled,
+                                  kernel=kdef)
+        assert outcome.failure() is None, (m, outcome.failure())
+        firsts.append(outcome.got[0])
+    harness.close()
+    assert all(np.array_equal(f, firsts[0]) for f in firsts[1:])
+

@@ -170,6 +170,10 @@ def test_the_wgmma_launch_takes_its_grid_and_cluster_from_the_plan() -> None:
     assert dev.call == ((1, 112, 1), (512, 1, 1), wgmma_shared_bytes(6, 4), None)
     with pytest.raises(InvalidArgument, match="split"):
         launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 64, 4096, 256, split=3)
+    launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 32, 4096, 4096, x_rows=32)   # the n32 build
+    assert dev.map[4] == (64, 32) and dev.call[2] == wgmma_shared_bytes(x_rows=32)
+    with pytest.raises(InvalidArgument, match="the 32 rows of x"):
+        launch_int4_wgmma(dev, None, 16, 16, 16, 8, 0, 33, 4096, 4096, x_rows=32)
     with pytest.raises(InvalidArgument, match="tiled layout"):
         launch_int4_wgmma_tiled(dev, None, 16, 16, 16, 8, 0, 64, 4100, 4096)
 

@@ -75,3 +75,20 @@ def test_a_threads_wgmma_copies_are_addressed_once_and_x_is_two_tma_boxes() -> N
         ca = len(re.findall(r"cp\.async\.ca\.shared\.global", body))
         tma = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", body))
         assert (cg, ca, tma) == (issues * 2, issues, issues * 2), (name, cg, ca, tma)
+
+
+def test_the_32_row_build_runs_m64n32k16_on_half_the_x_bytes_without_spilling() -> None:
+    """wgmma_build(x_rows=32): every wgmma is m64n32k16 (16 accumulators a thread, not 32), a
+    stage's x is two 4 KiB boxes, and neither entry spills."""
+    import re
+
+    from gpu_worker.kernels.int4_batched import wgmma_build, wgmma_shared_bytes
+
+    s = wgmma_build(4, 2, tiled=True, x_rows=32).source
+    out = compile_program(s.module_name, s.source, s.headers, "sm_90a",
+                          (*s.options, "--ptxas-options=-v"))
+    log = out.log if isinstance(out.log, str) else out.log.decode()
+    assert set(re.findall(r"(\d+) bytes spill stores", log)) == {"0"}, log
+    ptx = out.ptx.decode()
+    assert "m64n32k16" in ptx and "m64n64k16" not in ptx
+    assert wgmma_shared_bytes(4, 2) - wgmma_shared_bytes(4, 2, x_rows=32) == 4 * 8192

@@ -1,11 +1,12 @@
 // gp_int4_wgmma(_tiled): the int4 linear's contract (int4_batched.py) on Hopper's warpgroup MMA,
-// for up to 64 rows of x. sm_90a only (wgmma.mma_async): this module is built for that arch alone.
+// for up to GP_WG_N (64; a tuning build 32) rows of x. sm_90a only (wgmma.mma_async): this module is
+// built for that arch alone.
 //
 // One CTA is GP_WG_GROUPS warpgroups of 128 threads, each on 64 weight rows (four 16-row tiles,
 // one a warp) over the whole of K, sharing one x tile per k-group (128 k). Both operands stream
 // through a GP_WG_STAGES-deep pipeline in shared memory, GP_WG_STAGES - 2 k-groups ahead (a stage
 // is refilled only once the wgmmas two k-groups back, which read it, are done):
-//   x      16 KiB by the TMA unit: two boxes of 64 k x 64 rows from x's tensor map (a kernel
+//   x      16 KiB (N = 64) by the TMA unit: two boxes of 64 k x N rows from x's tensor map (a kernel
 //          parameter, int4_batched.launch_int4_wgmma), issued by one thread and counted on the
 //          stage's mbarrier. A box lands 128-byte swizzled, the layout wgmma reads B from: row r's
 //          16-byte chunk c at 128 r + 16 (c ^ (r & 7)); rows past M read zeros (the map's bounds).
@@ -54,7 +55,12 @@
 #define GP_WG_AHEAD (GP_WG_STAGES - 2)                 // k-groups in flight ahead of the one used
 #define GP_WG_THREADS (128 * GP_WG_GROUPS)
 #define GP_WG_ROWS (64 * GP_WG_GROUPS)                 // weight rows per CTA
-#define GP_WG_X 16384                                  // x bytes of a stage
+#ifndef GP_WG_N
+#define GP_WG_N 64         // rows of x a CTA carries: the wgmma's N (int4_batched.WGMMA_X_ROWS), 64 or 32
+#endif
+static_assert(GP_WG_N == 64 || GP_WG_N == 32, "GP_WG_N: 64 or 32 rows of x");
+#define GP_WG_XBOX (GP_WG_N * 128)                     // bytes of a TMA box of x (64 k x N rows)
+#define GP_WG_X (2 * GP_WG_XBOX)                       // x bytes of a stage
 #define GP_WG_W (GP_WG_ROWS * 64)                      // weight bytes of a stage
 #define GP_WG_STAGE (GP_WG_X + GP_WG_W + GP_WG_ROWS * 8)
 static_assert(GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned (the swizzle's atoms)");
@@ -109,9 +115,9 @@ __device__ __forceinline__ unsigned gp_wg_pair(unsigned w, unsigned sel, unsigne
     return r;
 }
 
-// d (64 x 64 f32, this thread's 32) += a (64 x 16 fp16, registers) * b (16 x 64, shared, `desc`)
-__device__ __forceinline__ void gp_wgmma_64x64(float (&d)[32], const unsigned (&a)[4],
-                                               unsigned long long desc) {
+// d (64 x N f32, this thread's N / 2) += a (64 x 16 fp16, registers) * b (16 x N, shared, `desc`)
+__device__ __forceinline__ void gp_wgmma_64xn(float (&d)[32], const unsigned (&a)[4],
+                                              unsigned long long desc) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -124,6 +130,17 @@ __device__ __forceinline__ void gp_wgmma_64x64(float (&d)[32], const unsigned (&
           "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
+__device__ __forceinline__ void gp_wgmma_64xn(float (&d)[16], const unsigned (&a)[4],
+                                              unsigned long long desc) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
 
 template <int N_>
 __device__ __forceinline__ void gp_wg_wait() {
@@ -132,9 +149,10 @@ __device__ __forceinline__ void gp_wg_wait() {
 
 // Pin registers across an asynchronous wgmma: the compiler sees the asm read `a` and write `d` at
 // issue, not until wgmma.wait_group, so without this it could reuse their registers meanwhile.
-__device__ __forceinline__ void gp_wg_keep(float (&d)[32]) {
+template <int C_>
+__device__ __forceinline__ void gp_wg_keep(float (&d)[C_]) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < C_; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ void gp_wg_keep(unsigned (&a)[2][4]) {
 #pragma unroll
@@ -205,7 +223,7 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpW
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         gp_mbar_expect(bar, GP_WG_X + (WTMA ? GP_WG_W + GP_WG_ROWS * 8 : 0));
         gp_tma_2d(st, maps[0], kg * 128, 0, bar);
-        gp_tma_2d(st + 8192, maps[0], kg * 128 + 64, 0, bar);
+        gp_tma_2d(st + GP_WG_XBOX, maps[0], kg * 128 + 64, 0, bar);
         if (WTMA) {   // a tile's k-group piece: 128 u64 of weights, 16 of scales
             gp_tma_2d(st + GP_WG_X, maps[1], kg * 128, row0 >> 4, bar);
             gp_tma_2d(st + GP_WG_X + GP_WG_W, maps[2], kg * 16, row0 >> 4, bar);
@@ -217,8 +235,8 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpW
 
 // grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
 // dynamic shared memory GP_WG_STAGES x GP_WG_STAGE + 1 KiB (int4_batched.wgmma_shared_bytes);
-// maps[0] x's tensor map (M rows of K fp16, boxes of 64 x 64, 128-byte swizzle), and where
-// WTMA the weights' and scales' (int4_batched.launch_int4_wgmma_tiled); M <= 64,
+// maps[0] x's tensor map (M rows of K fp16, boxes of 64 k x GP_WG_N rows, 128-byte swizzle), and
+// where WTMA the weights' and scales' (int4_batched.launch_int4_wgmma_tiled); M <= GP_WG_N,
 // K a multiple of 128, S <= K / 128 (launch_int4_wgmma; the tiled entry also N a multiple of 16).
 // Rows past N read zeros: nibble 0 with scale 0, so their products are exactly 0.
 template <bool TILED>
@@ -242,9 +260,9 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
     // this lane's rows g (h 0) and g + 8 (h 1) of its warp's tile: weights and scales in a stage
     const int wrow = GP_WG_X + warp * 1024 + g * 64, srow = GP_WG_X + GP_WG_W + (warp * 16 + g) * 8;
     const int wswz = WTMA ? 0 : (g >> 1) & 3;   // the TMA unit's box lands without the swizzle
-    float acc[32];
+    float acc[GP_WG_N / 2];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    for (int i = 0; i < GP_WG_N / 2; ++i) acc[i] = 0.f;
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
     if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
@@ -267,12 +285,14 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
                                  kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
-        // slice s's descriptor: box s >> 2 (8 KiB on) at + 32 (s & 3) bytes (the swizzle is of
+        // slice s's descriptor: box s >> 2 (GP_WG_XBOX on) at + 32 (s & 3) bytes (the swizzle is of
         // the address bits, so a k16 step inside a 128-byte row is a start-address step); the
         // start address is the low 14 bits, in 16-byte units, and a stage ends below 256 KiB,
         // so these are the same descriptor plus a constant
         const unsigned long long d0 = gp_wg_desc(st);
-        auto dslice = [&](int s) -> unsigned long long { return d0 + (s >> 2) * (8192 >> 4) + (s & 3) * 2; };
+        auto dslice = [&](int s) -> unsigned long long {
+            return d0 + (s >> 2) * (GP_WG_XBOX >> 4) + (s & 3) * 2;
+        };
         const uint2 sv[2] = {*reinterpret_cast<const uint2*>(smem + so + srow),
                              *reinterpret_cast<const uint2*>(smem + so + srow + 64)};
         auto wload = [&](uint4 (&dst)[2], int b) {
@@ -314,8 +334,8 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
             ab[1][2] = gp_wg_pair(w[0].w, sel, s2[0]);
             ab[1][3] = gp_wg_pair(w[1].w, sel, s2[1]);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            gp_wgmma_64x64(acc, ab[0], dslice(2 * b));
-            gp_wgmma_64x64(acc, ab[1], dslice(2 * b + 1));
+            gp_wgmma_64xn(acc, ab[0], dslice(2 * b));
+            gp_wgmma_64xn(acc, ab[1], dslice(2 * b + 1));
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         }
     }
@@ -330,7 +350,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
         __syncthreads();
         float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < GP_WG_N / 8; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 part[(8 * i + 2 * t + (e & 1)) * GP_WG_PS + warp * 16 + g + 8 * (e >> 1)] = acc[4 * i + e];
@@ -338,7 +358,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
         return;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < GP_WG_N / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = row0 + warp * 16 + g + 8 * (e >> 1), m = 8 * i + 2 * t + (e & 1);

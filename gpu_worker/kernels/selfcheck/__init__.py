@@ -346,10 +346,11 @@ def int4_mma_rows_async_case(h, rng, m, n, k, bias=False, accumulate=False, scal
 
 
 def int4_wgmma_case(h, rng, m, n, k, bias=False, accumulate=False, scale=1.0,
-                    tiled=False) -> Outcome:
+                    tiled=False, kernel=None) -> Outcome:
     """The warpgroup-MMA int4 linear (sm_90 devices only): int4_mma's contract and tolerance;
-    `tiled`: gp_int4_wgmma_tiled, its weights in the 16-row tile layout."""
-    kdef = INT4_WGMMA_TILED if tiled else INT4_WGMMA
+    `tiled`: gp_int4_wgmma_tiled, its weights in the 16-row tile layout; `kernel`: a tuning
+    build of that entry (int4_batched.wgmma_build) in place of the library's."""
+    kdef = kernel or (INT4_WGMMA_TILED if tiled else INT4_WGMMA)
     return _int4_linear_outcome(h, rng, m, n, k, bias, accumulate, scale, lambda *p: kdef.launcher(
         h.device, h.function(kdef), *p, m, n, k, accumulate), layout=rows_tiled if tiled else None)
 

@@ -211,7 +211,8 @@ def _int4_wgmma(tiled: bool):
         assert grid[1] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
             (grid, block, m)
         # x is read through its tensor map: boxes of 64 k x 64 rows of x's m rows of k
-        assert sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, 64), 2, 128), \
+        x_rows = sim_tensor_map(xmap)[4][1]   # the build's GP_WG_N
+        assert m <= x_rows and sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, x_rows), 2, 128), \
             (sim_tensor_map(xmap), x, m, k)
         if wmaps:   # GP_WG_WTMA: the tiles' weights and scales too, a tile's K a row of u64
             kg, tiles = k // 128, block[0] // 128 * 4
