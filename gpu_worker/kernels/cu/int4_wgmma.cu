@@ -18,13 +18,14 @@
 //   scales a row's 4 fp16 at 8 x its row in the CTA.
 // A row's 64 bytes and 4 scales of a k-group are contiguous in both layouts the entries read
 // (the reference layout's rows; rows_tiled's 16-row tiles), so only their addresses differ; they
-// stream by cp.async (their shared loads are the generic proxy's, so no proxy fence is needed).
+// stream by cp.async (their shared loads are the generic proxy's, so no proxy fence is needed;
+// GP_WG_WTMA, below, moves them to the TMA unit as well).
 //
 // The A operand is made in registers one quant block (two k16 slices) at a time, in natural k
 // order: lane (g, t) takes byte t of each packed word (nibbles k 2t and 2t + 1 of that word's 8)
 // as one fp16x2 through the magics 1024 + nib (bits 0-3) and 64 + nib (bits 4-7), minus 1032 /
 // 72, times the block's scale: f16(scale * (nib - 8)), the contract's one rounding. Its two
-// wgmma.m64n64k16 are one commit group; two register sets alternate, and a set is rewritten after
+// wgmma.m64nNk16 are one commit group; two register sets alternate, and a set is rewritten after
 // wgmma.wait_group 1 (its group, two back, is done), so the tensor cores run one quant block
 // while the warps make the next.
 //
