@@ -85,6 +85,19 @@ CLUSTER_DECODE_PARTS = 1   # the library's most parts: one until measured faster
 CLUSTER_SLOT_FLOATS = 3 * DECODE_HEADS_PER_BLOCK * 128     # GP_FDC_SLOT
 CLUSTER_COUNTERS = MAX_CLUSTER_CTAS                         # GP_FDC_COUNTERS
 CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the workspace for
+# tiles a warp of the cluster decode keeps in flight in shared memory by bulk copies
+# (GP_FDC_RING; 0: its loads from global memory), and the ring's bytes a tile (gp_fd_ring_shape)
+CLUSTER_DECODE_RING = 0
+MAX_DECODE_RING = 4
+RING_SHARED_BYTES = 180 << 10   # a ring's most: the H100's 227 KiB a block less the kernel's static 35 KiB
+
+
+def cluster_decode_ring_bytes(warps: int, ring: int, head_dim: int) -> int:
+    """Dynamic shared memory of a cluster-decode CTA of `warps` warps with `ring` tiles a warp in
+    flight (gp_fd_ring_bytes): a slot of 16 K rows of 2 head_dim + 64 bytes and 16 V rows of
+    2 head_dim + 32 (the pads keep a fragment load's rows in different banks), and an 8-byte
+    mbarrier a slot."""
+    return warps * ring * (16 * ((2 * head_dim + 64) + (2 * head_dim + 32)) + 8)
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 _BUILD_MACRO = re.compile(r"GP_FDC?_[A-Z0-9_]+")   # the macros a tuning build may set
@@ -263,11 +276,12 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       scale: float | None = None, stream=None,
                                       threads: int = CLUSTER_DECODE_THREADS,
                                       ctas: int = CLUSTER_DECODE_CTAS, parts: int = 1,
-                                      workspace: int = 0) -> None:
+                                      workspace: int = 0, ring: int = CLUSTER_DECODE_RING) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
     each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each.
     head_dim 64 or 128. parts > 1 needs `workspace` (cluster_decode_workspace_bytes at least
-    `parts`, its counters zero). Another build's threads and ctas: decode_cluster_build."""
+    `parts`, its counters zero). Another build's threads, ctas and ring (the shared memory it
+    is launched with): decode_cluster_build."""
     kernel = "flash_decode_paged_cluster"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
@@ -277,6 +291,7 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
     require(positions and table, f"{kernel}: needs positions and a table")
     require(1 <= parts <= MAX_DECODE_PARTS, f"{kernel}: parts={parts} must be 1..{MAX_DECODE_PARTS}")
     require(1 <= ctas <= MAX_CLUSTER_CTAS, f"{kernel}: ctas={ctas} must be 1..{MAX_CLUSTER_CTAS}")
+    require(0 <= ring <= MAX_DECODE_RING, f"{kernel}: ring={ring} must be 0..{MAX_DECODE_RING}")
     require(parts == 1 or (workspace and workspace % 4 == 0),
             f"{kernel}: parts={parts} needs a 4-byte aligned workspace "
             f"(cluster_decode_workspace_bytes, counters zero)")
@@ -291,7 +306,8 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                    ptr(table), i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
                    i32(layers), i32(block_tokens), i32(max_blocks), i32(parts),
                    f32(_scale(head_dim, scale))],
-                  stream=stream, pdl=True, cluster=(ctas, 1, 1))
+                  stream=stream, pdl=True, cluster=(ctas, 1, 1),
+                  shared_bytes=cluster_decode_ring_bytes(threads // 32, ring, head_dim))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
@@ -322,7 +338,7 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
                                           block_tokens, max_blocks, scale=scale, stream=stream,
                                           threads=build.threads, ctas=ctas, parts=parts,
-                                          workspace=cluster_workspace)
+                                          workspace=cluster_workspace, ring=build.ring)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
@@ -395,12 +411,14 @@ def decode_split_build(**defines: int) -> KernelDef:
 class ClusterBuild:
     """A build of gp_flash_decode_paged_cluster and the launch it needs: `threads` a CTA
     (GP_FDC_WARPS * 32), at most `ctas` a cluster (GP_FDC_CTAS; above 8, a non-portable
-    cluster) and at most `parts` clusters a (row, head block) (GP_FDC_PARTS)."""
+    cluster), at most `parts` clusters a (row, head block) (GP_FDC_PARTS) and `ring` tiles a
+    warp in flight in shared memory (GP_FDC_RING)."""
 
     kernel: KernelDef
     threads: int = CLUSTER_DECODE_THREADS
     ctas: int = CLUSTER_DECODE_CTAS
     parts: int = CLUSTER_DECODE_PARTS
+    ring: int = CLUSTER_DECODE_RING
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
@@ -411,17 +429,23 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
     warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)
     ctas = defines.get("GP_FDC_CTAS", CLUSTER_DECODE_CTAS)
     parts = defines.get("GP_FDC_PARTS", CLUSTER_DECODE_PARTS)
+    ring = defines.get("GP_FDC_RING", CLUSTER_DECODE_RING)
     require(isinstance(warps, int) and 1 <= warps <= 32, f"{kernel}: GP_FDC_WARPS={warps!r} must be 1..32")
     require(isinstance(ctas, int) and 1 <= ctas <= MAX_CLUSTER_CTAS,
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
     require(isinstance(parts, int) and 1 <= parts <= MAX_DECODE_PARTS,
             f"{kernel}: GP_FDC_PARTS={parts!r} must be 1..{MAX_DECODE_PARTS}")
+    require(isinstance(ring, int) and 0 <= ring <= MAX_DECODE_RING
+            and cluster_decode_ring_bytes(warps, ring, 128) <= RING_SHARED_BYTES,
+            f"{kernel}: GP_FDC_RING={ring!r} must be 0..{MAX_DECODE_RING} with "
+            f"{warps} warps' slots within {RING_SHARED_BYTES} bytes of shared memory "
+            f"(cluster_decode_ring_bytes; fewer warps or a shorter ring)")
     if not defines:
         return ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
     macros = {k: v for k, v in defines.items() if k != "GP_FDC_PARTS"}
     kdef = (FLASH_DECODE_PAGED_CLUSTER if not macros else dataclasses.replace(
         FLASH_DECODE_PAGED_CLUSTER, source=_build_source(kernel, macros)))
-    return ClusterBuild(kdef, 32 * warps, ctas, parts)
+    return ClusterBuild(kdef, 32 * warps, ctas, parts, ring)
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,

@@ -178,6 +178,41 @@ def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_ro
     assert np.array_equal(outs[0].got, outs[1].got)
 
 
+@pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
+                                    {**LLAMA, "positions": [16383]},
+                                    {**LLAMA, "positions": [4096], "block_tokens": 64},
+                                    {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]}],
+                         ids=["8192 keys", "16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2"])
+@pytest.mark.parametrize("ring,loads", [({"GP_FDC_RING": 1}, {}),
+                                        ({"GP_FDC_WARPS": 8, "GP_FDC_RING": 2}, {"GP_FDC_WARPS": 8})],
+                         ids=["16 warps, ring 1", "8 warps, ring 2"])
+def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(harness, params, ring,
+                                                                             loads) -> None:
+    """GP_FDC_RING brings each warp's tiles through shared memory by bulk copies (the newest key's
+    rows after the dependent-launch wait, V rows past the row's end zeroed) instead of 16-byte
+    loads: the same values reach the same registers, so the same inputs give the same fp16 bits
+    as the build with the same warps that loads them."""
+    from gpu_worker.kernels.paged_attention import decode_cluster_build
+
+    outs = [paged_decode_cluster_case(harness, np.random.default_rng(25), **params,
+                                      build=decode_cluster_build(**defines))
+            for defines in (ring, loads)]
+    for o in outs:
+        assert o.failure() is None, o.failure()
+    assert np.array_equal(outs[0].got, outs[1].got)
+
+
+def test_the_cluster_decodes_ring_keeps_its_bits_over_a_replayed_graph(harness) -> None:
+    """A captured ring build replayed as rows grow (the split and the ring's partial last tile
+    read from the device positions every launch) equals the oracle each time."""
+    from gpu_worker.kernels.paged_attention import decode_cluster_build
+
+    o = paged_decode_cluster_case(harness, np.random.default_rng(26), **LLAMA, positions=[1000],
+                                  replay_positions=[[1001], [1016], [4099]],
+                                  build=decode_cluster_build(GP_FDC_RING=1))
+    assert o.failure() is None, o.failure()
+
+
 @pytest.mark.parametrize("parts", [2, 4])
 def test_a_decode_over_several_clusters_gives_the_same_bits_whichever_part_finishes_last(harness, parts) -> None:
     """The last part to arrive merges the parts' slots in part order, so the arrival order,

@@ -55,6 +55,13 @@ template <int N> __device__ __forceinline__ void gp_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
+// 16 bytes of shared memory (volatile: never hoisted above the mbarrier wait that guards them)
+__device__ __forceinline__ uint4 gp_lds128(unsigned addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
 __device__ __forceinline__ void gp_ldsm_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -523,6 +530,95 @@ __device__ __forceinline__ void gp_fd_load_at(uint4 (&dst)[N], const unsigned sh
     }
 }
 
+// A warp's ring of K/V tiles in shared memory (gp_fd_split_block_mma's RING). A slot holds one
+// 16-key tile: 16 K rows of KS bytes, then 16 V rows of VS bytes; a row's 2D bytes come first and
+// the pad after them puts the rows a fragment load reads together in different banks (K: rows g
+// and g + 1 of a quarter-warp 64 bytes apart mod 128; V: rows t .. t + 3 32 bytes apart). The
+// slots of warp w follow those of warps 0 .. w - 1; the mbarriers (8 bytes a slot) follow all
+// slots. Slot s's i-th fill completes phase i of its mbarrier (the warp's tile i is in slot
+// i % RING, parity (i / RING) & 1).
+template <int D>
+struct gp_fd_ring_shape {
+    static constexpr int KS = 2 * D + 64, VS = 2 * D + 32, SLOT = 16 * (KS + VS);
+};
+template <int D>
+__host__ __device__ constexpr int gp_fd_ring_bytes(int warps, int ring) {
+    return warps * ring * (gp_fd_ring_shape<D>::SLOT + 8);
+}
+
+template <int D, int RING>
+struct gp_fd_ring_warp {
+    static constexpr int KS = gp_fd_ring_shape<D>::KS, VS = gp_fd_ring_shape<D>::VS;
+    static constexpr int SLOT = gp_fd_ring_shape<D>::SLOT;
+    unsigned slots, bars;
+    int lane;
+    __device__ __forceinline__ gp_fd_ring_warp(unsigned ring, int nw, int warp, int lane_)
+        : slots(ring + warp * RING * SLOT), bars(ring + nw * RING * SLOT + warp * RING * 8), lane(lane_) {}
+    __device__ __forceinline__ void init() const {
+        if (lane < RING) gp_mbar_init(bars + 8 * lane);
+        gp_fence_mbar_init();
+        __syncwarp();
+    }
+    // lane's row (l % 16 of K, l < 16, or V) of the tile at n0 into slot s
+    __device__ __forceinline__ unsigned dst(int s) const {
+        const int r = lane & 15;
+        return slots + s * SLOT + (lane < 16 ? r * KS : 16 * KS + r * VS);
+    }
+    template <class KV>
+    __device__ __forceinline__ void copy(const KV& k, const KV& v, int n0, int s) const {
+        const KV& kv = lane < 16 ? k : v;
+        gp_bulk_copy(dst(s), kv.row(n0) + (lane & 15) * kv.row_step(), 2 * D, bars + 8 * s);
+    }
+    // The tile at n0 (nothing where n0 >= j1) into slot s: rows before j1 by bulk copies (row
+    // `skip` counted but not copied: issue_row, later), V rows from j1 on zeros (their P is 0, and
+    // 0 x stale bits may be NaN; K rows there are never used). REFILL: the slot was read through
+    // the generic proxy, by every lane: their reads come before its new bytes.
+    template <class KV>
+    __device__ __forceinline__ void issue(const KV& k, const KV& v, int n0, int j1, int s, int skip,
+                                         bool refill = false) const {
+        if (n0 >= j1) return;
+        const int valid = min(16, j1 - n0), row = n0 + (lane & 15);
+        if (refill) { __syncwarp(); gp_fence_proxy_async(); }
+        if (lane == 0) gp_mbar_expect(bars + 8 * s, valid * 4 * D);
+        __syncwarp();   // the phase's bytes expected before any arrive
+        if (row < j1) {
+            if (row != skip) copy(k, v, n0, s);
+        } else if (lane >= 16) {
+#pragma unroll
+            for (int c = 0; c < D / 8; ++c)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst(s) + 16 * c), "r"(0u) : "memory");
+        }
+    }
+    // row `row` of the tile at n0 in slot s: the copies issue left out
+    template <class KV>
+    __device__ __forceinline__ void issue_row(const KV& k, const KV& v, int n0, int s, int row) const {
+        if (n0 + (lane & 15) == row) copy(k, v, n0, s);
+    }
+    // slot s's tile (phase `parity`) into the split block's registers, the chunks each lane
+    // would load from global memory (gp_fd_split_block_mma's load)
+    __device__ __forceinline__ void fetch(uint4 (&ka)[D / 32], uint4 (&kb)[D / 32], uint4 (&vv)[4][D / 64],
+                                          int s, unsigned parity) const {
+        gp_mbar_wait(bars + 8 * s, parity);
+        const int g = lane >> 2, t = lane & 3;
+        const unsigned base = slots + s * SLOT;
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+            ka[i] = gp_lds128(base + g * KS + 64 * i + 16 * t);
+            kb[i] = gp_lds128(base + (g + 8) * KS + 64 * i + 16 * t);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c)
+                vv[r][c] = gp_lds128(base + 16 * KS + (t + (r & 1) * 8 + (r >> 1) * 4) * VS + 128 * c + 16 * g);
+    }
+};
+// RING 0: nothing
+template <int D>
+struct gp_fd_ring_warp<D, 0> {
+    __device__ __forceinline__ gp_fd_ring_warp(unsigned, int, int, int) {}
+};
+
 // The same split on tensor cores (head_dim D = 64 or 128): the block's 4 warps take 16-key
 // tiles w, w + 4, ... of [j0, j1), each with its own online softmax, merged at the end like the
 // lane groups above. Per tile, two m16n8k16 products with the keys and the head dims on the
@@ -550,11 +646,19 @@ __device__ __forceinline__ void gp_fd_load_at(uint4 (&dst)[N], const unsigned sh
 // 2 * NW * GP_FD_HPB + NW * GP_FD_HPB * D floats. ws may be shared memory (the cluster decode).
 // ROWS: a tile's 16 rows from one table lookup (KV::row_step; j0 a multiple of 16) instead of
 // one a row: the same loads and bits, fewer instructions on the warp's serial chain.
-template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, bool ROWS = GP_FD_TILE_ROWS != 0>
+// RING (> 0: ROWS, sm_90; the cluster decode's GP_FDC_RING): a warp's tiles come through RING
+// slots of shared memory at `ring` (gp_fd_ring_bytes<D>(NW, RING), 16-byte aligned), each filled
+// by 32 1-D bulk copies (lane l: row l % 16 of K, l < 16, or of V), so a warp's next RING
+// tiles are in flight while it works on one, without their registers; the same values reach
+// the same registers as from global memory, so the bits are the loads' (gp_fd_ring_tile).
+template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, bool ROWS = GP_FD_TILE_ROWS != 0,
+          int RING = 0>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
-        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh) {
+        int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh,
+        unsigned ring = 0) {
     static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
+    static_assert(RING == 0 || ROWS, "a ring of tiles: a tile's rows from one lookup (ROWS)");
     constexpr int KC = D / 32, VC = D / 64, MT = D / 16;
     float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
     float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NW * GP_FD_HPB);
@@ -591,7 +695,21 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         }
     };
     const int first = j0 + 16 * warp;
-    if (EARLY) {
+    const gp_fd_ring_warp<D, RING> rw(ring, NW, warp, lane);
+    if constexpr (RING > 0) {
+        // the warp's first RING tiles, all but key `fresh` before the dependent-launch wait
+        const int late = EARLY && fresh < j1 ? fresh : -1;
+        rw.init();
+#pragma unroll
+        for (int s = 0; s < RING; ++s) rw.issue(k, v, first + 16 * NW * s, j1, s, late);
+        if (EARLY) {
+            gp_pdl_wait();
+            gp_pdl_release();
+            const int d = late - first;   // the newest key's tile among the first RING
+            if (late >= first && d % (16 * NW) < 16 && d / (16 * NW) < RING)
+                rw.issue_row(k, v, late - d % (16 * NW), d / (16 * NW), late);
+        }
+    } else if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
         if (first < j1) load(first, late);
         gp_pdl_wait();  // q and key `fresh` are the previous kernel's writes
@@ -681,10 +799,20 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-    if (EARLY && first < j1) tile(first);
-    for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
-        load(n0, -1);
-        tile(n0);
+    if constexpr (RING > 0) {
+        int i = 0;
+        for (int n0 = first; n0 < j1; n0 += 16 * NW, ++i) {
+            const int s = i % RING;
+            rw.fetch(ka, kb, vv, s, (i / RING) & 1);
+            rw.issue(k, v, n0 + 16 * NW * RING, j1, s, -1, true);   // the slot's next tile
+            tile(n0);
+        }
+    } else {
+        if (EARLY && first < j1) tile(first);
+        for (int n0 = EARLY ? first + 16 * NW : first; n0 < j1; n0 += 16 * NW) {
+            load(n0, -1);
+            tile(n0);
+        }
     }
     // l: this lane's keys only; the heads' sums over the tile rows (lanes of the same t)
 #pragma unroll

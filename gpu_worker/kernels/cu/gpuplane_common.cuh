@@ -125,6 +125,58 @@ __device__ __forceinline__ void gp_pdl_release() {
         gp_pdl_release(); \
     } while (0)
 
+// ---- Asynchronous copies on an mbarrier (sm_90) ---------------------------------------------
+// Hazard: a bulk copy (or a TMA box) writes shared memory through the async proxy, behind the
+// thread's back. Contract: its readers wait on the mbarrier it completes (gp_mbar_wait, the
+// phase's parity), which makes its bytes visible; a slot refilled after generic-proxy reads of
+// it is fenced first (gp_fence_proxy_async, after every reader's reads). An mbarrier here
+// counts one arrival a phase: gp_mbar_expect, the bytes the phase's copies will deliver, which
+// may come before or after them. Cost: one instruction a copy, whatever its size, in place of
+// a 16-byte load or cp.async a thread. Below sm_90 these compile to a trap.
+__device__ __forceinline__ void gp_mbar_init(unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+#else
+    __trap();
+#endif
+}
+// this thread's mbarrier inits, visible to the async proxy (before any copy names them)
+__device__ __forceinline__ void gp_fence_mbar_init() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gp_mbar_expect(unsigned bar, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+#endif
+}
+// `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned), on mbarrier bar
+__device__ __forceinline__ void gp_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#else
+    __trap();
+#endif
+}
+// this thread's earlier generic-proxy accesses of shared memory, ordered before its later copies
+__device__ __forceinline__ void gp_fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Thread-block clusters (sm_90): (this CTA's rank, the cluster's size); without a cluster
 // launch a CTA is rank 0 of a cluster of one.
 __device__ __forceinline__ int2 gp_cluster_rank_size() {

@@ -76,21 +76,6 @@ static_assert(GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned (the
 // With x, every copy of a stage is then thread 0's, on the stage's mbarrier, and no thread
 // issues a cp.async. Tiles past N read zeros (the maps' bounds): their products are never
 // stored.
-__device__ __forceinline__ void gp_mbar_init(unsigned bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gp_mbar_expect(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void gp_mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
 // x's tensor map (CUtensorMap, Device.tensor_map_2d), and one box of it into shared memory.
 struct __align__(64) GpTmap { unsigned long long v[16]; };
 __device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c0, int c1, unsigned bar) {
@@ -221,7 +206,7 @@ __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpW
                                             int kg, bool live) {
     if (live && tid == 0) {
         if (WTMA)   // the stage's shared loads (generic proxy) before the TMA unit's writes
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            gp_fence_proxy_async();
         gp_mbar_expect(bar, GP_WG_X + (WTMA ? GP_WG_W + GP_WG_ROWS * 8 : 0));
         gp_tma_2d(st, maps[0], kg * 128, 0, bar);
         gp_tma_2d(st + GP_WG_XBOX, maps[0], kg * 128 + 64, 0, bar);
@@ -267,7 +252,7 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
     unsigned a[2][2][4];   // two register sets of one quant block's two k16 slices
 
     if (tid < GP_WG_STAGES) gp_mbar_init(bars + 8 * tid);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    gp_fence_mbar_init();
     __syncthreads();
     const GpWgCopies<TILED> cp(packed, scales, tid, row0, N, KG);
 #pragma unroll

@@ -119,6 +119,9 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #ifndef GP_FDC_TILE_ROWS
 #define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
 #endif
+#ifndef GP_FDC_RING
+#define GP_FDC_RING 0   // tiles a warp keeps in flight in shared memory by bulk copies (0: loads; paged_attention.CLUSTER_DECODE_RING)
+#endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 #define GP_FDC_SLOT (3 * GP_FD_HPB * 128)   // floats of a part's slot: max, sum, acc a (head, dim)
 #define GP_FDC_COUNTERS 16                  // counters a (row, head block): one a rank, up to 16
@@ -233,6 +236,15 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
                               int batch, int heads, int kv_heads, int head_dim, int layer,
                               int layers, int block_tokens, int max_blocks, int parts, float scale) {
     __shared__ float smem[GP_FDC_SMEM];
+    extern __shared__ __align__(16) unsigned char gp_fdc_ring[];   // GP_FDC_RING: gp_fd_ring_bytes
+    if (GP_FDC_RING > 0) {   // a launch without the ring's bytes would write past its shared memory
+        unsigned dynamic;
+        asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic));
+        if (dynamic < (unsigned)(head_dim == 128 ? gp_fd_ring_bytes<128>(GP_FDC_WARPS, GP_FDC_RING)
+                                                 : gp_fd_ring_bytes<64>(GP_FDC_WARPS, GP_FDC_RING)))
+            __trap();
+    }
+    const unsigned ring = gp_smem(gp_fdc_ring);
     const int2 cl = gp_cluster_rank_size();
     const int rank = cl.x, S = cl.y, b = blockIdx.z, P = parts;
     const int hbi = blockIdx.y / P, part = blockIdx.y - hbi * P;
@@ -248,11 +260,11 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
     const float sl = scale * GP_FA_LOG2E;
     constexpr bool rows = GP_FDC_TILE_ROWS != 0;
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows>(gp_fdc_state, q + row0, kr, vr, nh,
-                                                                          j0, j1, sl, 130, smem, nkeys - 1);
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING>(
+            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 130, smem, nkeys - 1, ring);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows>(gp_fdc_state, q + row0, kr, vr, nh,
-                                                                         j0, j1, sl, 66, smem, nkeys - 1);
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING>(
+            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 66, smem, nkeys - 1, ring);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part, P);
     gp_cluster_sync();   // no CTA leaves while another still reads its state
