@@ -287,6 +287,41 @@ def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
     assert library[0] < per_row[0] and library[1] == per_row[1], (library, per_row)
 
 
+def _cluster_ptx(source) -> str:
+    ptx = compile_program(source.module_name, source.source, source.headers, "sm_90", source.options).ptx
+    ptx = ptx if isinstance(ptx, str) else ptx.decode()
+    return ptx.split(".entry gp_flash_decode_paged_cluster")[1].split(".entry")[0]
+
+
+def test_the_cluster_decodes_ring_reads_k_and_v_by_bulk_copies_only() -> None:
+    """GP_FDC_RING: every K/V row reaches shared memory by a 1-D bulk copy on a slot's mbarrier
+    (one a lane a tile, plus the newest key's after the wait), read back as 16-byte shared loads;
+    the only 16-byte global loads left are Q's (4 at head_dim 128, 2 at 64), against the loads
+    build's 78. The slot is fenced before it is refilled."""
+    ring = _cluster_ptx(pa.decode_cluster_build(GP_FDC_RING=1).kernel.source)
+    loads = _cluster_ptx(pa.SOURCE)
+    count = lambda pattern, body: len(re.findall(pattern, body, re.MULTILINE))  # noqa: E731
+    assert count(r"^\s*cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ring) >= 4
+    assert count(r"^\s*ld\.global\.nc\.v4\.u32", ring) == 6
+    assert count(r"^\s*ld\.global\.nc\.v4\.u32", loads) == 78
+    assert count(r"^\s*fence\.proxy\.async\.shared::cta", ring) >= 2
+    assert count(r"^\s*cp\.async\.bulk", loads) == 0
+
+
+def test_a_ring_build_is_launched_with_its_slots_and_refused_past_shared_memory() -> None:
+    """The launch gives a ring build its slots as dynamic shared memory (the kernel traps on
+    less); a ring whose slots pass what a block may hold beside the kernel's own is refused at
+    build time, with the way out."""
+    build = pa.decode_cluster_build(GP_FDC_WARPS=8, GP_FDC_RING=2)
+    assert (build.threads, build.ring) == (256, 2)
+    assert pa.cluster_decode_ring_bytes(16, 1, 128) == 16 * (16 * (320 + 288) + 8)
+    assert pa.cluster_decode_ring_bytes(16, 1, 64) < pa.cluster_decode_ring_bytes(16, 1, 128)
+    with pytest.raises(InvalidArgument, match="fewer warps or a shorter ring"):
+        pa.decode_cluster_build(GP_FDC_RING=2)
+    with pytest.raises(InvalidArgument, match="GP_FDC_RING=5"):
+        pa.decode_cluster_build(GP_FDC_WARPS=2, GP_FDC_RING=5)
+
+
 def test_the_cluster_decode_takes_the_most_ctas_one_wave_holds() -> None:
     """cluster_decode_shape: (CTAs a cluster, parts) with the most CTAs whose clusters all fit
     one wave, the bigger cluster on a tie, never below one part of the full cluster."""
