@@ -550,22 +550,24 @@ template <int D, int RING>
 struct gp_fd_ring_warp {
     static constexpr int KS = gp_fd_ring_shape<D>::KS, VS = gp_fd_ring_shape<D>::VS;
     static constexpr int SLOT = gp_fd_ring_shape<D>::SLOT;
-    unsigned slots, bars;
-    int lane;
-    __device__ __forceinline__ gp_fd_ring_warp(unsigned ring, int nw, int warp, int lane_)
-        : slots(ring + warp * RING * SLOT), bars(ring + nw * RING * SLOT + warp * RING * 8), lane(lane_) {}
+    unsigned slots, bars;   // this warp's first slot and first mbarrier
+    __device__ __forceinline__ gp_fd_ring_warp(unsigned ring, int nw, int warp, int)
+        : slots(ring + warp * RING * SLOT), bars(ring + nw * RING * SLOT + warp * RING * 8) {}
+    // recomputed where used: one register fewer across the split's loop
+    __device__ __forceinline__ static int lane_id() { return threadIdx.x & 31; }
     __device__ __forceinline__ void init() const {
-        if (lane < RING) gp_mbar_init(bars + 8 * lane);
+        if (lane_id() < RING) gp_mbar_init(bars + 8 * lane_id());
         gp_fence_mbar_init();
         __syncwarp();
     }
     // lane's row (l % 16 of K, l < 16, or V) of the tile at n0 into slot s
     __device__ __forceinline__ unsigned dst(int s) const {
-        const int r = lane & 15;
+        const int lane = lane_id(), r = lane & 15;
         return slots + s * SLOT + (lane < 16 ? r * KS : 16 * KS + r * VS);
     }
     template <class KV>
     __device__ __forceinline__ void copy(const KV& k, const KV& v, int n0, int s) const {
+        const int lane = lane_id();
         const KV& kv = lane < 16 ? k : v;
         gp_bulk_copy(dst(s), kv.row(n0) + (lane & 15) * kv.row_step(), 2 * D, bars + 8 * s);
     }
@@ -577,6 +579,7 @@ struct gp_fd_ring_warp {
     __device__ __forceinline__ void issue(const KV& k, const KV& v, int n0, int j1, int s, int skip,
                                          bool refill = false) const {
         if (n0 >= j1) return;
+        const int lane = lane_id();
         const int valid = min(16, j1 - n0), row = n0 + (lane & 15);
         if (refill) { __syncwarp(); gp_fence_proxy_async(); }
         if (lane == 0) gp_mbar_expect(bars + 8 * s, valid * 4 * D);
@@ -592,14 +595,14 @@ struct gp_fd_ring_warp {
     // row `row` of the tile at n0 in slot s: the copies issue left out
     template <class KV>
     __device__ __forceinline__ void issue_row(const KV& k, const KV& v, int n0, int s, int row) const {
-        if (n0 + (lane & 15) == row) copy(k, v, n0, s);
+        if (n0 + (lane_id() & 15) == row) copy(k, v, n0, s);
     }
     // slot s's tile (phase `parity`) into the split block's registers, the chunks each lane
     // would load from global memory (gp_fd_split_block_mma's load)
     __device__ __forceinline__ void fetch(uint4 (&ka)[D / 32], uint4 (&kb)[D / 32], uint4 (&vv)[4][D / 64],
                                           int s, unsigned parity) const {
         gp_mbar_wait(bars + 8 * s, parity);
-        const int g = lane >> 2, t = lane & 3;
+        const int lane = lane_id(), g = lane >> 2, t = lane & 3;
         const unsigned base = slots + s * SLOT;
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) {
