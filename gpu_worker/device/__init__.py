@@ -214,15 +214,21 @@ class Device:
         self.backend.launch(function, g, b, args, self.stream_for(stream), shared_bytes, c,
                             pdl and self.dependent_launch)
 
+    def tensor_map(self, address: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                   box: tuple[int, ...], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+        """The TMA tensor map of a strided array (Backend.tensor_map: sizes innermost first,
+        byte strides of dimensions 1..): host-side encoding, no stream operation; pass it with
+        backend.tmap()."""
+        if element_bytes not in (2, 8) or swizzle not in (0, 128):
+            raise ValueError(f"tensor_map: element_bytes {element_bytes} (2 or 8), swizzle "
+                             f"{swizzle} (0 or 128)")
+        return self.backend.tensor_map(address, tuple(sizes), tuple(strides), tuple(box),
+                                       element_bytes, swizzle)
+
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
                       box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
-        """The TMA tensor map of a row-major matrix (Backend.tensor_map_2d): host-side encoding,
-        no stream operation; pass it with backend.tmap()."""
-        if element_bytes not in (2, 8) or swizzle not in (0, 128):
-            raise ValueError(f"tensor_map_2d: element_bytes {element_bytes} (2 or 8), swizzle "
-                             f"{swizzle} (0 or 128)")
-        return self.backend.tensor_map_2d(address, inner, outer, row_bytes, box, element_bytes,
-                                          swizzle)
+        """tensor_map of a row-major matrix: `outer` rows of `inner` elements, `row_bytes` apart."""
+        return self.tensor_map(address, (inner, outer), (row_bytes,), box, element_bytes, swizzle)
 
     def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
         """Clusters of `ctas` CTAs of `threads` threads of `function` the device holds at once

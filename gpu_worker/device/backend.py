@@ -54,7 +54,7 @@ def f32(v: float) -> KernelArg:
 
 
 def tmap(v: bytes) -> KernelArg:
-    """A tensor map (Backend.tensor_map_2d) passed by value: a `__grid_constant__` parameter."""
+    """A tensor map (Backend.tensor_map) passed by value: a `__grid_constant__` parameter."""
     if len(v) != TENSOR_MAP_BYTES:
         raise ValueError(f"a tensor map is {TENSOR_MAP_BYTES} bytes, not {len(v)}")
     return KernelArg("tmap", bytes(v))
@@ -214,13 +214,19 @@ class Backend(ABC):
         and registers) the device holds at once: what one wave of a cluster launch can be."""
         raise NotImplementedError(f"{type(self).__name__}: max_active_clusters")
 
+    def tensor_map(self, address: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                   box: tuple[int, ...], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+        """The TMA tensor map of a strided array at `address`: `sizes` elements a dimension,
+        innermost (contiguous) first, rank 2..5; `strides` the bytes between consecutive indices of
+        dimensions 1.. (multiples of 16); elements fp16 where `element_bytes` is 2, u64 where 8. A
+        copy moves a `box` (elements a dimension) 128-byte swizzled (`swizzle` 128) or as it lies
+        (0); elements past the array read zero. 128 opaque bytes (tmap())."""
+        raise NotImplementedError(f"{type(self).__name__}: tensor_map")
+
     def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
                       box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
-        """The TMA tensor map of a row-major matrix at `address`: `outer` rows of `inner`
-        elements (fp16 where `element_bytes` is 2, u64 where 8), `row_bytes` apart; a copy moves
-        a `box` (inner, outer) tile, 128-byte swizzled (`swizzle` 128) or as it lies (0);
-        elements past the matrix read zero. 128 opaque bytes (tmap())."""
-        raise NotImplementedError(f"{type(self).__name__}: tensor_map_2d")
+        """tensor_map of a row-major matrix: `outer` rows of `inner` elements, `row_bytes` apart."""
+        return self.tensor_map(address, (inner, outer), (row_bytes,), box, element_bytes, swizzle)
 
     def set_shared_carveout(self, function: object, percent: int) -> None:
         """The share of the SM's unified L1 / shared memory `function` prefers, in percent of

@@ -363,15 +363,16 @@ class CudaBackend(Backend):
         config.numAttrs = len(attrs)
         check(d.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0), "cuLaunchKernelEx")
 
-    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+    def tensor_map(self, address: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                   box: tuple[int, ...], element_bytes: int = 2, swizzle: int = 128) -> bytes:
         d = _drv()
         t, sw = d.CUtensorMapDataType, d.CUtensorMapSwizzle
         m = check(d.cuTensorMapEncodeTiled(
             t.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if element_bytes == 2 else t.CU_TENSOR_MAP_DATA_TYPE_UINT64,
-            2, address,
-            [d.cuuint64_t(inner), d.cuuint64_t(outer)], [d.cuuint64_t(row_bytes)],
-            [d.cuuint32_t(b) for b in box], [d.cuuint32_t(1), d.cuuint32_t(1)], d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            len(sizes), address,
+            [d.cuuint64_t(n) for n in sizes], [d.cuuint64_t(b) for b in strides],
+            [d.cuuint32_t(b) for b in box], [d.cuuint32_t(1)] * len(sizes),
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             sw.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else sw.CU_TENSOR_MAP_SWIZZLE_NONE,
             d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")

@@ -540,20 +540,25 @@ class SimBackend(Backend):
             function.fn(self, tuple(grid), tuple(block), args)
         self._submit(stream, "work", lambda: run)
 
-    def tensor_map_2d(self, address: int, inner: int, outer: int, row_bytes: int,
-                      box: tuple[int, int], element_bytes: int = 2, swizzle: int = 128) -> bytes:
+    def tensor_map(self, address: int, sizes: tuple[int, ...], strides: tuple[int, ...],
+                   box: tuple[int, ...], element_bytes: int = 2, swizzle: int = 128) -> bytes:
         """The sim's tensor map: its fields in the clear (sim_tensor_map reads them back), checked
-        as cuTensorMapEncodeTiled checks them."""
-        self._enter("tensor_map_2d")
-        if address % 16 or row_bytes % 16 or not 0 < inner * element_bytes <= row_bytes or outer < 1:
+        as cuTensorMapEncodeTiled checks them (and the innermost dimension within its stride)."""
+        self._enter("tensor_map")
+        rank = len(sizes)
+        if (not 2 <= rank <= 5 or len(strides) != rank - 1 or len(box) != rank or address % 16
+                or any(b % 16 or not 0 < b < 1 << 40 for b in strides)
+                or not all(0 < n <= 1 << 32 for n in sizes) or sizes[0] * element_bytes > strides[0]):
             raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (address {address:#x}, "
-                              f"{outer} rows of {inner}, {row_bytes} bytes apart)")
+                              f"sizes {tuple(sizes)}, strides {tuple(strides)} bytes)")
         if (not all(0 < b <= 256 for b in box) or box[0] * element_bytes % 16
                 or (swizzle and box[0] * element_bytes > swizzle)):
-            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (box {box} of "
+            raise DeviceError(f"cuTensorMapEncodeTiled: CUDA_ERROR_INVALID_VALUE (box {tuple(box)} of "
                               f"{element_bytes}-byte elements, swizzle {swizzle})")
-        return struct.pack(SIM_TENSOR_MAP, address, inner, outer, row_bytes, *box, element_bytes,
-                           swizzle).ljust(TENSOR_MAP_BYTES, b"\0")
+        pad = 5 - rank
+        return struct.pack(SIM_TENSOR_MAP, address, rank, element_bytes, swizzle,
+                           *sizes, *(0,) * pad, *strides, *(0,) * pad, *box, *(0,) * pad
+                           ).ljust(TENSOR_MAP_BYTES, b"\0")
 
     def max_active_clusters(self, function: SimFunction, threads: int, ctas: int) -> int:
         """The sim's model: one CTA an SM, every SM free, no GPC boundary (an H100 holds

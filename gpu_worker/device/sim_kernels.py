@@ -16,23 +16,33 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from gpu_worker.device.backend import KernelArg
 
-# SimBackend.tensor_map_2d's encoding: address, inner, outer, row bytes, box (inner, outer),
-# element bytes, swizzle
-SIM_TENSOR_MAP = "<QQQQIIII"
+# SimBackend.tensor_map's encoding: address, rank, element bytes, swizzle, then sizes (5),
+# strides (4) and box (5), zero past the rank
+SIM_TENSOR_MAP = "<QIII5Q4Q5I"
 
 
-def sim_tensor_map(value: bytes) -> tuple[int, int, int, int, tuple[int, int], int, int]:
-    """(address, inner, outer, row_bytes, box, element_bytes, swizzle) of a sim tensor map (a
-    "tmap" argument)."""
-    address, inner, outer, row_bytes, b0, b1, element_bytes, swizzle = struct.unpack_from(
-        SIM_TENSOR_MAP, value)
-    return address, inner, outer, row_bytes, (b0, b1), element_bytes, swizzle
+class SimTensorMap(NamedTuple):
+    address: int
+    sizes: tuple[int, ...]     # innermost first
+    strides: tuple[int, ...]   # bytes, dimensions 1..
+    box: tuple[int, ...]
+    element_bytes: int
+    swizzle: int
+
+
+def sim_tensor_map(value: bytes) -> SimTensorMap:
+    """The fields of a sim tensor map (a "tmap" argument)."""
+    f = struct.unpack_from(SIM_TENSOR_MAP, value)
+    address, rank, element_bytes, swizzle = f[:4]
+    sizes, strides, box = f[4:9], f[9:13], f[13:18]
+    return SimTensorMap(address, tuple(sizes[:rank]), tuple(strides[:rank - 1]), tuple(box[:rank]),
+                        element_bytes, swizzle)
 
 
 class SimMemory(Protocol):

@@ -129,12 +129,22 @@ def test_get_function_refuses_an_entry_the_image_does_not_contain(sim):
 
 def test_a_tensor_map_is_refused_as_the_driver_refuses_it_and_reads_back_what_it_describes(sim):
     from gpu_worker.device.backend import tmap
-    from gpu_worker.device.sim_kernels import sim_tensor_map
+    from gpu_worker.device.sim_kernels import SimTensorMap, sim_tensor_map
 
     m = sim.tensor_map_2d(4096, 4096, 48, 8192, (64, 64))
-    assert tmap(m).kind == "tmap" and sim_tensor_map(m) == (4096, 4096, 48, 8192, (64, 64), 2, 128)
+    assert tmap(m).kind == "tmap"
+    assert sim_tensor_map(m) == SimTensorMap(4096, (4096, 48), (8192,), (64, 64), 2, 128)
     w = sim.tensor_map_2d(4096, 4096, 63, 32768, (128, 16), 8, 0)   # u64, as it lies: 1 KiB rows
-    assert sim_tensor_map(w) == (4096, 4096, 63, 32768, (128, 16), 8, 0)
+    assert sim_tensor_map(w) == SimTensorMap(4096, (4096, 63), (32768,), (128, 16), 8, 0)
+    # five dimensions: a paged KV pool's (dims, heads, block rows, layer and K/V, blocks)
+    pool = sim.tensor_map(4096, (128, 8, 16, 4, 100), (256, 2048, 32768, 131072), (64, 1, 16, 1, 1))
+    assert sim_tensor_map(pool) == SimTensorMap(4096, (128, 8, 16, 4, 100), (256, 2048, 32768, 131072),
+                                                (64, 1, 16, 1, 1), 2, 128)
+    for sizes, strides, box in (((128, 8, 16), (256, 2048, 32768), (64, 1, 16)),   # a stride too many
+                                ((128, 8, 16, 4, 100, 2), (256,) * 5, (64,) + (1,) * 5),   # rank 6
+                                ((128, 8), (264,), (64, 1))):   # a stride not whole 16 bytes
+        with pytest.raises(DeviceError, match="cuTensorMapEncodeTiled"):
+            sim.tensor_map(4096, sizes, strides, box)
     for bad in ((4100, 4096, 48, 8192, (64, 64)),    # address not 16-byte aligned
                 (4096, 4096, 48, 8200, (64, 64)),    # rows not 16 bytes apart
                 (4096, 4096, 48, 4096, (64, 64)),    # rows overlap

@@ -16,7 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from gpu_worker.device.backend import KernelArg
-from gpu_worker.device.sim_kernels import register_sim_kernel, sim_tensor_map
+from gpu_worker.device.sim_kernels import SimTensorMap, register_sim_kernel, sim_tensor_map
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.int4_batched import (
     MAX_SPLIT,
@@ -211,14 +211,14 @@ def _int4_wgmma(tiled: bool):
         assert grid[1] * block[0] // 2 >= n and m <= MMA_MAX_ROWS and block[0] % 128 == 0, \
             (grid, block, m)
         # x is read through its tensor map: boxes of 64 k x 64 rows of x's m rows of k
-        x_rows = sim_tensor_map(xmap)[4][1]   # the build's GP_WG_N
-        assert m <= x_rows and sim_tensor_map(xmap) == (x, k, m, 2 * k, (64, x_rows), 2, 128), \
-            (sim_tensor_map(xmap), x, m, k)
+        x_rows = sim_tensor_map(xmap).box[1]   # the build's GP_WG_N
+        assert m <= x_rows and sim_tensor_map(xmap) == SimTensorMap(
+            x, (k, m), (2 * k,), (64, x_rows), 2, 128), (sim_tensor_map(xmap), x, m, k)
         if wmaps:   # GP_WG_WTMA: the tiles' weights and scales too, a tile's K a row of u64
             kg, tiles = k // 128, block[0] // 128 * 4
             assert tiled and [sim_tensor_map(w) for w in wmaps] == [
-                (packed, kg * 128, n // 16, kg * 1024, (128, tiles), 8, 0),
-                (scales, kg * 16, n // 16, kg * 128, (16, tiles), 8, 0)], wmaps
+                SimTensorMap(packed, (kg * 128, n // 16), (kg * 1024,), (128, tiles), 8, 0),
+                SimTensorMap(scales, (kg * 16, n // 16), (kg * 128,), (16, tiles), 8, 0)], wmaps
         (_int4_linear_tiled if tiled else _int4_linear)(mem, y, x, packed, scales, bias, m, n, k,
                                                          accumulate)
     return run
