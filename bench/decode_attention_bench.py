@@ -188,7 +188,7 @@ class Bench:
             return lambda s: launch_flash_decode_paged(
                 dev, fs, fc, out, ws, q, pool, pos, tp, batch, HEADS, KVH, HD, layer, layers, BT,
                 max_blocks, span=span, stream=s, cluster_function=fcl, cluster_launch=cluster,
-                cluster_workspace=cws)
+                cluster_workspace=cws, pool_blocks=capacity)
 
         percent, which = carveout or (-1, "")
         carved = [f for f, name in ((fs, "split"), (fc, "combine")) if which in (name, "both")]

@@ -38,7 +38,7 @@ import math
 import re
 from collections.abc import Callable
 
-from gpu_worker.device.backend import MAX_CLUSTER_CTAS, f32, i32, ptr
+from gpu_worker.device.backend import MAX_CLUSTER_CTAS, f32, i32, ptr, tmap
 from gpu_worker.kernels.common import (
     BLOCK,
     KernelDef,
@@ -92,12 +92,30 @@ MAX_DECODE_RING = 4
 RING_SHARED_BYTES = 180 << 10   # a ring's most: the H100's 227 KiB a block less the kernel's static 35 KiB
 
 
-def cluster_decode_ring_bytes(warps: int, ring: int, head_dim: int) -> int:
+def cluster_decode_ring_bytes(warps: int, ring: int, head_dim: int, tma: bool = False) -> int:
     """Dynamic shared memory of a cluster-decode CTA of `warps` warps with `ring` tiles a warp in
-    flight (gp_fd_ring_bytes): a slot of 16 K rows of 2 head_dim + 64 bytes and 16 V rows of
-    2 head_dim + 32 (the pads keep a fragment load's rows in different banks), and an 8-byte
-    mbarrier a slot."""
-    return warps * ring * (16 * ((2 * head_dim + 64) + (2 * head_dim + 32)) + 8)
+    flight (gp_fd_ring_bytes), an 8-byte mbarrier a slot. A slot filled by bulk copies: 16 K rows
+    of 2 head_dim + 64 bytes and 16 V rows of 2 head_dim + 32 (the pads keep a fragment load's
+    rows in different banks); by the TMA unit (`tma`): the tile's K and V as they are (swizzled),
+    from a 1 KiB aligned start."""
+    if not ring:
+        return 0
+    slot = 4 * 16 * head_dim if tma else 16 * ((2 * head_dim + 64) + (2 * head_dim + 32))
+    return warps * ring * (slot + 8) + (1024 if tma else 0)
+
+
+def pool_tensor_map(device, pool: int, *, blocks: int, layers: int, block_tokens: int,
+                    kv_heads: int, head_dim: int) -> bytes:
+    """The TMA map of a paged KV pool of `blocks` blocks (docs/execution.md's layout: a block's
+    layers, each K then V, each block_tokens rows of kv_heads x head_dim fp16) as five
+    dimensions, innermost first: head dims, KV heads, a block's rows, 2 layer + (K 0, V 1),
+    blocks. A box is 64 dims of one head and 16 rows of one block, 128-byte swizzled: the TMA
+    ring's (GP_FDC_TMA) copy of half a 16-key tile of K or V at head_dim 128."""
+    row = kv_heads * head_dim * 2
+    plane = block_tokens * row
+    return device.tensor_map(pool, (head_dim, kv_heads, block_tokens, 2 * layers, blocks),
+                             (head_dim * 2, row, plane, 2 * layers * plane), (64, 1, 16, 1, 1))
+
 
 SOURCE = cu_source("gp_paged_attention", "paged_attention.cu")
 _BUILD_MACRO = re.compile(r"GP_FDC?_[A-Z0-9_]+")   # the macros a tuning build may set
@@ -276,12 +294,14 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       scale: float | None = None, stream=None,
                                       threads: int = CLUSTER_DECODE_THREADS,
                                       ctas: int = CLUSTER_DECODE_CTAS, parts: int = 1,
-                                      workspace: int = 0, ring: int = CLUSTER_DECODE_RING) -> None:
+                                      workspace: int = 0, ring: int = CLUSTER_DECODE_RING,
+                                      tma: bool = False, pool_blocks: int = 0) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
     each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each.
     head_dim 64 or 128. parts > 1 needs `workspace` (cluster_decode_workspace_bytes at least
-    `parts`, its counters zero). Another build's threads, ctas and ring (the shared memory it
-    is launched with): decode_cluster_build."""
+    `parts`, its counters zero). Another build's threads, ctas, ring (the shared memory it is
+    launched with) and tma (the pool's tensor map, which needs the pool's `pool_blocks`):
+    decode_cluster_build."""
     kernel = "flash_decode_paged_cluster"
     _check_paged(kernel, heads, kv_heads, head_dim, layer, layers, block_tokens, max_blocks)
     require(head_dim in CLUSTER_DECODE_HEAD_DIMS,
@@ -292,6 +312,8 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
     require(1 <= parts <= MAX_DECODE_PARTS, f"{kernel}: parts={parts} must be 1..{MAX_DECODE_PARTS}")
     require(1 <= ctas <= MAX_CLUSTER_CTAS, f"{kernel}: ctas={ctas} must be 1..{MAX_CLUSTER_CTAS}")
     require(0 <= ring <= MAX_DECODE_RING, f"{kernel}: ring={ring} must be 0..{MAX_DECODE_RING}")
+    require(not tma or (ring and pool_blocks > 0),
+            f"{kernel}: a TMA build needs a ring and the pool's blocks (pool_blocks={pool_blocks})")
     require(parts == 1 or (workspace and workspace % 4 == 0),
             f"{kernel}: parts={parts} needs a 4-byte aligned workspace "
             f"(cluster_decode_workspace_bytes, counters zero)")
@@ -305,9 +327,12 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                   [ptr(out), ptr(workspace if parts > 1 else 0), ptr(q), ptr(pool), ptr(positions),
                    ptr(table), i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
                    i32(layers), i32(block_tokens), i32(max_blocks), i32(parts),
-                   f32(_scale(head_dim, scale))],
+                   f32(_scale(head_dim, scale))]
+                  + ([tmap(pool_tensor_map(device, pool, blocks=pool_blocks, layers=layers,
+                                           block_tokens=block_tokens, kv_heads=kv_heads,
+                                           head_dim=head_dim))] if tma else []),
                   stream=stream, pdl=True, cluster=(ctas, 1, 1),
-                  shared_bytes=cluster_decode_ring_bytes(threads // 32, ring, head_dim))
+                  shared_bytes=cluster_decode_ring_bytes(threads // 32, ring, head_dim, tma))
 
 
 def launch_flash_decode_paged(device, split_function, combine_function, out: int, workspace: int,
@@ -317,14 +342,15 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                               scale: float | None = None, stream=None,
                               cluster_function=None,
                               cluster_launch: ClusterBuild | None = None,
-                              cluster_workspace: int = 0) -> None:
+                              cluster_workspace: int = 0, pool_blocks: int = 0) -> None:
     """Paged split-K decode split by the rows' actual lengths: split kernel, then the combine
     of the splits that ran, into fp16 out. `workspace`: paged_decode_workspace_bytes with
     paged_decode_splits(max_blocks, block_tokens, span) slots. With `cluster_function`, a
     batch cluster_decode takes runs as that one kernel instead, in the shape
     cluster_decode_shape picks within `cluster_launch`'s threads, CTAs and parts where given
     (a decode_cluster_build); in one part unless `cluster_workspace` is given
-    (cluster_decode_workspace_bytes, zero when first allocated)."""
+    (cluster_decode_workspace_bytes, zero when first allocated). A TMA build needs the pool's
+    `pool_blocks`."""
     if cluster_function is not None and cluster_decode(batch, heads, kv_heads, head_dim,
                                                        sm_count(device)):
         build = cluster_launch or ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
@@ -338,7 +364,8 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
                                           block_tokens, max_blocks, scale=scale, stream=stream,
                                           threads=build.threads, ctas=ctas, parts=parts,
-                                          workspace=cluster_workspace, ring=build.ring)
+                                          workspace=cluster_workspace, ring=build.ring,
+                                          tma=build.tma, pool_blocks=pool_blocks)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
@@ -419,6 +446,7 @@ class ClusterBuild:
     ctas: int = CLUSTER_DECODE_CTAS
     parts: int = CLUSTER_DECODE_PARTS
     ring: int = CLUSTER_DECODE_RING
+    tma: bool = False   # GP_FDC_TMA: the ring filled from the pool's tensor map (pool_tensor_map)
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
@@ -435,8 +463,11 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
     require(isinstance(parts, int) and 1 <= parts <= MAX_DECODE_PARTS,
             f"{kernel}: GP_FDC_PARTS={parts!r} must be 1..{MAX_DECODE_PARTS}")
+    tma = defines.get("GP_FDC_TMA", 0)
+    require(tma in (0, 1) and (not tma or ring), f"{kernel}: GP_FDC_TMA={tma!r} must be 0 or 1, "
+            f"and 1 needs GP_FDC_RING >= 1 (the ring it fills)")
     require(isinstance(ring, int) and 0 <= ring <= MAX_DECODE_RING
-            and cluster_decode_ring_bytes(warps, ring, 128) <= RING_SHARED_BYTES,
+            and cluster_decode_ring_bytes(warps, ring, 128, bool(tma)) <= RING_SHARED_BYTES,
             f"{kernel}: GP_FDC_RING={ring!r} must be 0..{MAX_DECODE_RING} with "
             f"{warps} warps' slots within {RING_SHARED_BYTES} bytes of shared memory "
             f"(cluster_decode_ring_bytes; fewer warps or a shorter ring)")
@@ -445,7 +476,7 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
     macros = {k: v for k, v in defines.items() if k != "GP_FDC_PARTS"}
     kdef = (FLASH_DECODE_PAGED_CLUSTER if not macros else dataclasses.replace(
         FLASH_DECODE_PAGED_CLUSTER, source=_build_source(kernel, macros)))
-    return ClusterBuild(kdef, 32 * warps, ctas, parts, ring)
+    return ClusterBuild(kdef, 32 * warps, ctas, parts, ring, bool(tma))
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,

@@ -202,14 +202,38 @@ def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(har
     assert np.array_equal(outs[0].got, outs[1].got)
 
 
-def test_the_cluster_decodes_ring_keeps_its_bits_over_a_replayed_graph(harness) -> None:
-    """A captured ring build replayed as rows grow (the split and the ring's partial last tile
-    read from the device positions every launch) equals the oracle each time."""
+@pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
+                                    {**LLAMA, "positions": [16383]},
+                                    {**LLAMA, "positions": [4096], "block_tokens": 64},
+                                    {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]},
+                                    {**LLAMA, "positions": [0, 17, -1]}],
+                         ids=["8192 keys", "16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2",
+                              "1 and 18 keys and a padding row"])
+@pytest.mark.parametrize("defines", [{"GP_FDC_RING": 1, "GP_FDC_TMA": 1},
+                                     {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
+                         ids=["16 warps, ring 1", "8 warps, ring 2"])
+def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, params, defines) -> None:
+    """GP_FDC_TMA fills the ring from the pool's 5-D tensor map, a 16-key tile as 64-dim boxes
+    (the newest key's tile after the dependent-launch wait), and reads its own dims order: the
+    oracle's output within the kernels' tolerance, partial tiles and padding rows included."""
+    from gpu_worker.kernels.paged_attention import decode_cluster_build
+
+    o = paged_decode_cluster_case(harness, np.random.default_rng(27), **params,
+                                  build=decode_cluster_build(**defines))
+    assert o.failure() is None, o.failure()
+
+
+@pytest.mark.parametrize("defines", [{"GP_FDC_RING": 1}, {"GP_FDC_RING": 1, "GP_FDC_TMA": 1}],
+                         ids=["bulk copies", "tma"])
+def test_the_cluster_decodes_ring_keeps_to_the_oracle_over_a_replayed_graph(harness, defines) -> None:
+    """A captured ring build replayed as rows grow (the split, the ring's partial last tile and
+    the newest key's tile read from the device positions every launch) equals the oracle each
+    time."""
     from gpu_worker.kernels.paged_attention import decode_cluster_build
 
     o = paged_decode_cluster_case(harness, np.random.default_rng(26), **LLAMA, positions=[1000],
                                   replay_positions=[[1001], [1016], [4099]],
-                                  build=decode_cluster_build(GP_FDC_RING=1))
+                                  build=decode_cluster_build(**defines))
     assert o.failure() is None, o.failure()
 
 

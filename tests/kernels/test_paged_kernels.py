@@ -320,6 +320,29 @@ def test_a_ring_build_is_launched_with_its_slots_and_refused_past_shared_memory(
         pa.decode_cluster_build(GP_FDC_RING=2)
     with pytest.raises(InvalidArgument, match="GP_FDC_RING=5"):
         pa.decode_cluster_build(GP_FDC_WARPS=2, GP_FDC_RING=5)
+    with pytest.raises(InvalidArgument, match="GP_FDC_TMA=1 must be 0 or 1, and 1 needs GP_FDC_RING"):
+        pa.decode_cluster_build(GP_FDC_TMA=1)
+    tma = pa.decode_cluster_build(GP_FDC_RING=1, GP_FDC_TMA=1)
+    assert tma.tma and pa.cluster_decode_ring_bytes(16, 1, 128, True) == 16 * (8192 + 8) + 1024
+
+
+def test_the_tma_ring_reads_the_pool_by_5d_boxes_of_a_tensor_map_it_is_given() -> None:
+    """GP_FDC_TMA: the tile's K and V as 5-D tensor boxes (two of each at head_dim 128) from a
+    __grid_constant__ map, no per-row bulk copy and Q's 16-byte loads only; the map the launch
+    makes describes the pool's layout, and a launch without the pool's size is refused."""
+    body = _cluster_ptx(pa.decode_cluster_build(GP_FDC_RING=1, GP_FDC_TMA=1).kernel.source)
+    assert len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.5d", body, re.MULTILINE)) >= 4
+    assert not re.findall(r"^\s*cp\.async\.bulk\.shared::cluster\.global\.mbarrier", body, re.MULTILINE)
+    assert len(re.findall(r"^\s*ld\.global\.nc\.v4\.u32", body, re.MULTILINE)) == 6
+    from gpu_worker.device.sim_kernels import SimTensorMap, sim_tensor_map
+    device = open_device("sim")
+    m = pa.pool_tensor_map(device, 4096, blocks=100, layers=32, block_tokens=16, kv_heads=8, head_dim=128)
+    assert sim_tensor_map(m) == SimTensorMap(4096, (128, 8, 16, 64, 100), (256, 2048, 32768, 64 * 32768),
+                                             (64, 1, 16, 1, 1), 2, 128)
+    with pytest.raises(InvalidArgument, match="pool_blocks=0"):
+        pa.launch_flash_decode_paged_cluster(device, None, 16, 16, 16, 16, 16, 1, 32, 8, 128, 0, 1, 16,
+                                             4, ring=1, tma=True)
+    device.close()
 
 
 def test_the_cluster_decode_takes_the_most_ctas_one_wave_holds() -> None:

@@ -530,29 +530,51 @@ __device__ __forceinline__ void gp_fd_load_at(uint4 (&dst)[N], const unsigned sh
     }
 }
 
-// A warp's ring of K/V tiles in shared memory (gp_fd_split_block_mma's RING). A slot holds one
-// 16-key tile: 16 K rows of KS bytes, then 16 V rows of VS bytes; a row's 2D bytes come first and
-// the pad after them puts the rows a fragment load reads together in different banks (K: rows g
-// and g + 1 of a quarter-warp 64 bytes apart mod 128; V: rows t .. t + 3 32 bytes apart). The
-// slots of warp w follow those of warps 0 .. w - 1; the mbarriers (8 bytes a slot) follow all
-// slots. Slot s's i-th fill completes phase i of its mbarrier (the warp's tile i is in slot
+// The TMA ring's V chunk of lane group g (and the dims 8 pi(g) .. + 8 of its O rows): g / 2 + 4 (g & 1)
+__device__ __forceinline__ int gp_fd_v_chunk(int g) { return (g >> 1) | ((g & 1) << 2); }
+
+// A warp's ring of K/V tiles in shared memory (gp_fd_split_block_mma's RING), filled one of two
+// ways:
+// - bulk copies (TMA false): lane l copies row l % 16 of K (l < 16) or V, 2D bytes, by a 1-D
+//   bulk copy. A slot holds 16 K rows of KS bytes, then 16 V rows of VS bytes; the pad after a
+//   row's 2D bytes puts the rows a fragment load reads together in different banks (K: rows g and
+//   g + 1 of a quarter-warp 64 bytes apart mod 128; V: rows t .. t + 3 32 bytes apart);
+// - the TMA unit (TMA true): lane 0 copies the tile as D / 64 boxes of K then of V, each 64 dims
+//   x 16 rows, 128-byte swizzled, from the pool's tensor map (gp_fd_pool_map); a slot is 1 KiB
+//   aligned. Chunk c of row r of a box lies at 16 (c ^ (r % 8)): lane (g, t) reads K's chunk
+//   2t + (i & 1) of box i / 2 (Q the same dims) and V's chunk pi(g) = g / 2 + 4 (g & 1), so a
+//   quarter-warp's rows land in 8 different 16-byte bank groups.
+// The slots of warp w follow those of warps 0 .. w - 1; the mbarriers (8 bytes a slot) follow
+// all slots. Slot s's i-th fill completes phase i of its mbarrier (the warp's tile i is in slot
 // i % RING, parity (i / RING) & 1).
-template <int D>
+template <int D, bool TMA>
 struct gp_fd_ring_shape {
-    static constexpr int KS = 2 * D + 64, VS = 2 * D + 32, SLOT = 16 * (KS + VS);
+    static constexpr int KS = 2 * D + 64, VS = 2 * D + 32;   // bulk: bytes a K / V row
+    static constexpr int BOX = 2048;                          // TMA: 64 dims x 16 rows of fp16
+    static constexpr int SLOT = TMA ? 2 * (D / 64) * BOX : 16 * (KS + VS);
 };
-template <int D>
+// the ring's bytes (TMA: from a 1 KiB aligned start, up to 1 KiB past the kernel's dynamic base)
+template <int D, bool TMA>
 __host__ __device__ constexpr int gp_fd_ring_bytes(int warps, int ring) {
-    return warps * ring * (gp_fd_ring_shape<D>::SLOT + 8);
+    return warps * ring * (gp_fd_ring_shape<D, TMA>::SLOT + 8) + (TMA ? 1024 : 0);
 }
 
-template <int D, int RING>
+// Where a paged tile's TMA boxes come from: the pool's map (dims, KV heads, a block's rows,
+// 2 layer + K/V, blocks; paged_attention.pool_tensor_map) and this CTA's head, layer and table.
+struct gp_fd_pool_map {
+    const GpTmap* map;
+    const int* table;
+    int shift, mask, hk, layer;
+};
+
+template <int D, int RING, bool TMA>
 struct gp_fd_ring_warp {
-    static constexpr int KS = gp_fd_ring_shape<D>::KS, VS = gp_fd_ring_shape<D>::VS;
-    static constexpr int SLOT = gp_fd_ring_shape<D>::SLOT;
+    using shape = gp_fd_ring_shape<D, TMA>;
+    static constexpr int KS = shape::KS, VS = shape::VS, SLOT = shape::SLOT, BOX = shape::BOX;
     unsigned slots, bars;   // this warp's first slot and first mbarrier
-    __device__ __forceinline__ gp_fd_ring_warp(unsigned ring, int nw, int warp, int)
-        : slots(ring + warp * RING * SLOT), bars(ring + nw * RING * SLOT + warp * RING * 8) {}
+    __device__ __forceinline__ gp_fd_ring_warp(unsigned ring, int nw, int warp)
+        : slots((TMA ? (ring + 1023u) & ~1023u : ring) + warp * RING * SLOT),
+          bars((TMA ? (ring + 1023u) & ~1023u : ring) + nw * RING * SLOT + warp * RING * 8) {}
     // recomputed where used: one register fewer across the split's loop
     __device__ __forceinline__ static int lane_id() { return threadIdx.x & 31; }
     __device__ __forceinline__ void init() const {
@@ -560,66 +582,95 @@ struct gp_fd_ring_warp {
         gp_fence_mbar_init();
         __syncwarp();
     }
-    // lane's row (l % 16 of K, l < 16, or V) of the tile at n0 into slot s
-    __device__ __forceinline__ unsigned dst(int s) const {
+    // bulk: lane's row (l % 16 of K, l < 16, or V) of the tile at n0 into slot s
+    template <class KV>
+    __device__ __forceinline__ void copy_row(const KV& k, const KV& v, int n0, int s) const {
         const int lane = lane_id(), r = lane & 15;
-        return slots + s * SLOT + (lane < 16 ? r * KS : 16 * KS + r * VS);
-    }
-    template <class KV>
-    __device__ __forceinline__ void copy(const KV& k, const KV& v, int n0, int s) const {
-        const int lane = lane_id();
         const KV& kv = lane < 16 ? k : v;
-        gp_bulk_copy(dst(s), kv.row(n0) + (lane & 15) * kv.row_step(), 2 * D, bars + 8 * s);
+        gp_bulk_copy(slots + s * SLOT + (lane < 16 ? r * KS : 16 * KS + r * VS),
+                     kv.row(n0) + r * kv.row_step(), 2 * D, bars + 8 * s);
     }
-    // The tile at n0 (nothing where n0 >= j1) into slot s: rows before j1 by bulk copies (row
-    // `skip` counted but not copied: issue_row, later), V rows from j1 on zeros (their P is 0, and
-    // 0 x stale bits may be NaN; K rows there are never used). REFILL: the slot was read through
-    // the generic proxy, by every lane: their reads come before its new bytes.
-    template <class KV>
-    __device__ __forceinline__ void issue(const KV& k, const KV& v, int n0, int j1, int s, int skip,
-                                         bool refill = false) const {
-        if (n0 >= j1) return;
-        const int lane = lane_id();
-        const int valid = min(16, j1 - n0), row = n0 + (lane & 15);
-        if (refill) { __syncwarp(); gp_fence_proxy_async(); }
-        if (lane == 0) gp_mbar_expect(bars + 8 * s, valid * 4 * D);
-        __syncwarp();   // the phase's bytes expected before any arrive
-        if (row < j1) {
-            if (row != skip) copy(k, v, n0, s);
-        } else if (lane >= 16) {
+    // TMA: the whole tile at n0 into slot s, by lane 0
+    __device__ __forceinline__ void copy_tile(const gp_fd_pool_map& pm, int n0, int s) const {
+        if (lane_id() != 0) return;
+        const unsigned bar = bars + 8 * s, dst = slots + s * SLOT;
+        const int blk = pm.table[n0 >> pm.shift], row = n0 & pm.mask;
+        gp_mbar_expect(bar, 2 * (D / 64) * BOX);
 #pragma unroll
-            for (int c = 0; c < D / 8; ++c)
-                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst(s) + 16 * c), "r"(0u) : "memory");
+        for (int b = 0; b < D / 64; ++b) {
+            gp_tma_5d(dst + b * BOX, pm.map, 64 * b, pm.hk, row, 2 * pm.layer, blk, bar);
+            gp_tma_5d(dst + (D / 64 + b) * BOX, pm.map, 64 * b, pm.hk, row, 2 * pm.layer + 1, blk, bar);
         }
     }
-    // row `row` of the tile at n0 in slot s: the copies issue left out
+    // The tile at n0 (nothing where n0 >= j1) into slot s, all but key `skip` (-1: none), which
+    // issue_late copies after the dependent-launch wait: bulk, its rows (rows from j1 on are not
+    // copied); TMA, its whole tile. REFILL: the slot was read through the generic proxy, by every
+    // lane: their reads come before its new bytes.
     template <class KV>
-    __device__ __forceinline__ void issue_row(const KV& k, const KV& v, int n0, int s, int row) const {
-        if (n0 + (lane_id() & 15) == row) copy(k, v, n0, s);
+    __device__ __forceinline__ void issue(const KV& k, const KV& v, const gp_fd_pool_map& pm, int n0,
+                                         int j1, int s, int skip, bool refill = false) const {
+        if (n0 >= j1) return;
+        if (refill) { __syncwarp(); gp_fence_proxy_async(); }
+        if constexpr (TMA) {
+            if (skip < n0 || skip >= n0 + 16) copy_tile(pm, n0, s);
+        } else {
+            const int lane = lane_id(), row = n0 + (lane & 15);
+            if (lane == 0) gp_mbar_expect(bars + 8 * s, min(16, j1 - n0) * 4 * D);
+            __syncwarp();   // the phase's bytes expected before any arrive
+            if (row < j1 && row != skip) copy_row(k, v, n0, s);
+        }
     }
-    // slot s's tile (phase `parity`) into the split block's registers, the chunks each lane
-    // would load from global memory (gp_fd_split_block_mma's load)
+    // key `late` of the tile at n0 in slot s: what issue left out
+    template <class KV>
+    __device__ __forceinline__ void issue_late(const KV& k, const KV& v, const gp_fd_pool_map& pm,
+                                              int n0, int s, int late) const {
+        if constexpr (TMA) copy_tile(pm, n0, s);
+        else if (n0 + (lane_id() & 15) == late) copy_row(k, v, n0, s);
+    }
+    // slot s's tile at n0 (phase `parity`) into the split block's registers: the chunks each lane
+    // would load from global memory (bulk), or the TMA build's dims (above); V rows from j1 on
+    // are zeros (their P is 0, and 0 x stale bits may be NaN; K rows there are never used)
     __device__ __forceinline__ void fetch(uint4 (&ka)[D / 32], uint4 (&kb)[D / 32], uint4 (&vv)[4][D / 64],
-                                          int s, unsigned parity) const {
+                                          int s, unsigned parity, int n0, int j1) const {
         gp_mbar_wait(bars + 8 * s, parity);
         const int lane = lane_id(), g = lane >> 2, t = lane & 3;
         const unsigned base = slots + s * SLOT;
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) {
-            ka[i] = gp_lds128(base + g * KS + 64 * i + 16 * t);
-            kb[i] = gp_lds128(base + (g + 8) * KS + 64 * i + 16 * t);
+            if constexpr (TMA) {
+                const unsigned box = base + (i >> 1) * BOX + ((((2 * t + (i & 1)) ^ g)) << 4);
+                ka[i] = gp_lds128(box + g * 128);
+                kb[i] = gp_lds128(box + (g + 8) * 128);
+            } else {
+                ka[i] = gp_lds128(base + g * KS + 64 * i + 16 * t);
+                kb[i] = gp_lds128(base + (g + 8) * KS + 64 * i + 16 * t);
+            }
         }
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+        for (int r = 0; r < 4; ++r) {
+            const int row = t + (r & 1) * 8 + (r >> 1) * 4;
 #pragma unroll
-            for (int c = 0; c < D / 64; ++c)
-                vv[r][c] = gp_lds128(base + 16 * KS + (t + (r & 1) * 8 + (r >> 1) * 4) * VS + 128 * c + 16 * g);
+            for (int c = 0; c < D / 64; ++c) {
+                if constexpr (TMA)
+                    vv[r][c] = gp_lds128(base + (D / 64 + c) * BOX + row * 128
+                                         + ((gp_fd_v_chunk(g) ^ (row & 7)) << 4));
+                else
+                    vv[r][c] = gp_lds128(base + 16 * KS + row * VS + 128 * c + 16 * g);
+            }
+        }
+        if (n0 + 16 > j1) {   // the row's last tile: its V rows from j1 on
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < D / 64; ++c)
+                    if (n0 + t + (r & 1) * 8 + (r >> 1) * 4 >= j1) vv[r][c] = make_uint4(0u, 0u, 0u, 0u);
+        }
     }
 };
 // RING 0: nothing
-template <int D>
-struct gp_fd_ring_warp<D, 0> {
-    __device__ __forceinline__ gp_fd_ring_warp(unsigned, int, int, int) {}
+template <int D, bool TMA>
+struct gp_fd_ring_warp<D, 0, TMA> {
+    __device__ __forceinline__ gp_fd_ring_warp(unsigned, int, int) {}
 };
 
 // The same split on tensor cores (head_dim D = 64 or 128): the block's 4 warps take 16-key
@@ -650,16 +701,16 @@ struct gp_fd_ring_warp<D, 0> {
 // ROWS: a tile's 16 rows from one table lookup (KV::row_step; j0 a multiple of 16) instead of
 // one a row: the same loads and bits, fewer instructions on the warp's serial chain.
 // RING (> 0: ROWS, sm_90; the cluster decode's GP_FDC_RING): a warp's tiles come through RING
-// slots of shared memory at `ring` (gp_fd_ring_bytes<D>(NW, RING), 16-byte aligned), each filled
-// by 32 1-D bulk copies (lane l: row l % 16 of K, l < 16, or of V), so a warp's next RING
-// tiles are in flight while it works on one, without their registers; the same values reach
-// the same registers as from global memory, so the bits are the loads' (gp_fd_ring_tile).
+// slots of shared memory at `ring` (gp_fd_ring_bytes<D, TMA>(NW, RING)), so its next RING tiles
+// are in flight while it works on one, without their registers (gp_fd_ring_warp): by 1-D bulk
+// copies (the values the loads would bring, so the loads' bits) or, TMA (GP_FDC_TMA), by the
+// TMA unit from `pm` (its own dims order, so its own bits).
 template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, bool ROWS = GP_FD_TILE_ROWS != 0,
-          int RING = 0>
+          int RING = 0, bool TMA = false>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh,
-        unsigned ring = 0) {
+        unsigned ring = 0, const gp_fd_pool_map& pm = {}) {
     static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
     static_assert(RING == 0 || ROWS, "a ring of tiles: a tile's rows from one lookup (ROWS)");
     constexpr int KC = D / 32, VC = D / 64, MT = D / 16;
@@ -698,19 +749,19 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         }
     };
     const int first = j0 + 16 * warp;
-    const gp_fd_ring_warp<D, RING> rw(ring, NW, warp, lane);
+    const gp_fd_ring_warp<D, RING, TMA> rw(ring, NW, warp);
     if constexpr (RING > 0) {
         // the warp's first RING tiles, all but key `fresh` before the dependent-launch wait
         const int late = EARLY && fresh < j1 ? fresh : -1;
         rw.init();
 #pragma unroll
-        for (int s = 0; s < RING; ++s) rw.issue(k, v, first + 16 * NW * s, j1, s, late);
+        for (int s = 0; s < RING; ++s) rw.issue(k, v, pm, first + 16 * NW * s, j1, s, late);
         if (EARLY) {
             gp_pdl_wait();
             gp_pdl_release();
             const int d = late - first;   // the newest key's tile among the first RING
             if (late >= first && d % (16 * NW) < 16 && d / (16 * NW) < RING)
-                rw.issue_row(k, v, late - d % (16 * NW), d / (16 * NW), late);
+                rw.issue_late(k, v, pm, late - d % (16 * NW), d / (16 * NW), late);
         }
     } else if (EARLY) {
         const int late = fresh < j1 ? fresh : -1;  // the newest key, if this split holds it
@@ -729,7 +780,9 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
 #pragma unroll
     for (int i = 0; i < KC; ++i) {
         uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-        if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + 32 * i + 8 * t);
+        // the dims of K's chunk i (TMA: chunk 2t + (i & 1) of 64-dim box i / 2)
+        const int dim = TMA ? 64 * (i >> 1) + 8 * (2 * t + (i & 1)) : 32 * i + 8 * t;
+        if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + dim);
         qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
     }
     // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
@@ -806,8 +859,8 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         int i = 0;
         for (int n0 = first; n0 < j1; n0 += 16 * NW, ++i) {
             const int s = i % RING;
-            rw.fetch(ka, kb, vv, s, (i / RING) & 1);
-            rw.issue(k, v, n0 + 16 * NW * RING, j1, s, -1, true);   // the slot's next tile
+            rw.fetch(ka, kb, vv, s, (i / RING) & 1, n0, j1);
+            rw.issue(k, v, pm, n0 + 16 * NW * RING, j1, s, -1, true);   // the slot's next tile
             tile(n0);
         }
     } else {
@@ -831,7 +884,7 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             for (int c = 0; c < VC; ++c)
 #pragma unroll
                 for (int w = 0; w < 4; ++w) {
-                    const int d = 64 * c + 8 * g + 2 * w;
+                    const int d = 64 * c + 8 * (TMA ? gp_fd_v_chunk(g) : g) + 2 * w;
                     sm_acc[warp][h][d] = acc[4 * c + w][j];
                     sm_acc[warp][h][d + 1] = acc[4 * c + w][2 + j];
                 }

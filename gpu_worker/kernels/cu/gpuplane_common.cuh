@@ -170,6 +170,31 @@ __device__ __forceinline__ void gp_bulk_copy(unsigned dst, const void* src, unsi
     __trap();
 #endif
 }
+// A tensor map (CUtensorMap, Device.tensor_map), a __grid_constant__ kernel parameter, and one
+// box of it into shared memory (coordinates innermost first; 128-byte swizzled boxes need a
+// 1 KiB aligned dst).
+struct __align__(64) GpTmap { unsigned long long v[16]; };
+__device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c0, int c1, unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void gp_tma_5d(unsigned dst, const GpTmap* map, int c0, int c1, int c2,
+                                          int c3, int c4, unsigned bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2),
+                   "r"(c3), "r"(c4), "r"(bar) : "memory");
+#else
+    __trap();
+#endif
+}
 // this thread's earlier generic-proxy accesses of shared memory, ordered before its later copies
 __device__ __forceinline__ void gp_fence_proxy_async() {
 #if __CUDA_ARCH__ >= 900

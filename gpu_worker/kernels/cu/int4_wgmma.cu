@@ -76,14 +76,6 @@ static_assert(GP_WG_STAGE % 1024 == 0, "a stage's x must stay 1 KiB aligned (the
 // With x, every copy of a stage is then thread 0's, on the stage's mbarrier, and no thread
 // issues a cp.async. Tiles past N read zeros (the maps' bounds): their products are never
 // stored.
-// x's tensor map (CUtensorMap, Device.tensor_map_2d), and one box of it into shared memory.
-struct __align__(64) GpTmap { unsigned long long v[16]; };
-__device__ __forceinline__ void gp_tma_2d(unsigned dst, const GpTmap* map, int c0, int c1, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3}], [%4];\n"
-                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
 // The 128-byte-swizzle K-major descriptor of 8-row x 128-byte atoms at `addr` (1 KiB aligned):
 // SBO 1 KiB (the next 8 rows), LBO unused, layout type 1 (128B swizzle).
 __device__ __forceinline__ unsigned long long gp_wg_desc(unsigned addr) {

@@ -119,6 +119,9 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #ifndef GP_FDC_TILE_ROWS
 #define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
 #endif
+#ifndef GP_FDC_TMA
+#define GP_FDC_TMA 0   // the ring filled by the TMA unit from the pool's tensor map (a last kernel parameter)
+#endif
 #ifndef GP_FDC_RING
 #define GP_FDC_RING 0   // tiles a warp keeps in flight in shared memory by bulk copies (0: loads; paged_attention.CLUSTER_DECODE_RING)
 #endif
@@ -234,14 +237,20 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
                               const unsigned short* __restrict__ pool,
                               const int* __restrict__ positions, const int* __restrict__ table,
                               int batch, int heads, int kv_heads, int head_dim, int layer,
-                              int layers, int block_tokens, int max_blocks, int parts, float scale) {
+                              int layers, int block_tokens, int max_blocks, int parts, float scale
+#if GP_FDC_TMA
+                              , const __grid_constant__ GpTmap poolmap   // paged_attention.pool_tensor_map
+#endif
+                              ) {
+    static_assert(!GP_FDC_TMA || GP_FDC_RING > 0, "GP_FDC_TMA fills the ring: GP_FDC_RING > 0");
+    constexpr bool tma = GP_FDC_TMA != 0;
     __shared__ float smem[GP_FDC_SMEM];
     extern __shared__ __align__(16) unsigned char gp_fdc_ring[];   // GP_FDC_RING: gp_fd_ring_bytes
     if (GP_FDC_RING > 0) {   // a launch without the ring's bytes would write past its shared memory
         unsigned dynamic;
         asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dynamic));
-        if (dynamic < (unsigned)(head_dim == 128 ? gp_fd_ring_bytes<128>(GP_FDC_WARPS, GP_FDC_RING)
-                                                 : gp_fd_ring_bytes<64>(GP_FDC_WARPS, GP_FDC_RING)))
+        if (dynamic < (unsigned)(head_dim == 128 ? gp_fd_ring_bytes<128, tma>(GP_FDC_WARPS, GP_FDC_RING)
+                                                 : gp_fd_ring_bytes<64, tma>(GP_FDC_WARPS, GP_FDC_RING)))
             __trap();
     }
     const unsigned ring = gp_smem(gp_fdc_ring);
@@ -259,12 +268,17 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
     const long long row0 = (long long)b * heads * head_dim + (long long)h0 * head_dim;
     const float sl = scale * GP_FA_LOG2E;
     constexpr bool rows = GP_FDC_TILE_ROWS != 0;
+#if GP_FDC_TMA
+    const gp_fd_pool_map pm{&poolmap, trow, kr.shift, kr.mask, hk, layer};
+#else
+    const gp_fd_pool_map pm{};
+#endif
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING>(
-            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 130, smem, nkeys - 1, ring);
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma>(
+            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 130, smem, nkeys - 1, ring, pm);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING>(
-            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 66, smem, nkeys - 1, ring);
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma>(
+            gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 66, smem, nkeys - 1, ring, pm);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part, P);
     gp_cluster_sync();   // no CTA leaves while another still reads its state

@@ -177,7 +177,8 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
         launch_flash_decode_paged_cluster(dev, fn, out, qp, pp, pos, tp, batch, heads, kv_heads,
                                           head_dim, layer, layers, block_tokens, max_blocks,
                                           stream=stream, threads=build.threads, ctas=build.ctas,
-                                          parts=parts, workspace=ws, ring=build.ring)
+                                          parts=parts, workspace=ws, ring=build.ring, tma=build.tma,
+                                          pool_blocks=capacity)
 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_worker.device.sim_kernels import register_sim_kernel
+from gpu_worker.device.sim_kernels import register_sim_kernel, sim_tensor_map
 from gpu_worker.kernels import reference
 from gpu_worker.kernels.flash_attention import DECODE_HEADS_PER_BLOCK
 from gpu_worker.kernels.paged_attention import CLUSTER_COUNTERS, CLUSTER_SLOT_FLOATS
@@ -109,10 +109,18 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     (row, head block, rank) whose counter is not zero gets no merge, so its outputs are left
     unwritten and its counter goes up by `parts`."""
     (out, ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
-     block_tokens, max_blocks, parts, scale) = _vals(args)
+     block_tokens, max_blocks, parts, scale) = _vals(args[:16])
+    if len(args) > 16:   # a TMA build (GP_FDC_TMA): the pool's map must describe this pool
+        m = sim_tensor_map(args[16].value)
+        row = kv_heads * head_dim * 2
+        assert (m.address, m.sizes[:4], m.strides, m.box) == (
+            pool, (head_dim, kv_heads, block_tokens, 2 * layers),
+            (head_dim * 2, row, block_tokens * row, 2 * layers * block_tokens * row), (64, 1, 16, 1, 1)), m
     ctas = grid[0]
     pos = _arr(mem, positions, batch, np.int32)
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
+    if len(args) > 16:   # every block the table names inside the map (the TMA unit reads zeros past it)
+        assert batch == 0 or int(tab.max()) < sim_tensor_map(args[16].value).sizes[4], "block past the map"
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
     hblocks = grid[1] // parts
     group = heads // kv_heads
