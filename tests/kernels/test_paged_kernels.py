@@ -300,7 +300,7 @@ def test_the_cluster_decodes_ring_reads_k_and_v_by_bulk_copies_only() -> None:
     build's 78. The slot is fenced before it is refilled."""
     ring = _cluster_ptx(pa.decode_cluster_build(GP_FDC_RING=1).kernel.source)
     loads = _cluster_ptx(pa.SOURCE)
-    count = lambda pattern, body: len(re.findall(pattern, body, re.MULTILINE))  # noqa: E731
+    count = lambda pattern, body: len(re.findall(pattern, body, re.MULTILINE))
     assert count(r"^\s*cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ring) >= 4
     assert count(r"^\s*ld\.global\.nc\.v4\.u32", ring) == 6
     assert count(r"^\s*ld\.global\.nc\.v4\.u32", loads) == 78
