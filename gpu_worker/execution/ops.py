@@ -465,7 +465,7 @@ def _launch_flash_decode_paged(c: LaunchContext) -> None:
         g["block_tokens"], g["max_blocks"],
         span=_paged_decode_span(c.node, c.graph), stream=c.stream,
         cluster_function=c.fn("flash_decode_paged_cluster"),
-        cluster_workspace=c.variant.workspace_ptr("cluster"))
+        cluster_workspace=c.variant.workspace_ptr("cluster"), pool_blocks=c.shape(1)[0])
 
 
 def _launch_flash_prefill_paged(c: LaunchContext) -> None:
