@@ -161,6 +161,16 @@ def test_a_rows_sampled_token_does_not_depend_on_the_batch_it_shares(harness) ->
     assert run(5, 16) == alone and run(40, 64) == alone
 
 
+def _same_bits(harness, seed: int, params: dict, *builds) -> None:
+    """Each build's cluster decode of the same inputs within the oracle's tolerance, and all of
+    them the same fp16 bits."""
+    outs = [paged_decode_cluster_case(harness, np.random.default_rng(seed), **params, build=b)
+            for b in builds]
+    for o in outs:
+        assert o.failure() is None, o.failure()
+    assert all(np.array_equal(outs[0].got, o.got) for o in outs[1:])
+
+
 @pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
                                     {**LLAMA, "positions": [4096], "block_tokens": 64},
                                     {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]}],
@@ -171,11 +181,7 @@ def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_ro
     build that looks every row up."""
     from gpu_worker.kernels.paged_attention import decode_cluster_build
 
-    outs = [paged_decode_cluster_case(harness, np.random.default_rng(24), **params, build=build)
-            for build in (None, decode_cluster_build(GP_FDC_TILE_ROWS=0))]
-    for o in outs:
-        assert o.failure() is None, o.failure()
-    assert np.array_equal(outs[0].got, outs[1].got)
+    _same_bits(harness, 24, params, decode_cluster_build(), decode_cluster_build(GP_FDC_TILE_ROWS=0))
 
 
 @pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
@@ -194,12 +200,7 @@ def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(har
     as the build with the same warps that loads them."""
     from gpu_worker.kernels.paged_attention import decode_cluster_build
 
-    outs = [paged_decode_cluster_case(harness, np.random.default_rng(25), **params,
-                                      build=decode_cluster_build(**defines))
-            for defines in (ring, loads)]
-    for o in outs:
-        assert o.failure() is None, o.failure()
-    assert np.array_equal(outs[0].got, outs[1].got)
+    _same_bits(harness, 25, params, decode_cluster_build(**ring), decode_cluster_build(**loads))
 
 
 @pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
