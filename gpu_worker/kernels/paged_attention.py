@@ -88,6 +88,7 @@ CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the works
 # tiles a warp of the cluster decode keeps in flight in shared memory by bulk copies
 # (GP_FDC_RING; 0: its loads from global memory), and the ring's bytes a tile (gp_fd_ring_shape)
 CLUSTER_DECODE_RING = 0
+CLUSTER_DECODE_TMA = False   # GP_FDC_TMA: the ring filled by the TMA unit (pool_tensor_map)
 MAX_DECODE_RING = 4
 RING_SHARED_BYTES = 180 << 10   # a ring's most: the H100's 227 KiB a block less the kernel's static 35 KiB
 
@@ -295,7 +296,7 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       threads: int = CLUSTER_DECODE_THREADS,
                                       ctas: int = CLUSTER_DECODE_CTAS, parts: int = 1,
                                       workspace: int = 0, ring: int = CLUSTER_DECODE_RING,
-                                      tma: bool = False, pool_blocks: int = 0) -> None:
+                                      tma: bool = CLUSTER_DECODE_TMA, pool_blocks: int = 0) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
     each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each.
     head_dim 64 or 128. parts > 1 needs `workspace` (cluster_decode_workspace_bytes at least
@@ -446,7 +447,7 @@ class ClusterBuild:
     ctas: int = CLUSTER_DECODE_CTAS
     parts: int = CLUSTER_DECODE_PARTS
     ring: int = CLUSTER_DECODE_RING
-    tma: bool = False   # GP_FDC_TMA: the ring filled from the pool's tensor map (pool_tensor_map)
+    tma: bool = CLUSTER_DECODE_TMA   # GP_FDC_TMA: the ring filled from the pool's tensor map
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
@@ -463,7 +464,7 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
     require(isinstance(parts, int) and 1 <= parts <= MAX_DECODE_PARTS,
             f"{kernel}: GP_FDC_PARTS={parts!r} must be 1..{MAX_DECODE_PARTS}")
-    tma = defines.get("GP_FDC_TMA", 0)
+    tma = defines.get("GP_FDC_TMA", int(CLUSTER_DECODE_TMA))
     require(tma in (0, 1) and (not tma or ring), f"{kernel}: GP_FDC_TMA={tma!r} must be 0 or 1, "
             f"and 1 needs GP_FDC_RING >= 1 (the ring it fills)")
     require(isinstance(ring, int) and 0 <= ring <= MAX_DECODE_RING

@@ -120,7 +120,7 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
 #endif
 #ifndef GP_FDC_TMA
-#define GP_FDC_TMA 0   // the ring filled by the TMA unit from the pool's tensor map (a last kernel parameter)
+#define GP_FDC_TMA 0   // the ring filled by the TMA unit from the pool's tensor map (a last kernel parameter; paged_attention.CLUSTER_DECODE_TMA)
 #endif
 #ifndef GP_FDC_RING
 #define GP_FDC_RING 0   // tiles a warp keeps in flight in shared memory by bulk copies (0: loads; paged_attention.CLUSTER_DECODE_RING)
