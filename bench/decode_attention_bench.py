@@ -66,10 +66,13 @@ from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Target
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
     CLUSTER_DECODE_PARTS,
+    CLUSTER_DECODE_RING,
     CLUSTER_DECODE_THREADS,
+    CLUSTER_DECODE_TMA,
     FLASH_COMBINE_PAGED,
     MAX_DECODE_SPLITS,
     cluster_decode,
+    cluster_decode_ring_bytes,
     cluster_decode_shape,
     cluster_decode_workspace_bytes,
     decode_cluster_build,
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sms = sm_count(dev)
     fcl = h.function(decode_cluster_build().kernel)
-    fits = {s: dev.max_active_clusters(fcl, CLUSTER_DECODE_THREADS, s) for s in range(1, 9)}
+    ring = cluster_decode_ring_bytes(CLUSTER_DECODE_THREADS // 32, CLUSTER_DECODE_RING, HD, CLUSTER_DECODE_TMA)
+    fits = {s: dev.max_active_clusters(fcl, CLUSTER_DECODE_THREADS, s, ring) for s in range(1, 9)}
     units = KVH * -(-HEADS // KVH // 4)
     shapes = {p: cluster_decode_shape(units, lambda s: fits[s], parts=p) for p in (1, 2, 4)}
     print(f"clusters of s CTAs one wave holds (the cluster kernel, {CLUSTER_DECODE_THREADS} "

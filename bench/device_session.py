@@ -43,11 +43,12 @@ GRACE_S = 60.0       # past the group's budget a run is stopped at once
 
 
 # split-block builds decode_attention_bench times beside the library's (docs/kernels.md, "What
-# holds the batch-1 decode"); a GP_FDC_* macro runs the build's cluster kernel at batch 1, and
+# holds the batch-1 decode"); a GP_FDC_* macro runs the build's cluster kernel at batch 1 ("loads":
+# 16 warps loading their tiles, the library's before the TMA ring), and
 # GP_FDC_PARTS lets it take up to that many clusters a row ("A row's keys over more than one
 # cluster")
-DECODE_BUILDS = ("--build", "plo0=GP_FDC_WARPS:16,GP_FD_PLO:0",
-                 "--build", "rows0=GP_FDC_TILE_ROWS:0",
+DECODE_BUILDS = ("--build", "plo0=GP_FD_PLO:0",
+                 "--build", "loads=GP_FDC_WARPS:16,GP_FDC_RING:0,GP_FDC_TMA:0",
                  "--build", "parts=GP_FDC_PARTS:4")
 
 

@@ -230,11 +230,13 @@ class Device:
         """tensor_map of a row-major matrix: `outer` rows of `inner` elements, `row_bytes` apart."""
         return self.tensor_map(address, (inner, outer), (row_bytes,), box, element_bytes, swizzle)
 
-    def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
-        """Clusters of `ctas` CTAs of `threads` threads of `function` the device holds at once
-        (cuOccupancyMaxActiveClusters; asked once a function, not a stream operation)."""
+    def max_active_clusters(self, function: object, threads: int, ctas: int,
+                            shared_bytes: int = 0) -> int:
+        """Clusters of `ctas` CTAs of `threads` threads of `function` (and `shared_bytes` of
+        dynamic shared memory each) the device holds at once (cuOccupancyMaxActiveClusters; asked
+        once a function and shape, not a stream operation)."""
         with self.gate.shared():
-            return self.backend.max_active_clusters(function, threads, ctas)
+            return self.backend.max_active_clusters(function, threads, ctas, shared_bytes)
 
     def set_shared_carveout(self, function: object, percent: int) -> None:
         """`function`'s preferred L1 / shared memory split (Backend.set_shared_carveout): -1

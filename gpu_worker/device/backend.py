@@ -209,9 +209,11 @@ class Backend(ABC):
         programmatic dependent launch (the kernel may start before the previous one on the
         stream ends, and waits for it with griddepcontrol.wait)."""
 
-    def max_active_clusters(self, function: object, threads: int, ctas: int) -> int:
-        """How many clusters of `ctas` CTAs of `threads` threads each (its static shared memory
-        and registers) the device holds at once: what one wave of a cluster launch can be."""
+    def max_active_clusters(self, function: object, threads: int, ctas: int,
+                            shared_bytes: int = 0) -> int:
+        """How many clusters of `ctas` CTAs of `threads` threads each (its static shared memory,
+        `shared_bytes` of dynamic, and its registers) the device holds at once: what one wave of
+        a cluster launch can be."""
         raise NotImplementedError(f"{type(self).__name__}: max_active_clusters")
 
     def tensor_map(self, address: int, sizes: tuple[int, ...], strides: tuple[int, ...],

@@ -378,11 +378,16 @@ class CudaBackend(Backend):
             d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
         return ctypes.string_at(m.getPtr(), TENSOR_MAP_BYTES)
 
-    def max_active_clusters(self, function: Any, threads: int, ctas: int) -> int:
-        key = (int(function), threads, ctas)
+    def max_active_clusters(self, function: Any, threads: int, ctas: int,
+                            shared_bytes: int = 0) -> int:
+        key = (int(function), threads, ctas, shared_bytes)
         if key not in self._active_clusters:   # a property of the function: asked once
             self._current()
             d = _drv()
+            if shared_bytes > DEFAULT_SHARED_BYTES:   # as the launch sets it
+                check(d.cuFuncSetAttribute(
+                    function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
             if ctas > PORTABLE_CLUSTER_CTAS:
                 check(d.cuFuncSetAttribute(
                     function, d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
@@ -393,6 +398,7 @@ class CudaBackend(Backend):
             config = d.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = ctas, 1, 1
             config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = shared_bytes
             config.attrs = [attr]
             config.numAttrs = 1
             self._active_clusters[key] = int(check(d.cuOccupancyMaxActiveClusters(function, config),

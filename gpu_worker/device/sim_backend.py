@@ -560,7 +560,8 @@ class SimBackend(Backend):
                            *sizes, *(0,) * pad, *strides, *(0,) * pad, *box, *(0,) * pad
                            ).ljust(TENSOR_MAP_BYTES, b"\0")
 
-    def max_active_clusters(self, function: SimFunction, threads: int, ctas: int) -> int:
+    def max_active_clusters(self, function: SimFunction, threads: int, ctas: int,
+                            shared_bytes: int = 0) -> int:
         """The sim's model: one CTA an SM, every SM free, no GPC boundary (an H100 holds
         fewer: 15 clusters of 8 CTAs of 512 threads, not 16)."""
         self._enter("max_active_clusters")

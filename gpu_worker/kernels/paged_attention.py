@@ -76,7 +76,7 @@ MAX_DECODE_SPLITS = COMBINE_MAX_SPLITS    # workspace slots per row: what one co
 # the one-kernel decode of a small batch (gp_flash_decode_paged_cluster): CTAs a cluster (a row's
 # keys in that many parts, the portable cluster size) and threads a CTA (GP_FDC_WARPS warps)
 CLUSTER_DECODE_CTAS = 8
-CLUSTER_DECODE_THREADS = 512
+CLUSTER_DECODE_THREADS = 256
 CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 # clusters a (row, head block) at most, and the cluster decode's workspace: a counter per (row,
 # head block, rank), then a part's slot of (max, sum, acc) per (head, dim) of a head block
@@ -87,8 +87,8 @@ CLUSTER_COUNTERS = MAX_CLUSTER_CTAS                         # GP_FDC_COUNTERS
 CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the workspace for
 # tiles a warp of the cluster decode keeps in flight in shared memory by bulk copies
 # (GP_FDC_RING; 0: its loads from global memory), and the ring's bytes a tile (gp_fd_ring_shape)
-CLUSTER_DECODE_RING = 0
-CLUSTER_DECODE_TMA = False   # GP_FDC_TMA: the ring filled by the TMA unit (pool_tensor_map)
+CLUSTER_DECODE_RING = 2
+CLUSTER_DECODE_TMA = True   # GP_FDC_TMA: the ring filled by the TMA unit (pool_tensor_map)
 MAX_DECODE_RING = 4
 RING_SHARED_BYTES = 180 << 10   # a ring's most: the H100's 227 KiB a block less the kernel's static 35 KiB
 
@@ -359,7 +359,9 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
         if build.parts > 1 and cluster_workspace:
             ctas, parts = cluster_decode_shape(
                 _head_blocks(batch, heads, kv_heads),
-                lambda s: device.max_active_clusters(cluster_function, build.threads, s),
+                lambda s: device.max_active_clusters(
+                    cluster_function, build.threads, s,
+                    cluster_decode_ring_bytes(build.threads // 32, build.ring, head_dim, build.tma)),
                 build.ctas, build.parts)
         launch_flash_decode_paged_cluster(device, cluster_function, out, q, pool, positions,
                                           table, batch, heads, kv_heads, head_dim, layer, layers,
@@ -467,6 +469,9 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
     tma = defines.get("GP_FDC_TMA", int(CLUSTER_DECODE_TMA))
     require(tma in (0, 1) and (not tma or ring), f"{kernel}: GP_FDC_TMA={tma!r} must be 0 or 1, "
             f"and 1 needs GP_FDC_RING >= 1 (the ring it fills)")
+    require(not ring or defines.get("GP_FDC_TILE_ROWS", 1),
+            f"{kernel}: GP_FDC_RING={ring!r} reads a tile's rows from one lookup: GP_FDC_TILE_ROWS=0 "
+            f"needs GP_FDC_RING=0 and GP_FDC_TMA=0")
     require(isinstance(ring, int) and 0 <= ring <= MAX_DECODE_RING
             and cluster_decode_ring_bytes(warps, ring, 128, bool(tma)) <= RING_SHARED_BYTES,
             f"{kernel}: GP_FDC_RING={ring!r} must be 0..{MAX_DECODE_RING} with "

@@ -161,6 +161,10 @@ def test_a_rows_sampled_token_does_not_depend_on_the_batch_it_shares(harness) ->
     assert run(5, 16) == alone and run(40, 64) == alone
 
 
+# the cluster kernel's build before the TMA ring: 16 warps, each loading its tiles (16-byte loads)
+LOADS = {"GP_FDC_WARPS": 16, "GP_FDC_RING": 0, "GP_FDC_TMA": 0}
+
+
 def _same_bits(harness, seed: int, params: dict, *builds) -> None:
     """Each build's cluster decode of the same inputs within the oracle's tolerance, and all of
     them the same fp16 bits."""
@@ -181,7 +185,7 @@ def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_ro
     build that looks every row up."""
     from gpu_worker.kernels.paged_attention import decode_cluster_build
 
-    _same_bits(harness, 24, params, decode_cluster_build(), decode_cluster_build(GP_FDC_TILE_ROWS=0))
+    _same_bits(harness, 24, params, decode_cluster_build(**LOADS), decode_cluster_build(**LOADS, GP_FDC_TILE_ROWS=0))
 
 
 @pytest.mark.parametrize("params", [{**LLAMA, "positions": [8191]},
@@ -189,8 +193,9 @@ def test_the_cluster_decodes_one_lookup_a_tile_gives_the_bits_of_one_lookup_a_ro
                                     {**LLAMA, "positions": [4096], "block_tokens": 64},
                                     {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]}],
                          ids=["8192 keys", "16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2"])
-@pytest.mark.parametrize("ring,loads", [({"GP_FDC_RING": 1}, {}),
-                                        ({"GP_FDC_WARPS": 8, "GP_FDC_RING": 2}, {"GP_FDC_WARPS": 8})],
+@pytest.mark.parametrize("ring,loads", [({**LOADS, "GP_FDC_RING": 1}, LOADS),
+                                        ({"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 0},
+                                         {"GP_FDC_WARPS": 8, "GP_FDC_RING": 0, "GP_FDC_TMA": 0})],
                          ids=["16 warps, ring 1", "8 warps, ring 2"])
 def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(harness, params, ring,
                                                                              loads) -> None:
@@ -210,9 +215,9 @@ def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(har
                                     {**LLAMA, "positions": [0, 17, -1]}],
                          ids=["8192 keys", "16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2",
                               "1 and 18 keys and a padding row"])
-@pytest.mark.parametrize("defines", [{"GP_FDC_RING": 1, "GP_FDC_TMA": 1},
+@pytest.mark.parametrize("defines", [{"GP_FDC_WARPS": 16, "GP_FDC_RING": 1, "GP_FDC_TMA": 1},
                                      {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
-                         ids=["16 warps, ring 1", "8 warps, ring 2"])
+                         ids=["16 warps, ring 1", "8 warps, ring 2 (the library's)"])
 def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, params, defines) -> None:
     """GP_FDC_TMA fills the ring from the pool's 5-D tensor map, a 16-key tile as 64-dim boxes
     (the newest key's tile after the dependent-launch wait), and reads its own dims order: the
@@ -224,8 +229,8 @@ def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, pa
     assert o.failure() is None, o.failure()
 
 
-@pytest.mark.parametrize("defines", [{"GP_FDC_RING": 1}, {"GP_FDC_RING": 1, "GP_FDC_TMA": 1}],
-                         ids=["bulk copies", "tma"])
+@pytest.mark.parametrize("defines", [{**LOADS, "GP_FDC_RING": 1}, {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
+                         ids=["bulk copies", "tma (the library's)"])
 def test_the_cluster_decodes_ring_keeps_to_the_oracle_over_a_replayed_graph(harness, defines) -> None:
     """A captured ring build replayed as rows grow (the split, the ring's partial last tile and
     the newest key's tile read from the device positions every launch) equals the oracle each

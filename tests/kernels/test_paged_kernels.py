@@ -82,9 +82,13 @@ def test_every_decode_split_build_compiles_without_spills_at_four_blocks_per_sm(
     assert "mma.sync.aligned.m16n8k16" in split and "griddepcontrol.wait" in split
 
 
+# the cluster kernel's build before the TMA ring: 16 warps, each loading its tiles (16-byte loads)
+LOADS = {"GP_FDC_WARPS": 16, "GP_FDC_RING": 0, "GP_FDC_TMA": 0}
+
+
 def test_decode_builds_take_gp_fd_and_gp_fdc_macros_only() -> None:
     assert pa.decode_split_build() is pa.FLASH_DECODE_SPLIT_PAGED
-    assert pa.decode_cluster_build() == pa.ClusterBuild(pa.FLASH_DECODE_PAGED_CLUSTER, 512, 8)
+    assert pa.decode_cluster_build() == pa.ClusterBuild(pa.FLASH_DECODE_PAGED_CLUSTER, 256, 8, 1, 2, True)
     for build in (pa.decode_split_build, pa.decode_cluster_build):
         with pytest.raises(InvalidArgument, match="GP_FD_"):
             build(NDEBUG=1)
@@ -106,7 +110,7 @@ def test_the_p_in_one_term_build_drops_the_second_pv_product_and_its_shuffles() 
         body = ptx.split(".entry gp_flash_decode_paged_cluster")[1].split(".entry")[0]
         return body.count("mma.sync"), body.count("shfl.sync")
     library = counts(pa.SOURCE)
-    one_term = counts(pa.decode_cluster_build(GP_FDC_WARPS=16, GP_FD_PLO=0).kernel.source)
+    one_term = counts(pa.decode_cluster_build(GP_FD_PLO=0).kernel.source)
     assert one_term[0] < library[0] and one_term[1] < library[1], (library, one_term)
 
 
@@ -254,7 +258,7 @@ def test_sampling_a_row_does_not_depend_on_the_rest_of_the_batch() -> None:
 
 
 def test_the_one_kernel_decode_takes_a_batch_whose_ctas_fill_at_most_half_the_sms() -> None:
-    """cluster_decode: Llama-3-8B's batch 1 (64 CTAs of 512 threads) on a 132-SM part runs the
+    """cluster_decode: Llama-3-8B's batch 1 (64 CTAs of 256 threads) on a 132-SM part runs the
     cluster decode; batch 2 (128 CTAs, measured slower), head_dim 16 (no tensor-core block) and
     a part with fewer than 128 SMs do not. A shape rule: the batch and the device only."""
     assert pa.cluster_decode(1, 32, 8, 128, 132) and pa.cluster_decode(1, 32, 8, 64, 132)
@@ -264,17 +268,24 @@ def test_the_one_kernel_decode_takes_a_batch_whose_ctas_fill_at_most_half_the_sm
     assert pa.cluster_decode(1, 12, 2, 64, 132), "GQA of 6: two head blocks a KV head, 32 CTAs"
 
 
-def test_the_one_kernel_decode_keeps_one_block_of_512_threads_an_sm(paged_log) -> None:
+def test_the_one_kernel_decode_keeps_its_ring_and_registers_in_one_sm(paged_log) -> None:
+    """The library's cluster kernel (8 warps, a TMA ring of 2 tiles a warp) fits one block an SM:
+    no spill, its registers within 256 threads' share, its ring and static shared memory within
+    a block's 227 KiB."""
     section = paged_log.split("Compiling entry function 'gp_flash_decode_paged_cluster'")[1] \
         .split("Compile time")[0]
     used = int(re.search(r"Used (\d+) registers", section).group(1))
-    assert used <= 128, f"{used} registers: 512 threads no longer fit an SM"
+    static = int(re.search(r"(\d+) bytes smem", section).group(1))
+    assert "0 bytes spill stores" in section and used <= 255, section
+    ring = pa.cluster_decode_ring_bytes(pa.CLUSTER_DECODE_THREADS // 32, pa.CLUSTER_DECODE_RING, 128,
+                                        pa.CLUSTER_DECODE_TMA)
+    assert static + ring <= 227 << 10, (static, ring)
 
 
 def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
-    """The library's cluster kernel (GP_FDC_TILE_ROWS=1) reads the block table once a 16-key
-    tile, not once a row: fewer 4-byte global loads in the code the GPU runs than the build that
-    looks every row up, the same 16-byte K/V loads."""
+    """The loads build of the cluster kernel (GP_FDC_TILE_ROWS=1) reads the block table once a
+    16-key tile, not once a row: fewer 4-byte global loads in the code the GPU runs than the build
+    that looks every row up, the same 16-byte K/V loads."""
     def loads(source) -> tuple[int, int]:
         ptx = compile_program(source.module_name, source.source, source.headers, "sm_90",
                               source.options).ptx
@@ -282,8 +293,10 @@ def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
         body = ptx.split(".entry gp_flash_decode_paged_cluster")[1].split(".entry")[0]
         return (len(re.findall(r"^\s*ld\.global\.nc\.u32", body, re.MULTILINE)),
                 len(re.findall(r"^\s*ld\.global\.nc\.v4\.u32", body, re.MULTILINE)))
-    library = loads(pa.SOURCE)
-    per_row = loads(pa.decode_cluster_build(GP_FDC_TILE_ROWS=0).kernel.source)
+    library = loads(pa.decode_cluster_build(**LOADS).kernel.source)
+    per_row = loads(pa.decode_cluster_build(**LOADS, GP_FDC_TILE_ROWS=0).kernel.source)
+    with pytest.raises(InvalidArgument, match="GP_FDC_TILE_ROWS=0 needs GP_FDC_RING=0"):
+        pa.decode_cluster_build(GP_FDC_TILE_ROWS=0)
     assert library[0] < per_row[0] and library[1] == per_row[1], (library, per_row)
 
 
@@ -298,8 +311,8 @@ def test_the_cluster_decodes_ring_reads_k_and_v_by_bulk_copies_only() -> None:
     (one a lane a tile, plus the newest key's after the wait), read back as 16-byte shared loads;
     the only 16-byte global loads left are Q's (4 at head_dim 128, 2 at 64), against the loads
     build's 78. The slot is fenced before it is refilled."""
-    ring = _cluster_ptx(pa.decode_cluster_build(GP_FDC_RING=1).kernel.source)
-    loads = _cluster_ptx(pa.SOURCE)
+    ring = _cluster_ptx(pa.decode_cluster_build(GP_FDC_WARPS=16, GP_FDC_RING=1, GP_FDC_TMA=0).kernel.source)
+    loads = _cluster_ptx(pa.decode_cluster_build(**LOADS).kernel.source)
     count = lambda pattern, body: len(re.findall(pattern, body, re.MULTILINE))
     assert count(r"^\s*cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ring) >= 4
     assert count(r"^\s*ld\.global\.nc\.v4\.u32", ring) == 6
@@ -317,12 +330,12 @@ def test_a_ring_build_is_launched_with_its_slots_and_refused_past_shared_memory(
     assert pa.cluster_decode_ring_bytes(16, 1, 128) == 16 * (16 * (320 + 288) + 8)
     assert pa.cluster_decode_ring_bytes(16, 1, 64) < pa.cluster_decode_ring_bytes(16, 1, 128)
     with pytest.raises(InvalidArgument, match="fewer warps or a shorter ring"):
-        pa.decode_cluster_build(GP_FDC_RING=2)
+        pa.decode_cluster_build(GP_FDC_WARPS=16, GP_FDC_RING=2)
     with pytest.raises(InvalidArgument, match="GP_FDC_RING=5"):
         pa.decode_cluster_build(GP_FDC_WARPS=2, GP_FDC_RING=5)
     with pytest.raises(InvalidArgument, match="GP_FDC_TMA=1 must be 0 or 1, and 1 needs GP_FDC_RING"):
-        pa.decode_cluster_build(GP_FDC_TMA=1)
-    tma = pa.decode_cluster_build(GP_FDC_RING=1, GP_FDC_TMA=1)
+        pa.decode_cluster_build(GP_FDC_RING=0, GP_FDC_TMA=1)
+    tma = pa.decode_cluster_build(GP_FDC_WARPS=16, GP_FDC_RING=1, GP_FDC_TMA=1)
     assert tma.tma and pa.cluster_decode_ring_bytes(16, 1, 128, True) == 16 * (8192 + 8) + 1024
 
 
@@ -368,9 +381,9 @@ def test_the_cluster_decode_refuses_parts_without_a_workspace() -> None:
             raise AssertionError("launched")
     args = (NoLaunch(), None, 16, 16, 16, 8, 8, 1, 32, 8, 128, 0, 1, 16, 4)
     with pytest.raises(InvalidArgument, match="needs a 4-byte aligned workspace"):
-        pa.launch_flash_decode_paged_cluster(*args, parts=2)
+        pa.launch_flash_decode_paged_cluster(*args, parts=2, pool_blocks=100)
     with pytest.raises(InvalidArgument, match="parts=5"):
-        pa.launch_flash_decode_paged_cluster(*args, parts=5, workspace=64)
+        pa.launch_flash_decode_paged_cluster(*args, parts=5, workspace=64, pool_blocks=100)
 
 
 def test_a_part_whose_counter_is_not_zero_at_launch_writes_nothing(harness) -> None:
@@ -390,7 +403,7 @@ def test_a_part_whose_counter_is_not_zero_at_launch_writes_nothing(harness) -> N
     pa.launch_flash_decode_paged_cluster(
         dev, h.function(pa.FLASH_DECODE_PAGED_CLUSTER), out, h.put(q), h.put(pool),
         h.put(np.array([40], np.int32)), h.put(np.array([[0, 1, 2, 3]], np.int32)), 1, heads,
-        kv_heads, hd, 1, 2, 16, 4, parts=parts, workspace=ws)
+        kv_heads, hd, 1, 2, 16, 4, parts=parts, workspace=ws, pool_blocks=4)
     got = h.get(out, (heads * hd,), np.float16)
     left = h.get(ws, (pa.CLUSTER_COUNTERS,), np.uint32)
     slice3 = slice(heads * hd * 3 // 8, heads * hd * 4 // 8)

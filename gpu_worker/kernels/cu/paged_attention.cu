@@ -111,7 +111,7 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 // The same sums as the combine (gp_fd_combine's weights), in two levels where P > 1. A row with
 // no key (a padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
 #ifndef GP_FDC_WARPS
-#define GP_FDC_WARPS 16   // paged_attention.CLUSTER_DECODE_THREADS / 32
+#define GP_FDC_WARPS 8   // paged_attention.CLUSTER_DECODE_THREADS / 32
 #endif
 #ifndef GP_FDC_CTAS
 #define GP_FDC_CTAS 8   // the most CTAs a cluster (paged_attention.CLUSTER_DECODE_CTAS; 16: non-portable)
@@ -120,10 +120,10 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #define GP_FDC_TILE_ROWS 1   // a 16-key tile's rows from one table lookup (0: one a row)
 #endif
 #ifndef GP_FDC_TMA
-#define GP_FDC_TMA 0   // the ring filled by the TMA unit from the pool's tensor map (a last kernel parameter; paged_attention.CLUSTER_DECODE_TMA)
+#define GP_FDC_TMA 1   // the ring filled by the TMA unit from the pool's tensor map (a last kernel parameter; paged_attention.CLUSTER_DECODE_TMA)
 #endif
 #ifndef GP_FDC_RING
-#define GP_FDC_RING 0   // tiles a warp keeps in flight in shared memory by bulk copies (0: loads; paged_attention.CLUSTER_DECODE_RING)
+#define GP_FDC_RING 2   // tiles a warp keeps in flight in shared memory (0: its loads; paged_attention.CLUSTER_DECODE_RING)
 #endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 #define GP_FDC_SLOT (3 * GP_FD_HPB * 128)   // floats of a part's slot: max, sum, acc a (head, dim)
