@@ -714,7 +714,7 @@ def _launch_wgmma(kernel: str, device, function, y: int, x: int, packed: int, sc
                   [ptr(y), ptr(x), ptr(packed), ptr(scales), ptr(bias), i32(m), i32(n), i32(k),
                    i32(1 if accumulate else 0), tmap(xmap), *(maps or ())], stream=stream,
                   shared_bytes=wgmma_shared_bytes(stages, groups, x_rows),
-                  cluster=(split, 1, 1) if split > 1 else None)
+                  cluster=(split, 1, 1) if split > 1 else None, pdl=True)
 
 
 WGMMA_ARCHES = ("sm_90", "sm_90a")   # the devices its sm_90a image loads on

@@ -79,6 +79,7 @@ def test_the_source_walker_sees_both_a_waiting_and_a_serialized_kernel() -> None
     funcs = _all_functions()
     assert _waits("gp_rmsnorm_f16", funcs) and _waits("gp_int4_mma_rows", funcs)
     assert _waits("gp_int4_mma_xa", funcs)
+    assert _waits("gp_int4_wgmma", funcs) and _waits("gp_int4_wgmma_tiled", funcs)
     assert not _waits("gp_layernorm", funcs), "gp_layernorm never waits: the walker is blind"
 
 

@@ -153,9 +153,11 @@ def test_the_wgmma_launch_takes_its_grid_and_cluster_from_the_plan() -> None:
         info = type("Info", (), {"ordinal": 0})()
         name = "sim"   # sm_count: SIM_SM_COUNT, the H200's 132
 
-        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None):
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None,
+                   pdl=False):
             self.call = (grid, block, shared_bytes, cluster)
             self.last_arg = args[-1]
+            assert pdl, "the wgmma kernel waits for its inputs itself (gp_pdl_wait)"
 
         def tensor_map_2d(self, address, inner, outer, row_bytes, box):
             self.map = (address, inner, outer, row_bytes, box)

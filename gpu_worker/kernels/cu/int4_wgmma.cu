@@ -29,6 +29,10 @@
 // wgmma.wait_group 1 (its group, two back, is done), so the tensor cores run one quant block
 // while the warps make the next.
 //
+// Launched with dependent launch: the first GP_WG_AHEAD stages' weights (constants) are issued
+// before gp_pdl_wait, so they stream while the kernel before still runs; x, y and every later
+// stage wait for it.
+//
 // K splits over a cluster of up to 8 CTAs where N alone leaves SMs idle: CTA q of a cluster takes
 // k-groups [KG q / S, KG (q + 1) / S) and the partials are summed through distributed shared
 // memory in rank order (gp_cluster_sum_store).
@@ -188,27 +192,37 @@ struct GpWgCopies {
     }
 };
 
-// k-group kg's x, weights and scales of this CTA into the stage at shared address `st`: x (and,
-// where WTMA, the weights and scales) by thread 0 on the stage's mbarrier, the rest one cp.async
-// commit group (an empty one where !live, past the CTA's K range, keeps the count even).
+// What gp_wg_issue copies: the weights and scales (constants: before the dependent-launch wait
+// too), x (the previous kernel's output: after it), or both.
+enum : int { GP_WG_WEIGHTS = 1, GP_WG_XS = 2, GP_WG_BOTH = 3 };
+
+// k-group kg's PARTS of this CTA into the stage at shared address `st`: x (and, where WTMA, the
+// weights and scales) by thread 0 on the stage's mbarrier, which expects the stage's bytes once
+// (with x, or where WTMA with the weights); the rest by cp.async. The x part closes a cp.async
+// commit group (an empty one where !live, past the CTA's K range, keeps the count even), so a
+// weights part issued alone joins the next x part's group.
 // maps: x's, and where WTMA the weights' and the scales'.
-template <bool TILED, bool WTMA>
+template <bool TILED, bool WTMA, int PARTS>
 __device__ __forceinline__ void gp_wg_issue(unsigned st, unsigned bar, const GpWgCopies<TILED>& cp,
                                             const GpTmap* const (&maps)[3], int tid, int row0,
                                             int kg, bool live) {
-    if (live && tid == 0) {
-        if (WTMA)   // the stage's shared loads (generic proxy) before the TMA unit's writes
-            gp_fence_proxy_async();
-        gp_mbar_expect(bar, GP_WG_X + (WTMA ? GP_WG_W + GP_WG_ROWS * 8 : 0));
-        gp_tma_2d(st, maps[0], kg * 128, 0, bar);
-        gp_tma_2d(st + GP_WG_XBOX, maps[0], kg * 128 + 64, 0, bar);
-        if (WTMA) {   // a tile's k-group piece: 128 u64 of weights, 16 of scales
+    if ((PARTS & GP_WG_WEIGHTS) && live) {
+        if (WTMA && tid == 0) {   // a tile's k-group piece: 128 u64 of weights, 16 of scales
+            gp_fence_proxy_async();   // the stage's shared loads (generic proxy) before the TMA writes
+            gp_mbar_expect(bar, GP_WG_X + GP_WG_W + GP_WG_ROWS * 8);
             gp_tma_2d(st + GP_WG_X, maps[1], kg * 128, row0 >> 4, bar);
             gp_tma_2d(st + GP_WG_X + GP_WG_W, maps[2], kg * 16, row0 >> 4, bar);
         }
+        if (!WTMA) cp.issue(st, kg, tid);
     }
-    if (live && !WTMA) cp.issue(st, kg, tid);
-    gp_cp_commit();
+    if (PARTS & GP_WG_XS) {
+        if (live && tid == 0) {
+            if (!WTMA) gp_mbar_expect(bar, GP_WG_X);
+            gp_tma_2d(st, maps[0], kg * 128, 0, bar);
+            gp_tma_2d(st + GP_WG_XBOX, maps[0], kg * 128 + 64, 0, bar);
+        }
+        gp_cp_commit();
+    }
 }
 
 // grid (S, ceil(N / GP_WG_ROWS)) in clusters of (S, 1, 1) where S > 1, GP_WG_THREADS threads,
@@ -247,10 +261,18 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
     gp_fence_mbar_init();
     __syncthreads();
     const GpWgCopies<TILED> cp(packed, scales, tid, row0, N, KG);
+    // the first stages' weights are in flight before the dependent-launch wait; x and y (the
+    // previous kernel's writes) and the next kernel wait for it
 #pragma unroll
     for (int i = 0; i < GP_WG_AHEAD; ++i)
-        gp_wg_issue<TILED, WTMA>(base + i * GP_WG_STAGE, bars + 8 * i, cp, maps, tid, row0, kg0 + i,
-                                 i < nk);
+        gp_wg_issue<TILED, WTMA, GP_WG_WEIGHTS>(base + i * GP_WG_STAGE, bars + 8 * i, cp, maps, tid,
+                                                row0, kg0 + i, i < nk);
+    gp_pdl_wait();
+    gp_pdl_release();
+#pragma unroll
+    for (int i = 0; i < GP_WG_AHEAD; ++i)
+        gp_wg_issue<TILED, WTMA, GP_WG_XS>(base + i * GP_WG_STAGE, bars + 8 * i, cp, maps, tid,
+                                           row0, kg0 + i, i < nk);
     for (int i = 0; i < nk; ++i) {
         gp_cp_wait<GP_WG_AHEAD - 1>();
         // k-group i's TMA boxes: the (i / STAGES)-th use of its stage's mbarrier
@@ -258,9 +280,9 @@ __device__ __forceinline__ void gp_int4_wgmma_body(float* y, const unsigned char
         // every thread's copies of k-group i landed; every warpgroup's wgmmas of i - 2 are done
         // (it waited for them before its last quant block), so their stage takes i + AHEAD
         __syncthreads();
-        gp_wg_issue<TILED, WTMA>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
-                                 bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, maps, tid, row0,
-                                 kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk);
+        gp_wg_issue<TILED, WTMA, GP_WG_BOTH>(base + ((i + GP_WG_AHEAD) % GP_WG_STAGES) * GP_WG_STAGE,
+                                             bars + 8 * ((i + GP_WG_AHEAD) % GP_WG_STAGES), cp, maps,
+                                             tid, row0, kg0 + i + GP_WG_AHEAD, i + GP_WG_AHEAD < nk);
         const int so = (i % GP_WG_STAGES) * GP_WG_STAGE;
         const unsigned st = base + so;
         // slice s's descriptor: box s >> 2 (GP_WG_XBOX on) at + 32 (s & 3) bytes (the swizzle is of
