@@ -158,3 +158,33 @@ def test_every_kernel_def_entry_is_found_by_the_walker() -> None:
     funcs = _all_functions()
     missing = sorted(k.entry for k in ALL_KERNELS if k.entry not in funcs)
     assert not missing, f"the source walker cannot find {missing}"
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 32, 40, 64])
+def test_every_int4_linear_the_step_routes_to_is_launched_with_pdl(m: int) -> None:
+    """The paged decode above runs at most 8 rows, so it never reaches the kernels that serve
+    more (xa from 9, wgmma from 40 on sm_90): each routed entry, both weight layouts, is
+    launched with pdl here, at the 8b shapes' N and K."""
+    from gpu_worker.kernels.int4_batched import MMA_KERNELS, MMA_KERNELS_TILED, mma_kernel
+
+    class Recorder:
+        info = type("Info", (), {"ordinal": 0})()
+        name = "sim"
+
+        def __init__(self) -> None:
+            self.pdl: list[bool] = []
+
+        def launch(self, fn, grid, block, args, stream=None, shared_bytes=0, cluster=None,
+                   pdl=False) -> None:
+            self.pdl.append(pdl)
+
+        def tensor_map_2d(self, address, inner, outer, row_bytes, box, element_bytes=2,
+                          swizzle=128) -> bytes:
+            return bytes(128)
+
+    kind = mma_kernel(m, "sm_90")
+    for kernels in (MMA_KERNELS, MMA_KERNELS_TILED):
+        for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+            dev = Recorder()
+            kernels[kind].launcher(dev, None, 16, 16, 16, 16, 0, m, n, k)
+            assert dev.pdl == [True], f"{kernels[kind].entry} at {m} rows launched serialized"
