@@ -396,3 +396,58 @@ def test_the_32_row_wgmma_build_keeps_the_contract_and_a_rows_bits_at_any_batch(
     harness.close()
     assert all(np.array_equal(f, firsts[0]) for f in firsts[1:])
 
+
+
+def test_a_chain_of_wgmma_linears_with_dependent_launch_gives_the_serialized_chains_bits(
+        harness) -> None:
+    """The decode step's pattern at 64 rows: an rmsnorm writes x (fp16), the wgmma linear reads
+    it and accumulates into the residual the next rmsnorm reads, eight times over. With
+    dependent launch a wgmma launch may start while its norm still runs (its first weights are
+    issued before gp_pdl_wait, x after), and the next norm while it runs: the residual must be
+    the serialized chain's bit for bit, eager and replayed from a captured graph."""
+    from gpu_worker.kernels import reference as ref
+    from gpu_worker.kernels.int4_batched import INT4_WGMMA_TILED, mma_kernel, rows_tiled
+    from gpu_worker.kernels.norm import RMSNORM_F16, launch_rmsnorm_f16
+
+    dev = harness.device
+    m, n = 64, 4096   # wo's shape: square, so the chain closes; K split over a cluster of 6
+    assert mma_kernel(m, dev.info.arch) == "wgmma"
+    rng = np.random.default_rng(37)
+    packed, scales = ref.int4_quantize(rng.standard_normal((n, n)).astype(np.float32) / 16)
+    tpk, tsc = (harness.put(a) for a in rows_tiled(packed, scales))
+    h0 = rng.standard_normal((m, n)).astype(np.float32)
+    hd, xd = harness.put(h0), harness.put(np.zeros((m, n), np.float16))
+    wd = harness.put(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    norm, linear = harness.function(RMSNORM_F16), harness.function(INT4_WGMMA_TILED)
+
+    def chain(stream=None) -> None:
+        for _ in range(8):
+            launch_rmsnorm_f16(dev, norm, xd, hd, wd, m, n, 1e-5, stream=stream)
+            INT4_WGMMA_TILED.launcher(dev, linear, hd, xd, tpk, tsc, 0, m, n, n, accumulate=True,
+                                      stream=stream)
+
+    def run(launch) -> np.ndarray:
+        dev.synchronize()
+        dev.to_device(hd, h0)
+        launch()
+        return harness.get(hd, (m, n))
+
+    on = dev.dependent_launch
+    try:
+        dev.dependent_launch = False
+        want = run(chain)
+        dev.dependent_launch = True
+        eager = [run(chain) for _ in range(3)]
+        with dev.capture() as cap:
+            chain(cap.stream)
+        try:
+            replayed = [run(lambda: dev.replay(cap.graph_exec)) for _ in range(3)]
+        finally:
+            dev.synchronize()
+            dev.destroy_graph_exec(cap.graph_exec)
+    finally:
+        dev.dependent_launch = on
+    harness.close()
+    assert np.isfinite(want).all() and not np.array_equal(want, h0), "the chain did nothing"
+    for i, got in enumerate(eager + replayed):
+        assert np.array_equal(got, want), (i, np.abs(got - want).max())
