@@ -51,7 +51,10 @@ whether mma_kernel should route 17..64 rows to one of them. `--wgmma` times gp_i
 its m64n32k16 build at 16 / 24 / 32 rows) at 32 / 48 / 64 rows over the
 weight in the model's layout (the tiled entry where tiled_layout holds) against
 gp_int4_mma_xa on the same copies, each checked against it first (what sets
-int4_batched.WGMMA_MIN_ROWS). `--xa-ablate` times, at 64 rows, gp_int4_mma_xa beside builds that each remove a part of its loop
+int4_batched.WGMMA_MIN_ROWS). `--wgmma-split-sweep` times the library's gp_int4_wgmma at 48
+and 64 rows at every K split (CTAs of a cluster) its launcher takes, each checked against the
+plan's result first, against int4_batched.wgmma_plan's split: the figures that rule is set
+from. `--xa-ablate` times, at 64 rows, gp_int4_mma_xa beside builds that each remove a part of its loop
 (XA_ABLATION_BUILDS: the copies, the dequantize, the shared-memory fragment loads; GP_XA_DROP
 of cu/int4_xa.cu): timing only, their outputs are wrong and never checked, so what each build
 keeps of xa's time is what the rest of the loop costs.
@@ -113,6 +116,7 @@ from gpu_worker.kernels.int4_batched import (
     tile_scales,
     tiled_layout,
     wgmma_build,
+    wgmma_plan,
     x_tiles,
     xa_plan,
     xa_shared_bytes,
@@ -386,6 +390,31 @@ def wgmma_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
     return out
 
 
+WGMMA_SPLIT_BATCHES = (48, 64)   # --wgmma-split-sweep: rows it times every split at
+
+
+def wgmma_split_times(dev, h, weights, x, y, n: int, k: int, reps: int, trials: int,
+                      tiled: bool) -> dict:
+    """{(rows, split): seconds} of the library's gp_int4_wgmma (its tiled entry where `tiled`)
+    at WGMMA_SPLIT_BATCHES rows and every K split 1..min(MAX_SPLIT, k-groups), each checked
+    first against wgmma_plan's split (another summation order: the contract's tolerance); a
+    difference raises WrongBuild."""
+    kdef = (MMA_KERNELS_TILED if tiled else MMA_KERNELS)["wgmma"]
+    plan = wgmma_plan(n, k, sm_count(dev))
+    out = {}
+    for b in WGMMA_SPLIT_BATCHES:
+        y_ref = h.put(np.zeros((b, n), np.float32))
+        packed, scales = weights[0]
+        kdef.launcher(dev, h.function(kdef), y_ref, x, packed, scales, 0, b, n, k, split=plan)
+        want = h.get(y_ref, (b, n))
+        for split in range(1, min(MAX_SPLIT, k // MMA_K_ALIGN) + 1):
+            _check_near(h, kdef, {"split": split}, weights, x, y, b, n, k, want)
+            out[b, split] = ours(dev, _launcher(dev, h.function(kdef), weights, x, y, b, n, k,
+                                                False, kdef=kdef, kw={"split": split}),
+                                 reps, trials)
+    return out
+
+
 XK_BATCHES = (24, 32, 48, 64)
 
 
@@ -579,6 +608,9 @@ def main() -> int:
     ap.add_argument("--wgmma-x-rows", type=int, default=64, choices=(32, 64),
                     help="--wgmma on the kernel built for this many rows of x (32: m64n32k16, "
                          f"timed at {WGMMA_BATCHES_N32} rows)")
+    ap.add_argument("--wgmma-split-sweep", action="store_true",
+                    help="time the library's gp_int4_wgmma at 48 / 64 rows at every K split "
+                         "against wgmma_plan's")
     ap.add_argument("--xk", action="store_true",
                     help="time gp_int4_mma_xk4 / xk8 (K over a block's warps) against the default "
                          "kernel at 24 / 32 / 48 / 64 rows")
@@ -611,6 +643,7 @@ def main() -> int:
     step_ablate: dict[str, float] = {}
     step_xk = {(b, key): 0.0 for b in XK_BATCHES for key in (*XK_BUILDS, "best", "default")}
     step_wgmma_best = dict(step_wgmma)
+    step_split = {(b, key): 0.0 for b in WGMMA_SPLIT_BATCHES for key in ("plan", "best")}
     step_default = dict(step_wgmma)
     have_torch = args.backend == "cuda"
     copy = limits.copy_gbs * 1e9 if limits else float("nan")
@@ -685,6 +718,18 @@ def main() -> int:
                     step_wgmma[b] += uses * t
                     step_wgmma_best[b] += uses * min(t, base)
                     step_default[b] += uses * base
+            if args.wgmma_split_sweep:
+                split_times = wgmma_split_times(dev, h, decode_w, x16, y, n, k, args.reps,
+                                                args.trials, laid)
+                plan = wgmma_plan(n, k, sms)
+                for b in WGMMA_SPLIT_BATCHES:
+                    row = {sp: t for (bb, sp), t in split_times.items() if bb == b}
+                    best = min(row, key=row.get)
+                    print(f"  {name} n={n} k={k} b{b} wgmma by split, us: " + " ".join(
+                        f"{sp}{'*' if sp == plan else ''} {t * 1e6:.1f}" for sp, t in row.items())
+                        + f"   best {best}, plan {plan} (*)", flush=True)
+                    step_split[b, "plan"] += uses * row[plan]
+                    step_split[b, "best"] += uses * row[best]
             if args.xk:
                 xk = xk_times(dev, h, weights, x16, y, n, k, args.reps, args.trials,
                               args.xk_stages)
@@ -814,6 +859,14 @@ def main() -> int:
             targets.figure(f"decode step int4 linears, {b} rows, {build}", t_wg * 1e3, "ms")
             targets.figure(f"decode step int4 linears, {b} rows, {build} where faster",
                            step_wgmma_best[b] * 1e3, "ms")
+    if args.wgmma_split_sweep:
+        print("decode step's linears on gp_int4_wgmma at wgmma_plan's split, and at the "
+              "fastest split per shape, ms:")
+        for b in WGMMA_SPLIT_BATCHES:
+            print(f"  batch {b:3d}: plan {step_split[b, 'plan'] * 1e3:8.3f}, fastest split "
+                  f"{step_split[b, 'best'] * 1e3:8.3f}")
+            targets.figure(f"decode step int4 linears, {b} rows, wgmma at the fastest split",
+                           step_split[b, "best"] * 1e3, "ms")
     if args.xk:
         print(f"decode step's linears on each gp_int4_mma_xk build (nt/wk, stages "
               f"{args.xk_stages}) at its plan, and on the fastest of them and the default per "

@@ -158,3 +158,15 @@ def test_the_wgmma_times_run_on_the_models_tiled_layout(setup, monkeypatch) -> N
     every_second_read_off(h, monkeypatch)   # the wgmma result's, not the default's
     with pytest.raises(bench.WrongBuild):
         bench.wgmma_times(dev, h, tiled, x, y, N, K, 1, 1, tiled=True)
+
+
+def test_the_wgmma_split_sweep_times_every_split_its_launcher_takes(setup, monkeypatch) -> None:
+    """--wgmma-split-sweep: K = 384 is 3 k-groups, so splits 1, 2 and 3, each checked against
+    wgmma_plan's split first; a wrong result stops the sweep."""
+    dev, h, weights, x, y = setup
+    monkeypatch.setattr(bench, "WGMMA_SPLIT_BATCHES", (64,))
+    times = bench.wgmma_split_times(dev, h, weights, x, y, N, K, 1, 1, tiled=False)
+    assert set(times) == {(64, 1), (64, 2), (64, 3)} and all(t > 0 for t in times.values())
+    every_second_read_off(h, monkeypatch)   # a split's result, not the plan's
+    with pytest.raises(bench.WrongBuild):
+        bench.wgmma_split_times(dev, h, weights, x, y, N, K, 1, 1, tiled=False)
