@@ -82,6 +82,9 @@ CLUSTER_DECODE_HEAD_DIMS = (64, 128)
 # head block, rank), then a part's slot of (max, sum, acc) per (head, dim) of a head block
 MAX_DECODE_PARTS = 4
 CLUSTER_DECODE_PARTS = 1   # the library's most parts: one until measured faster (GP_FDC_PARTS)
+# keys a part at least: a row of fewer runs in fewer parts (GP_FDC_PART_KEYS, a launch argument;
+# 0: every part runs whatever the row's length)
+CLUSTER_PART_KEYS = 0
 CLUSTER_SLOT_FLOATS = 3 * DECODE_HEADS_PER_BLOCK * 128     # GP_FDC_SLOT
 CLUSTER_COUNTERS = MAX_CLUSTER_CTAS                         # GP_FDC_COUNTERS
 CLUSTER_DECODE_SMS = 192   # the most SMs cluster_decode_may_run plans the workspace for
@@ -296,11 +299,13 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                                       threads: int = CLUSTER_DECODE_THREADS,
                                       ctas: int = CLUSTER_DECODE_CTAS, parts: int = 1,
                                       workspace: int = 0, ring: int = CLUSTER_DECODE_RING,
-                                      tma: bool = CLUSTER_DECODE_TMA, pool_blocks: int = 0) -> None:
+                                      tma: bool = CLUSTER_DECODE_TMA, pool_blocks: int = 0,
+                                      part_keys: int = CLUSTER_PART_KEYS) -> None:
     """The whole paged decode of a small batch in one kernel: fp16 out from q and the pool,
-    each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each.
-    head_dim 64 or 128. parts > 1 needs `workspace` (cluster_decode_workspace_bytes at least
-    `parts`, its counters zero). Another build's threads, ctas, ring (the shared memory it is
+    each row split by its actual length over `parts` clusters of `ctas` CTAs of `threads` each
+    (`part_keys` > 0: over min(parts, ceil(keys / part_keys)) of them, at least one, the rest
+    leaving at once). head_dim 64 or 128. parts > 1 needs `workspace`
+    (cluster_decode_workspace_bytes at least `parts`, its counters zero). Another build's threads, ctas, ring (the shared memory it is
     launched with) and tma (the pool's tensor map, which needs the pool's `pool_blocks`):
     decode_cluster_build."""
     kernel = "flash_decode_paged_cluster"
@@ -312,6 +317,8 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
     require(positions and table, f"{kernel}: needs positions and a table")
     require(1 <= parts <= MAX_DECODE_PARTS, f"{kernel}: parts={parts} must be 1..{MAX_DECODE_PARTS}")
     require(1 <= ctas <= MAX_CLUSTER_CTAS, f"{kernel}: ctas={ctas} must be 1..{MAX_CLUSTER_CTAS}")
+    require(0 <= part_keys < 1 << 30, f"{kernel}: part_keys={part_keys} must be >= 0 (0: every "
+            f"part runs)")
     require(0 <= ring <= MAX_DECODE_RING, f"{kernel}: ring={ring} must be 0..{MAX_DECODE_RING}")
     require(not tma or (ring and pool_blocks > 0),
             f"{kernel}: a TMA build needs a ring and the pool's blocks (pool_blocks={pool_blocks})")
@@ -327,7 +334,7 @@ def launch_flash_decode_paged_cluster(device, function, out: int, q: int, pool: 
                   (threads, 1, 1),
                   [ptr(out), ptr(workspace if parts > 1 else 0), ptr(q), ptr(pool), ptr(positions),
                    ptr(table), i32(batch), i32(heads), i32(kv_heads), i32(head_dim), i32(layer),
-                   i32(layers), i32(block_tokens), i32(max_blocks), i32(parts),
+                   i32(layers), i32(block_tokens), i32(max_blocks), i32(parts), i32(part_keys),
                    f32(_scale(head_dim, scale))]
                   + ([tmap(pool_tensor_map(device, pool, blocks=pool_blocks, layers=layers,
                                            block_tokens=block_tokens, kv_heads=kv_heads,
@@ -368,7 +375,8 @@ def launch_flash_decode_paged(device, split_function, combine_function, out: int
                                           block_tokens, max_blocks, scale=scale, stream=stream,
                                           threads=build.threads, ctas=ctas, parts=parts,
                                           workspace=cluster_workspace, ring=build.ring,
-                                          tma=build.tma, pool_blocks=pool_blocks)
+                                          tma=build.tma, pool_blocks=pool_blocks,
+                                          part_keys=build.part_keys)
         return
     span = span or paged_decode_span(max_blocks, block_tokens, batch, heads, kv_heads)
     launch_flash_decode_split_paged(device, split_function, workspace, q, pool, positions, table,
@@ -441,8 +449,9 @@ def decode_split_build(**defines: int) -> KernelDef:
 class ClusterBuild:
     """A build of gp_flash_decode_paged_cluster and the launch it needs: `threads` a CTA
     (GP_FDC_WARPS * 32), at most `ctas` a cluster (GP_FDC_CTAS; above 8, a non-portable
-    cluster), at most `parts` clusters a (row, head block) (GP_FDC_PARTS) and `ring` tiles a
-    warp in flight in shared memory (GP_FDC_RING)."""
+    cluster), at most `parts` clusters a (row, head block) (GP_FDC_PARTS), `part_keys` keys a
+    part at least (GP_FDC_PART_KEYS) and `ring` tiles a warp in flight in shared memory
+    (GP_FDC_RING)."""
 
     kernel: KernelDef
     threads: int = CLUSTER_DECODE_THREADS
@@ -450,17 +459,22 @@ class ClusterBuild:
     parts: int = CLUSTER_DECODE_PARTS
     ring: int = CLUSTER_DECODE_RING
     tma: bool = CLUSTER_DECODE_TMA   # GP_FDC_TMA: the ring filled from the pool's tensor map
+    part_keys: int = CLUSTER_PART_KEYS
 
 
 def decode_cluster_build(**defines: int) -> ClusterBuild:
     """gp_flash_decode_paged_cluster built with the given GP_FDC_* (and GP_FD_*) macros
     (paged_attention.cu: GP_FDC_WARPS, GP_FDC_CTAS; GP_FDC_PARTS bounds the launch's parts
-    only); none: the library's build. decode_attention_bench --build times such builds."""
+    and GP_FDC_PART_KEYS is its part_keys, neither a macro); none: the library's build.
+    decode_attention_bench --build times such builds."""
     kernel = "flash_decode_paged_cluster"
     warps = defines.get("GP_FDC_WARPS", CLUSTER_DECODE_THREADS // 32)
     ctas = defines.get("GP_FDC_CTAS", CLUSTER_DECODE_CTAS)
     parts = defines.get("GP_FDC_PARTS", CLUSTER_DECODE_PARTS)
     ring = defines.get("GP_FDC_RING", CLUSTER_DECODE_RING)
+    part_keys = defines.get("GP_FDC_PART_KEYS", CLUSTER_PART_KEYS)
+    require(isinstance(part_keys, int) and part_keys >= 0,
+            f"{kernel}: GP_FDC_PART_KEYS={part_keys!r} must be >= 0 (0: every part runs)")
     require(isinstance(warps, int) and 1 <= warps <= 32, f"{kernel}: GP_FDC_WARPS={warps!r} must be 1..32")
     require(isinstance(ctas, int) and 1 <= ctas <= MAX_CLUSTER_CTAS,
             f"{kernel}: GP_FDC_CTAS={ctas!r} must be 1..{MAX_CLUSTER_CTAS}")
@@ -479,10 +493,10 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
             f"(cluster_decode_ring_bytes; fewer warps or a shorter ring)")
     if not defines:
         return ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
-    macros = {k: v for k, v in defines.items() if k != "GP_FDC_PARTS"}
+    macros = {k: v for k, v in defines.items() if k not in ("GP_FDC_PARTS", "GP_FDC_PART_KEYS")}
     kdef = (FLASH_DECODE_PAGED_CLUSTER if not macros else dataclasses.replace(
         FLASH_DECODE_PAGED_CLUSTER, source=_build_source(kernel, macros)))
-    return ClusterBuild(kdef, 32 * warps, ctas, parts, ring, bool(tma))
+    return ClusterBuild(kdef, 32 * warps, ctas, parts, ring, bool(tma), part_keys)
 
 
 KERNELS = [KV_APPEND_PAGED, FLASH_DECODE_SPLIT_PAGED, FLASH_COMBINE_PAGED,

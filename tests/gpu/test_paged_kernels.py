@@ -252,3 +252,22 @@ def test_a_decode_over_several_clusters_gives_the_same_bits_whichever_part_finis
     for o in outs:
         assert o.failure() is None, o.failure()
     assert all(np.array_equal(outs[0].got, o.got) for o in outs[1:])
+
+
+@pytest.mark.parametrize("position,ran", [(2999, 1), (8191, 2), (16383, 4)])
+def test_a_row_runs_in_the_parts_its_length_asks_and_one_part_gives_the_one_part_decodes_bits(
+        harness, position, ran) -> None:
+    """part_keys 4096 over a launch of 4 parts: 3,000 keys run in one part (its bits those of
+    the one-part launch: the same spans, no merge through the workspace), 8,192 in two, 16,384
+    in four; each keeps to the oracle and leaves every counter at zero."""
+    def case(parts, part_keys=None):
+        return paged_decode_cluster_case(harness, np.random.default_rng(11), **LLAMA,
+                                         positions=[position], parts=parts, part_keys=part_keys)
+    fewer = case(4, 4096)
+    assert fewer.failure() is None, fewer.failure()
+    if ran == 1:
+        one = case(1)
+        assert np.array_equal(fewer.got[:one.got.size], one.got.reshape(-1))
+    else:
+        alike = case(ran)   # the same spans: a launch of exactly the parts the row ran in
+        assert np.array_equal(fewer.got, alike.got)

@@ -123,6 +123,42 @@ def test_a_cluster_build_launches_the_threads_and_ctas_its_macros_name() -> None
     assert {"-DGP_FDC_WARPS=8", "-DGP_FDC_CTAS=16"} <= set(options)
 
 
+def test_the_keys_a_part_are_a_launch_argument_not_a_build() -> None:
+    """GP_FDC_PART_KEYS, like GP_FDC_PARTS, changes the launch only: the library's module,
+    its part_keys on the build; a negative count is refused before anything compiles."""
+    build = pa.decode_cluster_build(GP_FDC_PARTS=2, GP_FDC_PART_KEYS=4096)
+    assert build.kernel is pa.FLASH_DECODE_PAGED_CLUSTER and (build.parts, build.part_keys) == (2, 4096)
+    assert pa.decode_cluster_build().part_keys == pa.CLUSTER_PART_KEYS == 0, "every part runs"
+    with pytest.raises(InvalidArgument, match="GP_FDC_PART_KEYS"):
+        pa.decode_cluster_build(GP_FDC_PART_KEYS=-16)
+
+
+def test_a_short_row_in_fewer_parts_moves_no_counter(harness) -> None:
+    """With part_keys 256 a 40-key row runs in one part of the launch's two: it merges in its
+    cluster alone, so even a counter that is not zero is left as it was and every output is
+    written; a 400-key row runs in both and meets through the counters as before."""
+    h, dev = harness, harness.device
+    heads, kv_heads, hd, parts = 4, 1, 128, 2
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((32, 2, 2, 16, kv_heads, hd), dtype=np.float32).astype(np.float16)
+    q = h.put(rng.standard_normal(heads * hd, dtype=np.float32).astype(np.float16))
+    pool_d, table = h.put(pool), h.put(np.arange(32, dtype=np.int32)[None])
+    for position, moved in ((39, 0), (399, parts)):
+        out = h.put(np.full(heads * hd, np.nan, np.float16))
+        ws_host = np.zeros(pa.cluster_decode_workspace_bytes(batch=1, heads=heads, kv_heads=kv_heads,
+                                                             parts=parts) // 4, np.uint32)
+        ws_host[3] = 5   # rank 3's counter
+        ws = h.put(ws_host)
+        pa.launch_flash_decode_paged_cluster(
+            dev, h.function(pa.FLASH_DECODE_PAGED_CLUSTER), out, q, pool_d,
+            h.put(np.array([position], np.int32)), table, 1, heads, kv_heads, hd, 1, 2, 16, 32,
+            parts=parts, workspace=ws, pool_blocks=32, part_keys=256)
+        got = h.get(out, (heads * hd,), np.float16)
+        left = h.get(ws, (pa.CLUSTER_COUNTERS,), np.uint32)
+        assert left[3] == 5 + moved and not left[:3].any() and not left[4:].any(), (position, left)
+        assert np.isnan(got).any() == bool(moved), position
+
+
 def test_sampler_compiles_without_spills() -> None:
     log = _log(sampling.SOURCE)
     section = log.split("Compiling entry function 'gp_sample'")[1].split("Compile time")[0]

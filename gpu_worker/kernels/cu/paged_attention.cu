@@ -108,8 +108,13 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 //          the last of the P CTAs r to arrive (a counter a (row, head block, r), which it sets
 //          back to 0) merges the P slots in part order and writes the fp16 output: the bits do
 //          not depend on which part came last.
-// The same sums as the combine (gp_fd_combine's weights), in two levels where P > 1. A row with
-// no key (a padding row) comes out zero; every CTA, empty or not, meets both cluster barriers.
+//   part_keys > 0: a row runs in Pe = min(P, ceil(keys / part_keys)) parts (at least 1), so a
+//          short row pays no merge through the workspace; the clusters of parts Pe.. leave at
+//          once (a cluster is one part of one row: all its CTAs leave together). 0: every part
+//          runs (paged_attention.launch_flash_decode_paged_cluster).
+// The same sums as the combine (gp_fd_combine's weights), in two levels where Pe > 1. A row with
+// no key (a padding row) comes out zero; every CTA that stays, empty or not, meets both cluster
+// barriers.
 #ifndef GP_FDC_WARPS
 #define GP_FDC_WARPS 8   // paged_attention.CLUSTER_DECODE_THREADS / 32
 #endif
@@ -159,15 +164,16 @@ __shared__ float gp_fdc_state[GP_FD_HPB * (128 + 2)];   // a CTA's state: max, s
 __shared__ int gp_fdc_last;                              // this CTA merges the parts (P > 1)
 
 // After the split block: this CTA's 1/S of the block's (head, dim) outputs [lo, hi) merged over
-// the cluster's states; where P > 1, then over the parts' slots by the last CTA r to arrive.
-// Its indices are recomputed here, so nothing is held live across the block.
+// the cluster's states; where the row runs in Pe > 1 parts, then over the parts' slots by the
+// last CTA r of the Pe to arrive (the workspace laid out for the launch's P parts). Its indices
+// are recomputed here, so nothing is held live across the block.
 template <int D>
 __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, float* __restrict__ ws,
-                                             int nh, int rank, int S, int part, int P,
+                                             int nh, int rank, int S, int part, int P, int Pe,
                                              long long unit) {
     const unsigned base = gp_smem(gp_fdc_state);
     const int total = nh * D, lo = total * rank / S, hi = total * (rank + 1) / S;
-    if (P == 1) {
+    if (Pe == 1) {
         for (int idx = lo + (int)threadIdx.x; idx < hi; idx += (int)blockDim.x) {
             const float3 r = gp_fdc_gather<D>(base, idx, S);
             out[idx] = gp_f2h(r.y > 0.f ? r.z / r.y : 0.f);
@@ -189,7 +195,7 @@ __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, f
     __syncthreads();
     if (threadIdx.x == 0) {
         const unsigned before = atomicAdd(count, 1u);
-        gp_fdc_last = before == (unsigned)(P - 1);
+        gp_fdc_last = before == (unsigned)(Pe - 1);
         if (gp_fdc_last) *count = 0u;   // every part has arrived: ready for the next launch
     }
     __syncthreads();
@@ -201,9 +207,9 @@ __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, f
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const float* sl = slots + c * GP_FDC_SLOT;
-            m[c] = c < P ? __ldcg(sl + idx) : -INFINITY;
-            l[c] = c < P ? __ldcg(sl + GP_FD_HPB * 128 + idx) : 0.f;
-            a[c] = c < P ? __ldcg(sl + 2 * GP_FD_HPB * 128 + idx) : 0.f;
+            m[c] = c < Pe ? __ldcg(sl + idx) : -INFINITY;
+            l[c] = c < Pe ? __ldcg(sl + GP_FD_HPB * 128 + idx) : 0.f;
+            a[c] = c < Pe ? __ldcg(sl + 2 * GP_FD_HPB * 128 + idx) : 0.f;
             mx = fmaxf(mx, m[c]);
         }
         float lt = 0.f, o = 0.f;
@@ -219,16 +225,17 @@ __device__ __forceinline__ void gp_fdc_merge(unsigned short* __restrict__ out, f
 
 __device__ __noinline__ void gp_fdc_finish(unsigned short* __restrict__ out, float* __restrict__ ws,
                                            int heads, int kv_heads, int head_dim, int unit,
-                                           int hbi, int part, int P) {
+                                           int hbi, int part, int P, int Pe) {
     const int2 cl = gp_cluster_rank_size();
     const gp_head_block hb = gp_decode_heads(hbi, heads, kv_heads);
     unsigned short* o = out + ((long long)blockIdx.z * heads + hb.h0) * head_dim;
-    if (head_dim == 128) gp_fdc_merge<128>(o, ws, hb.nh, cl.x, cl.y, part, P, unit);
-    else gp_fdc_merge<64>(o, ws, hb.nh, cl.x, cl.y, part, P, unit);
+    if (head_dim == 128) gp_fdc_merge<128>(o, ws, hb.nh, cl.x, cl.y, part, P, Pe, unit);
+    else gp_fdc_merge<64>(o, ws, hb.nh, cl.x, cl.y, part, P, Pe, unit);
 }
 
 // grid (S, kv_heads * ceil(group / 4) * P, batch) in clusters of (S, 1, 1), S <= GP_FDC_CTAS,
-// P <= 4 (blockIdx.y = head block * P + part); GP_FDC_WARPS * 32 threads; head_dim 64 or 128;
+// P <= 4 (blockIdx.y = head block * P + part), part_keys >= 0 (above); GP_FDC_WARPS * 32
+// threads; head_dim 64 or 128;
 // ws: none where P = 1, else cluster_decode_workspace_bytes with its counters zero
 // (paged_attention.launch_flash_decode_paged_cluster).
 extern "C" __global__ void __launch_bounds__(GP_FDC_WARPS * 32, 1)
@@ -237,7 +244,8 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
                               const unsigned short* __restrict__ pool,
                               const int* __restrict__ positions, const int* __restrict__ table,
                               int batch, int heads, int kv_heads, int head_dim, int layer,
-                              int layers, int block_tokens, int max_blocks, int parts, float scale
+                              int layers, int block_tokens, int max_blocks, int parts,
+                              int part_keys, float scale
 #if GP_FDC_TMA
                               , const __grid_constant__ GpTmap poolmap   // paged_attention.pool_tensor_map
 #endif
@@ -258,7 +266,9 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
     const int rank = cl.x, S = cl.y, b = blockIdx.z, P = parts;
     const int hbi = blockIdx.y / P, part = blockIdx.y - hbi * P;
     const int nkeys = gp_paged_nkeys(positions, b, max_blocks * block_tokens);
-    const int span = ((nkeys + S * P - 1) / (S * P) + 15) / 16 * 16;
+    const int Pe = part_keys > 0 ? min(P, max(1, (nkeys + part_keys - 1) / part_keys)) : P;
+    if (part >= Pe) return;   // this part's whole cluster: the row runs in fewer parts
+    const int span = ((nkeys + S * Pe - 1) / (S * Pe) + 15) / 16 * 16;
     const int j0 = min((part * S + rank) * span, nkeys), j1 = min(j0 + span, nkeys);
     const gp_head_block hb = gp_decode_heads(hbi, heads, kv_heads);
     const int hk = hb.hk, h0 = hb.h0, nh = hb.nh;
@@ -280,7 +290,8 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
         gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma>(
             gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 66, smem, nkeys - 1, ring, pm);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
-    gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part, P);
+    gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part,
+                  P, Pe);
     gp_cluster_sync();   // no CTA leaves while another still reads its state
 }
 

@@ -8,6 +8,8 @@ exactly.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from gpu_worker.kernels import reference as ref
@@ -150,14 +152,18 @@ def paged_decode_case(h: KernelHarness, rng, heads, kv_heads, head_dim, position
 
 def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, positions,
                               block_tokens=16, layers=2, layer=1, replay_positions=None,
-                              build: ClusterBuild | None = None, parts: int = 1) -> Outcome:
+                              build: ClusterBuild | None = None, parts: int = 1,
+                              part_keys: int | None = None) -> Outcome:
     """The one-kernel paged decode (gp_flash_decode_paged_cluster) against the oracle: rows at
     per-row positions (-1 rows zero), each split over `parts` clusters of CTAs by its actual
     length; with parts > 1 the workspace's counters (zero before) must be zero after every
     launch. With `replay_positions` the launch is captured once and replayed after each change
     of the device positions (the split is read from them on the device, never baked into the
-    graph). `build`: another build of the kernel (decode_cluster_build), launched as it needs."""
+    graph). `build`: another build of the kernel (decode_cluster_build), launched as it needs;
+    `part_keys`: the launch's keys a part at least (else the build's)."""
     build = build or decode_cluster_build()
+    if part_keys is not None:
+        build = dataclasses.replace(build, part_keys=part_keys)
     steps = [np.asarray(positions, np.int32)] + [np.asarray(x, np.int32) for x in (replay_positions or [])]
     batch = steps[0].size
     need = max(int(s.max()) for s in steps) + 1
@@ -178,7 +184,7 @@ def paged_decode_cluster_case(h: KernelHarness, rng, heads, kv_heads, head_dim, 
                                           head_dim, layer, layers, block_tokens, max_blocks,
                                           stream=stream, threads=build.threads, ctas=build.ctas,
                                           parts=parts, workspace=ws, ring=build.ring, tma=build.tma,
-                                          pool_blocks=capacity)
+                                          pool_blocks=capacity, part_keys=build.part_keys)
 
     def run(step) -> tuple[np.ndarray, np.ndarray]:
         got = h.get(out, (batch, heads * head_dim), H).astype(np.float32)
@@ -307,6 +313,12 @@ PAGED_CASES: list[Case] = [
        positions=[1000, 127, 129], block_tokens=32, parts=3),
     _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
        replay_positions=[[-1], [700], [3], [9000]], parts=4),
+    # parts by the row's length (part_keys 256): rows of 1..301 keys in one part, longer in
+    # two to four; the parts a row does not run leave, and no counter moves for a one-part row
+    _c(CLUSTER, paged_decode_cluster_case, heads=8, kv_heads=2, head_dim=128,
+       positions=[0, 15, 16, -1, 200, 300, 4100], parts=2, part_keys=256),
+    _c(CLUSTER, paged_decode_cluster_case, heads=4, kv_heads=1, head_dim=128, positions=[40],
+       replay_positions=[[-1], [700], [3], [9000]], parts=4, part_keys=256),
     _c(PREFILL, paged_prefill_case, tokens=1, heads=2, kv_heads=1, head_dim=16, start=0, chunk_len=1),
     _c(PREFILL, paged_prefill_case, tokens=40, heads=4, kv_heads=2, head_dim=16, start=0, chunk_len=33),
     _c(PREFILL, paged_prefill_case, tokens=70, heads=8, kv_heads=2, head_dim=64, start=37,

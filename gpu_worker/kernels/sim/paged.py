@@ -104,14 +104,15 @@ def _flash_combine_paged(mem, grid, block, args) -> None:
 @register_sim_kernel("gp_flash_decode_paged_cluster")
 def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     """The whole decode in one kernel: each row over its actual keys, split into grid[0] CTAs
-    times `parts` clusters (as the CUDA kernel's CTAs), merged like the combine; a row with no
-    key is zeros. With parts > 1, the counters of the workspace decide as on the device: a
+    times the parts it runs in (`parts`, or where part_keys > 0 min(parts, ceil(keys /
+    part_keys)), as the CUDA kernel's CTAs), merged like the combine; a row with no key is
+    zeros. In more than one part, the counters of the workspace decide as on the device: a
     (row, head block, rank) whose counter is not zero gets no merge, so its outputs are left
-    unwritten and its counter goes up by `parts`."""
+    unwritten and its counter goes up by the parts that ran."""
     (out, ws, q, pool, positions, table, batch, heads, kv_heads, head_dim, layer, layers,
-     block_tokens, max_blocks, parts, scale) = _vals(args[:16])
-    if len(args) > 16:   # a TMA build (GP_FDC_TMA): the pool's map must describe this pool
-        m = sim_tensor_map(args[16].value)
+     block_tokens, max_blocks, parts, part_keys, scale) = _vals(args[:17])
+    if len(args) > 17:   # a TMA build (GP_FDC_TMA): the pool's map must describe this pool
+        m = sim_tensor_map(args[17].value)
         row = kv_heads * head_dim * 2
         assert (m.address, m.sizes[:4], m.strides, m.box) == (
             pool, (head_dim, kv_heads, block_tokens, 2 * layers),
@@ -119,8 +120,8 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     ctas = grid[0]
     pos = _arr(mem, positions, batch, np.int32)
     tab = _arr(mem, table, batch * max_blocks, np.int32).reshape(batch, max_blocks)
-    if len(args) > 16:   # every block the table names inside the map (the TMA unit reads zeros past it)
-        assert batch == 0 or int(tab.max()) < sim_tensor_map(args[16].value).sizes[4], "block past the map"
+    if len(args) > 17:   # every block the table names inside the map (the TMA unit reads zeros past it)
+        assert batch == 0 or int(tab.max()) < sim_tensor_map(args[17].value).sizes[4], "block past the map"
     p = _Pool(mem, pool, layers, block_tokens, kv_heads, head_dim)
     hblocks = grid[1] // parts
     group = heads // kv_heads
@@ -133,17 +134,19 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
     for b, nkeys in enumerate(reference.paged_decode_nkeys(pos, max_blocks * block_tokens)):
         o = _arr(mem, out + HB * b * heads * head_dim, heads * head_dim, H)
         n = int(nkeys)
+        # the parts this row runs in (part_keys > 0: fewer for a short row; the rest leave)
+        runs = min(parts, max(1, -(-n // part_keys))) if part_keys > 0 else parts
         if n == 0:
             result = np.zeros(heads * head_dim, H)
         else:
             kb, vb = p.gather(tab[b], layer, n)
             qb = _arr(mem, q + HB * b * heads * head_dim, heads * head_dim, H).reshape(heads, head_dim)
-            per = -(-n // (ctas * parts))       # keys a CTA, rounded up to whole 16-key tiles
+            per = -(-n // (ctas * runs))        # keys a CTA, rounded up to whole 16-key tiles
             span = -(-per // 16) * 16
             pieces = [reference.attention_partial_f16(qb, kb[j0:j0 + span], vb[j0:j0 + span], scale)
                       for j0 in range(0, n, span)]
             result = reference.attention_combine_f16(np.array(pieces)).reshape(-1)
-        if counters is None:
+        if counters is None or runs == 1:   # one part merges in its cluster alone
             o[:] = result
             continue
         for hb in range(hblocks):
@@ -155,7 +158,7 @@ def _flash_decode_paged_cluster(mem, grid, block, args) -> None:
                 if unit[rank] == 0:
                     o[lo:hi] = result[lo:hi]
                 else:
-                    unit[rank] += parts
+                    unit[rank] += runs
 
 
 @register_sim_kernel("gp_flash_prefill_paged")
