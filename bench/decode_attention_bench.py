@@ -33,6 +33,11 @@ as such).
    torch.sum of them, information), and the library's decode as a fraction of the copy and of
    the plain read (a read-only launch reads faster than a copy moves the same bytes: 1.07x at
    67 MB on the H100).
+7. at batch 1, a read of the same bytes in the decode's order (bench/limits.head_order_read):
+   rows of 8 KV heads' 256-byte pieces, CTA (r, h) reading head h's pieces of the r-th row range,
+   at the cluster decode's 64 CTAs and at 2 CTAs of 1,024 threads an SM; recorded figures
+   without a target, beside the decode's fraction of each: whether the pool's layout, not the
+   kernel, holds the batch-1 decode below the contiguous read.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at every batch the library's decode reads a
 KV larger than the L2 at >= 0.8 of a copy of the same bytes, at `target_ctx(batch)`: ctx 8192,
@@ -59,12 +64,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._kernel_bench import kernel_bench_parser, open_bench_device
-from bench.limits import L2_BYTES, SameBytes, same_bytes
+from bench.limits import L2_BYTES, SameBytes, head_order_read, same_bytes
 from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
 from bench.targets import DECODE_ATTENTION_CTX, DECODE_ATTENTION_OF_COPY, Targets
 from gpu_worker.kernels.common import sm_count
 from gpu_worker.kernels.paged_attention import (
+    CLUSTER_DECODE_CTAS,
     CLUSTER_DECODE_PARTS,
     CLUSTER_DECODE_RING,
     CLUSTER_DECODE_THREADS,
@@ -329,6 +335,30 @@ def same_bytes_limits(rows: list[dict], trials: int, copy_gbs: float) -> dict[in
     return same
 
 
+def head_order_limits(rows: list[dict], trials: int, sms: int, targets: Targets) -> None:
+    """[7]: bench/limits.head_order_read at each batch-1 library row's KV bytes (one layer's K
+    and V: 2 x ctx rows of KVH pieces), printed and recorded with the row's fraction of it."""
+    grids = (CLUSTER_DECODE_CTAS, max(CLUSTER_DECODE_CTAS, 2 * sms // KVH))
+    printed = False
+    for r in rows:
+        if r["section"] != "new" or r["batch"] != 1:
+            continue
+        found = head_order_read(kv_bytes(1, r["ctx"]), grids, KVH, trials)
+        if found is None:
+            return
+        if not printed:
+            print(f"\n[7] batch 1: a read of the same bytes in the decode's order ({KVH} heads' "
+                  f"256-byte pieces a row; CTAs a head: {' / '.join(map(str, grids))})")
+            printed = True
+        print(f"   ctx {r['ctx']:>5}: " + ", ".join(
+            f"{ranks * KVH} CTAs {gbs:,.0f} GB/s (the decode {r['GBps'] / gbs:.2f} of it)"
+            for ranks, gbs in found.items()), flush=True)
+        for ranks, gbs in found.items():
+            name = f"paged decode batch 1, {r['ctx']} keys: a read in the decode's order, {ranks * KVH} CTAs"
+            targets.figure(name, gbs, "GB/s")
+            targets.figure(f"{name}, the decode's fraction", r["GBps"] / gbs, "fraction")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dev, compiler = open_bench_device(args)
@@ -438,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     if not same:
         print("\n[6] no copy of the same bytes (no torch): the target is on the 1 GiB copy")
     record_rows(targets, rows, copy / 1e9, same)
+    if limits:
+        head_order_limits(rows, args.trials, sm_count(dev), targets)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"copy_GBps": copy / 1e9, "memcpy_graph_GBps": memcpy / 1e9, "rows": rows,

@@ -192,6 +192,47 @@ def _stream_read(torch) -> list | None:
     return [launcher(u) for u in STREAM_READ_UNROLL]
 
 
+def head_order_read(nbytes: int, grids: tuple[int, ...], heads: int = 8,
+                    trials: int = 5) -> dict[int, float] | None:
+    """GB/s of gp_head_read (stream_read.cu) reading `nbytes` in the paged decode's order: rows
+    of `heads` 256-byte pieces (the pool's KV rows), CTA (r, h) reading piece h of the r-th of
+    `ranks` row ranges, for each `ranks` of `grids` (8: the batch-1 cluster decode's 64 CTAs);
+    launches rotating out of L2 as same_bytes' (None without torch, CuPy or a device). The
+    yardstick's question: is its layout, not the decode, what holds a read of these bytes below
+    the contiguous read?"""
+    from bench import peer
+    if not peer.available():
+        return None
+    try:
+        import cupy
+        import numpy as np
+    except ImportError:
+        return None
+    torch = peer.torch
+    count = rotation(nbytes)
+    rows = nbytes // (256 * heads)
+    bufs = [torch.empty(rows * heads * 128, dtype=torch.float16, device="cuda").normal_()
+            for _ in range(count)]
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fn = cupy.RawModule(code=STREAM_READ.read_text(), options=("-DU=4",)).get_function(
+        "gp_head_read")
+
+    def launch(ranks: int, buf) -> None:
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            fn((ranks, heads), (1024,), (np.uint64(buf.data_ptr()), np.uint64(rows),
+                                         np.int32(heads), np.uint64(out.data_ptr())))
+
+    found = {}
+    for ranks in grids:
+        ops = [functools.partial(launch, ranks, bufs[i % count])
+               for i in range(max(16, 2 * count))]
+        found[ranks] = statistics.median([rows * heads * 256 / t / 1e9
+                                          for t in _graph_timed(torch, ops, trials)])
+    del bufs
+    torch.cuda.empty_cache()
+    return found
+
+
 def _copy_rates(torch, nbytes: int, trials: int) -> tuple[list[float], list[float]]:
     """GB/s per trial: D2D (read + write counted) and pinned H2D, `nbytes` buffers."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()

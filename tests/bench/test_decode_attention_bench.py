@@ -164,3 +164,31 @@ def test_without_a_device_there_is_no_copy_of_the_same_bytes():
     if peer.available():
         pytest.skip("a CUDA device is present: the copy is measured")
     assert same_bytes(dab.kv_bytes(1, 16384)) is None, "no device: never a default figure"
+
+
+def test_the_read_in_the_decodes_order_is_recorded_at_batch_1_only_and_never_invented(
+        tmp_path, monkeypatch, capsys):
+    """[7]: at each batch-1 row, the read in the decode's order at the cluster decode's 64 CTAs
+    and at 2 CTAs an SM, recorded with the decode's fraction of each (figures, no target);
+    without a device nothing is printed or recorded."""
+    asked = []
+
+    def fake(nbytes, grids, heads, trials):
+        asked.append((nbytes, grids, heads))
+        return {ranks: 2000.0 + ranks for ranks in grids}
+    monkeypatch.setattr(dab, "head_order_read", fake)
+    t = Targets("decode_attention_bench",
+                record=Recorder("decode_attention_bench", tmp_path, device="test-gpu", argv=ARGV))
+    rows = [row("new", 1, 16384, 30.0, 0.5, table=16384), row("new", 8, 8192, 90.0, 0.8),
+            row("old", 1, 16384, 31.0, 0.5, table=16384)]
+    dab.head_order_limits(rows, 3, 132, t)
+    assert asked == [(dab.kv_bytes(1, 16384), (8, 33), dab.KVH)], "batch 1's library row only"
+    lines = {x["metric"]: x for x in map(json.loads,
+                                         (tmp_path / "test-gpu.jsonl").read_text().splitlines())}
+    name = "paged decode batch 1, 16384 keys: a read in the decode's order"
+    assert lines[f"{name}, 64 CTAs"]["value"] == 2008.0 and lines[f"{name}, 64 CTAs"]["target"] is None
+    assert abs(lines[f"{name}, 264 CTAs, the decode's fraction"]["value"] - 2125.0 / 2033.0) < 1e-9
+    assert "[7] batch 1" in capsys.readouterr().out
+    monkeypatch.setattr(dab, "head_order_read", lambda *a: None)
+    dab.head_order_limits(rows, 3, 132, Targets("decode_attention_bench"))
+    assert "[7]" not in capsys.readouterr().out, "no device: nothing printed"

@@ -50,8 +50,10 @@ def test_the_plain_read_kernel_compiles_with_nvrtc_for_each_unroll(unroll):
     _, ptx_size = nvrtc.nvrtcGetPTXSize(prog)
     ptx = b" " * ptx_size
     nvrtc.nvrtcGetPTX(prog, ptx)
-    assert b".entry gp_stream_read" in ptx
-    assert ptx.count(b"ld.global.cs.v4") >= unroll, "the streaming loads are the kernel's reads"
+    assert b".entry gp_stream_read" in ptx and b".entry gp_head_read" in ptx
+    for entry in (b"gp_stream_read", b"gp_head_read"):
+        body = ptx.split(b".entry " + entry)[1].split(b".entry")[0]
+        assert body.count(b"ld.global.cs.v4") >= unroll, f"{entry}: streaming loads are its reads"
 
 
 def test_a_same_bytes_line_names_the_plain_read_where_it_was_measured():
