@@ -11,10 +11,12 @@ import logging
 import math
 import pathlib
 import signal
+import sys
 
 from gpu_worker.config import (
     CHECKPOINT_QUANTIZERS,
     DEFAULT_DEQUANT_TILE_BYTES,
+    DEFAULT_GIL_SWITCH_MS,
     DEFAULT_KV_SWAP_HOST_BYTES,
     DEFAULT_MAX_PLANS,
     DEFAULT_MIN_PREFILL_SHARE,
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
              "the stream is cancelled (RESOURCE_EXHAUSTED) and its KV freed", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
+    env_flag(serve, "--gil-switch-ms", "GPUPLANE_WORKER_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS,
+             "how long a Python thread keeps the GIL while another waits for it "
+             "(sys.setswitchinterval); Python's own default is 5", type=float)
     # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
     # the governor and the cache; --tls-ca verifies those two.
     security.add_server_flags(serve, "WORKER")
@@ -235,6 +240,8 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--prefill-chunk and --dequant-tile-bytes must be at least 1"
     if args.max_workers < 1:
         return "--max-workers must be at least 1"
+    if not math.isfinite(args.gil_switch_ms) or not 0.01 <= args.gil_switch_ms <= 100:
+        return "--gil-switch-ms (GPUPLANE_WORKER_GIL_SWITCH_MS) must be in 0.01..100"
     if not 1 <= args.max_stream_buffer_tokens <= MAX_STREAM_BUFFER_TOKENS:
         return f"--max-stream-buffer-tokens must be in 1..{MAX_STREAM_BUFFER_TOKENS}"
     if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
@@ -267,6 +274,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.checkpoint_context < 1:
         log.error("--checkpoint-context must be at least 1")
         return 2
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)
     provider = tracer_provider("gpu-worker")
     config = worker_config(args, provider, tls=outgoing)
     runtime = WorkerRuntime(config)
@@ -291,9 +299,10 @@ def serve(args: argparse.Namespace) -> int:
 
         REGISTRY.register(WorkerCollector(runtime, streams))
         start_metrics_endpoint(args.metrics_port)
-    log.info("worker serving", extra={"listen": args.listen, "port": server.port,
-                                      "backend": args.backend, "worker_id": config.worker_id,
-                                      "governor": args.governor, "cache": args.cache})
+    log.info("worker serving (GIL switch interval %.2f ms)", sys.getswitchinterval() * 1e3,
+             extra={"listen": args.listen, "port": server.port, "backend": args.backend,
+                    "worker_id": config.worker_id, "governor": args.governor,
+                    "cache": args.cache})
     # The bound port on stdout lets a launcher that asked for port 0 find the worker.
     print(f"listening on {server.port}", flush=True)
     server.serve_until_signalled(args.grace_seconds)

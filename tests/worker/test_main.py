@@ -196,3 +196,24 @@ def test_no_dependent_launch_reaches_the_device_and_the_default_is_on_for_sm_90(
             assert runtime.device.dependent_launch is want
         finally:
             runtime.close()
+
+
+def test_the_gil_switch_interval_defaults_short_and_a_bad_value_is_refused(monkeypatch) -> None:
+    from gpu_worker.__main__ import flag_problem
+    from gpu_worker.config import DEFAULT_GIL_SWITCH_MS
+    monkeypatch.delenv("GPUPLANE_WORKER_GIL_SWITCH_MS", raising=False)
+    assert build_parser().parse_args(["serve"]).gil_switch_ms == DEFAULT_GIL_SWITCH_MS < 5, \
+        "the worker must not keep Python's 5 ms: the edge's loop waits that long for each step"
+    monkeypatch.setenv("GPUPLANE_WORKER_GIL_SWITCH_MS", "0.5")
+    assert build_parser().parse_args(["serve"]).gil_switch_ms == 0.5
+    for bad in ("0", "-1", "nan", "1000"):
+        problem = flag_problem(build_parser().parse_args(["serve", "--gil-switch-ms", bad]))
+        assert "--gil-switch-ms" in problem, bad
+
+
+def test_a_served_worker_runs_with_the_gil_switch_interval_it_was_given(tmp_path) -> None:
+    from gpu_worker.stack.processes import Stack
+    with Stack(tmp_path) as stack:
+        worker = stack.start_worker(backend="sim", extra=["--gil-switch-ms", "0.3"])
+        assert "worker serving (GIL switch interval 0.30 ms)" in worker.log_tail(), \
+            worker.log_tail()
