@@ -30,6 +30,10 @@ device, the end-to-end step within 1.1x the device step at the largest batch (is
 streams receiving at least 0.9 of the tokens the engine made there. Without a
 peer (no torch, or `--backend sim`) only the identity targets are printed.
 
+With `--stream-interval N` the worker sends a stream's tokens N to a message after its first
+(`--stream-interval`, docs/worker.md "Tokens per message"); every figure's name then ends in
+"(stream interval N)".
+
     python bench/batching_bench.py                                   # H200: 8b-int4
     python bench/batching_bench.py --backend sim --config tiny --batches 1,4 --prompt 16 --new 8
 """
@@ -123,7 +127,10 @@ def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int
 
 def ours(args: argparse.Namespace) -> dict:
     cfg = get_config(args.config)
-    with served_worker(args.backend) as (client, _):
+    changed = ({"--stream-interval": (str(args.stream_interval),
+                                      "tokens a message carries after the first")}
+               if args.stream_interval > 1 else None)
+    with served_worker(args.backend, changed) as (client, _):
         client.load_model("m", "decoder", args.config, 1)
         prompt = [(i * 31 + 7) % cfg.vocab_size for i in range(args.prompt)]
         rates: dict[int, list[float]] = {b: [] for b in args.batches}
@@ -246,9 +253,14 @@ def main() -> int:
     p.add_argument("--transformers-peer", action="store_true",
                    help="also measure bench/transformers_peer.py (static cache, torch.compile) "
                         "and use the faster peer per batch")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the worker's --stream-interval (tokens a message carries after a "
+                        "stream's first); other than 1, every figure's name says so")
     add_record_flag(p)
     args = p.parse_args()
-    targets = Targets("batching_bench", args=args)
+    targets = Targets("batching_bench", args=args,
+                      variant=f"stream interval {args.stream_interval}"
+                      if args.stream_interval > 1 else "")
     use_gpu_peer = not args.no_torch and args.backend != "sim"
     lim = bench_limits.measure() if use_gpu_peer else None
     if lim:

@@ -20,10 +20,14 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
 
 
 class Targets:
-    def __init__(self, bench: str, args: object = None, record: Recorder | None = None) -> None:
+    def __init__(self, bench: str, args: object = None, record: Recorder | None = None,
+                 variant: str = "") -> None:
         """`args`: parsed flags; its `record` (a directory, from add_record_flag) makes the
-        recorder unless one is given."""
+        recorder unless one is given; `variant`: a run off the bench's defaults (e.g. "stream
+        interval 4"), appended to every name in parentheses so its figures never stand in for
+        the default run's."""
         self.bench = bench
+        self.suffix = f" ({variant})" if variant else ""
         self.results: list[tuple[str, bool]] = []
         directory = getattr(args, "record", None)
         self.recorder = record or (Recorder(bench, directory) if directory else None)
@@ -34,12 +38,14 @@ class Targets:
         if op not in _OPS:
             raise ValueError(f"unknown comparison {op!r}; use one of {sorted(_OPS)}")
         ok = not math.isnan(value) and _OPS[op](value, bound)
+        name += self.suffix
         if self.recorder:
             self.recorder.add(name, value, unit, peer, limit, f"{op} {bound:g}", ok)
         return self._record(name, ok, f"{value:{fmt}} (target {op} {bound:{fmt}})")
 
     def require(self, name: str, ok: bool, detail: str = "") -> bool:
         """A yes/no target (e.g. graph and eager produce identical tokens)."""
+        name += self.suffix
         if self.recorder:
             self.recorder.add(name, 1.0 if ok else 0.0, "yes/no", target="== 1", met=bool(ok))
         return self._record(name, bool(ok), detail)
@@ -47,6 +53,7 @@ class Targets:
     def figure(self, name: str, value: float, unit: str, peer: float | None = None,
                limit: float | None = None) -> None:
         """A figure without a target (a rate, a limit, the peer's own figure): recorded only."""
+        name += self.suffix
         if self.recorder:
             self.recorder.add(name, value, unit, peer, limit)
 

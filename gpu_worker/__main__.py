@@ -30,6 +30,7 @@ from gpu_worker.config import (
 from gpu_worker.core.token_stream import (
     DEFAULT_STREAM_BUFFER_TOKENS,
     MAX_STREAM_BUFFER_TOKENS,
+    MAX_STREAM_INTERVAL,
     StreamStats,
 )
 from services.common import cli, security
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
              DEFAULT_STREAM_BUFFER_TOKENS,
              "tokens a Generate stream may hold for a client that does not read them; beyond it "
              "the stream is cancelled (RESOURCE_EXHAUSTED) and its KV freed", type=int)
+    env_flag(serve, "--stream-interval", "GPUPLANE_WORKER_STREAM_INTERVAL", 1,
+             "tokens a Generate message carries after the stream's first (the end sends the rest): "
+             "N cuts the edge's messages, and its per-message work, N-fold at the cost of "
+             "tokens arriving N at a time", type=int)
     env_flag(serve, "--grace-seconds", "GPUPLANE_WORKER_GRACE_SECONDS", 10.0,
              "how long in-flight calls get after SIGTERM", type=float)
     env_flag(serve, "--gil-switch-ms", "GPUPLANE_WORKER_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS,
@@ -244,6 +249,9 @@ def flag_problem(args: argparse.Namespace) -> str:
         return "--gil-switch-ms (GPUPLANE_WORKER_GIL_SWITCH_MS) must be in 0.01..100"
     if not 1 <= args.max_stream_buffer_tokens <= MAX_STREAM_BUFFER_TOKENS:
         return f"--max-stream-buffer-tokens must be in 1..{MAX_STREAM_BUFFER_TOKENS}"
+    if not 1 <= args.stream_interval <= min(MAX_STREAM_INTERVAL, args.max_stream_buffer_tokens):
+        return (f"--stream-interval (GPUPLANE_WORKER_STREAM_INTERVAL) must be in 1..{MAX_STREAM_INTERVAL} "
+                "and at most --max-stream-buffer-tokens")
     if args.kv_block_tokens not in (16, 32, 64, 128, 256) or args.kv_pool_bytes < 0:
         return "--kv-block-tokens must be a power of two in 16..256, --kv-pool-bytes >= 0"
     if args.kv_swap_host_bytes < 0:
@@ -284,6 +292,7 @@ def serve(args: argparse.Namespace) -> int:
         server = serve_worker(runtime, args.listen, provider, max_workers=args.max_workers,
                               security=server_security,
                               max_stream_buffer_tokens=args.max_stream_buffer_tokens,
+                              stream_interval=args.stream_interval,
                               streams=streams)
     except GpuplaneError as err:  # TLS files that cannot be read
         runtime.close()
@@ -299,7 +308,8 @@ def serve(args: argparse.Namespace) -> int:
 
         REGISTRY.register(WorkerCollector(runtime, streams))
         start_metrics_endpoint(args.metrics_port)
-    log.info("worker serving (GIL switch interval %.2f ms)", sys.getswitchinterval() * 1e3,
+    log.info("worker serving (GIL switch interval %.2f ms, stream interval %d)",
+             sys.getswitchinterval() * 1e3, args.stream_interval,
              extra={"listen": args.listen, "port": server.port, "backend": args.backend,
                     "worker_id": config.worker_id, "governor": args.governor,
                     "cache": args.cache})

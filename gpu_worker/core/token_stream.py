@@ -15,6 +15,11 @@ Contract:
   per loop whatever the number of streams with news. Only a consumer that waits is woken: one
   busy writing to a lagging client takes everything buffered at its next take, so the tokens of
   a lagging client are coalesced into fewer messages.
+- `interval` (the edge's `--stream-interval`, default 1): after the stream's first token a
+  consumer is handed tokens only once `interval` of them are buffered, or the stream ended,
+  failed or overflowed. One message then carries `interval` tokens, so a step of B streams
+  costs the loop B / `interval` writes (each one is gRPC's per-message work under the GIL the
+  engine thread needs too). The first token is never held: time to first token is unchanged.
 - A sync consumer (tests, scripts) blocks on the buffer's condition, one token per item.
 - The single-sequence path (batching off) has no engine thread: `pump()` runs the model's
   generator on the caller's thread into the same buffer.
@@ -40,6 +45,9 @@ from services.common.errors import InvalidArgument, ResourceExhausted
 # of lag, far more than a reading client ever accumulates, far less than a stalled one would.
 DEFAULT_STREAM_BUFFER_TOKENS = 4096
 MAX_STREAM_BUFFER_TOKENS = 1 << 20
+# Tokens a message carries at most by `--stream-interval` (a larger interval is a stream that
+# only arrives at its end: use a unary call for that).
+MAX_STREAM_INTERVAL = 1024
 
 
 def overflow_error(limit: int) -> ResourceExhausted:
@@ -92,14 +100,20 @@ class Waker:
 
 class TokenBuffer:
     """A stream's tokens between `put` (the engine thread) and one consumer; bounded by
-    `limit` tokens not yet taken. `waker`: how an async consumer on a loop is woken."""
+    `limit` tokens not yet taken. `waker`: how an async consumer on a loop is woken;
+    `interval`: tokens a consumer waits for after the first (the end hands over the rest)."""
 
-    def __init__(self, limit: int = DEFAULT_STREAM_BUFFER_TOKENS, waker: Waker | None = None
-                 ) -> None:
+    def __init__(self, limit: int = DEFAULT_STREAM_BUFFER_TOKENS, waker: Waker | None = None,
+                 interval: int = 1) -> None:
         if not 1 <= limit <= MAX_STREAM_BUFFER_TOKENS:
             raise InvalidArgument(f"a stream buffer of {limit} tokens: use 1.."
                                   f"{MAX_STREAM_BUFFER_TOKENS}")
-        self.limit = limit
+        if not 1 <= interval <= min(limit, MAX_STREAM_INTERVAL):
+            raise InvalidArgument(
+                f"a stream interval of {interval} tokens: use 1..{min(limit, MAX_STREAM_INTERVAL)}"
+                " (at most the stream buffer's bound, --max-stream-buffer-tokens)")
+        self.limit, self.interval = limit, interval
+        self._want = 1                            # tokens that make news: 1 until the first take
         self._waker = waker
         self._cond = threading.Condition(threading.Lock())
         self._tokens: list[int] = []
@@ -129,9 +143,12 @@ class TokenBuffer:
                 self._error = item
             else:
                 self._ended = True
-            self._cond.notify_all()
-            wake = self._async_waiting or (overflow and self.on_overflow_loop is not None)
-            self._async_waiting = False
+            news = self._has_news()
+            if news:
+                self._cond.notify_all()
+            wake = (self._async_waiting and news) or (overflow and self.on_overflow_loop is not None)
+            if wake:
+                self._async_waiting = False
         if overflow and self.on_overflow is not None:
             self.on_overflow()
         if wake and self._waker is not None:
@@ -139,10 +156,13 @@ class TokenBuffer:
 
     # -- consumers -----------------------------------------------------------------------------
     def _has_news(self) -> bool:
-        return bool(self._tokens) or self._ended or self._error is not None or self._overflowed
+        return (len(self._tokens) >= self._want or self._ended or self._error is not None
+                or self._overflowed)
 
     def _drain(self) -> Taken:
         tokens, self._tokens = self._tokens, []
+        if tokens:
+            self._want = self.interval
         return Taken(tokens, self._ended or self._error is not None, self._error,
                      self._overflowed)
 

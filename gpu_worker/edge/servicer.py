@@ -95,17 +95,19 @@ LIVENESS_SERVICE = "liveness"
 
 @dataclass(frozen=True)
 class EdgeLimits:
-    """The edge's own bounds (the serve flags): threads for calls that wait for the device, and
-    tokens a stream may buffer for a lagging reader."""
+    """The edge's own bounds (the serve flags): threads for calls that wait for the device,
+    tokens a stream may buffer for a lagging reader, and tokens a message carries after a
+    stream's first (`stream_interval`, docs/worker.md "Tokens per message")."""
 
     max_workers: int = 32
     max_stream_buffer_tokens: int = DEFAULT_STREAM_BUFFER_TOKENS
     stalled_write_grace_s: float = STALLED_WRITE_GRACE_S
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
             raise errors.InvalidArgument(f"max_workers={self.max_workers} must be at least 1")
-        TokenBuffer(self.max_stream_buffer_tokens)    # validates the bound
+        TokenBuffer(self.max_stream_buffer_tokens, interval=self.stream_interval)   # validates
         if not 0 < self.stalled_write_grace_s <= 3600:
             raise errors.InvalidArgument("stalled_write_grace_s must be in (0, 3600] seconds")
 
@@ -203,7 +205,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 loop.call_later(self.limits.stalled_write_grace_s,
                                 lambda: writing and task.cancel())
 
-        buffer = TokenBuffer(self.limits.max_stream_buffer_tokens, self._waker)
+        buffer = TokenBuffer(self.limits.max_stream_buffer_tokens, self._waker,
+                             self.limits.stream_interval)
         buffer.on_overflow_loop = overflowed
         admitted = loop.run_in_executor(self._admit, contextvars.copy_context().run,
                                         self._open_generate, request, buffer, gone)
@@ -409,13 +412,16 @@ def serve_worker(runtime: Any, listen: str, tracer_provider: Any, max_workers: i
                  security: ServerSecurity | None = None,
                  max_stream_buffer_tokens: int = DEFAULT_STREAM_BUFFER_TOKENS,
                  streams: StreamStats | None = None,
-                 stalled_write_grace_s: float = STALLED_WRITE_GRACE_S) -> AioRunningServer:
+                 stalled_write_grace_s: float = STALLED_WRITE_GRACE_S,
+                 stream_interval: int = 1) -> AioRunningServer:
     """Start WorkerService for `runtime` on `listen` (grpc.aio, one loop thread); the runtime is
     closed when the server stops. `max_workers`: threads for calls that wait for the device
     (Embed, single-sequence streams), not a bound on streams; `streams`: fed with the edge's
-    stream latencies (pass the one the metrics collector reads)."""
+    stream latencies (pass the one the metrics collector reads); `stream_interval`: tokens a
+    Generate message carries after the stream's first (EdgeLimits)."""
     servicer = WorkerServicer(runtime, EdgeLimits(max_workers, max_stream_buffer_tokens,
-                                                  stalled_write_grace_s), streams)
+                                                  stalled_write_grace_s, stream_interval),
+                              streams)
     registration = ServiceRegistration(
         full_name=worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
         servicer=servicer,

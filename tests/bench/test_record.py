@@ -176,3 +176,14 @@ def test_a_sim_benchmark_run_with_record_lands_in_the_report(tmp_path):
     out = tmp_path / "benchmarks.md"
     assert report.main(["--results", str(tmp_path), "--out", str(out)]) == 0
     assert "### batching_bench" in out.read_text()
+
+
+def test_a_variant_run_names_every_figure_so_it_never_stands_in_for_the_default(tmp_path, capsys):
+    t = Targets("demo", record=recorder(tmp_path), variant="stream interval 4")
+    t.check("batch 64: ratio", 1.0, "<=", 1.1)
+    t.require("same tokens", True)
+    t.figure("tokens/s", 9.0, "tok/s")
+    names = [r["metric"] for r in lines(tmp_path / "test-gpu.jsonl")]
+    assert names == ["batch 64: ratio (stream interval 4)", "same tokens (stream interval 4)",
+                     "tokens/s (stream interval 4)"]
+    assert "target batch 64: ratio (stream interval 4): " in capsys.readouterr().out

@@ -214,6 +214,20 @@ def test_the_gil_switch_interval_defaults_short_and_a_bad_value_is_refused(monke
 def test_a_served_worker_runs_with_the_gil_switch_interval_it_was_given(tmp_path) -> None:
     from gpu_worker.stack.processes import Stack
     with Stack(tmp_path) as stack:
-        worker = stack.start_worker(backend="sim", extra=["--gil-switch-ms", "0.3"])
-        assert "worker serving (GIL switch interval 0.30 ms)" in worker.log_tail(), \
-            worker.log_tail()
+        worker = stack.start_worker(backend="sim", extra=["--gil-switch-ms", "0.3",
+                                                          "--stream-interval", "3"])
+        assert "worker serving (GIL switch interval 0.30 ms, stream interval 3)" in \
+            worker.log_tail(), worker.log_tail()
+
+
+def test_the_stream_interval_defaults_to_a_message_a_token_and_a_bad_value_is_refused(
+        monkeypatch) -> None:
+    from gpu_worker.__main__ import flag_problem
+    monkeypatch.delenv("GPUPLANE_WORKER_STREAM_INTERVAL", raising=False)
+    assert build_parser().parse_args(["serve"]).stream_interval == 1
+    monkeypatch.setenv("GPUPLANE_WORKER_STREAM_INTERVAL", "4")
+    assert build_parser().parse_args(["serve"]).stream_interval == 4
+    for bad in (["--stream-interval", "0"], ["--stream-interval", "1025"],
+                ["--stream-interval", "9", "--max-stream-buffer-tokens", "8"]):
+        problem = flag_problem(build_parser().parse_args(["serve", *bad]))
+        assert "--stream-interval" in problem, bad

@@ -294,6 +294,42 @@ def test_a_lagging_reader_gets_its_tokens_coalesced_and_identical(kernels):
         worker.close()
 
 
+def sizes(call) -> tuple[list[int], list[int], str]:
+    """Read a stream to its end: (tokens, each token message's size, finish_reason)."""
+    tokens, counts, reason = [], [], ""
+    for message in call:
+        if message.tokens:
+            counts.append(len(message.tokens))
+            tokens.extend(message.tokens)
+        reason = message.finish_reason or reason
+    return tokens, counts, reason
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_that_many_a_message(kernels):
+    worker = Worker(kernels, edge={"stream_interval": 4})
+    try:
+        prompts = [prompt_of(i, 4 + i) for i in range(6)]
+        results = run_all([lambda p=p: sizes(worker.client.stub.Generate(request(p, 23),
+                                                                          timeout=300))
+                           for p in prompts])
+        for p, (tokens, counts, reason) in zip(prompts, results, strict=True):
+            assert tokens == reference(p, 23), "the interval changed the tokens"
+            assert reason == "length"
+            assert counts[0] == 1, f"the first token waited for others: {counts}"
+            # a message holds 4 or more (a reader behind takes what piled up), the last the rest
+            assert all(c >= 4 for c in counts[1:-1]) and len(counts) <= 1 + -(-22 // 4), counts
+        assert worker.streams.messages <= 6 * (1 + -(-22 // 4))
+    finally:
+        worker.close()
+
+
+def test_a_stream_interval_beyond_the_buffer_bound_is_refused_naming_both():
+    from gpu_worker.edge.servicer import EdgeLimits
+    from services.common.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="--max-stream-buffer-tokens"):
+        EdgeLimits(max_stream_buffer_tokens=8, stream_interval=9)
+
+
 @pytest.fixture(scope="module")
 def worker(kernels):
     w = Worker(kernels)

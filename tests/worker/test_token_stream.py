@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -53,6 +54,68 @@ def test_the_overflow_status_names_the_bound_and_how_to_fix_it():
     err = overflow_error(8)
     assert isinstance(err, ResourceExhausted)
     assert "--max-stream-buffer-tokens 8" in err.message and "raise the bound" in err.message
+
+
+def test_a_stream_interval_holds_tokens_after_the_first_until_it_fills_or_the_stream_ends():
+    buffer = TokenBuffer(limit=16, interval=3)
+    buffer.put(10)
+    assert buffer.get(timeout=0).tokens == [10], "the first token must not wait for others"
+    buffer.put(11)
+    buffer.put(12)
+    assert buffer.get(timeout=0.01).tokens == [11, 12], "a timed-out get takes what is there"
+    for token in (13, 14):
+        buffer.put(token)
+    assert not buffer._has_news(), "2 tokens of an interval of 3 are no news yet"
+    buffer.put(15)
+    assert buffer.get(timeout=0).tokens == [13, 14, 15]
+    buffer.put(16)
+    buffer.put(END)
+    taken = buffer.get(timeout=0)
+    assert taken.tokens == [16] and taken.ended, "the end hands over the rest at once"
+
+
+@pytest.mark.parametrize("limit,interval", [(16, 0), (16, 17), (4096, 1025)])
+def test_a_stream_interval_outside_1_to_the_bound_is_invalid_argument(limit, interval):
+    with pytest.raises(InvalidArgument, match="stream interval"):
+        TokenBuffer(limit=limit, interval=interval)
+
+
+def test_an_async_consumer_is_woken_once_an_interval_fills_not_for_each_token():
+    async def scenario() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        waker = Waker(loop)
+        buffer = TokenBuffer(limit=64, waker=waker, interval=4)
+        wakes = []
+        original = buffer._wake_on_loop
+        buffer._wake_on_loop = lambda: (wakes.append(1), original())[1]
+        got: list[list[int]] = []
+
+        async def consume():
+            while True:
+                taken = await buffer.take()
+                if taken.tokens:
+                    got.append(taken.tokens)
+                if taken.ended:
+                    return
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)
+
+        def produce():
+            for token in range(10):
+                buffer.put(token)
+                time.sleep(0.002)   # the consumer is parked before each put
+            buffer.put(END)
+
+        await loop.run_in_executor(None, produce)
+        await asyncio.wait_for(task, 10)
+        return got, len(wakes)
+
+    got, wakes = asyncio.run(scenario())
+    assert [t for chunk in got for t in chunk] == list(range(10)) and got[0] == [0], got
+    # on a loaded machine a late consumer takes more than 4 at once, never fewer before the end
+    assert all(len(chunk) >= 4 for chunk in got[1:-1]) and len(got) <= 4, got
+    assert wakes <= len(got) + 1, f"{wakes} loop wake-ups for {len(got)} takes and the end"
 
 
 def test_many_streams_advancing_in_one_step_cost_one_loop_wakeup():
