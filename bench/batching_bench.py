@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
 import sys
 import threading
@@ -71,11 +72,19 @@ def spread(values: list[float]) -> str:
             f"{max(values):,.1f} over {len(values)}")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Window:
     """The decode window of one trial, as the worker's own step counters see it: GetStats read
-    when the last stream got its first token and again when the first stream ended."""
+    when the last stream got its first token and again when the first stream ended; with `pid`
+    (the worker process) also the CPU the worker used in between."""
 
-    def __init__(self, streams: int) -> None:
+    def __init__(self, streams: int, pid: int | None = None) -> None:
+        self.pid = pid
         self._lock = threading.Lock()
         self._waiting_first = streams
         self.all_started = threading.Event()
@@ -93,17 +102,21 @@ class Window:
         if not self.all_started.wait(600):
             return None
         s0, t0 = client.stats().scheduler, time.perf_counter()
+        c0 = process_cpu_s(self.pid) if self.pid else float("nan")
         self.one_ended.wait(600)
         s1, t1 = client.stats().scheduler, time.perf_counter()
+        c1 = process_cpu_s(self.pid) if self.pid else float("nan")
         steps = s1.steps - s0.steps
         device = s1.step_device_us - s0.step_device_us
         if steps <= 0 or device <= 0 or t1 <= t0:
             return None
         host = s1.step_host_us - s0.step_host_us
         wall = host + s1.step_wait_us - s0.step_wait_us
+        made = s1.decode_tokens - s0.decode_tokens
         return {"steps": steps, "e2e_ms": wall / steps / 1e3, "device_ms": device / steps / 1e3,
                 "host_ms": host / steps / 1e3, "e2e_over_device": wall / device,
-                "made_tps": (s1.decode_tokens - s0.decode_tokens) / (t1 - t0)}
+                "made_tps": made / (t1 - t0),
+                "cpu_us_per_token": (c1 - c0) / made * 1e6 if made > 0 else float("nan")}
 
 
 def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int,
@@ -130,7 +143,7 @@ def ours(args: argparse.Namespace) -> dict:
     changed = ({"--stream-interval": (str(args.stream_interval),
                                       "tokens a message carries after the first")}
                if args.stream_interval > 1 else None)
-    with served_worker(args.backend, changed) as (client, _):
+    with served_worker(args.backend, changed) as (client, proc):
         client.load_model("m", "decoder", args.config, 1)
         prompt = [(i * 31 + 7) % cfg.vocab_size for i in range(args.prompt)]
         rates: dict[int, list[float]] = {b: [] for b in args.batches}
@@ -141,7 +154,7 @@ def ours(args: argparse.Namespace) -> dict:
             same[b] = True
             for trial in range(args.trials + 1):          # trial 0 warms the batch's plans
                 out: dict = {}
-                window = Window(b)
+                window = Window(b, proc.proc.pid)
                 threads = [threading.Thread(target=_stream,
                                             args=(client, prompt, args.new, out, i, window))
                            for i in range(b)]
@@ -166,7 +179,8 @@ def ours(args: argparse.Namespace) -> dict:
                              f"{step['device_ms']:.2f} ms on the device (host "
                              f"{step['host_ms']:.2f} ms), {step['e2e_over_device']:.3f}x; the "
                              f"engine made {step['made_tps']:.1f} tokens/s, received "
-                             f"{step['received_over_made']:.3f} of them")
+                             f"{step['received_over_made']:.3f} of them; worker CPU "
+                             f"{step['cpu_us_per_token']:.1f} us a token")
                 print(f"gpuplane {args.config} batch {b:>2} trial {trial}: {rate:9.1f} tokens/s "
                       f"({inside} tokens in {stop - start:.3f} s){shown}", flush=True)
         reply = client.stats()
@@ -218,14 +232,17 @@ def step_figures(targets: Targets, steps: dict[int, list[dict[str, float]]]
     for b, trials in steps.items():
         med = {k: statistics.median(t[k] for t in trials)
                for k in ("e2e_ms", "device_ms", "host_ms", "e2e_over_device", "made_tps",
-                         "received_over_made")}
+                         "received_over_made", "cpu_us_per_token")}
         ratios[b] = (med["e2e_over_device"], med["received_over_made"])
         print(f"batch {b:>2}: end to end {med['e2e_ms']:.2f} ms, device {med['device_ms']:.2f} ms, "
               f"host {med['host_ms']:.2f} ms; end to end / device {med['e2e_over_device']:.3f} "
               f"(trials {min(t['e2e_over_device'] for t in trials):.3f}-"
               f"{max(t['e2e_over_device'] for t in trials):.3f}); the engine made "
               f"{med['made_tps']:,.1f} tokens/s, the streams received "
-              f"{med['received_over_made']:.3f} of them", flush=True)
+              f"{med['received_over_made']:.3f} of them; the worker's CPU "
+              f"{med['cpu_us_per_token']:.1f} us a token", flush=True)
+        targets.figure(f"gpuplane worker CPU a decode token (every thread), batch {b}",
+                       med["cpu_us_per_token"], "us")
         targets.figure(f"gpuplane decode step end to end, batch {b}", med["e2e_ms"], "ms")
         targets.figure(f"gpuplane decode step on the device, batch {b}", med["device_ms"], "ms")
         targets.figure(f"gpuplane decode step host work, batch {b}", med["host_ms"], "ms")
