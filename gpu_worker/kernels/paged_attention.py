@@ -491,6 +491,10 @@ def decode_cluster_build(**defines: int) -> ClusterBuild:
             f"{kernel}: GP_FDC_RING={ring!r} must be 0..{MAX_DECODE_RING} with "
             f"{warps} warps' slots within {RING_SHARED_BYTES} bytes of shared memory "
             f"(cluster_decode_ring_bytes; fewer warps or a shorter ring)")
+    pair = defines.get("GP_FDC_PAIR", 0)
+    require(pair in (0, 1) and (not pair or (ring and ring % 2 == 0)),
+            f"{kernel}: GP_FDC_PAIR={pair!r} must be 0 or 1, and 1 takes a tile pair from an even "
+            f"ring: GP_FDC_RING 2 or 4")
     if not defines:
         return ClusterBuild(FLASH_DECODE_PAGED_CLUSTER)
     macros = {k: v for k, v in defines.items() if k not in ("GP_FDC_PARTS", "GP_FDC_PART_KEYS")}

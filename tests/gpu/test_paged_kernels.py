@@ -216,8 +216,13 @@ def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(har
                          ids=["8192 keys", "16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2",
                               "1 and 18 keys and a padding row"])
 @pytest.mark.parametrize("defines", [{"GP_FDC_WARPS": 16, "GP_FDC_RING": 1, "GP_FDC_TMA": 1},
-                                     {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
-                         ids=["16 warps, ring 1", "8 warps, ring 2 (the library's)"])
+                                     {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1},
+                                     {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1,
+                                      "GP_FDC_PAIR": 1},
+                                     {"GP_FDC_WARPS": 4, "GP_FDC_RING": 4, "GP_FDC_TMA": 1,
+                                      "GP_FDC_PAIR": 1}],
+                         ids=["16 warps, ring 1", "8 warps, ring 2 (the library's)",
+                              "8 warps, ring 2, tile pairs", "4 warps, ring 4, tile pairs"])
 def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, params, defines) -> None:
     """GP_FDC_TMA fills the ring from the pool's 5-D tensor map, a 16-key tile as 64-dim boxes
     (the newest key's tile after the dependent-launch wait), and reads its own dims order: the
@@ -229,8 +234,9 @@ def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, pa
     assert o.failure() is None, o.failure()
 
 
-@pytest.mark.parametrize("defines", [{**LOADS, "GP_FDC_RING": 1}, {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
-                         ids=["bulk copies", "tma (the library's)"])
+@pytest.mark.parametrize("defines", [{**LOADS, "GP_FDC_RING": 1}, {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1},
+                                     {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1, "GP_FDC_PAIR": 1}],
+                         ids=["bulk copies", "tma (the library's)", "tma, tile pairs"])
 def test_the_cluster_decodes_ring_keeps_to_the_oracle_over_a_replayed_graph(harness, defines) -> None:
     """A captured ring build replayed as rows grow (the split, the ring's partial last tile and
     the newest key's tile read from the device positions every launch) equals the oracle each

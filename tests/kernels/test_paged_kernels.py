@@ -318,6 +318,23 @@ def test_the_one_kernel_decode_keeps_its_ring_and_registers_in_one_sm(paged_log)
     assert static + ring <= 227 << 10, (static, ring)
 
 
+@pytest.mark.parametrize("defines", [{"GP_FDC_PAIR": 1},
+                                     {"GP_FDC_PAIR": 1, "GP_FDC_WARPS": 4, "GP_FDC_RING": 4}])
+def test_a_tile_pair_build_keeps_its_second_tile_in_registers_without_a_spill(defines) -> None:
+    """GP_FDC_PAIR (two tiles a softmax step) holds a second tile's K and V fragments: more
+    registers than the library's build, still no spill and within 256 threads' share; an odd ring
+    or none is refused (a pair is two slots of one ring round)."""
+    log = _log(pa.decode_cluster_build(**defines).kernel.source)
+    section = log.split("Compiling entry function 'gp_flash_decode_paged_cluster'")[1] \
+        .split("Compile time")[0]
+    used = int(re.search(r"Used (\d+) registers", section).group(1))
+    assert "0 bytes spill stores" in section and used <= 255, section
+    for ring in (0, 1, 3):
+        with pytest.raises(InvalidArgument, match="GP_FDC_PAIR"):
+            pa.decode_cluster_build(GP_FDC_PAIR=1, GP_FDC_WARPS=4, GP_FDC_RING=ring,
+                                    GP_FDC_TMA=int(ring > 0))
+
+
 def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
     """The loads build of the cluster kernel (GP_FDC_TILE_ROWS=1) reads the block table once a
     16-key tile, not once a row: fewer 4-byte global loads in the code the GPU runs than the build

@@ -705,14 +705,18 @@ struct gp_fd_ring_warp<D, 0, TMA> {
 // are in flight while it works on one, without their registers (gp_fd_ring_warp): by 1-D bulk
 // copies (the values the loads would bring, so the loads' bits) or, TMA (GP_FDC_TMA), by the
 // TMA unit from `pm` (its own dims order, so its own bits).
+// PAIR (RING even; the cluster decode's GP_FDC_PAIR): two of the warp's tiles a step, their
+// S^T chains interleaved and one softmax update for both (more independent work between a
+// warp's waits; the sums' order differs, so its own bits).
 template <int D, bool EARLY, class KV, int NW = GP_FD_THREADS / 32, bool ROWS = GP_FD_TILE_ROWS != 0,
-          int RING = 0, bool TMA = false>
+          int RING = 0, bool TMA = false, bool PAIR = false>
 __device__ __forceinline__ void gp_fd_split_block_mma(
         float* __restrict__ ws, const unsigned short* __restrict__ q, const KV& k, const KV& v,
         int nh, int j0, int j1, float scale_log2, int ws_stride_head, float* smem, int fresh,
         unsigned ring = 0, const gp_fd_pool_map& pm = {}) {
     static_assert(D == 64 || D == 128, "tensor-core decode split: head_dim 64 or 128");
     static_assert(RING == 0 || ROWS, "a ring of tiles: a tile's rows from one lookup (ROWS)");
+    static_assert(!PAIR || (RING > 0 && RING % 2 == 0), "two tiles a step: an even ring (RING)");
     constexpr int KC = D / 32, VC = D / 64, MT = D / 16;
     float (*sm_m)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem);
     float (*sm_l)[GP_FD_HPB] = reinterpret_cast<float (*)[GP_FD_HPB]>(smem + NW * GP_FD_HPB);
@@ -785,32 +789,46 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         if (g < nh) raw = *reinterpret_cast<const uint4*>(q + g * D + dim);
         qb[4 * i] = raw.x; qb[4 * i + 1] = raw.y; qb[4 * i + 2] = raw.z; qb[4 * i + 3] = raw.w;
     }
-    // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
-    auto tile = [&](int n0) {
-        const int kr[2] = {n0 + g, n0 + g + 8};
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
+    // S^T of the tile at n0 from its K fragments: (key g, head 2t), (key g, 2t + 1),
+    // (key g + 8, 2t), (key g + 8, 2t + 1), scaled; keys from j1 on are -inf
+    auto scores = [&](float (&s)[4], const uint4 (&xa)[KC], const uint4 (&xb)[KC], int n0) {
+        s[0] = s[1] = s[2] = s[3] = 0.f;
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
-            const uint4& x = ka[st / 2];
-            const uint4& y = kb[st / 2];
+            const uint4& x = xa[st / 2];
+            const uint4& y = xb[st / 2];
             const unsigned a[4] = {st & 1 ? x.z : x.x, st & 1 ? y.z : y.x,
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
             gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
         }
-        // s: (key g, head 2t), (key g, 2t + 1), (key g + 8, 2t), (key g + 8, 2t + 1)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            s[j] = n0 + g < j1 ? s[j] * scale_log2 : -INFINITY;
+            s[2 + j] = n0 + g + 8 < j1 ? s[2 + j] * scale_log2 : -INFINITY;
+        }
+    };
+    // the online softmax over one tile's scores (two false) or two tiles' (s2): m, l and the
+    // accumulator rescaled once, the scores turned into P in place (`two` is a constant at
+    // every call: the branches fold)
+    auto softmax = [&](float (&s)[4], float (&s2)[4], bool two) {
         float corr[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            s[j] = kr[0] < j1 ? s[j] * scale_log2 : -INFINITY;
-            s[2 + j] = kr[1] < j1 ? s[2 + j] * scale_log2 : -INFINITY;
             float mx = fmaxf(s[j], s[2 + j]);
+            if (two) mx = fmaxf(mx, fmaxf(s2[j], s2[2 + j]));
 #pragma unroll
             for (int o = 4; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float mn = fmaxf(m[j], mx);  // finite: key n0 < j1 is in the tile
+            const float mn = fmaxf(m[j], mx);  // finite: the first tile's key n0 < j1
             corr[j] = gp_exp2(m[j] - mn);
             s[j] = gp_exp2(s[j] - mn);
             s[2 + j] = gp_exp2(s[2 + j] - mn);
-            l[j] = l[j] * corr[j] + s[j] + s[2 + j];
+            float add = s[j] + s[2 + j];
+            if (two) {
+                s2[j] = gp_exp2(s2[j] - mn);
+                s2[2 + j] = gp_exp2(s2[2 + j] - mn);
+                add += s2[j] + s2[2 + j];
+            }
+            l[j] = l[j] * corr[j] + add;
             m[j] = mn;
         }
 #pragma unroll
@@ -818,10 +836,13 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             acc[mt][0] *= corr[0]; acc[mt][2] *= corr[0];
             acc[mt][1] *= corr[1]; acc[mt][3] *= corr[1];
         }
-        // P^T's B fragments of lane (g, t): head g at keys (t, t + 8) and (t + 4, t + 12), held
-        // by lanes (t, g / 2) and (t + 4, g / 2) as the packed pair of their column g % 2. P is
-        // two fp16 terms, hi = fp16(p) and lo = fp16(p - hi) (p to ~22 bits: the unnormalised
-        // partial sums keep the lane-group block's f32 accuracy), so PV is two products.
+    };
+    // O^T += V^T . P^T for one tile's P (s) and V fragments. P^T's B fragments of lane (g, t):
+    // head g at keys (t, t + 8) and (t + 4, t + 12), held by lanes (t, g / 2) and (t + 4, g / 2)
+    // as the packed pair of their column g % 2. P is two fp16 terms, hi = fp16(p) and lo =
+    // fp16(p - hi) (p to ~22 bits: the unnormalised partial sums keep the lane-group block's f32
+    // accuracy), so PV is two products.
+    auto accumulate = [&](const float (&s)[4], const uint4 (&xv)[4][VC]) {
         const int src0 = 4 * t + (g >> 1), src1 = 4 * (t + 4) + (g >> 1);
         unsigned bh[2], bl[2];
         {
@@ -844,10 +865,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         for (int c = 0; c < VC; ++c) {
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const unsigned* r0 = reinterpret_cast<const unsigned*>(&vv[0][c]);
-                const unsigned* r1 = reinterpret_cast<const unsigned*>(&vv[1][c]);
-                const unsigned* r2 = reinterpret_cast<const unsigned*>(&vv[2][c]);
-                const unsigned* r3 = reinterpret_cast<const unsigned*>(&vv[3][c]);
+                const unsigned* r0 = reinterpret_cast<const unsigned*>(&xv[0][c]);
+                const unsigned* r1 = reinterpret_cast<const unsigned*>(&xv[1][c]);
+                const unsigned* r2 = reinterpret_cast<const unsigned*>(&xv[2][c]);
+                const unsigned* r3 = reinterpret_cast<const unsigned*>(&xv[3][c]);
                 const unsigned a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
                                        __byte_perm(r2[w], r3[w], 0x5410), __byte_perm(r2[w], r3[w], 0x7632)};
                 gp_mma16816(acc[4 * c + w], a, bh[0], bh[1]);
@@ -855,7 +876,40 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             }
         }
     };
-    if constexpr (RING > 0) {
+    // one tile: S^T, the online softmax, O^T (the tile's K and V already loaded)
+    auto tile = [&](int n0) {
+        float s[4];
+        scores(s, ka, kb, n0);
+        softmax(s, s, false);
+        accumulate(s, vv);
+    };
+    if constexpr (RING > 0 && PAIR) {
+        // two tiles an iteration (slots i % RING and i % RING + 1, one ring round: RING even):
+        // their two S^T chains interleave, and the softmax's max, shuffles and rescale are paid
+        // once for 32 keys (the order of the sums differs from one tile a step: its own bits)
+        uint4 ka2[KC], kb2[KC], vv2[4][VC];
+        int i = 0;
+        for (int n0 = first; n0 < j1; n0 += 32 * NW, i += 2) {
+            const int s0 = i % RING, n1 = n0 + 16 * NW;
+            const unsigned parity = (i / RING) & 1;
+            rw.fetch(ka, kb, vv, s0, parity, n0, j1);
+            rw.issue(k, v, pm, n0 + 16 * NW * RING, j1, s0, -1, true);
+            float sa[4], sb[4];
+            if (n1 < j1) {
+                rw.fetch(ka2, kb2, vv2, s0 + 1, parity, n1, j1);
+                rw.issue(k, v, pm, n1 + 16 * NW * RING, j1, s0 + 1, -1, true);
+                scores(sa, ka, kb, n0);
+                scores(sb, ka2, kb2, n1);
+                softmax(sa, sb, true);
+                accumulate(sa, vv);
+                accumulate(sb, vv2);
+            } else {
+                scores(sa, ka, kb, n0);
+                softmax(sa, sa, false);
+                accumulate(sa, vv);
+            }
+        }
+    } else if constexpr (RING > 0) {
         int i = 0;
         for (int n0 = first; n0 < j1; n0 += 16 * NW, ++i) {
             const int s = i % RING;

@@ -130,6 +130,9 @@ gp_flash_decode_split_paged(float* __restrict__ ws, const unsigned short* __rest
 #ifndef GP_FDC_RING
 #define GP_FDC_RING 2   // tiles a warp keeps in flight in shared memory (0: its loads; paged_attention.CLUSTER_DECODE_RING)
 #endif
+#ifndef GP_FDC_PAIR
+#define GP_FDC_PAIR 0   // two tiles a softmax step (gp_fd_split_block_mma's PAIR; GP_FDC_RING even)
+#endif
 #define GP_FDC_SMEM (2 * GP_FDC_WARPS * GP_FD_HPB + GP_FDC_WARPS * GP_FD_HPB * 128)
 #define GP_FDC_SLOT (3 * GP_FD_HPB * 128)   // floats of a part's slot: max, sum, acc a (head, dim)
 #define GP_FDC_COUNTERS 16                  // counters a (row, head block): one a rank, up to 16
@@ -284,10 +287,12 @@ gp_flash_decode_paged_cluster(unsigned short* __restrict__ out, float* __restric
     const gp_fd_pool_map pm{};
 #endif
     if (head_dim == 128)
-        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma>(
+        gp_fd_split_block_mma<128, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma,
+                              GP_FDC_PAIR != 0>(
             gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 130, smem, nkeys - 1, ring, pm);
     else
-        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma>(
+        gp_fd_split_block_mma<64, true, gp_kv_paged, GP_FDC_WARPS, rows, GP_FDC_RING, tma,
+                              GP_FDC_PAIR != 0>(
             gp_fdc_state, q + row0, kr, vr, nh, j0, j1, sl, 66, smem, nkeys - 1, ring, pm);
     gp_cluster_sync();   // every CTA's state is written and visible to the cluster
     gp_fdc_finish(out, ws, heads, kv_heads, head_dim, b * (int)(gridDim.y / P) + hbi, hbi, part,
