@@ -14,6 +14,9 @@
 #ifndef GP_FD_MMA
 #define GP_FD_MMA 1  // head_dim 64 and 128 on the tensor-core block (0: the lane-group block)
 #endif
+#ifndef GP_FD_QK_CHAINS
+#define GP_FD_QK_CHAINS 1  // tensor-core block: S^T's D / 16 products as 1 or 2 accumulator chains
+#endif
 #ifndef GP_FD_PLO
 #define GP_FD_PLO 1  // tensor-core block: P as fp16 hi + lo terms (0: hi only, one PV product a tile)
 #endif
@@ -791,7 +794,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
     }
     // S^T of the tile at n0 from its K fragments: (key g, head 2t), (key g, 2t + 1),
     // (key g + 8, 2t), (key g + 8, 2t + 1), scaled; keys from j1 on are -inf
+    // (GP_FD_QK_CHAINS 2: even and odd steps into two accumulators, added at the end: half the
+    // chain of dependent products, another order of the sums)
     auto scores = [&](float (&s)[4], const uint4 (&xa)[KC], const uint4 (&xb)[KC], int n0) {
+        float s1[4] = {0.f, 0.f, 0.f, 0.f};
         s[0] = s[1] = s[2] = s[3] = 0.f;
 #pragma unroll
         for (int st = 0; st < D / 16; ++st) {
@@ -799,7 +805,11 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
             const uint4& y = xb[st / 2];
             const unsigned a[4] = {st & 1 ? x.z : x.x, st & 1 ? y.z : y.x,
                                    st & 1 ? x.w : x.y, st & 1 ? y.w : y.y};
-            gp_mma16816(s, a, qb[2 * st], qb[2 * st + 1]);
+            gp_mma16816(GP_FD_QK_CHAINS == 2 && (st & 1) ? s1 : s, a, qb[2 * st], qb[2 * st + 1]);
+        }
+        if (GP_FD_QK_CHAINS == 2) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[e] += s1[e];
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
