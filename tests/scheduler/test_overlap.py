@@ -469,3 +469,53 @@ def test_evicting_the_attention_scratch_resets_the_decode_graph_that_baked_it(de
     finally:
         m.executor.close()
         m.close()
+
+
+def _device_calls_per_step(sched: Scheduler, backend, steps: int) -> list[int]:
+    """Backend calls of each of `steps` engine steps: each is a driver call on cuda, and each
+    driver call releases the GIL (docs/worker.md, "The GIL between the engine and the edge")."""
+    calls = {"n": 0, "depth": 0}
+    names = [n for n in dir(type(backend)) if not n.startswith("_")
+             and callable(getattr(type(backend), n))]
+    originals = {n: getattr(backend, n) for n in names}
+
+    def counted(fn):
+        def call(*args, **kwargs):   # the calls into the backend, not the sim's own inside it
+            calls["n"] += calls["depth"] == 0
+            calls["depth"] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                calls["depth"] -= 1
+        return call
+    for n, fn in originals.items():
+        setattr(backend, n, counted(fn))
+    try:
+        counts = []
+        for _ in range(steps):
+            calls["n"] = 0
+            sched.step()
+            counts.append(calls["n"])
+        return counts
+    finally:
+        for n in originals:
+            delattr(backend, n)
+
+
+def test_a_decode_steps_device_calls_do_not_grow_with_the_batch(model):
+    """Counted, not timed: the backend calls of a decode-only step at 4 and at 64 streams are
+    the same few (the step's inputs in a bounded number of copies, one graph, its events), so
+    the GIL hand-offs a step costs the engine thread do not grow with the streams."""
+    medians = {}
+    for batch in (4, 64):
+        sched = engine(model, True)
+        seqs = [sched.submit(prompt_of(i, 6), 40) for i in range(batch)]
+        while not all(s.generated for s in seqs):    # prompts in, decoding
+            sched.step()
+        counts = sorted(_device_calls_per_step(sched, model.executor.device.backend, 9))
+        medians[batch] = counts[len(counts) // 2]
+        while sched.busy():
+            sched.step()
+        sched.close()
+    assert medians[64] == medians[4] and medians[4] <= 10, \
+        f"device calls a decode step, by batch: {medians}"
