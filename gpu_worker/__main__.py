@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--gil-switch-ms", "GPUPLANE_WORKER_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS,
              "how long a Python thread keeps the GIL while another waits for it "
              "(sys.setswitchinterval); Python's own default is 5", type=float)
+    env_switch(serve, "--enqueue-keeps-gil", "GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", True,
+               "make the cuda driver calls that only enqueue (event records, graph launches, "
+               "copies of pinned memory) without handing the GIL to the edge's threads; "
+               "--no-enqueue-keeps-gil releases it around every driver call")
     # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
     # the governor and the cache; --tls-ca verifies those two.
     security.add_server_flags(serve, "WORKER")
@@ -215,6 +219,7 @@ def worker_config(args: argparse.Namespace, provider: object = None,
         prefill_chunk=args.prefill_chunk,
         dequant_tile_bytes=args.dequant_tile_bytes,
         dependent_launch=args.dependent_launch,
+        enqueue_keeps_gil=args.enqueue_keeps_gil,
         step_trace=pathlib.Path(args.step_trace) if args.step_trace else None,
     )
 
@@ -308,8 +313,9 @@ def serve(args: argparse.Namespace) -> int:
 
         REGISTRY.register(WorkerCollector(runtime, streams))
         start_metrics_endpoint(args.metrics_port)
-    log.info("worker serving (GIL switch interval %.2f ms, stream interval %d)",
+    log.info("worker serving (GIL switch interval %.2f ms, stream interval %d, enqueues %s the GIL)",
              sys.getswitchinterval() * 1e3, args.stream_interval,
+             "keep" if args.enqueue_keeps_gil else "release",
              extra={"listen": args.listen, "port": server.port, "backend": args.backend,
                     "worker_id": config.worker_id, "governor": args.governor,
                     "cache": args.cache})

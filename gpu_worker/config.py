@@ -77,6 +77,8 @@ class WorkerConfig:
     dequant_tile_bytes: int = DEFAULT_DEQUANT_TILE_BYTES  # prefill linears' fp16 tile per model
     # programmatic dependent launch (sm_90): a step's kernels start while the one before ends
     dependent_launch: bool = True
+    # driver calls that only enqueue (event records, graph launches, pinned copies) keep the GIL
+    enqueue_keeps_gil: bool = True
     embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
     embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
     embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)

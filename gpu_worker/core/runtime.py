@@ -78,7 +78,7 @@ class WorkerRuntime:
     def start(self) -> WorkerRuntime:
         from gpu_worker.device import Device, open_backend
         cfg = self.config
-        backend = open_backend(cfg.backend, cfg.ordinal)
+        backend = open_backend(cfg.backend, cfg.ordinal, keep_gil=cfg.enqueue_keeps_gil)
         try:
             self.budget = open_budget(cfg, backend)
             self.device = Device(backend, self.budget, weight_budget_bytes=cfg.weight_budget_bytes)

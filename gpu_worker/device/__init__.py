@@ -494,8 +494,9 @@ def _dim3(v: Sequence[int], what: str) -> tuple[int, int, int]:
     return t  # type: ignore[return-value]
 
 
-def open_backend(backend: str = "auto", ordinal: int = 0) -> Backend:
-    """The raw backend: "auto" = cuda when a CUDA device exists, else the sim test double.
+def open_backend(backend: str = "auto", ordinal: int = 0, keep_gil: bool = True) -> Backend:
+    """The raw backend: "auto" = cuda when a CUDA device exists, else the sim test double;
+    `keep_gil`: cuda's enqueue-only driver calls keep the GIL (device/cuda_enqueue.py).
 
     Separate from open_device for callers that must describe the device (to a governor) before
     the Device books its context baseline through that governor.
@@ -506,7 +507,7 @@ def open_backend(backend: str = "auto", ordinal: int = 0) -> Backend:
         from gpu_worker.device.cuda_backend import CudaBackend, cuda_device_count
 
         if cuda_device_count() > ordinal:
-            return CudaBackend(ordinal)
+            return CudaBackend(ordinal, keep_gil=keep_gil)
         if backend == "cuda":
             raise FailedPrecondition(f"backend cuda asked for, but there is no CUDA device {ordinal}")
     from gpu_worker.device.sim_backend import SimBackend

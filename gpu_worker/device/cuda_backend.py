@@ -7,6 +7,9 @@
   calls the driver, so CuPy (runtime API, primary context) and this module share one context.
 - Streams are non-blocking; capture is always THREAD_LOCAL (CuPy's default is RELAXED).
 - Every device byte is VMM: cuMemCreate + cuMemMap + cuMemSetAccess inside one reservation.
+- The calls that only enqueue or read a flag (event records and queries, graph launches, copies
+  to and from pinned memory) keep the GIL by default (cuda_enqueue.py says why); every other
+  call, and every call with `keep_gil=False`, releases it as cuda-python does.
 
 Importing this module never touches the driver (CI has cuda-bindings but no libcuda); the driver is
 initialised when a CudaBackend is constructed.
@@ -31,6 +34,7 @@ from gpu_worker.device.backend import (
     IllegalAddress,
     KernelArg,
 )
+from gpu_worker.device.cuda_enqueue import EnqueueCalls, PinnedSpans, handle
 
 _driver: Any = None
 
@@ -62,6 +66,12 @@ def check(result: Any, call: str) -> Any:
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
+
+
+def _held(err: int, call: str) -> None:
+    """check() for the raw CUresult of an EnqueueCalls binding."""
+    if err:
+        check((_drv().CUresult(err),), call)
 
 
 def cuda_device_count() -> int:
@@ -99,7 +109,8 @@ _ARG_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_in
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, ordinal: int = 0) -> None:
+    def __init__(self, ordinal: int = 0, keep_gil: bool = True) -> None:
+        """`keep_gil`: make the calls that only enqueue without handing over the GIL."""
         d = _drv()
         check(d.cuInit(0), "cuInit")
         self._dev = check(d.cuDeviceGet(ordinal), "cuDeviceGet")
@@ -133,7 +144,9 @@ class CudaBackend(Backend):
         self._access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.info = DeviceInfo(ordinal=ordinal, uuid=uuid, name=name, total_bytes=int(total),
                                arch=f"sm_{major}{minor}", granule_bytes=int(granule))
-        self._pinned: dict[int, int] = {}  # id(array) -> host pointer, for cuMemFreeHost
+        self._pinned: dict[int, int] = {}  # array address -> host pointer, for cuMemFreeHost
+        self._pinned_spans = PinnedSpans()
+        self._enqueue = EnqueueCalls() if keep_gil else None
         self._reservations: list[tuple[int, int]] = []
         self._nvml = _nvml_handle(uuid)
 
@@ -221,6 +234,10 @@ class CudaBackend(Backend):
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         self._current()
+        if self._enqueue is not None:
+            err, ms = self._enqueue.event_elapsed(handle(start), handle(end))
+            _held(err, "cuEventElapsedTime")
+            return float(ms)
         return float(check(_drv().cuEventElapsedTime(start, end), "cuEventElapsedTime"))
 
     def destroy_event(self, event: Any) -> None:
@@ -229,6 +246,9 @@ class CudaBackend(Backend):
 
     def record_event(self, event: Any, stream: Any) -> None:
         self._current()
+        if self._enqueue is not None:
+            _held(self._enqueue.event_record(handle(event), handle(stream)), "cuEventRecord")
+            return
         check(_drv().cuEventRecord(event, stream), "cuEventRecord")
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
@@ -238,13 +258,19 @@ class CudaBackend(Backend):
     def event_done(self, event: Any) -> bool:
         self._current()
         d = _drv()
-        (err,) = d.cuEventQuery(event)
+        if self._enqueue is not None:
+            err = d.CUresult(self._enqueue.event_query(handle(event)))
+        else:
+            (err,) = d.cuEventQuery(event)
         if err == d.CUresult.CUDA_ERROR_NOT_READY:
             return False
         check((err,), "cuEventQuery")
         return True
 
     def synchronize_event(self, event: Any) -> None:
+        # an event that has completed needs no wait, and so no GIL hand-off
+        if self._enqueue is not None and self.event_done(event):
+            return
         self._current()
         check(_drv().cuEventSynchronize(event), "cuEventSynchronize")
 
@@ -262,6 +288,7 @@ class CudaBackend(Backend):
         p = int(check(_drv().cuMemHostAlloc(max(1, nbytes), 0), f"cuMemHostAlloc({nbytes})"))
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * max(1, nbytes)).from_address(p))[:nbytes]
         self._pinned[arr.ctypes.data] = p
+        self._pinned_spans.add(p, nbytes)
         return arr
 
     def free_pinned(self, buf: np.ndarray) -> None:
@@ -269,16 +296,25 @@ class CudaBackend(Backend):
         p = self._pinned.pop(buf.ctypes.data, None)
         if p is None:
             raise DeviceError("cuMemFreeHost: buffer was not allocated by alloc_pinned")
+        self._pinned_spans.remove(p)
         check(_drv().cuMemFreeHost(p), "cuMemFreeHost")
 
     def copy_h2d_async(self, dst: int, src: np.ndarray, stream: Any) -> None:
         self._current()
         assert src.flags.c_contiguous, "copy_h2d_async: host source must be C-contiguous"
+        if self._enqueue is not None and self._pinned_spans.holds(src.ctypes.data, src.nbytes):
+            _held(self._enqueue.memcpy_htod(dst, src.ctypes.data, src.nbytes, handle(stream)),
+                  "cuMemcpyHtoDAsync")
+            return
         check(_drv().cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
 
     def copy_d2h_async(self, dst: np.ndarray, src: int, stream: Any) -> None:
         self._current()
         assert dst.flags.c_contiguous, "copy_d2h_async: host destination must be C-contiguous"
+        if self._enqueue is not None and self._pinned_spans.holds(dst.ctypes.data, dst.nbytes):
+            _held(self._enqueue.memcpy_dtoh(dst.ctypes.data, src, dst.nbytes, handle(stream)),
+                  "cuMemcpyDtoHAsync")
+            return
         check(_drv().cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream), "cuMemcpyDtoHAsync")
 
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -435,6 +471,9 @@ class CudaBackend(Backend):
 
     def launch_graph(self, graph_exec: Any, stream: Any) -> None:
         self._current()
+        if self._enqueue is not None:
+            _held(self._enqueue.graph_launch(handle(graph_exec), handle(stream)), "cuGraphLaunch")
+            return
         check(_drv().cuGraphLaunch(graph_exec, stream), "cuGraphLaunch")
 
     def destroy_graph(self, graph: Any) -> None:
