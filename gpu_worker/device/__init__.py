@@ -494,7 +494,7 @@ def _dim3(v: Sequence[int], what: str) -> tuple[int, int, int]:
     return t  # type: ignore[return-value]
 
 
-def open_backend(backend: str = "auto", ordinal: int = 0, keep_gil: bool = True) -> Backend:
+def open_backend(backend: str = "auto", ordinal: int = 0, keep_gil: bool = False) -> Backend:
     """The raw backend: "auto" = cuda when a CUDA device exists, else the sim test double;
     `keep_gil`: cuda's enqueue-only driver calls keep the GIL (device/cuda_enqueue.py).
 

@@ -7,9 +7,9 @@
   calls the driver, so CuPy (runtime API, primary context) and this module share one context.
 - Streams are non-blocking; capture is always THREAD_LOCAL (CuPy's default is RELAXED).
 - Every device byte is VMM: cuMemCreate + cuMemMap + cuMemSetAccess inside one reservation.
-- The calls that only enqueue or read a flag (event records and queries, graph launches, copies
-  to and from pinned memory) keep the GIL by default (cuda_enqueue.py says why); every other
-  call, and every call with `keep_gil=False`, releases it as cuda-python does.
+- With `keep_gil`, the calls that only enqueue or read a flag (event records and queries, graph
+  launches, copies to and from pinned memory) keep the GIL (cuda_enqueue.py says why); every
+  other call, and every call without it, releases the GIL as cuda-python does.
 
 Importing this module never touches the driver (CI has cuda-bindings but no libcuda); the driver is
 initialised when a CudaBackend is constructed.
@@ -109,7 +109,7 @@ _ARG_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_in
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, ordinal: int = 0, keep_gil: bool = True) -> None:
+    def __init__(self, ordinal: int = 0, keep_gil: bool = False) -> None:
         """`keep_gil`: make the calls that only enqueue without handing over the GIL."""
         d = _drv()
         check(d.cuInit(0), "cuInit")
