@@ -11,7 +11,10 @@ cuda_enqueue.py does),
 - while a second thread runs Python without pause (a loop writing messages),
 at the worker's switch interval (0.2 ms, --gil-switch-ms) and at Python's own (5 ms).
 
-Figures (microseconds a call, median of `--trials`): each pairing above. Target: with the busy
+Figures (microseconds a call, median of `--trials`, their spread printed): each pairing above. A
+trial's calls that hand the GIL over lose it to the busy thread on some calls and not others
+(whether it wakes within the call's few microseconds), so those figures spread widely, most at
+5 ms where each loss costs a whole interval. Target: with the busy
 thread at the worker's interval, a call that keeps the GIL costs at most 2.5x its time alone
 (the busy thread takes its fair half of the CPU through the forced switches, no more); a call
 that hands the GIL over waits for the busy thread's switch on many calls, so its ratio is a
@@ -87,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in calls.items():
                 for busy in (False, True):
                     n = args.calls // 10 if busy and ms > 1 and "over" in name else args.calls
-                    t = statistics.median(per_call_us(fn, n, busy) for _ in range(args.trials))
-                    us[name, ms, busy] = t
+                    runs = [per_call_us(fn, n, busy) for _ in range(args.trials)]
+                    t = us[name, ms, busy] = statistics.median(runs)
                     label = f"a call that {name}, {'another thread busy' if busy else 'alone'}, " \
                             f"switch interval {ms:g} ms"
-                    print(f"{label}: {t:9.2f} us", flush=True)
+                    print(f"{label}: {t:9.2f} us (trials {min(runs):.2f}-{max(runs):.2f})",
+                          flush=True)
                     targets.figure(label, t, "us")
     finally:
         sys.setswitchinterval(before)
