@@ -50,6 +50,12 @@ batch 1 at 8192 keys among them, is a recorded figure without a target.
 
     python3 bench/decode_attention_bench.py [--reps 20 --trials 7] [--cuda-core] [--no-sweep]
         [--build NAME=GP_FD_X:1 ...] [--carveout PCT[:split|combine]] [--json OUT.json] [--record [DIR]]
+
+`--profile CTX[,CTX]` times nothing: it launches the library's batch-1 decode eagerly, 8 times
+at each context (no graph, no limits), a target for Nsight Compute:
+
+    ncu -k regex:gp_flash_decode_paged_cluster --launch-skip 2 --launch-count 6 --set full \
+        --clock-control none python3 bench/decode_attention_bench.py --profile 1024,16384
 """
 from __future__ import annotations
 
@@ -225,6 +231,9 @@ def parse_args(argv: list[str] | None = None):
                     "shared-memory carveout at PCT percent ([5]; repeatable)")
     ap.add_argument("--build", action="append", default=[], type=parse_build,
                     metavar="NAME=MACRO:V[,MACRO:V]", help="also time this split build ([4])")
+    ap.add_argument("--profile", default="", metavar="CTX[,CTX]",
+                    help="only launch the library's batch-1 decode eagerly at these contexts, 8 "
+                    "times each, for ncu (no timing, no limits)")
     add_record_flag(ap)
     return ap.parse_args(argv)
 
@@ -359,9 +368,28 @@ def head_order_limits(rows: list[dict], trials: int, sms: int, targets: Targets)
             targets.figure(f"{name}, the decode's fraction", r["GBps"] / gbs, "fraction")
 
 
+def profile(b: Bench, contexts: list[int]) -> None:
+    """Eager launches of the library's batch-1 decode (ncu's target): Bench.decode with each
+    recorded launch run 8 times on the device's stream instead of captured and timed."""
+    def eager(launches) -> float:
+        for i in range(8):
+            launches[i % len(launches)](b.dev.stream)
+        b.dev.synchronize()
+        return float("nan")
+
+    b._time = eager
+    for ctx in contexts:
+        b.decode(1, ctx, paged_decode_span(TABLE // BT, BT, 1), library=True)
+        print(f"launched the library's decode at batch 1, ctx {ctx}, 8 times", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dev, compiler = open_bench_device(args)
+    if args.profile:
+        profile(Bench(KernelHarness(dev, compiler), 1, 1),
+                [int(c) for c in args.profile.split(",")])
+        return 0
     targets = Targets("decode_attention_bench", args=args)
     limits = measure_limits() if args.backend == "cuda" else None
     h = KernelHarness(dev, compiler)

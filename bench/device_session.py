@@ -72,8 +72,25 @@ class Run:
         return self.quick_est_s if quick and self.quick_est_s is not None else self.est_s
 
 
-# Priority order: the serving figures issue 23 asks for first, then the rest of issue 21's list.
+# The A/B runs of the open leads (bench/results/NOTES.md, "Next GPU session") come first, each pair
+# in one group so both sides run on one machine: the batch-64 host step with the step's enqueues
+# keeping the GIL and without, and at --stream-interval 4; the cluster decode's builds that
+# shorten a warp's chain. Then the serving figures, then the rest of the benchmarks.
+HOST_STEP = ("--batches", "64", "--no-torch", "--trials", "2")
 PLAN: tuple[Run, ...] = (
+    Run("host_step@64", "batching_bench.py", HOST_STEP, 70, None, 70,
+        "64 streams, every serving flag at its default (30-70 s on H100s, 2026-12-07)"),
+    Run("host_step@64 keeps-gil", "batching_bench.py", (*HOST_STEP, "--enqueue-keeps-gil"), 70,
+        None, 70, "the same with the step's enqueue-only driver calls keeping the GIL"),
+    Run("host_step@64 interval 4", "batching_bench.py", (*HOST_STEP, "--stream-interval", "4"),
+        70, None, 70, "the same with 4 tokens a message after each stream's first"),
+    Run("decode_builds", "decode_attention_bench.py",
+        ("--reps", "10", "--trials", "3", "--no-sweep", "--build", "pair=GP_FDC_PAIR:1",
+         "--build", "pair4=GP_FDC_PAIR:1,GP_FDC_WARPS:4,GP_FDC_RING:4",
+         "--build", "qk2=GP_FD_QK_CHAINS:2,GP_FDC_RING:2",
+         "--build", "pairqk2=GP_FDC_PAIR:1,GP_FD_QK_CHAINS:2"), 80, None, 80,
+        "two tiles a softmax step and two S^T chains against the library (35 s for two builds "
+        "on the H100, 2026-12-07)"),
     # The open loop (issue 23's TTFT target: Poisson arrivals at 2 req/s, ~0.4x the worker's
     # measured 32-stream rate; 80 requests, 31 s of arrivals plus the drain, each side) rides in
     # the first run, sharing its worker start, model load and peer build (~100 s more). To keep

@@ -192,3 +192,11 @@ def test_the_read_in_the_decodes_order_is_recorded_at_batch_1_only_and_never_inv
     monkeypatch.setattr(dab, "head_order_read", lambda *a: None)
     dab.head_order_limits(rows, 3, 132, Targets("decode_attention_bench"))
     assert "[7]" not in capsys.readouterr().out, "no device: nothing printed"
+
+
+def test_profile_only_launches_the_library_decode_and_records_nothing(tmp_path, capsys):
+    """--profile is ncu's target: eager launches at each context, no timing, no record."""
+    assert dab.main(["--backend", "sim", "--profile", "48,80", "--record", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ctx 48, 8 times" in out and "ctx 80, 8 times" in out
+    assert not list(tmp_path.iterdir()), "a profile run must not write figures"
