@@ -379,7 +379,8 @@ def profile(b: Bench, contexts: list[int]) -> None:
 
     b._time = eager
     for ctx in contexts:
-        b.decode(1, ctx, paged_decode_span(TABLE // BT, BT, 1), library=True)
+        table = max(TABLE, ctx)      # a table that holds the row, as the timed rows use
+        b.decode(1, ctx, paged_decode_span(table // BT, BT, 1), table, library=True)
         print(f"launched the library's decode at batch 1, ctx {ctx}, 8 times", flush=True)
 
 

@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     env_flag(serve, "--gil-switch-ms", "GPUPLANE_WORKER_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS,
              "how long a Python thread keeps the GIL while another waits for it "
              "(sys.setswitchinterval); Python's own default is 5", type=float)
-    env_switch(serve, "--enqueue-keeps-gil", "GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", False,
+    env_switch(serve, "--enqueue-keeps-gil", "GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", True,
                "make the cuda driver calls that only enqueue (event records, graph launches, "
-               "copies of pinned memory) without handing the GIL to the edge's threads; off: "
-               "cuda-python releases it around every driver call")
+               "copies of pinned memory) without handing the GIL to the edge's threads; "
+               "--no-enqueue-keeps-gil: cuda-python releases it around every driver call")
     # --tls-cert/--tls-key are the worker's one identity: served to its callers and presented to
     # the governor and the cache; --tls-ca verifies those two.
     security.add_server_flags(serve, "WORKER")

@@ -78,7 +78,7 @@ class WorkerConfig:
     # programmatic dependent launch (sm_90): a step's kernels start while the one before ends
     dependent_launch: bool = True
     # driver calls that only enqueue (event records, graph launches, pinned copies) keep the GIL
-    enqueue_keeps_gil: bool = False
+    enqueue_keeps_gil: bool = True
     embed_batch_wait_ms: float = 2.0    # how long an Embed waits for others to share its batch
     embed_max_batch: int = 64           # sequences per Embed batch (1: one at a time)
     embed_max_batch_tokens: int = 32768  # padded tokens per Embed batch (one sequence always fits)

@@ -216,23 +216,25 @@ def test_a_served_worker_runs_with_the_gil_switch_interval_it_was_given(tmp_path
     with Stack(tmp_path) as stack:
         worker = stack.start_worker(backend="sim", extra=["--gil-switch-ms", "0.3",
                                                           "--stream-interval", "3",
-                                                          "--enqueue-keeps-gil"])
+                                                          "--no-enqueue-keeps-gil"])
         assert "worker serving (GIL switch interval 0.30 ms, stream interval 3, enqueues " \
-               "keep the GIL)" in worker.log_tail(), worker.log_tail()
+               "release the GIL)" in worker.log_tail(), worker.log_tail()
 
 
-def test_enqueues_keep_the_gil_only_when_switched_on(monkeypatch) -> None:
-    """--enqueue-keeps-gil (GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL) reaches the config the runtime
-    opens its backend with; off by default until a GPU run measures it (device/cuda_enqueue.py)."""
+def test_enqueues_keep_the_gil_unless_switched_off(monkeypatch) -> None:
+    """--no-enqueue-keeps-gil (GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL) reaches the config the
+    runtime opens its backend with; the default keeps it (device/cuda_enqueue.py)."""
     from gpu_worker.__main__ import worker_config
+    from gpu_worker.config import WorkerConfig
     monkeypatch.delenv("GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", raising=False)
+    assert worker_config(build_parser().parse_args(["serve"])).enqueue_keeps_gil
+    assert WorkerConfig().enqueue_keeps_gil
+    assert not worker_config(build_parser().parse_args(
+        ["serve", "--no-enqueue-keeps-gil"])).enqueue_keeps_gil
+    monkeypatch.setenv("GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", "off")
     assert not worker_config(build_parser().parse_args(["serve"])).enqueue_keeps_gil
     assert worker_config(build_parser().parse_args(
         ["serve", "--enqueue-keeps-gil"])).enqueue_keeps_gil
-    monkeypatch.setenv("GPUPLANE_WORKER_ENQUEUE_KEEPS_GIL", "on")
-    assert worker_config(build_parser().parse_args(["serve"])).enqueue_keeps_gil
-    assert not worker_config(build_parser().parse_args(
-        ["serve", "--no-enqueue-keeps-gil"])).enqueue_keeps_gil
 
 
 def test_the_stream_interval_defaults_to_a_message_a_token_and_a_bad_value_is_refused(
