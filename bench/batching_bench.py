@@ -141,7 +141,7 @@ def _stream(client: WorkerClient, prompt: list[int], new: int, out: dict, i: int
 def variant(args: argparse.Namespace) -> str:
     """What this run changed from the worker's defaults, for its figures' names ("": nothing)."""
     changed = [f"stream interval {args.stream_interval}"] if args.stream_interval > 1 else []
-    changed += ["enqueues keep the GIL"] if args.enqueue_keeps_gil else []
+    changed += ["enqueues release the GIL"] if args.enqueue_releases_gil else []
     return ", ".join(changed)
 
 
@@ -151,8 +151,8 @@ def ours(args: argparse.Namespace) -> dict:
     if args.stream_interval > 1:
         changed["--stream-interval"] = (str(args.stream_interval),
                                         "tokens a message carries after the first")
-    if args.enqueue_keeps_gil:
-        changed["--enqueue-keeps-gil"] = (None, "the step's enqueue-only driver calls keep the GIL")
+    if args.enqueue_releases_gil:
+        changed["--no-enqueue-keeps-gil"] = (None, "every driver call hands the GIL over")
     with served_worker(args.backend, changed) as (client, proc):
         client.load_model("m", "decoder", args.config, 1)
         prompt = [(i * 31 + 7) % cfg.vocab_size for i in range(args.prompt)]
@@ -283,8 +283,8 @@ def main() -> int:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the worker's --stream-interval (tokens a message carries after a "
                         "stream's first); other than 1, every figure's name says so")
-    p.add_argument("--enqueue-keeps-gil", action="store_true",
-                   help="start the worker with --enqueue-keeps-gil; every figure's name says so")
+    p.add_argument("--enqueue-releases-gil", action="store_true",
+                   help="start the worker with --no-enqueue-keeps-gil; every figure's name says so")
     add_record_flag(p)
     args = p.parse_args()
     targets = Targets("batching_bench", args=args, variant=variant(args))

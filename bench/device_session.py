@@ -74,14 +74,14 @@ class Run:
 
 # The A/B runs of the open leads (bench/results/NOTES.md, "Next GPU session") come first, each pair
 # in one group so both sides run on one machine: the batch-64 host step with the step's enqueues
-# keeping the GIL and without, and at --stream-interval 4; the cluster decode's builds that
-# shorten a warp's chain. Then the serving figures, then the rest of the benchmarks.
+# keeping the GIL (the default) and releasing it, and at --stream-interval 4; the cluster
+# decode's builds that shorten a warp's chain. Then the serving figures, then the rest of the benchmarks.
 HOST_STEP = ("--batches", "64", "--no-torch", "--trials", "2")
 PLAN: tuple[Run, ...] = (
     Run("host_step@64", "batching_bench.py", HOST_STEP, 70, None, 70,
         "64 streams, every serving flag at its default (30-70 s on H100s, 2026-12-07)"),
-    Run("host_step@64 keeps-gil", "batching_bench.py", (*HOST_STEP, "--enqueue-keeps-gil"), 70,
-        None, 70, "the same with the step's enqueue-only driver calls keeping the GIL"),
+    Run("host_step@64 releases-gil", "batching_bench.py", (*HOST_STEP, "--enqueue-releases-gil"),
+        70, None, 70, "the same with every driver call handing the GIL over"),
     Run("host_step@64 interval 4", "batching_bench.py", (*HOST_STEP, "--stream-interval", "4"),
         70, None, 70, "the same with 4 tokens a message after each stream's first"),
     Run("decode_builds", "decode_attention_bench.py",
