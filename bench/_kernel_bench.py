@@ -1,10 +1,13 @@
 """What the kernel microbenchmarks share (attention, int4_batched, paged_attention, kernels): the
 command line that picks the backend, the launches per timed graph and the smoke-size shapes, and
-the device and NVRTC compiler they time on (a fresh disk cache: a benchmark compiles its own)."""
+the device and NVRTC compiler they time on (a fresh disk cache: a benchmark compiles its own), and
+how they time a graph (timing events around each replay, on our side and torch's alike)."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import limits as bench_limits
@@ -47,3 +50,50 @@ def open_kernel_bench(args: argparse.Namespace, name: str):
         limits.record(targets)
     dev, compiler = open_bench_device(args)
     return limits, dev, compiler, targets
+
+
+# -- timing a graph ------------------------------------------------------------------------------
+# A clock runs `fn` (which enqueues device work on the timed stream) between two timing events and
+# returns the device's seconds between them: no graph launch, wake-up or synchronization latency,
+# which the host's wall clock around a replay adds to every replay (a fixed cost that weighs most on
+# a graph of short launches: ten 30 us decodes). bench/limits.py times the copies that the
+# benchmarks divide by the same way.
+Clock = Callable[[Callable[[], None]], float]
+
+
+def device_clock(dev) -> Clock:
+    """Timing events on `dev`'s stream (the sim backend's: the wall time between reaching them)."""
+    def seconds(fn: Callable[[], None]) -> float:
+        start, stop = dev.create_event(timing=True), dev.create_event(timing=True)
+        try:
+            dev.record_event(start)
+            fn()
+            dev.record_event(stop)
+            dev.wait_event(stop)
+            return dev.event_elapsed_s(start, stop)
+        finally:
+            dev.destroy_event(start)
+            dev.destroy_event(stop)
+    return seconds
+
+
+def torch_clock() -> Clock:
+    """torch.cuda timing events on torch's current stream (where a torch graph replays)."""
+    from bench import peer as bench_peer
+    torch = bench_peer.torch
+
+    def seconds(fn: Callable[[], None]) -> float:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3
+    return seconds
+
+
+def median_replay(replay: Callable[[], None], clock: Clock, trials: int, reps: int = 1) -> float:
+    """Seconds a launch: a graph of `reps` launches replayed once warm, then `trials` replays each
+    timed by `clock`; the median replay / reps."""
+    clock(replay)
+    return statistics.median(clock(replay) for _ in range(trials)) / reps

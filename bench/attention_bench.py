@@ -12,7 +12,8 @@
 
 Timing, the same on every side: one CUDA graph of `--reps` launches (ours through the device
 layer, torch through torch.cuda.graph; the copy the same way), replayed `--trials` times, each
-replay timed by the wall clock between synchronisations; the statistic is the median replay / reps.
+replay timed by timing events around it (the device's time, bench/_kernel_bench.median_replay); the
+statistic is the median replay / reps.
 A missed target prints MISSED and the process exits 1.
 
     python3 bench/attention_bench.py [--reps 20 --trials 7]        # on the GPU machine
@@ -20,9 +21,7 @@ A missed target prints MISSED and the process exits 1.
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +30,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import peer as bench_peer
-from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench._kernel_bench import (
+    device_clock,
+    kernel_bench_parser,
+    median_replay,
+    open_bench_device,
+    torch_clock,
+)
 from bench.limits import L2_BYTES, rotation
 from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
@@ -52,20 +57,6 @@ DECODE_TARGET = 0.60    # of the copy bandwidth, at 8k context
 PREFILL_TARGET = 1.5    # ours / SDPA, at 2048 and 5502 tokens
 
 
-def median_replay(replay: Callable[[], None], sync: Callable[[], None], reps: int,
-                  trials: int) -> float:
-    """Seconds per launch: the median over `trials` timed replays of a graph of `reps` launches."""
-    replay()
-    sync()
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        replay()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / reps
-
-
 def ours(dev, launch: Callable[[object], None], reps: int, trials: int) -> float:
     launch(dev.stream)  # warm (module loads, first-launch costs) outside the graph
     dev.synchronize()
@@ -73,7 +64,7 @@ def ours(dev, launch: Callable[[object], None], reps: int, trials: int) -> float
         for _ in range(reps):
             launch(cap.stream)
     try:
-        return median_replay(lambda: dev.replay(cap.graph_exec), dev.synchronize, reps, trials)
+        return median_replay(lambda: dev.replay(cap.graph_exec), device_clock(dev), trials, reps)
     finally:
         dev.destroy_graph_exec(cap.graph_exec)
 
@@ -94,7 +85,7 @@ def torch_sdpa(tokens: int, heads: int, kv_heads: int, hd: int, reps: int,
             for _ in range(reps):
                 F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
         graph = bench_peer.capture(run, warmup=1)
-        t = median_replay(graph.replay, torch.cuda.synchronize, reps, trials)
+        t = median_replay(graph.replay, torch_clock(), trials, reps)
         best = t if best is None else min(best, t)
     return best
 

@@ -3,7 +3,9 @@
 Llama-3-8B shapes (32 q heads, 8 KV heads, head_dim 128), block_tokens 16, a table of 8192 tokens
 per row, every row at `ctx` keys. Each timed graph cycles over `layers` layers of the pool so the
 KV read by consecutive launches is never L2-resident (the working set is >= 256 MB, the L2 60 MB).
-Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
+A figure is the median over `--trials` replays of the graph of `--reps` launches, each replay timed
+by timing events around it (the device's time, as bench/limits.py times the copies it is divided
+by; bench/_kernel_bench.median_replay), divided by reps. Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
 device-to-device copy of 1 GiB (read + write) measured at the start of the same run
 (bench/limits.py; without torch, a graph of cuMemcpyAsync nodes through the device layer, printed
 as such).
@@ -60,16 +62,14 @@ at each context (no graph, no limits), a target for Nsight Compute:
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench._kernel_bench import device_clock, kernel_bench_parser, median_replay, open_bench_device
 from bench.limits import L2_BYTES, SameBytes, head_order_read, same_bytes
 from bench.limits import measure as measure_limits
 from bench.record import add_record_flag
@@ -136,6 +136,8 @@ class Bench:
         self.noise = np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32).astype(np.float16)
 
     def _time(self, launches) -> float:
+        """Seconds a launch: `reps` launches cycling over `launches` in one graph, timed by events
+        around each replay (bench/_kernel_bench.median_replay)."""
         dev = self.dev
         launches[0](dev.stream)
         dev.synchronize()
@@ -143,15 +145,8 @@ class Bench:
             for i in range(self.reps):
                 launches[i % len(launches)](cap.stream)
         try:
-            dev.replay(cap.graph_exec)
-            dev.synchronize()
-            times = []
-            for _ in range(self.trials):
-                t0 = time.perf_counter()
-                dev.replay(cap.graph_exec)
-                dev.synchronize()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times) / self.reps
+            return median_replay(lambda: dev.replay(cap.graph_exec), device_clock(dev),
+                                 self.trials, self.reps)
         finally:
             dev.destroy_graph_exec(cap.graph_exec)
 

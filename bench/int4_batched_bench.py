@@ -20,7 +20,8 @@ counted: the same bytes-per-second meaning) stays a recorded figure; without tor
 falls back to it.
 
 Timing, the same on every side: one CUDA graph of `--reps` launches, replayed `--trials` times,
-the median replay / reps (bench/attention_bench.median_replay).
+each replay timed by timing events around it; the median replay / reps
+(bench/_kernel_bench.median_replay).
 
     python3 bench/int4_batched_bench.py [--reps 20 --trials 7 --record]   # on the GPU machine
     python3 bench/int4_batched_bench.py --backend sim --small              # smoke run of the code path
@@ -71,8 +72,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import limits as bench_limits
-from bench._kernel_bench import kernel_bench_parser, open_kernel_bench
-from bench.attention_bench import median_replay, ours
+from bench._kernel_bench import kernel_bench_parser, median_replay, open_kernel_bench, torch_clock
+from bench.attention_bench import ours
 from bench.limits import SameBytes, same_bytes
 from bench.record import add_record_flag
 from gpu_worker.config import DEFAULT_DEQUANT_TILE_BYTES
@@ -150,7 +151,7 @@ def torch_matmul(batch: int, n: int, k: int, reps: int, trials: int) -> float | 
         for i in range(reps):
             torch.matmul(x, ws[i % copies].t())
     graph = bench_peer.capture(run, warmup=1).graph
-    t = median_replay(graph.replay, torch.cuda.synchronize, reps, trials)
+    t = median_replay(graph.replay, torch_clock(), trials, reps)
     del graph
     torch.cuda.empty_cache()
     return t

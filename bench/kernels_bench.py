@@ -17,8 +17,9 @@ this run (bench/limits.py, when torch is importable; else the device layer's 1 G
 
 Same method on both sides: each timing (ours, and torch's cuBLAS / SDPA peers) captures `--reps`
 launches into one CUDA graph (ours through the device layer, torch through torch.cuda.CUDAGraph),
-replays it once warm, then times `--samples` replays; the figure is the median replay / reps.
-Launch overhead is excluded on both sides.
+replays it once warm, then times `--samples` replays by timing events around each (the device's
+time: bench/_kernel_bench.median_replay); the figure is the median replay / reps. Launch and
+synchronization latency are excluded on both sides.
 
 Target (MISSED: exit status 1): at every row count up to FUSED_MAX_ROWS the fused int4 kernel is
 faster than the dequant-workspace path (the crossover the threshold claims).
@@ -29,10 +30,7 @@ faster than the dequant-workspace path (the crossover the threshold claims).
 from __future__ import annotations
 
 import itertools
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +38,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import limits as bench_limits
-from bench._kernel_bench import kernel_bench_parser, open_bench_device
+from bench._kernel_bench import (
+    device_clock,
+    kernel_bench_parser,
+    median_replay,
+    open_bench_device,
+    torch_clock,
+)
 from bench.limits import rotation
 from bench.record import add_record_flag
 from bench.targets import Targets
@@ -65,19 +69,6 @@ GiB = 1 << 30
 SAMPLES = 5  # timed replays per figure (median), --samples
 
 
-def median_replay(replay: Callable[[], None], sync: Callable[[], None], samples: int) -> float:
-    """Median seconds of one replay: replayed once warm, then `samples` timed replays."""
-    replay()
-    sync()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        replay()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def timed(dev, launch, reps: int, samples: int = SAMPLES) -> float:
     """Seconds per launch: one graph of `reps` launches (median replay / reps)."""
     launch(dev.stream)
@@ -86,7 +77,7 @@ def timed(dev, launch, reps: int, samples: int = SAMPLES) -> float:
         for _ in range(reps):
             launch(cap.stream)
     try:
-        return median_replay(lambda: dev.replay(cap.graph_exec), dev.synchronize, samples) / reps
+        return median_replay(lambda: dev.replay(cap.graph_exec), device_clock(dev), samples, reps)
     finally:
         dev.destroy_graph_exec(cap.graph_exec)
 
@@ -98,7 +89,6 @@ def torch_timed(fn, reps: int, samples: int = SAMPLES) -> float | None:
     from bench import peer as bench_peer
     if not bench_peer.available():
         return None
-    torch = bench_peer.torch
 
     def run():
         for _ in range(reps):
@@ -109,7 +99,7 @@ def torch_timed(fn, reps: int, samples: int = SAMPLES) -> float | None:
         print(f"    torch peer could not be captured: {exc}", flush=True)
         return None
     try:
-        return median_replay(graph.replay, torch.cuda.synchronize, samples) / reps
+        return median_replay(graph.replay, torch_clock(), samples, reps)
     finally:
         del graph
 
