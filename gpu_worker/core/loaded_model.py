@@ -4,12 +4,12 @@ a load, and `LoadedModel`, which is also what the reclaimer sees of a model
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 
 from gpu_worker.checkpoints.text import TextCodec
 from gpu_worker.engines.embed_batcher import EmbedBatcher
-from gpu_worker.engines.model_lock import ContendedLock
 from gpu_worker.engines.scheduler.scheduler import Scheduler
 from gpu_worker.execution.executor import ModelExecutor
 from gpu_worker.models.configs import ModelConfig
@@ -50,7 +50,7 @@ class LoadedModel:
     cfg: ModelConfig
     executor: ModelExecutor
     model: PagedDecoderModel | DecoderModel | EncoderModel
-    lock: ContendedLock = field(default_factory=ContendedLock)  # the request lock
+    lock: threading.Lock = field(default_factory=threading.Lock)
     scheduler: Scheduler | None = None      # decoders: the continuous-batching engine
     embed_batcher: EmbedBatcher | None = None  # encoders: requests merged into padded batches
     codec: TextCodec | None = None          # the checkpoint's tokenizer, if it has one

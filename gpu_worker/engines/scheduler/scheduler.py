@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpu_worker.config import DEFAULT_MIN_PREFILL_SHARE, DEFAULT_PREFILL_ORDER, PREFILL_ORDERS
-from gpu_worker.engines.model_lock import ContendedLock
 from gpu_worker.engines.scheduler.histogram import STEP_BUCKETS, Histogram
 from gpu_worker.engines.scheduler.kv_demote import COUNTERS as HOST_COUNTERS
 from gpu_worker.engines.scheduler.kv_demote import HostPrefixCache
@@ -250,11 +249,7 @@ class Scheduler:
         if self.host_cache is not None:
             pool.on_evict = self.host_cache.demote
         self.eos = frozenset(eos_token_ids)
-        # the model's request lock (LoadedModel.lock); built alone (tests, benches), one of its
-        # own, not re-entrant like the model's: nothing here takes it nested (model_lock.py)
-        self._model_lock = model_lock if model_lock is not None else ContendedLock()
-        # its waiters, read between steps; a lock without the count (a caller's plain lock): None
-        self._lock_waiting: Callable[[], int] | None = getattr(self._model_lock, "waiting", None)
+        self._model_lock = model_lock if model_lock is not None else threading.RLock()
         self._pin = pin
         self._settle = settle       # at idle: let the model's fenced releases complete
         self._pinned: contextlib.ExitStack | None = None
@@ -355,13 +350,8 @@ class Scheduler:
                 # step() failed the affected sequences; a failure outside them (the lock, the
                 # pin) fails every sequence so no stream waits forever
                 self._fail_all(exc)
-            # the next step takes the model lock again at once, the GIL still held: a thread
-            # blocked on the lock (a reclaim, an offload, an unload) is let in first, or it would
-            # starve. Only then: a yield hands the GIL to any busy thread (the gRPC loop writing
-            # this step's messages) and delays the next step's launch by up to a switch interval
-            waiting = self._lock_waiting
-            if waiting is None or waiting():
-                time.sleep(0)
+            # a waiting head that cannot be admitted while others run: let them finish first
+            time.sleep(0)
 
     def step(self) -> int:
         """One iteration; returns the number of tokens it processed (prefill + decode).
