@@ -237,25 +237,6 @@ def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, pa
     assert o.failure() is None, o.failure()
 
 
-@pytest.mark.parametrize("params", [{**LLAMA, "positions": [16383]},
-                                    {**LLAMA, "positions": [4096], "block_tokens": 64},
-                                    {"heads": 32, "kv_heads": 8, "head_dim": 64, "positions": [2999, 130]},
-                                    {**LLAMA, "positions": [0, 17, -1]}],
-                         ids=["16384 keys", "4097 keys in blocks of 64", "head_dim 64, batch 2",
-                              "1 and 18 keys and a padding row"])
-@pytest.mark.parametrize("build", [{}, {"GP_FDC_PAIR": 1}, {"GP_FDC_WARPS": 4, "GP_FDC_RING": 4, "GP_FDC_PAIR": 1}],
-                         ids=["the library's", "tile pairs", "4 warps, ring 4, tile pairs"])
-def test_reading_the_table_a_tile_ahead_gives_the_bits_of_reading_it_at_the_copy(harness, params,
-                                                                               build) -> None:
-    """GP_FD_TABLE_AHEAD moves a TMA refill's table lookup an iteration earlier (lane 0, past the
-    row's end none): when the block index is read changes, never which block is copied, so the
-    same inputs give the same fp16 bits as the build that looks it up at the copy."""
-    from gpu_worker.kernels.paged_attention import decode_cluster_build
-
-    _same_bits(harness, 29, params, decode_cluster_build(**build, GP_FD_TABLE_AHEAD=1),
-               decode_cluster_build(**build))
-
-
 @pytest.mark.parametrize("defines", [{**LOADS, "GP_FDC_RING": 1}, {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1},
                                      {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1, "GP_FDC_PAIR": 1}],
                          ids=["bulk copies", "tma (the library's)", "tma, tile pairs"])

@@ -23,9 +23,6 @@
 #ifndef GP_FD_TILE_ROWS
 #define GP_FD_TILE_ROWS 0  // split kernel's tensor-core block: 1: a 16-key tile's rows from one table lookup
 #endif
-#ifndef GP_FD_TABLE_AHEAD
-#define GP_FD_TABLE_AHEAD 0  // the TMA ring: a refill's table entry read one tile ahead of its copy (0: at the copy)
-#endif
 #ifndef GP_FD_EARLY
 #define GP_FD_EARLY 1  // paged, tensor-core block: first K/V tile loaded before the dependent-launch wait (0: after)
 #endif
@@ -596,19 +593,11 @@ struct gp_fd_ring_warp {
         gp_bulk_copy(slots + s * SLOT + (lane < 16 ? r * KS : 16 * KS + r * VS),
                      kv.row(n0) + r * kv.row_step(), 2 * D, bars + 8 * s);
     }
-    // TMA: the table's block of the tile at n0 (lane 0, n0 < j1; -1 elsewhere), read where the
-    // warp has a tile's work before its copy_tile (GP_FD_TABLE_AHEAD): copy_tile's own lookup is
-    // a global load the TMA issue waits for, and the whole warp with it at its next mma.sync
-    __device__ __forceinline__ static int block_of(const gp_fd_pool_map& pm, int n0, int j1) {
-        if constexpr (TMA) return lane_id() == 0 && n0 < j1 ? pm.table[n0 >> pm.shift] : -1;
-        else return -1;
-    }
-    // TMA: the whole tile at n0 into slot s, by lane 0; `blk`: its block_of, or -1 (look it up)
-    __device__ __forceinline__ void copy_tile(const gp_fd_pool_map& pm, int n0, int s, int blk = -1) const {
+    // TMA: the whole tile at n0 into slot s, by lane 0
+    __device__ __forceinline__ void copy_tile(const gp_fd_pool_map& pm, int n0, int s) const {
         if (lane_id() != 0) return;
         const unsigned bar = bars + 8 * s, dst = slots + s * SLOT;
-        if (blk < 0) blk = pm.table[n0 >> pm.shift];
-        const int row = n0 & pm.mask;
+        const int blk = pm.table[n0 >> pm.shift], row = n0 & pm.mask;
         gp_mbar_expect(bar, 2 * (D / 64) * BOX);
 #pragma unroll
         for (int b = 0; b < D / 64; ++b) {
@@ -618,15 +607,15 @@ struct gp_fd_ring_warp {
     }
     // The tile at n0 (nothing where n0 >= j1) into slot s, all but key `skip` (-1: none), which
     // issue_late copies after the dependent-launch wait: bulk, its rows (rows from j1 on are not
-    // copied); TMA, its whole tile (`blk`: its block_of, or -1). REFILL: the slot was read through
-    // the generic proxy, by every lane: their reads come before its new bytes.
+    // copied); TMA, its whole tile. REFILL: the slot was read through the generic proxy, by every
+    // lane: their reads come before its new bytes.
     template <class KV>
     __device__ __forceinline__ void issue(const KV& k, const KV& v, const gp_fd_pool_map& pm, int n0,
-                                         int j1, int s, int skip, bool refill = false, int blk = -1) const {
+                                         int j1, int s, int skip, bool refill = false) const {
         if (n0 >= j1) return;
         if (refill) { __syncwarp(); gp_fence_proxy_async(); }
         if constexpr (TMA) {
-            if (skip < n0 || skip >= n0 + 16) copy_tile(pm, n0, s, blk);
+            if (skip < n0 || skip >= n0 + 16) copy_tile(pm, n0, s);
         } else {
             const int lane = lane_id(), row = n0 + (lane & 15);
             if (lane == 0) gp_mbar_expect(bars + 8 * s, min(16, j1 - n0) * 4 * D);
@@ -910,23 +899,15 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         // once for 32 keys (the order of the sums differs from one tile a step: its own bits)
         uint4 ka2[KC], kb2[KC], vv2[4][VC];
         int i = 0;
-        // GP_FD_TABLE_AHEAD: the blocks of this iteration's two refills, read an iteration early
-        constexpr int R = 16 * NW * RING;
-        int a0 = GP_FD_TABLE_AHEAD ? rw.block_of(pm, first + R, j1) : -1;
-        int a1 = GP_FD_TABLE_AHEAD ? rw.block_of(pm, first + 16 * NW + R, j1) : -1;
         for (int n0 = first; n0 < j1; n0 += 32 * NW, i += 2) {
             const int s0 = i % RING, n1 = n0 + 16 * NW;
             const unsigned parity = (i / RING) & 1;
-            const int b0 = GP_FD_TABLE_AHEAD ? rw.block_of(pm, n0 + 32 * NW + R, j1) : -1;
-            const int b1 = GP_FD_TABLE_AHEAD ? rw.block_of(pm, n1 + 32 * NW + R, j1) : -1;
             rw.fetch(ka, kb, vv, s0, parity, n0, j1);
-            rw.issue(k, v, pm, n0 + R, j1, s0, -1, true, a0);
-            a0 = b0;
+            rw.issue(k, v, pm, n0 + 16 * NW * RING, j1, s0, -1, true);
             float sa[4], sb[4];
             if (n1 < j1) {
                 rw.fetch(ka2, kb2, vv2, s0 + 1, parity, n1, j1);
-                rw.issue(k, v, pm, n1 + R, j1, s0 + 1, -1, true, a1);
-                a1 = b1;
+                rw.issue(k, v, pm, n1 + 16 * NW * RING, j1, s0 + 1, -1, true);
                 scores(sa, ka, kb, n0);
                 scores(sb, ka2, kb2, n1);
                 softmax(sa, sb, true);
@@ -940,15 +921,10 @@ __device__ __forceinline__ void gp_fd_split_block_mma(
         }
     } else if constexpr (RING > 0) {
         int i = 0;
-        // GP_FD_TABLE_AHEAD: the block of this iteration's refill, read an iteration early
-        constexpr int R = 16 * NW * RING;
-        int ahead = GP_FD_TABLE_AHEAD ? rw.block_of(pm, first + R, j1) : -1;
         for (int n0 = first; n0 < j1; n0 += 16 * NW, ++i) {
             const int s = i % RING;
-            const int next = GP_FD_TABLE_AHEAD ? rw.block_of(pm, n0 + 16 * NW + R, j1) : -1;
             rw.fetch(ka, kb, vv, s, (i / RING) & 1, n0, j1);
-            rw.issue(k, v, pm, n0 + R, j1, s, -1, true, ahead);   // the slot's next tile
-            ahead = next;
+            rw.issue(k, v, pm, n0 + 16 * NW * RING, j1, s, -1, true);   // the slot's next tile
             tile(n0);
         }
     } else {
