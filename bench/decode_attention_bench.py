@@ -5,7 +5,10 @@ per row, every row at `ctx` keys. Each timed graph cycles over `layers` layers o
 KV read by consecutive launches is never L2-resident (the working set is >= 256 MB, the L2 60 MB).
 A figure is the median over `--trials` replays of the graph of `--reps` launches, each replay timed
 by timing events around it (the device's time, as bench/limits.py times the copies it is divided
-by; bench/_kernel_bench.median_replay), divided by reps. Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
+by; bench/_kernel_bench.median_replay), divided by reps. At batch 1 a row is the median of that
+over `--placements` pools (3), each allocated, filled and captured afresh: one short launch's time
+moves with where its KV lies, more than between replays of one graph; the slowest over the fastest
+is a recorded figure. Bytes counted: the K and V of every row's keys (the KV a decode must read); GB/s against a
 device-to-device copy of 1 GiB (read + write) measured at the start of the same run
 (bench/limits.py; without torch, a graph of cuMemcpyAsync nodes through the device layer, printed
 as such).
@@ -62,6 +65,7 @@ at each context (no graph, no limits), a target for Nsight Compute:
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -226,6 +230,9 @@ def parse_args(argv: list[str] | None = None):
                     "shared-memory carveout at PCT percent ([5]; repeatable)")
     ap.add_argument("--build", action="append", default=[], type=parse_build,
                     metavar="NAME=MACRO:V[,MACRO:V]", help="also time this split build ([4])")
+    ap.add_argument("--placements", type=int, default=3, metavar="N",
+                    help="batch 1's rows: the median over N pools, each allocated and timed "
+                    "afresh (a short launch's time moves with where its KV lies; default 3)")
     ap.add_argument("--profile", default="", metavar="CTX[,CTX]",
                     help="only launch the library's batch-1 decode eagerly at these contexts, 8 "
                     "times each, for ncu (no timing, no limits)")
@@ -271,7 +278,8 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float,
     fraction of a copy of the same bytes with that copy's and torch.sum's rates; the target at
     target_ctx(batch) is on the copy of the same bytes, or on the 1 GiB copy without it. Also its
     time over the old rule's where both ran, and the empty blocks' cost; the span sweep stays
-    printed only (a shape study, not a figure)."""
+    printed only (a shape study, not a figure). A row timed over several placements (batch 1,
+    `--placements`) is their median, and the slowest over the fastest is a figure too."""
     new = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "new"}
     old = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "old"}
     lanes = {(r["batch"], r["ctx"]): r for r in rows if r["section"] == "lanes"}
@@ -280,6 +288,10 @@ def record_rows(targets: Targets, rows: list[dict], copy_gbs: float,
     for (batch, ctx), r in sorted(new.items()):
         name = decode_name(batch, ctx)
         targets.figure(f"{name}: time", r["us"], "us")
+        placed = r.get("placements_us", [])
+        if len(placed) > 1:
+            targets.figure(f"{name}: slowest / fastest of {len(placed)} placements",
+                           max(placed) / min(placed), "ratio")
         limit = (same or {}).get(kv_bytes(batch, ctx))
         target = ctx == target_ctx(batch)
         if target and limit is None:
@@ -381,6 +393,8 @@ def profile(b: Bench, contexts: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.placements < 1:
+        raise SystemExit(f"--placements {args.placements}: want 1 or more")
     dev, compiler = open_bench_device(args)
     if args.profile:
         profile(Bench(KernelHarness(dev, compiler), 1, 1),
@@ -407,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     def row(section, batch, ctx, sp, table=TABLE, build=None, carveout=None) -> dict:
         # a build of the cluster kernel runs as the graph would run it; others, the split kernel
         library = section == "new" or any(k.startswith("GP_FDC_") for k in build or {})
-        t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=library)
+        times = []
+        for _ in range(args.placements if batch == 1 else 1):   # each a fresh pool
+            t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=library)
+            times.append(t)
+        t = statistics.median(times)
         if section == "new":
             outputs[batch, ctx] = got.astype(np.float32)
         elif (build is not None or section == "two") and (batch, ctx) in outputs:
@@ -417,10 +435,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"build {section} at batch {batch}, ctx {ctx}: output differs "
                                  f"from the library build's by up to {err.max():.3g}")
         r = {"section": section, "batch": batch, "ctx": ctx, "span": sp, "table": table,
-             "carveout": carveout, "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy}
+             "carveout": carveout, "us": t * 1e6, "GBps": nbytes / t / 1e9, "of_copy": nbytes / t / copy,
+             "placements_us": [x * 1e6 for x in times]}
         rows.append(r)
+        spread = (f" (median of {len(times)} placements, {min(times) * 1e6:.1f}-{max(times) * 1e6:.1f})"
+                  if len(times) > 1 else "")
         print(f"{section:>8} batch {batch:>2} ctx {ctx:>5} span {sp:>5} table {table:>5}: "
-              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy", flush=True)
+              f"{r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:5.2f} of copy{spread}", flush=True)
         return r
 
     sms = sm_count(dev)

@@ -200,3 +200,19 @@ def test_profile_only_launches_the_library_decode_and_records_nothing(tmp_path, 
     out = capsys.readouterr().out
     assert "ctx 48, 8 times" in out and "ctx 80, 8 times" in out
     assert not list(tmp_path.iterdir()), "a profile run must not write figures"
+
+
+def test_a_row_over_several_placements_records_their_spread_and_one_placement_does_not(tmp_path):
+    placed = {**row("new", 1, 16384, 30.7, 0.72), "placements_us": [29.5, 30.7, 31.8]}
+    single = {**row("new", 8, 1024, 18.4, 0.6), "placements_us": [18.4]}
+    _, lines = recorded(tmp_path, [placed, single])
+    spread = lines["paged decode batch 1, 16384 keys: slowest / fastest of 3 placements"]
+    assert spread["value"] == pytest.approx(31.8 / 29.5) and spread["unit"] == "ratio"
+    assert lines["paged decode batch 1, 16384 keys: time"]["value"] == 30.7, "the median's time"
+    assert not any("placements" in m for m in lines if "batch 8" in m)
+
+
+def test_placements_default_to_three_and_fewer_than_one_is_refused():
+    assert dab.parse_args([]).placements == 3
+    with pytest.raises(SystemExit, match="--placements 0: want 1 or more"):
+        dab.main(["--placements", "0"])
