@@ -44,6 +44,9 @@ as such).
    at the cluster decode's 64 CTAs and at 2 CTAs of 1,024 threads an SM; recorded figures
    without a target, beside the decode's fraction of each: whether the pool's layout, not the
    kernel, holds the batch-1 decode below the contiguous read.
+8. at batch 1's target row, `--placement-check` fresh pools (4), each pool's graph timed three
+   times in a row: the slowest over the fastest within a pool (time alone) and across the pools'
+   first figures (placement too), both recorded: which one moves the row between runs.
 
 Target (bench/targets.py, DECODE_ATTENTION_OF_COPY): at every batch the library's decode reads a
 KV larger than the L2 at >= 0.8 of a copy of the same bytes, at `target_ctx(batch)`: ctx 8192,
@@ -140,9 +143,10 @@ class Bench:
         self.h, self.dev, self.reps, self.trials = h, h.device, reps, trials
         self.noise = np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32).astype(np.float16)
 
-    def _time(self, launches) -> float:
+    def _time(self, launches, again: int = 0) -> list[float]:
         """Seconds a launch: `reps` launches cycling over `launches` in one graph, timed by events
-        around each replay (bench/_kernel_bench.median_replay)."""
+        around each replay (bench/_kernel_bench.median_replay); then `again` more figures of the
+        same graph, one after another."""
         dev = self.dev
         launches[0](dev.stream)
         dev.synchronize()
@@ -150,8 +154,8 @@ class Bench:
             for i in range(self.reps):
                 launches[i % len(launches)](cap.stream)
         try:
-            return median_replay(lambda: dev.replay(cap.graph_exec), device_clock(dev),
-                                 self.trials, self.reps)
+            return [median_replay(lambda: dev.replay(cap.graph_exec), device_clock(dev),
+                                  self.trials, self.reps) for _ in range(1 + again)]
         finally:
             dev.destroy_graph_exec(cap.graph_exec)
 
@@ -159,15 +163,16 @@ class Bench:
         h = self.h
         src, dst = h.put(np.zeros(nbytes, np.uint8)), h.put(np.zeros(nbytes, np.uint8))
         be = self.dev.backend
-        t = self._time([lambda s: be.copy_d2d_async(dst, src, nbytes, s)])
+        t = self._time([lambda s: be.copy_d2d_async(dst, src, nbytes, s)])[0]
         h.close()
         return 2 * nbytes / t
 
     def decode(self, batch: int, ctx: int, span: int, table_tokens: int = TABLE,
                build: dict[str, int] | None = None,
                carveout: tuple[int, str] | None = None,
-               library: bool = False) -> tuple[float, int, np.ndarray]:
-        """(seconds per decode, KV bytes read per decode, the last decode's output); `library`:
+               library: bool = False, again: int = 0) -> tuple[float, int, np.ndarray, list[float]]:
+        """(seconds per decode, KV bytes read per decode, the last decode's output, `again` more
+        figures of the same pool's graph timed after the first); `library`:
         the decode as the graph runs it (the one-kernel cluster decode where cluster_decode
         holds), else the split and combine kernels at `span`; `build`: GP_FD_* macros for the
         split kernel, GP_FDC_* (and GP_FD_*) for the cluster kernel; `carveout`:
@@ -210,13 +215,13 @@ class Bench:
         for f in carved:
             dev.set_shared_carveout(f, percent)
         try:
-            t = self._time([one(i) for i in range(layers)])
+            t, *retimed = self._time([one(i) for i in range(layers)], again)
         finally:
             for f in carved:
                 dev.set_shared_carveout(f, -1)
         got = h.get(out, (batch * HEADS * HD,), np.float16)
         h.close()
-        return t, nbytes, got
+        return t, nbytes, got, retimed
 
 
 def parse_args(argv: list[str] | None = None):
@@ -234,6 +239,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--placements", type=int, default=3, metavar="N",
                     help="batch 1's rows: the median over N pools, each allocated and timed "
                     "afresh (a short launch's time moves between pools and over time; default 3)")
+    ap.add_argument("--placement-check", type=int, default=4, metavar="POOLS",
+                    help="[8]: batch 1 at its target row on POOLS fresh pools, each pool's graph "
+                    "timed 3 times in a row: time's spread against placement's (0: skip)")
     ap.add_argument("--profile", default="", metavar="CTX[,CTX]",
                     help="only launch the library's batch-1 decode eagerly at these contexts, 8 "
                     "times each, for ncu (no timing, no limits)")
@@ -376,14 +384,38 @@ def head_order_limits(rows: list[dict], trials: int, sms: int, targets: Targets)
             targets.figure(f"{name}, the decode's fraction", r["GBps"] / gbs, "fraction")
 
 
+def placement_check(b: Bench, targets: Targets, pools: int, again: int = 2) -> None:
+    """[8] where batch 1's spread comes from, at target_ctx(1): `pools` fresh pools one after
+    another, each pool's graph timed 1 + `again` times in a row. The slowest over the fastest
+    within a pool (the widest of the pools) is what time alone moves; across the pools' first
+    figures, what a placement adds. Both recorded."""
+    ctx = target_ctx(1)
+    table = max(TABLE, ctx)
+    span = paged_decode_span(table // BT, BT, 1, HEADS, KVH)
+    print(f"\n[8] batch 1, ctx {ctx}: {pools} fresh pools, each pool's graph timed {1 + again} "
+          f"times in a row")
+    runs = []
+    for p in range(pools):
+        t, _, _, retimed = b.decode(1, ctx, span, table, library=True, again=again)
+        runs.append([t, *retimed])
+        print(f"   pool {p}: " + " ".join(f"{x * 1e6:6.1f}" for x in runs[-1]) + " us", flush=True)
+    within = max(max(r) / min(r) for r in runs)
+    across = max(r[0] for r in runs) / min(r[0] for r in runs)
+    print(f"   slowest / fastest: within a pool up to {within:.3f}, across the pools {across:.3f}")
+    name = decode_name(1, ctx)
+    targets.figure(f"{name}: slowest / fastest of one pool's graph timed {1 + again} times "
+                   f"(the widest of {pools} pools)", within, "ratio")
+    targets.figure(f"{name}: slowest / fastest of {pools} pools' first figures", across, "ratio")
+
+
 def profile(b: Bench, contexts: list[int]) -> None:
     """Eager launches of the library's batch-1 decode (ncu's target): Bench.decode with each
     recorded launch run 8 times on the device's stream instead of captured and timed."""
-    def eager(launches) -> float:
+    def eager(launches, again: int = 0) -> list[float]:
         for i in range(8):
             launches[i % len(launches)](b.dev.stream)
         b.dev.synchronize()
-        return float("nan")
+        return [float("nan")] * (1 + again)
 
     b._time = eager
     for ctx in contexts:
@@ -396,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.placements < 1:
         raise SystemExit(f"--placements {args.placements}: want 1 or more")
+    if args.placement_check < 0:
+        raise SystemExit(f"--placement-check {args.placement_check}: want 0 (skip) or more pools")
     dev, compiler = open_bench_device(args)
     if args.profile:
         profile(Bench(KernelHarness(dev, compiler), 1, 1),
@@ -424,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         library = section == "new" or any(k.startswith("GP_FDC_") for k in build or {})
         times = []
         for _ in range(args.placements if batch == 1 else 1):   # each a fresh pool
-            t, nbytes, got = b.decode(batch, ctx, sp, table, build, carveout, library=library)
+            t, nbytes, got, _ = b.decode(batch, ctx, sp, table, build, carveout, library=library)
             times.append(t)
         t = statistics.median(times)
         if section == "new":
@@ -510,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
                 new = next(r for r in rows if r["section"] == "new" and r["batch"] == batch
                            and r["ctx"] == ctx)
                 print(f"{'':>8} carveout / library time {other['us'] / new['us']:.2f}")
+    if args.placement_check:
+        placement_check(b, targets, args.placement_check)
     same = same_bytes_limits(rows, args.trials, limits.copy_gbs) if limits else {}
     if not same:
         print("\n[6] no copy of the same bytes (no torch): the target is on the 1 GiB copy")

@@ -216,3 +216,23 @@ def test_placements_default_to_three_and_fewer_than_one_is_refused():
     assert dab.parse_args([]).placements == 3
     with pytest.raises(SystemExit, match="--placements 0: want 1 or more"):
         dab.main(["--placements", "0"])
+
+
+def test_the_placement_check_records_times_spread_within_a_pool_and_across_pools(tmp_path):
+    runs = iter([(30e-6, [30.3e-6, 29.7e-6]), (31.8e-6, [31.5e-6, 31.8e-6])])
+
+    class Scripted:
+        def decode(self, batch, ctx, span, table, library=False, again=0):
+            assert (batch, ctx, library, again) == (1, dab.target_ctx(1), True, 2)
+            first, retimed = next(runs)
+            return first, dab.kv_bytes(batch, ctx), None, retimed
+    t = Targets("decode_attention_bench",
+                record=Recorder("decode_attention_bench", tmp_path, device="test-gpu", argv=ARGV))
+    dab.placement_check(Scripted(), t, pools=2)
+    lines = {json.loads(x)["metric"]: json.loads(x)
+             for x in (tmp_path / "test-gpu.jsonl").read_text().splitlines()}
+    name = f"paged decode batch 1, {dab.target_ctx(1)} keys"
+    within = lines[f"{name}: slowest / fastest of one pool's graph timed 3 times (the widest of 2 pools)"]
+    across = lines[f"{name}: slowest / fastest of 2 pools' first figures"]
+    assert within["value"] == pytest.approx(30.3 / 29.7) and within["target"] is None
+    assert across["value"] == pytest.approx(31.8 / 30.0)
