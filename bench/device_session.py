@@ -85,12 +85,12 @@ PLAN: tuple[Run, ...] = (
     Run("host_step@64 interval 4", "batching_bench.py", (*HOST_STEP, "--stream-interval", "4"),
         70, None, 70, "the same with 4 tokens a message after each stream's first"),
     Run("decode_builds", "decode_attention_bench.py",
-        ("--reps", "10", "--trials", "3", "--no-sweep", "--build", "pair=GP_FDC_PAIR:1",
-         "--build", "pair4=GP_FDC_PAIR:1,GP_FDC_WARPS:4,GP_FDC_RING:4",
-         "--build", "qk2=GP_FD_QK_CHAINS:2,GP_FDC_RING:2",
-         "--build", "pairqk2=GP_FDC_PAIR:1,GP_FD_QK_CHAINS:2"), 80, None, 80,
-        "two tiles a softmax step and two S^T chains against the library (35 s for two builds "
-        "on the H100, 2026-12-07)"),
+        ("--reps", "10", "--trials", "5", "--no-sweep", "--build", "pair=GP_FDC_PAIR:1",
+         "--build", "w6r3=GP_FDC_WARPS:6,GP_FDC_RING:3",
+         "--build", "w10r2=GP_FDC_WARPS:10,GP_FDC_RING:2"), 90, None, 90,
+        "two tiles a softmax step and deeper rings (6 warps x 3 slots, 10 x 2) against the "
+        "library, batch 1 over three placements, and the placement check (25 s for three "
+        "builds at one placement on the H100, 2026-12-07)"),
     # The open loop (issue 23's TTFT target: Poisson arrivals at 2 req/s, ~0.4x the worker's
     # measured 32-stream rate; 80 requests, 31 s of arrivals plus the drain, each side) rides in
     # the first run, sharing its worker start, model load and peer build (~100 s more). To keep

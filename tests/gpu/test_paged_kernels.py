@@ -222,10 +222,12 @@ def test_the_cluster_decodes_ring_of_bulk_copies_gives_the_bits_of_its_loads(har
                                      {"GP_FDC_WARPS": 4, "GP_FDC_RING": 4, "GP_FDC_TMA": 1,
                                       "GP_FDC_PAIR": 1},
                                      {"GP_FDC_WARPS": 8, "GP_FDC_RING": 2, "GP_FDC_TMA": 1,
-                                      "GP_FDC_PAIR": 1, "GP_FD_QK_CHAINS": 2}],
+                                      "GP_FDC_PAIR": 1, "GP_FD_QK_CHAINS": 2},
+                                     {"GP_FDC_WARPS": 6, "GP_FDC_RING": 3, "GP_FDC_TMA": 1},
+                                     {"GP_FDC_WARPS": 10, "GP_FDC_RING": 2, "GP_FDC_TMA": 1}],
                          ids=["16 warps, ring 1", "8 warps, ring 2 (the library's)",
                               "8 warps, ring 2, tile pairs", "4 warps, ring 4, tile pairs",
-                              "tile pairs, two S chains"])
+                              "tile pairs, two S chains", "6 warps, ring 3", "10 warps, ring 2"])
 def test_the_cluster_decodes_ring_by_the_tma_unit_matches_the_oracle(harness, params, defines) -> None:
     """GP_FDC_TMA fills the ring from the pool's 5-D tensor map, a 16-key tile as 64-dim boxes
     (the newest key's tile after the dependent-launch wait), and reads its own dims order: the

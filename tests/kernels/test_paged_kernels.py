@@ -335,6 +335,22 @@ def test_a_tile_pair_build_keeps_its_second_tile_in_registers_without_a_spill(de
                                     GP_FDC_TMA=int(ring > 0))
 
 
+@pytest.mark.parametrize("warps,ring", [(6, 3), (10, 2)])
+def test_a_deeper_ring_build_fits_one_sm_without_a_spill(warps, ring) -> None:
+    """More of a CTA's tiles in flight than the library's 8 warps x 2 (6 warps x 3 slots, 10 x
+    2): no spill, the warps' registers within an SM's 64 K, the ring and the static shared memory
+    within a block's 227 KiB; 12 warps x 2 slots is refused (the ring would not fit)."""
+    log = _log(pa.decode_cluster_build(GP_FDC_WARPS=warps, GP_FDC_RING=ring).kernel.source)
+    section = log.split("Compiling entry function 'gp_flash_decode_paged_cluster'")[1] \
+        .split("Compile time")[0]
+    used = int(re.search(r"Used (\d+) registers", section).group(1))
+    static = int(re.search(r"(\d+) bytes smem", section).group(1))
+    assert "0 bytes spill stores" in section and used * 32 * warps <= 64 << 10, section
+    assert static + pa.cluster_decode_ring_bytes(warps, ring, 128, True) <= 227 << 10
+    with pytest.raises(InvalidArgument, match="shared memory"):
+        pa.decode_cluster_build(GP_FDC_WARPS=12, GP_FDC_RING=2)
+
+
 def test_the_cluster_decode_looks_a_tiles_rows_up_once() -> None:
     """The loads build of the cluster kernel (GP_FDC_TILE_ROWS=1) reads the block table once a
     16-key tile, not once a row: fewer 4-byte global loads in the code the GPU runs than the build
