@@ -89,12 +89,14 @@ def test_an_async_consumer_is_woken_once_an_interval_fills_not_for_each_token():
         original = buffer._wake_on_loop
         buffer._wake_on_loop = lambda: (wakes.append(1), original())[1]
         got: list[list[int]] = []
+        first = threading.Event()   # the first take happened: the first token went alone
 
         async def consume():
             while True:
                 taken = await buffer.take()
                 if taken.tokens:
                     got.append(taken.tokens)
+                    first.set()
                 if taken.ended:
                     return
 
@@ -102,9 +104,11 @@ def test_an_async_consumer_is_woken_once_an_interval_fills_not_for_each_token():
         await asyncio.sleep(0)
 
         def produce():
-            for token in range(10):
+            buffer.put(0)
+            first.wait(10)          # a loaded machine may wake the loop late: wait, not sleep
+            for token in range(1, 10):
                 buffer.put(token)
-                time.sleep(0.002)   # the consumer is parked before each put
+                time.sleep(0.002)   # the consumer is parked before each put, mostly
             buffer.put(END)
 
         await loop.run_in_executor(None, produce)
